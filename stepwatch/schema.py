@@ -1,0 +1,437 @@
+"""Wire contract v1 (DESIGN §4) as code.
+
+Every telemetry message on Kafka carries one batch of rows of one kind (``steps``, ``topology``,
+``host``, ``gc``, ``comm``; the processor itself writes ``alerts`` and ``deadletter``). A message is
+either an Arrow IPC stream (``content-type: application/vnd.apache.arrow.stream``) or a JSON array of
+row objects (``application/json``), with a ``schema`` header such as ``steps/1``.
+
+Units: times are UTC nanoseconds (``timestamp[ns, tz=UTC]``), durations float64 milliseconds,
+sizes bytes.
+
+:func:`decode` turns a payload into a table conformed to the v1 schema (unknown extra columns kept,
+missing nullable columns filled with nulls) and splits it into valid rows and rejected rows, each
+rejection naming the field and the value. Everything is columnar (pyarrow compute); nothing loops
+per row except to format the (few) rejection messages.
+"""
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime, timezone
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+ARROW_CT = "application/vnd.apache.arrow.stream"
+JSON_CT = "application/json"
+EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+VERSION = 1
+
+TS = pa.timestamp("ns", tz="UTC")
+F64 = pa.float64()
+
+STEPS = pa.schema([
+    pa.field("job", pa.string(), nullable=False),
+    pa.field("node", pa.string(), nullable=False),
+    pa.field("rank", pa.int32(), nullable=False),
+    pa.field("step", pa.int64(), nullable=False),
+    pa.field("t_start", TS),
+    pa.field("t_end", TS, nullable=False),
+    pa.field("step_ms", F64, nullable=False),
+    pa.field("data_ms", F64),
+    pa.field("compute_ms", F64),
+    pa.field("comm_ms", F64),
+    pa.field("comm_wait_ms", F64),
+    pa.field("gc_ms", F64),
+    pa.field("gc_count", pa.int32()),
+    pa.field("samples", pa.int64()),
+    pa.field("tokens", pa.int64()),
+    pa.field("phases", pa.map_(pa.string(), F64)),
+    pa.field("data_queue", pa.int32()),
+])
+
+TOPOLOGY = pa.schema([
+    pa.field("job", pa.string(), nullable=False),
+    pa.field("rank", pa.int32(), nullable=False),
+    pa.field("node", pa.string(), nullable=False),
+    pa.field("world_size", pa.int32(), nullable=False),
+    pa.field("device", pa.string()),
+    pa.field("dp", pa.int32()),
+    pa.field("tp", pa.int32()),
+    pa.field("pp", pa.int32()),
+    pa.field("ep", pa.int32()),
+    pa.field("cp", pa.int32()),
+    pa.field("framework", pa.string()),
+    pa.field("agent_version", pa.string()),
+    pa.field("device_type", pa.string()),
+    pa.field("dtype", pa.string()),
+    pa.field("model_flops_per_token", F64),
+])
+
+TOP_PROC = pa.struct([("pid", pa.int64()), ("name", pa.string()), ("cpu_pct", F64)])
+ACCEL = pa.struct([("index", pa.int32()), ("util", F64), ("mem_used", pa.int64()),
+                   ("temp_c", F64), ("power_w", F64), ("clock_mhz", F64)])
+
+HOST = pa.schema([
+    pa.field("job", pa.string(), nullable=False),
+    pa.field("node", pa.string(), nullable=False),
+    pa.field("t", TS, nullable=False),
+    pa.field("cpu_util", F64),
+    pa.field("cpu_iowait", F64),
+    pa.field("cpu_steal", F64),
+    pa.field("load1", F64),
+    pa.field("mem_used", pa.int64()),
+    pa.field("mem_available", pa.int64()),
+    pa.field("disk_read_bps", F64),
+    pa.field("disk_write_bps", F64),
+    pa.field("net_rx_bps", F64),
+    pa.field("net_tx_bps", F64),
+    pa.field("rdma_retrans", pa.int64()),
+    pa.field("top_procs", pa.list_(TOP_PROC)),
+    pa.field("accel", pa.list_(ACCEL)),
+])
+
+GC = pa.schema([
+    pa.field("job", pa.string(), nullable=False),
+    pa.field("node", pa.string(), nullable=False),
+    pa.field("rank", pa.int32(), nullable=False),
+    pa.field("t", TS, nullable=False),
+    pa.field("generation", pa.int32()),
+    pa.field("duration_ms", F64, nullable=False),
+    pa.field("collected", pa.int64()),
+    pa.field("uncollectable", pa.int64()),
+])
+
+COMM = pa.schema([
+    pa.field("job", pa.string(), nullable=False),
+    pa.field("node", pa.string(), nullable=False),
+    pa.field("rank", pa.int32(), nullable=False),
+    pa.field("step", pa.int64(), nullable=False),
+    pa.field("op", pa.string(), nullable=False),
+    pa.field("group", pa.string()),
+    pa.field("count", pa.int64()),
+    pa.field("bytes", pa.int64()),
+    pa.field("time_ms", F64),
+    pa.field("wait_ms", F64),
+])
+
+ALERTS = pa.schema([
+    pa.field("alert_id", pa.string(), nullable=False),
+    pa.field("job", pa.string(), nullable=False),
+    pa.field("kind", pa.string(), nullable=False),
+    pa.field("severity", pa.string()),
+    pa.field("status", pa.string(), nullable=False),
+    pa.field("t_detected", TS),
+    pa.field("step_first", pa.int64()),
+    pa.field("step_detected", pa.int64()),
+    pa.field("ranks", pa.list_(pa.int32())),
+    pa.field("nodes", pa.list_(pa.string())),
+    pa.field("cause", pa.string()),
+    pa.field("evidence", pa.string()),
+    pa.field("cost_pct", F64),
+    pa.field("suggestion", pa.string()),
+])
+
+DEADLETTER = pa.schema([
+    pa.field("job", pa.string()),           # partition key: the job if it could be read, else "_unknown"
+    pa.field("t_received", TS, nullable=False),
+    pa.field("topic", pa.string()),
+    pa.field("partition", pa.int32()),
+    pa.field("offset", pa.int64()),
+    pa.field("schema", pa.string()),
+    pa.field("row", pa.int64()),            # row index inside the message, null if the whole message
+    pa.field("reason", pa.string(), nullable=False),
+    pa.field("payload", pa.binary()),       # raw message (whole-message errors) or the row as JSON
+])
+
+SCHEMAS: dict[str, pa.Schema] = {
+    "steps": STEPS, "topology": TOPOLOGY, "host": HOST, "gc": GC, "comm": COMM,
+    "alerts": ALERTS, "deadletter": DEADLETTER,
+}
+#: Kinds a producer may send (telemetry); alerts/deadletter are written by the processor.
+TELEMETRY = ("steps", "topology", "host", "gc", "comm")
+
+#: Natural key of each table: a row with the same key is the same fact (deduplicated).
+NATURAL_KEYS: dict[str, tuple[str, ...]] = {
+    "steps": ("job", "rank", "step"),
+    "topology": ("job", "rank"),
+    "host": ("job", "node", "t"),
+    "gc": ("job", "rank", "t"),
+    "comm": ("job", "rank", "step", "op", "group"),
+    "alerts": ("alert_id", "status"),
+}
+
+#: Columns that are durations (ms) or sizes: finite and >= 0 when present.
+NONNEGATIVE: dict[str, tuple[str, ...]] = {
+    "steps": ("step_ms", "data_ms", "compute_ms", "comm_ms", "comm_wait_ms", "gc_ms", "gc_count",
+              "samples", "tokens", "rank", "step", "data_queue"),
+    "topology": ("rank", "world_size", "dp", "tp", "pp", "ep", "cp", "model_flops_per_token"),
+    "host": ("cpu_util", "cpu_iowait", "cpu_steal", "load1", "mem_used", "mem_available",
+             "disk_read_bps", "disk_write_bps", "net_rx_bps", "net_tx_bps", "rdma_retrans"),
+    "gc": ("rank", "duration_ms", "collected", "uncollectable", "generation"),
+    "comm": ("rank", "step", "count", "bytes", "time_ms", "wait_ms"),
+}
+
+#: Job ids become directory names (``job=<id>``): keep them to a safe alphabet.
+JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$")
+JOB_PATTERN = JOB_RE.pattern
+
+
+class WireError(ValueError):
+    """A whole message cannot be used (undecodable, wrong schema header, missing required column)."""
+
+
+@dataclass
+class Decoded:
+    """Result of decoding one message."""
+
+    kind: str
+    table: pa.Table                 # valid rows, conformed to the v1 schema (+ extra columns)
+    rejected: list[tuple[int, str]]  # (row index in the message, reason naming field and value)
+    rejected_rows: pa.Table | None = None
+
+
+def parse_schema_header(value: str | bytes | None) -> tuple[str, int]:
+    """``"steps/1"`` -> ``("steps", 1)``; raises WireError naming the value."""
+    if value is None:
+        raise WireError("missing 'schema' header (expected e.g. 'steps/1')")
+    s = value.decode("utf-8", "replace") if isinstance(value, (bytes, bytearray)) else str(value)
+    kind, _, ver = s.partition("/")
+    if kind not in TELEMETRY:
+        raise WireError(f"unknown schema {s!r} in 'schema' header (expected one of "
+                        f"{', '.join(k + '/1' for k in TELEMETRY)})")
+    try:
+        v = int(ver)
+    except ValueError:
+        raise WireError(f"bad schema version in 'schema' header {s!r}") from None
+    if v != VERSION:
+        raise WireError(f"unsupported schema version {s!r} (this processor reads v{VERSION})")
+    return kind, v
+
+
+# --------------------------------------------------------------------------- encode
+
+def encode_arrow(table: pa.Table | pa.RecordBatch, compression: str | None = "zstd") -> bytes:
+    """One Arrow IPC stream holding the rows (buffers zstd-compressed by default)."""
+    if isinstance(table, pa.Table):
+        table = table.combine_chunks()
+        batches = table.to_batches()
+    else:
+        batches = [table]
+    sink = pa.BufferOutputStream()
+    opts = pa.ipc.IpcWriteOptions(compression=compression)
+    with pa.ipc.new_stream(sink, batches[0].schema if batches else table.schema, options=opts) as w:
+        for b in batches:
+            w.write_batch(b)
+    return sink.getvalue().to_pybytes()
+
+
+def _json_default(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if hasattr(o, "isoformat"):
+        return o.isoformat()
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def encode_json(rows: list[dict]) -> bytes:
+    """A JSON array of row objects. Timestamps may be int ns since epoch or ISO-8601 strings."""
+    return json.dumps(rows, default=_json_default, separators=(",", ":")).encode()
+
+
+def headers(kind: str, content_type: str = ARROW_CT) -> list[tuple[str, bytes]]:
+    return [("content-type", content_type.encode()), ("schema", f"{kind}/{VERSION}".encode())]
+
+
+# --------------------------------------------------------------------------- decode
+
+def _read_arrow(payload: bytes) -> pa.Table:
+    try:
+        with pa.ipc.open_stream(pa.py_buffer(payload)) as r:
+            return r.read_all()
+    except Exception as e:  # noqa: BLE001 - any decoder failure is a bad message
+        raise WireError(f"undecodable Arrow IPC stream: {e}") from None
+
+
+def _json_column(values: list, field: pa.Field) -> pa.Array:
+    t = field.type
+    if pa.types.is_timestamp(t):
+        out = []
+        for v in values:
+            if v is None:
+                out.append(None)
+            elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                out.append(int(v))
+            elif isinstance(v, str):
+                try:
+                    d = datetime.fromisoformat(v.replace("Z", "+00:00"))
+                except ValueError:
+                    raise WireError(f"field '{field.name}': cannot read {v!r} as a time "
+                                    "(int ns since epoch or ISO-8601)") from None
+                if d.tzinfo is None:
+                    d = d.replace(tzinfo=timezone.utc)
+                delta = d - EPOCH
+                out.append((delta.days * 86400 + delta.seconds) * 1_000_000_000 + delta.microseconds * 1000)
+            else:
+                raise WireError(f"field '{field.name}': cannot read {v!r} as a time "
+                                "(int ns since epoch or ISO-8601)")
+        return pa.array(out, pa.int64()).cast(t)
+    if t == F64:
+        vals = [float("nan") if v == "NaN" else v for v in values]
+        try:
+            return pa.array(vals, F64, from_pandas=False)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError):
+            bad = next(v for v in vals if v is not None and not isinstance(v, (int, float)))
+            raise WireError(f"field '{field.name}': value {bad!r} is not a number") from None
+    try:
+        return pa.array(values, t)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as e:
+        raise WireError(f"field '{field.name}': {e}") from None
+
+
+def _read_json(payload: bytes, schema: pa.Schema) -> pa.Table:
+    try:
+        rows = json.loads(payload)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise WireError(f"undecodable JSON: {e}") from None
+    if isinstance(rows, dict):
+        rows = [rows]
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise WireError("JSON payload must be an array of row objects")
+    names = list(dict.fromkeys(k for r in rows for k in r))
+    cols, fields = [], []
+    for name in names:
+        values = [r.get(name) for r in rows]
+        idx = schema.get_field_index(name)
+        if idx >= 0:
+            arr = _json_column(values, schema.field(idx))
+            fields.append(schema.field(idx).with_nullable(True))
+        else:
+            try:
+                arr = pa.array(values)
+            except Exception:
+                arr = pa.array([json.dumps(v) for v in values], pa.string())
+            fields.append(pa.field(name, arr.type))
+        cols.append(arr)
+    return pa.Table.from_arrays(cols, schema=pa.schema(fields)) if cols else schema.empty_table()
+
+
+def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """Cast known columns to their v1 type, add missing ones as nulls, keep unknown extras last.
+
+    Raises WireError naming the field when a column cannot be cast or a required one is missing.
+    """
+    cols, fields = [], []
+    n = table.num_rows
+    present = set(table.column_names)
+    for f in schema:
+        if f.name in present:
+            col = table.column(f.name)
+            if col.type != f.type:
+                try:
+                    col = col.cast(f.type)
+                except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
+                    raise WireError(f"field '{f.name}': cannot read {col.type} as {f.type} ({e})") from None
+        elif not f.nullable:
+            raise WireError(f"required field '{f.name}' is missing")
+        else:
+            col = pa.nulls(n, f.type)
+        cols.append(col)
+        fields.append(f.with_nullable(True))
+    for name in table.column_names:
+        if schema.get_field_index(name) < 0:
+            cols.append(table.column(name))
+            fields.append(table.schema.field(name))
+    return pa.Table.from_arrays(cols, schema=pa.schema(fields))
+
+
+def _row_checks(kind: str, table: pa.Table) -> list[tuple[str, pa.Array]]:
+    """(field, boolean mask of bad rows) for every rule; masks are plain bool arrays (no nulls)."""
+    schema = SCHEMAS[kind]
+    checks: list[tuple[str, pa.Array]] = []
+    for f in schema:
+        if not f.nullable:
+            checks.append((f.name, pc.is_null(table.column(f.name))))
+    for name in NONNEGATIVE.get(kind, ()):
+        col = table.column(name)
+        if pa.types.is_floating(col.type):
+            bad = pc.or_kleene(pc.invert(pc.is_finite(col)), pc.less(col, 0.0))
+        else:
+            bad = pc.less(col, 0)
+        checks.append((name, pc.fill_null(bad, False)))
+    job = table.column("job")
+    checks.append(("job", pc.fill_null(pc.invert(pc.match_substring_regex(job, JOB_PATTERN)), False)))
+    if "node" in table.column_names and schema.get_field_index("node") >= 0:
+        node = table.column("node")
+        checks.append(("node", pc.fill_null(pc.equal(pc.utf8_length(node), 0), False)))
+    if kind == "steps":
+        ts, te = table.column("t_start"), table.column("t_end")
+        checks.append(("t_start", pc.fill_null(pc.greater(ts, te), False)))
+    if kind == "topology":
+        checks.append(("rank", pc.fill_null(pc.greater_equal(table.column("rank"),
+                                                             table.column("world_size")), False)))
+    return checks
+
+
+def validate(kind: str, table: pa.Table) -> tuple[pa.Table, list[tuple[int, str]], pa.Table | None]:
+    """Split a conformed table into (valid rows, [(row, reason)], rejected rows)."""
+    checks = _row_checks(kind, table)
+    if table.num_rows == 0 or not checks:
+        return table, [], None
+    any_bad = checks[0][1]
+    for _, m in checks[1:]:
+        any_bad = pc.or_(any_bad, m)
+    if not pc.any(any_bad).as_py():
+        return table, [], None
+    bad_idx = np.flatnonzero(any_bad.to_numpy(zero_copy_only=False))
+    rejected = []
+    masks = [(name, m.to_numpy(zero_copy_only=False)) for name, m in checks]
+    for i in bad_idx:
+        reasons = []
+        for name, m in masks:
+            if m[i]:
+                v = table.column(name)[int(i)].as_py()
+                if name == "job" and v is not None:
+                    reasons.append(f"field 'job': invalid job id {v!r} (must match {JOB_PATTERN})")
+                elif name == "t_start":
+                    reasons.append(f"field 't_start': {v} is after t_end")
+                elif name == "rank" and kind == "topology" and v is not None and v >= 0:
+                    ws = table.column("world_size")[int(i)].as_py()
+                    reasons.append(f"field 'rank': {v} is not below world_size {ws}")
+                elif v is None:
+                    reasons.append(f"field '{name}': required but null")
+                else:
+                    reasons.append(f"field '{name}': invalid value {v!r} (must be finite and >= 0)")
+        rejected.append((int(i), "; ".join(dict.fromkeys(reasons))))
+    good = table.filter(pc.invert(any_bad))
+    return good, rejected, table.take(pa.array(bad_idx))
+
+
+def decode(payload: bytes, content_type: str | bytes | None, schema_header: str | bytes | None) -> Decoded:
+    """Decode one message into valid rows and per-row rejections.
+
+    Raises WireError (with a reason naming the field/value) when the whole message is unusable.
+    """
+    kind, _ = parse_schema_header(schema_header)
+    ct = content_type.decode() if isinstance(content_type, (bytes, bytearray)) else content_type
+    ct = (ct or ARROW_CT).split(";")[0].strip()
+    schema = SCHEMAS[kind]
+    if payload is None:
+        raise WireError("empty message (no value)")
+    if ct == ARROW_CT:
+        raw = _read_arrow(payload)
+    elif ct == JSON_CT:
+        raw = _read_json(payload, schema)
+    else:
+        raise WireError(f"unsupported content-type {ct!r} (use {ARROW_CT} or {JSON_CT})")
+    table = conform(raw, schema)
+    good, rejected, bad_rows = validate(kind, table)
+    return Decoded(kind, good, rejected, bad_rows)
+
+
+def empty(kind: str) -> pa.Table:
+    return SCHEMAS[kind].empty_table()

@@ -1,0 +1,218 @@
+"""Step alignment across the ranks of one job, on columns.
+
+``JobState`` keeps a ring of the last ``capacity`` steps x ``world_size`` ranks (float64 per phase,
+NaN = not reported). A batch of step rows (Arrow) is scattered into it with numpy in one go; the
+ring doubles as the deduplication index for the natural key ``(job, rank, step)``. A step *closes*
+when every rank of the topology reported it, or when the job's event time (latest ``t_end`` seen)
+has moved ``lateness_ns`` past it, or when the ring needs the room; closed steps are handed to the
+detectors in order as a :class:`~stepwatch.detectors.base.StepBlock`.
+
+Memory: 6 float64 planes + 1 bool plane x capacity x ranks, e.g. 16,384 ranks x 128 steps ≈ 103 MB.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from stepwatch.detectors.base import JobContext, StepBlock
+
+FIELDS = ("step_ms", "data_ms", "compute_ms", "comm_ms", "comm_wait_ms", "gc_ms")
+
+
+@dataclass
+class IngestResult:
+    keep: np.ndarray          # bool per input row: store it (not a duplicate, valid rank)
+    duplicates: int
+    bad_rank: np.ndarray      # indices of rows whose rank is outside the topology
+    late: int                 # rows older than the ring (stored, not aligned)
+
+
+class JobState:
+    def __init__(self, job: str, world_size: int = 0, capacity: int = 128, lateness_ns: int = 10_000_000_000):
+        self.job = job
+        self.capacity = capacity
+        self.lateness_ns = lateness_ns
+        self.topology_known = False
+        self.world_size = 0
+        self.nodes = np.empty(0, dtype=object)
+        self.stage = np.empty(0, dtype=np.int32)
+        self.planes = {f: np.empty((capacity, 0)) for f in FIELDS}
+        self.filled = np.zeros((capacity, 0), dtype=bool)
+        self.count = np.zeros(capacity, dtype=np.int64)
+        self.t_end = np.zeros(capacity, dtype=np.int64)
+        self.slot_step = np.full(capacity, -1, dtype=np.int64)   # which step a slot holds
+        self.lo = None            # lowest step kept in the ring
+        self.next_close = None    # first step not yet closed
+        self.max_step = -1
+        self.max_t_end = 0
+        if world_size:
+            self._resize(world_size)
+
+    # ------------------------------------------------------------------ topology
+    def _resize(self, n: int) -> None:
+        old = self.world_size
+        if n <= old:
+            return
+        for f in FIELDS:
+            p = np.full((self.capacity, n), np.nan)
+            p[:, :old] = self.planes[f]
+            self.planes[f] = p
+        fl = np.zeros((self.capacity, n), dtype=bool)
+        fl[:, :old] = self.filled
+        self.filled = fl
+        nodes = np.full(n, "", dtype=object)
+        nodes[:old] = self.nodes
+        self.nodes = nodes
+        st = np.zeros(n, dtype=np.int32)
+        st[:old] = self.stage
+        self.stage = st
+        self.world_size = n
+
+    def set_topology(self, topo: pa.Table) -> None:
+        """Apply topology rows (job, rank, node, world_size, pp …) of this job."""
+        ws = int(np.max(topo.column("world_size").to_numpy(zero_copy_only=False)))
+        self._resize(ws)
+        ranks = topo.column("rank").to_numpy(zero_copy_only=False).astype(np.int64)
+        ok = (ranks >= 0) & (ranks < self.world_size)
+        ranks = ranks[ok]
+        self.nodes[ranks] = np.asarray(topo.column("node").to_pylist(), dtype=object)[ok]
+        pp = topo.column("pp").to_numpy(zero_copy_only=False)
+        pp = np.where(np.isnan(pp.astype(float)), 0, pp).astype(np.int32) if len(pp) else pp
+        self.stage[ranks] = pp[ok]
+        self.topology_known = True
+
+    def context(self) -> JobContext:
+        return JobContext(self.job, self.world_size, self.nodes, self.stage)
+
+    # ------------------------------------------------------------------ ingest
+    def ingest(self, t: pa.Table) -> tuple[IngestResult, list[StepBlock]]:
+        """Scatter a batch of step rows; returns which rows to store and the steps that closed."""
+        n = t.num_rows
+        rank = t.column("rank").to_numpy(zero_copy_only=False).astype(np.int64)
+        step = t.column("step").to_numpy(zero_copy_only=False).astype(np.int64)
+        keep = np.ones(n, dtype=bool)
+        blocks: list[StepBlock] = []
+        if n == 0:
+            return IngestResult(keep, 0, np.empty(0, np.int64), 0), blocks
+        if self.topology_known:
+            bad = np.flatnonzero(rank >= self.world_size)
+            keep[bad] = False
+        else:
+            bad = np.empty(0, np.int64)
+            self._resize(int(rank.max()) + 1)
+            nodes = t.column("node")
+            unknown = np.flatnonzero(self.nodes[rank] == "")
+            if len(unknown):
+                self.nodes[rank[unknown]] = np.asarray(nodes.take(pa.array(unknown)).to_pylist(), dtype=object)
+        t_end = t.column("t_end").cast(pa.int64()).to_numpy(zero_copy_only=False)
+        if self.lo is None:
+            self.lo = int(step[keep].min()) if keep.any() else 0
+            self.next_close = self.lo
+        # make room: steps beyond the ring force-close the oldest
+        top = int(step[keep].max()) if keep.any() else self.max_step
+        if top >= self.lo + self.capacity:
+            new_lo = top - self.capacity + 1
+            if new_lo > self.next_close:
+                blocks += self._close_upto(new_lo)
+            self._evict_below(new_lo)
+        late = keep & (step < self.lo)
+        n_late = int(late.sum())
+        inwin = keep & ~late
+        idx = np.flatnonzero(inwin)
+        s = step[idx]
+        r = rank[idx]
+        slot = s % self.capacity
+        # duplicates: already in the ring, or repeated inside this batch
+        dup = self.filled[slot, r]
+        lin = slot * self.world_size + r
+        _, first = np.unique(lin, return_index=True)
+        once = np.zeros(len(idx), dtype=bool)
+        once[first] = True
+        dup |= ~once
+        n_dup = int(dup.sum())
+        keep[idx[dup]] = False
+        idx, s, r, slot = idx[~dup], s[~dup], r[~dup], slot[~dup]
+        # rows for steps already closed (arrived after the lateness bound) are stored but not re-aligned
+        if self.next_close is not None:
+            open_ = s >= self.next_close
+        else:
+            open_ = np.ones(len(s), dtype=bool)
+        # a slot reused for a newer step: reset (only happens for slots evicted above)
+        self.slot_step[slot[open_]] = s[open_]
+        for f in FIELDS:
+            col = t.column(f)
+            v = col.to_numpy(zero_copy_only=False).astype(np.float64) if col.null_count < len(col) else None
+            if v is None:
+                continue
+            self.planes[f][slot, r] = v[idx]
+        self.filled[slot, r] = True
+        self.count += np.bincount(slot[open_], minlength=self.capacity)
+        np.maximum.at(self.t_end, slot, t_end[idx])
+        if len(s):
+            self.max_step = max(self.max_step, int(s.max()))
+            self.max_t_end = max(self.max_t_end, int(t_end[idx].max()))
+        blocks += self.close_ready()
+        return IngestResult(keep, n_dup, bad, n_late), blocks
+
+    # ------------------------------------------------------------------ closing
+    def _evict_below(self, new_lo: int) -> None:
+        for st in range(self.lo, min(new_lo, self.lo + self.capacity)):
+            sl = st % self.capacity
+            for f in FIELDS:
+                self.planes[f][sl].fill(np.nan)
+            self.filled[sl].fill(False)
+            self.count[sl] = 0
+            self.t_end[sl] = 0
+            self.slot_step[sl] = -1
+        self.lo = new_lo
+
+    def _block(self, a: int, b: int) -> StepBlock | None:
+        """Steps [a, b) as a block, skipping steps nobody reported."""
+        steps = np.arange(a, b, dtype=np.int64)
+        slots = steps % self.capacity
+        present = self.count[slots] > 0
+        if not present.any():
+            return None
+        steps, slots = steps[present], slots[present]
+        p = {f: self.planes[f][slots] for f in FIELDS}
+        return StepBlock(steps=steps, t_end=self.t_end[slots].copy(), **p)
+
+    def _close_upto(self, b: int) -> list[StepBlock]:
+        a = self.next_close
+        if b <= a:
+            return []
+        self.next_close = b
+        blk = self._block(a, min(b, self.lo + self.capacity))
+        return [blk] if blk is not None else []
+
+    def close_ready(self, now_event_ns: int | None = None, force: bool = False) -> list[StepBlock]:
+        """Close, in order, steps that are complete or past the lateness bound."""
+        if self.lo is None or self.max_step < self.next_close:
+            return []
+        horizon = (now_event_ns if now_event_ns is not None else self.max_t_end) - self.lateness_ns
+        s = self.next_close
+        end = self.max_step + 1
+        steps = np.arange(s, end, dtype=np.int64)
+        slots = steps % self.capacity
+        cnt = self.count[slots]
+        complete = cnt >= self.world_size
+        if force:
+            closable = np.ones(len(steps), dtype=bool)
+        else:
+            past = (cnt > 0) & (self.t_end[slots] <= horizon)
+            # an empty step (a gap in numbering) closes once a later step is complete or late
+            later_done = np.flip(np.logical_or.accumulate(np.flip(complete | past)))
+            closable = complete | past | ((cnt == 0) & later_done)
+        if closable.all():
+            k = len(steps)
+        else:
+            k = int(np.argmin(closable))
+        if k == 0:
+            return []
+        return self._close_upto(s + k)
+
+    # ------------------------------------------------------------------ state
+    def open_steps(self) -> int:
+        return 0 if self.lo is None else max(0, self.max_step + 1 - self.next_close)

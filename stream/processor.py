@@ -1,0 +1,415 @@
+"""The stream processor: Kafka consumer group -> decode -> align -> detect -> Parquet, alerts.
+
+Lifecycle of one message: poll -> skip if the store's marker lists it as done -> decode and validate
+(whole-message errors and bad rows go to the deadletter topic and table with a reason) -> buffer the
+valid rows per table; steps are also scattered into their job's alignment ring, which drops
+duplicates by natural key and closes steps for the detectors. Every ``flush_interval_s`` (or when
+``max_buffer_rows`` are buffered) the buffers are written to the store in one atomic flush, the
+partition markers advanced and only then the offsets committed to Kafka (at-least-once delivery,
+exactly-once in the store; see :mod:`stepwatch.storage.store`).
+
+A job's detector state is rebuilt from the store the first time this processor sees the job (after
+a restart or a partition move): its topology, the last window of steps and the alerts already
+stored, so a straggler in progress is not forgotten and an alert is not sent twice.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from stepwatch import schema as wire
+from stepwatch.detectors.base import Alert, StepBlock
+from stepwatch.storage.store import Marker, ParquetStore
+from stepwatch.storage.views import connect as views_connect
+from stepwatch.stream.align import JobState
+from stepwatch.stream.kafkaio import KafkaSettings, ensure_topics, make_consumer, make_producer
+from stepwatch.stream.metrics import ProcessorMetrics
+
+log = logging.getLogger("stepwatch.processor")
+
+INPUT_TOPICS = ("topology", "steps", "host", "gc", "comm")
+
+
+def _build_detectors(settings):
+    from stepwatch.detectors.registry import build
+    return build(settings)
+
+
+@dataclass
+class JobRuntime:
+    state: JobState
+    detectors: list
+    alerts_seen: set = field(default_factory=set)     # (alert_id, status) already emitted/stored
+    replaying: bool = False
+
+
+@dataclass
+class PartitionProgress:
+    marker: Marker
+    consumed: list = field(default_factory=list)      # offsets consumed since the last flush
+
+
+class Processor:
+    def __init__(self, kafka: KafkaSettings, data_dir: str | Path, group: str = "stepwatch-processor",
+                 flush_interval_s: float = 1.0, max_buffer_rows: int = 1_000_000,
+                 lateness_s: float = 10.0, window_steps: int = 128, detector_settings: dict | None = None,
+                 on_alert: Callable[[Alert], None] | None = None, metrics: ProcessorMetrics | None = None,
+                 create_topics: bool = True, idle_close_s: float = 5.0):
+        self.kafka = kafka
+        self.store = ParquetStore(data_dir).init()
+        self.group = group
+        self.flush_interval_s = flush_interval_s
+        self.max_buffer_rows = max_buffer_rows
+        self.lateness_ns = int(lateness_s * 1e9)
+        self.window_steps = window_steps
+        self.detector_settings = detector_settings
+        self.on_alert = on_alert
+        self.metrics = metrics or ProcessorMetrics()
+        self.create_topics = create_topics
+        self.idle_close_s = idle_close_s
+        self.jobs: dict[str, JobRuntime] = {}
+        self.buffers: dict[str, list[pa.Table]] = defaultdict(list)
+        self.buffered_rows = 0
+        self.progress: dict[tuple[str, int], PartitionProgress] = {}
+        self.last_flush = time.monotonic()
+        self.last_data = time.monotonic()
+        self.consumer = None
+        self.producer = None
+        self.stop_event = threading.Event()
+        self.alerts: list[Alert] = []
+        self._topic_kind = {kafka.topic(k): k for k in INPUT_TOPICS}
+
+    # ------------------------------------------------------------------ kafka lifecycle
+    def start(self) -> None:
+        if self.create_topics:
+            ensure_topics(self.kafka)
+        self.store.recover()
+        self.producer = make_producer(self.kafka, linger_ms=20)
+        self.consumer = make_consumer(self.kafka, self.group, client_id=f"{self.kafka.client_id}-processor")
+        from kafka import ConsumerRebalanceListener
+
+        proc = self
+
+        class Listener(ConsumerRebalanceListener):
+            def on_partitions_revoked(self, revoked):
+                proc._flush()
+                for tp in revoked:
+                    proc.progress.pop((tp.topic, tp.partition), None)
+
+            def on_partitions_assigned(self, assigned):
+                proc._assigned(assigned)
+
+        self.consumer.subscribe([self.kafka.topic(k) for k in INPUT_TOPICS], listener=Listener())
+
+    def _assigned(self, assigned) -> None:
+        self.store.recover()
+        for tp in assigned:
+            m = self.store.load_marker(tp.topic, tp.partition)
+            if m is not None:
+                self.consumer.seek(tp, m.next)
+            self.progress[(tp.topic, tp.partition)] = PartitionProgress(m or Marker(-1))
+        # jobs owned by partitions that moved here are rebuilt lazily from the store
+        log.info("assigned %d partitions", len(assigned))
+
+    def close(self) -> None:
+        try:
+            self._flush()
+        finally:
+            if self.consumer is not None:
+                self.consumer.close(autocommit=False)
+            if self.producer is not None:
+                self.producer.flush(10)
+                self.producer.close(5)
+            self.consumer = self.producer = None
+
+    # ------------------------------------------------------------------ main loop
+    def run(self, stop_event: threading.Event | None = None, idle_exit_s: float | None = None,
+            on_tick: Callable[["Processor"], None] | None = None) -> None:
+        """Consume until ``stop_event`` is set (or, with ``idle_exit_s``, until no message arrived
+        for that long after the first one)."""
+        stop = stop_event or self.stop_event
+        self.start()
+        seen_any = False
+        try:
+            while not stop.is_set():
+                n = self.poll_once(timeout_ms=200)
+                seen_any |= n > 0
+                if on_tick:
+                    on_tick(self)
+                if idle_exit_s and seen_any and time.monotonic() - self.last_data > idle_exit_s:
+                    break
+        finally:
+            self.close()
+
+    def poll_once(self, timeout_ms: int = 200) -> int:
+        records = self.consumer.poll(timeout_ms=timeout_ms, max_records=2000)
+        n = 0
+        # topology first so steps in the same poll find their job's world size
+        for tp in sorted(records, key=lambda tp: self._topic_kind.get(tp.topic) != "topology"):
+            prog = self.progress.get((tp.topic, tp.partition))
+            for msg in records[tp]:
+                n += 1
+                if prog is not None:
+                    if prog.marker.is_done(msg.offset):
+                        self.metrics.skipped.inc()
+                        continue
+                    prog.consumed.append(msg.offset)
+                self._handle(msg)
+        if n:
+            self.last_data = time.monotonic()
+        now = time.monotonic()
+        if self.buffered_rows >= self.max_buffer_rows or now - self.last_flush >= self.flush_interval_s:
+            self._close_idle_jobs()
+            self._flush()
+            self._update_lag()
+        return n
+
+    # ------------------------------------------------------------------ messages
+    def _handle(self, msg) -> None:
+        hdr = {k: v for k, v in (msg.headers or [])}
+        kind = self._topic_kind.get(msg.topic, "?")
+        self.metrics.messages_in.labels(kind).inc()
+        t0 = time.perf_counter()
+        try:
+            d = wire.decode(msg.value, hdr.get("content-type"), hdr.get("schema"))
+            if d.kind != kind:
+                raise wire.WireError(f"schema header {d.kind!r} does not match topic {msg.topic!r}")
+        except wire.WireError as e:
+            self._deadletter(msg, str(e), None, None)
+            return
+        except Exception as e:  # noqa: BLE001 - a bad message must never stop the processor
+            log.exception("unexpected error decoding %s@%d", msg.topic, msg.offset)
+            self._deadletter(msg, f"internal error while decoding: {e!r}", None, None)
+            return
+        finally:
+            self.metrics.decode_seconds.observe(time.perf_counter() - t0)
+        self.metrics.records_in.labels(kind).inc(d.table.num_rows + len(d.rejected))
+        if d.rejected:
+            self._deadletter(msg, None, d.rejected, d.rejected_rows)
+        if d.table.num_rows:
+            self._route(kind, d.table, msg)
+
+    def _route(self, kind: str, t: pa.Table, msg) -> None:
+        if kind == "topology":
+            for job in pc.unique(t.column("job")).to_pylist():
+                part = t.filter(pc.equal(t.column("job"), job))
+                self._job(job).state.set_topology(part)
+            self._buffer("topology", t)
+            return
+        if kind != "steps":
+            self._buffer(kind, t)
+            return
+        jobs = pc.unique(t.column("job"))
+        for job in jobs.to_pylist():
+            part = t if len(jobs) == 1 else t.filter(pc.equal(t.column("job"), job))
+            rt = self._job(job)
+            t0 = time.perf_counter()
+            res, blocks = rt.state.ingest(part)
+            self.metrics.align_seconds.observe(time.perf_counter() - t0)
+            if res.duplicates:
+                self.metrics.dropped.labels("duplicate").inc(res.duplicates)
+            if len(res.bad_rank):
+                bad = part.take(pa.array(res.bad_rank))
+                ws = rt.state.world_size
+                reasons = [(int(i), f"field 'rank': {r} is outside world_size {ws} of job {job!r}")
+                           for i, r in zip(res.bad_rank, bad.column("rank").to_pylist())]
+                self._deadletter(msg, None, reasons, bad)
+            if res.keep.all():
+                self._buffer("steps", part)
+            elif res.keep.any():
+                self._buffer("steps", part.filter(pa.array(res.keep)))
+            self._detect(rt, blocks)
+
+    def _buffer(self, table: str, t: pa.Table) -> None:
+        self.buffers[table].append(t)
+        self.buffered_rows += t.num_rows
+
+    def _deadletter(self, msg, reason: str | None, rejected, rows: pa.Table | None) -> None:
+        now = time.time_ns()
+        key_job = None
+        if msg.key:
+            k = msg.key.decode("utf-8", "replace")
+            key_job = k if wire.JOB_RE.match(k) else None
+        hdr = {k: v for k, v in (msg.headers or [])}
+        schema_h = hdr.get("schema")
+        schema_s = schema_h.decode("utf-8", "replace") if isinstance(schema_h, bytes) else schema_h
+        recs = []
+        if reason is not None:
+            recs.append({"job": key_job or "_unknown", "t_received": now, "topic": msg.topic,
+                         "partition": msg.partition, "offset": msg.offset, "schema": schema_s, "row": None,
+                         "reason": reason, "payload": msg.value if msg.value is not None else b""})
+            log.warning("deadletter %s@%d/%d: %s", msg.topic, msg.partition, msg.offset, reason)
+        else:
+            pyrows = rows.select([c for c in rows.column_names]).to_pylist() if rows is not None else []
+            for (i, why), r in zip(rejected, pyrows):
+                job = r.get("job") if isinstance(r.get("job"), str) and wire.JOB_RE.match(r.get("job") or "") else key_job
+                recs.append({"job": job or "_unknown", "t_received": now, "topic": msg.topic,
+                             "partition": msg.partition, "offset": msg.offset, "schema": schema_s, "row": i,
+                             "reason": why, "payload": json.dumps(r, default=str).encode()})
+            log.warning("deadletter %d row(s) of %s@%d/%d, first: %s", len(recs), msg.topic, msg.partition,
+                        msg.offset, rejected[0][1] if rejected else "")
+        if not recs:
+            return
+        self.metrics.dropped.labels("deadletter").inc(len(recs))
+        self._buffer("deadletter", pa.Table.from_pylist(recs, schema=wire.DEADLETTER))
+        for r in recs:
+            h = list(msg.headers or []) + [("error", r["reason"].encode()),
+                                           ("source", f"{msg.topic}/{msg.partition}/{msg.offset}".encode())]
+            self.producer.send(self.kafka.topic("deadletter"), r["payload"], key=msg.key, headers=h)
+
+    # ------------------------------------------------------------------ jobs and detectors
+    def _job(self, job: str) -> JobRuntime:
+        rt = self.jobs.get(job)
+        if rt is None:
+            rt = JobRuntime(JobState(job, capacity=self.window_steps, lateness_ns=self.lateness_ns),
+                            _build_detectors(self.detector_settings))
+            self.jobs[job] = rt
+            self._rebuild(rt)
+        return rt
+
+    def _rebuild(self, rt: JobRuntime) -> None:
+        """Warm a job's state from the store: topology, last window of steps, stored alerts."""
+        job = rt.state.job
+        try:
+            con = views_connect(self.store.root)
+            topo = con.execute("SELECT * FROM topology WHERE job = ? QUALIFY row_number() OVER "
+                               "(PARTITION BY rank ORDER BY date DESC) = 1", [job]).arrow()
+            if topo.num_rows:
+                rt.state.set_topology(topo)
+            for aid, status in con.execute("SELECT alert_id, status FROM alerts WHERE job = ?", [job]).fetchall():
+                rt.alerts_seen.add((aid, status))
+            top = con.execute("SELECT max(step) FROM steps WHERE job = ?", [job]).fetchone()[0]
+            if top is not None:
+                lo = int(top) - self.window_steps + 1
+                hist = con.execute("SELECT * FROM steps WHERE job = ? AND step >= ? ORDER BY step, rank",
+                                   [job, lo]).arrow()
+                if hist.num_rows:
+                    hist = wire.conform(hist.drop_columns([c for c in ("date",) if c in hist.column_names]),
+                                        wire.STEPS)
+                    rt.replaying = True
+                    _, blocks = rt.state.ingest(hist)
+                    self._detect(rt, blocks)
+                    rt.replaying = False
+                    log.info("rebuilt job %s from store: %d rows up to step %s, %d alerts known",
+                             job, hist.num_rows, top, len(rt.alerts_seen))
+            con.close()
+        except Exception:  # noqa: BLE001 - a cold start must not stop the processor
+            log.exception("could not rebuild state of job %s from the store; starting cold", job)
+
+    def _detect(self, rt: JobRuntime, blocks: list[StepBlock]) -> None:
+        if not blocks:
+            return
+        ctx = rt.state.context()
+        for blk in blocks:
+            self.metrics.steps_closed.inc(len(blk))
+            for det in rt.detectors:
+                t0 = time.perf_counter()
+                try:
+                    alerts = det.update(ctx, blk)
+                except Exception:  # noqa: BLE001
+                    log.exception("detector %s failed on job %s", det.name, rt.state.job)
+                    self.metrics.detector_errors.labels(det.name).inc()
+                    continue
+                finally:
+                    self.metrics.detector_seconds.labels(det.name).observe(time.perf_counter() - t0)
+                for a in alerts:
+                    self._emit(rt, a)
+
+    def _emit(self, rt: JobRuntime, a: Alert) -> None:
+        key = (a.alert_id, a.status)
+        if key in rt.alerts_seen:
+            return
+        rt.alerts_seen.add(key)
+        self.alerts.append(a)
+        self.metrics.alerts.labels(a.kind, a.status).inc()
+        row = pa.Table.from_pylist([a.row()], schema=wire.ALERTS)
+        self._buffer("alerts", row)
+        if self.producer is not None:
+            self.producer.send(self.kafka.topic("alerts"), wire.encode_arrow(row), key=a.job.encode(),
+                               headers=[("content-type", wire.ARROW_CT.encode()), ("schema", b"alerts/1")])
+        if self.on_alert:
+            self.on_alert(a)
+        else:
+            log.warning("%s", a.line())
+
+    def _close_idle_jobs(self) -> None:
+        """Close steps of jobs whose stream went quiet (event time cannot advance without data)."""
+        if time.monotonic() - self.last_data < self.idle_close_s:
+            return
+        for rt in self.jobs.values():
+            if rt.state.open_steps():
+                self._detect(rt, rt.state.close_ready(force=True))
+
+    # ------------------------------------------------------------------ flush
+    def _flush(self) -> None:
+        now = time.monotonic()
+        self.last_flush = now
+        markers: dict[tuple[str, int], Marker] = {}
+        commits = {}
+        for (topic, part), prog in self.progress.items():
+            if not prog.consumed:
+                continue
+            nxt = max(max(prog.consumed) + 1, prog.marker.next)
+            done = [r for r in (prog.marker.done or []) if r[1] >= nxt]
+            markers[(topic, part)] = Marker(nxt, done)
+        if not markers and not self.buffered_rows:
+            return
+        t0 = time.perf_counter()
+        tables = dict(self.buffers)
+        rows = {k: sum(t.num_rows for t in v) for k, v in tables.items()}
+        self.store.write_flush(tables, markers)
+        self.metrics.flush_seconds.observe(time.perf_counter() - t0)
+        for k, n in rows.items():
+            self.metrics.records_out.labels(k).inc(n)
+        self.buffers = defaultdict(list)
+        self.buffered_rows = 0
+        from kafka.structs import OffsetAndMetadata, TopicPartition
+        for (topic, part), m in markers.items():
+            prog = self.progress[(topic, part)]
+            prog.marker = m
+            prog.consumed = []
+            commits[TopicPartition(topic, part)] = OffsetAndMetadata(m.next, "", -1)
+        if commits and self.consumer is not None:
+            try:
+                self.consumer.commit(commits)
+            except Exception as e:  # noqa: BLE001 - the store's markers are the truth; Kafka's commit is advisory
+                log.warning("offset commit failed (store markers stay authoritative): %s", e)
+        self.metrics.last_flush.set(time.time())
+
+    def _update_lag(self) -> None:
+        if self.consumer is None:
+            return
+        total = 0
+        for tp in self.consumer.assignment():
+            hw = self.consumer.highwater(tp)
+            if hw is None:
+                continue
+            try:
+                pos = self.consumer.position(tp, timeout_ms=100) if hasattr(self.consumer, "position") else None
+            except TypeError:
+                pos = self.consumer.position(tp)
+            except Exception:  # noqa: BLE001
+                pos = None
+            if pos is None:
+                continue
+            lag = max(0, hw - pos)
+            total += lag
+            self.metrics.lag.labels(tp.topic, str(tp.partition)).set(lag)
+        self.metrics.total_lag = total
+
+    def stats(self) -> dict:
+        m = self.metrics
+        return {"rows_in": m.value(m.records_in), "rows_out": m.value(m.records_out),
+                "deadletter": m.value(m.dropped, "deadletter"), "duplicates": m.value(m.dropped, "duplicate"),
+                "alerts": len(self.alerts), "lag": getattr(m, "total_lag", 0),
+                "jobs": len(self.jobs)}
