@@ -137,9 +137,9 @@ ALERTS = pa.schema([
 DEADLETTER = pa.schema([
     pa.field("job", pa.string()),           # partition key: the job if it could be read, else "_unknown"
     pa.field("t_received", TS, nullable=False),
-    pa.field("topic", pa.string()),
-    pa.field("partition", pa.int32()),
-    pa.field("offset", pa.int64()),
+    pa.field("source_topic", pa.string()),
+    pa.field("source_partition", pa.int32()),
+    pa.field("source_offset", pa.int64()),
     pa.field("schema", pa.string()),
     pa.field("row", pa.int64()),            # row index inside the message, null if the whole message
     pa.field("reason", pa.string(), nullable=False),

@@ -184,6 +184,8 @@ class ParquetStore:
                   "markers": [[t, p, m.to_json()] for (t, p), m in markers.items()]}
         ipath = self.state / "intents" / f"{flush_id}.json"
         _atomic_write_json(ipath, intent)
+        if os.environ.get("STEPWATCH_FAILPOINT") == "after-intent":   # crash tests: die mid-flush
+            os._exit(137)
         self._apply(intent)
         ipath.unlink()
         return [Path(f) for _, f in renames]

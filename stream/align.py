@@ -88,7 +88,31 @@ class JobState:
 
     # ------------------------------------------------------------------ ingest
     def ingest(self, t: pa.Table) -> tuple[IngestResult, list[StepBlock]]:
-        """Scatter a batch of step rows; returns which rows to store and the steps that closed."""
+        """Scatter a batch of step rows; returns which rows to store and the steps that closed.
+
+        A batch spanning more steps than the ring holds (a replay, a catch-up) is taken in
+        step-ordered slices so every step is aligned before the ring moves past it."""
+        if t.num_rows:
+            step = t.column("step").to_numpy(zero_copy_only=False)
+            lo, hi = int(step.min()), int(step.max())
+            span = max(1, self.capacity // 2)
+            if hi - lo >= span:
+                keep = np.zeros(t.num_rows, dtype=bool)
+                bad, dups, late, blocks = [], 0, 0, []
+                for a in range(lo, hi + 1, span):
+                    idx = np.flatnonzero((step >= a) & (step < a + span))
+                    if not len(idx):
+                        continue
+                    res, b = self._ingest(t.take(pa.array(idx)))
+                    keep[idx] = res.keep
+                    bad.append(idx[res.bad_rank])
+                    dups += res.duplicates
+                    late += res.late
+                    blocks += b
+                return IngestResult(keep, dups, np.concatenate(bad) if bad else np.empty(0, np.int64), late), blocks
+        return self._ingest(t)
+
+    def _ingest(self, t: pa.Table) -> tuple[IngestResult, list[StepBlock]]:
         n = t.num_rows
         rank = t.column("rank").to_numpy(zero_copy_only=False).astype(np.int64)
         step = t.column("step").to_numpy(zero_copy_only=False).astype(np.int64)

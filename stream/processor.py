@@ -60,6 +60,12 @@ class PartitionProgress:
     consumed: list = field(default_factory=list)      # offsets consumed since the last flush
 
 
+def _plain(t: pa.Table) -> pa.Table:
+    """Timestamps as int ns so rows convert to Python without pandas (deadletter payloads)."""
+    cols = [c.cast(pa.int64()) if pa.types.is_timestamp(c.type) else c for c in t.columns]
+    return pa.Table.from_arrays(cols, names=t.column_names)
+
+
 class Processor:
     def __init__(self, kafka: KafkaSettings, data_dir: str | Path, group: str = "stepwatch-processor",
                  flush_interval_s: float = 1.0, max_buffer_rows: int = 1_000_000,
@@ -171,7 +177,14 @@ class Processor:
                         self.metrics.skipped.inc()
                         continue
                     prog.consumed.append(msg.offset)
-                self._handle(msg)
+                try:
+                    self._handle(msg)
+                except Exception as e:  # noqa: BLE001 - one message must never stop the processor
+                    log.exception("failed to handle %s@%d/%d", msg.topic, msg.partition, msg.offset)
+                    try:
+                        self._deadletter(msg, f"internal error while processing: {e!r}", None, None)
+                    except Exception:  # noqa: BLE001
+                        log.exception("could not deadletter %s@%d/%d", msg.topic, msg.partition, msg.offset)
         if n:
             self.last_data = time.monotonic()
             if self.t_first_data is None:
@@ -254,16 +267,16 @@ class Processor:
         schema_s = schema_h.decode("utf-8", "replace") if isinstance(schema_h, bytes) else schema_h
         recs = []
         if reason is not None:
-            recs.append({"job": key_job or "_unknown", "t_received": now, "topic": msg.topic,
-                         "partition": msg.partition, "offset": msg.offset, "schema": schema_s, "row": None,
+            recs.append({"job": key_job or "_unknown", "t_received": now, "source_topic": msg.topic,
+                         "source_partition": msg.partition, "source_offset": msg.offset, "schema": schema_s, "row": None,
                          "reason": reason, "payload": msg.value if msg.value is not None else b""})
             log.warning("deadletter %s@%d/%d: %s", msg.topic, msg.partition, msg.offset, reason)
         else:
-            pyrows = rows.select([c for c in rows.column_names]).to_pylist() if rows is not None else []
+            pyrows = _plain(rows).to_pylist() if rows is not None else []
             for (i, why), r in zip(rejected, pyrows):
                 job = r.get("job") if isinstance(r.get("job"), str) and wire.JOB_RE.match(r.get("job") or "") else key_job
-                recs.append({"job": job or "_unknown", "t_received": now, "topic": msg.topic,
-                             "partition": msg.partition, "offset": msg.offset, "schema": schema_s, "row": i,
+                recs.append({"job": job or "_unknown", "t_received": now, "source_topic": msg.topic,
+                             "source_partition": msg.partition, "source_offset": msg.offset, "schema": schema_s, "row": i,
                              "reason": why, "payload": json.dumps(r, default=str).encode()})
             log.warning("deadletter %d row(s) of %s@%d/%d, first: %s", len(recs), msg.topic, msg.partition,
                         msg.offset, rejected[0][1] if rejected else "")
