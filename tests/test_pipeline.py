@@ -86,11 +86,12 @@ def _count_files(data):
 
 
 def test_sigkill_mid_stream_then_restart_loses_nothing_and_stores_nothing_twice(kafka, tmp_path):
-    sim = Simulation(job="crash", ranks=512, steps=200, seed=5)
+    sim = Simulation(job="crash", ranks=512, steps=300, seed=5)
     prod = make_producer(kafka)
-    # producer keeps sending while the processor is killed and restarted
+    # the producer keeps sending (~10 steps/s, ~30 s) while processors are killed and restarted
     sent = {}
-    th = threading.Thread(target=lambda: sent.update(send_simulation(sim, prod, kafka, chunk=2, rows_per_message=512)))
+    th = threading.Thread(target=lambda: sent.update(send_simulation(
+        sim, prod, kafka, chunk=1, rows_per_message=512, on_chunk=lambda *_: time.sleep(0.08))))
     th.start()
     kills = 0
     for failpoint in (None, "after-intent"):
@@ -102,16 +103,16 @@ def test_sigkill_mid_stream_then_restart_loses_nothing_and_stores_nothing_twice(
         deadline = time.monotonic() + 60
         start_files = _count_files(tmp_path)
         while time.monotonic() < deadline and p.poll() is None and _count_files(tmp_path) < start_files + 3:
-            time.sleep(0.05)
+            time.sleep(0.02)
         if p.poll() is None:
             p.send_signal(signal.SIGKILL)
-        p.wait(10)
+        assert p.wait(10) in (-signal.SIGKILL, 137)
         kills += 1
+    mid_stream = th.is_alive()
+    before = connect(tmp_path).execute("SELECT count(*) FROM steps").fetchone()[0]
     th.join(120)
     prod.close()
-    con = connect(tmp_path)
-    before = con.execute("SELECT count(*) FROM steps").fetchone()[0]
-    assert 0 < before < sent["steps"], "the kills should happen mid-stream"
+    assert mid_stream and 0 < before < sent["steps"], "the kills should happen mid-stream"
     # restart and let it finish
     p = subprocess.Popen(_proc_cmd(kafka, tmp_path, "g-crash") + ["--idle-exit", "4"],
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
