@@ -20,6 +20,28 @@ def _say(msg: str = "") -> None:
     print(msg, flush=True)
 
 
+class Progress:
+    """One status line: rewritten in place on a terminal, a plain line every few seconds otherwise."""
+
+    def __init__(self, every_s: float = 3.0):
+        self.tty = sys.stdout.isatty()
+        self.every_s = every_s
+        self.last = 0.0
+
+    def show(self, text: str) -> None:
+        if self.tty:
+            sys.stdout.write("\r\033[K" + text)
+            sys.stdout.flush()
+        elif time.monotonic() - self.last >= self.every_s:
+            self.last = time.monotonic()
+            print(text, flush=True)
+
+    def clear(self) -> None:
+        if self.tty:
+            sys.stdout.write("\r\033[K")
+            sys.stdout.flush()
+
+
 def run_demo(ranks: int = 1024, steps: int = 300, data_dir: str = "./stepwatch-data/demo", slow_rank: int = 613,
              regression_step: int = 200, seed: int = 7, quiet: bool = False) -> int:
     from stepwatch.agents.simsend import send_simulation
@@ -48,14 +70,13 @@ def run_demo(ranks: int = 1024, steps: int = 300, data_dir: str = "./stepwatch-d
         _say(f"  broker:   Tansu on {broker.bootstrap} (in-memory)")
         s = KafkaSettings(bootstrap=broker.bootstrap, partitions=2)
         ensure_topics(s)
-        alerts_lines: list[str] = []
         lock = threading.Lock()
+        bar = Progress()
 
         def on_alert(a):
             with lock:
-                alerts_lines.append(a.line())
-                sys.stdout.write("\r\033[K" + a.line() + "\n")
-                sys.stdout.flush()
+                bar.clear()
+                print(a.line(), flush=True)
 
         proc = Processor(s, root, group="stepwatch-demo", flush_interval_s=0.5, lateness_s=5,
                          on_alert=on_alert, idle_close_s=2.0)
@@ -68,9 +89,7 @@ def run_demo(ranks: int = 1024, steps: int = 300, data_dir: str = "./stepwatch-d
         def progress(step, sent):
             sent_steps[0] = sent["steps"]
             st = proc.stats()
-            sys.stdout.write(f"\r\033[K  sending step {step}/{steps}  stored {st['rows_out']:,.0f} rows  "
-                             f"alerts {st['alerts']}")
-            sys.stdout.flush()
+            bar.show(f"  sending step {step}/{steps}  stored {st['rows_out']:,.0f} rows  alerts {st['alerts']}")
         sent = send_simulation(sim, prod, s, chunk=4, rows_per_message=4096, on_chunk=progress)
         prod.close()
         # wait until every step row is stored and the last steps are closed
@@ -78,9 +97,7 @@ def run_demo(ranks: int = 1024, steps: int = 300, data_dir: str = "./stepwatch-d
         while time.monotonic() < deadline and th.is_alive():
             st = proc.stats()
             stored = proc.metrics.value(proc.metrics.records_out, "steps")
-            sys.stdout.write(f"\r\033[K  processing: stored {stored:,.0f}/{sent['steps']:,} step rows  "
-                             f"alerts {st['alerts']}")
-            sys.stdout.flush()
+            bar.show(f"  processing: stored {stored:,.0f}/{sent['steps']:,} step rows  alerts {st['alerts']}")
             rt = proc.jobs.get(job)
             if stored >= sent["steps"] and rt is not None and rt.state.open_steps() == 0:
                 break
@@ -88,7 +105,7 @@ def run_demo(ranks: int = 1024, steps: int = 300, data_dir: str = "./stepwatch-d
         time.sleep(0.6)   # one more flush so the alerts of the last steps are stored
         stop.set()
         th.join(30)
-        sys.stdout.write("\r\033[K")
+        bar.clear()
     elapsed = time.monotonic() - t_begin
     ok = _post_mortem(root, job, sim, sent, elapsed)
     return 0 if ok else 1
@@ -117,10 +134,10 @@ def _post_mortem(root: Path, job: str, sim, sent: dict, elapsed: float) -> bool:
     rows = cur.fetchall()
     _say(format_table([d[0] for d in cur.description], rows) if rows else "  (none)")
     jit = con.execute("""
-        WITH s AS (SELECT step, step_ms, median(step_ms) OVER (ORDER BY step ROWS BETWEEN 50 PRECEDING AND CURRENT ROW) AS med
+        WITH s AS (SELECT step, step_ms, median(step_ms) OVER (ORDER BY step ROWS BETWEEN 10 PRECEDING AND 10 FOLLOWING) AS med
                    FROM job_steps WHERE job = ?)
         SELECT avg(CASE WHEN step_ms > 1.1 * med THEN 1.0 ELSE 0.0 END), count(*) FROM s""", [job]).fetchone()
-    _say(f"\njitter ratio (steps > 1.1x rolling median): {100 * (jit[0] or 0):.1f}% of {jit[1]} steps")
+    _say(f"\njitter ratio (steps > 1.1x the median of the 21 steps around them): {100 * (jit[0] or 0):.1f}% of {jit[1]} steps")
     # ground truth
     labels = json.loads((root / "labels.json").read_text())
     found_all = True

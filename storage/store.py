@@ -39,7 +39,7 @@ log = logging.getLogger("stepwatch.store")
 #: The event-time column that gives each table's date partition and sort order.
 TIME_COLUMN = {"steps": "t_end", "host": "t", "gc": "t", "alerts": "t_detected", "deadletter": "t_received",
                "topology": "_received", "comm": "_received"}
-SORT_COLUMNS = {"steps": ["step", "rank"], "host": ["t", "node"], "gc": ["t", "rank"], "comm": ["step", "rank"],
+SORT_COLUMNS = {"steps": ["step", "rank"], "host": ["t"], "gc": ["t"], "comm": ["step", "rank"],
                 "topology": ["rank"], "alerts": ["t_detected"], "deadletter": ["t_received"]}
 TABLES = ("steps", "topology", "host", "gc", "comm", "alerts", "deadletter")
 SEED_JOB = "_seed"
@@ -83,6 +83,37 @@ def _atomic_write_json(path: Path, obj) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _write_options(table_name: str, schema: pa.Schema) -> dict:
+    """Dictionary-encode strings only and keep statistics for the columns queries filter on:
+    dictionary pages and min/max for every float column cost 3x the write time and gain nothing."""
+    keys = set(wire.NATURAL_KEYS.get(table_name, ())) | {TIME_COLUMN[table_name], "step", "t", "t_start", "t_end",
+                                                            "node", "kind", "status"}
+    return {"use_dictionary": [f.name for f in schema if pa.types.is_string(f.type)],
+            "write_statistics": [f.name for f in schema if f.name in keys]}
+
+
+def _is_sorted(t: pa.Table, cols: list[str]) -> bool:
+    """Whether rows are already in lexicographic order of ``cols`` (producers usually send them so:
+    then the sort, the costliest part of a flush, is skipped)."""
+    if t.num_rows < 2:
+        return True
+    ok_so_far = np.ones(t.num_rows - 1, dtype=bool)   # rows still tied on all earlier columns
+    for c in cols:
+        col = t.column(c)
+        if col.null_count:
+            return False
+        v = col.to_numpy()
+        if v.dtype.kind not in "iufM":
+            return False
+        d = np.diff(v.astype(np.int64) if v.dtype.kind == "M" else v)
+        if (ok_so_far & (d < 0)).any():
+            return False
+        ok_so_far &= d == 0
+        if not ok_so_far.any():
+            return True
+    return True
 
 
 class ParquetStore:
@@ -133,23 +164,34 @@ class ParquetStore:
 
     # ------------------------------------------------------------------ writing
     def _split(self, table_name: str, t: pa.Table, received_ns: int) -> list[tuple[str, str, pa.Table]]:
-        """Split rows by (job, date) and sort each piece; returns (job, date, piece)."""
+        """Split rows by (job, date) and sort each piece; returns (job, date, piece).
+
+        Integer work only: days since the epoch from the time column, job codes from a dictionary
+        encoding; strings are formatted for the distinct (job, day) pairs alone."""
+        n = t.num_rows
         tcol = TIME_COLUMN[table_name]
+        day_ns = 86_400_000_000_000
         if tcol == "_received":
-            dates = pa.array(np.full(t.num_rows, time.strftime("%Y-%m-%d", time.gmtime(received_ns / 1e9))))
+            day = np.full(n, received_ns // day_ns, dtype=np.int64)
         else:
             col = t.column(tcol)
-            dates = pc.fill_null(pc.strftime(col, format="%Y-%m-%d"), "1970-01-01")
-        jobs = pc.fill_null(t.column("job"), "_unknown")
-        key = pc.binary_join_element_wise(jobs, dates, "\x00")
-        uniq = pc.unique(key)
+            ns = col.cast(pa.int64()).to_numpy(zero_copy_only=False)
+            if col.null_count:
+                ns = np.where(np.isnan(ns), 0, ns)
+            day = ns.astype(np.int64) // day_ns
+        jobs = pc.fill_null(t.column("job"), "_unknown").combine_chunks().dictionary_encode()
+        code = jobs.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+        key = code * 1_000_000 + day
+        uniq = np.unique(key)
         sort_cols = [c for c in SORT_COLUMNS[table_name] if c in t.column_names]
         out = []
-        for k in uniq.to_pylist():
-            piece = t.filter(pc.equal(key, k)) if len(uniq) > 1 else t
-            if sort_cols:
+        names = jobs.dictionary.to_pylist()
+        for k in uniq:
+            piece = t if len(uniq) == 1 else t.filter(pa.array(key == k))
+            if sort_cols and not _is_sorted(piece, sort_cols):
                 piece = piece.take(pc.sort_indices(piece, [(c, "ascending") for c in sort_cols]))
-            job, date = k.split("\x00")
+            job = names[int(k // 1_000_000)]
+            date = time.strftime("%Y-%m-%d", time.gmtime(int(k % 1_000_000) * 86400))
             out.append((job, date, piece))
         return out
 
@@ -170,7 +212,8 @@ class ParquetStore:
                 d.mkdir(parents=True, exist_ok=True)
                 final = d / f"part-{flush_id}-{i}.parquet"
                 tmp = d / f".part-{flush_id}-{i}.parquet.tmp"
-                pq.write_table(piece, tmp, compression=self.compression, row_group_size=self.row_group_size)
+                pq.write_table(piece, tmp, compression=self.compression, row_group_size=self.row_group_size,
+                               **_write_options(name, piece.schema))
                 if self.fsync:
                     fd = os.open(tmp, os.O_RDONLY)
                     try:

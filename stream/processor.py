@@ -100,6 +100,7 @@ class Processor:
 
     # ------------------------------------------------------------------ kafka lifecycle
     def start(self) -> None:
+        _build_detectors(self.detector_settings)   # import detector libraries (ruptures) now, not mid-stream
         if self.create_topics:
             ensure_topics(self.kafka)
         from stepwatch.stream.broker import cluster_id_of
@@ -304,8 +305,8 @@ class Processor:
         job = rt.state.job
         try:
             con = views_connect(self.store.root)
-            topo = con.execute("SELECT * FROM topology WHERE job = ? QUALIFY row_number() OVER "
-                               "(PARTITION BY rank ORDER BY date DESC) = 1", [job]).to_arrow_table()
+            topo = con.sql("SELECT * FROM topology WHERE job = ? QUALIFY row_number() OVER "
+                           "(PARTITION BY rank ORDER BY date DESC) = 1", params=[job]).to_arrow_table()
             if topo.num_rows:
                 rt.state.set_topology(topo)
             for aid, status in con.execute("SELECT alert_id, status FROM alerts WHERE job = ?", [job]).fetchall():
@@ -313,8 +314,8 @@ class Processor:
             top = con.execute("SELECT max(step) FROM steps WHERE job = ?", [job]).fetchone()[0]
             if top is not None:
                 lo = int(top) - self.window_steps + 1
-                hist = con.execute("SELECT * FROM steps WHERE job = ? AND step >= ? ORDER BY step, rank",
-                                   [job, lo]).to_arrow_table()
+                hist = con.sql("SELECT * FROM steps WHERE job = ? AND step >= ? ORDER BY step, rank",
+                               params=[job, lo]).to_arrow_table()
                 if hist.num_rows:
                     hist = wire.conform(hist.drop_columns([c for c in ("date",) if c in hist.column_names]),
                                         wire.STEPS)
