@@ -1,0 +1,264 @@
+"""Change points: the offline find() and the streaming ChangePoint detector."""
+from __future__ import annotations
+
+import time
+import warnings
+
+import numpy as np
+import pytest
+
+from stepwatch.detectors.base import JobContext, StepBlock
+from stepwatch.detectors.changepoint import ChangePoint, find, median_filter, noise_sigma
+
+
+# -- find() ------------------------------------------------------------------------------------------
+def series(rng, n, changes=(), base=100.0, sd=0.02, spikes_every=0, tail=0.0):
+    """Piecewise-constant level (``changes`` = [(index, factor)], cumulative) with Gaussian noise of
+    relative sd, optional Student-t(3) noise and 40% single-step spikes every ``spikes_every``."""
+    level = np.full(n, base)
+    for i, f in changes:
+        level[i:] *= f
+    x = level * (1.0 + sd * rng.standard_normal(n) + tail * rng.standard_t(3, n))
+    if spikes_every:
+        x[int(rng.integers(0, spikes_every))::spikes_every] *= 1.4
+    return x
+
+
+def near(found, truth, tol=3):
+    return len(found) == len(truth) and all(abs(f - t) <= tol for f, t in zip(sorted(found), truth))
+
+
+def test_find_single_change():
+    rng = np.random.default_rng(11)
+    for _ in range(10):
+        x = series(rng, 300, [(120, 1.10)], spikes_every=100, tail=0.005)
+        assert near(find(x), [120])
+
+
+def test_find_two_changes_up_and_down():
+    rng = np.random.default_rng(12)
+    for _ in range(10):
+        x = series(rng, 400, [(100, 1.12), (250, 1 / 1.12)], spikes_every=50)
+        assert near(find(x), [100, 250])
+
+
+def test_find_no_change_with_spikes_and_heavy_tails():
+    rng = np.random.default_rng(13)
+    for n in (30, 200, 1000):
+        for _ in range(20):
+            x = series(rng, n, spikes_every=37, tail=0.01)
+            x[rng.integers(0, n, size=max(1, n // 100))] *= 1.6     # random isolated outliers too
+            assert find(x) == []
+
+
+def test_find_change_at_the_end_with_min_size_points():
+    rng = np.random.default_rng(14)
+    x = series(rng, 200, [(194, 1.15)], sd=0.01)
+    assert near(find(x), [194], tol=1)
+    assert find(x[:197]) == []                  # only 3 points after it: not yet a segment
+
+
+def test_find_spike_on_last_point_is_not_a_change():
+    rng = np.random.default_rng(15)
+    for _ in range(20):
+        x = series(rng, 150)
+        x[-1] *= 1.4
+        assert find(x) == []
+
+
+def test_find_handles_nan_and_maps_indices_back():
+    rng = np.random.default_rng(16)
+    x = series(rng, 300, [(150, 1.2)])
+    x[rng.random(300) < 0.1] = np.nan
+    x[150:153] = np.nan                          # the first points of the new segment are missing
+    b = find(x)
+    assert len(b) == 1 and 150 <= b[0] <= 156 and np.isfinite(x[b[0]])
+    assert find(np.full(50, np.nan)) == []
+    assert find([np.nan, 1.0, np.inf, 2.0]) == []
+
+
+def test_find_degenerate_inputs():
+    assert find([]) == []
+    assert find([5.0] * 100) == []              # constant
+    assert find([1.0, 2.0, 3.0]) == []          # shorter than 2 * min_size
+    assert find(np.r_[np.ones(30), 2 * np.ones(30)]) == [30]     # exact steps, zero noise
+    assert find(np.r_[np.ones(30), 2 * np.ones(30)], min_size=40) == []
+
+
+def test_find_options():
+    rng = np.random.default_rng(17)
+    x = series(rng, 300, [(100, 1.2)])
+    assert find(x, penalty=1e12) == []
+    assert near(find(x, jump=5), [100])          # refined back to the exact point
+    assert near(find(x, search="binseg"), [100])
+    assert near(find(x, model="l1", penalty=50.0, refine=False), [100])
+    with pytest.raises(ValueError):
+        find(x, model="l1")                      # auto penalty is calibrated for l2 only
+    with pytest.raises(ValueError):
+        find(x, search="nope")
+
+
+def test_find_is_fast_on_5000_points():
+    rng = np.random.default_rng(18)
+    x = series(rng, 5000, [(1000, 1.1), (2500, 1.2), (4000, 1 / 1.3)], spikes_every=100, tail=0.005)
+    x[rng.random(5000) < 0.01] = np.nan
+    t = time.perf_counter()
+    b = find(x)
+    elapsed = time.perf_counter() - t
+    assert near(b, [1000, 2500, 4000])
+    assert elapsed < 2.0, f"find() took {elapsed:.2f} s at n=5000"
+
+
+def test_noise_sigma_and_median_filter():
+    rng = np.random.default_rng(19)
+    x = 3.0 * rng.standard_normal(20000)
+    x[::50] += 100.0                              # spikes barely move the robust estimate
+    x[10000:] += 40.0                             # nor does a level shift
+    assert 2.8 < noise_sigma(x) < 3.3
+    assert noise_sigma([1.0, 2.0]) == 0.0
+    y = np.array([1, 1, 9, 1, 1, 5, 5, 5, 5, 9.0])
+    assert list(median_filter(y, 5)) == [1, 1, 1, 1, 5, 5, 5, 5, 5, 5]
+
+
+# -- streaming ChangePoint ---------------------------------------------------------------------------
+R = 32
+
+
+def ctx(pp: int = 1) -> JobContext:
+    return JobContext(job="job-cp", world_size=R, nodes=np.array([f"n{r // 8}" for r in range(R)], dtype=object),
+                      stage=(np.arange(R) * pp // R).astype(np.int32))
+
+
+def blocks(job_factor, data=None, block_size=10, seed=0, nan_steps=(), rank_factor=None):
+    """Synchronous steps whose duration follows ``job_factor`` (per step); per-rank jitter is small.
+    ``data`` (per step, ms) replaces the 5 ms data wait when given (the extra time is data wait);
+    ``rank_factor`` (S, R) multiplies each rank's compute (stragglers, slow stages)."""
+    rng = np.random.default_rng(seed)
+    S = len(job_factor)
+    compute = 80.0 * job_factor[:, None] * (1.0 + 0.002 * rng.standard_normal((S, R)))
+    if rank_factor is not None:
+        compute *= rank_factor
+    d = np.full((S, R), 5.0) if data is None else np.repeat(np.asarray(data, float)[:, None], R, axis=1)
+    own = d + compute + 2.0
+    step = np.repeat(np.max(own + 10.0, axis=1, keepdims=True), R, axis=1)
+    arrays = dict(step_ms=step, data_ms=d, compute_ms=compute, comm_ms=np.full((S, R), 10.0),
+                  comm_wait_ms=step - own - 10.0, gc_ms=np.zeros((S, R)))
+    for s in nan_steps:
+        for a in arrays.values():
+            a[s] = np.nan
+    for i in range(0, S, block_size):
+        sl = slice(i, min(S, i + block_size))
+        steps = np.arange(sl.start, sl.stop, dtype=np.int64)
+        yield StepBlock(steps=steps, t_end=(steps + 1) * 10**8, **{k: v[sl] for k, v in arrays.items()})
+
+
+def job_noise(rng, S, spikes=True):
+    """2% Gaussian + heavy-tailed (t3, 1%) step-time noise, 40% checkpoint spike every 100 steps."""
+    f = 1.0 + 0.02 * rng.standard_normal(S) + 0.01 * rng.standard_t(3, S)
+    if spikes:
+        f[int(rng.integers(0, 100))::100] *= 1.4
+    return f
+
+
+def feed(det, gen, pp: int = 1):
+    out = []
+    c = ctx(pp)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")           # the detector must not leak numpy warnings
+        for b in gen:
+            out += det.update(c, b)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_streaming_regression_then_recovery(seed):
+    rng = np.random.default_rng(100 + seed)
+    f = job_noise(rng, 500)
+    f[150:] *= 1.10
+    f[320:] /= 1.10
+    alerts = feed(ChangePoint(), blocks(f, seed=seed, block_size=int(rng.integers(1, 30))))
+    assert [a.kind for a in alerts] == ["regression", "recovery"]
+    reg, rec = alerts
+    assert abs(reg.step_first - 150) <= 3 and reg.step_detected - 150 <= 10
+    assert abs(rec.step_first - 320) <= 3 and rec.step_detected - 320 <= 10
+    assert reg.status == rec.status == "firing" and reg.ranks == []
+    assert 6.0 < reg.cost_pct < 14.0 and rec.cost_pct == 0.0
+    assert reg.cause == "computation" and rec.cause == "computation"
+    assert reg.evidence["median_after_ms"] > reg.evidence["median_before_ms"]
+    assert reg.evidence["phases"]["compute_ms"]["delta"] > 0
+    assert reg.t_detected == (reg.step_detected + 1) * 10**8
+    assert reg.alert_id != rec.alert_id
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_streaming_clean_series_with_checkpoint_spikes_gives_nothing(seed):
+    rng = np.random.default_rng(200 + seed)
+    assert feed(ChangePoint(), blocks(job_noise(rng, 800), seed=seed)) == []
+
+
+def test_streaming_cause_io_when_data_wait_grows():
+    rng = np.random.default_rng(300)
+    S = 260
+    f = job_noise(rng, S)
+    data = np.full(S, 5.0)
+    data[150:] = 20.0                            # the data loader falls behind: +15 ms per step
+    alerts = feed(ChangePoint(), blocks(f, data=data))
+    assert [a.kind for a in alerts] == ["regression"]
+    a = alerts[0]
+    assert abs(a.step_first - 150) <= 3
+    assert a.cause == "io" and a.evidence["phase"] == "data_ms" and "DataLoader" in a.suggestion
+
+
+def test_streaming_reports_each_change_once_as_the_window_slides():
+    rng = np.random.default_rng(400)
+    f = job_noise(rng, 1200)
+    f[150:] *= 1.25
+    alerts = feed(ChangePoint(), blocks(f, block_size=50))
+    assert [(a.kind, abs(a.step_first - 150) <= 3) for a in alerts] == [("regression", True)]
+    assert alerts[0].severity == "critical"
+
+
+def test_streaming_small_shift_below_min_effect_is_ignored():
+    rng = np.random.default_rng(500)
+    f = 1.0 + 0.005 * rng.standard_normal(400)  # quiet: a 3% shift is obvious but below 5%
+    f[200:] *= 1.03
+    assert feed(ChangePoint(), blocks(f)) == []
+    alerts = feed(ChangePoint(min_effect=0.02), blocks(f))
+    assert [a.kind for a in alerts] == ["regression"] and abs(alerts[0].step_first - 200) <= 3
+
+
+def test_streaming_nan_only_steps_emit_nothing():
+    rng = np.random.default_rng(600)
+    f = job_noise(rng, 300)
+    nan_steps = list(range(40, 60)) + [100, 101]
+    assert feed(ChangePoint(), blocks(f, nan_steps=nan_steps)) == []
+    f[200:] *= 1.15
+    alerts = feed(ChangePoint(), blocks(f, nan_steps=nan_steps + list(range(201, 204))))
+    assert [a.kind for a in alerts] == ["regression"] and abs(alerts[0].step_first - 200) <= 4
+
+
+def test_straggler_driven_change_is_left_to_slow_rank_but_a_slow_stage_is_reported():
+    rng = np.random.default_rng(700)
+    S = 400
+    f = job_noise(rng, S)
+    one = np.ones((S, R))
+    one[150:300, 5] = 1.3                        # one slow rank: every step waits for it
+    assert feed(ChangePoint(), blocks(f, rank_factor=one)) == []
+    alerts = feed(ChangePoint(defer_stragglers=False), blocks(f, rank_factor=one))
+    assert [(a.kind, a.cause) for a in alerts] == [("regression", "parallelism"), ("recovery", "parallelism")]
+    assert abs(alerts[0].step_first - 150) <= 3 and abs(alerts[1].step_first - 300) <= 3
+    stage = np.ones((S, R))
+    stage[150:, 16:20] = 1.3                     # one pipeline stage of eight gets slower
+    alerts = feed(ChangePoint(), blocks(f, rank_factor=stage), pp=8)
+    assert [(a.kind, a.cause) for a in alerts] == [("regression", "parallelism")]
+    assert abs(alerts[0].step_first - 150) <= 3
+    assert alerts[0].evidence["busiest_stage_busy_delta_ms"] > 10
+    # without stages in the topology the same 4 slow ranks look like stragglers: left to slow_rank
+    assert feed(ChangePoint(), blocks(f, rank_factor=stage)) == []
+
+
+def test_invalid_settings_rejected():
+    with pytest.raises(ValueError):
+        ChangePoint(window=10, min_size=5)
+    with pytest.raises(ValueError):
+        ChangePoint(every=0)

@@ -1,0 +1,245 @@
+"""SlowRank: stragglers against their pipeline-stage peers, persistence, resolution, NaN, cost."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from stepwatch.detectors.base import JobContext, StepBlock
+from stepwatch.detectors.slowrank import SlowRank
+
+
+# -- synthetic synchronous training ------------------------------------------------------------------
+def make_ctx(R: int, per_node: int = 8, pp: int = 1, job: str = "job-a") -> JobContext:
+    nodes = np.array([f"node{r // per_node:03d}" for r in range(R)], dtype=object)
+    stage = (np.arange(R) * pp // R).astype(np.int32)
+    return JobContext(job=job, world_size=R, nodes=nodes, stage=stage)
+
+
+def make_block(steps, compute, data=5.0, comm=10.0, gc=0.0, host=2.0, step_ns=100_000_000) -> StepBlock:
+    """Synchronous steps: each rank's own work (data + compute + gc + host gap) then a collective of
+    ``comm`` ms; the step ends when the slowest rank arrives, so step_ms = max over ranks of
+    (own + comm) and comm_wait = step_ms - own - comm. NaN compute = the rank did not report."""
+    compute = np.asarray(compute, dtype=np.float64)
+    S, R = compute.shape
+
+    def full(v):
+        return np.broadcast_to(np.asarray(v, dtype=np.float64), (S, R)).copy()
+
+    data, comm, gc, host = full(data), full(comm), full(gc), full(host)
+    own = data + compute + gc + host
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)   # all-NaN steps
+        step_row = np.nanmax(own + comm, axis=1, keepdims=True) if R else np.zeros((S, 1))
+    step = np.broadcast_to(step_row, (S, R)).copy()
+    missing = np.isnan(compute)
+    step[missing] = np.nan
+    for a in (data, comm, gc):
+        a[missing] = np.nan
+    steps = np.asarray(steps, dtype=np.int64)
+    return StepBlock(steps=steps, t_end=(steps + 1) * step_ns, step_ms=step, data_ms=data,
+                     compute_ms=compute, comm_ms=comm, comm_wait_ms=step - own - comm, gc_ms=gc)
+
+
+def run(det, ctx, compute, block_size=25, **kw):
+    alerts = []
+    S = compute.shape[0]
+    for i in range(0, S, block_size):
+        sl = slice(i, min(S, i + block_size))
+        extra = {k: (v[sl] if isinstance(v, np.ndarray) and v.ndim == 2 else v) for k, v in kw.items()}
+        alerts += det.update(ctx, make_block(np.arange(sl.start, sl.stop), compute[sl], **extra))
+    return alerts
+
+
+def noisy(rng, S, R, base=100.0, sd=0.01):
+    return base * (1.0 + sd * rng.standard_normal((S, R)))
+
+
+def firing(alerts):
+    return [a for a in alerts if a.status == "firing"]
+
+
+# -- tests -------------------------------------------------------------------------------------------
+def test_single_straggler_fires_once_names_rank_node_and_resolves():
+    rng = np.random.default_rng(1)
+    R, S = 64, 200
+    comp = noisy(rng, S, R)
+    comp[50:130, 13] *= 1.2
+    ctx = make_ctx(R)
+    alerts = run(SlowRank(), ctx, comp)
+    fired = firing(alerts)
+    assert len(fired) == 1
+    a = fired[0]
+    assert a.kind == "slow_rank" and a.ranks == [13] and a.nodes == ["node001"]
+    assert 50 <= a.step_first <= 53 and a.step_detected <= 56
+    assert a.t_detected == (a.step_detected + 1) * 100_000_000
+    assert a.cause == "computation" and "isolate the slow node" in a.suggestion
+    # 20% more compute on ~117 ms of busy time over a ~137 ms synchronous step: ~15% throughput
+    assert 12.0 < a.cost_pct < 18.0 and a.severity == "critical"
+    ev = a.evidence
+    assert 15.0 < ev["effect_pct"] < 22.0 and ev["z"] > 4 and ev["phase"] == "compute_ms"
+    assert ev["peer_median_ms"] < ev["busy_ms"]
+    resolved = [x for x in alerts if x.status == "resolved"]
+    assert len(resolved) == 1
+    r = resolved[0]
+    assert r.alert_id == a.alert_id and r.step_first == a.step_first and r.ranks == [13]
+    assert 139 <= r.step_detected <= 142          # 10 clean steps after recovery at 130
+
+
+def test_two_simultaneous_stragglers_each_get_an_alert():
+    rng = np.random.default_rng(2)
+    R, S = 64, 120
+    comp = noisy(rng, S, R)
+    comp[40:, 5] *= 1.25
+    comp[40:, 44] *= 1.15
+    alerts = firing(run(SlowRank(), make_ctx(R), comp))
+    assert sorted(a.ranks[0] for a in alerts) == [5, 44]
+    assert {a.nodes[0] for a in alerts} == {"node000", "node005"}
+    assert all(40 <= a.step_first <= 43 for a in alerts)
+    assert len({a.alert_id for a in alerts}) == 2
+    by_rank = {a.ranks[0]: a for a in alerts}
+    assert by_rank[5].cost_pct > by_rank[44].cost_pct > 0
+
+
+def test_pipeline_stage_that_is_naturally_busier_is_not_flagged():
+    rng = np.random.default_rng(3)
+    R, S = 64, 150
+    ctx = make_ctx(R, pp=4)
+    comp = noisy(rng, S, R)
+    comp[:, ctx.stage == 3] *= 1.15
+    assert run(SlowRank(), ctx, comp) == []
+    # the same data judged as one stage would flag the whole last stage: the stage grouping matters
+    flat = make_ctx(R, pp=1)
+    assert len(firing(run(SlowRank(), flat, comp))) == 16
+    # and a real straggler inside the busy stage is still found against its own peers
+    comp2 = comp.copy()
+    comp2[60:, 61] *= 1.2
+    fired = firing(run(SlowRank(), ctx, comp2))
+    assert [a.ranks for a in fired] == [[61]] and fired[0].evidence["stage"] == 3
+    # stages interleaved across ranks (not stage-major) work the same
+    perm = np.random.default_rng(0).permutation(R)
+    mixed = JobContext(job=ctx.job, world_size=R, nodes=ctx.nodes[perm], stage=ctx.stage[perm])
+    fired = firing(run(SlowRank(), mixed, comp2[:, perm]))
+    assert [a.ranks for a in fired] == [[int(np.flatnonzero(perm == 61)[0])]]
+    assert fired[0].nodes == [ctx.node_of(61)] and fired[0].evidence["stage"] == 3
+    assert run(SlowRank(), mixed, comp[:, perm]) == []
+
+
+def test_intermittent_straggler_one_step_in_three_is_found():
+    rng = np.random.default_rng(4)
+    R, S = 64, 150
+    comp = noisy(rng, S, R)
+    comp[31::3, 22] *= 1.3                      # slow on every third step from step 31
+    alerts = run(SlowRank(), make_ctx(R), comp)
+    fired = firing(alerts)
+    assert [a.ranks for a in fired] == [[22]]
+    assert 31 <= fired[0].step_first <= 40 and fired[0].step_detected <= 45
+    # one slow step in three costs about a third of the single-step excess
+    assert 5.0 < fired[0].cost_pct < 15.0
+    assert not [a for a in alerts if a.status == "resolved"]   # never 10 clean steps in a row
+
+
+def test_nan_ranks_are_tolerated():
+    rng = np.random.default_rng(5)
+    R, S = 64, 160
+    comp = noisy(rng, S, R)
+    comp[rng.random((S, R)) < 0.1] = np.nan     # 10% of reports missing everywhere
+    comp[:, 7] = np.nan                          # a rank that never reports
+    comp[:20, :] = np.nan                        # and a gap where nobody reports
+    comp[60:, 30] *= 1.2
+    comp[60:, 30][rng.random(S - 60) < 0.3] = np.nan
+    alerts = run(SlowRank(), make_ctx(R), comp)
+    fired = firing(alerts)
+    assert [a.ranks for a in fired] == [[30]]
+    assert 60 <= fired[0].step_first <= 66
+    assert np.isfinite(fired[0].cost_pct)
+
+
+def test_nan_steps_do_not_count_as_clean():
+    rng = np.random.default_rng(6)
+    R, S = 32, 120
+    comp = noisy(rng, S, R)
+    comp[20:50, 3] *= 1.3
+    comp[50:100, 3] = np.nan                     # the rank stops reporting: not a recovery
+    comp[100:, 3] *= 1.0
+    alerts = run(SlowRank(), make_ctx(R), comp)
+    resolved = [a for a in alerts if a.status == "resolved"]
+    assert len(firing(alerts)) == 1 and len(resolved) == 1
+    assert resolved[0].step_detected == 109      # 10 clean *reported* steps: 100..109
+
+
+def test_flags_from_before_a_resolution_do_not_count_again():
+    rng = np.random.default_rng(11)
+    R, S = 32, 100
+    comp = noisy(rng, S, R)
+    comp[20:50, 6] *= 1.3                        # fires, then 3 clean steps resolve it (clear_steps=3)
+    comp[53:70, 6] *= 1.3                        # slow again right away
+    for size in (1, 100):
+        alerts = run(SlowRank(clear_steps=3), make_ctx(R), comp, block_size=size)
+        assert [(a.status, a.step_first) for a in alerts][:2] == [("firing", 20), ("resolved", 20)]
+        again = alerts[2]
+        assert again.status == "firing" and again.step_first == 53 and again.step_detected == 57
+        assert again.alert_id != alerts[0].alert_id
+
+
+def test_clean_heavy_tailed_noise_gives_no_alert():
+    rng = np.random.default_rng(7)
+    R, S = 256, 200
+    comp = 100.0 * (1.0 + 0.01 * rng.standard_t(3, size=(S, R)))
+    comp[rng.random((S, R)) < 0.002] *= 1.3      # isolated single-step hiccups on random ranks
+    assert run(SlowRank(), make_ctx(R), comp, block_size=50) == []
+
+
+def test_small_effect_below_floor_is_not_flagged_but_is_with_lower_floor():
+    rng = np.random.default_rng(8)
+    R, S = 64, 100
+    comp = noisy(rng, S, R, sd=0.003)
+    comp[20:, 9] += 0.03 * 117.0                 # busy ~117 ms -> 3% slower, far above the quiet noise
+    assert run(SlowRank(), make_ctx(R), comp) == []
+    fired = firing(run(SlowRank(min_effect=0.02, z_min=3.0), make_ctx(R), comp))
+    assert [a.ranks for a in fired] == [[9]]
+
+
+def test_clean_low_noise_data_never_fires_thanks_to_mad_floor():
+    R, S = 64, 60
+    comp = np.full((S, R), 100.0)
+    comp[:, 1] += 0.05                           # tiny, perfectly consistent differences
+    comp[:, 2] += 0.3
+    assert run(SlowRank(min_effect=0.0), make_ctx(R), comp) == []
+
+
+@pytest.mark.parametrize("phase,cause", [("data", "io"), ("gc", "gc"), ("host", "cpu")])
+def test_cause_follows_the_phase_that_grew(phase, cause):
+    rng = np.random.default_rng(9)
+    R, S = 32, 60
+    comp = noisy(rng, S, R)
+    extra = np.zeros((S, R))
+    extra[20:, 11] = 25.0
+    base = {"data": 5.0, "gc": 0.0, "host": 2.0}
+    kw = {phase: base[phase] + extra}
+    fired = firing(run(SlowRank(), make_ctx(R), comp, **kw))
+    assert [a.ranks for a in fired] == [[11]]
+    assert fired[0].cause == cause
+
+
+def test_block_partitioning_does_not_change_alerts():
+    rng = np.random.default_rng(10)
+    R, S = 48, 180
+    comp = noisy(rng, S, R)
+    comp[30:90, 4] *= 1.3
+    comp[50:, 40] *= 1.2
+    comp[rng.random((S, R)) < 0.05] = np.nan
+    ctx = make_ctx(R, pp=2)
+    rows = [[a.row() for a in run(SlowRank(), ctx, comp, block_size=b)] for b in (1, 7, 180)]
+    assert rows[0] == rows[1] == rows[2]
+    kinds = [(r["status"], r["ranks"]) for r in rows[0]]
+    assert kinds.count(("firing", [4])) == 1 and kinds.count(("resolved", [4])) == 1
+    assert kinds.count(("firing", [40])) == 1
+
+
+def test_invalid_settings_rejected():
+    with pytest.raises(ValueError):
+        SlowRank(k=5, n=4)
+    with pytest.raises(ValueError):
+        SlowRank(clear_steps=0)
