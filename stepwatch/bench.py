@@ -95,7 +95,7 @@ def run_bench(a) -> int:
             glob = str(d2 / "steps" / "job=bench-lag" / "*" / "*.parquet")
             while not stop.is_set():
                 try:
-                    m = con.execute(f"SELECT max(step) FROM read_parquet('{glob}')").fetchone()[0]
+                    m = con.execute(f"SELECT max(step) FROM read_parquet('{glob}')").fetchall()[0][0]
                 except Exception:  # noqa: BLE001 - no file yet
                     m = None
                 now = time.time()

@@ -117,7 +117,7 @@ def _post_mortem(root: Path, job: str, sim, sent: dict, elapsed: float) -> bool:
     _say("")
     _say("─" * 100)
     _say(f"post-mortem of job {job}")
-    counts = {t: con.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
+    counts = {t: con.execute(f"SELECT count(*) FROM {t}").fetchall()[0][0]
               for t in ("steps", "topology", "host", "gc", "alerts", "deadletter")}
     _say("rows stored: " + ", ".join(f"{t} {n:,}" for t, n in counts.items())
          + f"   (sent: steps {sent['steps']:,}, host {sent['host']:,}, gc {sent['gc']:,})")
@@ -136,7 +136,7 @@ def _post_mortem(root: Path, job: str, sim, sent: dict, elapsed: float) -> bool:
     jit = con.execute("""
         WITH s AS (SELECT step, step_ms, median(step_ms) OVER (ORDER BY step ROWS BETWEEN 10 PRECEDING AND 10 FOLLOWING) AS med
                    FROM job_steps WHERE job = ?)
-        SELECT avg(CASE WHEN step_ms > 1.1 * med THEN 1.0 ELSE 0.0 END), count(*) FROM s""", [job]).fetchone()
+        SELECT avg(CASE WHEN step_ms > 1.1 * med THEN 1.0 ELSE 0.0 END), count(*) FROM s""", [job]).fetchall()[0]
     _say(f"\njitter ratio (steps > 1.1x the median of the 21 steps around them): {100 * (jit[0] or 0):.1f}% of {jit[1]} steps")
     # ground truth
     labels = json.loads((root / "labels.json").read_text())

@@ -69,7 +69,8 @@ def _plain(t: pa.Table) -> pa.Table:
 class Processor:
     def __init__(self, kafka: KafkaSettings, data_dir: str | Path, group: str = "stepwatch-processor",
                  flush_interval_s: float = 1.0, max_buffer_rows: int = 1_000_000,
-                 lateness_s: float = 10.0, window_steps: int = 128, detector_settings: dict | None = None,
+                 lateness_s: float = 10.0, window_steps: int = 128, replay_steps: int = 256,
+                 detector_settings: dict | None = None,
                  on_alert: Callable[[Alert], None] | None = None, metrics: ProcessorMetrics | None = None,
                  create_topics: bool = True, idle_close_s: float = 5.0):
         self.kafka = kafka
@@ -78,7 +79,8 @@ class Processor:
         self.flush_interval_s = flush_interval_s
         self.max_buffer_rows = max_buffer_rows
         self.lateness_ns = int(lateness_s * 1e9)
-        self.window_steps = window_steps
+        self.window_steps = window_steps      # alignment ring (steps x ranks in memory)
+        self.replay_steps = replay_steps      # steps replayed from the store into fresh detectors
         self.detector_settings = detector_settings
         self.on_alert = on_alert
         self.metrics = metrics or ProcessorMetrics()
@@ -311,9 +313,9 @@ class Processor:
                 rt.state.set_topology(topo)
             for aid, status in con.execute("SELECT alert_id, status FROM alerts WHERE job = ?", [job]).fetchall():
                 rt.alerts_seen.add((aid, status))
-            top = con.execute("SELECT max(step) FROM steps WHERE job = ?", [job]).fetchone()[0]
+            top = con.execute("SELECT max(step) FROM steps WHERE job = ?", [job]).fetchall()[0][0]
             if top is not None:
-                lo = int(top) - self.window_steps + 1
+                lo = int(top) - self.replay_steps + 1
                 hist = con.sql("SELECT * FROM steps WHERE job = ? AND step >= ? ORDER BY step, rank",
                                params=[job, lo]).to_arrow_table()
                 if hist.num_rows:

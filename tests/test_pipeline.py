@@ -86,7 +86,7 @@ def _count_files(data):
 
 
 def test_sigkill_mid_stream_then_restart_loses_nothing_and_stores_nothing_twice(kafka, tmp_path):
-    sim = Simulation(job="crash", ranks=512, steps=300, seed=5)
+    sim = Simulation(job="crash", ranks=512, steps=300, seed=5, faults=["slow-rank:rank=100,pct=30,start=40"])
     prod = make_producer(kafka)
     # the producer keeps sending (~10 steps/s, ~30 s) while processors are killed and restarted
     sent = {}
@@ -123,6 +123,11 @@ def test_sigkill_mid_stream_then_restart_loses_nothing_and_stores_nothing_twice(
         n, uniq = con.execute(f"SELECT count(*), count(DISTINCT {key}) FROM {table} WHERE job='crash'").fetchone()
         assert n == uniq == sent[table], (table, n, uniq, sent[table])
     assert con.execute("SELECT count(*) FROM topology").fetchone()[0] == 512
+    # detector state was rebuilt from the store after each restart: the straggler is reported
+    # exactly once, neither forgotten nor alerted twice
+    alerts = con.execute("SELECT ranks, step_first FROM alerts WHERE job='crash' AND kind='slow_rank' "
+                         "AND status='firing'").fetchall()
+    assert alerts == [([100], alerts[0][1])] and abs(alerts[0][1] - 40) <= 5, alerts
 
 
 def test_malformed_messages_go_to_deadletter_and_good_ones_are_stored(kafka, tmp_path):
