@@ -615,18 +615,23 @@ class Simulation:
         is_foreign = sel == rpn
         pids = np.where(is_foreign, _FOREIGN_PID, _PY_PID0 + sel).astype(np.int64)
         names = pa.array(["python", _FOREIGN]).take(pa.array(is_foreign.astype(np.int8)))
-        procs = pa.StructArray.from_arrays([pa.array(pids), names, pa.array(top[valid])],
+        procs = pa.StructArray.from_arrays([pa.array(pids), names, pa.array(np.round(top[valid], 1))],
                                            fields=list(TOP_PROC))
         top_procs = pa.ListArray.from_arrays(pa.array(offsets), procs, type=HOST.field("top_procs").type)
 
+        # the precision real collectors report (/proc/stat percentages to 0.01, load to 0.01,
+        # rates in whole bytes/s, memory in pages): full-precision noise would not compress like data
+        r2 = lambda x: np.round(x, 2).ravel()   # noqa: E731
+        page = 4096
         cols = [
             _tiled_string_array(self._job_blob, self._job_offs, n),
             _tiled_string_array(self._nodename_blob, self._nodename_offs, S),
             _ts(np.repeat(t_end, N)),
-            pa.array(cpu_util.ravel()), pa.array(iowait.ravel()), pa.array(steal.ravel()),
-            pa.array(load1.ravel()), pa.array(mem_used.ravel()), pa.array(mem_avail.ravel()),
-            pa.array(disk_read.ravel()), pa.array(disk_write.ravel()),
-            pa.array(net_rx.ravel()), pa.array(net_tx.ravel()), pa.array(retrans.ravel()),
+            pa.array(r2(cpu_util)), pa.array(r2(iowait)), pa.array(r2(steal)),
+            pa.array(r2(load1)), pa.array((mem_used // page * page).ravel()),
+            pa.array((mem_avail // page * page).ravel()),
+            pa.array(np.round(disk_read).ravel()), pa.array(np.round(disk_write).ravel()),
+            pa.array(np.round(net_rx).ravel()), pa.array(np.round(net_tx).ravel()), pa.array(retrans.ravel()),
             top_procs,
             self._accel(nm) if self.accel else pa.nulls(n, HOST.field("accel").type),
         ]
@@ -647,10 +652,12 @@ class Simulation:
         np.cumsum(self.ranks_on_node, out=node_off[1:])
         offsets = (np.arange(S, dtype=np.int64)[:, None] * R + node_off[None, :-1]).ravel()
         offsets = np.append(offsets, S * R).astype(np.int32)
+        # as nvidia-smi / npu-smi report them: whole %, MiB, °C, 0.1 W, MHz
         vals = pa.StructArray.from_arrays(
-            [pa.array(np.tile(self.local_rank.astype(np.int32), S)), pa.array(util.ravel()),
-             pa.array(mem.ravel()), pa.array(temp.ravel()), pa.array(np.abs(power).ravel()),
-             pa.array(np.abs(clock).ravel())], fields=list(ACCEL))
+            [pa.array(np.tile(self.local_rank.astype(np.int32), S)), pa.array(np.round(util).ravel()),
+             pa.array((mem // (1 << 20) * (1 << 20)).ravel()), pa.array(np.round(temp).ravel()),
+             pa.array(np.round(np.abs(power), 1).ravel()), pa.array(np.round(np.abs(clock)).ravel())],
+            fields=list(ACCEL))
         return pa.ListArray.from_arrays(pa.array(offsets), vals, type=HOST.field("accel").type)
 
     def _gc_table(self, nm: dict, t_start: np.ndarray) -> pa.Table:

@@ -125,3 +125,116 @@ def run_bench(a) -> int:
         else:
             print("  no step became queryable (see the processor log)")
     return 0
+
+
+# ------------------------------------------------------------------------------------ query bench
+def _comm_from_steps(steps):
+    """One all_reduce row per rank per step, derived from the step rows (bench data only)."""
+    import pyarrow as pa
+
+    from stepwatch import schema as wire
+    n = steps.num_rows
+    cols = {"job": steps.column("job"), "node": steps.column("node"), "rank": steps.column("rank"),
+            "step": steps.column("step"), "op": pa.array(["all_reduce"] * 1, pa.string()).take(pa.array(np.zeros(n, np.int64))),
+            "group": pa.array(["dp0"], pa.string()).take(pa.array(np.zeros(n, np.int64))),
+            "count": pa.array(np.full(n, 12, np.int64)), "bytes": pa.array(np.full(n, 1 << 30, np.int64)),
+            "time_ms": steps.column("comm_ms"), "wait_ms": steps.column("comm_wait_ms")}
+    return pa.Table.from_arrays(list(cols.values()), schema=wire.COMM)
+
+
+def build_query_store(root: Path, ranks: int, seconds: int, chunk: int = 60, seed: int = 11) -> dict:
+    """One hour (by default) of a ``ranks``-rank job at 1 step/s, written as the compacted store
+    would hold it (one file per table per ``chunk`` steps), with alerts from the real detectors."""
+    import pyarrow as pa
+
+    from stepwatch import schema as wire
+    from stepwatch.agents.simulate import Simulation
+    from stepwatch.detectors.registry import build
+    from stepwatch.storage.store import ParquetStore
+    from stepwatch.stream.align import JobState
+
+    st = ParquetStore(root, fsync=False).init()
+    job = "bench-hour"
+    sim = Simulation(job=job, ranks=ranks, steps=seconds, seed=seed,
+                     t0_ns=(time.time_ns() // 3_600_000_000_000 - 2) * 3_600_000_000_000,
+                     faults=[f"slow-rank:rank={ranks // 3},pct=20,start={seconds // 4},end={seconds // 2}",
+                             f"regression:start={2 * seconds // 3},pct=12,cause=communication"])
+    state = JobState(job, capacity=128)
+    state.set_topology(sim.topology())
+    dets = build()
+    ctx = state.context()
+    alerts = []
+    st.write_flush({"topology": [sim.topology()]}, {})
+    counts = {"steps": 0, "host": 0, "gc": 0, "comm": 0}
+    t0 = time.perf_counter()
+    for a in range(0, seconds, chunk):
+        g = sim.generate(a, min(seconds, a + chunk))
+        _, blocks = state.ingest(g["steps"])
+        for blk in blocks:
+            for d in dets:
+                alerts += d.update(ctx, blk)
+        comm = _comm_from_steps(g["steps"])
+        st.write_flush({"steps": [g["steps"]], "host": [g["host"]], "gc": [g["gc"]], "comm": [comm]}, {})
+        for k in counts:
+            counts[k] += (comm if k == "comm" else g[k]).num_rows
+        done = min(seconds, a + chunk)
+        el = time.perf_counter() - t0
+        print(f"\r  generated {done}/{seconds} steps, {counts['steps']:,} step rows "
+              f"({el:.0f}s, ~{el / done * (seconds - done):.0f}s left)", end="", file=sys.stderr, flush=True)
+    for blk in state.close_ready(force=True):
+        for d in dets:
+            alerts += d.update(ctx, blk)
+    if alerts:
+        st.write_flush({"alerts": [pa.Table.from_pylist([x.row() for x in alerts], schema=wire.ALERTS)]}, {})
+    print(file=sys.stderr)
+    counts["alerts"] = len(alerts)
+    return counts
+
+
+def run_query_bench(a) -> int:
+    import duckdb
+
+    from stepwatch.storage import queries
+    from stepwatch.storage.views import connect
+
+    base = Path(a.data_dir or tempfile.mkdtemp(prefix="stepwatch-qbench-"))
+    seconds = a.seconds
+    print(f"stepwatch bench query: {a.ranks:,} ranks x {seconds:,} steps (1 step/s) -> {base}")
+    if (base / "steps").exists() and any((base / "steps").glob("job=bench-hour/*/*.parquet")):
+        print("  reusing the store already there (delete it to regenerate)")
+        counts = None
+    else:
+        t = time.perf_counter()
+        counts = build_query_store(base, a.ranks, seconds)
+        print(f"  wrote {counts} in {time.perf_counter() - t:.0f}s")
+    con = connect(base)
+    nrows = con.execute("SELECT count(*) FROM steps WHERE job = 'bench-hour'").fetchall()[0][0]
+    size = sum(f.stat().st_size for f in (base / "steps").glob("job=bench-hour/*/*.parquet"))
+    total = sum(f.stat().st_size for f in base.rglob("*.parquet"))
+    print(f"  steps: {nrows:,} rows, {size / 1e9:.2f} GB => {size / max(nrows, 1):.1f} bytes per step row "
+          f"(whole store {total / 1e9:.2f} GB, {total / max(nrows, 1):.1f} B per step row incl. host/gc/comm)")
+    alert = con.execute("SELECT step_first FROM alerts WHERE job='bench-hour' AND kind='regression' "
+                        "ORDER BY step_first LIMIT 1").fetchall()
+    step = alert[0][0] if alert else seconds // 2
+    tr = con.execute("SELECT min(t_end) + INTERVAL 10 MINUTE, min(t_end) + INTERVAL 40 MINUTE "
+                     "FROM steps WHERE job='bench-hour'").fetchall()[0]
+    runs = [
+        ("slowest_ranks", {}), ("slowest_ranks", {"t_from": tr[0], "t_to": tr[1]}),
+        ("change_points", {}), ("jitter_per_hour", {}), ("host_contention", {}),
+        ("gc_share_per_rank", {}), ("card_hours_lost", {}), ("before_after", {"step": step}),
+    ]
+    print(f"\n  {'query':<20} {'range':<12} {'rows':>5} {'cold s':>8} {'warm s':>8}")
+    worst = 0.0
+    for name, extra in runs:
+        times = []
+        for _ in range(2):
+            c = connect(base)          # a fresh connection each time: no cached metadata
+            t = time.perf_counter()
+            cols, rows = queries.run(c, name, job="bench-hour", **extra)
+            times.append(time.perf_counter() - t)
+            c.close()
+        worst = max(worst, max(times))
+        rng = "30 min" if "t_from" in extra else ("±30 steps" if name == "before_after" else "whole hour")
+        print(f"  {name:<20} {rng:<12} {len(rows):>5} {times[0]:>8.2f} {times[1]:>8.2f}")
+    print(f"\n  slowest query: {worst:.2f}s (target < 2 s); store {size / max(nrows, 1):.1f} B/step row (target < 40)")
+    return 0

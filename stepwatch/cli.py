@@ -171,8 +171,8 @@ def cmd_demo(a) -> int:
 
 
 def cmd_bench(a) -> int:
-    from stepwatch.bench import run_bench
-    return run_bench(a)
+    from stepwatch import bench
+    return {"ingest": bench.run_bench, "query": bench.run_query_bench}[a.what](a)
 
 
 # ---------------------------------------------------------------------------- parser
@@ -236,11 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=cmd_sql)
 
     be = sub.add_parser("bench", help="benchmarks that print figures")
-    be.add_argument("what", choices=["ingest"])
+    be.add_argument("what", choices=["ingest", "query"])
     be.add_argument("--ranks", type=int, default=16384)
     be.add_argument("--steps", type=int, default=60, help="steps pre-produced for the throughput run")
     be.add_argument("--lag-seconds", type=int, default=30, help="length of the live (1 step/s) lag run")
     be.add_argument("--rows-per-message", type=int, default=4096)
+    be.add_argument("--seconds", type=int, default=3600, help="query bench: steps (1 step/s) to generate")
     be.add_argument("--data-dir", default=None, help="default: a temporary folder")
     be.set_defaults(func=cmd_bench)
     return p

@@ -91,7 +91,10 @@ def _write_options(table_name: str, schema: pa.Schema) -> dict:
     keys = set(wire.NATURAL_KEYS.get(table_name, ())) | {TIME_COLUMN[table_name], "step", "t", "t_start", "t_end",
                                                             "node", "kind", "status"}
     return {"use_dictionary": [f.name for f in schema if pa.types.is_string(f.type)],
-            "write_statistics": [f.name for f in schema if f.name in keys]}
+            "write_statistics": [f.name for f in schema if f.name in keys],
+            # float columns: byte-stream-split lets zstd find the shared exponents (-10% size)
+            "use_byte_stream_split": [f.name for f in schema if pa.types.is_floating(f.type)],
+            "compression_level": 3}
 
 
 def _is_sorted(t: pa.Table, cols: list[str]) -> bool:

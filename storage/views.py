@@ -9,6 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import duckdb
+import pyarrow as pa
+
+from stepwatch.schema import SCHEMAS
 
 from stepwatch.storage.store import SEED_JOB, TABLES
 
@@ -22,8 +25,12 @@ def view_sql(root: str | Path) -> str:
     stmts = []
     for t in TABLES:
         glob = str(root / t / "*" / "*" / "*.parquet")
+        # Stored times are ns (Arrow timestamp[ns, UTC]); DuckDB's TIMESTAMPTZ_NS lacks interval
+        # arithmetic and most time functions, so the views expose microsecond TIMESTAMPTZ.
+        ts = [f.name for f in SCHEMAS[t] if pa.types.is_timestamp(f.type)]
+        sel = "*" if not ts else "* REPLACE (" + ", ".join(f"CAST({c} AS TIMESTAMPTZ) AS {c}" for c in ts) + ")"
         stmts.append(
-            f"CREATE OR REPLACE VIEW {t} AS SELECT * FROM read_parquet({_lit(glob)}, "
+            f"CREATE OR REPLACE VIEW {t} AS SELECT {sel} FROM read_parquet({_lit(glob)}, "
             f"hive_partitioning = true, union_by_name = true) WHERE job <> {_lit(SEED_JOB)};")
     # Per-step job summary: what most panels and the post-mortem start from.
     stmts.append("""CREATE OR REPLACE VIEW job_steps AS

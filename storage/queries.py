@@ -1,0 +1,142 @@
+"""Canned post-mortem queries: named, documented SQL over the views of :mod:`storage.views`.
+
+Each query takes named parameters: ``$job`` (always), ``$t_from`` / ``$t_to`` (TIMESTAMPTZ; default
+the whole job), and some take ``$step`` (a step number, e.g. an alert's ``step_first``), ``$window``
+(steps on each side) or ``$minutes``. ``stepwatch sql --list`` prints them; ``stepwatch sql --run
+NAME --job J [--from T --to T --step S]`` runs one.
+
+Written for thousands of ranks over hours: every query filters on ``job`` (a hive partition, so
+other jobs' files are never opened) and on ``t_end``/``step`` (files are sorted by step, so row
+groups outside the range are skipped by their statistics), and aggregates with sums/averages rather
+than exact per-group medians where the group is a rank over millions of rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Query:
+    name: str
+    description: str
+    sql: str
+    params: tuple[str, ...] = ("job", "t_from", "t_to")
+
+
+_RANGE = "job = $job AND t_end BETWEEN $t_from AND $t_to"
+
+QUERIES: dict[str, Query] = {q.name: q for q in [
+    Query("slowest_ranks",
+          "Ranks with the highest busy time (step time minus comm wait) in the range, with their node, "
+          "how much slower than the median rank they were, and the throughput that cost.",
+          f"""
+WITH r AS (
+  SELECT rank, any_value(node) AS node, count(*) AS steps,
+         avg(step_ms - coalesce(comm_wait_ms, 0)) AS busy_ms, avg(step_ms) AS step_ms,
+         avg(compute_ms) AS compute_ms, avg(data_ms) AS data_ms, avg(gc_ms) AS gc_ms,
+         avg(comm_wait_ms) AS comm_wait_ms
+  FROM steps WHERE {_RANGE} GROUP BY rank)
+SELECT rank, node, steps, round(busy_ms, 1) AS busy_ms,
+       round(100 * (busy_ms / median(busy_ms) OVER () - 1), 2) AS slower_pct,
+       round(100 * (busy_ms - median(busy_ms) OVER ()) / nullif(avg(step_ms) OVER (), 0), 2) AS cost_pct,
+       round(compute_ms, 1) AS compute_ms, round(data_ms, 1) AS data_ms, round(gc_ms, 2) AS gc_ms,
+       round(comm_wait_ms, 1) AS comm_wait_ms
+FROM r ORDER BY busy_ms DESC LIMIT 20"""),
+    Query("change_points",
+          "Regressions and recoveries of the job's step time: where each began, when it was detected, "
+          "the cause and evidence, and what it cost.",
+          """
+SELECT kind, status, step_first, step_detected, t_detected, cause, round(cost_pct, 2) AS cost_pct,
+       evidence, suggestion
+FROM alerts WHERE job = $job AND kind IN ('regression', 'recovery')
+  AND t_detected BETWEEN $t_from AND $t_to
+ORDER BY step_first, status"""),
+    Query("jitter_per_hour",
+          "Per hour: steps, median step time, and the jitter ratio (share of steps slower than 1.1x the "
+          "median of the 21 steps around them) and the worst spike.",
+          f"""
+WITH s AS (SELECT step, max(t_end) AS t_end, max(step_ms) AS step_ms FROM steps WHERE {_RANGE} GROUP BY step),
+w AS (SELECT *, median(step_ms) OVER (ORDER BY step ROWS BETWEEN 10 PRECEDING AND 10 FOLLOWING) AS local_med FROM s)
+SELECT date_trunc('hour', t_end) AS hour, count(*) AS steps, round(median(step_ms), 1) AS step_ms_p50,
+       round(100 * avg(CASE WHEN step_ms > 1.1 * local_med THEN 1 ELSE 0 END), 2) AS jitter_pct,
+       round(max(step_ms / local_med), 2) AS worst_spike_x
+FROM w GROUP BY ALL ORDER BY hour"""),
+    Query("host_contention",
+          "Host samples of the nodes named by the job's alerts, from $minutes before to $minutes after "
+          "each alert: CPU, iowait, steal, load and the top process.",
+          """
+WITH a AS (SELECT alert_id, kind, t_detected, unnest(nodes) AS node FROM alerts
+           WHERE job = $job AND status = 'firing' AND t_detected BETWEEN $t_from AND $t_to)
+SELECT a.kind, a.alert_id, h.node, h.t, round(h.cpu_util, 1) AS cpu_util, round(h.cpu_iowait, 1) AS iowait,
+       round(h.cpu_steal, 1) AS steal, round(h.load1, 1) AS load1,
+       h.top_procs[1].name AS top_proc, round(h.top_procs[1].cpu_pct, 0) AS top_proc_cpu_pct
+FROM a JOIN host h ON h.job = $job AND h.node = a.node
+  AND h.t BETWEEN a.t_detected - to_minutes(CAST($minutes AS BIGINT)) AND a.t_detected + to_minutes(CAST($minutes AS BIGINT))
+ORDER BY a.alert_id, h.node, h.t""",
+          params=("job", "t_from", "t_to", "minutes")),
+    Query("gc_share_per_rank",
+          "Share of each rank's step time spent in Python GC pauses, with collection counts (top 20).",
+          f"""
+SELECT rank, any_value(node) AS node, sum(gc_count) AS collections, round(sum(gc_ms), 1) AS gc_ms,
+       round(100 * sum(gc_ms) / nullif(sum(step_ms), 0), 3) AS gc_pct_of_step_time
+FROM steps WHERE {_RANGE} GROUP BY rank ORDER BY gc_pct_of_step_time DESC NULLS LAST LIMIT 20"""),
+    Query("card_hours_lost",
+          "Accelerator-hours lost per cause: each firing alert's cost share times the job's cards times "
+          "the time from its first step until it resolved (or the end of the range).",
+          f"""
+WITH ws AS (SELECT max(world_size) AS cards FROM topology WHERE job = $job),
+f AS (SELECT alert_id, any_value(cause) AS cause, any_value(kind) AS kind, any_value(cost_pct) AS cost_pct,
+             min(step_first) AS step_first,
+             max(CASE WHEN status = 'resolved' THEN step_detected END) AS step_resolved
+      FROM alerts WHERE job = $job AND kind <> 'recovery' GROUP BY alert_id),
+st AS (SELECT step, max(t_end) AS t_end FROM steps WHERE {_RANGE} GROUP BY step),
+span AS (SELECT f.alert_id, f.cause, f.kind, f.cost_pct,
+                (SELECT epoch(max(t_end) - min(t_end)) FROM st
+                 WHERE st.step >= f.step_first AND (f.step_resolved IS NULL OR st.step <= f.step_resolved)) AS seconds
+         FROM f)
+SELECT cause, count(*) AS alerts, round(sum(seconds) / 3600, 2) AS hours_affected,
+       round(sum(cost_pct / 100 * coalesce(seconds, 0) / 3600 * (SELECT cards FROM ws)), 2) AS card_hours_lost
+FROM span GROUP BY cause ORDER BY card_hours_lost DESC"""),
+    Query("before_after",
+          "Phase breakdown (median over ranks, averaged over steps) for $window steps before and after "
+          "step $step — e.g. an alert's step_first, or the step a fix was deployed.",
+          """
+WITH s AS (SELECT step, CASE WHEN step < $step THEN 'before' ELSE 'after' END AS side,
+                  median(step_ms) AS step_ms, median(data_ms) AS data_ms, median(compute_ms) AS compute_ms,
+                  median(comm_ms) AS comm_ms, median(comm_wait_ms) AS comm_wait_ms, median(gc_ms) AS gc_ms
+           FROM steps WHERE job = $job AND step BETWEEN $step - $window AND $step + $window - 1
+           GROUP BY step)
+SELECT side, count(*) AS steps, round(avg(step_ms), 1) AS step_ms, round(avg(data_ms), 1) AS data_ms,
+       round(avg(compute_ms), 1) AS compute_ms, round(avg(comm_ms), 1) AS comm_ms,
+       round(avg(comm_wait_ms), 1) AS comm_wait_ms, round(avg(gc_ms), 2) AS gc_ms,
+       round(avg(step_ms - coalesce(data_ms, 0) - coalesce(compute_ms, 0) - coalesce(comm_ms, 0)
+                 - coalesce(comm_wait_ms, 0) - coalesce(gc_ms, 0)), 1) AS host_gap_ms
+FROM s GROUP BY side ORDER BY side DESC""",
+          params=("job", "step", "window")),
+]}
+
+DEFAULTS = {"t_from": "1970-01-01 00:00:00+00", "t_to": "2200-01-01 00:00:00+00", "minutes": 5, "window": 30}
+
+
+def run(con, name: str, **params):
+    """Run a canned query; returns (columns, rows). Unknown name or missing parameter -> ValueError."""
+    q = QUERIES.get(name)
+    if q is None:
+        raise ValueError(f"unknown query {name!r} (stepwatch sql --list shows them: {', '.join(QUERIES)})")
+    args = {}
+    for p in q.params:
+        v = params.get(p)
+        if v is None:
+            v = DEFAULTS.get(p)
+        if v is None:
+            raise ValueError(f"query {name!r} needs --{p.replace('t_', '')}")
+        args[p] = v
+    for p in ("t_from", "t_to"):
+        if p in args:
+            args[p] = str(args[p])
+    sql = q.sql
+    for p in ("t_from", "t_to"):
+        sql = sql.replace(f"${p}", f"CAST(${p} AS TIMESTAMPTZ)")
+    cur = con.execute(sql, args)
+    cols = [d[0] for d in cur.description]
+    return cols, cur.fetchall()
