@@ -136,6 +136,26 @@ def cmd_sql(a) -> int:
     if a.print_views:
         print(view_sql(a.data_dir))
         return 0
+    if a.list:
+        from stepwatch.storage.queries import QUERIES
+        for q in QUERIES.values():
+            params = " ".join(f"--{p.replace('t_', '')}" for p in q.params if p != "job")
+            print(f"{q.name:<18} --job J {params}\n    {q.description}\n")
+        return 0
+    if a.run:
+        from stepwatch.storage import queries
+        ParquetStore(a.data_dir).init()
+        if not a.job:
+            print("stepwatch sql --run: give --job", file=sys.stderr)
+            return 2
+        try:
+            cols, rows = queries.run(connect(a.data_dir), a.run, job=a.job, t_from=a.t_from, t_to=a.t_to,
+                                     step=a.step, window=a.window, minutes=a.minutes)
+        except (ValueError, duckdb.Error) as e:
+            print(f"stepwatch sql: {e}", file=sys.stderr)
+            return 1 if isinstance(e, duckdb.Error) else 2
+        _print_rows(a.format, cols, rows)
+        return 0
     if not a.query:
         print("stepwatch sql: give a query, e.g. stepwatch sql \"SELECT * FROM job_steps LIMIT 5\"",
               file=sys.stderr)
@@ -149,18 +169,43 @@ def cmd_sql(a) -> int:
         return 1
     cols = [d[0] for d in cur.description] if cur.description else []
     rows = cur.fetchall() if cols else []
-    if a.format == "csv":
+    _print_rows(a.format, cols, rows)
+    return 0
+
+
+def _print_rows(fmt: str, cols, rows) -> None:
+    if fmt == "csv":
         import csv
         w = csv.writer(sys.stdout)
         w.writerow(cols)
         w.writerows(rows)
-    elif a.format == "json":
+    elif fmt == "json":
         import json
         print(json.dumps([dict(zip(cols, r)) for r in rows], default=str, indent=1))
     else:
         print(format_table(cols, rows))
         print(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
-    return 0
+
+
+# ---------------------------------------------------------------------------- compact
+def cmd_compact(a) -> int:
+    from stepwatch.storage import compact
+    from stepwatch.storage.store import ParquetStore
+    ParquetStore(a.data_dir).recover()
+    while True:
+        t = time.monotonic()
+        r = compact.run(a.data_dir, target_mb=a.target_mb, min_age_s=a.min_age, retention_days=a.retention_days,
+                        grace_s=a.grace)
+        print(f"compacted {r.partitions} partitions: {r.files_in} files ({r.bytes_in / 1e6:.1f} MB) -> "
+              f"{r.files_out} ({r.bytes_out / 1e6:.1f} MB), {r.rows:,} rows; expired {len(r.expired)} partitions"
+              f" in {time.monotonic() - t:.1f}s", flush=True)
+        for x in r.expired:
+            print(f"  expired {x}")
+        for x in r.skipped:
+            print(f"  skipped {x}")
+        if not a.every:
+            return 0
+        time.sleep(a.every)
 
 
 # ---------------------------------------------------------------------------- demo / bench
@@ -233,6 +278,23 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--data-dir", default=DEFAULT_DATA)
     q.add_argument("--format", choices=["table", "csv", "json"], default="table")
     q.add_argument("--print-views", action="store_true", help="print the view definitions (Grafana initSql)")
+    q.add_argument("--list", action="store_true", help="list the canned post-mortem queries")
+    q.add_argument("--run", metavar="NAME", help="run a canned query (see --list)")
+    q.add_argument("--job")
+    q.add_argument("--from", dest="t_from", help="start time, e.g. '2026-11-21 10:00:00+00'")
+    q.add_argument("--to", dest="t_to")
+    q.add_argument("--step", type=int, help="before_after: the step to compare around")
+    q.add_argument("--window", type=int, default=None, help="before_after: steps on each side (30)")
+    q.add_argument("--minutes", type=int, default=None, help="host_contention: minutes around each alert (5)")
+
+    c = sub.add_parser("compact", help="merge small Parquet files, expire old partitions")
+    c.add_argument("--data-dir", default=DEFAULT_DATA)
+    c.add_argument("--target-mb", type=float, default=256, help="size of a compacted file")
+    c.add_argument("--min-age", type=float, default=30, help="only merge files older than this (s)")
+    c.add_argument("--retention-days", type=float, default=None, help="remove date partitions older than this")
+    c.add_argument("--grace", type=float, default=300, help="keep replaced files this long for running queries (s)")
+    c.add_argument("--every", type=float, default=None, help="repeat every N seconds (a maintenance loop)")
+    c.set_defaults(func=cmd_compact)
     q.set_defaults(func=cmd_sql)
 
     be = sub.add_parser("bench", help="benchmarks that print figures")

@@ -137,6 +137,5 @@ def run(con, name: str, **params):
     sql = q.sql
     for p in ("t_from", "t_to"):
         sql = sql.replace(f"${p}", f"CAST(${p} AS TIMESTAMPTZ)")
-    cur = con.execute(sql, args)
-    cols = [d[0] for d in cur.description]
-    return cols, cur.fetchall()
+    from stepwatch.storage.views import query
+    return query(con, sql, args)

@@ -19,9 +19,11 @@ and nothing is stored twice.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
+from contextlib import ExitStack, contextmanager
 import time
 import uuid
 from dataclasses import dataclass
@@ -83,6 +85,25 @@ def _atomic_write_json(path: Path, obj) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def lock_path(root: Path, part_dir: Path) -> Path:
+    rel = Path(part_dir).relative_to(root)
+    return Path(root) / "_state" / "locks" / (str(rel).replace(os.sep, "__") + ".lock")
+
+
+@contextmanager
+def partition_lock(root: Path, part_dir: Path):
+    """Exclusive lock of one partition folder, held by the writer from its first temporary file to
+    its rename and by compaction/retention for their swap (see :mod:`stepwatch.storage.compact`)."""
+    p = lock_path(Path(root), Path(part_dir))
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _write_options(table_name: str, schema: pa.Schema) -> dict:
@@ -205,14 +226,21 @@ class ParquetStore:
         self._seq += 1
         flush_id = f"{int(time.time())}-{self.member}-{self._seq:06d}"
         renames: list[tuple[str, str]] = []
+        pieces = []
         for name, parts in tables.items():
             parts = [p for p in parts if p.num_rows]
             if not parts:
                 continue
             t = pa.concat_tables(parts, promote_options="permissive") if len(parts) > 1 else parts[0]
-            for i, (job, date, piece) in enumerate(self._split(name, t, received_ns)):
-                d = self.root / name / f"job={job}" / f"date={date}"
-                d.mkdir(parents=True, exist_ok=True)
+            for job, date, piece in self._split(name, t, received_ns):
+                pieces.append((name, self.root / name / f"job={job}" / f"date={date}", piece))
+        locks = ExitStack()
+        for d in sorted({str(d) for _, d, _ in pieces}):
+            Path(d).mkdir(parents=True, exist_ok=True)
+            locks.enter_context(partition_lock(self.root, Path(d)))
+        with locks:
+            for i, (name, d, piece) in enumerate(pieces):
+                d.mkdir(parents=True, exist_ok=True)     # retention may have removed it before we locked
                 final = d / f"part-{flush_id}-{i}.parquet"
                 tmp = d / f".part-{flush_id}-{i}.parquet.tmp"
                 pq.write_table(piece, tmp, compression=self.compression, row_group_size=self.row_group_size,
@@ -226,6 +254,10 @@ class ParquetStore:
                 self.bytes_written += tmp.stat().st_size
                 self.files_written += 1
                 renames.append((str(tmp), str(final)))
+            self._commit(flush_id, renames, markers)
+        return [Path(f) for _, f in renames]
+
+    def _commit(self, flush_id: str, renames, markers) -> None:
         intent = {"flush": flush_id, "renames": renames, "cluster": self.cluster,
                   "markers": [[t, p, m.to_json()] for (t, p), m in markers.items()]}
         ipath = self.state / "intents" / f"{flush_id}.json"
@@ -233,8 +265,7 @@ class ParquetStore:
         if os.environ.get("STEPWATCH_FAILPOINT") == "after-intent":   # crash tests: die mid-flush
             os._exit(137)
         self._apply(intent)
-        ipath.unlink()
-        return [Path(f) for _, f in renames]
+        ipath.unlink(missing_ok=True)
 
     def _apply(self, intent: dict) -> None:
         for tmp, final in intent["renames"]:
@@ -262,11 +293,12 @@ class ParquetStore:
                 intent = json.loads(ipath.read_text())
             except (ValueError, FileNotFoundError):
                 continue
-            self._apply(intent)
-            try:
-                ipath.unlink()
-            except FileNotFoundError:
-                pass
+            with ExitStack() as locks:
+                for d in sorted({str(Path(final).parent) for _, final in intent["renames"]}):
+                    if Path(d).exists():
+                        locks.enter_context(partition_lock(self.root, Path(d)))
+                self._apply(intent)
+            ipath.unlink(missing_ok=True)
             n += 1
             log.warning("recovered interrupted flush %s (%d files)", intent["flush"], len(intent["renames"]))
         now = time.time()

@@ -57,3 +57,19 @@ def connect(root: str | Path, threads: int | None = None) -> duckdb.DuckDBPyConn
         con.execute(f"SET threads = {int(threads)}")
     con.execute(view_sql(root))
     return con
+
+
+def query(con: duckdb.DuckDBPyConnection, sql: str, params=None, retries: int = 3):
+    """Run a query and fetch all rows, retrying when a file vanished under it (compaction swapped
+    or retention removed a partition between DuckDB listing the folder and opening the file).
+    Returns (columns, rows)."""
+    for attempt in range(retries + 1):
+        try:
+            cur = con.execute(sql, params) if params is not None else con.execute(sql)
+            cols = [d[0] for d in cur.description] if cur.description else []
+            return cols, (cur.fetchall() if cols else [])
+        except duckdb.IOException as e:
+            msg = str(e)
+            if attempt == retries or not ("No such file" in msg or "Could not open" in msg
+                                          or "not found" in msg.lower()):
+                raise
