@@ -187,6 +187,23 @@ def _print_rows(fmt: str, cols, rows) -> None:
         print(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
 
 
+# ---------------------------------------------------------------------------- report
+def cmd_report(a) -> int:
+    from stepwatch.report import build
+    t = time.monotonic()
+    try:
+        r = build(a.data_dir, a.job, a.t_from, a.t_to)
+    except ValueError as e:
+        print(f"stepwatch report: {e}", file=sys.stderr)
+        return 2
+    out = a.out or f"stepwatch-report-{a.job}.html"
+    with open(out, "w", encoding="utf-8") as f:
+        f.write(r.html)
+    print(r.summary)
+    print(f"\nreport: {os.path.abspath(out)} ({len(r.html) / 1e6:.1f} MB, {time.monotonic() - t:.1f}s)")
+    return 0
+
+
 # ---------------------------------------------------------------------------- compact
 def cmd_compact(a) -> int:
     from stepwatch.storage import compact
@@ -286,6 +303,14 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--step", type=int, help="before_after: the step to compare around")
     q.add_argument("--window", type=int, default=None, help="before_after: steps on each side (30)")
     q.add_argument("--minutes", type=int, default=None, help="host_contention: minutes around each alert (5)")
+
+    rp = sub.add_parser("report", help="self-contained HTML post-mortem of a job + a terminal summary")
+    rp.add_argument("--job", required=True)
+    rp.add_argument("--data-dir", default=DEFAULT_DATA)
+    rp.add_argument("--from", dest="t_from")
+    rp.add_argument("--to", dest="t_to")
+    rp.add_argument("--out", help="HTML file (default stepwatch-report-<job>.html)")
+    rp.set_defaults(func=cmd_report)
 
     c = sub.add_parser("compact", help="merge small Parquet files, expire old partitions")
     c.add_argument("--data-dir", default=DEFAULT_DATA)

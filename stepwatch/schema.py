@@ -146,9 +146,30 @@ DEADLETTER = pa.schema([
     pa.field("payload", pa.binary()),       # raw message (whole-message errors) or the row as JSON
 ])
 
+#: Derived by the store from every batch of step rows it writes: per-rank partial sums per minute,
+#: so per-rank questions over hours read ~60x fewer rows. Several rows may exist for one
+#: (job, rank, minute) — one per flush — and queries add them up.
+RANK_MINUTES = pa.schema([
+    pa.field("job", pa.string(), nullable=False),
+    pa.field("rank", pa.int32(), nullable=False),
+    pa.field("node", pa.string()),
+    pa.field("minute", TS, nullable=False),
+    pa.field("steps", pa.int64()),
+    pa.field("step_min", pa.int64()),
+    pa.field("step_max", pa.int64()),
+    pa.field("step_ms", F64),
+    pa.field("busy_ms", F64),
+    pa.field("data_ms", F64),
+    pa.field("compute_ms", F64),
+    pa.field("comm_ms", F64),
+    pa.field("comm_wait_ms", F64),
+    pa.field("gc_ms", F64),
+    pa.field("gc_count", pa.int64()),
+])
+
 SCHEMAS: dict[str, pa.Schema] = {
     "steps": STEPS, "topology": TOPOLOGY, "host": HOST, "gc": GC, "comm": COMM,
-    "alerts": ALERTS, "deadletter": DEADLETTER,
+    "alerts": ALERTS, "deadletter": DEADLETTER, "rank_minutes": RANK_MINUTES,
 }
 #: Kinds a producer may send (telemetry); alerts/deadletter are written by the processor.
 TELEMETRY = ("steps", "topology", "host", "gc", "comm")

@@ -24,18 +24,20 @@ class Query:
 
 
 _RANGE = "job = $job AND t_end BETWEEN $t_from AND $t_to"
+_MINUTES = "job = $job AND minute BETWEEN date_trunc('minute', $t_from) AND $t_to"
 
 QUERIES: dict[str, Query] = {q.name: q for q in [
     Query("slowest_ranks",
           "Ranks with the highest busy time (step time minus comm wait) in the range, with their node, "
-          "how much slower than the median rank they were, and the throughput that cost.",
+          "how much slower than the median rank they were, and the throughput that cost. Reads the "
+          "per-rank minute summaries (ranges are whole minutes).",
           f"""
 WITH r AS (
-  SELECT rank, any_value(node) AS node, count(*) AS steps,
-         avg(step_ms - coalesce(comm_wait_ms, 0)) AS busy_ms, avg(step_ms) AS step_ms,
-         avg(compute_ms) AS compute_ms, avg(data_ms) AS data_ms, avg(gc_ms) AS gc_ms,
-         avg(comm_wait_ms) AS comm_wait_ms
-  FROM steps WHERE {_RANGE} GROUP BY rank)
+  SELECT rank, any_value(node) AS node, sum(steps) AS steps,
+         sum(busy_ms) / sum(steps) AS busy_ms, sum(step_ms) / sum(steps) AS step_ms,
+         sum(compute_ms) / sum(steps) AS compute_ms, sum(data_ms) / sum(steps) AS data_ms,
+         sum(gc_ms) / sum(steps) AS gc_ms, sum(comm_wait_ms) / sum(steps) AS comm_wait_ms
+  FROM rank_minutes WHERE {_MINUTES} GROUP BY rank)
 SELECT rank, node, steps, round(busy_ms, 1) AS busy_ms,
        round(100 * (busy_ms / median(busy_ms) OVER () - 1), 2) AS slower_pct,
        round(100 * (busy_ms - median(busy_ms) OVER ()) / nullif(avg(step_ms) OVER (), 0), 2) AS cost_pct,
@@ -66,11 +68,15 @@ FROM w GROUP BY ALL ORDER BY hour"""),
           "each alert: CPU, iowait, steal, load and the top process.",
           """
 WITH a AS (SELECT alert_id, kind, t_detected, unnest(nodes) AS node FROM alerts
-           WHERE job = $job AND status = 'firing' AND t_detected BETWEEN $t_from AND $t_to)
+           WHERE job = $job AND status = 'firing' AND t_detected BETWEEN $t_from AND $t_to),
+w AS (SELECT min(t_detected) - to_minutes(CAST($minutes AS BIGINT)) AS lo,
+             max(t_detected) + to_minutes(CAST($minutes AS BIGINT)) AS hi FROM a),
+h AS (SELECT h.* FROM host h, w WHERE h.job = $job AND h.t BETWEEN w.lo AND w.hi
+        AND h.node IN (SELECT node FROM a))   -- one scan, pruned to the alerts' nodes and window
 SELECT a.kind, a.alert_id, h.node, h.t, round(h.cpu_util, 1) AS cpu_util, round(h.cpu_iowait, 1) AS iowait,
        round(h.cpu_steal, 1) AS steal, round(h.load1, 1) AS load1,
        h.top_procs[1].name AS top_proc, round(h.top_procs[1].cpu_pct, 0) AS top_proc_cpu_pct
-FROM a JOIN host h ON h.job = $job AND h.node = a.node
+FROM a JOIN h ON h.node = a.node
   AND h.t BETWEEN a.t_detected - to_minutes(CAST($minutes AS BIGINT)) AND a.t_detected + to_minutes(CAST($minutes AS BIGINT))
 ORDER BY a.alert_id, h.node, h.t""",
           params=("job", "t_from", "t_to", "minutes")),
@@ -79,7 +85,7 @@ ORDER BY a.alert_id, h.node, h.t""",
           f"""
 SELECT rank, any_value(node) AS node, sum(gc_count) AS collections, round(sum(gc_ms), 1) AS gc_ms,
        round(100 * sum(gc_ms) / nullif(sum(step_ms), 0), 3) AS gc_pct_of_step_time
-FROM steps WHERE {_RANGE} GROUP BY rank ORDER BY gc_pct_of_step_time DESC NULLS LAST LIMIT 20"""),
+FROM rank_minutes WHERE {_MINUTES} GROUP BY rank ORDER BY gc_pct_of_step_time DESC NULLS LAST LIMIT 20"""),
     Query("card_hours_lost",
           "Accelerator-hours lost per cause: each firing alert's cost share times the job's cards times "
           "the time from its first step until it resolved (or the end of the range).",

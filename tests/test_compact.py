@@ -39,7 +39,8 @@ def test_compaction_merges_small_files_and_keeps_every_row(tmp_path):
     con = connect(tmp_path)
     before = con.execute("SELECT count(*), sum(step), sum(comm_wait_ms) FROM steps").fetchall()
     res = compact.run(tmp_path, min_age_s=0, grace_s=0)
-    assert res.partitions == 1 and res.files_in == 40 and res.files_out == 1
+    # steps and the derived rank_minutes summary: 40 files each -> 1 each
+    assert res.partitions == 2 and res.files_in == 80 and res.files_out == 2
     assert len(files(tmp_path)) == 1
     con = connect(tmp_path)
     assert con.execute("SELECT count(*), sum(step), sum(comm_wait_ms) FROM steps").fetchall() == before
@@ -57,13 +58,15 @@ def test_queries_during_compaction_and_writes_see_each_row_exactly_once(tmp_path
     per_flush = 5 * RANKS
     for k in range(20):
         st.write_flush({"steps": [steps("j", k * 5, 5)]}, {})
-    written = [20]
+    written = [20]     # flushes finished
+    started = [20]     # flushes begun (a reader may already see the one being renamed in)
     stop = threading.Event()
     errors, observed = [], []
 
     def writer():
         k = 20
         while not stop.is_set() and k < 400:
+            started[0] = k + 1
             st.write_flush({"steps": [steps("j", k * 5, 5)]}, {})
             k += 1
             written[0] = k
@@ -78,7 +81,7 @@ def test_queries_during_compaction_and_writes_see_each_row_exactly_once(tmp_path
             except Exception as e:  # noqa: BLE001
                 errors.append(repr(e))
                 continue
-            hi = written[0]
+            hi = started[0]
             n, uniq = rows[0]
             observed.append(n)
             if n != uniq or n % per_flush or not (lo * per_flush <= n <= hi * per_flush):
@@ -109,9 +112,10 @@ def test_retention_removes_only_partitions_wholly_outside_the_window(tmp_path):
         st.write_flush({"steps": [steps("j", i * 10, 3, day=today - timedelta(days=age))]}, {})
     removed = compact.expire(tmp_path, retention_days=5, today=today)
     kept = sorted(p.parent.name for p in files(tmp_path))
-    assert sorted(removed) == sorted(f"steps/job=j/date={today - timedelta(days=a)}" for a in (6, 30))
+    assert sorted(removed) == sorted(f"{t}/job=j/date={today - timedelta(days=a)}"
+                                     for a in (6, 30) for t in ("steps", "rank_minutes"))
     assert kept == sorted(f"date={today - timedelta(days=a)}" for a in (0, 1, 4, 5))
-    # the seed partition and other tables are untouched; writing into an expired date works again
+    # the seed partition is untouched; writing into an expired date works again
     assert (tmp_path / "steps" / "job=_seed").exists()
     st.write_flush({"steps": [steps("j", 999, 1, day=today - timedelta(days=30))]}, {})
     assert connect(tmp_path).execute("SELECT count(*) FROM steps WHERE step = 999").fetchall() == [(RANKS,)]

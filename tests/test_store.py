@@ -24,8 +24,11 @@ def test_flush_writes_partitions_markers_and_views(tmp_path):
     st = ParquetStore(tmp_path).init()
     st.cluster = "c1"
     files = st.write_flush({"steps": [steps("a", 0, 3), steps("b", 0, 2)]}, {("t.steps", 0): Marker(42)})
-    assert len(files) == 2 and all(f.exists() for f in files)
-    assert {f.parent.parent.name for f in files} == {"job=a", "job=b"}
+    steps_files = [f for f in files if f.parts[-4] == "steps"]
+    assert len(steps_files) == 2 and all(f.exists() for f in files)
+    assert {f.parent.parent.name for f in steps_files} == {"job=a", "job=b"}
+    # the per-rank minute summary is derived from the same rows in the same flush
+    assert {f.parts[-4] for f in files} == {"steps", "rank_minutes"}
     assert st.load_marker("t.steps", 0).next == 42
     con = connect(tmp_path)
     assert con.execute("SELECT job, count(*) FROM steps GROUP BY job ORDER BY job").fetchall() == [("a", 12), ("b", 8)]
@@ -48,11 +51,12 @@ st.write_flush({{"steps": [steps("a", 0, 5)]}}, {{("t.steps", 1): Marker(7)}})
     st = ParquetStore(tmp_path)
     st.cluster = "c1"
     assert st.load_marker("t.steps", 1) is None                    # nothing visible yet
-    assert len(list(tmp_path.rglob(".part-*.tmp"))) == 1
+    assert len(list((tmp_path / "steps").rglob(".part-*.tmp"))) == 1
     assert st.recover() == 1
     assert st.load_marker("t.steps", 1).next == 7
     con = connect(tmp_path)
     assert con.execute("SELECT count(*) FROM steps").fetchone() == (20,)
+    assert con.execute("SELECT sum(steps) FROM rank_minutes").fetchone() == (20,)
     assert not list((tmp_path / "_state" / "intents").iterdir())
 
 
