@@ -65,3 +65,12 @@ def test_marker_done_ranges():
     assert m.done == [[12, 14], [20, 20]]
     assert m.is_done(9) and not m.is_done(10) and m.is_done(13) and not m.is_done(15) and m.is_done(20)
     assert json.loads(json.dumps(m.to_json())) == {"next": 10, "done": [[12, 14], [20, 20]]}
+
+
+def test_docs_tables_md_matches_the_code():
+    from pathlib import Path
+
+    from stepwatch.storage.docs import tables_markdown
+    doc = Path(__file__).resolve().parents[1] / "docs" / "tables.md"
+    assert doc.read_text() == tables_markdown(), \
+        "docs/tables.md is stale: python -m stepwatch.storage.docs > docs/tables.md"

@@ -1,0 +1,68 @@
+"""Generates ``docs/tables.md`` from the schemas and the view definitions, so the documented
+schema is the schema (a test fails when the checked-in file differs; regenerate with
+``python -m stepwatch.storage.docs > docs/tables.md``)."""
+from __future__ import annotations
+
+from stepwatch.schema import NATURAL_KEYS, SCHEMAS
+from stepwatch.storage.store import SORT_COLUMNS, TIME_COLUMN
+from stepwatch.storage.views import view_sql
+
+ABOUT = {
+    "steps": "One row per rank per training step (wire `steps/1`). Durations in ms; `step_ms - comm_wait_ms` "
+             "is the rank's busy time.",
+    "topology": "One row per rank of a job (wire `topology/1`): world size, node, parallel coordinates "
+                "(`pp` = pipeline stage).",
+    "host": "One row per node per host sample (wire `host/1`): CPU, memory, disk, NIC, RDMA, top processes, "
+            "accelerators.",
+    "gc": "One row per Python garbage collection in a training process (wire `gc/1`).",
+    "comm": "One row per rank per step per collective kind and group (wire `comm/1`).",
+    "alerts": "One row per alert state change (`firing`, then `resolved`) written by the processor. "
+              "`alert_id` is stable for the same finding; `evidence` is JSON text.",
+    "deadletter": "Rejected input: whole messages (`row` null, raw bytes in `payload`) or single rows "
+                  "(`row` = index in the message, the row as JSON in `payload`), with the `reason`.",
+    "rank_minutes": "Derived by the store from every batch of step rows it writes: per (job, rank, minute of "
+                    "`t_end`) partial sums (`steps` = rows summed). One (job, rank, minute) may have several "
+                    "rows (one per flush): always aggregate with `sum`. Per-rank questions over hours read "
+                    "this instead of `steps` (about 60x fewer rows).",
+}
+
+VIEWS = {
+    "job_steps": "One row per job and step: ranks reported, median/max step time, median busy time and phases, "
+                 "samples and tokens.",
+    "rank_busy": "One row per job and rank over everything stored: median busy time and phases.",
+}
+
+
+def tables_markdown() -> str:
+    out = ["# Tables and views", "",
+           "Generated from the code by `python -m stepwatch.storage.docs`; do not edit by hand.", "",
+           "The store keeps one folder per table: `<data-dir>/<table>/job=<job>/date=YYYY-MM-DD/*.parquet`",
+           "(zstd, rows sorted within a file as listed). `stepwatch sql` and the Grafana datasource read them",
+           "through DuckDB views of the same names. The views add the hive columns `job` and `date`, and show",
+           "event times as `TIMESTAMPTZ` (microseconds).", "",
+           "Times are UTC; durations are float64 milliseconds; sizes are bytes.", ""]
+    for t, s in SCHEMAS.items():
+        out += [f"## `{t}`", "", ABOUT.get(t, ""), ""]
+        meta = []
+        if t in NATURAL_KEYS:
+            meta.append(f"natural key: `{', '.join(NATURAL_KEYS[t])}`")
+        if t in TIME_COLUMN:
+            tc = TIME_COLUMN[t]
+            meta.append("date partition from: " + ("time of receipt" if tc == "_received" else f"`{tc}`"))
+        if t in SORT_COLUMNS:
+            meta.append(f"sorted by: `{', '.join(SORT_COLUMNS[t])}`")
+        if meta:
+            out += ["; ".join(meta), ""]
+        out += ["| column | type | required |", "|---|---|---|"]
+        out += [f"| `{f.name}` | `{f.type}` | {'yes' if not f.nullable else ''} |" for f in s]
+        out.append("")
+    out += ["## Views", ""]
+    for v, about in VIEWS.items():
+        out += [f"### `{v}`", "", about, ""]
+    out += ["## View definitions", "", "As `stepwatch sql --print-views` prints them (for a data dir `/data`):", "",
+            "```sql", view_sql("/data"), "```", ""]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(tables_markdown(), end="")
