@@ -107,7 +107,8 @@ def compact_partition(root: Path, table: str, part: Path, target_bytes: int = 25
             if cols and not _is_sorted(t, cols):
                 t = t.take(pc.sort_indices(t, [(c, "ascending") for c in cols]))
             out = stage / f"compact-{int(now)}-{uuid.uuid4().hex[:8]}-{i}.parquet"
-            pq.write_table(t, out, compression="zstd", row_group_size=1 << 20, **_write_options(table, t.schema))
+            pq.write_table(t, out, **{"compression": "zstd", "row_group_size": 1 << 20,
+                                      **_write_options(table, t.schema)})
             res.rows += t.num_rows
             res.files_out += 1
             res.bytes_out += out.stat().st_size

@@ -21,6 +21,10 @@ class Query:
     description: str
     sql: str
     params: tuple[str, ...] = ("job", "t_from", "t_to")
+    #: optional first query; ``sql`` then runs once per row it returns, with that row's columns as
+    #: extra parameters (constants, so DuckDB prunes files and row groups with them), and the
+    #: results are concatenated
+    each: str | None = None
 
 
 _RANGE = "job = $job AND t_end BETWEEN $t_from AND $t_to"
@@ -67,19 +71,17 @@ FROM w GROUP BY ALL ORDER BY hour"""),
           "Host samples of the nodes named by the job's alerts, from $minutes before to $minutes after "
           "each alert: CPU, iowait, steal, load and the top process.",
           """
-WITH a AS (SELECT alert_id, kind, t_detected, unnest(nodes) AS node FROM alerts
-           WHERE job = $job AND status = 'firing' AND t_detected BETWEEN $t_from AND $t_to),
-w AS (SELECT min(t_detected) - to_minutes(CAST($minutes AS BIGINT)) AS lo,
-             max(t_detected) + to_minutes(CAST($minutes AS BIGINT)) AS hi FROM a),
-h AS (SELECT h.* FROM host h, w WHERE h.job = $job AND h.t BETWEEN w.lo AND w.hi
-        AND h.node IN (SELECT node FROM a))   -- one scan, pruned to the alerts' nodes and window
-SELECT a.kind, a.alert_id, h.node, h.t, round(h.cpu_util, 1) AS cpu_util, round(h.cpu_iowait, 1) AS iowait,
-       round(h.cpu_steal, 1) AS steal, round(h.load1, 1) AS load1,
-       h.top_procs[1].name AS top_proc, round(h.top_procs[1].cpu_pct, 0) AS top_proc_cpu_pct
-FROM a JOIN h ON h.node = a.node
-  AND h.t BETWEEN a.t_detected - to_minutes(CAST($minutes AS BIGINT)) AND a.t_detected + to_minutes(CAST($minutes AS BIGINT))
-ORDER BY a.alert_id, h.node, h.t""",
-          params=("job", "t_from", "t_to", "minutes")),
+SELECT $kind AS kind, $alert_id AS alert_id, node, t, round(cpu_util, 1) AS cpu_util,
+       round(cpu_iowait, 1) AS iowait, round(cpu_steal, 1) AS steal, round(load1, 1) AS load1,
+       top_procs[1].name AS top_proc, round(top_procs[1].cpu_pct, 0) AS top_proc_cpu_pct
+FROM host WHERE job = $job AND t BETWEEN $lo AND $hi AND list_contains($nodes, node)
+ORDER BY node, t""",
+          params=("job", "t_from", "t_to", "minutes"),
+          each="""
+SELECT kind, alert_id, t_detected - to_minutes(CAST($minutes AS BIGINT)) AS lo,
+       t_detected + to_minutes(CAST($minutes AS BIGINT)) AS hi, nodes
+FROM alerts WHERE job = $job AND status = 'firing' AND t_detected BETWEEN $t_from AND $t_to AND len(nodes) > 0
+ORDER BY t_detected"""),
     Query("gc_share_per_rank",
           "Share of each rank's step time spent in Python GC pauses, with collection counts (top 20).",
           f"""
@@ -140,8 +142,21 @@ def run(con, name: str, **params):
     for p in ("t_from", "t_to"):
         if p in args:
             args[p] = str(args[p])
-    sql = q.sql
-    for p in ("t_from", "t_to"):
-        sql = sql.replace(f"${p}", f"CAST(${p} AS TIMESTAMPTZ)")
     from stepwatch.storage.views import query
-    return query(con, sql, args)
+
+    def cast_times(sql):
+        for p in ("t_from", "t_to"):
+            sql = sql.replace(f"${p}", f"CAST(${p} AS TIMESTAMPTZ)")
+        return sql
+    if q.each is None:
+        return query(con, cast_times(q.sql), args)
+    pcols, prows = query(con, cast_times(q.each), args)
+    cols, out = [], []
+    used = {p: args[p] for p in args if f"${p}" in q.sql}
+    for r in prows:
+        cols, rows = query(con, q.sql, dict(used, **dict(zip(pcols, r))))
+        out += rows
+    if not cols:   # no alerts: still return the column names
+        cols, _ = query(con, f"SELECT * FROM ({q.sql}) LIMIT 0",
+                        dict(used, **{c: None for c in pcols}))
+    return cols, out
