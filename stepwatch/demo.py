@@ -106,12 +106,11 @@ def run_demo(ranks: int = 1024, steps: int = 300, data_dir: str = "./stepwatch-d
         stop.set()
         th.join(30)
         bar.clear()
-    elapsed = time.monotonic() - t_begin
-    ok = _post_mortem(root, job, sim, sent, elapsed)
+    ok = _post_mortem(root, job, sim, sent, t_begin)
     return 0 if ok else 1
 
 
-def _post_mortem(root: Path, job: str, sim, sent: dict, elapsed: float) -> bool:
+def _post_mortem(root: Path, job: str, sim, sent: dict, t_begin: float) -> bool:
     from stepwatch.storage.views import connect
     con = connect(root)
     _say("")
@@ -155,9 +154,15 @@ def _post_mortem(root: Path, job: str, sim, sent: dict, elapsed: float) -> bool:
             got = f"alert from step {hit[0][2]}, cause {hit[0][6]}" if hit else "not found within 10 steps"
         found_all &= ok
         _say(f"  {'FOUND ' if ok else 'MISSED'} {desc}: {got}")
-    _say(f"\ndata: {root.absolute()}  (Parquet, one folder per table; labels.json is the ground truth)")
+    try:
+        from stepwatch.report import build
+        (root / "report.html").write_text(build(root, job).html, encoding="utf-8")
+        _say(f"\nreport: {(root / 'report.html').absolute()}  (open it in a browser)")
+    except Exception as e:  # noqa: BLE001 - the report is a bonus; the demo's result stands without it
+        _say(f"\n(report not written: {e})")
+    _say(f"data: {root.absolute()}  (Parquet, one folder per table; labels.json is the ground truth)")
     _say(f"try:  stepwatch sql --data-dir {root} \"SELECT step, step_ms, data_ms FROM job_steps "
          f"WHERE job = '{job}' ORDER BY step DESC LIMIT 5\"")
-    _say(f"demo finished in {elapsed:.0f} s")
+    _say(f"demo finished in {time.monotonic() - t_begin:.0f} s")
     con.close()
     return found_all
