@@ -5,7 +5,9 @@
     stepwatch simulate                 send a simulated cluster's telemetry to Kafka (faults + labels)
     stepwatch process                  the stream processor (consumer group -> Parquet, alerts)
     stepwatch sql "SELECT …"           DuckDB over the Parquet store
-    stepwatch bench ingest             throughput and lag through the broker into Parquet
+    stepwatch bench ingest|query       throughput and lag into Parquet; canned-query times at scale
+    stepwatch report --job J           HTML post-mortem; stepwatch compact: compaction and retention
+    stepwatch grafana provision|export dashboards, DuckDB datasource, alert rules (idempotent)
 """
 from __future__ import annotations
 
@@ -79,9 +81,21 @@ def cmd_simulate(a) -> int:
 def cmd_process(a) -> int:
     from stepwatch.stream.kafkaio import settings_from_args
     from stepwatch.stream.processor import Processor
+    from stepwatch.dashboards.cli import annotation_sink_from_args
+    from stepwatch.dashboards.grafana import GrafanaError
     s = settings_from_args(a)
-    p = Processor(s, a.data_dir, group=a.group, flush_interval_s=a.flush_interval, lateness_s=a.lateness,
-                  on_alert=lambda al: print(al.line(), flush=True))
+    p = Processor(s, a.data_dir, group=a.group, flush_interval_s=a.flush_interval, lateness_s=a.lateness)
+    try:
+        sink = annotation_sink_from_args(a, registry=p.metrics.registry)   # None without --grafana-url
+    except GrafanaError as e:
+        print(f"stepwatch process: {e}", file=sys.stderr)
+        return 2
+
+    def on_alert(al):
+        print(al.line(), flush=True)
+        if sink:
+            sink.submit(al)          # never blocks; retries in the background
+    p.on_alert = on_alert
     if a.metrics_port:
         p.metrics.serve(a.metrics_port, a.metrics_addr)
     stop = threading.Event()
@@ -98,7 +112,11 @@ def cmd_process(a) -> int:
               f"duplicates {st['duplicates']:,.0f} alerts {st['alerts']} lag {st['lag']}", file=sys.stderr, flush=True)
     print(f"processing {s.bootstrap} -> {os.path.abspath(a.data_dir)} (group {a.group}); Ctrl-C stops",
           file=sys.stderr, flush=True)
-    p.run(stop, idle_exit_s=a.idle_exit, on_tick=tick)
+    try:
+        p.run(stop, idle_exit_s=a.idle_exit, on_tick=tick)
+    finally:
+        if sink:
+            sink.close(10)
     st = p.stats()
     if a.stats_json:
         import json
@@ -288,6 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--idle-exit", type=float, default=None, help="exit after this many idle seconds")
     pr.add_argument("-q", "--quiet", action="store_true")
     pr.add_argument("--stats-json", default=None, help="write final counters here on exit")
+    from stepwatch.dashboards.cli import add_annotation_args, register as register_grafana
+    add_annotation_args(pr)
+    register_grafana(sub)
     pr.set_defaults(func=cmd_process)
 
     q = sub.add_parser("sql", help="run SQL over the Parquet store (DuckDB views)")

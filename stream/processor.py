@@ -355,6 +355,10 @@ class Processor:
         if key in rt.alerts_seen:
             return
         rt.alerts_seen.add(key)
+        st = rt.state
+        sl = a.step_first % st.capacity
+        if "t_first_ns" not in a.evidence and st.slot_step[sl] == a.step_first and st.t_end[sl]:
+            a.evidence["t_first_ns"] = int(st.t_end[sl])    # lets Grafana draw the alert as a region
         self.alerts.append(a)
         self.metrics.alerts.labels(a.kind, a.status).inc()
         row = pa.Table.from_pylist([a.row()], schema=wire.ALERTS)

@@ -1,0 +1,217 @@
+"""Alerts as Grafana annotations, delivered without ever blocking the caller.
+
+:class:`AnnotationSink` is meant for the processor's ``on_alert`` callback. :meth:`~AnnotationSink.submit`
+puts the alert on a bounded in-memory queue and returns at once (a few microseconds); one background
+thread turns each alert into an annotation (``POST /api/annotations``) and delivers it:
+
+* one annotation per alert row, firing **and** resolved: a *region* from the first step of the
+  finding (``t_first_ns`` if the caller knows it, else ``alert.evidence["t_first_ns"]``, else the
+  detection time) to the alert's ``t_detected`` (``time`` / ``timeEnd`` in epoch ms);
+* tags ``stepwatch``, ``job:<job>``, ``kind:<kind>``, ``cause:<cause>``, ``status:<status>``,
+  ``severity:<severity>``, ``rank:<r>`` and ``node:<n>`` (the first 8 of each), so dashboards filter
+  them by tag (the stepwatch Job and Node dashboards do); text: the alert's readable line;
+* a failed delivery — a connection error, a timeout, a 5xx, 408 or 429 — is retried with exponential
+  backoff and full jitter (``backoff_s * 2**n``, at most ``backoff_max_s``, times a random factor in
+  [0.5, 1.5)), for as long as it takes (``max_attempts`` bounds it if set), keeping alerts in order;
+  other 4xx answers (a bad token, a bad request) are not retried and count as *failed*;
+* while Grafana is away, alerts wait in the queue (``maxsize``); when it is full, new alerts are
+  **dropped** and counted — the only way an alert is lost while the sink is open.
+
+:meth:`~AnnotationSink.close` stops accepting alerts and waits up to ``timeout`` seconds for the
+queue to drain; what is still undelivered then is counted as failed (and logged).
+
+Prometheus counters (on the registry passed in, e.g. the processor's):
+``stepwatch_grafana_annotations_sent_total``, ``…_failed_total``, ``…_retried_total`` (retries),
+``…_dropped_total`` (queue overflow), and the gauge ``stepwatch_grafana_annotations_queued``.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+
+from grafana_client.client import (GrafanaClientError, GrafanaException, GrafanaServerError,
+                                   GrafanaTimeoutError)
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from stepwatch.detectors.base import Alert
+
+from .grafana import make_api
+
+log = logging.getLogger("stepwatch.grafana.annotations")
+
+MAX_TAGGED = 8
+RETRY_STATUS = {408, 429}
+
+
+def annotation_payload(alert: Alert, t_first_ns: int | None = None, dashboard_uid: str | None = None) -> dict:
+    """The ``PostAnnotationsCmd`` body for one alert."""
+    t_end_ms = int(alert.t_detected) // 1_000_000
+    tf = t_first_ns if t_first_ns is not None else (alert.evidence or {}).get("t_first_ns")
+    try:
+        t_start_ms = int(tf) // 1_000_000 if tf is not None else t_end_ms
+    except (TypeError, ValueError):
+        t_start_ms = t_end_ms
+    t_start_ms = min(t_start_ms, t_end_ms)
+    tags = ["stepwatch", f"job:{alert.job}", f"kind:{alert.kind}", f"cause:{alert.cause}",
+            f"status:{alert.status}", f"severity:{alert.severity}"]
+    tags += [f"rank:{int(r)}" for r in list(alert.ranks)[:MAX_TAGGED]]
+    tags += [f"node:{n}" for n in list(dict.fromkeys(alert.nodes))[:MAX_TAGGED]]
+    body = {"time": t_start_ms, "timeEnd": t_end_ms, "tags": tags, "text": alert.line()}
+    if dashboard_uid:
+        body["dashboardUID"] = dashboard_uid
+    return body
+
+
+class _Metrics:
+    def __init__(self, registry: CollectorRegistry):
+        p = "stepwatch_grafana_annotations"
+        self.sent = Counter(f"{p}_sent", "Alert annotations Grafana accepted", registry=registry)
+        self.failed = Counter(f"{p}_failed", "Alert annotations given up (non-retryable answer, attempts "
+                                            "exhausted, or undelivered at close)", registry=registry)
+        self.retried = Counter(f"{p}_retried", "Delivery retries after an error or 5xx", registry=registry)
+        self.dropped = Counter(f"{p}_dropped", "Alerts dropped because the queue was full", registry=registry)
+        self.queued = Gauge(f"{p}_queued", "Alerts waiting for delivery", registry=registry)
+
+
+class AnnotationSink:
+    """Non-blocking delivery of alerts to Grafana as annotations (see the module docs).
+
+    ``url``/``token``: Grafana and a service-account token (or pass a ready ``api``). ``maxsize``:
+    queue bound. ``backoff_s``/``backoff_max_s``: retry backoff. ``max_attempts``: None = retry until
+    delivered. ``timeout``: per-request timeout (seconds). ``registry``: where the counters live (a
+    fresh one if None). ``dashboard_uid``: attach the annotations to one dashboard (default: none,
+    i.e. organisation-wide annotations, found by tag).
+    """
+
+    def __init__(self, url: str | None = None, token: str | None = None, *, maxsize: int = 10_000,
+                 backoff_s: float = 0.5, backoff_max_s: float = 30.0, max_attempts: int | None = None,
+                 timeout: float = 5.0, registry: CollectorRegistry | None = None,
+                 dashboard_uid: str | None = None, api=None, seed: int | None = None):
+        if api is None:
+            if not url or not token:
+                raise ValueError("AnnotationSink needs url and token (or api)")
+            api = make_api(url, token, timeout)
+        if maxsize < 1:
+            raise ValueError("maxsize must be >= 1")
+        self.api = api
+        self.backoff_s, self.backoff_max_s = float(backoff_s), float(backoff_max_s)
+        self.max_attempts = max_attempts
+        self.dashboard_uid = dashboard_uid
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = _Metrics(self.registry)
+        self._q: queue.Queue = queue.Queue(maxsize=maxsize)
+        self._rng = random.Random(seed)
+        self._closing = threading.Event()
+        self._stop = threading.Event()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._run, name="stepwatch-annotations", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ caller side
+    def submit(self, alert: Alert, t_first_ns: int | None = None) -> bool:
+        """Queue ``alert`` for delivery; never blocks. Returns False if it was dropped (queue full or
+        sink closed)."""
+        if self._closing.is_set():
+            self.metrics.dropped.inc()
+            return False
+        self._idle.clear()
+        self.metrics.queued.inc()
+        try:
+            self._q.put_nowait((alert, t_first_ns))
+        except queue.Full:
+            self.metrics.queued.dec()
+            self.metrics.dropped.inc()
+            return False
+        return True
+
+    __call__ = submit   # usable directly as an on_alert callback
+
+    def close(self, timeout: float = 10.0) -> bool:
+        """Stop accepting alerts, wait up to ``timeout`` s for the queue to drain. True if all were
+        delivered (or given up for a non-retryable reason) in time."""
+        self._closing.set()
+        deadline = time.monotonic() + max(0.0, timeout)
+        drained = True
+        while not (self._q.empty() and self._idle.is_set()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                drained = False
+                break
+            self._idle.wait(min(left, 0.05))
+        self._stop.set()
+        self._thread.join(max(0.0, deadline - time.monotonic()) + 0.1)
+        left_over = 0
+        while True:
+            try:
+                self._q.get_nowait()
+                left_over += 1
+            except queue.Empty:
+                break
+        if left_over:
+            self.metrics.failed.inc(left_over)
+            self.metrics.queued.dec(left_over)
+            log.warning("grafana annotations: %d alert(s) not delivered before close", left_over)
+        return drained and not left_over
+
+    def stats(self) -> dict[str, float]:
+        m = self.metrics
+        return {"sent": _val(m.sent), "failed": _val(m.failed), "retried": _val(m.retried),
+                "dropped": _val(m.dropped), "queued": self._q.qsize()}
+
+    # ------------------------------------------------------------------ worker
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                alert, t_first = self._q.get(timeout=0.05)
+            except queue.Empty:
+                if self._q.empty():
+                    self._idle.set()
+                continue
+            try:
+                self._deliver(annotation_payload(alert, t_first, self.dashboard_uid))
+            except Exception:  # noqa: BLE001 - the worker must survive anything
+                log.exception("grafana annotations: unexpected error")
+                self.metrics.failed.inc()
+            finally:
+                self.metrics.queued.dec()
+                if self._q.empty():
+                    self._idle.set()
+
+    def _deliver(self, body: dict) -> None:
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                self.api.client.POST("/annotations", json=body)
+                self.metrics.sent.inc()
+                return
+            except GrafanaClientError as e:
+                if e.status_code not in RETRY_STATUS:
+                    self.metrics.failed.inc()
+                    log.error("grafana annotations: Grafana refused an annotation (%s): %s",
+                              e.status_code, getattr(e, "message", e))
+                    return
+                why = str(e.status_code)
+            except GrafanaServerError as e:
+                why = str(e.status_code)
+            except (GrafanaTimeoutError, GrafanaException, OSError) as e:   # connection errors are OSErrors
+                why = type(e).__name__
+            if self.max_attempts is not None and attempt >= self.max_attempts:
+                self.metrics.failed.inc()
+                log.error("grafana annotations: giving up after %d attempts (%s)", attempt, why)
+                return
+            delay = min(self.backoff_max_s, self.backoff_s * 2 ** (attempt - 1)) * self._rng.uniform(0.5, 1.5)
+            self.metrics.retried.inc()
+            log.debug("grafana annotations: attempt %d failed (%s); retrying in %.2fs", attempt, why, delay)
+            if self._stop.wait(delay):
+                # closing and out of time: count the undelivered annotation as failed
+                self.metrics.failed.inc()
+                return
+
+
+def _val(counter) -> float:
+    return sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total"))

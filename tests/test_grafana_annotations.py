@@ -1,0 +1,160 @@
+"""AnnotationSink: every alert becomes a Grafana annotation (a region, tagged), delivery retries with
+backoff through errors, and the caller is never blocked — even by a Grafana that hangs."""
+from __future__ import annotations
+
+import argparse
+import gc
+import socket
+import threading
+import time
+
+from prometheus_client import CollectorRegistry
+
+from grafana_fake import (T_DETECTED, T_FIRST, FakeGrafana, grafana, optional_spec,  # noqa: F401 (fixtures)
+                          sample_alert)
+from stepwatch.dashboards.annotations import AnnotationSink, annotation_payload
+from stepwatch.dashboards.cli import add_annotation_args, annotation_sink_from_args
+
+T_FIRST, T_DET = T_FIRST, T_DETECTED
+alert = sample_alert
+
+
+def wait_for(cond, timeout=5.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_payload_is_a_tagged_region_with_readable_text():
+    p = annotation_payload(alert(), t_first_ns=T_FIRST)
+    assert p["time"] == T_FIRST // 10**6 and p["timeEnd"] == T_DET // 10**6
+    assert {"stepwatch", "job:j1", "kind:slow_rank", "cause:computation", "rank:13", "node:node-0001",
+            "status:firing"} <= set(p["tags"])
+    assert "rank 13 on node-0001" in p["text"] and "isolate slow nodes" in p["text"]
+    assert "dashboardUID" not in p and "panelId" not in p
+    a = alert()
+    a.evidence["t_first_ns"] = T_FIRST
+    assert annotation_payload(a)["time"] == T_FIRST // 10**6
+    assert annotation_payload(alert())["time"] == T_DET // 10**6          # unknown start: a point
+    assert annotation_payload(alert(), t_first_ns=T_DET + 10**9)["time"] == T_DET // 10**6
+
+
+def test_firing_and_resolved_alerts_are_posted(grafana):
+    reg = CollectorRegistry()
+    sink = AnnotationSink(grafana.url, grafana.token, registry=reg)
+    assert sink.submit(alert("firing"), t_first_ns=T_FIRST)
+    assert sink(alert("resolved"), t_first_ns=T_FIRST)
+    assert sink.close(5)
+    assert [a["tags"][4] for a in grafana.annotations] == ["status:firing", "status:resolved"]
+    assert all(a["time"] == T_FIRST // 10**6 and a["timeEnd"] == T_DET // 10**6 for a in grafana.annotations)
+    assert reg.get_sample_value("stepwatch_grafana_annotations_sent_total") == 2
+    assert reg.get_sample_value("stepwatch_grafana_annotations_dropped_total") == 0
+    assert not sink.submit(alert()), "a closed sink accepts nothing"
+    assert grafana.violations == []
+
+
+def test_retries_with_backoff_until_grafana_answers(grafana):
+    grafana.fail("POST", r"^/api/annotations$", 500, {"message": "database is locked"}, times=3)
+    sink = AnnotationSink(grafana.url, grafana.token, backoff_s=0.02, backoff_max_s=0.1, seed=1)
+    t0 = time.monotonic()
+    sink.submit(alert())
+    assert sink.close(5)
+    st = sink.stats()
+    assert st["sent"] == 1 and st["retried"] == 3 and st["failed"] == 0
+    assert [r.status for r in grafana.requests] == [500, 500, 500, 200]
+    assert time.monotonic() - t0 >= 0.02 * (1 + 2 + 4) * 0.5          # backoff 0.02, 0.04, 0.08 x jitter >= 0.5
+    assert len(grafana.annotations) == 1
+    assert grafana.violations == []
+
+
+def test_retries_through_connection_refused(optional_spec):
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()                                   # nothing listens: connection refused
+    sink = AnnotationSink(f"http://127.0.0.1:{port}", FakeGrafana.token, backoff_s=0.02, backoff_max_s=0.05)
+    sink.submit(alert())
+    assert wait_for(lambda: sink.stats()["retried"] >= 2)
+    g = FakeGrafana(spec=optional_spec).start(port=port)   # Grafana comes up
+    try:
+        assert sink.close(5)
+        assert sink.stats()["sent"] == 1 and len(g.annotations) == 1
+        assert g.violations == []
+    finally:
+        g.stop()
+
+
+def test_submit_never_blocks_and_the_queue_is_bounded(grafana):
+    release = threading.Event()
+    grafana.fail("POST", r"^/api/annotations$", 200, {"id": 1, "message": "Annotation added"},
+                 delay=10, release=release)          # the first request hangs until released
+    sink = AnnotationSink(grafana.url, grafana.token, maxsize=5, timeout=10)
+    sink.submit(alert())
+    assert wait_for(lambda: len(grafana.requests) == 1)    # the worker is stuck in the request
+    alerts = [alert(kind=f"k{i}") for i in range(600)]
+    worst = []
+    gc.disable()
+    try:
+        # best of 3 batches of 200: one OS preemption on a busy machine is not the sink blocking
+        for batch in range(3):
+            took = []
+            for a in alerts[batch * 200:(batch + 1) * 200]:
+                t = time.perf_counter()
+                sink.submit(a)
+                took.append(time.perf_counter() - t)
+            worst.append(max(took))
+            took.sort()
+            assert took[len(took) * 99 // 100] < 0.001          # p99 of every batch
+            if worst[-1] < 0.001:
+                break
+    finally:
+        gc.enable()
+    assert min(worst) < 0.001, f"submit took up to {min(worst) * 1e3:.3f} ms"
+    submitted = 200 * len(worst)
+    st = sink.stats()
+    assert st["queued"] == 5 and st["dropped"] == submitted - 5
+    release.set()
+    assert sink.close(5)
+    st = sink.stats()
+    assert st["sent"] == 6 and st["dropped"] == submitted - 5 and st["failed"] == 0
+    assert grafana.violations == []
+
+
+def test_non_retryable_answers_are_counted_as_failed(grafana):
+    grafana.fail("POST", r"^/api/annotations$", 400, {"message": "bad request"})
+    sink = AnnotationSink(grafana.url, grafana.token, backoff_s=0.01)
+    sink.submit(alert())
+    sink.submit(alert("resolved"))
+    assert sink.close(5)
+    st = sink.stats()
+    assert st["failed"] == 1 and st["sent"] == 1 and st["retried"] == 0
+
+
+def test_close_gives_up_after_its_timeout(grafana):
+    grafana.fail("POST", r"^/api/annotations$", 500, {"message": "down"}, times=10**6)
+    sink = AnnotationSink(grafana.url, grafana.token, backoff_s=0.02, backoff_max_s=0.05)
+    for _ in range(3):
+        sink.submit(alert())
+    t = time.monotonic()
+    assert not sink.close(0.3)
+    assert time.monotonic() - t < 2
+    st = sink.stats()
+    assert st["sent"] == 0 and st["failed"] == 3 and st["retried"] >= 1
+
+
+def test_processor_flags_build_a_sink_used_as_on_alert(grafana, tmp_path):
+    p = argparse.ArgumentParser()
+    add_annotation_args(p)
+    assert annotation_sink_from_args(p.parse_args([])) is None
+    tok = tmp_path / "tok"
+    tok.write_text(grafana.token)
+    reg = CollectorRegistry()
+    sink = annotation_sink_from_args(p.parse_args(["--grafana-url", grafana.url, "--grafana-token-file", str(tok)]),
+                                     registry=reg)
+    on_alert = sink                                  # what the processor calls for each alert
+    on_alert(alert())
+    assert sink.close(5) and len(grafana.annotations) == 1
+    assert reg.get_sample_value("stepwatch_grafana_annotations_sent_total") == 1
