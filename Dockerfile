@@ -1,0 +1,34 @@
+# stepwatch: one image for the node agent, the processor, compaction and the Grafana/Kafka jobs
+# (the Helm chart in helm/stepwatch runs `stepwatch <command>` from it).
+#
+#   docker build -t REGISTRY/stepwatch:0.1.0 .
+#
+# Runs as the unprivileged user 10001 (the chart's runAsUser). The image also carries py-spy (used
+# only when the chart's profiling.pySpy.enabled grants SYS_PTRACE) and nvidia-ml-py (NVML, for GPU
+# metrics when the NVIDIA container runtime injects the driver).
+
+FROM python:3.11-slim AS build
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY stepwatch/ stepwatch/
+COPY agents/ agents/
+COPY stream/ stream/
+COPY detectors/ detectors/
+COPY storage/ storage/
+COPY dashboards/ dashboards/
+RUN python -m venv /opt/stepwatch \
+ && /opt/stepwatch/bin/pip install --no-cache-dir --upgrade pip \
+ && /opt/stepwatch/bin/pip install --no-cache-dir . py-spy nvidia-ml-py
+
+FROM python:3.11-slim
+ENV PATH=/opt/stepwatch/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+RUN groupadd --system --gid 10001 stepwatch \
+ && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
+      --shell /usr/sbin/nologin stepwatch
+COPY --from=build /opt/stepwatch /opt/stepwatch
+USER 10001:10001
+WORKDIR /tmp
+ENTRYPOINT ["stepwatch"]
+CMD ["--help"]

@@ -1,0 +1,83 @@
+"""The Grafana files the Helm chart embeds, generated from this package (never copied by hand).
+
+The chart (``helm/stepwatch``) reads them with ``.Files.Get`` / ``.Files.Glob`` from
+``helm/stepwatch/files/grafana/``, which holds exactly what ``stepwatch grafana export`` writes with
+its defaults (data root ``/var/lib/stepwatch/data``; the chart substitutes ``grafana.dataRoot`` for
+that path in the datasource). After changing the dashboards, the datasource or the alert rules::
+
+    python -m stepwatch.dashboards.helmfiles            # rewrites helm/stepwatch/files/grafana/
+    python -m stepwatch.dashboards.helmfiles --check    # exit 1 if the chart's copies are stale
+
+``tests/test_helm.py`` runs the same comparison.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from .export import DEFAULT_DATA_ROOT, export
+
+#: the chart in a source checkout (``<repo>/helm/stepwatch``); pass ``--chart`` elsewhere
+CHART_DIR = Path(__file__).resolve().parent.parent / "helm" / "stepwatch"
+SUBDIR = Path("files") / "grafana"
+
+
+def expected_files(data_root: str = DEFAULT_DATA_ROOT) -> dict[str, str]:
+    """File name -> text, as ``stepwatch grafana export --data-root DATA_ROOT`` writes them."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return {p.name: p.read_text(encoding="utf-8") for p in export(tmp, data_root)}
+
+
+def stale(chart_dir: str | Path = CHART_DIR) -> list[str]:
+    """Names of the chart's Grafana files that are missing, differ from the export, or are extra."""
+    d = Path(chart_dir) / SUBDIR
+    want = expected_files()
+    have = {p.name: p.read_text(encoding="utf-8") for p in d.iterdir() if p.is_file()} if d.is_dir() else {}
+    return sorted(n for n in set(want) | set(have) if want.get(n) != have.get(n))
+
+
+def write(chart_dir: str | Path = CHART_DIR) -> list[Path]:
+    """(Re)write ``<chart>/files/grafana/`` from the export; removes files the export no longer makes."""
+    d = Path(chart_dir) / SUBDIR
+    d.mkdir(parents=True, exist_ok=True)
+    want = expected_files()
+    for p in d.iterdir():
+        if p.is_file() and p.name not in want:
+            p.unlink()
+    out = []
+    for name, text in sorted(want.items()):
+        p = d / name
+        if not p.exists() or p.read_text(encoding="utf-8") != text:
+            tmp = p.with_name(f".{name}.tmp")
+            tmp.write_text(text, encoding="utf-8")
+            tmp.replace(p)
+        out.append(p)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m stepwatch.dashboards.helmfiles",
+                                 description="Write the Grafana files embedded in the Helm chart.")
+    ap.add_argument("--chart", type=Path, default=CHART_DIR, help=f"chart directory (default {CHART_DIR})")
+    ap.add_argument("--check", action="store_true", help="only compare; exit 1 when stale")
+    a = ap.parse_args(argv)
+    if not (a.chart / "Chart.yaml").is_file():
+        print(f"{a.chart} is not a chart directory (no Chart.yaml): pass --chart", file=sys.stderr)
+        return 2
+    if a.check:
+        bad = stale(a.chart)
+        if bad:
+            print(f"chart Grafana files out of date: {', '.join(bad)} "
+                  "(run python -m stepwatch.dashboards.helmfiles)", file=sys.stderr)
+            return 1
+        print("chart Grafana files up to date")
+        return 0
+    for p in write(a.chart):
+        print(p)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,288 @@
+{{/* ------------------------------------------------------------------ names and labels */}}
+{{- define "stepwatch.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "stepwatch.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "stepwatch.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* selector labels: (dict "ctx" $ "component" "agent") */}}
+{{- define "stepwatch.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "stepwatch.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+{{- with .component }}
+app.kubernetes.io/component: {{ . }}
+{{- end }}
+{{- end -}}
+
+{{/* every object's labels: (dict "ctx" $ "component" "agent") */}}
+{{- define "stepwatch.labels" -}}
+helm.sh/chart: {{ include "stepwatch.chart" .ctx }}
+{{ include "stepwatch.selectorLabels" . }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+app.kubernetes.io/part-of: stepwatch
+{{- with .ctx.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "stepwatch.image" -}}
+{{- $tag := default .Chart.AppVersion .Values.image.tag -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .Values.image.repository $tag -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "stepwatch.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "stepwatch.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "stepwatch.grafanaNamespace" -}}
+{{- default .Release.Namespace .Values.grafana.namespace -}}
+{{- end -}}
+
+{{- define "stepwatch.pvcName" -}}
+{{- default (printf "%s-data" (include "stepwatch.fullname" .)) .Values.store.persistence.existingClaim -}}
+{{- end -}}
+
+{{/* "true" when the store volume can be mounted by pods on several nodes at once */}}
+{{- define "stepwatch.storeShared" -}}
+{{- if and .Values.store.persistence.enabled (has "ReadWriteMany" .Values.store.persistence.accessModes) -}}true{{- end -}}
+{{- end -}}
+
+{{/* ------------------------------------------------------------------ security contexts */}}
+{{- define "stepwatch.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 10001
+runAsGroup: 10001
+fsGroup: 10001
+fsGroupChangePolicy: OnRootMismatch
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{- define "stepwatch.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+privileged: false
+capabilities:
+  drop: ["ALL"]
+{{- end -}}
+
+{{/* ------------------------------------------------------------------ Kafka client set-up */}}
+{{- define "stepwatch.saslEnabled" -}}
+{{- if hasPrefix "SASL" .Values.kafka.securityProtocol -}}true{{- end -}}
+{{- end -}}
+
+{{- define "stepwatch.kafkaEnv" -}}
+- name: STEPWATCH_BOOTSTRAP
+  value: {{ .Values.kafka.bootstrapServers | quote }}
+- name: STEPWATCH_TOPIC_PREFIX
+  value: {{ .Values.kafka.topicPrefix | quote }}
+- name: STEPWATCH_KAFKA_SECURITY_PROTOCOL
+  value: {{ .Values.kafka.securityProtocol | quote }}
+{{- if include "stepwatch.saslEnabled" . }}
+- name: STEPWATCH_KAFKA_SASL_MECHANISM
+  value: {{ .Values.kafka.sasl.mechanism | quote }}
+- name: STEPWATCH_KAFKA_USERNAME
+  value: {{ .Values.kafka.sasl.username | quote }}
+- name: STEPWATCH_KAFKA_PASSWORD_FILE
+  value: /etc/stepwatch/kafka-sasl/password
+{{- end }}
+{{- end -}}
+
+{{/* command-line flags every Kafka client takes (TLS files, partitions of topics it creates) */}}
+{{- define "stepwatch.kafkaArgs" -}}
+- --partitions
+- {{ .Values.kafka.topics.partitions | quote }}
+{{- with .Values.kafka.tls.secret }}
+- --ssl-cafile
+- /etc/stepwatch/kafka-tls/ca.crt
+{{- if $.Values.kafka.tls.certKey }}
+- --ssl-certfile
+- /etc/stepwatch/kafka-tls/tls.crt
+{{- end }}
+{{- if $.Values.kafka.tls.keyKey }}
+- --ssl-keyfile
+- /etc/stepwatch/kafka-tls/tls.key
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "stepwatch.kafkaVolumeMounts" -}}
+{{- if include "stepwatch.saslEnabled" . }}
+- name: kafka-sasl
+  mountPath: /etc/stepwatch/kafka-sasl
+  readOnly: true
+{{- end }}
+{{- if .Values.kafka.tls.secret }}
+- name: kafka-tls
+  mountPath: /etc/stepwatch/kafka-tls
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "stepwatch.kafkaVolumes" -}}
+{{- if include "stepwatch.saslEnabled" . }}
+- name: kafka-sasl
+  secret:
+    secretName: {{ .Values.kafka.sasl.passwordSecret.name }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.kafka.sasl.passwordSecret.key }}
+        path: password
+{{- end }}
+{{- with .Values.kafka.tls }}
+{{- if .secret }}
+- name: kafka-tls
+  secret:
+    secretName: {{ .secret }}
+    defaultMode: 0440
+    items:
+      - key: {{ .caKey }}
+        path: ca.crt
+      {{- if .certKey }}
+      - key: {{ .certKey }}
+        path: tls.crt
+      {{- end }}
+      {{- if .keyKey }}
+      - key: {{ .keyKey }}
+        path: tls.key
+      {{- end }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* ------------------------------------------------------------------ other secrets */}}
+{{- define "stepwatch.profilingEnv" -}}
+{{- if .Values.profiling.enabled }}
+- name: STEPWATCH_PROFILING_KEY_FILE
+  value: /etc/stepwatch/profiling/hmac-key
+{{- end }}
+{{- end -}}
+
+{{- define "stepwatch.profilingVolumeMounts" -}}
+{{- if .Values.profiling.enabled }}
+- name: profiling-key
+  mountPath: /etc/stepwatch/profiling
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "stepwatch.profilingVolumes" -}}
+{{- if .Values.profiling.enabled }}
+- name: profiling-key
+  secret:
+    secretName: {{ .Values.profiling.hmacKeySecret.name }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.profiling.hmacKeySecret.key }}
+        path: hmac-key
+{{- end }}
+{{- end -}}
+
+{{- define "stepwatch.grafanaTokenVolume" -}}
+- name: grafana-token
+  secret:
+    secretName: {{ .Values.grafana.tokenSecret.name }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.grafana.tokenSecret.key }}
+        path: token
+{{- end -}}
+
+{{/* ------------------------------------------------------------------ checks across values */}}
+{{- define "stepwatch.validate" -}}
+{{- $v := .Values -}}
+{{- if include "stepwatch.saslEnabled" . -}}
+{{- if not $v.kafka.sasl.mechanism -}}
+{{- fail (printf "kafka.securityProtocol=%s needs kafka.sasl.mechanism (PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512)" $v.kafka.securityProtocol) -}}
+{{- end -}}
+{{- if not $v.kafka.sasl.username -}}
+{{- fail (printf "kafka.securityProtocol=%s needs kafka.sasl.username" $v.kafka.securityProtocol) -}}
+{{- end -}}
+{{- if not $v.kafka.sasl.passwordSecret.name -}}
+{{- fail (printf "kafka.securityProtocol=%s needs kafka.sasl.passwordSecret.name: an existing Secret holding the SASL password (it is mounted as a file, never put in values)" $v.kafka.securityProtocol) -}}
+{{- end -}}
+{{- end -}}
+{{- if and $v.kafka.tls.secret (not (or (eq $v.kafka.securityProtocol "SSL") (eq $v.kafka.securityProtocol "SASL_SSL"))) -}}
+{{- fail (printf "kafka.tls.secret is set but kafka.securityProtocol is %s: use SSL or SASL_SSL" $v.kafka.securityProtocol) -}}
+{{- end -}}
+{{- if and $v.kafka.tls.secret (ne (empty $v.kafka.tls.certKey) (empty $v.kafka.tls.keyKey)) -}}
+{{- fail "kafka.tls.certKey and kafka.tls.keyKey go together (mutual TLS needs both the client certificate and its key)" -}}
+{{- end -}}
+{{- if and $v.profiling.enabled (not $v.profiling.hmacKeySecret.name) -}}
+{{- fail "profiling.enabled needs profiling.hmacKeySecret.name: an existing Secret with the shared HMAC-SHA256 key that signs profiling commands" -}}
+{{- end -}}
+{{- if and $v.profiling.pySpy.enabled (not $v.profiling.enabled) -}}
+{{- fail "profiling.pySpy.enabled needs profiling.enabled (signed profiling commands) as well" -}}
+{{- end -}}
+{{- if and $v.processor.enabled (gt (int $v.processor.replicas) 1) -}}
+{{- if not $v.store.persistence.enabled -}}
+{{- fail (printf "processor.replicas=%d needs store.persistence.enabled: the replicas must share one Parquet store" (int $v.processor.replicas)) -}}
+{{- end -}}
+{{- if not (include "stepwatch.storeShared" .) -}}
+{{- fail (printf "processor.replicas=%d needs a volume every replica can mount: set store.persistence.accessModes to [ReadWriteMany] (CephFS, NFS, Lustre, ...), describing store.persistence.existingClaim if you use one" (int $v.processor.replicas)) -}}
+{{- end -}}
+{{- if and $v.compaction.enabled (eq $v.compaction.mode "sidecar") -}}
+{{- fail (printf "compaction.mode=sidecar runs one compactor per processor: with processor.replicas=%d use compaction.mode=cronjob" (int $v.processor.replicas)) -}}
+{{- end -}}
+{{- end -}}
+{{- if and $v.compaction.enabled (eq $v.compaction.mode "cronjob") (not $v.store.persistence.enabled) -}}
+{{- fail "compaction.mode=cronjob needs store.persistence.enabled (a CronJob cannot reach the processor's emptyDir): enable persistence or use compaction.mode=sidecar" -}}
+{{- end -}}
+{{- if and $v.compaction.enabled (eq $v.compaction.mode "sidecar") (not $v.processor.enabled) -}}
+{{- fail "compaction.mode=sidecar runs inside the processor pod: enable the processor or use compaction.mode=cronjob" -}}
+{{- end -}}
+{{- if and $v.processor.enabled $v.processor.grafanaAnnotations (or (not $v.grafana.url) (not $v.grafana.tokenSecret.name)) -}}
+{{- fail "processor.grafanaAnnotations needs grafana.url and grafana.tokenSecret.name (an existing Secret with a Grafana service-account token)" -}}
+{{- end -}}
+{{- if and $v.grafana.provisionJob.enabled (or (not $v.grafana.url) (not $v.grafana.tokenSecret.name)) -}}
+{{- fail "grafana.provisionJob.enabled needs grafana.url and grafana.tokenSecret.name (an existing Secret with a Grafana service-account token; Editor for dashboards and rules, Admin for the datasource)" -}}
+{{- end -}}
+{{- if and $v.agent.enabled (not (include "stepwatch.agentGroups" .)) -}}
+{{- fail "agent.enabled but no agent.nodeGroups entry is enabled: enable one (nvidia, ascend) or add your own" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* names of the enabled agent node groups, comma-separated ("" when none) */}}
+{{- define "stepwatch.agentGroups" -}}
+{{- $names := list -}}
+{{- range $name, $g := .Values.agent.nodeGroups -}}
+{{- if $g.enabled -}}{{- $names = append $names $name -}}{{- end -}}
+{{- end -}}
+{{- join "," $names -}}
+{{- end -}}
+
+{{- define "stepwatch.compactArgs" -}}
+- compact
+- --data-dir
+- {{ .Values.store.mountPath }}
+- --target-mb
+- {{ .Values.compaction.targetMB | quote }}
+{{- if gt (float64 .Values.compaction.retentionDays) 0.0 }}
+- --retention-days
+- {{ .Values.compaction.retentionDays | quote }}
+{{- end }}
+{{- end -}}
