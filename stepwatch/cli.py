@@ -5,9 +5,12 @@
     stepwatch simulate                 send a simulated cluster's telemetry to Kafka (faults + labels)
     stepwatch process                  the stream processor (consumer group -> Parquet, alerts)
     stepwatch sql "SELECT …"           DuckDB over the Parquet store
-    stepwatch bench ingest|query       throughput and lag into Parquet; canned-query times at scale
+    stepwatch bench ingest|query|overhead  throughput and lag into Parquet; canned-query times at scale;
+                                       probe and agent overhead
     stepwatch report --job J           HTML post-mortem; stepwatch compact: compaction and retention
     stepwatch grafana provision|export dashboards, DuckDB datasource, alert rules (idempotent)
+    stepwatch agent                    node agent: probes' records + host metrics -> Kafka (spools offline)
+    stepwatch wrap -- CMD …            run a training command with every rank instrumented (zero-code)
 """
 from __future__ import annotations
 
@@ -252,7 +255,8 @@ def cmd_demo(a) -> int:
 
 def cmd_bench(a) -> int:
     from stepwatch import bench
-    return {"ingest": bench.run_bench, "query": bench.run_query_bench}[a.what](a)
+    from stepwatch.agents.bench_overhead import run_overhead_bench
+    return {"ingest": bench.run_bench, "query": bench.run_query_bench, "overhead": run_overhead_bench}[a.what](a)
 
 
 # ---------------------------------------------------------------------------- parser
@@ -309,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     from stepwatch.dashboards.cli import add_annotation_args, register as register_grafana
     add_annotation_args(pr)
     register_grafana(sub)
+    from stepwatch.agents.cli import register as register_agents
+    register_agents(sub)
     pr.set_defaults(func=cmd_process)
 
     q = sub.add_parser("sql", help="run SQL over the Parquet store (DuckDB views)")
@@ -344,13 +350,15 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=cmd_sql)
 
     be = sub.add_parser("bench", help="benchmarks that print figures")
-    be.add_argument("what", choices=["ingest", "query"])
+    be.add_argument("what", choices=["ingest", "query", "overhead"])
     be.add_argument("--ranks", type=int, default=16384)
     be.add_argument("--steps", type=int, default=60, help="steps pre-produced for the throughput run")
     be.add_argument("--lag-seconds", type=int, default=30, help="length of the live (1 step/s) lag run")
     be.add_argument("--rows-per-message", type=int, default=4096)
     be.add_argument("--seconds", type=int, default=3600, help="query bench: steps (1 step/s) to generate")
     be.add_argument("--data-dir", default=None, help="default: a temporary folder")
+    from stepwatch.agents.bench_overhead import add_overhead_args
+    add_overhead_args(be)
     be.set_defaults(func=cmd_bench)
     return p
 

@@ -1,0 +1,461 @@
+"""The node agent (``stepwatch agent``): one per training node.
+
+Lifecycle: :meth:`Agent.start` binds ``<socket_dir>/agent.sock`` (``AF_UNIX``, ``SOCK_DGRAM``; a stale
+file left by a dead agent is replaced, a live agent is refused) and starts a receiver thread that only
+moves datagrams into a bounded in-memory queue. Every ``interval_s`` (1 s) :meth:`Agent.tick` decodes
+the queued datagrams (:func:`stepwatch.agents.probe.decode`; a bad one is counted and skipped, never
+fatal), samples the host through the plug-ins of :mod:`stepwatch.agents.hostmetrics`, and hands one
+Arrow table per (kind, job) to the :class:`~stepwatch.agents.shipper.Shipper`: ``topology`` first,
+then ``steps``, ``gc``, ``comm`` and ``host``, each keyed by job with the ``schema`` headers of
+``stepwatch.schema``. When Kafka is unreachable the shipper spools to a bounded directory and replays
+in order when it returns. :meth:`Agent.close` does a last tick and removes the socket file.
+
+Identity. A probe introduces itself with a *hello* datagram (job, rank, world size, device, the table of
+interned op/group/phase names) and repeats it every 10-20 s, so a restarted agent learns its ranks again.
+Records of a probe instance the agent has not heard a hello from yet are held (bounded, 30 s) and
+then dropped and counted. Rows carry the node name the probe gave (``STEPWATCH_NODE``), else the
+agent's ``--node`` (in Kubernetes: the node name from the downward API), and the job the probe gave,
+else the agent's ``--job``, else ``default``.
+
+Self-metrics (Prometheus, ``--metrics-port`` on 127.0.0.1): records in/out/spooled by kind, dropped by
+reason (``bad_datagram``, ``no_identity``, ``queue_full``, ``spool_full`` ...), send latency, spool size,
+Kafka up, ranks served, datagrams the probes themselves dropped, per-plug-in runs and timings.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from stepwatch import __version__
+from stepwatch import schema as wire
+from stepwatch.agents import probe as wirep
+from stepwatch.agents.hostmetrics import PluginRunner, build_runners, sample
+from stepwatch.agents.shipper import Shipper, Spool
+
+log = logging.getLogger("stepwatch.agent")
+
+_FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+KINDS = ("topology", "steps", "gc", "comm", "host")
+ACTIVE_S = 60.0          # a probe heard from within this many seconds is a served rank
+PENDING_S = 30.0         # records of an unknown probe instance wait this long for its hello
+PENDING_MAX = 256        # ... and at most this many datagrams per instance
+
+
+class AgentMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = self.registry = registry or CollectorRegistry()
+        self.datagrams = Counter("stepwatch_agent_datagrams_in", "Datagrams received from probes", registry=r)
+        self.records_in = Counter("stepwatch_agent_records_in", "Rows received from probes or sampled", ["kind"],
+                                  registry=r)
+        self.records_out = Counter("stepwatch_agent_records_out", "Rows acknowledged by Kafka", ["kind"], registry=r)
+        self.records_spooled = Counter("stepwatch_agent_records_spooled", "Rows written to the local spool",
+                                       ["kind"], registry=r)
+        self.dropped = Counter("stepwatch_agent_records_dropped", "Rows or datagrams dropped", ["reason"],
+                               registry=r)
+        self.bad_datagrams = Counter("stepwatch_agent_bad_datagrams", "Datagrams that could not be decoded",
+                                     registry=r)
+        self.send_seconds = Histogram("stepwatch_agent_send_seconds", "Send + acknowledgement time per batch",
+                                      buckets=_FAST, registry=r)
+        self.tick_seconds = Histogram("stepwatch_agent_tick_seconds", "Work per tick (decode, sample, ship)",
+                                      buckets=_FAST, registry=r)
+        self.spool_bytes = Gauge("stepwatch_agent_spool_bytes", "Bytes in the local spool", registry=r)
+        self.spool_files = Gauge("stepwatch_agent_spool_files", "Files in the local spool", registry=r)
+        self.kafka_up = Gauge("stepwatch_agent_kafka_up", "1 when the last send reached Kafka", registry=r)
+        self.ranks = Gauge("stepwatch_agent_ranks", "Probes heard from in the last minute", registry=r)
+        self.probe_dropped = Gauge("stepwatch_agent_probe_dropped_datagrams",
+                                   "Datagrams the served probes report they dropped (sum of their counters)",
+                                   registry=r)
+        self.plugin_runs = Counter("stepwatch_agent_plugin_runs", "Host plug-in runs by result", ["plugin", "result"],
+                                   registry=r)
+        self.plugin_seconds = Histogram("stepwatch_agent_plugin_seconds", "Host plug-in gather time", ["plugin"],
+                                        buckets=_FAST, registry=r)
+
+    def serve(self, port: int, addr: str = "127.0.0.1"):
+        return start_http_server(port, addr=addr, registry=self.registry)
+
+    @staticmethod
+    def value(counter, label: str | None = None) -> float:
+        total = 0.0
+        for metric in counter.collect():
+            for s in metric.samples:
+                if s.name.endswith(("_created",)):
+                    continue
+                if label is None or label in s.labels.values():
+                    total += s.value
+        return total
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._:@+-]")
+
+
+def safe_job(job: str | None, default: str = "default") -> str:
+    """A job id usable as a folder name (``stepwatch.schema.JOB_RE``): unsafe characters become '_'."""
+    j = (job or "").strip() or default
+    if wire.JOB_RE.match(j):
+        return j
+    j = _UNSAFE.sub("_", j)
+    if not j[:1].isalnum():
+        j = "j" + j
+    return j[:128]
+
+
+@dataclass
+class Identity:
+    """What a probe's hello said, plus when the agent last heard from that probe."""
+
+    job: str
+    rank: int
+    world_size: int
+    node: str
+    names: dict[int, str]
+    hello: dict
+    t_seen: float = 0.0
+    dropped: int = 0                  # the probe's own drop counter, from its last step record
+
+    def topology_row(self) -> dict:
+        h = self.hello
+        row = {"job": self.job, "rank": self.rank, "node": self.node, "world_size": self.world_size,
+               "framework": h.get("framework"), "agent_version": f"stepwatch-{__version__}"}
+        for k in ("device", "device_type", "dtype"):
+            if isinstance(h.get(k), str):
+                row[k] = h[k]
+        for k in ("dp", "tp", "pp", "ep", "cp"):
+            if isinstance(h.get(k), int):
+                row[k] = h[k]
+        if isinstance(h.get("model_flops_per_token"), (int, float)):
+            row["model_flops_per_token"] = float(h["model_flops_per_token"])
+        return row
+
+    def topo_key(self) -> tuple:
+        r = self.topology_row()
+        r.pop("agent_version", None)
+        return tuple(sorted(r.items()))
+
+
+def identity_from_hello(hello: dict, node: str, default_job: str | None) -> Identity:
+    """Validate a hello; raises ValueError naming the bad field."""
+    rank, ws = hello.get("rank"), hello.get("world_size")
+    if not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"hello: bad rank {rank!r}")
+    if not isinstance(ws, int) or ws <= rank:
+        raise ValueError(f"hello: bad world_size {ws!r} for rank {rank}")
+    names = hello.get("names") or {}
+    if not isinstance(names, dict):
+        raise ValueError("hello: names is not an object")
+    nd = hello.get("node") if isinstance(hello.get("node"), str) and hello.get("node") else node
+    return Identity(job=safe_job(hello.get("job") if isinstance(hello.get("job"), str) else None,
+                                 default_job or "default"),
+                    rank=rank, world_size=ws, node=nd,
+                    names={int(k): str(v) for k, v in names.items() if str(k).isdigit()}, hello=hello)
+
+
+def _opt(v: int) -> int | None:
+    return None if v < 0 else v
+
+
+def rows_from_batch(ident: Identity, body) -> tuple[dict | None, list[dict], list[dict]]:
+    """(steps row or None, comm rows, gc rows) of one decoded batch datagram, in the wire's columns and
+    units (the datagram carries durations in ns; rows carry ms)."""
+    step, phases, comm, gcs = body
+    base = {"job": ident.job, "node": ident.node, "rank": ident.rank}
+    names = ident.names
+    srow = None
+    if step is not None:
+        (n, t0, t1, step_ns, data_ns, compute_ns, comm_ns, wait_ns, gc_ns, gc_count, data_queue, samples, tokens,
+         dropped) = step
+        ident.dropped = dropped
+        srow = dict(base, step=n, t_start=t0, t_end=t1, step_ms=step_ns / 1e6, data_ms=data_ns / 1e6,
+                    compute_ms=compute_ns / 1e6, comm_ms=comm_ns / 1e6, comm_wait_ms=wait_ns / 1e6,
+                    gc_ms=gc_ns / 1e6, gc_count=gc_count,
+                    samples=_opt(samples), tokens=_opt(tokens), data_queue=_opt(data_queue),
+                    phases=[(names.get(i, f"#{i}"), ns / 1e6) for i, ns in phases] or None)
+    crows = []
+    if comm and step is not None:
+        for op, grp, cnt, nbytes, t_ns, w_ns in comm:
+            crows.append(dict(base, step=step[0], op=names.get(op, f"#{op}"), group=names.get(grp, f"#{grp}"),
+                              count=cnt, bytes=nbytes, time_ms=t_ns / 1e6, wait_ms=w_ns / 1e6))
+    grows = [dict(base, t=t, generation=gen, duration_ms=d / 1e6, collected=c, uncollectable=u)
+             for t, d, gen, c, u in gcs]
+    return srow, crows, grows
+
+
+class Agent:
+    def __init__(self, kafka=None, socket_dir: str | None = None, node: str | None = None, job: str | None = None,
+                 interval_s: float = 1.0, spool_dir: str | Path | None = None, spool_max_bytes: int = 256 << 20,
+                 plugins: list[str] | None = None, host_plugins: dict | None = None,
+                 metrics: AgentMetrics | None = None, create_topics: bool = True, socket_mode: int = 0o666,
+                 send_timeout_s: float = 5.0, retry_s: float = 2.0, max_queue: int = 100_000):
+        self.socket_dir = socket_dir or wirep.default_socket_dir()
+        self.path = os.path.join(self.socket_dir, wirep.SOCKET_NAME)
+        self.node = node or os.environ.get("STEPWATCH_NODE") or os.environ.get("NODE_NAME") or socket.gethostname()
+        self.job = job
+        self.interval_s = interval_s
+        self.metrics = metrics or AgentMetrics()
+        self.runners: list[PluginRunner] = build_runners(plugins, self.metrics, host_plugins)
+        self.spool = Spool(spool_dir or os.path.join(self.socket_dir, "spool"), spool_max_bytes, self.metrics)
+        self.shipper = Shipper(kafka, self.spool, self.metrics, send_timeout_s=send_timeout_s, retry_s=retry_s,
+                               create_topics=create_topics) if kafka is not None else None
+        self.socket_mode = socket_mode
+        self.max_queue = max_queue
+        self.sock: socket.socket | None = None
+        self.queue: collections.deque = collections.deque()
+        self.idents: dict[int, Identity] = {}
+        self.pending: dict[int, collections.deque] = {}
+        self._topo_sent: dict[tuple[str, int], tuple] = {}
+        self.rows: dict[str, dict[str, list]] = {k: collections.defaultdict(list) for k in KINDS}
+        self.stop_event = threading.Event()
+        self._rx: threading.Thread | None = None
+        self._t_host = -1e18
+        self.ticks = 0
+        self.bad = 0
+
+    # ------------------------------------------------------------------ socket
+    def start(self) -> "Agent":
+        os.makedirs(self.socket_dir, exist_ok=True)
+        if os.path.exists(self.path):
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            try:
+                probe.connect(self.path)
+                raise RuntimeError(f"another agent is serving {self.path}")
+            except (ConnectionRefusedError, FileNotFoundError):
+                os.unlink(self.path)         # stale socket of a dead agent
+            finally:
+                probe.close()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        except OSError:
+            pass
+        s.bind(self.path)
+        os.chmod(self.path, self.socket_mode)
+        s.settimeout(0.25)
+        self.sock = s
+        self._rx = threading.Thread(target=self._receive, name="stepwatch-agent-rx", daemon=True)
+        self._rx.start()
+        sample(self.runners, time.monotonic())       # baselines for rates and CPU shares
+        self._t_host = time.monotonic()
+        qlen = _max_dgram_qlen()
+        if qlen is not None and qlen < 64:
+            log.info("net.unix.max_dgram_qlen is %d: a node with many ranks may see probes drop datagrams in "
+                     "bursts (raise it to 512 with sysctl in the agent's network namespace)", qlen)
+        log.info("agent on %s serving %s (node %s)", self.path, "Kafka " + self.shipper.settings.bootstrap
+                 if self.shipper else "no Kafka", self.node)
+        return self
+
+    def _receive(self) -> None:
+        sock, q, m = self.sock, self.queue, self.metrics
+        while not self.stop_event.is_set():
+            try:
+                data = sock.recv(65536)
+            except (socket.timeout, BlockingIOError):
+                continue
+            except OSError:
+                if self.stop_event.is_set():
+                    return
+                time.sleep(0.05)
+                continue
+            if len(q) >= self.max_queue:
+                m.dropped.labels("queue_full").inc()
+                continue
+            q.append(data)
+
+    # ------------------------------------------------------------------ decode
+    def handle(self, data: bytes, now: float | None = None) -> None:
+        """Decode one datagram into rows; a bad one is counted and skipped."""
+        now = time.monotonic() if now is None else now
+        m = self.metrics
+        m.datagrams.inc()
+        try:
+            frames = wirep.decode(data)
+            typ, inst, _, body = frames[0]
+            if typ == wirep.T_HELLO:
+                self._hello(inst, body, now)
+                return
+        except (wirep.BadDatagram, ValueError, TypeError) as e:
+            self._bad(e)
+            return
+        ident = self.idents.get(inst)
+        if ident is None or any(f[1] != inst for f in frames):
+            if ident is not None:
+                self._bad(wirep.BadDatagram("frames of several probe instances in one datagram"))
+                return
+            pend = self.pending.setdefault(inst, collections.deque())
+            if len(pend) >= PENDING_MAX:
+                pend.popleft()
+                m.dropped.labels("no_identity").inc()
+            pend.append((now, data))
+            return
+        ident.t_seen = now
+        steps, comm, gcs = self.rows["steps"][ident.job], self.rows["comm"][ident.job], self.rows["gc"][ident.job]
+        n_s = n_c = n_g = 0
+        for _, _, _, body in frames:
+            srow, crows, grows = rows_from_batch(ident, body)
+            if srow is not None:
+                steps.append(srow)
+                n_s += 1
+            if crows:
+                comm.extend(crows)
+                n_c += len(crows)
+            if grows:
+                gcs.extend(grows)
+                n_g += len(grows)
+        if n_s:
+            m.records_in.labels("steps").inc(n_s)
+        if n_c:
+            m.records_in.labels("comm").inc(n_c)
+        if n_g:
+            m.records_in.labels("gc").inc(n_g)
+
+    def _bad(self, e: Exception) -> None:
+        self.bad += 1
+        self.metrics.bad_datagrams.inc()
+        self.metrics.dropped.labels("bad_datagram").inc()
+        if self.bad <= 5 or self.bad % 1000 == 0:
+            log.warning("bad datagram #%d skipped: %s", self.bad, e)
+
+    def _hello(self, inst: int, hello: dict, now: float) -> None:
+        ident = identity_from_hello(hello, self.node, self.job)
+        old = self.idents.get(inst)
+        if old is not None:
+            ident.dropped = old.dropped
+        ident.t_seen = now
+        self.idents[inst] = ident
+        key = (ident.job, ident.rank)
+        tk = ident.topo_key()
+        if self._topo_sent.get(key) != tk:
+            self._topo_sent[key] = tk
+            self.rows["topology"][ident.job].append(ident.topology_row())
+            self.metrics.records_in.labels("topology").inc()
+            if old is None:
+                log.info("serving rank %d of job %s (pid %s, %s)", ident.rank, ident.job, hello.get("pid"),
+                         hello.get("device", "?"))
+        waiting = self.pending.pop(inst, None)
+        if waiting:
+            for _, data in waiting:
+                self.handle(data, now)
+
+    def _expire_pending(self, now: float) -> None:
+        for inst in list(self.pending):
+            pend = self.pending[inst]
+            while pend and now - pend[0][0] > PENDING_S:
+                pend.popleft()
+                self.metrics.dropped.labels("no_identity").inc()
+            if not pend:
+                del self.pending[inst]
+
+    def drain(self) -> int:
+        n = 0
+        q = self.queue
+        while q:
+            self.handle(q.popleft())
+            n += 1
+        return n
+
+    # ------------------------------------------------------------------ tick
+    def active_jobs(self, now: float) -> list[str]:
+        jobs = sorted({i.job for i in self.idents.values() if now - i.t_seen <= ACTIVE_S})
+        if not jobs and self.job:
+            jobs = [safe_job(self.job)]
+        return jobs
+
+    def host_rows(self, now: float, t_ns: int) -> list[dict]:
+        fields = sample(self.runners, now)
+        if not fields:
+            return []
+        return [dict(fields, job=job, node=self.node, t=t_ns) for job in self.active_jobs(now)]
+
+    def tick(self) -> list[tuple[str, str, pa.Table]]:
+        """Decode what arrived, sample the host, ship one table per (kind, job). Returns the items."""
+        t0 = time.perf_counter()
+        now = time.monotonic()
+        self.drain()
+        self._expire_pending(now)
+        m = self.metrics
+        active = [i for i in self.idents.values() if now - i.t_seen <= ACTIVE_S]
+        m.ranks.set(len(active))
+        m.probe_dropped.set(sum(i.dropped for i in active))
+        for inst in [k for k, i in self.idents.items() if now - i.t_seen > 10 * ACTIVE_S]:
+            del self.idents[inst]
+        if now - self._t_host >= self.interval_s * 0.5:
+            self._t_host = now
+            hrows = self.host_rows(now, time.time_ns())
+            for r in hrows:
+                self.rows["host"][r["job"]].append(r)
+            if hrows:
+                m.records_in.labels("host").inc(len(hrows))
+        items = []
+        for kind in KINDS:
+            per_job = self.rows[kind]
+            for job, rows in per_job.items():
+                if rows:
+                    items.append((kind, job, pa.Table.from_pylist(rows, schema=wire.SCHEMAS[kind])))
+            self.rows[kind] = collections.defaultdict(list)
+        if self.shipper is not None:
+            self.shipper.ship(items)
+        self.ticks += 1
+        m.tick_seconds.observe(time.perf_counter() - t0)
+        return items
+
+    def run(self, stop_event: threading.Event | None = None) -> None:
+        """Serve until ``stop_event`` (or :attr:`stop_event`) is set; then a last tick and close."""
+        stop = stop_event or self.stop_event
+        if self.sock is None:
+            self.start()
+        nxt = time.monotonic() + self.interval_s
+        try:
+            while not stop.is_set():
+                stop.wait(max(0.0, nxt - time.monotonic()))
+                nxt += self.interval_s
+                if nxt < time.monotonic():
+                    nxt = time.monotonic() + self.interval_s
+                try:
+                    self.tick()
+                except Exception:  # noqa: BLE001 - the agent never dies of one bad tick
+                    log.exception("agent tick failed")
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.stop_event.set()
+        if self._rx is not None:
+            self._rx.join(2)
+            self._rx = None
+        try:
+            self.tick()
+        except Exception:  # noqa: BLE001
+            log.exception("last tick failed")
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        if self.shipper is not None:
+            self.shipper.close()
+
+    def stats(self) -> dict:
+        m = self.metrics
+        return {"datagrams": m.value(m.datagrams), "records_in": m.value(m.records_in),
+                "records_out": m.value(m.records_out), "spooled": m.value(m.records_spooled),
+                "dropped": m.value(m.dropped), "bad_datagrams": m.value(m.bad_datagrams),
+                "spool_files": len(self.spool), "ranks": len(self.idents),
+                "kafka_up": bool(self.shipper and self.shipper.online)}
+
+
+def _max_dgram_qlen() -> int | None:
+    try:
+        with open("/proc/sys/net/unix/max_dgram_qlen") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None

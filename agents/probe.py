@@ -1,0 +1,1269 @@
+"""The in-process probe: per-step telemetry of one training rank, handed to the node agent.
+
+Two lines instrument a PyTorch script::
+
+    from stepwatch import probe
+    probe.init()                 # job/rank/world size from STEPWATCH_JOB, RANK, WORLD_SIZE, LOCAL_RANK
+
+``init`` installs the automatic hooks (``auto=True``):
+
+- **step boundaries**: a global ``torch.optim`` step post-hook. A step ends when the first optimizer
+  that ever stepped (the "primary" one) finishes ``step()``; the next step starts at that instant.
+  Time inside any optimizer's ``step()`` is reported as the ``optimizer`` phase.
+- **data wait**: ``DataLoader`` iterators' ``__next__`` is timed (``data_ms``); the number of ready
+  batches in a multi-process loader's queue is read at the first ``__next__`` of a step
+  (``data_queue``; null for single-process loaders).
+- **GC**: ``gc.callbacks`` time every collection (``gc_ms``, ``gc_count`` of the step); collections
+  lasting at least ``gc_row_min_ms`` (default 0: all) are also sent as ``gc`` rows.
+- **collectives**: the ``torch.distributed`` functions (all_reduce, all_gather[_into_tensor],
+  reduce_scatter[_tensor], broadcast, reduce, barrier, all_to_all[_single], gather, scatter, send,
+  recv, ...) are wrapped: wall time, calls and payload bytes per (op, process group) and step, and
+  the time blocked in ``Work.wait()`` of asynchronous ones (op ``wait``). See :func:`transfer_ms`
+  for how the time blocked waiting for peers (``comm_wait_ms``) is separated from transfer time.
+
+Or explicitly (any framework)::
+
+    probe.init(job="llama", auto=False)
+    for batch in loader:
+        with probe.step(samples=len(batch)):
+            with probe.phase("data"): ...
+            with probe.phase("forward"): ...
+
+``begin_step()/end_step()`` do the same without a ``with``. Phase ``data`` feeds ``data_ms``,
+``compute`` feeds ``compute_ms`` (otherwise compute is derived: step - data - comm - comm wait - gc,
+floored at 0), any other name goes to the ``phases`` map (at most 8 names per step).
+
+Cost and safety. Per step the probe does O(1) work with preallocated state: accumulators are plain
+attributes and lists zeroed in place; a finished step becomes a fixed-size *frame* packed with
+:mod:`struct` into one preallocated buffer. Frames are sent together as one datagram on a
+non-blocking ``AF_UNIX``/``SOCK_DGRAM`` socket connected to ``<socket_dir>/agent.sock`` once
+``flush_ms`` (500 ms) passed since the last send: a 100 ms step pays a system call every fifth
+step, a 1 s step every step. When the agent is absent, or its queue stays full past a small
+backlog, frames are dropped and counted (:func:`stats`); training never blocks on telemetry. Steps
+still waiting are sent by ``shutdown`` (also at exit, at ``destroy_process_group`` and in the
+finalizers of multiprocessing children). This module imports only the standard library (torch is
+touched only when the program imports it), so ``stepwatch wrap`` can load it into any Python process.
+
+Datagram layout (little-endian; the node agent decodes it with :func:`decode`). A datagram is a hello
+alone, or one or more batch frames back to back; a frame is ``HDR`` followed by its records:
+
+====================  =========================================================================
+``HDR``  16 bytes     magic ``0x5357``, version 1, type (1 batch frame, 2 hello), instance id
+                      (int32, random per probe), rank (int32), n_step (0/1), n_comm, n_gc, n_phase
+``STEP`` 104 bytes    step, t_start ns, t_end ns, step/data/compute/comm/comm_wait/gc ns, gc_count,
+                      data_queue (-1 = null), samples, tokens (-1 = null), frames the probe
+                      dropped so far (uint32)
+``PHASE`` 16 bytes    name id, ns   (``n_phase`` of them)
+``COMM`` 40 bytes     op id, group id, calls, bytes, time ns, wait ns   (``n_comm``)
+``GCREC`` 40 bytes    t_end ns, duration ns, generation, collected, uncollectable   (``n_gc``)
+hello                 ``HDR`` + UTF-8 JSON: identity (job, rank, world_size, node, device, ...) and
+                      the table of interned names (op, group and phase ids)
+
+Durations travel as float64 nanoseconds (the probe never divides; the agent converts to ms) and
+wall times as int64 ns derived from ``perf_counter_ns`` plus an offset to ``time_ns`` that is
+re-anchored with every hello (so a step costs no ``clock_gettime(CLOCK_REALTIME)``).
+====================  =========================================================================
+"""
+from __future__ import annotations
+
+import collections
+import gc
+import json
+import os
+import socket
+import struct
+import sys
+import threading
+import time
+
+MAGIC = 0x5357
+VERSION = 1
+T_BATCH = 1
+T_HELLO = 2
+
+HDR = struct.Struct("<HBBiiBBBB")
+STEP = struct.Struct("<qqqddddddiiqqI4x")
+HDR_STEP = struct.Struct("<HBBiiBBBB" + "qqqddddddiiqqI4x")     # both at once: one call per step
+PHASE = struct.Struct("<H6xd")
+COMM = struct.Struct("<HH4xqqdd")
+GCREC = struct.Struct("<qdB7xqq")
+MAX_PHASES = 8
+MAX_COMM = 16
+MAX_GC = 16
+MAX_FRAME = HDR.size + STEP.size + MAX_PHASES * PHASE.size + MAX_COMM * COMM.size + MAX_GC * GCREC.size
+MAX_DATAGRAM = 16384                  # frames of several steps are sent together up to this size
+DEFAULT_FLUSH_MS = 500.0              # a datagram leaves at least this often while steps end
+MAX_NAMES = 1024
+MAX_BACKLOG = 16                      # datagrams kept for a retry while the agent's queue is full
+
+SOCKET_NAME = "agent.sock"
+HELLO_EVERY_NS = 10_000_000_000       # identity re-sent every 10-20 s (an agent restart learns it again)
+DEFAULT_COMM_GBPS = 25.0              # nominal link bandwidth for the transfer estimate (GB/s)
+
+_perf = time.perf_counter_ns
+_wall = time.time_ns
+
+
+def default_socket_dir() -> str:
+    """``$STEPWATCH_SOCKET_DIR``, else ``/run/stepwatch`` when it exists, else ``/tmp/stepwatch``."""
+    d = os.environ.get("STEPWATCH_SOCKET_DIR")
+    if d:
+        return d
+    return "/run/stepwatch" if os.path.isdir("/run/stepwatch") else "/tmp/stepwatch"
+
+
+def _new_instance() -> int:
+    """A random 31-bit id for a probe instance (pid namespaces make pids ambiguous on a node)."""
+    return int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
+
+
+def _env_int(name: str) -> int | None:
+    v = os.environ.get(name)
+    try:
+        return int(v) if v not in (None, "") else None
+    except ValueError:
+        return None
+
+
+# Bytes moved per byte of this rank's payload, as a function of the group size n (ring algorithms).
+_TRAFFIC = {
+    "all_reduce": lambda n: 2.0 * (n - 1) / n,
+    "all_reduce_coalesced": lambda n: 2.0 * (n - 1) / n,
+    "all_gather": lambda n: float(n - 1),
+    "all_gather_into_tensor": lambda n: float(n - 1),
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "reduce_scatter_tensor": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "all_to_all_single": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0, "reduce": lambda n: 1.0, "gather": lambda n: 1.0,
+    "scatter": lambda n: 1.0, "send": lambda n: 1.0, "recv": lambda n: 1.0,
+    "barrier": lambda n: 0.0,
+}
+# *_object collectives: payload size unknown (pickled inside), so no transfer part is estimated
+
+
+def transfer_ms(op: str, nbytes: int, group_size: int, gbps: float) -> float:
+    """Estimated pure transfer time of one collective (ms): bytes on the wire / link bandwidth.
+
+    The probe splits a synchronous collective's wall time ``t`` into ``comm_ms = min(t, transfer)``
+    and ``comm_wait_ms = t - comm_ms`` (time blocked waiting for peers). On CPU/gloo a rank cannot see
+    when its peers arrived, so the transfer part comes from a bandwidth model; an error in it shifts
+    every rank of a data-parallel group by the same amount (same bytes, same model), so it never
+    hides a straggler: the slow rank arrives last, waits least and keeps the highest busy time
+    (step - comm wait). A per-rank minimum of observed times would not do: a rank that always waits
+    for the same straggler never sees a wait-free call.
+    """
+    if gbps <= 0 or nbytes <= 0:
+        return 0.0
+    f = _TRAFFIC.get(op)
+    moved = nbytes * (f(max(group_size, 1)) if f else 1.0)
+    return moved / (gbps * 1e9) * 1e3
+
+
+def _nbytes(x) -> int:
+    """Payload bytes of a tensor or a list/tuple of tensors (0 for anything else)."""
+    try:
+        if isinstance(x, (list, tuple)):
+            return sum(t.numel() * t.element_size() for t in x)
+        return x.numel() * x.element_size()
+    except Exception:  # noqa: BLE001 - telemetry must not fail the call
+        return 0
+
+
+class _Phase:
+    """Context manager timing one named phase; one cached instance per name (no per-use allocation)."""
+
+    __slots__ = ("probe", "slot", "t0", "depth")
+
+    def __init__(self, probe: "Probe", slot: int):
+        self.probe, self.slot, self.t0, self.depth = probe, slot, 0, 0
+
+    def __enter__(self):
+        self.depth += 1
+        if self.depth == 1:
+            self.t0 = _perf()
+        return self
+
+    def __exit__(self, *exc):
+        self.depth -= 1
+        if self.depth == 0:
+            self.probe._add_phase(self.slot, _perf() - self.t0)
+        return False
+
+
+class _TorchImportHook:
+    """A ``sys.meta_path`` finder that finds nothing itself: on ``import torch`` it wraps torch's
+    loader so that the probe's hooks are installed once torch has finished importing."""
+
+    def __init__(self, probe: "Probe"):
+        self.probe = probe
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch":
+            return None
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:
+            pass
+        import importlib.util
+        spec = importlib.util.find_spec(name)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        orig, probe = loader.exec_module, self.probe
+
+        def exec_module(module):
+            orig(module)
+            if probe._on:
+                try:
+                    probe.install_torch()
+                except Exception as e:  # noqa: BLE001 - never break the user's import
+                    sys.stderr.write(f"stepwatch probe: PyTorch hooks not installed: {e!r}\n")
+
+        loader.exec_module = exec_module
+        return spec
+
+
+class _StepCtx:
+    __slots__ = ("probe",)
+
+    def __init__(self, probe: "Probe"):
+        self.probe = probe
+
+    def __enter__(self):
+        self.probe.begin_step()
+        return self.probe
+
+    def __exit__(self, *exc):
+        self.probe.end_step()
+        return False
+
+
+# phase slots with a fixed meaning; named phases get slots from 2 on
+_SLOT_DATA, _SLOT_COMPUTE = 0, 1
+
+
+class Probe:
+    """One per process (the module-level functions use a singleton). Lifecycle: ``init`` ->
+    steps -> ``shutdown`` (also at interpreter exit)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._on = False
+        self._installed = False
+        self._hooks: list = []
+        self._patches: list[tuple[object, str, object]] = []
+        self._sock: socket.socket | None = None
+        self._path = ""
+        self._connected = False
+        self._t_connect = -(1 << 62)
+        self.reconnect_ns = 1_000_000_000
+        self._hello_bytes = b""
+        self._hello_dirty = True
+        self._backlog: collections.deque = collections.deque()
+        self._buf = bytearray(MAX_DATAGRAM)
+        self._mv = memoryview(self._buf)
+        self._off = 0                                  # bytes of frames waiting in _buf
+        self._frames = 0
+        self._last_flush = 0
+        self.flush_ns = int(DEFAULT_FLUSH_MS * 1e6)
+        self._gcbuf = bytearray(HDR.size + MAX_GC * GCREC.size)   # header room: sent alone when full
+        self._gcmv = memoryview(self._gcbuf)
+        self.instance = _new_instance()
+        # periodic hello every 10-20 s, spread per instance so ranks started together do not burst
+        self._hello_every = HELLO_EVERY_NS + (self.instance % 10_000) * 1_000_000
+        # identity (None = resolved lazily at the first step)
+        self.job: str | None = None
+        self.rank: int | None = None
+        self.world_size: int | None = None
+        self.local_rank: int | None = None
+        self.node: str | None = None
+        self.extra: dict = {}
+        self._identity_ready = False
+        self._rank_given = self._world_given = False
+        # names (ops, groups, phases) -> small ids shared with the agent through the hello
+        self._names: dict[str, int] = {}
+        self._phase_ids = [0] * MAX_PHASES       # slot -> name id
+        self._phase_slot: dict[str, int] = {}
+        self._phase_ctx: dict[str, _Phase] = {}
+        self._comm_slot: dict[tuple[int, int], int] = {}
+        self._comm_key = [(0, 0)] * MAX_COMM
+        self._groups: dict[int, tuple[int, int]] = {}     # id(group) -> (name id, size)
+        self._group_refs: list = []
+        self._c_traffic = [1.0] * MAX_COMM                 # bytes on the wire per payload byte, per slot
+        self._ns_per_byte = 1.0 / DEFAULT_COMM_GBPS
+        self._in_coll = 0
+        self._step_ctx = _StepCtx(self)
+        self._reset_counters()
+        self._reset_step_state()
+        self._need_hello = True
+        self._last_hello = 0
+        self._wall_off = _wall() - _perf()           # wall ns = perf ns + offset (re-anchored per hello)
+        self.comm_gbps = DEFAULT_COMM_GBPS
+        self.gc_row_min_ns = 0
+        self._explicit = False
+        self._pending_counts: tuple | None = None
+        self._primary_opt: int | None = None
+        self._opt_slot: int | None = None
+        self._opt_t0 = 0
+        self._gc_t0 = 0
+        self._pid = os.getpid()
+
+    # ------------------------------------------------------------------ state
+    def _reset_counters(self) -> None:
+        self.n_steps = 0
+        self.sent = 0                    # frames (step records, GC bursts) delivered to the agent
+        self.datagrams = 0
+        self.dropped_full = 0
+        self.dropped_no_agent = 0
+        self.dropped_error = 0
+        self.dropped = 0                 # frames lost: sum of the three above (carried in every step record)
+        self.deferred = 0                # datagrams that waited in the backlog (sent later or dropped)
+        self.gc_rows_dropped = 0
+        self.comm_keys_dropped = 0
+        self.phases_dropped = 0
+        self.hellos = 0
+
+    def _reset_step_state(self) -> None:
+        """All per-step state; the lists are allocated here once and only zeroed afterwards (the
+        collective wrappers hold references to them)."""
+        self._open = False
+        self._step = 0
+        self._t0_perf = 0
+        self._t0_wall = 0
+        if not hasattr(self, "_ph_ns"):
+            self._ph_ns = [0] * MAX_PHASES
+            self._ph_used = [False] * MAX_PHASES
+            self._ph_touched: list[int] = []      # named phase slots (>= 2) used in this step
+            self._c_count = [0] * MAX_COMM
+            self._c_bytes = [0] * MAX_COMM
+            self._c_time = [0] * MAX_COMM
+            self._c_wait = [0.0] * MAX_COMM
+            self._c_touched: list[int] = []
+        self._clear_step()
+        self._n_gc = 0
+
+    def _clear_step(self) -> None:
+        """Zero what the last step used (O(phases and collective kinds used), no allocation)."""
+        ph, used = self._ph_ns, self._ph_used
+        ph[0] = ph[1] = 0
+        used[0] = used[1] = False
+        if self._ph_touched:
+            for i in self._ph_touched:
+                ph[i] = 0
+                used[i] = False
+            self._ph_touched.clear()
+        if self._c_touched:
+            cc, cb, ct, cw = self._c_count, self._c_bytes, self._c_time, self._c_wait
+            for i in self._c_touched:
+                cc[i] = cb[i] = ct[i] = 0
+                cw[i] = 0.0
+            self._c_touched.clear()
+        self._comm_ns = self._wait_ns = 0.0
+        self._gc_ns = self._gc_count = 0
+        self._data_queue = self._samples = self._tokens = -1
+
+    # ------------------------------------------------------------------ set-up
+    def init(self, job: str | None = None, rank: int | None = None, world_size: int | None = None,
+             node: str | None = None, socket_dir: str | None = None, local_rank: int | None = None,
+             auto: bool = True, start_step: int = 0, comm_gbps: float | None = None,
+             gc_row_min_ms: float | None = None, flush_ms: float | None = None, **topology) -> "Probe":
+        """Configure the probe and (``auto``) install the PyTorch hooks. Safe to call again.
+
+        Identity defaults: ``job`` from ``STEPWATCH_JOB`` (else ``TORCHELASTIC_RUN_ID``; else the
+        agent's ``--job``), ``rank``/``world_size``/``local_rank`` from ``RANK``/``WORLD_SIZE``/
+        ``LOCAL_RANK`` (else from ``torch.distributed`` at the first step, else 0/1), ``node`` from
+        ``STEPWATCH_NODE`` (else the agent's node name). ``topology`` may hold ``dp, tp, pp, ep, cp,
+        device, device_type, dtype, model_flops_per_token`` (also read from ``STEPWATCH_DP`` ... ).
+        ``comm_gbps`` (``STEPWATCH_COMM_GBPS``, default 25) is the link bandwidth of the transfer
+        estimate; ``gc_row_min_ms`` (``STEPWATCH_GC_ROW_MIN_MS``, default 0) the shortest collection
+        sent as a ``gc`` row (every collection is counted in the step either way); ``flush_ms``
+        (``STEPWATCH_FLUSH_MS``, default 500) how long finished steps may wait to share a datagram
+        (0: one datagram per step).
+        """
+        with self._lock:
+            self.job = job or os.environ.get("STEPWATCH_JOB") or os.environ.get("TORCHELASTIC_RUN_ID") or None
+            self.rank = rank if rank is not None else _env_int("RANK")
+            self.world_size = world_size if world_size is not None else _env_int("WORLD_SIZE")
+            self._rank_given, self._world_given = self.rank is not None, self.world_size is not None
+            self.local_rank = local_rank if local_rank is not None else _env_int("LOCAL_RANK")
+            self.node = node or os.environ.get("STEPWATCH_NODE") or None
+            extra = {}
+            for k in ("dp", "tp", "pp", "ep", "cp"):
+                v = topology.pop(k, None)
+                v = v if v is not None else _env_int(f"STEPWATCH_{k.upper()}")
+                if v is not None:
+                    extra[k] = int(v)
+            for k in ("device", "device_type", "dtype", "model_flops_per_token"):
+                v = topology.pop(k, None) or os.environ.get(f"STEPWATCH_{k.upper()}")
+                if v is not None:
+                    extra[k] = float(v) if k == "model_flops_per_token" else str(v)
+            if topology:
+                raise TypeError(f"probe.init: unknown argument(s) {', '.join(sorted(topology))}")
+            self.extra = extra
+            g = comm_gbps if comm_gbps is not None else os.environ.get("STEPWATCH_COMM_GBPS")
+            self.comm_gbps = float(g) if g not in (None, "") else DEFAULT_COMM_GBPS
+            self._ns_per_byte = 1.0 / self.comm_gbps if self.comm_gbps > 0 else 0.0   # GB/s = bytes/ns
+            m = gc_row_min_ms if gc_row_min_ms is not None else os.environ.get("STEPWATCH_GC_ROW_MIN_MS")
+            self.gc_row_min_ns = int(float(m) * 1e6) if m not in (None, "") else 0
+            f = flush_ms if flush_ms is not None else os.environ.get("STEPWATCH_FLUSH_MS")
+            self.flush_ns = int(float(f) * 1e6) if f not in (None, "") else int(DEFAULT_FLUSH_MS * 1e6)
+            self._identity_ready = self.rank is not None and self.world_size is not None
+            path = os.path.join(socket_dir or default_socket_dir(), SOCKET_NAME)
+            if path != self._path:
+                self._connected = False
+                self._t_connect = -(1 << 62)
+                if self._sock is not None:           # a connected datagram socket cannot be re-pointed
+                    self._sock.close()
+                    self._sock = None
+            self._path = path
+            if self._sock is None:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                s.setblocking(False)
+                self._sock = s
+            self._step = int(start_step)
+            self._need_hello = self._hello_dirty = True
+            self._pid = os.getpid()
+            if not self._on:
+                gc.callbacks.append(self._gc_cb)
+                if not self._installed:
+                    os.register_at_fork(after_in_child=self._after_fork)
+                    import atexit
+                    atexit.register(self.shutdown)
+                    try:        # children of multiprocessing end with os._exit(): flush in its finalizers
+                        import multiprocessing.util as mpu
+                        mpu.register_after_fork(self, Probe._mp_child)
+                    except ImportError:
+                        pass
+                self._installed = True
+                self._on = True
+        if auto:
+            self.install_torch()
+        return self
+
+    def install_torch(self) -> bool:
+        """Install the optimizer, DataLoader and torch.distributed hooks (once). When torch is not
+        imported yet, nothing is imported here: a finder on ``sys.meta_path`` installs the hooks right
+        after the program imports torch itself (so ``init()`` may come first, and a program that never
+        uses torch never loads it). torch_npu needs nothing more: it runs through the same hooks.
+        Returns True when the hooks are in place."""
+        if self._hooks:
+            return True
+        if "torch" not in sys.modules:
+            if not any(isinstance(f, _TorchImportHook) for f in sys.meta_path):
+                sys.meta_path.insert(0, _TorchImportHook(self))
+            return False
+        try:
+            from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+        except ImportError:
+            return False
+        self._hooks.append(register_optimizer_step_pre_hook(self._opt_pre))
+        self._hooks.append(register_optimizer_step_post_hook(self._opt_post))
+        try:
+            from torch.utils.data import dataloader as dl
+            self._patch_dataloader(dl._BaseDataLoaderIter)
+        except (ImportError, AttributeError):
+            pass
+        try:
+            import torch.distributed as dist
+            if dist.is_available():
+                self._patch_distributed(dist)
+        except ImportError:
+            pass
+        return True
+
+    def shutdown(self) -> None:
+        """Send what waits, remove every hook and patch and close the socket (the probe can be
+        ``init``-ed again)."""
+        if self._on:
+            self.flush()
+        with self._lock:
+            self._on = False
+            try:
+                gc.callbacks.remove(self._gc_cb)
+            except ValueError:
+                pass
+            for h in self._hooks:
+                h.remove()
+            self._hooks.clear()
+            for obj, name, orig in reversed(self._patches):
+                setattr(obj, name, orig)
+            self._patches.clear()
+            for f in [f for f in sys.meta_path if isinstance(f, _TorchImportHook) and f.probe is self]:
+                sys.meta_path.remove(f)
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+            self._connected = False
+            self._t_connect = -(1 << 62)
+            self._backlog.clear()
+            self._open = False
+
+    def _after_fork(self) -> None:
+        """In a forked child: a new probe instance with its own socket and counters. Identity fields
+        that were resolved lazily are resolved again (a launcher that forks its ranks); a child that
+        never completes a step (a DataLoader worker) never sends anything."""
+        self.instance = _new_instance()
+        self._hello_every = HELLO_EVERY_NS + (self.instance % 10_000) * 1_000_000
+        self._backlog.clear()
+        old, self._sock = self._sock, None
+        self._connected = False
+        self._t_connect = -(1 << 62)
+        if old is not None:
+            try:
+                old.close()
+            except OSError:
+                pass
+        if self._on:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            s.setblocking(False)
+            self._sock = s
+        self._reset_counters()
+        self._reset_step_state()
+        self._n_gc = 0
+        self._off = self._frames = 0                  # the parent's pending frames are the parent's
+        self._last_flush = 0
+        self._primary_opt = None
+        self._opt_t0 = self._gc_t0 = 0
+        self._last_hello = 0
+        self._need_hello = self._hello_dirty = True
+        if not self._rank_given:
+            self.rank = None
+        if not self._world_given:
+            self.world_size = None
+        self._identity_ready = self.rank is not None and self.world_size is not None
+        self._pid = os.getpid()
+
+    def _mp_child(self) -> None:
+        import multiprocessing.util as mpu
+        mpu.Finalize(self, self.flush, exitpriority=100)
+
+    # ------------------------------------------------------------------ names
+    def _intern(self, name: str) -> int:
+        i = self._names.get(name)
+        if i is None:
+            if len(self._names) >= MAX_NAMES:
+                return self._intern("other") if name != "other" else 0
+            i = self._names[name] = len(self._names) + 1
+            self._need_hello = self._hello_dirty = True
+        return i
+
+    def _slot_for_phase(self, name: str) -> int:
+        if name == "data":
+            return _SLOT_DATA
+        if name == "compute":
+            return _SLOT_COMPUTE
+        s = self._phase_slot.get(name)
+        if s is None:
+            if len(self._phase_slot) >= MAX_PHASES - 2:
+                return -1
+            s = self._phase_slot[name] = len(self._phase_slot) + 2
+            self._phase_ids[s] = self._intern(name)
+        return s
+
+    # ------------------------------------------------------------------ explicit API
+    def phase(self, name: str) -> _Phase:
+        ctx = self._phase_ctx.get(name)
+        if ctx is None:
+            ctx = self._phase_ctx[name] = _Phase(self, self._slot_for_phase(name))
+        return ctx
+
+    def add_phase(self, name: str, ms: float) -> None:
+        """Add ``ms`` to a phase of the current step (for times measured elsewhere)."""
+        self._add_phase(self._slot_for_phase(name), ms * 1e6)
+
+    def _add_phase(self, slot: int, ns: int) -> None:
+        if slot < 0:
+            self.phases_dropped += 1
+            return
+        if not self._ph_used[slot]:
+            self._ph_used[slot] = True
+            if slot >= 2:
+                self._ph_touched.append(slot)
+        self._ph_ns[slot] += ns
+
+    def count(self, samples: int | None = None, tokens: int | None = None) -> None:
+        """Add samples/tokens to the current step."""
+        if samples is not None:
+            self._samples = max(self._samples, 0) + int(samples)
+        if tokens is not None:
+            self._tokens = max(self._tokens, 0) + int(tokens)
+
+    def step(self, samples: int | None = None, tokens: int | None = None) -> _StepCtx:
+        """``with probe.step():`` one training step (explicit mode)."""
+        self._explicit = True
+        self._pending_counts = (samples, tokens)
+        return self._step_ctx
+
+    def begin_step(self, step: int | None = None) -> None:
+        """Start a step (explicit mode); an open step is ended first. ``step`` sets the number."""
+        self._explicit = True
+        now = _perf()
+        wall = now + self._wall_off
+        if self._open:
+            self._end(now, wall)
+        if step is not None:
+            self._step = int(step)
+        self._begin(now, wall)
+        pc = self._pending_counts
+        if pc is not None:
+            self._pending_counts = None
+            self.count(*pc)
+
+    def end_step(self) -> None:
+        if self._open:
+            now = _perf()
+            self._end(now, now + self._wall_off)
+
+    def _begin(self, perf: int, wall: int) -> None:
+        self._clear_step()
+        self._t0_perf, self._t0_wall = perf, wall
+        self._open = True
+
+    def _ensure_open(self, perf: int) -> None:
+        """Automatic mode: the first event of a run opens the first step."""
+        if not self._open and not self._explicit:
+            self._begin(perf, perf + self._wall_off)
+
+    # ------------------------------------------------------------------ step end: pack and send
+    def _resolve_identity(self) -> None:
+        if self.rank is None or self.world_size is None:
+            try:
+                dist = sys.modules.get("torch.distributed")
+                if dist is not None and dist.is_available() and dist.is_initialized():
+                    if self.rank is None:
+                        self.rank = dist.get_rank()
+                    if self.world_size is None:
+                        self.world_size = dist.get_world_size()
+            except Exception:  # noqa: BLE001
+                pass
+            if self.rank is None:
+                self.rank = 0
+            if self.world_size is None:
+                self.world_size = max(1, self.rank + 1)
+        self._identity_ready = True
+        self._need_hello = self._hello_dirty = True
+
+    def _device(self) -> dict:
+        out = {}
+        if "device" in self.extra:
+            return out
+        lr = self.local_rank if self.local_rank is not None else 0
+        npu = sys.modules.get("torch_npu")
+        torch = sys.modules.get("torch")
+        try:
+            if npu is not None:
+                out["device"] = f"npu:{lr}"
+                try:
+                    out["device_type"] = str(npu.npu.get_device_name(lr))
+                except Exception:  # noqa: BLE001
+                    pass
+            elif torch is not None and torch.cuda.is_initialized():
+                idx = torch.cuda.current_device()
+                out["device"] = f"cuda:{idx}"
+                out["device_type"] = torch.cuda.get_device_name(idx)
+            else:
+                out["device"] = "cpu"
+        except Exception:  # noqa: BLE001
+            pass
+        return out
+
+    def hello_payload(self) -> dict:
+        torch = sys.modules.get("torch")
+        fw = f"pytorch-{torch.__version__}" if torch is not None else "python"
+        if sys.modules.get("torch_npu") is not None:
+            fw += "+torch_npu"
+        d = {"v": VERSION, "job": self.job, "rank": self.rank, "world_size": self.world_size,
+             "local_rank": self.local_rank, "pid": os.getpid(), "framework": fw,
+             "names": {str(i): n for n, i in self._names.items()}}
+        if self.node:
+            d["node"] = self.node
+        d.update(self._device())
+        d.update(self.extra)
+        return d
+
+    def _send_hello(self, perf: int) -> None:
+        self._last_hello = perf
+        self._wall_off = _wall() - _perf()
+        if not self._connected and perf - self._t_connect < self.reconnect_ns:
+            return                              # nobody to tell: do not even build it
+        if self._hello_dirty or not self._hello_bytes:
+            body = json.dumps(self.hello_payload(), separators=(",", ":")).encode()
+            self._hello_bytes = HDR.pack(MAGIC, VERSION, T_HELLO, self.instance, self.rank or 0, 0, 0, 0, 0) + body
+            self._hello_dirty = False
+        if self._sendto(self._hello_bytes, hello=True):
+            self._need_hello = False
+
+    def _sendto(self, data, hello: bool = False, frames: int = 0) -> bool:
+        """Hand one datagram (a hello, or ``frames`` frames) to the agent; never blocks, never
+        raises. True when it was sent or queued in the backlog, False when it was dropped; lost
+        frames are counted (a lost hello is not: it is sent again with the next datagram).
+
+        The socket is connected to the agent's path once (a connected send costs ~3 µs, a send by
+        path ~5 µs). While no agent listens, a reconnect is tried at most every ``reconnect_ns``
+        (1 s) and datagrams in between are dropped without a system call; a new agent receives the
+        hello first. When the agent's queue is full (``EAGAIN``: the kernel queues only
+        ``net.unix.max_dgram_qlen`` datagrams, 10 by default) the datagram is copied into a backlog
+        of ``MAX_BACKLOG`` that is sent, in order, before the next one; only what falls out of it is
+        dropped."""
+        if not self._connected:
+            now = _perf()
+            if now - self._t_connect < self.reconnect_ns:
+                self._lost(frames, "no_agent")
+                return False
+            self._t_connect = now
+            try:
+                self._sock.connect(self._path)
+            except (FileNotFoundError, ConnectionRefusedError, PermissionError):
+                self._lost(frames, "no_agent")
+                return False
+            except (OSError, AttributeError):
+                self._lost(frames, "error")
+                return False
+            self._connected = True
+            self._need_hello = True
+            if not hello:                           # a new agent learns who we are first
+                self._send_hello(now)
+        if self._backlog and not self._flush_backlog():
+            return self._defer(data, hello, frames)     # keep the order
+        try:
+            self._sock.send(data)
+        except BlockingIOError:
+            return self._defer(data, hello, frames)
+        except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError):
+            self._agent_gone()
+            self._lost(frames, "no_agent")
+            return False
+        except OSError:
+            self._agent_gone()
+            self._lost(frames, "error")
+            return False
+        except AttributeError:                      # socket closed by shutdown()
+            self._lost(frames, "error")
+            return False
+        if hello:
+            self.hellos += 1
+        else:
+            self.datagrams += 1
+            self.sent += frames
+        return True
+
+    def _lost(self, frames: int, why: str) -> None:
+        if frames:
+            if why == "no_agent":
+                self.dropped_no_agent += frames
+            elif why == "full":
+                self.dropped_full += frames
+            else:
+                self.dropped_error += frames
+            self.dropped += frames
+
+    def _agent_gone(self) -> None:
+        """The agent went away: forget the connection (reconnect on the next send) and the backlog."""
+        self._connected = False
+        self._t_connect = 0
+        self._need_hello = True
+        if self._backlog:
+            self._lost(sum(f for _, _, f in self._backlog), "no_agent")
+            self._backlog.clear()
+
+    def _defer(self, data, hello: bool, frames: int) -> bool:
+        bl = self._backlog
+        if len(bl) >= MAX_BACKLOG:
+            self._lost(bl.popleft()[2], "full")
+        bl.append((bytes(data), hello, frames))
+        self.deferred += 1
+        return True
+
+    def _flush_backlog(self) -> bool:
+        """Send the backlog oldest first; False while the agent's queue is still full."""
+        bl = self._backlog
+        while bl:
+            data, hello, frames = bl[0]
+            try:
+                self._sock.send(data)
+            except BlockingIOError:
+                return False
+            except (OSError, AttributeError):
+                self._agent_gone()
+                return False
+            bl.popleft()
+            if hello:
+                self.hellos += 1
+            else:
+                self.datagrams += 1
+                self.sent += frames
+        return True
+
+    def flush(self) -> None:
+        """Send the finished steps that wait for company now (shutdown and exit do it too)."""
+        self._flush(_perf())
+
+    def _flush(self, perf: int) -> None:
+        self._last_flush = perf
+        n = self._frames
+        if n:
+            off, self._off, self._frames = self._off, 0, 0
+            if self._need_hello or perf - self._last_hello > self._hello_every:
+                self._send_hello(perf)
+            self._sendto(self._mv[:off], frames=n)
+
+    def _end(self, perf: int, wall: int) -> None:
+        """Close the open step: pack its frame (header + step, phases, collectives, GC rows; one
+        ``pack_into`` each) into the preallocated buffer after the frames still waiting there, and
+        send the buffer when ``flush_ns`` passed since the last send (or it is nearly full)."""
+        self._open = False
+        if not self._on:
+            return
+        if not self._identity_ready:
+            self._resolve_identity()
+        step_ns = perf - self._t0_perf
+        ph = self._ph_ns
+        data_ns = ph[0]
+        gc_ns = self._gc_ns
+        comm_ns = self._comm_ns
+        wait_ns = self._wait_ns
+        if self._ph_used[1]:
+            compute_ns = ph[1]
+        else:
+            compute_ns = step_ns - data_ns - comm_ns - wait_ns - gc_ns
+            if compute_ns < 0:
+                compute_ns = 0
+        pt, ct, n_gc = self._ph_touched, self._c_touched, self._n_gc
+        buf = self._buf
+        off = self._off
+        HDR_STEP.pack_into(buf, off, MAGIC, VERSION, T_BATCH, self.instance, self.rank, 1, len(ct), n_gc, len(pt),
+                           self._step, self._t0_wall, wall, step_ns, data_ns, compute_ns, comm_ns, wait_ns, gc_ns,
+                           self._gc_count, self._data_queue, self._samples, self._tokens, self.dropped & 0xFFFFFFFF)
+        off += 120
+        if pt:
+            ids = self._phase_ids
+            for i in pt:
+                PHASE.pack_into(buf, off, ids[i], ph[i])
+                off += 16
+        if ct:
+            keys = self._comm_key
+            for i in ct:
+                op, grp = keys[i]
+                COMM.pack_into(buf, off, op, grp, self._c_count[i], self._c_bytes[i], self._c_time[i], self._c_wait[i])
+                off += 40
+        if n_gc:
+            k = n_gc * 40
+            self._mv[off:off + k] = self._gcmv[16:16 + k]
+            off += k
+            self._n_gc = 0
+        self._off = off
+        self._frames += 1
+        self.n_steps += 1
+        self._step += 1
+        if perf - self._last_flush >= self.flush_ns or off > MAX_DATAGRAM - MAX_FRAME or self._need_hello:
+            self._flush(perf)
+
+    # ------------------------------------------------------------------ automatic hooks
+    def _opt_pre(self, opt, args, kwargs) -> None:
+        if self._on:
+            t = _perf()
+            if not self._open and not self._explicit:
+                self._begin(t, t + self._wall_off)
+            self._opt_t0 = t
+
+    def _opt_post(self, opt, args, kwargs) -> None:
+        if not self._on:
+            return
+        t = _perf()
+        if self._opt_t0:
+            s = self._opt_slot
+            if s is None:
+                s = self._opt_slot = self._slot_for_phase("optimizer")
+            if s >= 0:                                   # the optimizer phase (inlined _add_phase)
+                if not self._ph_used[s]:
+                    self._ph_used[s] = True
+                    self._ph_touched.append(s)
+                self._ph_ns[s] += t - self._opt_t0
+            self._opt_t0 = 0
+        if self._explicit:
+            return
+        oid = id(opt)
+        if self._primary_opt is None:
+            self._primary_opt = oid
+        elif oid != self._primary_opt:
+            return
+        wall = t + self._wall_off
+        self._end(t, wall)
+        self._clear_step()                       # the next step starts now
+        self._t0_perf = t
+        self._t0_wall = wall
+        self._open = True
+
+    def _gc_cb(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = _perf()
+            return
+        if not self._gc_t0:
+            return
+        dt = _perf() - self._gc_t0
+        self._gc_t0 = 0
+        if not self._on:
+            return
+        self._gc_ns += dt
+        self._gc_count += 1
+        if dt >= self.gc_row_min_ns:
+            n = self._n_gc
+            GCREC.pack_into(self._gcbuf, HDR.size + n * GCREC.size, _perf() + self._wall_off, dt,
+                            info.get("generation", 0),
+                            info.get("collected", 0), info.get("uncollectable", 0))
+            n += 1
+            if n == MAX_GC and self.n_steps:
+                # a burst of collections: send them now on their own (no step record)
+                HDR.pack_into(self._gcbuf, 0, MAGIC, VERSION, T_BATCH, self.instance, self.rank, 0, 0, MAX_GC, 0)
+                self._sendto(self._gcmv, frames=1)
+                n = 0
+            elif n == MAX_GC:
+                self.gc_rows_dropped += 1       # nothing is sent before the first step: reuse the last slot
+                n -= 1
+            self._n_gc = n
+
+    def _patch(self, obj, name: str, new) -> None:
+        self._patches.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, new)
+
+    def _patch_dataloader(self, cls) -> None:
+        orig = cls.__next__
+        probe = self
+
+        def __next__(it):
+            if not probe._on:
+                return orig(it)
+            t0 = _perf()
+            if not probe._open:
+                probe._ensure_open(t0)
+            if probe._data_queue < 0:
+                d = getattr(it, "__dict__", None)
+                q = d.get("_data_queue") if d else None
+                if q is not None:
+                    try:
+                        probe._data_queue = q.qsize()
+                    except (NotImplementedError, OSError, AttributeError):
+                        pass
+            try:
+                return orig(it)
+            finally:
+                probe._ph_ns[_SLOT_DATA] += _perf() - t0
+                probe._ph_used[_SLOT_DATA] = True
+
+        __next__.__wrapped__ = orig
+        self._patch(cls, "__next__", __next__)
+
+    # ------------------------------------------------------------------ collectives
+    def _group(self, dist, group) -> tuple[int, int]:
+        key = id(group)
+        g = self._groups.get(key)
+        if g is None:
+            try:
+                size = dist.get_world_size(group) if group is not None else dist.get_world_size()
+            except Exception:  # noqa: BLE001
+                size = 1
+            if group is None:
+                name = "world"
+            else:
+                name = getattr(group, "group_desc", None) or getattr(group, "group_name", None) or f"pg{len(self._groups)}"
+                if name in ("default_pg", "undefined"):
+                    name = getattr(group, "group_name", None) or name
+            g = self._groups[key] = (self._intern(str(name)), int(size))
+            self._group_refs.append(group)          # keep it alive: its id() is our cache key
+        return g
+
+    def _comm_slot_for(self, op: str, op_id: int, grp_id: int, size: int) -> int:
+        """The accumulator slot of (op, group), created on first use (-1 when all are taken)."""
+        key = (op_id, grp_id)
+        s = self._comm_slot.get(key)
+        if s is None:
+            if len(self._comm_slot) >= MAX_COMM:
+                return -1
+            s = self._comm_slot[key] = len(self._comm_slot)
+            self._comm_key[s] = key
+            f = _TRAFFIC.get(op)
+            self._c_traffic[s] = f(max(size, 1)) if f else (0.0 if op.endswith(("_object", "_object_list"))
+                                                              else 1.0)
+        return s
+
+    def _record_comm(self, op_id: int, grp_id: int, nbytes: int, dt: int, wait_ns: float) -> None:
+        """Add one call with a known wait (Work.wait(), tests and benchmarks)."""
+        key = (op_id, grp_id)
+        s = self._comm_slot.get(key)
+        if s is None:
+            if len(self._comm_slot) >= MAX_COMM:
+                self.comm_keys_dropped += 1
+                return
+            s = self._comm_slot[key] = len(self._comm_slot)
+            self._comm_key[s] = key
+        self._add_comm(s, nbytes, dt, wait_ns)
+
+    def _add_comm(self, s: int, nbytes: int, dt: int, wait_ns: float) -> None:
+        if self._c_count[s] == 0:
+            self._c_touched.append(s)
+        self._c_count[s] += 1
+        self._c_bytes[s] += nbytes
+        self._c_time[s] += dt
+        self._c_wait[s] += wait_ns
+        self._comm_ns += dt - wait_ns
+        self._wait_ns += wait_ns
+
+    def _wrap_collective(self, dist, name: str, fn):
+        """A wrapper timing ``fn``; the per-call work is a few lookups and additions: the
+        accumulator slot is cached per process group, the payload read with ``Tensor.nbytes``."""
+        import inspect
+        try:
+            params = list(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            return None
+        payload = {"all_gather_into_tensor": "input_tensor", "reduce_scatter": "input_list",
+                   "reduce_scatter_tensor": "input", "all_to_all": "input_tensor_list",
+                   "all_to_all_single": "input", "all_reduce_coalesced": "tensors",
+                   "barrier": None}.get(name, None if name.endswith(("_object", "_object_list")) else "tensor")
+        big = 1 << 30
+        p_idx = params.index(payload) if payload in params else big
+        g_idx = params.index("group") if "group" in params else big
+        a_idx = params.index("async_op") if "async_op" in params and name not in ("send", "recv") else big
+        op_id = self._intern(name)
+        probe = self
+        slots: dict[int, int] = {}          # id(group) -> accumulator slot
+        traffic = self._c_traffic
+        cc, cb, ctime, cw, touched = self._c_count, self._c_bytes, self._c_time, self._c_wait, self._c_touched
+
+        def wrapper(*args, **kwargs):
+            if not probe._on or probe._in_coll:
+                return fn(*args, **kwargs)
+            probe._in_coll += 1
+            t0 = _perf()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = _perf() - t0
+                probe._in_coll -= 1
+                try:
+                    if not probe._open:
+                        probe._ensure_open(t0)
+                    n = len(args)
+                    group = args[g_idx] if g_idx < n else kwargs.get("group")
+                    s = slots.get(id(group), -2)
+                    if s == -2:
+                        grp_id, size = probe._group(dist, group)
+                        s = slots[id(group)] = probe._comm_slot_for(name, op_id, grp_id, size)
+                    if s < 0:
+                        probe.comm_keys_dropped += 1
+                    else:
+                        x = args[p_idx] if p_idx < n else kwargs.get(payload)
+                        try:
+                            nbytes = x.nbytes
+                        except AttributeError:
+                            nbytes = _nbytes(x) if x is not None else 0
+                        if args[a_idx] if a_idx < n else kwargs.get("async_op", False):
+                            wait = 0.0                  # launch only: the wait is timed in Work.wait()
+                        else:
+                            tr = nbytes * traffic[s] * probe._ns_per_byte
+                            wait = dt - tr if dt > tr else 0.0
+                        if not cc[s]:
+                            touched.append(s)
+                        cc[s] += 1
+                        cb[s] += nbytes
+                        ctime[s] += dt
+                        cw[s] += wait
+                        probe._comm_ns += dt - wait
+                        probe._wait_ns += wait
+                except Exception:  # noqa: BLE001 - telemetry never fails a collective
+                    pass
+
+        wrapper.__wrapped__ = fn
+        wrapper.__name__ = getattr(fn, "__name__", name)
+        wrapper.__doc__ = getattr(fn, "__doc__", None)
+        return wrapper
+
+    def _patch_distributed(self, dist) -> None:
+        for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+                     "reduce_scatter_tensor", "broadcast", "reduce", "barrier", "all_to_all",
+                     "all_to_all_single", "gather", "scatter", "all_reduce_coalesced", "send", "recv",
+                     "isend", "irecv", "all_gather_object", "broadcast_object_list", "gather_object",
+                     "scatter_object_list"):
+            fn = getattr(dist, name, None)
+            if fn is None or getattr(fn, "_stepwatch", False):
+                continue
+            w = self._wrap_collective(dist, name, fn)
+            if w is not None:
+                w._stepwatch = True
+                self._patch(dist, name, w)
+        dpg = getattr(dist, "destroy_process_group", None)
+        if dpg is not None and not getattr(dpg, "_stepwatch", False):
+            probe_ = self
+
+            def destroy_process_group(*args, **kwargs):
+                probe_.flush()                     # the end of a distributed run: send what waits
+                return dpg(*args, **kwargs)
+
+            destroy_process_group._stepwatch = True
+            destroy_process_group.__wrapped__ = dpg
+            self._patch(dist, "destroy_process_group", destroy_process_group)
+        work = getattr(dist, "Work", None)
+        if work is not None and hasattr(work, "wait"):
+            orig_wait = work.wait
+            probe = self
+            op_wait = self._intern("wait")
+            grp_async = self._intern("async")
+
+            def wait(w, *args, **kwargs):
+                if not probe._on or probe._in_coll:
+                    return orig_wait(w, *args, **kwargs)
+                probe._in_coll += 1
+                t0 = _perf()
+                try:
+                    return orig_wait(w, *args, **kwargs)
+                finally:
+                    t1 = _perf()
+                    probe._in_coll -= 1
+                    if not probe._open:
+                        probe._ensure_open(t0)
+                    probe._record_comm(op_wait, grp_async, 0, t1 - t0, float(t1 - t0))
+
+            try:
+                self._patch(work, "wait", wait)
+            except (TypeError, AttributeError):
+                pass
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> dict:
+        """Counters since ``init`` (or the fork that made this process). ``steps`` ended; of their
+        frames, ``sent`` reached the agent's socket, ``pending`` wait in the buffer, ``backlog_frames``
+        wait in the retry backlog and ``dropped`` (= ``dropped_full + dropped_no_agent +
+        dropped_error``) were lost; ``datagrams`` and ``hellos`` sent; ``gc_rows_dropped`` (before
+        the first step), ``comm_keys_dropped`` and ``phases_dropped`` (over the fixed capacity)."""
+        return {"steps": self.n_steps, "sent": self.sent, "dropped": self.dropped, "deferred": self.deferred,
+                "backlog": len(self._backlog), "backlog_frames": sum(f for _, _, f in self._backlog),
+                "datagrams": self.datagrams, "pending": self._frames,
+                "dropped_full": self.dropped_full, "dropped_no_agent": self.dropped_no_agent,
+                "dropped_error": self.dropped_error, "gc_rows_dropped": self.gc_rows_dropped,
+                "comm_keys_dropped": self.comm_keys_dropped, "phases_dropped": self.phases_dropped,
+                "hellos": self.hellos, "socket": self._path, "instance": self.instance,
+                "rank": self.rank, "job": self.job}
+
+
+# ---------------------------------------------------------------------------- decoding (agent side)
+
+class BadDatagram(ValueError):
+    """A datagram that does not follow the layout above (counted and skipped by the agent)."""
+
+
+STEP_FIELDS = ("step", "t_start", "t_end", "step_ns", "data_ns", "compute_ns", "comm_ns", "comm_wait_ns",
+               "gc_ns", "gc_count", "data_queue", "samples", "tokens", "probe_dropped")
+
+
+def decode(data: bytes) -> list[tuple[int, int, int, object]]:
+    """The frames of one datagram, each ``(type, instance, rank, body)``: for a hello (always alone in
+    its datagram) the identity dict, for a batch frame ``(step_tuple | None, [(name_id, ns)],
+    [comm tuples], [gc tuples])``. Raises BadDatagram when any part does not follow the layout."""
+    n = len(data)
+    if n < HDR.size:
+        raise BadDatagram(f"short datagram ({n} bytes)")
+    out = []
+    off = 0
+    while off < n:
+        if n - off < HDR.size:
+            raise BadDatagram(f"{n - off} stray bytes after frame {len(out)}")
+        magic, ver, typ, inst, rank, n_step, n_comm, n_gc, n_phase = HDR.unpack_from(data, off)
+        if magic != MAGIC:
+            raise BadDatagram(f"bad magic 0x{magic:04x}")
+        if ver != VERSION:
+            raise BadDatagram(f"unsupported version {ver}")
+        if typ == T_HELLO:
+            if off:
+                raise BadDatagram("hello after a batch frame")
+            try:
+                body = json.loads(bytes(data[HDR.size:]).decode("utf-8"))
+            except (UnicodeDecodeError, ValueError) as e:
+                raise BadDatagram(f"undecodable hello: {e}") from None
+            if not isinstance(body, dict):
+                raise BadDatagram("hello is not a JSON object")
+            return [(typ, inst, rank, body)]
+        if typ != T_BATCH:
+            raise BadDatagram(f"unknown frame type {typ}")
+        if n_step > 1 or n_phase > MAX_PHASES or n_comm > MAX_COMM or n_gc > MAX_GC:
+            raise BadDatagram(f"record counts out of range (step {n_step}, phase {n_phase}, comm {n_comm}, "
+                              f"gc {n_gc})")
+        size = HDR.size + n_step * STEP.size + n_phase * PHASE.size + n_comm * COMM.size + n_gc * GCREC.size
+        if off + size > n:
+            raise BadDatagram(f"frame {len(out)} needs {size} bytes, {n - off} left")
+        p = off + HDR.size
+        step = None
+        if n_step:
+            step = STEP.unpack_from(data, p)
+            p += STEP.size
+        phases = []
+        for _ in range(n_phase):
+            phases.append(PHASE.unpack_from(data, p))
+            p += PHASE.size
+        comm = []
+        for _ in range(n_comm):
+            comm.append(COMM.unpack_from(data, p))
+            p += COMM.size
+        gcs = []
+        for _ in range(n_gc):
+            gcs.append(GCREC.unpack_from(data, p))
+            p += GCREC.size
+        out.append((typ, inst, rank, (step, phases, comm, gcs)))
+        off += size
+    return out
+
+
+# ---------------------------------------------------------------------------- module-level API
+
+_probe = Probe()
+
+
+def init(**kw) -> Probe:
+    return _probe.init(**kw)
+
+
+def step(samples: int | None = None, tokens: int | None = None) -> _StepCtx:
+    return _probe.step(samples, tokens)
+
+
+def begin_step(step: int | None = None) -> None:
+    _probe.begin_step(step)
+
+
+def end_step() -> None:
+    _probe.end_step()
+
+
+def phase(name: str) -> _Phase:
+    return _probe.phase(name)
+
+
+def add_phase(name: str, ms: float) -> None:
+    _probe.add_phase(name, ms)
+
+
+def count(samples: int | None = None, tokens: int | None = None) -> None:
+    _probe.count(samples, tokens)
+
+
+def stats() -> dict:
+    return _probe.stats()
+
+
+def flush() -> None:
+    _probe.flush()
+
+
+def shutdown() -> None:
+    _probe.shutdown()
+
+
+def get() -> Probe:
+    """The process-wide probe."""
+    return _probe
+
+
+def auto_install() -> None:
+    """Zero-code mode (``stepwatch wrap``): init from the environment with the automatic hooks."""
+    if not _probe._on:
+        _probe.init(auto=True)

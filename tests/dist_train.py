@@ -1,0 +1,109 @@
+"""A small real training run for tests/test_distributed.py (not a test itself).
+
+``python dist_train.py`` imports torch once and forks ``SW_NPROC`` (4) ranks that rendezvous over
+127.0.0.1 on a free port (what torchrun would do, without importing torch once per rank: on a small
+shared test machine that costs ~15 s).
+
+A 2-layer MLP on random data, data-parallel over torch.distributed (gloo, CPU): gradients are
+flattened and all-reduced, then SGD steps. Each step's compute is padded with a sleep to
+``SW_STEP_MS`` (standing in for device time, so CPU contention on a small test machine does not
+turn into step-time noise); rank ``SW_SLOW_RANK`` sleeps ``SW_SLOW_EXTRA_MS`` more. The script itself
+knows nothing of stepwatch unless ``SW_EXPLICIT=1`` (then it uses the explicit probe API); under
+``stepwatch wrap`` the probe instruments it automatically. At the end each rank writes
+``$SW_OUT/rank<r>.json`` (or prints it): the wall time at the end of each step and, when a probe is
+loaded, its counters (``probe.stats()``).
+"""
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def train() -> None:
+    steps = int(os.environ.get("SW_STEPS", "80"))
+    step_ms = float(os.environ.get("SW_STEP_MS", "50"))
+    slow = int(os.environ.get("SW_SLOW_RANK", "-1"))
+    extra_ms = float(os.environ.get("SW_SLOW_EXTRA_MS", "20"))
+    explicit = os.environ.get("SW_EXPLICIT") == "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    probe = None
+    if explicit:
+        from stepwatch import probe
+        probe.init(auto=False)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    for p in model.parameters():
+        dist.broadcast(p.data, 0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(rank)
+    data = TensorDataset(torch.randn(steps * 16, 64, generator=g), torch.randint(0, 10, (steps * 16,), generator=g))
+    loader = DataLoader(data, batch_size=16)
+    params = list(model.parameters())
+    it = iter(loader)
+    ends = []
+    for i in range(steps):
+        if probe:
+            probe.begin_step()
+        t0 = time.perf_counter()
+        if probe:
+            with probe.phase("data"):
+                x, y = next(it)
+        else:
+            x, y = next(it)
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        pad = step_ms + (extra_ms if rank == slow else 0.0) - (time.perf_counter() - t0) * 1e3
+        if pad > 0:
+            time.sleep(pad / 1e3)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat)
+        flat /= world
+        off = 0
+        for p in params:
+            n = p.numel()
+            p.grad.copy_(flat[off:off + n].view_as(p))
+            off += n
+        opt.step()
+        if probe:
+            probe.count(samples=len(x))
+            probe.end_step()
+        ends.append(time.time())
+    dist.barrier()
+    mod = sys.modules.get("stepwatch.agents.probe") or sys.modules.get("stepwatch_probe")
+    report = {"rank": rank, "ends": ends, "probe": {"rank": rank, **mod.stats()} if mod is not None else None}
+    out = os.environ.get("SW_OUT")
+    if out:                       # one file per rank: forked ranks share stdout, long lines interleave
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(report, f)
+    else:
+        print(json.dumps(report), flush=True)
+    dist.destroy_process_group()
+
+
+def _worker(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    train()
+
+
+def main() -> None:
+    import socket
+    import torch.multiprocessing as mp
+    import torch._dynamo  # noqa: F401 - imported lazily by the first backward: once here, not once per rank
+    world = int(os.environ.get("SW_NPROC", "4"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_worker, args=(world, port), nprocs=world, start_method="fork")
+
+
+if __name__ == "__main__":
+    main()

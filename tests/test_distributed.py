@@ -1,0 +1,115 @@
+"""Real distributed training, end to end: 4 gloo ranks on CPU instrumented by ``stepwatch wrap`` (no
+code change in the script) -> probe -> node agent (Unix socket) -> the embedded broker -> processor ->
+Parquet/DuckDB -> a ``slow_rank`` alert naming the rank that was made slower.
+
+The GC-pressure run of issue 4 is not here: it needs a GC detector, which does not exist yet.
+"""
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from stepwatch.agents.agent import Agent
+from stepwatch.storage.views import connect
+from stepwatch.stream.processor import Processor
+
+pytest.importorskip("torch", reason="the distributed test trains a real PyTorch model (pip install torch==2.13.0)")
+
+import trainrun  # noqa: E402 - tests/trainrun.py
+
+
+@pytest.fixture
+def socket_dir():
+    # AF_UNIX paths are limited to 108 bytes: keep it short, outside pytest's deep tmp_path
+    d = tempfile.mkdtemp(prefix="sw-", dir="/tmp")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+class Running:
+    """An agent and a processor on threads, stopped by ``close``."""
+
+    def __init__(self, kafka, data: Path, socket_dir: str, node: str, group: str, **agent_kw):
+        self.agent = Agent(kafka, socket_dir=socket_dir, node=node, interval_s=0.5,
+                           spool_dir=data / "_agent_spool", **agent_kw).start()
+        self.proc = Processor(kafka, data, group=group, flush_interval_s=0.3, on_alert=lambda a: None)
+        self.stop_agent, self.stop_proc = threading.Event(), threading.Event()
+        self.t_agent = threading.Thread(target=self.agent.run, args=(self.stop_agent,), daemon=True)
+        self.t_proc = threading.Thread(target=self.proc.run, kwargs={"stop_event": self.stop_proc}, daemon=True)
+        self.t_agent.start()
+        self.t_proc.start()
+
+    def stored_steps(self) -> float:
+        m = self.proc.metrics
+        return m.value(m.records_out, "steps")
+
+    def wait_stored(self, n: int, job: str, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            rt = self.proc.jobs.get(job)
+            if self.stored_steps() >= n and rt is not None and rt.state.open_steps() == 0:
+                time.sleep(0.5)             # one more flush
+                return
+            assert self.t_proc.is_alive() and self.t_agent.is_alive()
+            time.sleep(0.2)
+        pytest.fail(f"{self.stored_steps()} of {n} step rows stored after {timeout}s; agent {self.agent.stats()}")
+
+    def close(self) -> None:
+        self.stop_agent.set()
+        self.t_agent.join(30)
+        self.stop_proc.set()
+        self.t_proc.join(30)
+        assert not self.t_agent.is_alive() and not self.t_proc.is_alive()
+
+
+def test_four_gloo_ranks_through_the_pipeline_name_the_slow_rank(kafka, tmp_path, socket_dir):
+    job, steps, slow = "dist-gloo", 80, 2
+    run = Running(kafka, tmp_path, socket_dir, node="node-a", group="g-dist")
+    try:
+        t0 = time.monotonic()
+        stats, _ = trainrun.run(socket_dir, job, {"SW_NPROC": 4, "SW_STEPS": steps, "SW_STEP_MS": 50,
+                                                  "SW_SLOW_RANK": slow, "SW_SLOW_EXTRA_MS": 20})
+        train_s = time.monotonic() - t0
+        # zero-code mode instrumented every rank (and only the ranks: the launcher sent nothing)
+        assert sorted(stats) == [0, 1, 2, 3]
+        for r, st in stats.items():
+            assert st["job"] == job and st["steps"] == steps, st
+            # counters read before destroy_process_group, which sends the steps still waiting
+            assert st["dropped"] == 0 and st["sent"] + st["pending"] == steps, st
+        run.wait_stored(4 * steps, job)
+    finally:
+        run.close()
+    con = connect(tmp_path)
+    n, uniq, ranks = con.execute("SELECT count(*), count(DISTINCT (rank, step)), count(DISTINCT rank) FROM steps "
+                                 "WHERE job = ?", [job]).fetchone()
+    assert n == uniq == 4 * steps and ranks == 4
+    topo = con.execute("SELECT rank, node, world_size, device, framework FROM topology WHERE job = ? ORDER BY rank",
+                       [job]).fetchall()
+    assert [t[0] for t in topo] == [0, 1, 2, 3]
+    assert all(t[1] == "node-a" and t[2] == 4 and t[3] == "cpu" and t[4].startswith("pytorch-") for t in topo)
+    # what the probe measured: one all_reduce per rank per step, a real payload, the wait on the fast ranks
+    n_ar, bytes_ar = con.execute("SELECT count(*), min(bytes) FROM comm WHERE job = ? AND op = 'all_reduce' "
+                                 "AND step > 0", [job]).fetchone()
+    n_params = 64 * 128 + 128 + 128 * 10 + 10
+    assert n_ar == 4 * (steps - 1) and bytes_ar == 4 * n_params
+    waits = dict(con.execute("SELECT rank, median(comm_wait_ms) FROM steps WHERE job = ? AND step > 0 GROUP BY rank",
+                             [job]).fetchall())
+    assert all(waits[r] > waits[slow] + 10 for r in waits if r != slow), waits
+    busy = con.execute("SELECT rank FROM rank_busy WHERE job = ? ORDER BY busy_ms DESC LIMIT 1", [job]).fetchone()
+    assert busy[0] == slow
+    opt = con.execute("SELECT count(*) FROM steps WHERE job = ? AND element_at(phases, 'optimizer')[1] > 0",
+                      [job]).fetchone()[0]
+    assert opt == 4 * steps
+    assert con.execute("SELECT count(*) FROM host WHERE job = ?", [job]).fetchone()[0] >= 1
+    # the pipeline names the slow rank, and only it
+    alerts = con.execute("SELECT ranks, nodes, cause FROM alerts WHERE job = ? AND kind = 'slow_rank' "
+                         "AND status = 'firing'", [job]).fetchall()
+    assert alerts and all(a[0] == [slow] for a in alerts), alerts
+    assert alerts[0][1] == ["node-a"]
+    assert con.execute("SELECT count(*) FROM deadletter").fetchone()[0] == 0
+    print(f"training {train_s:.1f}s, waits {waits}, alerts {alerts}")

@@ -1,0 +1,458 @@
+"""The in-process probe: datagram layout, explicit API, automatic PyTorch hooks, collectives, drops,
+fork, and zero-code mode (``stepwatch wrap``). A bound Unix socket stands in for the node agent."""
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from stepwatch.agents import probe as P
+from stepwatch.agents.probe import BadDatagram, Probe, decode, transfer_ms
+
+torch = pytest.importorskip("torch", reason="the automatic hooks instrument PyTorch (pip install torch==2.13.0)")
+
+
+@pytest.fixture
+def sockdir():
+    d = tempfile.mkdtemp(prefix="swp-", dir="/tmp")     # AF_UNIX paths are short
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+class Rx:
+    """A fake agent: a bound datagram socket. ``listen=True`` drains it on a thread (as the agent does:
+    the kernel queues only ``net.unix.max_dgram_qlen`` datagrams); otherwise it is read on demand."""
+
+    def __init__(self, d: str, listen: bool = True):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(os.path.join(d, P.SOCKET_NAME))
+        self.got: list[bytes] = []
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.th = None
+        if listen:
+            self.sock.settimeout(0.05)
+            self.th = threading.Thread(target=self._loop, daemon=True)
+            self.th.start()
+        else:
+            self.sock.setblocking(False)
+
+    def _loop(self):
+        while not self.stop.is_set():
+            try:
+                data = self.sock.recv(65536)
+            except (socket.timeout, BlockingIOError):
+                continue
+            except OSError:
+                return
+            with self.lock:
+                self.got.append(data)
+
+    def read(self) -> list[tuple]:
+        if self.th is None:
+            while True:
+                try:
+                    self.got.append(self.sock.recv(65536))
+                except BlockingIOError:
+                    break
+        else:
+            time.sleep(0.15)
+        with self.lock:
+            out, self.got = self.got, []
+        return [f for b in out for f in decode(b)]
+
+    def close(self):
+        self.stop.set()
+        if self.th is not None:
+            self.th.join(2)
+        self.sock.close()
+
+
+@pytest.fixture
+def rx(sockdir):
+    r = Rx(sockdir)
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def probe():
+    p = Probe()
+    yield p
+    p.shutdown()
+
+
+def split(msgs):
+    """(last hello, {name id: name}, [step rows as dicts], [comm], [gc]) of decoded datagrams, durations
+    converted from the datagram's ns to ms."""
+    hello, steps, comm, gcs = None, [], [], []
+    for typ, inst, rank, body in msgs:
+        if typ == P.T_HELLO:
+            hello = body
+            continue
+        st, phases, cm, gg = body
+        if st is not None:
+            d = dict(zip(P.STEP_FIELDS, st))
+            for k in ("step", "data", "compute", "comm", "comm_wait", "gc"):
+                d[k + "_ms"] = d.pop(k + "_ns") / 1e6           # the datagram carries ns
+            d["phases"] = [(i, ns / 1e6) for i, ns in phases]
+            d["rank"] = rank
+            steps.append(d)
+            comm += [(st[0],) + c[:4] + (c[4] / 1e6, c[5] / 1e6) for c in cm]
+        gcs += [g[:1] + (g[1] / 1e6,) + g[2:] for g in gg]
+    names = {int(k): v for k, v in (hello or {}).get("names", {}).items()}
+    return hello, names, steps, comm, gcs
+
+
+# --------------------------------------------------------------------------- layout
+
+def test_struct_sizes_are_fixed_and_documented():
+    assert (P.HDR.size, P.STEP.size, P.PHASE.size, P.COMM.size, P.GCREC.size) == (16, 104, 16, 40, 40)
+    assert P.HDR_STEP.size == P.HDR.size + P.STEP.size
+    assert P.MAX_FRAME == 16 + 104 + 8 * 16 + 16 * 40 + 16 * 40
+    assert P.MAX_DATAGRAM >= 10 * P.MAX_FRAME
+
+
+def test_decode_rejects_malformed_datagrams():
+    good = P.HDR.pack(P.MAGIC, 1, P.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(P.STEP.size)
+    assert decode(good)[0][3][0][0] == 0
+    assert len(decode(good + good)) == 2                                       # frames back to back
+    bad = [b"", b"xx", good[:-1], good + b"\0",
+           struct.pack("<H", 0x1234) + good[2:],                               # magic
+           P.HDR.pack(P.MAGIC, 9, P.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(P.STEP.size),   # version
+           P.HDR.pack(P.MAGIC, 1, 7, 1, 0, 0, 0, 0, 0),                         # type
+           P.HDR.pack(P.MAGIC, 1, P.T_BATCH, 1, 0, 2, 0, 0, 0) + bytes(2 * P.STEP.size),  # two steps
+           P.HDR.pack(P.MAGIC, 1, P.T_BATCH, 1, 0, 0, 99, 0, 0),                 # counts out of range
+           P.HDR.pack(P.MAGIC, 1, P.T_HELLO, 1, 0, 0, 0, 0, 0) + b"{not json",
+           P.HDR.pack(P.MAGIC, 1, P.T_HELLO, 1, 0, 0, 0, 0, 0) + b"[1, 2]",
+           P.HDR.pack(P.MAGIC, 1, P.T_HELLO, 1, 0, 0, 0, 0, 0) + b"\xff\xfe",
+           good + P.HDR.pack(P.MAGIC, 1, P.T_HELLO, 1, 0, 0, 0, 0, 0) + b"{}",      # hello after a frame
+           good + good[:20]]
+    for b in bad:
+        with pytest.raises(BadDatagram):
+            decode(b)
+
+
+def test_transfer_estimate_uses_ring_traffic_and_bandwidth():
+    mb = 1 << 20
+    # all_reduce moves 2(n-1)/n of the payload: 1 MiB over 8 ranks at 25 GB/s
+    assert transfer_ms("all_reduce", mb, 8, 25.0) == pytest.approx(2 * 7 / 8 * mb / 25e9 * 1e3)
+    assert transfer_ms("all_gather_into_tensor", mb, 4, 10.0) == pytest.approx(3 * mb / 10e9 * 1e3)
+    assert transfer_ms("barrier", 0, 8, 25.0) == 0.0
+    assert transfer_ms("all_reduce", mb, 8, 0.0) == 0.0          # no model: all time counts as wait
+
+
+# --------------------------------------------------------------------------- explicit API
+
+def test_explicit_steps_phases_and_counts(probe, rx, sockdir):
+    probe.init(job="exp", rank=3, world_size=8, socket_dir=sockdir, auto=False, pp=1, dtype="bf16",
+               flush_ms=0)
+    for _ in range(3):
+        with probe.step(samples=32, tokens=4096):
+            with probe.phase("data"):
+                time.sleep(0.002)
+            with probe.phase("forward"):
+                time.sleep(0.003)
+                with probe.phase("forward"):          # re-entering a phase is counted once
+                    pass
+            with probe.phase("backward"):
+                time.sleep(0.001)
+    probe.begin_step(step=100)
+    probe.add_phase("optimizer", 1.5)
+    probe.end_step()
+    hello, names, steps, comm, gcs = split(rx.read())
+    assert hello["job"] == "exp" and hello["rank"] == 3 and hello["world_size"] == 8
+    assert hello["pp"] == 1 and hello["dtype"] == "bf16" and hello["framework"].startswith("pytorch-")
+    assert [s["step"] for s in steps] == [0, 1, 2, 100]
+    for s in steps[:3]:
+        ph = {names[i]: ms for i, ms in s["phases"]}
+        assert s["rank"] == 3 and s["samples"] == 32 and s["tokens"] == 4096
+        assert s["data_ms"] >= 2 and ph["forward"] >= 3 and ph["backward"] >= 1
+        assert s["step_ms"] >= s["data_ms"] + ph["forward"] + ph["backward"] - 0.01
+        # compute is derived: step - data - comm - wait - gc
+        assert s["compute_ms"] == pytest.approx(s["step_ms"] - s["data_ms"] - s["gc_ms"], abs=1e-6)
+        assert s["t_end"] - s["t_start"] == pytest.approx(s["step_ms"] * 1e6, rel=0.05, abs=2e6)
+        assert s["data_queue"] == -1
+    assert {names[i]: ms for i, ms in steps[3]["phases"]} == {"optimizer": 1.5}
+    assert steps[3]["samples"] == -1
+    assert steps[1]["t_start"] >= steps[0]["t_end"]
+
+
+def test_no_agent_means_drops_counted_and_training_unblocked(probe, sockdir):
+    probe.init(job="gone", rank=0, world_size=1, socket_dir=os.path.join(sockdir, "nowhere"), auto=False,
+               flush_ms=0)
+    t0 = time.perf_counter()
+    for _ in range(200):
+        probe.begin_step()
+        probe.end_step()
+    per_step_us = (time.perf_counter() - t0) / 200 * 1e6
+    st = probe.stats()
+    assert st["steps"] == 200 and st["sent"] == 0
+    assert st["dropped_no_agent"] == 200 and st["dropped"] == 200          # every step counted, once
+    assert per_step_us < 2000          # generous: failing sends cost microseconds, never a timeout
+
+
+def test_full_agent_queue_drops_instead_of_blocking(probe, sockdir):
+    rx = Rx(sockdir, listen=False)
+    try:
+        probe.init(job="full", rank=0, world_size=1, socket_dir=sockdir, auto=False, flush_ms=0)
+        t0 = time.perf_counter()
+        for _ in range(300):             # nobody reads: the kernel queue fills after a few datagrams
+            probe.begin_step()
+            probe.end_step()
+        elapsed = time.perf_counter() - t0
+        st = probe.stats()
+        # the kernel queue took a few, the backlog holds the next MAX_BACKLOG, the rest is dropped
+        assert st["backlog"] == P.MAX_BACKLOG and st["dropped_full"] > 0
+        assert st["sent"] + st["hellos"] + st["backlog"] + st["dropped_full"] == 300 + 1
+        assert elapsed < 3.0
+        got = rx.read()                  # what was queued is intact
+        assert [m[0] for m in got] == [P.T_HELLO] + [P.T_BATCH] * (len(got) - 1)
+        # once the agent reads again, the backlog goes first, in order, with no gap
+        steps = []
+        for _ in range(4):
+            probe.begin_step()
+            probe.end_step()
+            steps += [m[3][0][0] for m in rx.read() if m[0] == P.T_BATCH]
+        assert steps == list(range(300 - P.MAX_BACKLOG, 304))
+        assert probe.stats()["backlog"] == 0
+    finally:
+        rx.close()
+
+
+def test_steps_share_datagrams_until_flush_ms(probe, rx, sockdir):
+    probe.init(job="batch", rank=0, world_size=1, socket_dir=sockdir, auto=False, flush_ms=60_000)
+    for _ in range(6):                  # the first step goes at once (nothing sent yet), then they wait
+        probe.begin_step()
+        probe.end_step()
+    st = probe.stats()
+    assert st["steps"] == 6 and st["sent"] == 1 and st["pending"] == 5
+    probe.flush()
+    st = probe.stats()
+    assert st["sent"] == 6 and st["pending"] == 0 and st["datagrams"] == 2
+    _, _, steps, _, _ = split(rx.read())
+    assert [s["step"] for s in steps] == [0, 1, 2, 3, 4, 5]
+    for _ in range(3):
+        probe.begin_step()
+        probe.end_step()
+    probe.shutdown()                    # sends what waits
+    _, _, steps, _, _ = split(rx.read())
+    assert [s["step"] for s in steps] == [6, 7, 8]
+
+
+def test_agent_coming_back_gets_the_identity_again(probe, sockdir):
+    probe.init(job="late", rank=1, world_size=2, socket_dir=sockdir, auto=False, flush_ms=0)
+    for _ in range(3):
+        probe.begin_step()
+        probe.end_step()
+    assert probe.stats()["dropped_no_agent"] > 0
+    r = Rx(sockdir)
+    try:
+        time.sleep(probe.reconnect_ns / 1e9 + 0.05)     # reconnects are tried once a second
+        probe.begin_step()
+        probe.end_step()
+        msgs = r.read()
+    finally:
+        r.close()
+    assert [m[0] for m in msgs] == [P.T_HELLO, P.T_BATCH]     # hello first, so the agent can use the batch
+    assert msgs[1][3][0][0] == 3
+
+
+# --------------------------------------------------------------------------- automatic hooks
+
+class SlowDataset(torch.utils.data.Dataset):
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        time.sleep(0.001)
+        return torch.randn(8), torch.randn(2)
+
+
+def test_automatic_steps_from_optimizer_dataloader_wait_and_gc(probe, rx, sockdir):
+    probe.init(job="auto", rank=0, world_size=1, socket_dir=sockdir, flush_ms=0)
+    model = torch.nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    other = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)    # a second optimizer
+    loader = torch.utils.data.DataLoader(SlowDataset(), batch_size=4)
+    for i, (x, y) in enumerate(loader):
+        loss = ((model(x) - y) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        if i == 2:
+            gc.collect()
+        opt.step()
+        other.step()
+        if i == 5:
+            break
+    hello, names, steps, comm, gcs = split(rx.read())
+    assert [s["step"] for s in steps] == [0, 1, 2, 3, 4, 5]       # the second optimizer does not split steps
+    for s in steps:
+        ph = {names[i]: ms for i, ms in s["phases"]}
+        assert s["data_ms"] >= 4.0                                  # 4 samples x 1 ms in __next__
+        assert ph["optimizer"] > 0
+        assert s["step_ms"] >= s["data_ms"]
+    # step i runs from the end of step i-1's optimizer step to the end of its own
+    assert all(b["t_start"] == a["t_end"] for a, b in zip(steps, steps[1:]))
+    assert steps[2]["gc_count"] >= 1 and steps[2]["gc_ms"] > 0
+    assert any(g[2] == 2 for g in gcs)                              # the full collection, as a gc row
+    assert hello["device"] == "cpu" and hello["world_size"] == 1
+
+
+def test_dataloader_queue_depth_with_workers(probe, rx, sockdir):
+    probe.init(job="queue", rank=0, world_size=1, socket_dir=sockdir, flush_ms=0)
+    model = torch.nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 2)),
+                                         batch_size=4, num_workers=1, prefetch_factor=4)
+    for i, (x, y) in enumerate(loader):
+        ((model(x) - y) ** 2).mean().backward()
+        time.sleep(0.03)                       # slow compute: the worker fills the queue
+        opt.step()
+    msgs = rx.read()
+    _, _, steps, _, _ = split(msgs)
+    assert len(steps) == 16
+    assert {m[1] for m in msgs} == {probe.instance}              # the forked worker sent nothing
+    assert all(s["data_queue"] >= 0 for s in steps)
+    assert max(s["data_queue"] for s in steps[2:]) >= 1
+
+
+@pytest.fixture
+def gloo(tmp_path):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield dist
+    dist.destroy_process_group()
+
+
+def test_collectives_timed_per_op_with_bytes(probe, rx, sockdir, gloo):
+    dist = gloo
+    orig = dist.all_reduce
+    probe.init(job="coll", socket_dir=sockdir, comm_gbps=0.0, flush_ms=0)   # no transfer model: all wait
+    assert dist.all_reduce is not orig
+    w = torch.nn.Parameter(torch.zeros(10))
+    opt = torch.optim.SGD([w], lr=0.1)
+    t = torch.ones(1000)
+    for _ in range(2):
+        for _ in range(3):
+            dist.all_reduce(t)
+        dist.broadcast(t, 0)
+        dist.barrier()
+        dist.all_gather_object([None], {"a": 1})                      # built on all_gather: counted once
+        work = dist.all_reduce(t, async_op=True)
+        work.wait()
+        w.grad = torch.ones(10)
+        opt.step()
+    hello, names, steps, comm, gcs = split(rx.read())
+    assert hello["rank"] == 0 and hello["world_size"] == 1           # resolved from torch.distributed
+    assert len(steps) == 2
+    by = {}
+    for step, op, grp, cnt, nbytes, t_ms, w_ms in comm:
+        if step == 1:
+            by[(names[op], names[grp])] = (cnt, nbytes, t_ms, w_ms)
+    assert by[("all_reduce", "world")][:2] == (4, 4 * 4000)
+    assert by[("broadcast", "world")][:2] == (1, 4000)
+    assert by[("barrier", "world")][0] == 1
+    assert ("all_gather", "world") not in by                         # inside all_gather_object: not re-counted
+    assert by[("all_gather_object", "world")][:2] == (1, 0)
+    assert by[("wait", "async")][0] == 1
+    for cnt, nbytes, t_ms, w_ms in by.values():
+        assert 0 <= w_ms <= t_ms + 1e-9
+    s = steps[1]
+    total = sum(v[2] for v in by.values())
+    assert s["comm_ms"] + s["comm_wait_ms"] == pytest.approx(total, rel=1e-6)
+    assert s["comm_wait_ms"] == pytest.approx(sum(v[3] for v in by.values()), rel=1e-6)
+    # comm_gbps=0: no transfer part; only the launch of the async all_reduce is not wait
+    assert by[("broadcast", "world")][3] == by[("broadcast", "world")][2]
+    assert by[("wait", "async")][3] == by[("wait", "async")][2]
+    probe.shutdown()
+    assert dist.all_reduce is orig                                   # patches are undone
+
+
+def test_fork_child_is_a_new_silent_instance(probe, rx, sockdir):
+    probe.init(job="fork", socket_dir=sockdir, auto=False, flush_ms=0)           # rank resolved lazily
+    probe.begin_step()
+    probe.end_step()
+    pid = os.fork()
+    if pid == 0:                                                     # child: one step, then leave
+        try:
+            os.environ["RANK"] = "0"
+            probe.rank = 7                                           # as a launcher's child would learn it
+            probe.begin_step()
+            probe.end_step()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    msgs = rx.read()
+    insts = {m[1] for m in msgs}
+    assert len(insts) == 2 and probe.instance in insts
+    child = [m for m in msgs if m[1] != probe.instance]
+    assert [m[0] for m in child] == [P.T_HELLO, P.T_BATCH]
+    assert child[0][3]["rank"] == 7 and child[1][3][0][0] == 0       # its own numbering from 0
+
+
+# --------------------------------------------------------------------------- zero-code mode
+
+def test_wrap_instruments_torch_processes_and_leaves_others_alone(rx, sockdir, tmp_path):
+    other_site = tmp_path / "othersite"
+    other_site.mkdir()
+    (other_site / "sitecustomize.py").write_text("import os\nos.environ['OTHER_SITE_RAN'] = '1'\n")
+    env = dict(os.environ, RANK="5", WORLD_SIZE="8", LOCAL_RANK="1", PYTHONPATH=str(other_site))
+    script = ("import sys, torch\n"
+              "m = torch.nn.Linear(4, 1); o = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+              "for _ in range(3):\n"
+              "    m(torch.randn(2, 4)).sum().backward(); o.step()\n"
+              "import os; print(os.environ.get('OTHER_SITE_RAN'), 'stepwatch.agents.probe' in sys.modules)\n")
+    cmd = [sys.executable, "-m", "stepwatch.agents.wrap", "--job", "wrapped", "--socket-dir", sockdir, "--",
+           sys.executable, "-c", script]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["1", "True"]          # the shadowed sitecustomize still ran
+    hello, names, steps, comm, gcs = split(rx.read())
+    assert hello["job"] == "wrapped" and hello["rank"] == 5 and hello["world_size"] == 8
+    assert hello["local_rank"] == 1
+    assert [s["step"] for s in steps] == [0, 1, 2] and all(s["rank"] == 5 for s in steps)
+    # a process that never imports torch does not load the probe
+    plain = "import sys; print('stepwatch.agents.probe' in sys.modules, 'torch' in sys.modules)"
+    p = subprocess.run([sys.executable, "-m", "stepwatch.agents.wrap", "--", sys.executable, "-c", plain],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.split() == ["False", "False"], p.stderr
+    assert rx.read() == []
+
+
+def test_init_before_torch_is_imported_hooks_it_on_import(rx, sockdir):
+    script = ("import sys\n"
+              "from stepwatch import probe\n"
+              f"probe.init(job='early', rank=0, world_size=1, socket_dir={sockdir!r})\n"
+              "assert 'torch' not in sys.modules\n"          # init imports nothing heavy
+              "import torch\n"
+              "m = torch.nn.Linear(2, 1); o = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+              "for _ in range(2):\n"
+              "    m(torch.ones(1, 2)).sum().backward(); o.step()\n"
+              "print(probe.stats()['steps'])\n")
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.split() == ["2"], p.stderr
+    hello, names, steps, comm, gcs = split(rx.read())
+    assert hello["job"] == "early" and [s["step"] for s in steps] == [0, 1]
+
+
+def test_wrap_without_command_is_a_usage_error():
+    p = subprocess.run([sys.executable, "-m", "stepwatch.agents.wrap", "--job", "x"], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 2 and "give a command" in p.stderr
+
+
+def test_stepwatch_probe_reexports_the_module_api():
+    from stepwatch import probe as sp
+    assert sp.init is P.init and sp.step is P.step and sp.stats is P.stats and sp.phase is P.phase
+    assert Path(sp.__file__).name == "probe.py"
