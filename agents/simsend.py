@@ -18,7 +18,7 @@ def send_simulation(sim: Simulation, producer, settings: KafkaSettings, start: i
                     on_chunk: Callable[[int, dict], None] | None = None) -> dict[str, int]:
     """Returns rows sent per table."""
     stop = sim.steps if stop is None else stop
-    sent = {"topology": 0, "steps": 0, "host": 0, "gc": 0}
+    sent = {"topology": 0, "steps": 0, "host": 0, "gc": 0, "comm": 0}
     if start == 0:
         topo = sim.topology()
         for f in send_table(producer, settings, "topology", topo, max_rows=rows_per_message):
@@ -33,7 +33,7 @@ def send_simulation(sim: Simulation, producer, settings: KafkaSettings, start: i
             delay = t_end - time.time()
             if delay > 0:
                 time.sleep(delay)
-        for kind in ("steps", "host", "gc"):
+        for kind in ("steps", "host", "gc", "comm"):
             t = tables.get(kind)
             if t is not None and t.num_rows:
                 send_table(producer, settings, kind, t, max_rows=rows_per_message)

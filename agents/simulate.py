@@ -56,7 +56,30 @@ own streams, so a faulted job equals the clean job of the same seed outside the 
   runs on the node of ``rank``: the node's ``cpu_util``/``load1`` rise, it leads ``top_procs``, and
   every rank of that node gets ``pct``% of its nominal busy time slower (3/4 host gap, 1/4 compute,
   varying from step to step).
+* ``gc-jitter``: unsynchronised Python GC across the job: on each step a few random ranks (Poisson,
+  mean 0.35 per step, whatever the world size) pause for a generation-2 collection of about
+  ``pct``% of ``step_ms`` (gamma-distributed); the pausing rank gates the step, so about 30% of the
+  steps are slower while the median step stays put.
+* ``data-stall``: intermittent DataLoader stalls: on about 25% of the steps (random) the data wait
+  grows by about ``pct``% of ``step_ms`` on every rank (``rank`` None: shared storage) or on that rank
+  only; the affected nodes show iowait and an empty prefetch queue.
+* ``comm-slow``: communication slowdown of one data-parallel group, the ranks sharing ``rank``'s
+  pipeline stage and tensor-parallel coordinate (with ``tp > 1`` one rank per tp-block): their
+  ``comm_ms`` grows by ``pct``% of their nominal busy time (varying a little per step), so the whole
+  job waits for them.
+* ``rank-hang``: ``rank`` stops reporting steps (and GC, comm records) from ``start``; the other
+  ranks go on and the node's host samples continue.
+* ``job-hang``: every rank stops reporting from ``start`` while the host samples continue; with
+  ``rank``, that rank stops first (no step >= ``start``) and the others two steps later (they block
+  in the collective waiting for it).
 * ``clean``: nothing.
+
+Every fault takes ``every`` (default 1): active only on steps ``start + k * every`` (an intermittent
+straggler is ``slow-rank:rank=5,pct=30,start=50,every=3``).
+
+``comm=True`` adds a ``comm`` table to :meth:`Simulation.generate`: one ``all_reduce`` row per rank
+per step on its data-parallel group (``group`` = ``dp<stage * tp + tp coordinate>``), ``time_ms`` =
+``comm_ms`` and ``wait_ms`` = ``comm_wait_ms``.
 
 Determinism: step ``s`` draws from ``np.random.default_rng([seed, s, stream])``, so the same
 arguments give the same rows, and ``generate(a, b)`` then ``generate(b, c)`` equals
@@ -74,18 +97,25 @@ import numpy as np
 import pyarrow as pa
 
 from stepwatch import __version__
-from stepwatch.schema import GC, HOST, STEPS, TOPOLOGY, TOP_PROC, ACCEL, JOB_RE
+from stepwatch.schema import COMM, GC, HOST, STEPS, TOPOLOGY, TOP_PROC, ACCEL, JOB_RE
 
 __all__ = ["Fault", "parse_fault", "Simulation", "FAULT_KINDS", "REGRESSION_CAUSES"]
 
 #: Fault kinds understood by :class:`Simulation`.
-FAULT_KINDS = ("slow-rank", "regression", "gc-storm", "cpu-contention", "clean")
+FAULT_KINDS = ("slow-rank", "regression", "gc-storm", "cpu-contention", "gc-jitter", "data-stall",
+               "comm-slow", "rank-hang", "job-hang", "clean")
 #: Phases a regression can hit (the cause in the DESIGN §6 taxonomy).
 REGRESSION_CAUSES = ("io", "communication", "computation", "cpu")
 _CAUSE_ALIASES = {"data": "io", "comm": "communication", "network": "communication",
                   "compute": "computation", "host": "cpu"}
 #: Ground-truth cause of each fault kind (regression: its own ``cause``).
-_KIND_CAUSE = {"slow-rank": "computation", "gc-storm": "gc", "cpu-contention": "cpu"}
+#: ``rank-hang`` has none in the taxonomy (a rank's telemetry stops while its peers go on: ``None``); a
+#: job hang is the collective that every rank blocks in (``communication``).
+_KIND_CAUSE = {"slow-rank": "computation", "gc-storm": "gc", "cpu-contention": "cpu", "gc-jitter": "gc",
+               "data-stall": "io", "comm-slow": "communication", "rank-hang": None,
+               "job-hang": "communication"}
+#: faults that need a ``rank``
+_NEEDS_RANK = ("slow-rank", "cpu-contention", "comm-slow", "rank-hang")
 
 # Nominal shares of the step time (before calibration).
 _DATA, _COMPUTE, _GAP, _COMM = 0.04, 0.68, 0.06, 0.12
@@ -95,6 +125,9 @@ _CALIB_STEPS = 16
 _GC_GEN_P = (0.70, 0.25, 0.05)
 _GC_GEN_MS = (1.0, 3.0, 8.0)
 _STORM_PER_STEP = 4.0    # mean collections per step of a gc-storm rank
+_JITTER_PAUSES = 0.35    # gc-jitter: mean pausing ranks per step (whole job)
+_STALL_P = 0.25          # data-stall: share of the steps that stall
+_HANG_LAG = 2            # job-hang with a rank: the others stop this many steps later
 _FOREIGN = "monitor-plugin"
 _FOREIGN_CORES = 40.0
 _FOREIGN_PID = 4242
@@ -124,12 +157,15 @@ class Fault:
     rank: int | None = None
     pct: float = 20.0
     cause: str = "io"
+    every: int = 1
 
     def active(self, steps: np.ndarray) -> np.ndarray:
         """Boolean mask: which of ``steps`` this fault affects."""
         m = steps >= self.start
         if self.end is not None:
             m &= steps <= self.end
+        if self.every > 1:
+            m &= (steps - self.start) % self.every == 0
         return m
 
     def spec(self) -> str:
@@ -144,10 +180,12 @@ class Fault:
         parts.append(f"pct={self.pct:g}")
         if self.kind == "regression":
             parts.append(f"cause={self.cause}")
+        if self.every > 1:
+            parts.append(f"every={self.every}")
         return f"{self.kind}:" + ",".join(parts)
 
 
-_FAULT_KEYS = {"start": int, "end": int, "rank": int, "pct": float, "cause": str}
+_FAULT_KEYS = {"start": int, "end": int, "rank": int, "pct": float, "cause": str, "every": int}
 
 
 def _check_fault(f: Fault) -> Fault:
@@ -165,7 +203,10 @@ def _check_fault(f: Fault) -> Fault:
         raise ValueError(f"bad value {f.end!r} for key 'end' (must be >= start {f.start})")
     if not np.isfinite(f.pct) or f.pct < 0:
         raise ValueError(f"bad value {f.pct!r} for key 'pct' (must be finite and >= 0)")
-    if f.kind in ("slow-rank", "cpu-contention") and f.rank is None:
+    if int(f.every) < 1:
+        raise ValueError(f"bad value {f.every!r} for key 'every' (must be >= 1)")
+    f.every = int(f.every)
+    if f.kind in _NEEDS_RANK and f.rank is None:
         raise ValueError(f"fault {f.kind!r} needs key 'rank' (e.g. '{f.kind}:rank=3,start=100')")
     if f.rank is not None and int(f.rank) < 0:
         raise ValueError(f"bad value {f.rank!r} for key 'rank' (must be >= 0)")
@@ -176,7 +217,7 @@ def parse_fault(spec: str) -> Fault:
     """Read a fault spec: ``KIND[:key=value,...]``.
 
     Keys: ``start`` (default 0), ``end``, ``rank``, ``pct`` (default 20), ``cause`` (regression;
-    default io). Examples: ``"slow-rank:rank=17,pct=30,start=100"``,
+    default io), ``every`` (default 1: every step). Examples: ``"slow-rank:rank=17,pct=30,start=100"``,
     ``"regression:start=200,pct=20,cause=io"``, ``"gc-storm:start=50,end=80"``, ``"clean"``.
     Raises ValueError naming the bad kind, key or value.
     """
@@ -252,7 +293,8 @@ class Simulation:
     second); ``checkpoint_every`` steps between checkpoints (0/None: none); ``noise`` relative noise
     level (0 = noiseless); ``gc_rate`` baseline probability of a GC per rank per step;
     ``samples_per_rank``/``seq_len`` per-rank batch (``tokens = samples * seq_len``);
-    ``cpus_per_node`` host cores; ``accel`` whether host rows carry per-accelerator metrics.
+    ``cpus_per_node`` host cores; ``accel`` whether host rows carry per-accelerator metrics; ``comm``
+    whether :meth:`generate` also returns a ``comm`` table (one all_reduce row per rank per step).
 
     Attributes: ``world_size``; ``nodes`` (R,) node name per rank; ``node_index`` (R,) node number per
     rank; ``node_names`` (N,) node names; ``stage`` (R,) pipeline stage per rank; ``faults``.
@@ -262,7 +304,7 @@ class Simulation:
                  step_ms: float = 1000.0, faults=(), seed: int = 0, pp: int = 1, t0_ns: int | None = None,
                  checkpoint_every: int | None = 100, noise: float = 0.02, *, tp: int = 1,
                  gc_rate: float = 0.02, samples_per_rank: int = 8, seq_len: int = 4096,
-                 cpus_per_node: int = 192, accel: bool = True):
+                 cpus_per_node: int = 192, accel: bool = True, comm: bool = False):
         if not JOB_RE.match(str(job)):
             raise ValueError(f"bad job id {job!r} (must match {JOB_RE.pattern})")
         if ranks < 1 or ranks_per_node < 1:
@@ -288,6 +330,7 @@ class Simulation:
         self.samples_per_rank, self.seq_len = int(samples_per_rank), int(seq_len)
         self.cpus_per_node = int(cpus_per_node)
         self.accel = bool(accel)
+        self.comm = bool(comm)
         self.t0_ns = int(t0_ns) if t0_ns is not None else (time.time_ns() // 1_000_000_000) * 1_000_000_000
 
         R = self.world_size
@@ -421,10 +464,15 @@ class Simulation:
 
         # faults
         contention = np.zeros((S, self.n_nodes), bool)
+        io_node = np.repeat(io_fault[:, None], self.n_nodes, axis=1)   # nodes with iowait
         slow_ranks = np.zeros((S, R))   # extra compute (ms), for accel evidence
+        hung = np.zeros((S, R), bool)   # rows not reported (rank-hang / job-hang)
         step_pct = self.step_ms / 100.0
         for j, f in enumerate(self.faults):
             act = f.active(steps)
+            if f.kind == "job-hang" and f.rank is not None:   # the others stop _HANG_LAG steps later
+                late = f.active(steps) & (steps >= f.start + _HANG_LAG)
+                hung[late] = True
             if not act.any():
                 continue
             idx = np.flatnonzero(act)
@@ -445,6 +493,36 @@ class Simulation:
                     gap[i, on] += 0.75 * add * k
                     compute[i, on] += 0.25 * add * k
                 contention[idx, node] = True
+            elif f.kind == "gc-jitter":
+                for i in idx:
+                    frng = fault_rngs[i][j]
+                    n = int(frng.poisson(_JITTER_PAUSES))
+                    if not n:
+                        continue
+                    ev_step.append(np.full(n, i)); ev_rank.append(frng.integers(0, R, n))
+                    ev_gen.append(np.full(n, 2)); ev_u.append(frng.random(n))
+                    ev_dur.append(f.pct * step_pct * frng.gamma(4.0, 0.25, n))
+            elif f.kind == "data-stall":
+                who = np.arange(R) if f.rank is None else np.array([f.rank])
+                nodes = np.unique(self.node_index[who])
+                for i in idx:
+                    frng = fault_rngs[i][j]
+                    if frng.random() < _STALL_P:
+                        add = f.pct * step_pct * frng.gamma(6.0, 1.0 / 6.0)
+                        data[i, who] += add * np.maximum(1.0 + 0.05 * frng.standard_normal(len(who)), 0.5)
+                        io_node[i, nodes] = True
+            elif f.kind == "comm-slow":
+                grp = self.dp_group_of(f.rank)
+                add = f.pct / 100.0 * self.nominal_busy_ms[grp]
+                for i in idx:
+                    comm[i, grp] += add * fault_rngs[i][j].lognormal(-0.02, 0.2)
+            elif f.kind == "rank-hang":
+                hung[idx, f.rank] = True
+            elif f.kind == "job-hang":
+                if f.rank is None:
+                    hung[idx] = True
+                else:
+                    hung[idx, f.rank] = True
             elif f.kind == "gc-storm":
                 who = np.arange(R) if f.rank is None else np.array([f.rank])
                 mean_ms = f.pct / 100.0 * self.nominal_busy_ms[who] / _STORM_PER_STEP
@@ -480,6 +558,7 @@ class Simulation:
         return dict(**out, steps=steps, data=data, compute=compute, gap=gap, comm=comm, gc_ms=gc_ms,
                     gc_count=gc_count, busy=busy, step_ms=step_ms, comm_wait=comm_wait, ckpt=ckpt,
                     ckpt_frac=ckpt_frac, contention=contention, comm_fault=comm_fault, io_fault=io_fault,
+                    io_node=io_node, hung=hung,
                     slow_extra=slow_ranks, ev=(ev_step, ev_rank, ev_gen, ev_dur, ev_u))
 
     def _time_axis(self, start: int, step_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -541,12 +620,27 @@ class Simulation:
         if start < 0 or stop < start:
             raise ValueError(f"bad step range [{start}, {stop})")
         if stop == start:
-            return {"steps": STEPS.empty_table(), "host": HOST.empty_table(), "gc": GC.empty_table()}
+            out = {"steps": STEPS.empty_table(), "host": HOST.empty_table(), "gc": GC.empty_table()}
+            if self.comm:
+                out["comm"] = COMM.empty_table()
+            return out
         nm = self._numeric(start, stop)
         t_start, t_end = self._time_axis(start, nm["step_ms"])
-        return {"steps": self._steps_table(nm, t_start, t_end),
-                "host": self._host_table(nm, t_end),
-                "gc": self._gc_table(nm, t_start)}
+        out = {"steps": self._steps_table(nm, t_start, t_end),
+               "host": self._host_table(nm, t_end),
+               "gc": self._gc_table(nm, t_start)}
+        if self.comm:
+            out["comm"] = self._comm_table(nm)
+        hung = nm["hung"]
+        if hung.any():   # hung ranks report nothing; their nodes' host samples go on
+            keep = pa.array(~hung.ravel())
+            out["steps"] = out["steps"].filter(keep)
+            if "comm" in out:
+                out["comm"] = out["comm"].filter(keep)
+            if out["gc"].num_rows:
+                ev_step, ev_rank = nm["ev"][0], nm["ev"][1]
+                out["gc"] = out["gc"].filter(pa.array(~hung[ev_step, ev_rank]))
+        return out
 
     def _steps_table(self, nm: dict, t_start: np.ndarray, t_end: np.ndarray) -> pa.Table:
         S, R = nm["data"].shape
@@ -590,7 +684,7 @@ class Simulation:
         busy_pct = np.clip(py, 0, None).sum(axis=2) + loader + foreign + 150.0
         cpu_util = np.clip(busy_pct / cores * (1.0 + 0.03 * z[:, 2]), 0.0, 100.0)
         iowait = np.abs(0.3 + 0.15 * z[:, 3]) + 2.0 * ckpt \
-            + np.where(nm["io_fault"][:, None], np.abs(6.0 + z[:, 4]), 0.0)
+            + np.where(nm["io_node"], np.abs(6.0 + z[:, 4]), 0.0)
         steal = np.abs(0.02 * z[:, 5])
         load1 = np.abs(per_node * 2.0 + 1.5 + z[:, 6] + np.where(cont, _FOREIGN_CORES, 0.0))
         mem_total = 2 * 1024**4
@@ -660,6 +754,34 @@ class Simulation:
             fields=list(ACCEL))
         return pa.ListArray.from_arrays(pa.array(offsets), vals, type=HOST.field("accel").type)
 
+    def dp_group_of(self, rank: int) -> np.ndarray:
+        """Ranks of the data-parallel group of ``rank`` (same pipeline stage and tp coordinate)."""
+        return np.flatnonzero((self.stage == self.stage[rank]) & (self._tp == self._tp[rank]))
+
+    def dp_group_name(self, rank: int) -> str:
+        """The ``group`` name of ``rank``'s data-parallel group in the comm rows."""
+        return f"dp{int(self.stage[rank]) * self.tp + int(self._tp[rank])}"
+
+    def _comm_table(self, nm: dict) -> pa.Table:
+        """One all_reduce row per rank per step on the rank's data-parallel group."""
+        S, R = nm["comm"].shape
+        n = S * R
+        gid = self.stage.astype(np.int64) * self.tp + self._tp
+        names = pa.array([f"dp{g}" for g in range(int(gid.max()) + 1)])
+        # gradient bytes per rank: ~8e9 parameters / (tp * pp) in bf16
+        nbytes = np.full(n, int(2 * 8.0e9 / (self.tp * self.pp)), np.int64)
+        cols = [
+            _tiled_string_array(self._job_blob, self._job_offs, n),
+            _tiled_string_array(self._node_blob, self._node_offs, S),
+            pa.array(np.tile(np.arange(R, dtype=np.int32), S)),
+            pa.array(np.repeat(nm["steps"], R)),
+            pa.DictionaryArray.from_arrays(np.zeros(n, np.int32), pa.array(["all_reduce"])).cast(pa.string()),
+            names.take(pa.array(np.tile(gid, S))),
+            pa.array(np.ones(n, np.int64)), pa.array(nbytes),
+            pa.array(nm["comm"].ravel()), pa.array(nm["comm_wait"].ravel()),
+        ]
+        return pa.Table.from_arrays(cols, schema=COMM)
+
     def _gc_table(self, nm: dict, t_start: np.ndarray) -> pa.Table:
         ev_step, ev_rank, ev_gen, ev_dur, ev_u = nm["ev"]
         n = len(ev_step)
@@ -699,17 +821,24 @@ class Simulation:
         Keys: ``job``; ``kind``; ``spec`` (round-trips through :func:`parse_fault`); ``start``;
         ``end`` (inclusive; ``steps - 1`` when the fault runs to the end); ``ranks`` and ``nodes``
         (the affected ranks and their nodes; empty lists for job-wide faults: a regression or a
-        gc-storm on all ranks); ``scope`` (``rank`` | ``node`` | ``job``); ``pct``; ``cause`` (DESIGN
-        §6 taxonomy: io | cpu | gc | communication | computation); for cpu-contention also
-        ``process`` (the foreign process name).
+        gc-storm on all ranks; for a job-hang with ``rank``, the rank that stopped first);
+        ``scope`` (``rank`` | ``node`` | ``group`` | ``job``); ``pct``; ``cause`` (DESIGN §6
+        taxonomy: io | cpu | gc | communication | computation; None for rank-hang, which has none);
+        for cpu-contention also ``process`` (the foreign process name); for comm-slow ``group`` (its
+        name in the comm rows); ``every`` when the fault is intermittent.
         """
         out = []
         for f in self.faults:
-            if f.kind == "slow-rank" or (f.kind == "gc-storm" and f.rank is not None):
+            if f.kind in ("slow-rank", "rank-hang") or (f.kind in ("gc-storm", "data-stall")
+                                                         and f.rank is not None):
                 ranks, scope = [int(f.rank)], "rank"
             elif f.kind == "cpu-contention":
                 ranks = np.flatnonzero(self.node_index == self.node_index[f.rank]).tolist()
                 scope = "node"
+            elif f.kind == "comm-slow":
+                ranks, scope = self.dp_group_of(f.rank).tolist(), "group"
+            elif f.kind == "job-hang" and f.rank is not None:
+                ranks, scope = [int(f.rank)], "job"     # the job hangs; the rank stopped first
             else:
                 ranks, scope = [], "job"
             d = {"job": self.job, "kind": f.kind, "spec": f.spec(), "start": int(f.start),
@@ -718,6 +847,10 @@ class Simulation:
                  "pct": float(f.pct), "cause": f.cause if f.kind == "regression" else _KIND_CAUSE[f.kind]}
             if f.kind == "cpu-contention":
                 d["process"] = _FOREIGN
+            if f.kind == "comm-slow":
+                d["group"] = self.dp_group_name(f.rank)
+            if f.every > 1:
+                d["every"] = int(f.every)
             out.append(d)
         return out
 

@@ -21,15 +21,59 @@ import numpy as np
 
 @dataclass
 class JobContext:
-    """What is known about a job from its topology records."""
+    """What is known about a job: its topology, where each rank's reporting stands, and bounded
+    windows of its host / GC / comm rows (the context detectors use as evidence).
+
+    Only the first four fields are required; everything else has a neutral default, so a detector must
+    work (with less evidence) when a window is None or empty, or the per-rank arrays are None.
+    """
 
     job: str
     world_size: int
     nodes: np.ndarray            # (R,) object: node name per rank ("" if unknown)
     stage: np.ndarray            # (R,) int32: pipeline stage (pp coordinate), 0 when unknown
+    #: other parallel coordinates from the topology: "dp", "tp", "cp", "ep" -> (R,) int32, -1 unknown
+    coords: dict = field(default_factory=dict)
+    #: bounded windows of the job's rows (:class:`~stepwatch.detectors.context.Window`), or None
+    host: object = None          # host samples, keyed by event time t (ns)
+    gc: object = None            # GC records, keyed by t (ns)
+    comm: object = None          # comm records, keyed by step
+    #: (R,) newest step each rank reported so far (-1: none yet) and its t_end (ns); None if unknown
+    last_step: np.ndarray | None = None
+    last_t_end: np.ndarray | None = None
+    max_step: int = -1           # newest step any rank reported
+    steps_event_ns: int = 0      # newest t_end of any step row of the job (event time of the steps)
+    host_event_ns: int = 0       # newest host sample time of the job (event time that goes on in a hang)
+    backlog: bool = False        # the job's step rows are known to be behind (consumer lag > 0)
 
     def node_of(self, rank: int) -> str:
         return str(self.nodes[rank]) if 0 <= rank < len(self.nodes) else ""
+
+    def dp_groups(self) -> np.ndarray | None:
+        """(R,) id of each rank's data-parallel group: ranks sharing the pipeline stage and the tp, cp
+        and ep coordinates (they all-reduce gradients together). None when no tp/cp/ep coordinate is
+        known or every stage is a single group (then a group is a stage, compared with nothing)."""
+        R = len(self.stage)
+        if R == 0:
+            return None
+        key = np.asarray(self.stage, dtype=np.int64)
+        varied = False
+        for c in ("tp", "cp", "ep"):
+            a = self.coords.get(c)
+            if a is None or len(a) != R:
+                continue
+            a = np.asarray(a, dtype=np.int64)
+            lo, hi = int(a.min()), int(a.max())
+            if hi < 0 or lo == hi:
+                continue                                   # unknown, or the same everywhere
+            varied = True
+            base = min(lo, -1)
+            key = key * (hi - base + 1) + (a - base)
+        if not varied:
+            return None
+        _, gid = np.unique(key, return_inverse=True)
+        gid = gid.ravel()
+        return gid
 
 
 @dataclass
@@ -47,10 +91,12 @@ class StepBlock:
 
     @property
     def busy_ms(self) -> np.ndarray:
-        """Step time minus the time blocked waiting for peers; falls back to data+compute when the
-        comm wait is not reported."""
+        """Step time minus the time blocked waiting for peers; falls back to data + compute + GC pause
+        (the rank's own work that is reported) when the comm wait is not reported."""
         busy = self.step_ms - self.comm_wait_ms
-        fallback = np.nan_to_num(self.data_ms) + np.nan_to_num(self.compute_ms)
+        if not np.isnan(self.comm_wait_ms).any():
+            return busy
+        fallback = np.nan_to_num(self.data_ms) + np.nan_to_num(self.compute_ms) + np.nan_to_num(self.gc_ms)
         return np.where(np.isnan(self.comm_wait_ms), np.where(fallback > 0, fallback, self.step_ms), busy)
 
     def __len__(self) -> int:
@@ -118,3 +164,9 @@ class Detector:
 
     def update(self, ctx: JobContext, block: StepBlock) -> list[Alert]:  # pragma: no cover
         raise NotImplementedError
+
+    def tick(self, ctx: JobContext, now_ns: int) -> list[Alert]:
+        """Event time of the job moved to ``now_ns`` (host samples or step rows arrived) without
+        necessarily closing a step. Detectors that judge silence (a hang) override this; it must be
+        cheap (O(1) or O(R) numpy) because it runs on every host batch. Default: nothing."""
+        return []

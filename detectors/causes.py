@@ -117,3 +117,314 @@ def attribute(before: dict[str, float], after: dict[str, float]) -> tuple[str, d
 def _num(x: float):
     x = float(x)
     return None if np.isnan(x) else round(x, 3)
+
+
+# --------------------------------------------------------------------------- host / GC / comm evidence
+#
+# Used when an alert is assembled (rarely), on the bounded windows of
+# :class:`~stepwatch.detectors.context.JobTelemetry` (``ctx.host``, ``ctx.gc``, ``ctx.comm``). Every
+# function returns a JSON-safe dict (empty when the window is missing or holds nothing in range), so an
+# alert carries the evidence its cause was decided on.
+
+#: remedies of the stall / hang kinds (no row of the DESIGN case table covers a silent rank)
+HANG_SUGGESTION = ("Hang: dump the stacks of the rank that stopped first (py-spy dump --pid, or the "
+                   "framework's flight recorder / NCCL_DEBUG=INFO, TORCH_NCCL_ASYNC_ERROR_HANDLING=1); the "
+                   "other ranks are blocked in a collective waiting for it. Check its node (dmesg, "
+                   "accelerator health, NIC) and set a collective timeout so a hang fails fast.")
+STALL_SUGGESTION = ("Stopped reporting while its peers go on: check that the training process on the node "
+                    "is alive (py-spy dump), its agent/probe and the node's network; if the host samples "
+                    "stopped too, the node is down or unreachable.")
+
+FOREIGN_MIN_PCT = 50.0      # a process must use at least half a core to count as contention
+FOREIGN_MAX_SHARE = 0.2     # ... and appear in the top processes of at most 20% of the other nodes
+CLOCK_DROP = 0.95           # accelerator clock at or below 95% of the fleet median: down-clocked
+TEMP_RISE_C = 10.0          # or this much hotter than the fleet median
+
+
+def _med(a) -> float | None:
+    a = np.asarray(a, dtype=np.float64)
+    a = a[np.isfinite(a)]
+    return round(float(np.median(a)), 3) if len(a) else None
+
+
+def _col(t, name) -> np.ndarray:
+    return t.column(name).to_numpy(zero_copy_only=False).astype(np.float64) if name in t.column_names \
+        else np.full(t.num_rows, np.nan)
+
+
+def host_evidence(ctx, nodes, t_lo: int, t_hi: int) -> dict:
+    """The suspect ``nodes``' host samples in ``[t_lo, t_hi]`` (ns) against the other nodes' samples.
+
+    Returns ``{"samples", "cpu_util", "cpu_iowait", "load1", "rdma_retrans": {"suspect", "others"}
+    medians, "foreign": [{"node", "name", "pid", "cpu_pct", "seen_elsewhere"}] (processes that use
+    >= 50% of a core on a suspect node and appear among the top processes of <= 20% of the other nodes),
+    "accel": {"node", "index", "clock_mhz", "temp_c", "fleet_clock_mhz", "fleet_temp_c", "down_clocked"}
+    (the suspect nodes' slowest accelerator against the fleet)}``; ``{}`` when there are no samples.
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    w = getattr(ctx, "host", None)
+    t = w.select(int(t_lo), int(t_hi)) if w is not None and len(w) else None
+    if t is None or "node" not in t.column_names:
+        return {}
+    nodes = sorted({str(n) for n in nodes if n})
+    if not nodes:
+        return {}
+    sus = pc.is_in(t.column("node"), value_set=pa.array(nodes, type=t.column("node").type))
+    sus = sus.to_numpy(zero_copy_only=False).astype(bool)
+    if not sus.any():
+        return {}
+    ev: dict = {"samples": int(sus.sum())}
+    for c in ("cpu_util", "cpu_iowait", "load1", "rdma_retrans"):
+        v = _col(t, c)
+        ev[c] = {"suspect": _med(v[sus]), "others": _med(v[~sus])}
+    ev["foreign"] = _foreign(t, sus)
+    acc = _accel(t, sus)
+    if acc:
+        ev["accel"] = acc
+    return ev
+
+
+def _codes(arr) -> tuple[np.ndarray, list]:
+    """(int codes, distinct values) of a string array, without a Python object per row."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    d = pc.dictionary_encode(arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr)
+    return d.indices.to_numpy(zero_copy_only=False).astype(np.int64), d.dictionary.to_pylist()
+
+
+def _foreign(t, sus: np.ndarray) -> list[dict]:
+    import pyarrow.compute as pc
+
+    if "top_procs" not in t.column_names:
+        return []
+    tp = t.column("top_procs").combine_chunks()
+    lens = pc.list_value_length(tp).fill_null(0).to_numpy(zero_copy_only=False)
+    flat = pc.list_flatten(tp)
+    if len(flat) == 0:
+        return []
+    row = np.repeat(np.arange(t.num_rows), lens)
+    name_c, names = _codes(flat.field("name").fill_null(""))
+    cpu = flat.field("cpu_pct").to_numpy(zero_copy_only=False).astype(np.float64)
+    pid = flat.field("pid").to_numpy(zero_copy_only=False)
+    node_row, node_names = _codes(t.column("node"))
+    node = node_row[row]
+    on_s = sus[row]
+    others = np.unique(node[~on_s])
+    out = []
+    for c in np.unique(name_c[on_s & (cpu >= FOREIGN_MIN_PCT)]).tolist():
+        m = on_s & (name_c == c)
+        seen = len(np.unique(node[~on_s & (name_c == c)]))
+        share = seen / len(others) if len(others) else 0.0
+        if share > FOREIGN_MAX_SHARE:
+            continue
+        k = int(np.argmax(np.where(m, cpu, -1)))
+        out.append({"node": str(node_names[node[k]]), "name": str(names[c]), "pid": int(pid[k]),
+                    "cpu_pct": round(float(np.median(cpu[m])), 1), "seen_elsewhere": round(share, 3)})
+    out.sort(key=lambda d: -d["cpu_pct"])
+    return out[:3]
+
+
+def _accel(t, sus: np.ndarray) -> dict:
+    import pyarrow.compute as pc
+
+    if "accel" not in t.column_names or t.column("accel").null_count == t.num_rows:
+        return {}
+    ac = t.column("accel").combine_chunks()
+    lens = pc.list_value_length(ac).fill_null(0).to_numpy(zero_copy_only=False)
+    flat = pc.list_flatten(ac)
+    if len(flat) == 0:
+        return {}
+    row = np.repeat(np.arange(t.num_rows), lens)
+    clock = flat.field("clock_mhz").to_numpy(zero_copy_only=False).astype(np.float64)
+    temp = flat.field("temp_c").to_numpy(zero_copy_only=False).astype(np.float64)
+    idx = flat.field("index").to_numpy(zero_copy_only=False)
+    on_s = sus[row]
+    if not on_s.any():
+        return {}
+    fleet_clock, fleet_temp = _med(clock[~on_s] if (~on_s).any() else clock), _med(temp[~on_s] if (~on_s).any() else temp)
+    node_row, node_names = _codes(t.column("node"))
+    node = node_row[row]
+    # the suspect nodes' slowest device: lowest median clock over the samples
+    keys = sorted({(int(n), int(i)) for n, i in zip(node[on_s], idx[on_s])})
+    best = None
+    for n, i in keys:
+        m = on_s & (node == n) & (idx == i)
+        c, tc = _med(clock[m]), _med(temp[m])
+        if c is not None and (best is None or c < best[2]):
+            best = (str(node_names[n]), i, c, tc)
+    if best is None or fleet_clock is None:
+        return {}
+    n, i, c, tc = best
+    down = c <= CLOCK_DROP * fleet_clock or (tc is not None and fleet_temp is not None and tc >= fleet_temp + TEMP_RISE_C)
+    return {"node": n, "index": i, "clock_mhz": c, "temp_c": tc, "fleet_clock_mhz": fleet_clock,
+            "fleet_temp_c": fleet_temp, "down_clocked": bool(down)}
+
+
+def gc_evidence(ctx, ranks, t_lo: int, t_hi: int, steps: int) -> dict:
+    """GC records in ``[t_lo, t_hi]``: the suspect ``ranks``' collections per step and pause ms per step
+    against the other ranks' (per rank), and the suspects' highest generation. ``{}`` without records."""
+    w = getattr(ctx, "gc", None)
+    t = w.select(int(t_lo), int(t_hi)) if w is not None and len(w) else None
+    if t is None or "rank" not in t.column_names:
+        return {"records": 0} if w is not None else {}
+    rk = t.column("rank").to_numpy(zero_copy_only=False).astype(np.int64)
+    dur = _col(t, "duration_ms")
+    gen = _col(t, "generation")
+    sus = np.isin(rk, np.asarray(list(ranks), dtype=np.int64))
+    steps = max(int(steps), 1)
+    n_sus = max(len(set(ranks)), 1)
+    R = max(int(getattr(ctx, "world_size", 0)) - n_sus, 1)
+    return {
+        "records": int(len(rk)),
+        "suspect_per_step": round(float(sus.sum()) / n_sus / steps, 3),
+        "suspect_ms_per_step": round(float(np.nansum(dur[sus])) / n_sus / steps, 3),
+        "others_per_step": round(float((~sus).sum()) / R / steps, 4),
+        "others_ms_per_step": round(float(np.nansum(dur[~sus])) / R / steps, 4),
+        "max_generation": None if not sus.any() or np.all(np.isnan(gen[sus])) else int(np.nanmax(gen[sus])),
+    }
+
+
+def comm_evidence(ctx, ranks, step_lo: int, step_hi: int) -> dict:
+    """Comm records of steps ``[step_lo, step_hi]``: median ``time_ms`` per (op, group) of the suspect
+    ``ranks`` against the same op on the other ranks. ``{}`` without records."""
+    w = getattr(ctx, "comm", None)
+    t = w.select(int(step_lo), int(step_hi)) if w is not None and len(w) else None
+    if t is None or "rank" not in t.column_names:
+        return {}
+    rk = t.column("rank").to_numpy(zero_copy_only=False).astype(np.int64)
+    sus = np.isin(rk, np.asarray(list(ranks), dtype=np.int64))
+    if not sus.any():
+        return {"records": int(len(rk))}
+    tm = _col(t, "time_ms")
+    op = np.asarray(t.column("op").to_pylist(), dtype=object)
+    grp = np.asarray(t.column("group").to_pylist(), dtype=object) if "group" in t.column_names else \
+        np.full(len(rk), None, dtype=object)
+    out = []
+    for o in sorted(set(op[sus].tolist())):
+        m = sus & (op == o)
+        groups = sorted({str(g) for g in grp[m] if g is not None})
+        out.append({"op": str(o), "groups": groups[:4], "suspect_ms": _med(tm[m]),
+                    "others_ms": _med(tm[~sus & (op == o)])})
+    return {"records": int(len(rk)), "ops": out}
+
+
+def decide(phase_cause: str, host: dict | None = None, gc: dict | None = None, comm: dict | None = None,
+           excess_ms: float | None = None) -> tuple[str, str]:
+    """Final cause from the phase comparison and the host / GC / comm evidence; returns
+    ``(cause, reason)``.
+
+    - a down-clocked or hot accelerator on the suspect node -> ``computation``;
+    - else a foreign process on the suspect node (:func:`host_evidence` ``foreign``) -> ``cpu``
+      (contention slows dispatch and kernels launch late, so it can show as compute time too);
+    - else GC records worth at least half the excess time per step -> ``gc`` (producers that send GC
+      records but no ``gc_ms``);
+    - else comm records of the suspects at least 20% above the others' when the phases point nowhere
+      (``unknown`` / ``parallelism``) -> ``communication``;
+    - otherwise the phase that grew most.
+    """
+    host, gc, comm = host or {}, gc or {}, comm or {}
+    acc = host.get("accel") or {}
+    if acc.get("down_clocked") and phase_cause in ("computation", "cpu", "unknown", "parallelism"):
+        return "computation", (f"accelerator {acc.get('index')} on {acc.get('node')} at {acc.get('clock_mhz')} "
+                               f"MHz / {acc.get('temp_c')} °C vs fleet {acc.get('fleet_clock_mhz')} MHz / "
+                               f"{acc.get('fleet_temp_c')} °C")
+    fr = host.get("foreign") or []
+    if fr and phase_cause in ("cpu", "computation", "io", "unknown", "parallelism"):
+        p = fr[0]
+        return "cpu", (f"foreign process {p['name']} (pid {p['pid']}) at {p['cpu_pct']:.0f}% CPU on {p['node']}, "
+                       f"absent from {100 * (1 - p['seen_elsewhere']):.0f}% of the other nodes")
+    if (excess_ms and gc.get("suspect_ms_per_step") is not None
+            and gc["suspect_ms_per_step"] - (gc.get("others_ms_per_step") or 0.0) >= 0.5 * excess_ms
+            and phase_cause != "gc"):
+        return "gc", f"GC records: {gc['suspect_ms_per_step']:.1f} ms of pauses per step vs " \
+                     f"{gc.get('others_ms_per_step') or 0.0:.2f} ms on the other ranks"
+    if phase_cause in ("unknown", "parallelism"):
+        for o in comm.get("ops") or []:
+            if o["suspect_ms"] and o["others_ms"] and o["suspect_ms"] >= 1.2 * o["others_ms"]:
+                return "communication", (f"{o['op']} on {','.join(o['groups'])} takes {o['suspect_ms']:.1f} ms vs "
+                                         f"{o['others_ms']:.1f} ms elsewhere")
+    return phase_cause, "phase breakdown"
+
+
+def job_host_shift(ctx, before: tuple[int, int], after: tuple[int, int], steps: tuple[int, int]) -> dict:
+    """Job-wide host and GC evidence of a change: medians over all nodes of ``cpu_util``,
+    ``cpu_iowait``, ``load1``, ``rdma_retrans`` in the ``before`` and ``after`` time spans (ns), GC
+    collections and pause ms per rank and step, and processes that use >= 50% of a core on at least a
+    fifth of the nodes after the change but were not among their top processes before. ``{}`` when no
+    window holds both spans."""
+    out: dict = {}
+    w = getattr(ctx, "host", None)
+    if w is not None and len(w):
+        tb, ta = w.select(*before), w.select(*after)
+        if tb is not None and ta is not None:
+            for c in ("cpu_util", "cpu_iowait", "load1", "rdma_retrans"):
+                out[c] = {"before": _med(_col(tb, c)), "after": _med(_col(ta, c))}
+            new = _new_procs(tb, ta)
+            if new:
+                out["new_processes"] = new
+    g = getattr(ctx, "gc", None)
+    if g is not None and len(g):
+        R = max(int(getattr(ctx, "world_size", 0)), 1)
+        res = {}
+        for name, span, n in (("before", before, steps[0]), ("after", after, steps[1])):
+            t = g.select(*span)
+            k = 0 if t is None else t.num_rows
+            ms = 0.0 if t is None else float(np.nansum(_col(t, "duration_ms")))
+            res[name] = {"per_rank_step": round(k / R / max(n, 1), 4), "ms_per_rank_step": round(ms / R / max(n, 1), 4)}
+        out["gc"] = res
+    return out
+
+
+def _new_procs(tb, ta) -> list[dict]:
+    import pyarrow.compute as pc
+
+    def procs(t):
+        if "top_procs" not in t.column_names:
+            return {}
+        tp = t.column("top_procs").combine_chunks()
+        lens = pc.list_value_length(tp).fill_null(0).to_numpy(zero_copy_only=False)
+        flat = pc.list_flatten(tp)
+        if not len(flat):
+            return {}
+        row = np.repeat(np.arange(t.num_rows), lens)
+        nc, names = _codes(flat.field("name").fill_null(""))
+        node, _ = _codes(t.column("node"))
+        cpu = flat.field("cpu_pct").to_numpy(zero_copy_only=False).astype(np.float64)
+        out = {}
+        n_nodes = max(len(np.unique(node)), 1)
+        for c in np.unique(nc[cpu >= FOREIGN_MIN_PCT]).tolist():
+            m = (nc == c) & (cpu >= FOREIGN_MIN_PCT)
+            out[names[c]] = (len(np.unique(node[row][m])) / n_nodes, float(np.median(cpu[m])))
+        return out
+    b, a = procs(tb), procs(ta)
+    return [{"name": k, "nodes_share": round(v[0], 3), "cpu_pct": round(v[1], 1)}
+            for k, v in sorted(a.items()) if v[0] >= 0.2 and b.get(k, (0.0, 0.0))[0] < 0.05][:3]
+
+
+def confirm_shift(cause: str, ev: dict, kind: str = "regression") -> tuple[str, str]:
+    """The job-wide cause of a change, checked against :func:`job_host_shift` evidence: a process
+    that appeared on many nodes names ``cpu``; otherwise the phase cause stands and the reason quotes
+    the host metric that moved with it (iowait for io, RDMA retransmits for communication, GC rate
+    for gc)."""
+    if not ev:
+        return cause, "phase breakdown"
+    up = kind == "regression"
+    newp = ev.get("new_processes") or []
+    if up and newp and cause in ("cpu", "computation", "unknown", "parallelism"):
+        p = newp[0]
+        return "cpu", (f"process {p['name']} appeared on {p['nodes_share']:.0%} of the nodes at "
+                       f"{p['cpu_pct']:.0f}% CPU")
+    pick = {"io": ("cpu_iowait", "iowait"), "communication": ("rdma_retrans", "RDMA retransmits"),
+            "cpu": ("cpu_util", "host CPU")}.get(cause)
+    if pick and pick[0] in ev:
+        b, a = ev[pick[0]]["before"], ev[pick[0]]["after"]
+        if b is not None and a is not None and ((a > b) if up else (a < b)):
+            return cause, f"phase breakdown; {pick[1]} {b} -> {a}"
+    if cause == "gc" and "gc" in ev:
+        g = ev["gc"]
+        return cause, (f"phase breakdown; GC pauses {g['before']['ms_per_rank_step']} -> "
+                       f"{g['after']['ms_per_rank_step']} ms per rank and step")
+    return cause, "phase breakdown"

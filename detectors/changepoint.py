@@ -11,7 +11,7 @@ import numpy as np
 import ruptures as rpt
 
 from .base import Alert, Detector, JobContext, StepBlock
-from .causes import PHASES, SUGGESTIONS, attribute, nanmedian, phase_arrays
+from .causes import PHASES, SUGGESTIONS, attribute, confirm_shift, job_host_shift, nanmedian, phase_arrays
 
 #: Default penalty constant: ``penalty = PENALTY_C * sigma**2 * log(n)`` (about 3x the BIC's 2 log n).
 #: Calibrated with the default 5-point median pre-filter on 2% Gaussian noise (+1% Student-t(3)) with
@@ -250,7 +250,11 @@ class ChangePoint(Detector):
     - the effect ``|median after - median before| / median before >= min_effect``, medians taken over
       the segments around i on the raw (unfiltered) values, and
     - the shift is large against the noise: ``|Δ| / (sigma * sqrt(1/n_before + 1/n_after)) >= min_t``
-      with ``sigma`` the robust noise level of the window.
+      with ``sigma`` the robust noise level of the window, and
+    - the floor moved with it: the 25th percentile of the segments shifted in the same direction by at
+      least ``floor_share`` of the median's effect. A level shift moves every step; intermittent slow
+      steps (DataLoader stalls, unsynchronised GC, a straggler one step in three) raise only the upper
+      part of the distribution and are the jitter detector's.
 
     Each change is reported once: candidates within ``±min_size`` steps of an already reported change
     are ignored, and reported changes are remembered until they leave the window. Alerts carry
@@ -278,6 +282,7 @@ class ChangePoint(Detector):
         phase_sample=256 ranks sampled (evenly strided) for the phase medians used in attribution
         critical_pct=10  regressions costing more than this (% step time) are ``critical``
         defer_stragglers=True  leave changes caused by a few slow ranks to ``slow_rank`` (see above)
+        floor_share=0.5  the 25th percentile must move by this share of the median's effect (0: off)
     """
 
     name = "changepoint"
@@ -286,7 +291,8 @@ class ChangePoint(Detector):
 
     def __init__(self, *, window: int = 200, every: int = 5, min_size: int = 5, min_effect: float = 0.05,
                  min_t: float = 5.0, penalty_c: float = PENALTY_C, smooth: int = 5,
-                 phase_sample: int = 256, critical_pct: float = 10.0, defer_stragglers: bool = True):
+                 phase_sample: int = 256, critical_pct: float = 10.0, defer_stragglers: bool = True,
+                 floor_share: float = 0.5):
         if window < 4 * min_size or min_size < 2:
             raise ValueError("changepoint: need min_size >= 2 and window >= 4 * min_size")
         if every < 1 or phase_sample < 1:
@@ -295,6 +301,7 @@ class ChangePoint(Detector):
         self.min_effect, self.min_t, self.penalty_c = float(min_effect), float(min_t), float(penalty_c)
         self.smooth, self.phase_sample, self.critical_pct = int(smooth), int(phase_sample), float(critical_pct)
         self.defer_stragglers = bool(defer_stragglers)
+        self.floor_share = float(floor_share)
         W = self.window
         self._val = np.full(W, np.nan)                  # median step_ms per step
         self._step = np.zeros(W, dtype=np.int64)
@@ -384,12 +391,25 @@ class ChangePoint(Detector):
             tstat = abs(after - before) / (sigma * math.sqrt(1.0 / (i - a) + 1.0 / (b - i)))
             if abs(effect) < self.min_effect or tstat < self.min_t:
                 continue
+            # a level shift moves the floor of the step times too; intermittent slow steps (stalls,
+            # GC pauses, a straggler one step in three) only move the upper part: that is jitter
+            q_b, q_a = np.percentile(vals[a:i], 25), np.percentile(vals[i:b], 25)
+            floor = (q_a - q_b) / q_b if q_b > 0 else 0.0
+            if floor * np.sign(effect) < self.floor_share * abs(effect):
+                continue
             self._reported.append(step_first)
             alert = self._alert(ctx, effect, before, after, tstat, sigma, ph[a:i], ph[i:b],
                                 step_first, step_now, t_now, (a, i, b), steps)
             if alert is not None:
                 alerts.append(alert)
         return alerts
+
+    def _times(self) -> np.ndarray:
+        n, W = self._n, self.window
+        if n <= W:
+            return self._t[:n]
+        i = n % W
+        return np.concatenate((self._t[i:], self._t[:i]))
 
     def _alert(self, ctx, effect, before, after, tstat, sigma, ph_before, ph_after, step_first,
                step_now, t_now, seg, steps) -> Alert | None:
@@ -407,6 +427,10 @@ class ChangePoint(Detector):
             return None                     # a few slow ranks: the slow-rank detector names them
         cost = max(effect, 0.0) * 100.0
         a, i, b = seg
+        ts = self._times()
+        host_ev = job_host_shift(ctx, (int(ts[a]), int(ts[i - 1])), (int(ts[i]), int(ts[b - 1])),
+                                 (i - a, b - i)) if len(ts) == len(steps) else {}
+        cause, reason = confirm_shift(cause, host_ev, kind)
         evidence = {
             "median_before_ms": round(before, 3), "median_after_ms": round(after, 3),
             "effect_pct": round(effect * 100.0, 2), "t_stat": round(float(tstat), 2),
@@ -415,7 +439,10 @@ class ChangePoint(Detector):
             "segment_after": [int(steps[i]), int(steps[b - 1])],
             "phase": phase_ev["phase"], "phases": phase_ev["phases"],
             "busiest_stage_busy_delta_ms": None if np.isnan(d_hi) else round(d_hi, 3),
+            "cause_reason": reason,
         }
+        if host_ev:
+            evidence["host"] = host_ev
         return Alert(job=ctx.job, kind=kind, status="firing", step_first=step_first,
                      step_detected=step_now, t_detected=t_now, ranks=[], nodes=[], cause=cause,
                      severity="critical" if cost > self.critical_pct else "warning",

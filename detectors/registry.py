@@ -14,11 +14,15 @@ import inspect
 
 from .base import Detector
 from .changepoint import ChangePoint
+from .jitter import Jitter
 from .slowrank import SlowRank
+from .stall import Stall
 
 REGISTRY: dict[str, type[Detector]] = {
     "slow_rank": SlowRank,
     "changepoint": ChangePoint,
+    "jitter": Jitter,
+    "stall": Stall,
 }
 
 

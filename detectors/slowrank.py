@@ -1,16 +1,21 @@
 """Slow rank (straggler) detection: each rank's busy time against its pipeline-stage peers."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .base import Alert, Detector, JobContext, StepBlock
-from .causes import PHASES, SUGGESTIONS, attribute, nanmedian, phase_arrays
+from .causes import (PHASES, SUGGESTIONS, attribute, comm_evidence, decide, gc_evidence, host_evidence,
+                     nanmedian, phase_arrays)
 
 _MAD_TO_SIGMA = 1.4826
+_KINDS = {"rank": "slow_rank", "node": "slow_node", "group": "slow_group"}
 
 
 class SlowRank(Detector):
-    """Ranks persistently slower than their peers in the same pipeline stage (alert kind ``slow_rank``).
+    """Ranks persistently slower than their peers in the same pipeline stage (alert kinds ``slow_rank``,
+    ``slow_node``, ``slow_group``).
 
     Per closed step, busy time = ``StepBlock.busy_ms`` (step time minus the time blocked waiting for
     peers: in synchronous training all ranks share the step time and the slow rank waits least). Within
@@ -19,55 +24,87 @@ class SlowRank(Detector):
 
     - its robust z-score ``(x - median) / (1.4826 * max(MAD, mad_floor * median)) >= z_min`` (the MAD
       floor keeps clean low-noise data from firing on sub-percent differences), and
-    - its effect ``(x - median) / median >= min_effect`` (default 5%: smaller differences cost little and
-      are common between healthy devices).
+    - its effect ``(x - median) / median >= min_effect`` (default 5%).
 
-    Persistence: a rank fires when flagged on ``>= k`` of the job's last ``n`` steps; it resolves after
-    ``clear_steps`` consecutive reported clean steps (a ``resolved`` alert with the same ``alert_id``);
-    flags from before a resolution do not count towards the next firing. Defaults k=5 of n=13 catch a
-    rank slow on one step in three (13 consecutive steps starting on a slow one hold 5 slow steps), and
-    a persistent straggler fires on its 5th slow step. A healthy rank whose busy time crosses both
-    thresholds independently with probability p per step fires with probability ~C(13,5) p^5 =
-    1287 p^5 per step: heavy-tailed per-rank noise (the simulator's Student-t compute noise) gives
-    p ~ 0.6%, i.e. ~1e-8 per rank-step, about one false alert per 6,000 steps of a 16k-rank job. On the
-    simulator (16,384 ranks, 6 runs of 400 clean steps) k=4 of n=10 (210 p^4) gave 5 false alerts,
-    k=5 of n=13 none.
+    Two ways to fire, whichever comes first:
 
-    NaN ranks (not reported) are neither flagged nor counted as clean; a stage step with fewer than
-    ``min_peers`` reporting ranks is not judged. Cost: the straggler's excess busy time over its stage
-    median, divided by the job's median step time, averaged from the first flagged step of the run to
-    detection (in %). Cause: :func:`~stepwatch.detectors.causes.attribute` of the rank's median phases
-    vs its stage peers' over the flagged steps (compute up -> computation, data -> io, gc -> gc, host gap
-    -> cpu, comm -> communication).
+    - *persistence*: flagged on ``>= k`` of the job's last ``n`` steps. Defaults k=5 of n=13 catch a rank
+      slow on one step in three (13 consecutive steps starting on a slow one hold 5 slow steps). A
+      healthy rank crossing both thresholds independently with probability p per step fires with
+      probability ~C(13,5) p^5 = 1287 p^5 per step: heavy-tailed per-rank noise (the simulator's
+      Student-t compute noise) gives p ~ 0.6%, ~1e-8 per rank-step.
+    - *accumulation* (CUSUM) for small persistent effects that rarely cross ``min_effect`` on a single
+      step: ``S = clip(S + min(effect, ref + cap) - ref, 0, 1.5 h)`` per rank, fire at ``S >= h``, with
+      ``ref = max(small_effect, 1.6 sigma, spread)``, ``h = max(small_h, 8 sigma)``, ``cap = max(0.015,
+      1.25 sigma)``, sigma the job's robust per-step relative noise (EWMA of 1.4826 MAD / median) and
+      spread = median + 5 robust sigmas of the ranks' ~20-step EWMA of their effect (healthy devices
+      that are persistently a few % apart raise the reference instead of firing; the accumulation
+      rule only fires once that spread is known, from the job's 20th judged step).
+      With the simulator's noise (sigma ~1.1%: ref 2%, h 10%, cap 1.5%) a rank whose busy time is 2.6%
+      higher (a "3%" slow-rank fault) fires after ~15 steps (median; some take 30+), 4.3% after ~7;
+      larger effects fire by persistence first. The capped increment makes heavy-tailed single-step
+      outliers harmless (seven near-maximal hits in a short run are needed), and ranks with a static
+      offset below ``ref`` drift back to 0: 0 false alarms in 15M clean rank-steps (3 x 16,384 ranks x
+      300 steps), also with h lowered to 7%.
 
-    Work per step is O(R) numpy: medians per stage, then window counts and clean runs for the whole
-    block with one vector operation per step; alerts are assembled only for ranks with an event.
-    State is a few (n, R) rings holding the last n steps.
-    A change of the number of ranks resets the state (open alerts are dropped, not resolved).
+    Resolution (hysteresis): ``clear_steps`` consecutive reported steps that are not flagged (an alert
+    that fired by accumulation also needs ``S < h/2`` on them); the rank's ``S`` restarts from 0 and
+    flags from before a resolution do not count towards the next firing. NaN (not reported) is neither
+    flagged nor clean.
+
+    Consolidation: when a rank fires and at least ``max(2, node_share * ranks on its node)`` ranks of its
+    node are *hot* (>= 2 flags in the window, ``S >= h/2``, or already firing), one ``slow_node`` alert
+    names them (CPU contention, a sick host); likewise ``max(3, group_share * group size)`` hot ranks of
+    its data-parallel group (:meth:`JobContext.dp_groups`: same stage and tp/cp/ep coordinates, from the
+    topology) give one ``slow_group`` alert (a slow collective or link of that group). Later fires of
+    ranks on an open node/group are folded into it; it resolves when all its ranks have.
+
+    Cost: the excess busy time over the stage median (the slowest member's for node/group alerts),
+    divided by the job's median step time, averaged from the first evidence step to detection (in %).
+    Cause: :func:`~stepwatch.detectors.causes.attribute` of the ranks' median phases vs their stage
+    peers' (compute -> computation, data -> io, gc -> gc, host gap -> cpu, comm -> communication), then
+    :func:`~stepwatch.detectors.causes.decide` with the host samples of the ranks' nodes (a foreign
+    process -> cpu; a down-clocked accelerator -> computation), GC records and comm records over the
+    same steps; the evidence goes into the alert.
+
+    Work per step is O(R) numpy (medians per stage, a handful of vector updates); alerts are assembled
+    only for ranks with an event. State: a few (n, R) rings and (R,) vectors. A change of the number of
+    ranks resets the state (open alerts are dropped, not resolved).
 
     Settings (keyword arguments, defaults):
         k=5              flagged steps needed within the last ``n`` to fire
         n=13             persistence window (steps)
         clear_steps=10   consecutive clean steps to resolve
         z_min=4.0        robust z-score threshold
-        min_effect=0.05  relative busy-time excess over the stage median
+        min_effect=0.05  relative busy-time excess over the stage median for a flag
         mad_floor=0.005  MAD floor as a fraction of the stage median
         min_peers=4      reporting ranks a stage needs on a step to be judged
         critical_pct=10  alerts whose cost exceeds this (% throughput) are ``critical``
+        small_effect=0.02  CUSUM reference (relative excess per step not counted); 0 disables CUSUM
+        small_h=0.10     CUSUM threshold (accumulated relative excess)
+        node_share=0.5   share of a node's ranks that must be hot for one ``slow_node`` alert
+        group_share=0.5  share of a data-parallel group that must be hot for one ``slow_group`` alert
     """
 
     name = "slow_rank"
 
     def __init__(self, *, k: int = 5, n: int = 13, clear_steps: int = 10, z_min: float = 4.0,
                  min_effect: float = 0.05, mad_floor: float = 0.005, min_peers: int = 4,
-                 critical_pct: float = 10.0):
+                 critical_pct: float = 10.0, small_effect: float = 0.02, small_h: float = 0.10,
+                 node_share: float = 0.5, group_share: float = 0.5):
         if not (1 <= k <= n):
             raise ValueError(f"slow_rank: need 1 <= k <= n (k={k}, n={n})")
         if clear_steps < 1 or min_peers < 2:
             raise ValueError("slow_rank: clear_steps must be >= 1 and min_peers >= 2")
+        if small_effect < 0 or small_h <= 0:
+            raise ValueError("slow_rank: small_effect must be >= 0 and small_h > 0")
+        if not (0 < node_share <= 1 and 0 < group_share <= 1):
+            raise ValueError("slow_rank: node_share and group_share must be in (0, 1]")
         self.k, self.n, self.clear_steps = int(k), int(n), int(clear_steps)
         self.z_min, self.min_effect, self.mad_floor = float(z_min), float(min_effect), float(mad_floor)
         self.min_peers, self.critical_pct = int(min_peers), float(critical_pct)
+        self.small_effect, self.small_h = float(small_effect), float(small_h)
+        self.node_share, self.group_share = float(node_share), float(group_share)
         self._R = -1
         self._stage_key: np.ndarray | None = None
         self._groups: list[np.ndarray | None] = []
@@ -81,11 +118,23 @@ class SlowRank(Detector):
         self._R = R
         self._pos = 0                                            # steps pushed; ring slot = _pos % n
         self._steps = np.full(n, -1, dtype=np.int64)
+        self._tend = np.zeros(n, dtype=np.int64)
         self._flag = np.zeros((n, R), dtype=bool)
         self._clean = np.zeros(R, dtype=np.int32)                # consecutive clean reported steps
+        self._clean_c = np.zeros(R, dtype=np.int32)              # ... also below the CUSUM's h/2
         self._active = np.zeros(R, dtype=bool)
+        self._mode = np.zeros(R, dtype=np.int8)                  # 1: fired by accumulation
         self._resolved_at = np.full(R, np.iinfo(np.int64).min, dtype=np.int64)   # step of last resolution
-        self._open: dict[int, Alert] = {}
+        self._cs = np.zeros(R, dtype=np.float64)                 # CUSUM of the relative excess
+        self._cs_from = np.full(R, -1, dtype=np.int64)           # step where the current excursion began
+        self._sigma = math.nan                                   # EWMA of the relative noise
+        self._lr = np.zeros(R, dtype=np.float64)                 # per-rank EWMA of the effect (~20 steps)
+        self._lr_n = np.zeros(R, dtype=np.int32)
+        self._lr_ref = 0.0                                       # fleet spread of persistent offsets
+        self._lr_age = 0
+        self._lr_ready = False
+        self._owner: dict[int, tuple] = {}                       # rank -> key of the alert covering it
+        self._open: dict[tuple, dict] = {}                       # key -> {"alert", "members"}
         nanr = lambda: np.full((n, R), np.nan, dtype=np.float32)  # noqa: E731
         self._busy, self._eff, self._z, self._cost = nanr(), nanr(), nanr(), nanr()
         self._ph = {p: nanr() for p in PHASES}
@@ -107,6 +156,13 @@ class SlowRank(Detector):
             self._slices = [slice(a, b) for a, b in zip(np.r_[0, cuts], np.r_[cuts, R])]
         return self._groups
 
+    def _limits(self) -> tuple[float, float, float]:
+        """CUSUM reference, threshold and per-step clip for the current noise level."""
+        sig = self._sigma if np.isfinite(self._sigma) else 0.0
+        ref = max(self.small_effect, 1.6 * sig, self._lr_ref)
+        h = max(self.small_h, 8.0 * sig)
+        return ref, h, ref + max(0.015, 1.25 * sig)
+
     # -- streaming -------------------------------------------------------------------------------
     def update(self, ctx: JobContext, block: StepBlock) -> list[Alert]:
         S = len(block)
@@ -123,9 +179,11 @@ class SlowRank(Detector):
         perm = self._perm
         b_sorted = busy if perm is None else busy[:, perm]
         flags = np.empty((S, R), dtype=bool)
+        judged = np.empty((S, R), dtype=bool)
         eff = np.empty((S, R))
         z = np.empty((S, R))
         excess = np.empty((S, R))
+        sig_parts = []
         for sl in self._slices:                                                  # few stages
             sub = b_sorted[:, sl]                                                # a view
             med = nanmedian(sub, axis=1)[:, None]                                 # (S, 1)
@@ -135,73 +193,117 @@ class SlowRank(Detector):
             with np.errstate(divide="ignore", invalid="ignore"):
                 zz = dev / scale
                 ee = dev / med
+                sig_parts.append((_MAD_TO_SIGMA * mad / med)[:, 0])
             enough = ((np.count_nonzero(~np.isnan(sub), axis=1) >= self.min_peers)[:, None]
                       & (med > 0))
             ff = (zz >= self.z_min) & (ee >= self.min_effect) & enough               # NaN -> False
             flags[:, sl], eff[:, sl], z[:, sl], excess[:, sl] = ff, ee, zz, dev
+            judged[:, sl] = enough & ~np.isnan(sub)
         if perm is not None:                                                     # back to rank order
             inv = np.empty_like(perm)
             inv[perm] = np.arange(R)
-            flags, eff, z, excess = flags[:, inv], eff[:, inv], z[:, inv], excess[:, inv]
+            flags, eff, z, excess, judged = (flags[:, inv], eff[:, inv], z[:, inv], excess[:, inv],
+                                             judged[:, inv])
+        with np.errstate(all="ignore"):
+            sig_step = nanmedian(np.stack(sig_parts, axis=1), axis=1) if sig_parts else np.full(S, np.nan)
         job_step = nanmedian(block.step_ms, axis=1)[:, None]
         with np.errstate(divide="ignore", invalid="ignore"):
             cost = np.maximum(excess, 0.0) / job_step * 100.0                    # NaN stays NaN
         valid = ~np.isnan(busy)
         n, k = self.n, self.k
 
-        # Persistence over the block at once: history = the last n ring rows (oldest first) + the block.
+        # Persistence counts over the block at once: history = the last n ring rows + the block.
         order = self._order()
         hist = np.concatenate((self._flag[order], flags))                       # (n + S, R)
         csum = _cumsum_rows(hist)
         counts = csum[n:] - csum[:S]                 # flagged steps in the n steps ending at each step
-        fire_m = flags & (counts >= k)               # fire on the flagged step that reaches k
-        # consecutive clean reported steps (a flag resets, NaN neither counts nor resets)
-        clean = np.empty((S, R), dtype=np.int32)
-        prev = self._clean
-        for s in range(S):
-            prev = clean[s] = np.where(flags[s], 0, prev + valid[s])
-        clear_m = clean >= self.clear_steps
+        fire_k = flags & (counts >= k)
+        hist_steps = np.concatenate((self._steps[order], block.steps))
+        eff_inc = np.where(judged, eff, np.nan)
 
         alerts: list[Alert] = []
-        may_fire = fire_m.any(axis=0)
-        may_clear = clear_m.any(axis=0) & self._active
-        cand = np.flatnonzero((may_fire & (~self._active | may_clear)) | may_clear)
-        if len(cand):
-            events = []                                                          # (s, 0 fire|1 resolve, r)
-            hist_steps = np.concatenate((self._steps[order], block.steps))
+        win = None
+        use_cs = self.small_effect > 0
+        for s in range(S):
+            # noise level, CUSUM
+            if np.isfinite(sig_step[s]):
+                self._sigma = sig_step[s] if not np.isfinite(self._sigma) else 0.95 * self._sigma + 0.05 * sig_step[s]
+            ref, h, clip = self._limits()
+            step = int(block.steps[s])
+            if use_cs:
+                # healthy devices differ a little for good: the reference stays above the fleet's
+                # spread of persistent offsets (median + 5 robust sigmas of the per-rank EWMA)
+                e_s = eff_inc[s]
+                ok = ~np.isnan(e_s)
+                self._lr = np.where(ok, self._lr + 0.05 * (np.where(ok, e_s, 0.0) - self._lr), self._lr)
+                self._lr_n += ok
+                self._lr_age += 1
+                if self._lr_age >= 20 and (self._lr_age - 20) % 16 == 0:
+                    seasoned = self._lr[self._lr_n >= 20]
+                    if len(seasoned) >= self.min_peers:
+                        med = float(np.median(seasoned))
+                        self._lr_ref = med + 5.0 * _MAD_TO_SIGMA * float(np.median(np.abs(seasoned - med)))
+                        if not self._lr_ready:             # accumulate from here on the known spread
+                            self._lr_ready = True
+                            self._cs[:] = 0.0
+                            self._cs_from[:] = -1
+                        ref, h, clip = self._limits()
+                inc = np.minimum(eff_inc[s], clip) - ref
+                prev = self._cs
+                new = np.minimum(np.maximum(prev + np.where(np.isnan(inc), 0.0, inc), 0.0), 1.5 * h)
+                self._cs_from = np.where((prev <= 0) & (new > 0), step, self._cs_from)
+                self._cs = new
+                hot_c = new >= 0.5 * h
+                # no accumulation alarm before the fleet's spread is known (the first 20 steps)
+                fire_c = (new >= h) if self._lr_ready else np.zeros(R, dtype=bool)
+            else:
+                hot_c = fire_c = np.zeros(R, dtype=bool)
+            fl, vs = flags[s], valid[s]
+            self._clean = np.where(fl, 0, self._clean + vs).astype(np.int32)
+            self._clean_c = np.where(fl | hot_c, 0, self._clean_c + vs).astype(np.int32)
+            # fires (in rank order), then resolutions
+            cand = np.flatnonzero((fire_k[s] | fire_c) & ~self._active)
+            fired = []
             for r in cand.tolist():
-                fires, clears = np.flatnonzero(fire_m[:, r]), np.flatnonzero(clear_m[:, r])
-                active, cur, since = bool(self._active[r]), 0, int(self._resolved_at[r])
-                while True:
-                    if active:
-                        nxt = clears[clears >= cur]
-                        if not len(nxt):
-                            break
-                        s_ = int(nxt[0])
-                        since = int(block.steps[s_])
-                    else:
-                        # flags from before this rank's last resolution do not count again
-                        s_ = next((int(f) for f in fires[fires >= cur]
-                                   if np.count_nonzero(hist[f + 1:f + n + 1, r]
-                                                       & (hist_steps[f + 1:f + n + 1] > since)) >= k), None)
-                        if s_ is None:
-                            break
-                    events.append((s_, int(active), r))
-                    active, cur = not active, s_ + 1
-            events.sort()
-            win = _Window(self, block, flags, busy, eff, z, cost) if events else None
-            for s_, kind, r in events:
-                step, t_end = int(block.steps[s_]), int(block.t_end[s_])
-                if kind == 0:
-                    alerts.append(self._fire(ctx, win, s_, r, step, t_end))
-                else:
-                    alerts.append(self._resolve(r, int(clean[s_, r]), step, t_end))
+                since = self._resolved_at[r]
+                rows = slice(s + 1, s + n + 1)
+                cnt = np.count_nonzero(hist[rows, r] & (hist_steps[rows] > since))
+                if cnt >= k:
+                    fired.append((r, 0))
+                elif fire_c[r]:
+                    # accumulation; a rank flagged on most of its steps is a plain straggler (mode 0:
+                    # resolved by flags), a small effect that rarely flags is resolved on the CUSUM too
+                    fired.append((r, 0 if cnt >= 3 else 1))
+            if fired or self._active.any():
+                clear = np.where(self._mode == 1, self._clean_c, self._clean) >= self.clear_steps
+                gone = np.flatnonzero(clear & self._active)
+            else:
+                gone = ()
+            if not fired and not len(gone):
+                continue
+            if win is None:
+                win = _Window(self, block, flags, busy, eff, z, cost)
+            t_end = int(block.t_end[s])
+            hot = None
+            for r, mode in fired:
+                if self._active[r]:                                              # folded into a group
+                    continue
+                if hot is None:
+                    hot = (counts[s] >= 2) | hot_c | self._active
+                a = self._fire(ctx, win, s, r, mode, step, t_end, hot)
+                if a is not None:
+                    alerts.append(a)
+            for r in gone.tolist() if len(gone) else ():
+                a = self._resolve(r, int(self._clean[r]), step, t_end)
+                if a is not None:
+                    alerts.append(a)
 
         # Keep the last n steps in the rings.
         m = min(S, n)
         slots = (self._pos + S - m + np.arange(m)) % n
         self._flag[slots] = flags[S - m:]
         self._steps[slots] = block.steps[S - m:]
+        self._tend[slots] = block.t_end[S - m:]
         self._busy[slots], self._eff[slots] = busy[S - m:], eff[S - m:]
         self._z[slots], self._cost[slots] = z[S - m:], cost[S - m:]
         tail = _Tail(block, S - m)
@@ -209,7 +311,6 @@ class SlowRank(Detector):
             if ph in self._ph:
                 self._ph[ph][slots] = arr
         self._pos += S
-        self._clean = clean[-1].astype(np.int32)
         return alerts
 
     # -- alerts ----------------------------------------------------------------------------------
@@ -217,43 +318,145 @@ class SlowRank(Detector):
         """Ring slots, oldest first (all n; slots never written hold NaN / False / step -1)."""
         return (self._pos + np.arange(self.n)) % self.n
 
-    def _fire(self, ctx: JobContext, win: "_Window", s: int, r: int, step: int, t_end: int) -> Alert:
-        w = win.rank(s, r)
-        fl = np.flatnonzero(w["flag"] & (w["steps"] > self._resolved_at[r]))   # flagged rows of the window
-        run = np.arange(fl[0], len(w["flag"]))         # first flagged step .. detection step
-        step_first = int(w["steps"][fl[0]])
-        c = w["cost"][run]
-        cost = float(np.nanmean(c)) if np.any(~np.isnan(c)) else 0.0
-        busy = float(np.median(w["busy"][fl]))
-        eff = float(np.median(w["eff"][fl]))
-        peer_med = float(np.median(w["busy"][fl] / (1.0 + w["eff"][fl])))
-        peers_by_slot = win.stage_phases(s, int(self._group_of[r]))
-        peers = {ph: float(nanmedian(peers_by_slot[ph][fl])) for ph in PHASES}
-        mine = {ph: float(nanmedian(w[ph][fl])) for ph in PHASES}
-        cause, ph_ev = attribute(peers, mine)
+    def _members(self, ctx: JobContext, r: int, hot: np.ndarray) -> tuple[str, object, np.ndarray]:
+        """The scope of a fire of rank ``r``: ("node", node, hot ranks of the node) or ("group", gid,
+        hot ranks of its data-parallel group) when enough of them are hot, else ("rank", r, [r])."""
+        nodes = np.asarray(ctx.nodes)
+        free = ~self._active
+        free[r] = True
+        if nodes.shape == (self._R,) and str(nodes[r]):
+            on = np.flatnonzero(nodes == nodes[r])
+            if len(on) >= 2:
+                hn = on[hot[on] & free[on]]
+                need = max(2, math.ceil(self.node_share * len(on)))
+                if len(hn) >= need and r in hn:
+                    return "node", str(nodes[r]), hn
+        gid = ctx.dp_groups() if hasattr(ctx, "dp_groups") else None
+        if gid is not None and gid.shape == (self._R,):
+            grp = np.flatnonzero(gid == gid[r])
+            stage_n = np.count_nonzero(self._stage_key == self._stage_key[r])
+            if 3 <= len(grp) < stage_n:
+                hg = grp[hot[grp] & free[grp]]
+                need = max(3, math.ceil(self.group_share * len(grp)))
+                if len(hg) >= need and r in hg:
+                    return "group", int(gid[r]), hg
+        return "rank", r, np.array([r])
+
+    def _fire(self, ctx: JobContext, win: "_Window", s: int, r: int, mode: int, step: int, t_end: int,
+              hot: np.ndarray) -> Alert | None:
+        # an open node / group alert that covers this rank: fold it in
+        nodes = np.asarray(ctx.nodes)
+        node = str(nodes[r]) if nodes.shape == (self._R,) else ""
+        for key, o in self._open.items():
+            if (key[0] == "node" and node and key[1] == node) or (key[0] == "group" and r in o["scope"]):
+                self._take(r, key, mode)
+                return None
+        scope, sid, members = self._members(ctx, r, hot)
+        M = [int(x) for x in members]
+        w = win.ranks(s, M)
+        since = self._resolved_at[M][None, :]
+        flag = w["flag"] & (w["steps"][:, None] > since)                  # (n, m), after resolutions
+        mine = flag[:, M.index(r)]
+        if mode == 0 and mine.any():                     # persistence: from the rank's first flagged step
+            step_first = int(w["steps"][np.flatnonzero(mine)[0]])
+            if len(M) > 1:                               # a node / group: where half of them were flagged
+                half = np.flatnonzero(flag.mean(axis=1) >= 0.5)
+                if len(half):
+                    step_first = int(w["steps"][half[0]])
+            ev_rows = np.flatnonzero(flag.any(axis=1)) if len(M) > 1 else np.flatnonzero(mine)
+        else:                                            # accumulation: from where the excursion began
+            cs_from = int(self._cs_from[r])
+            step_first = cs_from if cs_from >= 0 else step
+            ev_rows = np.flatnonzero((w["steps"] >= step_first) & (w["steps"] > self._resolved_at[r]))
+        step_first = min(step_first, step)
+        if not len(ev_rows):
+            ev_rows = np.array([len(w["steps"]) - 1])
+        run = np.arange(int(ev_rows[0]), len(w["steps"]))
+        with np.errstate(all="ignore"):
+            c = np.nanmax(w["cost"][run], axis=1) if len(M) > 1 else w["cost"][run, 0]
+        c = c[np.isfinite(c)]
+        cost = float(np.mean(c)) if len(c) else 0.0
+        with np.errstate(all="ignore"):
+            busy = float(nanmedian(w["busy"][ev_rows]))
+            eff = float(nanmedian(w["eff"][ev_rows]))
+            zz = float(nanmedian(w["z"][ev_rows]))
+        peer_med = busy / (1.0 + eff) if np.isfinite(eff) and eff > -1 else float("nan")
+        peers_by_slot = win.stage_phases(s, int(self._group_of[r]), M)
+        peers = {ph: float(nanmedian(peers_by_slot[ph][ev_rows])) for ph in PHASES}
+        mine_ph = {ph: float(nanmedian(w[ph][ev_rows])) for ph in PHASES}
+        phase_cause, ph_ev = attribute(peers, mine_ph)
+        # host / GC / comm evidence over the same steps (from the start of the first evidence step)
+        tt = w["t_end"][w["t_end"] > 0]
+        dt = int(np.median(np.diff(tt))) if len(tt) > 1 else 0
+        t_lo, t_hi = int(w["t_end"][ev_rows[0]]) - dt, t_end
+        node_names = sorted({ctx.node_of(x) for x in M} - {""})
+        host = host_evidence(ctx, node_names, t_lo, t_hi)
+        gce = gc_evidence(ctx, M, t_lo, t_hi, steps=len(run))
+        comm = comm_evidence(ctx, M, int(w["steps"][ev_rows[0]]), step)
+        excess_ms = busy - peer_med if np.isfinite(peer_med) else None
+        cause, reason = decide(phase_cause, host, gce, comm, excess_ms)
         evidence = {
-            "busy_ms": round(busy, 3), "peer_median_ms": round(peer_med, 3),
-            "effect_pct": round(eff * 100.0, 2), "z": round(float(np.median(w["z"][fl])), 2),
-            "flagged": f"{len(fl)}/{self.n}", "stage": int(self._stage_key[r]),
-            "phase": ph_ev["phase"], "phases": ph_ev["phases"],
+            "busy_ms": _r(busy), "peer_median_ms": _r(peer_med), "effect_pct": _r(eff * 100.0, 2),
+            "z": _r(zz, 2), "flagged": f"{int(np.count_nonzero(mine))}/{self.n}",
+            "fired_by": "accumulation" if mode == 1 else "persistence",
+            "stage": int(self._stage_key[r]), "phase": ph_ev["phase"], "phases": ph_ev["phases"],
+            "phase_cause": phase_cause, "cause_reason": reason,
         }
-        a = Alert(job=ctx.job, kind="slow_rank", status="firing", step_first=step_first,
-                  step_detected=step, t_detected=t_end, ranks=[r], nodes=[ctx.node_of(r)],
+        if scope != "rank":
+            evidence["scope"] = scope
+            evidence["members"] = len(M)
+            if scope == "group":
+                evidence["group_size"] = int(np.count_nonzero(ctx.dp_groups() == sid))
+        if host:
+            evidence["host"] = host
+        if gce:
+            evidence["gc"] = gce
+        if comm:
+            evidence["comm"] = comm
+        a = Alert(job=ctx.job, kind=_KINDS[scope], status="firing", step_first=step_first,
+                  step_detected=step, t_detected=t_end, ranks=M, nodes=[ctx.node_of(x) for x in M],
                   cause=cause, severity="critical" if cost > self.critical_pct else "warning",
                   evidence=evidence, cost_pct=round(cost, 3), suggestion=SUGGESTIONS[cause])
-        self._active[r] = True
-        self._open[r] = a
+        key = (scope, sid if scope != "rank" else r, step_first)
+        grp = None
+        if scope == "group":
+            grp = set(np.flatnonzero(ctx.dp_groups() == sid).tolist())
+        self._open[key] = {"alert": a, "members": set(), "scope": grp or set(M)}
+        for x in M:
+            self._take(x, key, mode if x == r else 0)
         return a
 
-    def _resolve(self, r: int, clean: int, step: int, t_end: int) -> Alert:
-        a = self._open.pop(r)
+    def _take(self, r: int, key: tuple, mode: int) -> None:
+        self._active[r] = True
+        self._mode[r] = mode
+        self._owner[r] = key
+        self._open[key]["members"].add(r)
+
+    def _resolve(self, r: int, clean: int, step: int, t_end: int) -> Alert | None:
         self._active[r] = False
+        self._mode[r] = 0
         self._resolved_at[r] = step
+        self._cs[r] = 0.0
+        self._cs_from[r] = -1
+        key = self._owner.pop(r, None)
+        o = self._open.get(key)
+        if o is None:
+            return None
+        o["members"].discard(r)
+        if o["members"]:
+            return None
+        del self._open[key]
+        a = o["alert"]
         ev = dict(a.evidence, clean_steps=clean)
         return Alert(job=a.job, kind=a.kind, status="resolved", step_first=a.step_first,
                      step_detected=step, t_detected=t_end, ranks=list(a.ranks), nodes=list(a.nodes),
                      cause=a.cause, severity=a.severity, evidence=ev, cost_pct=a.cost_pct,
                      suggestion=a.suggestion, alert_id=a.alert_id)
+
+
+def _r(x, nd: int = 3):
+    x = float(x)
+    return None if not np.isfinite(x) else round(x, nd)
 
 
 def _cumsum_rows(a: np.ndarray) -> np.ndarray:
@@ -282,30 +485,36 @@ class _Window:
     def __init__(self, det: SlowRank, block: StepBlock, flags, busy, eff, z, cost):
         self.det, self.n = det, det.n
         order = det._order()
-        self.ring = {"flag": det._flag[order], "steps": det._steps[order], "busy": det._busy[order],
+        self.ring = {"flag": det._flag[order], "busy": det._busy[order],
                      "eff": det._eff[order], "z": det._z[order], "cost": det._cost[order]}
         self.ring.update({ph: det._ph[ph][order] for ph in PHASES})
-        self.blk = {"flag": flags, "steps": block.steps, "busy": busy, "eff": eff, "z": z, "cost": cost}
+        self.ring_steps, self.ring_t = det._steps[order], det._tend[order]
+        self.blk = {"flag": flags, "busy": busy, "eff": eff, "z": z, "cost": cost}
         self.blk.update(phase_arrays(block))
-        self._stage_cache: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+        self.blk_steps, self.blk_t = block.steps, block.t_end
+        self._stage_cache: dict[tuple, dict[str, np.ndarray]] = {}
 
-    def rank(self, s: int, r: int) -> dict[str, np.ndarray]:
-        out = {}
+    def ranks(self, s: int, M: list[int]) -> dict[str, np.ndarray]:
+        """(n, len(M)) arrays of the ranks ``M`` over the window ending at block row ``s``; ``steps``
+        and ``t_end`` are (n,)."""
+        out = {"steps": np.concatenate((self.ring_steps, self.blk_steps[:s + 1]))[-self.n:],
+               "t_end": np.concatenate((self.ring_t, self.blk_t[:s + 1]))[-self.n:]}
         for key, ring in self.ring.items():
-            b = self.blk[key]
-            if key == "steps":
-                out[key] = np.concatenate((ring, b[:s + 1]))[-self.n:]
-            else:
-                out[key] = np.concatenate((ring[:, r], b[:s + 1, r]))[-self.n:]
+            out[key] = np.concatenate((ring[:, M], self.blk[key][:s + 1, M]))[-self.n:]
         return out
 
-    def stage_phases(self, s: int, g: int) -> dict[str, np.ndarray]:
-        """Per window row, the stage median of each phase (peers of the stage)."""
-        if (s, g) not in self._stage_cache:
+    def stage_phases(self, s: int, g: int, exclude=()) -> dict[str, np.ndarray]:
+        """Per window row, the median of each phase over the stage's ranks (without ``exclude``)."""
+        ex = tuple(sorted(exclude)) if len(exclude) > 1 else ()
+        if (s, g, ex) not in self._stage_cache:
             groups = self.det._groups
-            idx = groups[g] if groups[g] is not None else slice(None)
-            self._stage_cache[(s, g)] = {
+            idx = groups[g] if groups[g] is not None else np.arange(self.det._R)
+            if ex:
+                idx = np.setdiff1d(idx, np.asarray(ex))
+            if len(idx) > 1024:                          # peers' medians: an even sample is plenty
+                idx = idx[::-(-len(idx) // 1024)]
+            self._stage_cache[(s, g, ex)] = {
                 ph: nanmedian(np.concatenate((self.ring[ph][:, idx], self.blk[ph][:s + 1, idx]))[-self.n:],
                               axis=1)
                 for ph in PHASES}
-        return self._stage_cache[(s, g)]
+        return self._stage_cache[(s, g, ex)]

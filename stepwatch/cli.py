@@ -5,8 +5,9 @@
     stepwatch simulate                 send a simulated cluster's telemetry to Kafka (faults + labels)
     stepwatch process                  the stream processor (consumer group -> Parquet, alerts)
     stepwatch sql "SELECT …"           DuckDB over the Parquet store
-    stepwatch bench ingest|query|overhead  throughput and lag into Parquet; canned-query times at scale;
-                                       probe and agent overhead
+    stepwatch bench ingest|query|overhead|detectors  throughput and lag into Parquet; canned-query
+                                       times at scale; probe and agent overhead; detector cost per step
+    stepwatch eval                     the labelled scenario suite through the processor: recall, precision, delay
     stepwatch report --job J           HTML post-mortem; stepwatch compact: compaction and retention
     stepwatch grafana provision|export dashboards, DuckDB datasource, alert rules (idempotent)
     stepwatch agent                    node agent: probes' records + host metrics -> Kafka (spools offline)
@@ -256,7 +257,9 @@ def cmd_demo(a) -> int:
 def cmd_bench(a) -> int:
     from stepwatch import bench
     from stepwatch.agents.bench_overhead import run_overhead_bench
-    return {"ingest": bench.run_bench, "query": bench.run_query_bench, "overhead": run_overhead_bench}[a.what](a)
+    from stepwatch.eval import run_detector_bench
+    return {"ingest": bench.run_bench, "query": bench.run_query_bench, "overhead": run_overhead_bench,
+            "detectors": run_detector_bench}[a.what](a)
 
 
 # ---------------------------------------------------------------------------- parser
@@ -292,8 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--pp", type=int, default=1, help="pipeline stages")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--fault", action="append", metavar="SPEC",
-                   help="e.g. slow-rank:rank=17,pct=30,start=100 | regression:start=200,pct=20,cause=io | "
-                        "gc-storm:rank=3,start=50 | cpu-contention:rank=9,start=40 | clean (repeatable)")
+                   help="e.g. slow-rank:rank=17,pct=30,start=100[,every=3] | regression:start=200,pct=20,cause=io | "
+                        "gc-storm:rank=3,start=50 | gc-jitter:start=50 | data-stall:start=50 | "
+                        "cpu-contention:rank=9,start=40 | comm-slow:rank=9,start=40 | rank-hang:rank=5,start=80 | "
+                        "job-hang:start=80 | clean (repeatable)")
     s.add_argument("--labels", help="write the ground truth (JSON) here")
     s.add_argument("--pace", action="store_true", help="send each step at its t_end (live), not as fast as possible")
     s.add_argument("--rows-per-message", type=int, default=4096)
@@ -315,6 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     register_grafana(sub)
     from stepwatch.agents.cli import register as register_agents
     register_agents(sub)
+    from stepwatch.eval import register as register_eval
+    register_eval(sub)
     pr.set_defaults(func=cmd_process)
 
     q = sub.add_parser("sql", help="run SQL over the Parquet store (DuckDB views)")
@@ -350,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=cmd_sql)
 
     be = sub.add_parser("bench", help="benchmarks that print figures")
-    be.add_argument("what", choices=["ingest", "query", "overhead"])
+    be.add_argument("what", choices=["ingest", "query", "overhead", "detectors"])
     be.add_argument("--ranks", type=int, default=16384)
     be.add_argument("--steps", type=int, default=60, help="steps pre-produced for the throughput run")
     be.add_argument("--lag-seconds", type=int, default=30, help="length of the live (1 step/s) lag run")

@@ -19,6 +19,7 @@ import pyarrow as pa
 from stepwatch.detectors.base import JobContext, StepBlock
 
 FIELDS = ("step_ms", "data_ms", "compute_ms", "comm_ms", "comm_wait_ms", "gc_ms")
+COORDS = ("dp", "tp", "cp", "ep")
 
 
 @dataclass
@@ -38,6 +39,10 @@ class JobState:
         self.world_size = 0
         self.nodes = np.empty(0, dtype=object)
         self.stage = np.empty(0, dtype=np.int32)
+        # other parallel coordinates (-1 unknown) and, per rank, the newest step reported and its t_end
+        self.coords = {c: np.empty(0, dtype=np.int32) for c in COORDS}
+        self.last_step = np.empty(0, dtype=np.int64)
+        self.last_t_end = np.empty(0, dtype=np.int64)
         self.planes = {f: np.empty((capacity, 0)) for f in FIELDS}
         self.filled = np.zeros((capacity, 0), dtype=bool)
         self.count = np.zeros(capacity, dtype=np.int64)
@@ -68,6 +73,16 @@ class JobState:
         st = np.zeros(n, dtype=np.int32)
         st[:old] = self.stage
         self.stage = st
+        for c in COORDS:
+            a = np.full(n, -1, dtype=np.int32)
+            a[:old] = self.coords[c]
+            self.coords[c] = a
+        ls = np.full(n, -1, dtype=np.int64)
+        ls[:old] = self.last_step
+        self.last_step = ls
+        lt = np.zeros(n, dtype=np.int64)
+        lt[:old] = self.last_t_end
+        self.last_t_end = lt
         self.world_size = n
 
     def set_topology(self, topo: pa.Table) -> None:
@@ -81,10 +96,16 @@ class JobState:
         pp = topo.column("pp").to_numpy(zero_copy_only=False)
         pp = np.where(np.isnan(pp.astype(float)), 0, pp).astype(np.int32) if len(pp) else pp
         self.stage[ranks] = pp[ok]
+        for c in COORDS:
+            if c in topo.column_names:
+                v = topo.column(c).to_numpy(zero_copy_only=False).astype(float)
+                self.coords[c][ranks] = np.where(np.isnan(v), -1, v).astype(np.int32)[ok]
         self.topology_known = True
 
     def context(self) -> JobContext:
-        return JobContext(self.job, self.world_size, self.nodes, self.stage)
+        return JobContext(self.job, self.world_size, self.nodes, self.stage, coords=self.coords,
+                          last_step=self.last_step, last_t_end=self.last_t_end, max_step=self.max_step,
+                          steps_event_ns=self.max_t_end)
 
     # ------------------------------------------------------------------ ingest
     def ingest(self, t: pa.Table) -> tuple[IngestResult, list[StepBlock]]:
@@ -131,6 +152,11 @@ class JobState:
             if len(unknown):
                 self.nodes[rank[unknown]] = np.asarray(nodes.take(pa.array(unknown)).to_pylist(), dtype=object)
         t_end = t.column("t_end").cast(pa.int64()).to_numpy(zero_copy_only=False)
+        # newest step (and its t_end) per rank, over every row kept (also rows too late to align)
+        kr, ks = rank[keep], step[keep]
+        if len(kr):
+            np.maximum.at(self.last_step, kr, ks)
+            np.maximum.at(self.last_t_end, kr, t_end[keep])
         if self.lo is None:
             self.lo = int(step[keep].min()) if keep.any() else 0
             self.next_close = self.lo

@@ -29,7 +29,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from stepwatch import schema as wire
-from stepwatch.detectors.base import Alert, StepBlock
+from stepwatch.detectors.base import Alert, Detector, JobContext, StepBlock
+from stepwatch.detectors.context import JobTelemetry
 from stepwatch.storage.store import Marker, ParquetStore
 from stepwatch.storage.views import connect as views_connect
 from stepwatch.stream.align import JobState
@@ -52,6 +53,8 @@ class JobRuntime:
     detectors: list
     alerts_seen: set = field(default_factory=set)     # (alert_id, status) already emitted/stored
     replaying: bool = False
+    telemetry: JobTelemetry = field(default_factory=JobTelemetry)   # bounded host/gc/comm windows
+    steps_partition: int | None = None                # partition the job's step rows arrive on
 
 
 @dataclass
@@ -99,6 +102,7 @@ class Processor:
         self.t_first_data: float | None = None      # wall time of the first message
         self.t_last_flush: float | None = None      # wall time of the last flush that wrote rows
         self._topic_kind = {kafka.topic(k): k for k in INPUT_TOPICS}
+        self._lag_by_tp: dict[tuple[str, int], int] = {}   # consumer lag per partition (last flush)
 
     # ------------------------------------------------------------------ kafka lifecycle
     def start(self) -> None:
@@ -233,6 +237,8 @@ class Processor:
             return
         if kind != "steps":
             self._buffer(kind, t)
+            if kind in ("host", "gc", "comm"):
+                self._context(kind, t)
             return
         jobs = pc.unique(t.column("job"))
         for job in jobs.to_pylist():
@@ -253,7 +259,48 @@ class Processor:
                 self._buffer("steps", part)
             elif res.keep.any():
                 self._buffer("steps", part.filter(pa.array(res.keep)))
+            rt.steps_partition = getattr(msg, "partition", None)
             self._detect(rt, blocks)
+            self._tick(rt)
+
+    def _context(self, kind: str, t: pa.Table) -> None:
+        """Keep host/gc/comm rows in their job's bounded windows (detector evidence); host samples
+        move the job's event time on, which the detectors judging silence (hangs) are told about."""
+        jobs = pc.unique(t.column("job"))
+        for job in jobs.to_pylist():
+            part = t if len(jobs) == 1 else t.filter(pc.equal(t.column("job"), job))
+            rt = self._job(job)
+            rt.telemetry.add(kind, part)
+            if kind == "host":
+                self._tick(rt)
+
+    def _ctx(self, rt: JobRuntime) -> JobContext:
+        ctx = rt.state.context()
+        rt.telemetry.attach(ctx)
+        if rt.steps_partition is not None:
+            ctx.backlog = self._lag_by_tp.get((self.kafka.topic("steps"), rt.steps_partition), 0) > 0
+        return ctx
+
+    def _tick(self, rt: JobRuntime) -> None:
+        """Tell the detectors the job's event time (newest step end or host sample) moved."""
+        if rt.replaying:
+            return
+        ctx = None
+        for det in rt.detectors:
+            if type(det).tick is Detector.tick:
+                continue
+            ctx = ctx or self._ctx(rt)
+            t0 = time.perf_counter()
+            try:
+                alerts = det.tick(ctx, max(ctx.steps_event_ns, ctx.host_event_ns))
+            except Exception:  # noqa: BLE001
+                log.exception("detector %s failed (tick) on job %s", det.name, rt.state.job)
+                self.metrics.detector_errors.labels(det.name).inc()
+                continue
+            finally:
+                self.metrics.detector_seconds.labels(det.name).observe(time.perf_counter() - t0)
+            for a in alerts:
+                self._emit(rt, a)
 
     def _buffer(self, table: str, t: pa.Table) -> None:
         self.buffers[table].append(t)
@@ -319,6 +366,7 @@ class Processor:
                 hist = con.sql("SELECT * FROM steps WHERE job = ? AND step >= ? ORDER BY step, rank",
                                params=[job, lo]).to_arrow_table()
                 if hist.num_rows:
+                    self._rebuild_context(con, rt, hist)
                     hist = wire.conform(hist.drop_columns([c for c in ("date",) if c in hist.column_names]),
                                         wire.STEPS)
                     rt.replaying = True
@@ -331,10 +379,27 @@ class Processor:
         except Exception:  # noqa: BLE001 - a cold start must not stop the processor
             log.exception("could not rebuild state of job %s from the store; starting cold", job)
 
+    def _rebuild_context(self, con, rt: JobRuntime, hist: pa.Table) -> None:
+        """Warm the job's host/gc windows from the store over the replayed steps' time span."""
+        try:
+            mm = pc.min_max(hist.column("t_end").cast(pa.int64())).as_py()
+            if mm["min"] is None:
+                return
+            lo = max(int(mm["min"]) - 60_000_000_000, int(mm["max"]) - 300_000_000_000)
+            for kind, schema in (("host", wire.HOST), ("gc", wire.GC)):
+                # in time order: the window's row cap keeps the newest
+                t = con.sql(f"SELECT * FROM {kind} WHERE job = ? AND epoch_ns(t) >= ? ORDER BY t",
+                            params=[rt.state.job, lo]).to_arrow_table()
+                if t.num_rows:
+                    rt.telemetry.add(kind, wire.conform(t.drop_columns([c for c in ("date",) if c in t.column_names]),
+                                                        schema))
+        except Exception:  # noqa: BLE001 - evidence is optional; the steps replay is what matters
+            log.info("could not warm the host/gc context of job %s from the store", rt.state.job, exc_info=True)
+
     def _detect(self, rt: JobRuntime, blocks: list[StepBlock]) -> None:
         if not blocks:
             return
-        ctx = rt.state.context()
+        ctx = self._ctx(rt)
         for blk in blocks:
             self.metrics.steps_closed.inc(len(blk))
             for det in rt.detectors:
@@ -433,6 +498,7 @@ class Processor:
             if pos is None:
                 continue
             lag = max(0, hw - pos)
+            self._lag_by_tp[(tp.topic, tp.partition)] = lag
             total += lag
             self.metrics.lag.labels(tp.topic, str(tp.partition)).set(lag)
         self.metrics.total_lag = total

@@ -223,7 +223,7 @@ def test_build_defaults_and_settings():
     dets = build({"slow_rank": {"k": 2, "n": 6}, "changepoint": {"min_effect": 0.1}})
     by = {d.name: d for d in dets}
     assert (by["slow_rank"].k, by["slow_rank"].n) == (2, 6) and by["changepoint"].min_effect == 0.1
-    assert [d.name for d in build({"changepoint": {"enabled": False}})] == ["slow_rank"]
+    assert [d.name for d in build({"changepoint": {"enabled": False}})] == [n for n in REGISTRY if n != "changepoint"]
 
 
 def test_build_rejects_unknown_names_and_settings():
@@ -243,3 +243,17 @@ def test_alert_dataclass_replace_keeps_id():
               ranks=[3])
     b = dataclasses.replace(a, status="resolved", step_detected=30)
     assert a.alert_id == b.alert_id
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_tick_is_safe_and_quiet_without_reason(name):
+    """``tick`` (event time moved) works on a bare context and on a live one whose steps keep up."""
+    det = REGISTRY[name]()
+    assert det.tick(make_ctx(), 0) == []
+    ctx = make_ctx()
+    run(det, ctx, blocks(synth(60, seed=6), 20))
+    R = ctx.world_size
+    live = JobContext("conf-job", R, ctx.nodes, ctx.stage, last_step=np.full(R, 59), max_step=59,
+                      last_t_end=np.full(R, 60 * 100_000_000), steps_event_ns=60 * 100_000_000,
+                      host_event_ns=61 * 100_000_000)
+    assert det.tick(live, live.host_event_ns) == []

@@ -109,9 +109,12 @@ def test_pipeline_stage_that_is_naturally_busier_is_not_flagged():
     comp = noisy(rng, S, R)
     comp[:, ctx.stage == 3] *= 1.15
     assert run(SlowRank(), ctx, comp) == []
-    # the same data judged as one stage would flag the whole last stage: the stage grouping matters
+    # the same data judged as one stage would flag the whole last stage (16 ranks on two nodes, folded
+    # into one slow_node alert per node): the stage grouping matters
     flat = make_ctx(R, pp=1)
-    assert len(firing(run(SlowRank(), flat, comp))) == 16
+    fired = firing(run(SlowRank(), flat, comp))
+    assert sorted(r for a in fired for r in a.ranks) == list(range(48, 64))
+    assert {a.kind for a in fired} == {"slow_node"} and len(fired) == 2
     # and a real straggler inside the busy stage is still found against its own peers
     comp2 = comp.copy()
     comp2[60:, 61] *= 1.2
@@ -191,14 +194,25 @@ def test_clean_heavy_tailed_noise_gives_no_alert():
     assert run(SlowRank(), make_ctx(R), comp, block_size=50) == []
 
 
-def test_small_effect_below_floor_is_not_flagged_but_is_with_lower_floor():
+def test_small_persistent_effect_fires_by_accumulation_below_the_per_step_floor():
     rng = np.random.default_rng(8)
     R, S = 64, 100
     comp = noisy(rng, S, R, sd=0.003)
     comp[20:, 9] += 0.03 * 117.0                 # busy ~117 ms -> 3% slower, far above the quiet noise
-    assert run(SlowRank(), make_ctx(R), comp) == []
-    fired = firing(run(SlowRank(min_effect=0.02, z_min=3.0), make_ctx(R), comp))
+    # no single step crosses min_effect (5%), but the CUSUM (reference 2%) accumulates 1% per step
+    fired = firing(run(SlowRank(), make_ctx(R), comp))
     assert [a.ranks for a in fired] == [[9]]
+    a = fired[0]
+    assert a.evidence["fired_by"] == "accumulation" and 18 <= a.step_first <= 21 and a.step_detected <= 32
+    assert 2.0 < a.evidence["effect_pct"] < 4.0 and a.cause == "computation"
+    # the per-step rule alone (CUSUM off) stays quiet below the floor, and fires with a lower floor
+    assert run(SlowRank(small_effect=0), make_ctx(R), comp) == []
+    fired = firing(run(SlowRank(small_effect=0, min_effect=0.02, z_min=3.0), make_ctx(R), comp))
+    assert [a.ranks for a in fired] == [[9]]
+    # 1.5% is below the CUSUM reference: nothing
+    comp2 = noisy(rng, S, R, sd=0.003)
+    comp2[20:, 9] += 0.015 * 117.0
+    assert run(SlowRank(), make_ctx(R), comp2) == []
 
 
 def test_clean_low_noise_data_never_fires_thanks_to_mad_floor():
@@ -243,3 +257,73 @@ def test_invalid_settings_rejected():
         SlowRank(k=5, n=4)
     with pytest.raises(ValueError):
         SlowRank(clear_steps=0)
+
+
+def test_a_slow_node_is_one_slow_node_alert_and_resolves_once():
+    rng = np.random.default_rng(12)
+    R, S = 64, 160
+    comp = noisy(rng, S, R)
+    comp[40:100, 24:32] *= 1.25                  # every rank of node003
+    alerts = run(SlowRank(), make_ctx(R), comp)
+    assert [(a.kind, a.status, a.ranks) for a in alerts] == [
+        ("slow_node", "firing", list(range(24, 32))), ("slow_node", "resolved", list(range(24, 32)))]
+    a = alerts[0]
+    assert a.nodes == ["node003"] * 8 and 40 <= a.step_first <= 42 and a.evidence["scope"] == "node"
+    # two stragglers on one node are two rank alerts (not half of the node)
+    comp2 = noisy(rng, S, R)
+    comp2[40:, [25, 29]] *= 1.25
+    fired = firing(run(SlowRank(), make_ctx(R), comp2))
+    assert sorted((a.kind, a.ranks[0]) for a in fired) == [("slow_rank", 25), ("slow_rank", 29)]
+
+
+def test_a_slow_data_parallel_group_is_one_slow_group_alert_with_cause_communication():
+    rng = np.random.default_rng(13)
+    R, S = 128, 100
+    ctx = make_ctx(R)
+    ctx.coords = {"tp": (np.arange(R) % 8).astype(np.int32)}   # 8 DP groups of 16, one rank per node
+    comp = noisy(rng, S, R)
+    comm = np.full((S, R), 10.0)
+    group = np.arange(3, R, 8)
+    comm[30:, group] += 20.0                     # that group's all-reduce is slower
+    fired = firing(run(SlowRank(), ctx, comp, comm=comm))
+    assert [(a.kind, a.ranks) for a in fired] == [("slow_group", group.tolist())]
+    a = fired[0]
+    assert a.cause == "communication" and a.evidence["group_size"] == 16 and 30 <= a.step_first <= 32
+
+
+def test_host_evidence_turns_a_compute_straggler_into_cpu_contention():
+    import pyarrow as pa
+
+    from stepwatch import schema as wire
+    from stepwatch.detectors.context import JobTelemetry
+    rng = np.random.default_rng(14)
+    R, S = 32, 60
+    comp = noisy(rng, S, R)
+    comp[20:, 11] *= 1.2                         # looks like computation from the phases alone
+    ctx = make_ctx(R)
+    assert firing(run(SlowRank(), ctx, comp))[0].cause == "computation"
+    rows = [{"job": "job-a", "node": f"node{n:03d}", "t": (s + 1) * 100_000_000, "cpu_util": 20.0,
+             "top_procs": [{"pid": 1, "name": "python", "cpu_pct": 99.0}]
+             + ([{"pid": 666, "name": "backup-agent", "cpu_pct": 2400.0}] if n == 1 else [])}
+            for s in range(S) for n in range(R // 8)]
+    tel = JobTelemetry()
+    tel.add("host", wire.conform(pa.Table.from_pylist(rows), wire.HOST))
+    tel.attach(ctx)
+    a = firing(run(SlowRank(), ctx, comp))[0]
+    assert a.cause == "cpu" and a.evidence["host"]["foreign"][0]["name"] == "backup-agent"
+    assert "backup-agent" in a.evidence["cause_reason"] and "competing process" in a.suggestion
+
+
+def test_a_fleet_of_persistently_unequal_healthy_devices_is_not_a_set_of_stragglers():
+    """Healthy devices 1% apart for good (1,024 ranks: the fastest and slowest ~3% from the median) with
+    quiet per-step noise: the CUSUM's reference rises above the fleet's spread of persistent offsets
+    (without that, the top ranks would drift up and fire) and a real straggler still stands out."""
+    rng = np.random.default_rng(15)
+    R, S = 1024, 150
+    static = 0.012 * rng.standard_normal(R)
+    comp = noisy(rng, S, R, sd=0.003) * (1.0 + static)
+    det = SlowRank()
+    assert firing(run(det, make_ctx(R), comp, block_size=50)) == []
+    assert 0.04 < det._lr_ref < 0.07
+    comp[80:, 40] *= 1.15
+    assert [a.ranks for a in firing(run(SlowRank(), make_ctx(R), comp, block_size=50))] == [[40]]
