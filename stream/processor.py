@@ -290,17 +290,7 @@ class Processor:
             if type(det).tick is Detector.tick:
                 continue
             ctx = ctx or self._ctx(rt)
-            t0 = time.perf_counter()
-            try:
-                alerts = det.tick(ctx, max(ctx.steps_event_ns, ctx.host_event_ns))
-            except Exception:  # noqa: BLE001
-                log.exception("detector %s failed (tick) on job %s", det.name, rt.state.job)
-                self.metrics.detector_errors.labels(det.name).inc()
-                continue
-            finally:
-                self.metrics.detector_seconds.labels(det.name).observe(time.perf_counter() - t0)
-            for a in alerts:
-                self._emit(rt, a)
+            self._run_detector(rt, det, det.tick, ctx, max(ctx.steps_event_ns, ctx.host_event_ns))
 
     def _buffer(self, table: str, t: pa.Table) -> None:
         self.buffers[table].append(t)
@@ -403,17 +393,22 @@ class Processor:
         for blk in blocks:
             self.metrics.steps_closed.inc(len(blk))
             for det in rt.detectors:
-                t0 = time.perf_counter()
-                try:
-                    alerts = det.update(ctx, blk)
-                except Exception:  # noqa: BLE001
-                    log.exception("detector %s failed on job %s", det.name, rt.state.job)
-                    self.metrics.detector_errors.labels(det.name).inc()
-                    continue
-                finally:
-                    self.metrics.detector_seconds.labels(det.name).observe(time.perf_counter() - t0)
-                for a in alerts:
-                    self._emit(rt, a)
+                self._run_detector(rt, det, det.update, ctx, blk)
+
+    def _run_detector(self, rt: JobRuntime, det, fn, *args) -> None:
+        """Call one detector entry point with timing and error metrics; emit what it returns.
+        A failing detector is logged and counted, never allowed to stop the processor."""
+        t0 = time.perf_counter()
+        try:
+            alerts = fn(*args)
+        except Exception:  # noqa: BLE001
+            log.exception("detector %s failed (%s) on job %s", det.name, fn.__name__, rt.state.job)
+            self.metrics.detector_errors.labels(det.name).inc()
+            return
+        finally:
+            self.metrics.detector_seconds.labels(det.name).observe(time.perf_counter() - t0)
+        for a in alerts:
+            self._emit(rt, a)
 
     def _emit(self, rt: JobRuntime, a: Alert) -> None:
         key = (a.alert_id, a.status)
