@@ -12,7 +12,16 @@ knows nothing of stepwatch unless ``SW_EXPLICIT=1`` (then it uses the explicit p
 ``stepwatch wrap`` the probe instruments it automatically. At the end each rank writes
 ``$SW_OUT/rank<r>.json`` (or prints it): the wall time at the end of each step and, when a probe is
 loaded, its counters (``probe.stats()``).
+
+GC pressure (``SW_GC_RANK`` R, or ``--gc-rank R``): rank R keeps a large live heap of small tracked
+containers (``SW_GC_HEAP`` dict+list pairs, default 120,000) and each step, after the padded compute,
+builds ``SW_GC_CYCLES`` (default 2,000) small reference cycles and runs a full ``gc.collect()``, as a
+training loop that collects every step would. The pauses are real collections (the automatic gen-0/1
+ones the cycles trigger, then a full one that traverses the heap: ~20-30 ms on a small CPU; what the
+process held before, torch's objects, is ``gc.freeze()``-d so it does not set the pause length), seen by
+the probe through ``gc.callbacks``; nothing sleeps for them. The other ranks do none of this.
 """
+import gc
 import json
 import os
 import sys
@@ -30,9 +39,18 @@ def train() -> None:
     slow = int(os.environ.get("SW_SLOW_RANK", "-1"))
     extra_ms = float(os.environ.get("SW_SLOW_EXTRA_MS", "20"))
     explicit = os.environ.get("SW_EXPLICIT") == "1"
+    gc_rank = int(os.environ.get("SW_GC_RANK", "-1"))
+    if "--gc-rank" in sys.argv:
+        gc_rank = int(sys.argv[sys.argv.index("--gc-rank") + 1])
+    gc_heap = int(os.environ.get("SW_GC_HEAP", "120000"))
+    gc_cycles = int(os.environ.get("SW_GC_CYCLES", "2000"))
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    heap = None
+    if rank == gc_rank:             # long-lived objects every full collection has to traverse
+        gc.freeze()                 # but not torch's (~1M objects from the parent): the pause stays ours
+        heap = [{"i": i, "l": [i]} for i in range(gc_heap)]
     probe = None
     if explicit:
         from stepwatch import probe
@@ -63,6 +81,13 @@ def train() -> None:
         pad = step_ms + (extra_ms if rank == slow else 0.0) - (time.perf_counter() - t0) * 1e3
         if pad > 0:
             time.sleep(pad / 1e3)
+        if heap is not None:        # after the pad, so the pauses add to this rank's step
+            for _ in range(gc_cycles):
+                a = {}
+                b = [a]
+                a["b"] = b          # a cycle: only the collector frees it
+            del a, b
+            gc.collect()
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         dist.all_reduce(flat)
         flat /= world

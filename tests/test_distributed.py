@@ -2,7 +2,10 @@
 code change in the script) -> probe -> node agent (Unix socket) -> the embedded broker -> processor ->
 Parquet/DuckDB -> a ``slow_rank`` alert naming the rank that was made slower.
 
-The GC-pressure run of issue 4 is not here: it needs a GC detector, which does not exist yet.
+The GC-pressure run of issue 4: one rank collects a large heap every step (real ``gc.collect()`` pauses
+plus the automatic collections its reference cycles trigger, no sleep); the probe records them through
+``gc.callbacks`` (``gc`` rows, the step's ``gc_ms``/``gc_count``) and ``slow_rank`` names that rank with
+cause ``gc``.
 """
 from __future__ import annotations
 
@@ -113,3 +116,44 @@ def test_four_gloo_ranks_through_the_pipeline_name_the_slow_rank(kafka, tmp_path
     assert alerts[0][1] == ["node-a"]
     assert con.execute("SELECT count(*) FROM deadletter").fetchone()[0] == 0
     print(f"training {train_s:.1f}s, waits {waits}, alerts {alerts}")
+
+
+def test_gc_pressure_in_one_gloo_rank_is_named_with_cause_gc(kafka, tmp_path, socket_dir):
+    job, steps, gc_rank = "dist-gc", 80, 1
+    run = Running(kafka, tmp_path, socket_dir, node="node-a", group="g-dist-gc")
+    try:
+        t0 = time.monotonic()
+        stats, _ = trainrun.run(socket_dir, job, {"SW_NPROC": 4, "SW_STEPS": steps, "SW_STEP_MS": 50,
+                                                  "SW_GC_RANK": gc_rank})
+        train_s = time.monotonic() - t0
+        assert sorted(stats) == [0, 1, 2, 3]
+        for st in stats.values():
+            assert st["steps"] == steps and st["dropped"] == 0, st
+        run.wait_stored(4 * steps, job)
+    finally:
+        run.close()
+    con = connect(tmp_path)
+    # the probe measured real collections: many gc rows on the GC rank, few elsewhere
+    rows = dict(con.execute("SELECT rank, count(*) FROM gc WHERE job = ? GROUP BY rank", [job]).fetchall())
+    assert rows.get(gc_rank, 0) >= 3 * steps, rows
+    assert all(rows.get(r, 0) * 10 <= rows[gc_rank] for r in range(4) if r != gc_rank), rows
+    full = con.execute("SELECT count(*), median(duration_ms) FROM gc WHERE job = ? AND rank = ? AND generation = 2",
+                       [job, gc_rank]).fetchone()
+    assert full[0] >= steps - 1 and full[1] > 2.0, full
+    # ... and in the step records: the GC rank's gc_ms far above its peers', its collections counted
+    med = {r: (g, c) for r, g, c in con.execute(
+        "SELECT rank, median(gc_ms), median(gc_count) FROM steps WHERE job = ? AND step > 0 GROUP BY rank",
+        [job]).fetchall()}
+    g_ms, g_n = med[gc_rank]
+    assert g_ms > 5.0 and g_n >= 2, med
+    assert all(med[r][0] * 5 < g_ms for r in med if r != gc_rank), med
+    busy = con.execute("SELECT rank FROM rank_busy WHERE job = ? ORDER BY busy_ms DESC LIMIT 1", [job]).fetchone()
+    assert busy[0] == gc_rank
+    # the pipeline names the GC rank, and only it, with cause gc
+    alerts = con.execute("SELECT kind, ranks, cause FROM alerts WHERE job = ? AND status = 'firing' "
+                         "AND kind IN ('slow_rank', 'jitter')", [job]).fetchall()
+    named = [a for a in alerts if gc_rank in (a[1] or [])]
+    assert named and all(a[2] == "gc" for a in named), alerts
+    assert all(a[1] == [gc_rank] for a in alerts if a[0] == "slow_rank"), alerts
+    assert con.execute("SELECT count(*) FROM deadletter").fetchone()[0] == 0
+    print(f"training {train_s:.1f}s, gc rows {rows}, gc_ms/gc_count medians {med}, alerts {alerts}")
