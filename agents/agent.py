@@ -34,13 +34,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from stepwatch import __version__
 from stepwatch import schema as wire
 from stepwatch.agents import probe as wirep
 from stepwatch.agents.hostmetrics import PluginRunner, build_runners, sample
 from stepwatch.agents.shipper import Shipper, Spool
+from stepwatch.stream.metrics import Metrics
 
 log = logging.getLogger("stepwatch.agent")
 
@@ -51,7 +52,7 @@ PENDING_S = 30.0         # records of an unknown probe instance wait this long f
 PENDING_MAX = 256        # ... and at most this many datagrams per instance
 
 
-class AgentMetrics:
+class AgentMetrics(Metrics):
     def __init__(self, registry: CollectorRegistry | None = None):
         r = self.registry = registry or CollectorRegistry()
         self.datagrams = Counter("stepwatch_agent_datagrams_in", "Datagrams received from probes", registry=r)
@@ -79,20 +80,6 @@ class AgentMetrics:
                                    registry=r)
         self.plugin_seconds = Histogram("stepwatch_agent_plugin_seconds", "Host plug-in gather time", ["plugin"],
                                         buckets=_FAST, registry=r)
-
-    def serve(self, port: int, addr: str = "127.0.0.1"):
-        return start_http_server(port, addr=addr, registry=self.registry)
-
-    @staticmethod
-    def value(counter, label: str | None = None) -> float:
-        total = 0.0
-        for metric in counter.collect():
-            for s in metric.samples:
-                if s.name.endswith(("_created",)):
-                    continue
-                if label is None or label in s.labels.values():
-                    total += s.value
-        return total
 
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._:@+-]")

@@ -9,7 +9,29 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 _FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
 
-class ProcessorMetrics:
+class Metrics:
+    """Base of every component's metrics: its own registry, an exporter, and a reader for tests
+    and progress lines."""
+
+    registry: CollectorRegistry
+
+    def serve(self, port: int, addr: str = "127.0.0.1"):
+        return start_http_server(port, addr=addr, registry=self.registry)
+
+    @staticmethod
+    def value(metric, label: str | None = None) -> float:
+        """Sum of a counter's (or gauge's) samples, optionally only those with one label value."""
+        total = 0.0
+        for m in metric.collect():
+            for s in m.samples:
+                if s.name.endswith("_created"):
+                    continue
+                if label is None or label in s.labels.values():
+                    total += s.value
+        return total
+
+
+class ProcessorMetrics(Metrics):
     def __init__(self, registry: CollectorRegistry | None = None):
         r = self.registry = registry or CollectorRegistry()
         self.messages_in = Counter("stepwatch_processor_messages_in", "Kafka messages read", ["kind"], registry=r)
@@ -37,18 +59,3 @@ class ProcessorMetrics:
         self.last_flush = Gauge("stepwatch_processor_last_flush_timestamp_seconds", "Time of the last flush",
                                 registry=r)
         self.total_lag = 0
-
-    def serve(self, port: int, addr: str = "127.0.0.1"):
-        return start_http_server(port, addr=addr, registry=self.registry)
-
-    @staticmethod
-    def value(counter, label: str | None = None) -> float:
-        """Sum of a counter's samples (optionally one label value)."""
-        total = 0.0
-        for metric in counter.collect():
-            for s in metric.samples:
-                if not s.name.endswith("_total"):
-                    continue
-                if label is None or label in s.labels.values():
-                    total += s.value
-        return total
