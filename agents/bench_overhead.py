@@ -38,6 +38,7 @@ import urllib.request
 from pathlib import Path
 
 TARGET_US, TARGET_PCT, TARGET_CPU, TARGET_RSS_MB = 20.0, 0.5, 2.0, 100.0
+SETTLE_STEPS = 10          # untimed steps after each (re)install (hello, connect, patching): one-time, not per step
 
 
 def add_overhead_args(p: argparse.ArgumentParser) -> None:
@@ -228,6 +229,8 @@ def probe_overhead(rounds: int, block_steps: int, out=print) -> dict:
                     p.shutdown()
                 else:
                     p.init(job="bench", rank=0, world_size=1, socket_dir=conds[cond])
+                for _ in range(SETTLE_STEPS):       # one-time costs of (re)installing: not per step
+                    step()
                 c0, w0 = time.process_time_ns(), time.perf_counter_ns()
                 for _ in range(block_steps):
                     step()

@@ -12,7 +12,7 @@ Two lines instrument a PyTorch script::
   Time inside any optimizer's ``step()`` is reported as the ``optimizer`` phase.
 - **data wait**: ``DataLoader`` iterators' ``__next__`` is timed (``data_ms``); the number of ready
   batches in a multi-process loader's queue is read at the first ``__next__`` of a step
-  (``data_queue``; null for single-process loaders).
+  (``data_queue``; 0 for single-process loaders, which prefetch nothing).
 - **GC**: ``gc.callbacks`` time every collection (``gc_ms``, ``gc_count`` of the step); collections
   lasting at least ``gc_row_min_ms`` (default 0: all) are also sent as ``gc`` rows.
 - **collectives**: the ``torch.distributed`` functions (all_reduce, all_gather[_into_tensor],
@@ -289,6 +289,7 @@ class Probe:
         self._comm_slot: dict[tuple[int, int], int] = {}
         self._comm_key = [(0, 0)] * MAX_COMM
         self._groups: dict[int, tuple[int, int]] = {}     # id(group) -> (name id, size)
+        self._group_sizes: dict[str, int] = {}             # group name -> ranks (sent in the hello)
         self._group_refs: list = []
         self._c_traffic = [1.0] * MAX_COMM                 # bytes on the wire per payload byte, per slot
         self._ns_per_byte = 1.0 / DEFAULT_COMM_GBPS
@@ -374,7 +375,8 @@ class Probe:
         agent's ``--job``), ``rank``/``world_size``/``local_rank`` from ``RANK``/``WORLD_SIZE``/
         ``LOCAL_RANK`` (else from ``torch.distributed`` at the first step, else 0/1), ``node`` from
         ``STEPWATCH_NODE`` (else the agent's node name). ``topology`` may hold ``dp, tp, pp, ep, cp,
-        device, device_type, dtype, model_flops_per_token`` (also read from ``STEPWATCH_DP`` ... ).
+        device, device_type, dtype, model_flops_per_token, model_params`` (also read from ``STEPWATCH_DP``
+        ...; ``model_params`` is otherwise counted from the primary optimizer at its first step).
         ``comm_gbps`` (``STEPWATCH_COMM_GBPS``, default 25) is the link bandwidth of the transfer
         estimate; ``gc_row_min_ms`` (``STEPWATCH_GC_ROW_MIN_MS``, default 0) the shortest collection
         sent as a ``gc`` row (every collection is counted in the step either way); ``flush_ms``
@@ -394,10 +396,11 @@ class Probe:
                 v = v if v is not None else _env_int(f"STEPWATCH_{k.upper()}")
                 if v is not None:
                     extra[k] = int(v)
-            for k in ("device", "device_type", "dtype", "model_flops_per_token"):
+            for k in ("device", "device_type", "dtype", "model_flops_per_token", "model_params"):
                 v = topology.pop(k, None) or os.environ.get(f"STEPWATCH_{k.upper()}")
                 if v is not None:
-                    extra[k] = float(v) if k == "model_flops_per_token" else str(v)
+                    extra[k] = (float(v) if k == "model_flops_per_token" else int(float(v)) if k == "model_params"
+                                else str(v))
             if topology:
                 raise TypeError(f"probe.init: unknown argument(s) {', '.join(sorted(topology))}")
             self.extra = extra
@@ -676,6 +679,8 @@ class Probe:
         d = {"v": VERSION, "job": self.job, "rank": self.rank, "world_size": self.world_size,
              "local_rank": self.local_rank, "pid": os.getpid(), "framework": fw,
              "names": {str(i): n for n, i in self._names.items()}}
+        if self._group_sizes:
+            d["group_sizes"] = dict(self._group_sizes)
         if self.node:
             d["node"] = self.node
         d.update(self._device())
@@ -886,6 +891,7 @@ class Probe:
         oid = id(opt)
         if self._primary_opt is None:
             self._primary_opt = oid
+            self._count_params(opt)
         elif oid != self._primary_opt:
             return
         wall = t + self._wall_off
@@ -923,6 +929,20 @@ class Probe:
                 n -= 1
             self._n_gc = n
 
+    def _count_params(self, opt) -> None:
+        """Once, at the primary optimizer's first step: the parameters it updates (this rank's share
+        under tensor/pipeline parallelism or FSDP) go into the hello as ``model_params`` for the MFU
+        estimate, unless the user gave ``model_params``."""
+        if "model_params" in self.extra:
+            return
+        try:
+            n = sum(int(p.numel()) for g in opt.param_groups for p in g["params"])
+        except Exception:  # noqa: BLE001 - not a torch optimizer
+            return
+        if n > 0:
+            self.extra["model_params"] = n
+            self._hello_dirty = self._need_hello = True
+
     def _patch(self, obj, name: str, new) -> None:
         self._patches.append((obj, name, getattr(obj, name)))
         setattr(obj, name, new)
@@ -945,6 +965,8 @@ class Probe:
                         probe._data_queue = q.qsize()
                     except (NotImplementedError, OSError, AttributeError):
                         pass
+                elif d is not None and d.get("_num_workers", 1) == 0:
+                    probe._data_queue = 0           # single-process loader: nothing is ever prefetched
             try:
                 return orig(it)
             finally:
@@ -971,6 +993,8 @@ class Probe:
                     name = getattr(group, "group_name", None) or name
             g = self._groups[key] = (self._intern(str(name)), int(size))
             self._group_refs.append(group)          # keep it alive: its id() is our cache key
+            self._group_sizes[str(name)] = int(size)
+            self._need_hello = self._hello_dirty = True
         return g
 
     def _comm_slot_for(self, op: str, op_id: int, grp_id: int, size: int) -> int:

@@ -307,6 +307,8 @@ def test_automatic_steps_from_optimizer_dataloader_wait_and_gc(probe, rx, sockdi
     assert steps[2]["gc_count"] >= 1 and steps[2]["gc_ms"] > 0
     assert any(g[2] == 2 for g in gcs)                              # the full collection, as a gc row
     assert hello["device"] == "cpu" and hello["world_size"] == 1
+    assert hello["model_params"] == 8 * 2 + 2                      # the primary optimizer's parameters
+    assert all(s["data_queue"] == 0 for s in steps)                # single-process loader: nothing prefetched
 
 
 def test_dataloader_queue_depth_with_workers(probe, rx, sockdir):
@@ -355,6 +357,7 @@ def test_collectives_timed_per_op_with_bytes(probe, rx, sockdir, gloo):
         opt.step()
     hello, names, steps, comm, gcs = split(rx.read())
     assert hello["rank"] == 0 and hello["world_size"] == 1           # resolved from torch.distributed
+    assert hello["group_sizes"] == {"world": 1}
     assert len(steps) == 2
     by = {}
     for step, op, grp, cnt, nbytes, t_ms, w_ms in comm:
