@@ -13,6 +13,9 @@ cpu_steal`` (percent of all CPUs), ``load1``, ``mem_used, mem_available`` (bytes
 ``disk_read_bps, disk_write_bps, net_rx_bps, net_tx_bps`` (bytes/s), ``rdma_retrans`` (counter delta
 over the sample), ``top_procs`` (list of ``{pid, name, cpu_pct}``, cpu_pct in percent of one core)
 and ``accel`` (list of ``{index, util, mem_used, temp_c, power_w, clock_mhz}``).
+
+In a container the node's ``/proc`` and ``/sys`` are mounted elsewhere: ``$HOST_PROC`` and
+``$HOST_SYS`` (set by the Helm chart to ``/host/proc`` and ``/host/sys``) point every plug-in there.
 """
 from __future__ import annotations
 
@@ -25,6 +28,28 @@ import time
 from typing import Callable
 
 log = logging.getLogger("stepwatch.agent.host")
+
+
+def host_proc() -> str:
+    """The host's procfs: ``$HOST_PROC`` (an agent in a container sees the node's ``/proc`` mounted
+    there, e.g. ``/host/proc`` in the Helm chart), else ``/proc``."""
+    return os.environ.get("HOST_PROC") or "/proc"
+
+
+def host_sys() -> str:
+    """The host's sysfs: ``$HOST_SYS`` (e.g. ``/host/sys``), else ``/sys``."""
+    return os.environ.get("HOST_SYS") or "/sys"
+
+
+def _psutil():
+    """psutil reading the host's procfs (``PROCFS_PATH`` is psutil's documented knob for this)."""
+    import psutil
+    p = host_proc()
+    if getattr(psutil, "PROCFS_PATH", p) != p:
+        if not os.path.isfile(os.path.join(p, "stat")):
+            raise Absent(f"HOST_PROC={p} is not a procfs (no {p}/stat)")
+        psutil.PROCFS_PATH = p
+    return psutil
 
 
 class Absent(RuntimeError):
@@ -190,8 +215,7 @@ class CpuPlugin(Plugin):
     name = "cpu"
 
     def setup(self) -> None:
-        import psutil
-        self.psutil = psutil
+        self.psutil = psutil = _psutil()
         self.prev = psutil.cpu_times()
 
     def gather(self, now: float) -> dict:
@@ -216,8 +240,7 @@ class MemPlugin(Plugin):
     name = "mem"
 
     def setup(self) -> None:
-        import psutil
-        self.psutil = psutil
+        self.psutil = psutil = _psutil()
 
     def gather(self, now: float) -> dict:
         vm = self.psutil.virtual_memory()
@@ -230,8 +253,7 @@ class _RatePlugin(Plugin):
     keys: tuple[str, str] = ("", "")
 
     def setup(self) -> None:
-        import psutil
-        self.psutil = psutil
+        self.psutil = psutil = _psutil()
         self.prev = self.read()
         self.t_prev = time.monotonic()
 
@@ -274,8 +296,8 @@ class TopProcsPlugin(Plugin):
 
     name = "procs"
 
-    def __init__(self, proc: str = "/proc", n: int = 5):
-        self.proc, self.n = proc, n
+    def __init__(self, proc: str | None = None, n: int = 5):
+        self.proc, self.n = proc or host_proc(), n
 
     def setup(self) -> None:
         if not os.path.isdir(os.path.join(self.proc, "self")):
@@ -320,8 +342,8 @@ class RdmaPlugin(Plugin):
 
     name = "rdma"
 
-    def __init__(self, root: str = "/sys/class/infiniband"):
-        self.root = root
+    def __init__(self, root: str | None = None):
+        self.root = root or os.path.join(host_sys(), "class", "infiniband")
 
     def setup(self) -> None:
         if not os.path.isdir(self.root) or not self.ports():

@@ -111,6 +111,42 @@ def test_rdma_plugin_reads_hw_counters(tmp_path):
     assert absent.collect(0.0) == {} and absent.state == "absent"
 
 
+def test_host_proc_and_host_sys_point_the_plugins_at_the_nodes_mounts(tmp_path, monkeypatch):
+    """In the DaemonSet the node's /proc and /sys are mounted under /host (HOST_PROC, HOST_SYS): the
+    plug-ins must read those, not the container's own view."""
+    proc, sys_ = tmp_path / "proc", tmp_path / "sys"
+    (proc / "self").mkdir(parents=True)
+    (proc / "4242").mkdir()
+    stat = "4242 (trainer) R 1 1 1 0 -1 0 0 0 0 0 {u} 0 0 0 20 0 1 0 1 1 1 0"
+    (proc / "4242" / "stat").write_text(stat.format(u=100))
+    cpu = "cpu  {u} 0 {s} {i} 0 0 0 0 0 0\ncpu0 1 0 1 1 0 0 0 0 0 0\n"
+    (proc / "stat").write_text(cpu.format(u=1000, s=0, i=1000))
+    hw = sys_ / "class" / "infiniband" / "mlx5_0" / "ports" / "1" / "hw_counters"
+    hw.mkdir(parents=True)
+    (hw / "out_of_sequence").write_text("7\n")
+    monkeypatch.setenv("HOST_PROC", str(proc))
+    monkeypatch.setenv("HOST_SYS", str(sys_))
+    try:
+        r_cpu, r_top, r_rdma = (hm.PluginRunner(p) for p in (hm.CpuPlugin(), hm.TopProcsPlugin(), hm.RdmaPlugin()))
+        for r in (r_cpu, r_top, r_rdma):
+            r.collect(0.0)
+        (proc / "stat").write_text(cpu.format(u=1300, s=100, i=1600))      # 400 busy of 1000 ticks
+        (proc / "4242" / "stat").write_text(stat.format(u=100 + 50))
+        (hw / "out_of_sequence").write_text("9\n")
+        assert r_cpu.collect(1.0)["cpu_util"] == pytest.approx(40.0)
+        top = r_top.collect(1.0)["top_procs"]
+        assert [p["pid"] for p in top] == [4242] and top[0]["name"] == "trainer"   # only the node's process
+        assert r_rdma.collect(1.0) == {"rdma_retrans": 2}
+        monkeypatch.setenv("HOST_PROC", str(tmp_path / "nothing"))
+        bad = hm.PluginRunner(hm.MemPlugin())
+        assert bad.collect(0.0) == {} and bad.state == "absent"             # said once, not an error a second
+    finally:
+        monkeypatch.delenv("HOST_PROC")
+        hm._psutil()                                                      # psutil back on this /proc
+    import psutil
+    assert psutil.PROCFS_PATH == "/proc"
+
+
 class Boom(hm.Plugin):
     name = "boom"
 
