@@ -119,8 +119,11 @@ class Identity:
         for k in ("dp", "tp", "pp", "ep", "cp"):
             if isinstance(h.get(k), int):
                 row[k] = h[k]
-        if isinstance(h.get("model_flops_per_token"), (int, float)):
-            row["model_flops_per_token"] = float(h["model_flops_per_token"])
+        for k in ("model_flops_per_token", "model_flops_per_sample"):
+            if isinstance(h.get(k), (int, float)) and not isinstance(h.get(k), bool):
+                row[k] = float(h[k])
+        if isinstance(h.get("model_params"), int) and not isinstance(h.get("model_params"), bool):
+            row["model_params"] = h["model_params"]
         return row
 
     def topo_key(self) -> tuple:
@@ -168,9 +171,15 @@ def rows_from_batch(ident: Identity, body) -> tuple[dict | None, list[dict], lis
                     phases=[(names.get(i, f"#{i}"), ns / 1e6) for i, ns in phases] or None)
     crows = []
     if comm and step is not None:
+        sizes = ident.hello.get("group_sizes") if isinstance(ident.hello.get("group_sizes"), dict) else {}
         for op, grp, cnt, nbytes, t_ns, w_ns in comm:
-            crows.append(dict(base, step=step[0], op=names.get(op, f"#{op}"), group=names.get(grp, f"#{grp}"),
-                              count=cnt, bytes=nbytes, time_ms=t_ns / 1e6, wait_ms=w_ns / 1e6))
+            gname = names.get(grp, f"#{grp}")
+            gs = sizes.get(gname)
+            row = dict(base, step=step[0], op=names.get(op, f"#{op}"), group=gname,
+                       count=cnt, bytes=nbytes, time_ms=t_ns / 1e6, wait_ms=w_ns / 1e6)
+            if isinstance(gs, int) and not isinstance(gs, bool) and gs > 0:
+                row["group_size"] = gs          # from the hello's group_sizes (bus-bandwidth factor)
+            crows.append(row)
     grows = [dict(base, t=t, generation=gen, duration_ms=d / 1e6, collected=c, uncollectable=u)
              for t, d, gen, c, u in gcs]
     return srow, crows, grows

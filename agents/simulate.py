@@ -72,14 +72,25 @@ own streams, so a faulted job equals the clean job of the same seed outside the 
 * ``job-hang``: every rank stops reporting from ``start`` while the host samples continue; with
   ``rank``, that rank stops first (no step >= ``start``) and the others two steps later (they block
   in the collective waiting for it).
+* ``small-messages``: the gradient all-reduce goes out in ``2,048`` small calls per step instead of one
+  bucket (no tensor fusion): the comm rows' ``count`` rises to 2,048 with the same total payload, and
+  every rank's comm time grows by ``pct``% of ``step_ms`` (per-call latency).
+* ``slow-link``: the data-parallel group of ``rank`` (as ``comm-slow``) loses ``pct``% of its link
+  bandwidth: its transfer time is divided by ``1 - pct/100``, so the whole job waits for it.
+* ``dataloader-starved``: the DataLoader cannot keep up: on every step the data wait grows by ``pct``% of
+  ``step_ms`` on every rank (``rank`` None) or on that rank's node, and the prefetch queue is empty.
 * ``clean``: nothing.
 
 Every fault takes ``every`` (default 1): active only on steps ``start + k * every`` (an intermittent
 straggler is ``slow-rank:rank=5,pct=30,start=50,every=3``).
 
-``comm=True`` adds a ``comm`` table to :meth:`Simulation.generate`: one ``all_reduce`` row per rank
-per step on its data-parallel group (``group`` = ``dp<stage * tp + tp coordinate>``), ``time_ms`` =
-``comm_ms`` and ``wait_ms`` = ``comm_wait_ms``.
+``comm=True`` adds a ``comm`` table to :meth:`Simulation.generate`: per rank and step one ``all_reduce`` row
+on its data-parallel group (``group`` = ``dp<stage * tp + tp coordinate>``, ``group_size`` its ranks,
+``bytes`` sized for 75% of the nominal RDMA bus bandwidth, see ``_LINK_UTIL``) whose ``time_ms`` is the
+transfer plus the wait for the group's last rank (``wait_ms``), and one ``barrier`` row on ``world``
+holding the rest of ``comm_wait_ms`` (the wait for the other groups), as the probe records them: a
+collective's wall time includes its wait. Topology rows carry ``device_type`` H100, ``dtype`` bf16,
+``model_flops_per_token`` and ``model_params`` (each rank's share of a 2e9-parameter dense model).
 
 Determinism: step ``s`` draws from ``np.random.default_rng([seed, s, stream])``, so the same
 arguments give the same rows, and ``generate(a, b)`` then ``generate(b, c)`` equals
@@ -103,7 +114,8 @@ __all__ = ["Fault", "parse_fault", "Simulation", "FAULT_KINDS", "REGRESSION_CAUS
 
 #: Fault kinds understood by :class:`Simulation`.
 FAULT_KINDS = ("slow-rank", "regression", "gc-storm", "cpu-contention", "gc-jitter", "data-stall",
-               "comm-slow", "rank-hang", "job-hang", "clean")
+               "comm-slow", "rank-hang", "job-hang", "small-messages", "slow-link", "dataloader-starved",
+               "clean")
 #: Phases a regression can hit (the cause in the DESIGN §6 taxonomy).
 REGRESSION_CAUSES = ("io", "communication", "computation", "cpu")
 _CAUSE_ALIASES = {"data": "io", "comm": "communication", "network": "communication",
@@ -113,9 +125,10 @@ _CAUSE_ALIASES = {"data": "io", "comm": "communication", "network": "communicati
 #: job hang is the collective that every rank blocks in (``communication``).
 _KIND_CAUSE = {"slow-rank": "computation", "gc-storm": "gc", "cpu-contention": "cpu", "gc-jitter": "gc",
                "data-stall": "io", "comm-slow": "communication", "rank-hang": None,
-               "job-hang": "communication"}
+               "job-hang": "communication", "small-messages": "communication", "slow-link": "communication",
+               "dataloader-starved": "io"}
 #: faults that need a ``rank``
-_NEEDS_RANK = ("slow-rank", "cpu-contention", "comm-slow", "rank-hang")
+_NEEDS_RANK = ("slow-rank", "cpu-contention", "comm-slow", "rank-hang", "slow-link")
 
 # Nominal shares of the step time (before calibration).
 _DATA, _COMPUTE, _GAP, _COMM = 0.04, 0.68, 0.06, 0.12
@@ -136,6 +149,13 @@ _TOP_N = 5
 
 # rng stream ids (third element of the per-step seed)
 _S_BASE, _S_GC, _S_HOST, _S_CKPT, _S_ACCEL, _S_QUEUE, _S_FAULT = 0, 1, 2, 3, 4, 5, 100
+
+# model and links, for the efficiency analyses: a dense model of _PARAMS parameters (about 40% MFU on an
+# H100 in bf16 at 1 s steps with the default 8 x 4,096 tokens per rank); the gradient all-reduce carries a
+# payload sized so that the nominal comm time reaches _LINK_UTIL of the link's peak bus bandwidth
+_PARAMS = 2.0e9
+_LINK_UTIL = 0.75
+_SMALL_CALLS = 2048      # small-messages: calls per step the gradient all-reduce is split into
 
 
 # --------------------------------------------------------------------------- faults
@@ -467,6 +487,7 @@ class Simulation:
         io_node = np.repeat(io_fault[:, None], self.n_nodes, axis=1)   # nodes with iowait
         slow_ranks = np.zeros((S, R))   # extra compute (ms), for accel evidence
         hung = np.zeros((S, R), bool)   # rows not reported (rank-hang / job-hang)
+        small = np.zeros(S, bool)       # steps whose all-reduce goes out in small calls
         step_pct = self.step_ms / 100.0
         for j, f in enumerate(self.faults):
             act = f.active(steps)
@@ -516,6 +537,16 @@ class Simulation:
                 add = f.pct / 100.0 * self.nominal_busy_ms[grp]
                 for i in idx:
                     comm[i, grp] += add * fault_rngs[i][j].lognormal(-0.02, 0.2)
+            elif f.kind == "slow-link":
+                grp = self.dp_group_of(f.rank)
+                keep = max(1.0 - f.pct / 100.0, 0.05)
+                comm[np.ix_(idx, grp)] /= keep
+            elif f.kind == "small-messages":
+                comm[idx] += f.pct * step_pct
+                small[idx] = True
+            elif f.kind == "dataloader-starved":
+                who = np.arange(R) if f.rank is None else np.flatnonzero(self.node_index == self.node_index[f.rank])
+                data[np.ix_(idx, who)] += f.pct * step_pct
             elif f.kind == "rank-hang":
                 hung[idx, f.rank] = True
             elif f.kind == "job-hang":
@@ -558,7 +589,7 @@ class Simulation:
         return dict(**out, steps=steps, data=data, compute=compute, gap=gap, comm=comm, gc_ms=gc_ms,
                     gc_count=gc_count, busy=busy, step_ms=step_ms, comm_wait=comm_wait, ckpt=ckpt,
                     ckpt_frac=ckpt_frac, contention=contention, comm_fault=comm_fault, io_fault=io_fault,
-                    io_node=io_node, hung=hung,
+                    io_node=io_node, hung=hung, small=small,
                     slow_extra=slow_ranks, ev=(ev_step, ev_rank, ev_gen, ev_dur, ev_u))
 
     def _time_axis(self, start: int, step_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -604,7 +635,9 @@ class Simulation:
             pa.array(self._dp), pa.array(self._tp), pa.array(self.stage),
             pa.nulls(R, pa.int32()), pa.nulls(R, pa.int32()),
             const("pytorch"), const(f"stepwatch-sim/{__version__}"), const("H100"), const("bf16"),
-            pa.array(np.full(R, 6.0 * 8.0e9)),
+            pa.array(np.full(R, 6.0 * _PARAMS)),
+            pa.array(np.full(R, int(_PARAMS / (self.tp * self.pp)), np.int64)),
+            pa.nulls(R, pa.float64()),
         ]
         return pa.Table.from_arrays(cols, schema=TOPOLOGY)
 
@@ -635,8 +668,8 @@ class Simulation:
         if hung.any():   # hung ranks report nothing; their nodes' host samples go on
             keep = pa.array(~hung.ravel())
             out["steps"] = out["steps"].filter(keep)
-            if "comm" in out:
-                out["comm"] = out["comm"].filter(keep)
+            if "comm" in out:                          # two comm rows per rank and step
+                out["comm"] = out["comm"].filter(pa.array(np.repeat(~hung.ravel(), 2)))
             if out["gc"].num_rows:
                 ev_step, ev_rank = nm["ev"][0], nm["ev"][1]
                 out["gc"] = out["gc"].filter(pa.array(~hung[ev_step, ev_rank]))
@@ -762,23 +795,51 @@ class Simulation:
         """The ``group`` name of ``rank``'s data-parallel group in the comm rows."""
         return f"dp{int(self.stage[rank]) * self.tp + int(self._tp[rank])}"
 
+    def _comm_payload(self) -> tuple[int, int]:
+        """(gradient all-reduce payload per rank and step in bytes, data-parallel group size): sized so
+        that the nominal comm time reaches ``_LINK_UTIL`` of the nominal RDMA bus bandwidth."""
+        from stepwatch.detectors.efficiency import LINK_GBPS, bus_factor
+        n = self.world_size // (self.tp * self.pp)
+        comm_ms = _COMM * self._unit
+        fac = float(bus_factor("all_reduce", n)) or 1.0
+        return int(_LINK_UTIL * LINK_GBPS["rdma"] * 1e9 * comm_ms / 1e3 / fac), n
+
     def _comm_table(self, nm: dict) -> pa.Table:
-        """One all_reduce row per rank per step on the rank's data-parallel group."""
+        """Per rank and step: the all_reduce on the rank's data-parallel group (time = transfer + wait for
+        the group's last rank) and a ``barrier`` on ``world`` with the rest of the rank's comm wait."""
         S, R = nm["comm"].shape
-        n = S * R
         gid = self.stage.astype(np.int64) * self.tp + self._tp
-        names = pa.array([f"dp{g}" for g in range(int(gid.max()) + 1)])
-        # gradient bytes per rank: ~8e9 parameters / (tp * pp) in bf16
-        nbytes = np.full(n, int(2 * 8.0e9 / (self.tp * self.pp)), np.int64)
+        G = int(gid.max()) + 1
+        own = nm["busy"] + nm["comm"]                                   # (S, R) arrival + transfer
+        gmax = np.full((S, G), -np.inf)
+        for g in range(G):                                              # G groups (<= ranks / dp size)
+            gmax[:, g] = own[:, gid == g].max(axis=1)
+        in_group = np.minimum(np.maximum(gmax[:, gid] - own, 0.0), nm["comm_wait"])
+        rest = nm["comm_wait"] - in_group
+        payload, n = self._comm_payload()
+        calls = np.where(nm["small"], _SMALL_CALLS, 1).astype(np.int64)
+        names = pa.array([f"dp{g}" for g in range(G)] + ["world"])
+        ranks = np.tile(np.arange(R, dtype=np.int32), S)
+        step = np.repeat(nm["steps"], R)
+        # interleave per (step, rank): all_reduce row, then barrier row
+        m = S * R
+        def inter(a, b):
+            out = np.empty(2 * m, dtype=np.result_type(a, b))
+            out[0::2], out[1::2] = a, b
+            return out
         cols = [
-            _tiled_string_array(self._job_blob, self._job_offs, n),
-            _tiled_string_array(self._node_blob, self._node_offs, S),
-            pa.array(np.tile(np.arange(R, dtype=np.int32), S)),
-            pa.array(np.repeat(nm["steps"], R)),
-            pa.DictionaryArray.from_arrays(np.zeros(n, np.int32), pa.array(["all_reduce"])).cast(pa.string()),
-            names.take(pa.array(np.tile(gid, S))),
-            pa.array(np.ones(n, np.int64)), pa.array(nbytes),
-            pa.array(nm["comm"].ravel()), pa.array(nm["comm_wait"].ravel()),
+            _tiled_string_array(self._job_blob, self._job_offs, 2 * m),
+            self._node_pa.take(pa.array(np.repeat(ranks, 2))),
+            pa.array(np.repeat(ranks, 2)),
+            pa.array(np.repeat(step, 2)),
+            pa.DictionaryArray.from_arrays(np.tile(np.array([0, 1], np.int32), m),
+                                           pa.array(["all_reduce", "barrier"])).cast(pa.string()),
+            names.take(pa.array(inter(np.tile(gid, S), np.full(m, G)))),
+            pa.array(inter(np.repeat(calls, R), np.ones(m, np.int64))),
+            pa.array(inter(np.full(m, payload, np.int64), np.zeros(m, np.int64))),
+            pa.array(inter((nm["comm"] + in_group).ravel(), rest.ravel())),
+            pa.array(inter(in_group.ravel(), rest.ravel())),
+            pa.array(inter(np.full(m, n, np.int32), np.full(m, R, np.int32))),
         ]
         return pa.Table.from_arrays(cols, schema=COMM)
 
@@ -835,8 +896,11 @@ class Simulation:
             elif f.kind == "cpu-contention":
                 ranks = np.flatnonzero(self.node_index == self.node_index[f.rank]).tolist()
                 scope = "node"
-            elif f.kind == "comm-slow":
+            elif f.kind in ("comm-slow", "slow-link"):
                 ranks, scope = self.dp_group_of(f.rank).tolist(), "group"
+            elif f.kind == "dataloader-starved" and f.rank is not None:
+                ranks = np.flatnonzero(self.node_index == self.node_index[f.rank]).tolist()
+                scope = "node"
             elif f.kind == "job-hang" and f.rank is not None:
                 ranks, scope = [int(f.rank)], "job"     # the job hangs; the rank stopped first
             else:
@@ -847,7 +911,7 @@ class Simulation:
                  "pct": float(f.pct), "cause": f.cause if f.kind == "regression" else _KIND_CAUSE[f.kind]}
             if f.kind == "cpu-contention":
                 d["process"] = _FOREIGN
-            if f.kind == "comm-slow":
+            if f.kind in ("comm-slow", "slow-link"):
                 d["group"] = self.dp_group_name(f.rank)
             if f.every > 1:
                 d["every"] = int(f.every)

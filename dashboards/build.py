@@ -299,7 +299,64 @@ def job() -> Dashboard:
         FROM alerts WHERE job = '${job}' AND $__timeFilter(t_detected) ORDER BY t_detected DESC""",
             ("time", "kind", "status", "severity", "ranks", "nodes", "cause", "cost_pct", "step_first",
              "step_detected", "suggestion", "evidence"), w=24, h=8, units={"cost_pct": "percent"})
+    _efficiency_panels(d)
     return d
+
+
+def _efficiency_panels(d: Dashboard) -> None:
+    """MFU and goodput, bus bandwidth vs peak per group, message sizes, DataLoader queue depth (issue 9;
+    the tables are written by the processor's efficiency detectors, see docs/detectors.md)."""
+    d.row("Efficiency")
+    d.timeseries("MFU and goodput", f"""
+        SELECT {bucket('t_end')} AS time, 100 * median(mfu) AS "MFU %",
+               100 * sum(productive_ms) / nullif(sum(wall_ms), 0) AS "goodput %"
+        FROM efficiency WHERE job = '${{job}}' AND $__timeFilter(t_end) GROUP BY 1 ORDER BY 1""",
+                 ("time", "MFU %", "goodput %"), unit="percent", w=12, h=8,
+                 description="MFU: model FLOPs of the step / (step time x devices x peak FLOPS of the device, "
+                             "dtype-aware; see docs/detectors.md for the peak table and overrides). Goodput: "
+                             "share of the wall time in productive steps (gaps between steps and the excess of "
+                             "stalled, checkpoint or restart steps over the rolling median are not).")
+    d.table("Bus bandwidth vs peak per group", """
+        WITH w AS (SELECT * FROM comm_bw WHERE job = '${job}' AND $__timeFilter(t_end)
+                   QUALIFY row_number() OVER (PARTITION BY op, "group" ORDER BY step_hi DESC) = 1)
+        SELECT op, "group", group_size, link, step_lo, step_hi, round(calls_per_step, 1) AS calls_per_step,
+               bytes_per_call, round(busbw_gbps, 2) AS busbw_gbps, round(peak_gbps, 1) AS peak_gbps,
+               round(100 * util, 1) AS util_pct, round(100 * wait_share, 1) AS wait_pct, diagnosis
+        FROM w ORDER BY util ASC NULLS LAST, op, "group" LIMIT 50""",
+            ("op", "group", "group_size", "link", "step_lo", "step_hi", "calls_per_step", "bytes_per_call",
+             "busbw_gbps", "peak_gbps", "util_pct", "wait_pct", "diagnosis"), w=12, h=8,
+            units={"bytes_per_call": "bytes", "util_pct": "percent", "wait_pct": "percent"},
+            description="Latest analysis window per collective kind and group: achieved bus bandwidth "
+                        "(nccl-tests factors; transfer time = the last-arriving rank's wall time) against the "
+                        "link's peak, share of the collective time spent waiting, and the diagnosis "
+                        "(small-messages, slow-link, sync-bound).")
+    d.timeseries("Bus bandwidth per group", f"""
+        SELECT {bucket('t_end')} AS time, op || ' ' || "group" AS series, avg(busbw_gbps) AS busbw_gbps
+        FROM comm_bw WHERE job = '${{job}}' AND $__timeFilter(t_end) GROUP BY 1, 2 ORDER BY 1""",
+                 ("time", "series", "busbw_gbps"), w=12, h=8, unit="GBs",
+                 transformations=[{"id": "prepareTimeSeries", "options": {"format": "multi"}}],
+                 description="Achieved bus bandwidth (GB/s) of every (collective, group) per analysis window: "
+                             "a slow link is the line far below its peers.")
+    d.bargauge("Message sizes (calls per payload size)", """
+        WITH c AS (SELECT count, bytes / nullif(count, 0) AS bpc FROM comm
+                   WHERE job = '${job}' AND op NOT IN ('barrier', 'wait') AND count > 0 AND bytes > 0
+                     AND step >= (SELECT max(step) - 200 FROM comm WHERE job = '${job}'))
+        SELECT CASE WHEN bpc < 4096 THEN '1: < 4 KiB' WHEN bpc < 65536 THEN '2: 4-64 KiB'
+                    WHEN bpc < 1048576 THEN '3: 64 KiB-1 MiB' WHEN bpc < 16777216 THEN '4: 1-16 MiB'
+                    WHEN bpc < 268435456 THEN '5: 16-256 MiB' ELSE '6: >= 256 MiB' END AS size,
+               sum(count) AS calls
+        FROM c GROUP BY 1 ORDER BY 1""", ("size", "calls"), w=12, h=8,
+               description="Collective calls of the last 200 steps by payload per call (per rank and step "
+                           "averages). Most calls far below the link's saturation size (MiBs) mean small "
+                           "messages: fuse tensors (bigger buckets).")
+    d.bargauge("DataLoader queue depth (ready batches at step start)", """
+        SELECT lpad(data_queue::VARCHAR, 3, ' ') AS depth, round(100 * count(*) / sum(count(*)) OVER (), 2) AS pct
+        FROM steps WHERE job = '${job}' AND $__timeFilter(t_end) AND data_queue IS NOT NULL
+        GROUP BY data_queue ORDER BY data_queue""", ("depth", "pct"), w=12, h=8, unit="percent",
+               description="Share of rank-steps by the number of batches ready in the DataLoader's prefetch "
+                           "queue when the step started. Mostly 0: the workers cannot keep up (raise "
+                           "num_workers / prefetch_factor, pin_memory, persistent_workers); mostly full: I/O "
+                           "is not the bottleneck.")
 
 
 # ============================================================================ node

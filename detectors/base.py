@@ -45,6 +45,10 @@ class JobContext:
     steps_event_ns: int = 0      # newest t_end of any step row of the job (event time of the steps)
     host_event_ns: int = 0       # newest host sample time of the job (event time that goes on in a hang)
     backlog: bool = False        # the job's step rows are known to be behind (consumer lag > 0)
+    #: job-level facts from the topology rows for the efficiency analyses: ``device_type``, ``dtype``,
+    #: ``model_flops_per_token``, ``model_flops_per_sample``, ``model_params`` (mean over the ranks that
+    #: sent it: each rank's share), ``tp_size``, ``pp_size`` (1 when unknown); empty when unknown
+    info: dict = field(default_factory=dict)
 
     def node_of(self, rank: int) -> str:
         return str(self.nodes[rank]) if 0 <= rank < len(self.nodes) else ""
@@ -88,6 +92,13 @@ class StepBlock:
     comm_ms: np.ndarray          # (S, R)
     comm_wait_ms: np.ndarray     # (S, R)
     gc_ms: np.ndarray            # (S, R)
+    #: optional (None when the producer does not send them): per step, the sum over the reporting ranks
+    #: of ``tokens`` / ``samples`` and how many ranks reported each; DataLoader ready batches (S, R)
+    tokens: np.ndarray | None = None         # (S,) float64
+    tokens_ranks: np.ndarray | None = None   # (S,) int64
+    samples: np.ndarray | None = None        # (S,) float64
+    samples_ranks: np.ndarray | None = None  # (S,) int64
+    data_queue: np.ndarray | None = None     # (S, R) float32, NaN = not reported
 
     @property
     def busy_ms(self) -> np.ndarray:

@@ -40,6 +40,28 @@ SUGGESTIONS: dict[str, str] = {
     "unknown": "No single phase explains the change: profile the named ranks for a few steps.",
 }
 
+#: The concrete DataLoader remedy when its prefetch queue runs empty (the I/O row of the case table,
+#: with the settings named); used by the ``dataloader`` detector.
+DATALOADER_SUGGESTION = ("The workers cannot keep up: raise DataLoader num_workers (a single-process loader, "
+                         "num_workers=0, never prefetches), raise prefetch_factor, set pin_memory=True and "
+                         "persistent_workers=True; make preprocessing cheaper (move it offline or to the "
+                         "accelerator) and check the storage read speed (local copies, no compressed formats).")
+
+
+def queue_evidence(q) -> dict:
+    """Distribution of DataLoader ready batches (``data_queue``; any shape, NaN = not reported): share of
+    samples with an empty queue, share at the deepest level seen (a full queue: I/O is not the
+    bottleneck), median and max depth. ``{}`` when nothing was reported."""
+    v = np.asarray(q, dtype=np.float64).ravel()
+    v = v[np.isfinite(v)]
+    if not len(v):
+        return {}
+    top = float(v.max())
+    return {"samples": int(len(v)), "empty_share": round(float(np.mean(v == 0)), 4),
+            "full_share": round(float(np.mean(v == top)), 4) if top > 0 else 0.0,
+            "depth_p50": float(np.median(v)), "depth_max": top}
+
+
 #: Phase column -> cause. ``comm_wait_ms`` is optional: when given, time spent waiting for peers growing
 #: most means imbalance / poor overlap (``parallelism``).
 PHASE_CAUSE: dict[str, str] = {

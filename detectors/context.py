@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 HOST_COLUMNS = ("node", "t", "cpu_util", "cpu_iowait", "cpu_steal", "load1", "rdma_retrans",
                 "top_procs", "accel")
 GC_COLUMNS = ("node", "rank", "t", "generation", "duration_ms")
-COMM_COLUMNS = ("node", "rank", "step", "op", "group", "time_ms", "wait_ms", "bytes")
+COMM_COLUMNS = ("node", "rank", "step", "op", "group", "time_ms", "wait_ms", "bytes", "count", "group_size")
 
 
 def _as_int(col) -> np.ndarray:

@@ -14,6 +14,7 @@ import inspect
 
 from .base import Detector
 from .changepoint import ChangePoint
+from .efficiency import CommBandwidth, DataLoader, Mfu
 from .jitter import Jitter
 from .slowrank import SlowRank
 from .stall import Stall
@@ -23,6 +24,9 @@ REGISTRY: dict[str, type[Detector]] = {
     "changepoint": ChangePoint,
     "jitter": Jitter,
     "stall": Stall,
+    "mfu": Mfu,
+    "comm_bw": CommBandwidth,
+    "dataloader": DataLoader,
 }
 
 

@@ -68,6 +68,8 @@ TOPOLOGY = pa.schema([
     pa.field("device_type", pa.string()),
     pa.field("dtype", pa.string()),
     pa.field("model_flops_per_token", F64),
+    pa.field("model_params", pa.int64()),
+    pa.field("model_flops_per_sample", F64),
 ])
 
 TOP_PROC = pa.struct([("pid", pa.int64()), ("name", pa.string()), ("cpu_pct", F64)])
@@ -115,6 +117,7 @@ COMM = pa.schema([
     pa.field("bytes", pa.int64()),
     pa.field("time_ms", F64),
     pa.field("wait_ms", F64),
+    pa.field("group_size", pa.int32()),
 ])
 
 ALERTS = pa.schema([
@@ -167,9 +170,53 @@ RANK_MINUTES = pa.schema([
     pa.field("gc_count", pa.int64()),
 ])
 
+#: Written by the processor (efficiency detectors, :mod:`stepwatch.detectors.efficiency`): one row per
+#: job and closed step with the model FLOPs, MFU and the productive share of its wall time.
+EFFICIENCY = pa.schema([
+    pa.field("job", pa.string(), nullable=False),
+    pa.field("step", pa.int64(), nullable=False),
+    pa.field("t_end", TS, nullable=False),
+    pa.field("step_ms", F64),               # median step time over the ranks
+    pa.field("wall_ms", F64),               # t_end - previous closed step's t_end (gaps included)
+    pa.field("productive_ms", F64),         # wall time that counts as productive (goodput numerator)
+    pa.field("devices", pa.int32()),        # ranks that reported the step
+    pa.field("tokens", F64),                # global tokens of the step (replication removed)
+    pa.field("samples", F64),               # global samples of the step (replication removed)
+    pa.field("model_flops", F64),           # model FLOPs of the step (whole job)
+    pa.field("peak_tflops", F64),           # per-device peak used
+    pa.field("mfu", F64),                   # model_flops / (step_ms * devices * peak), 0..1
+    pa.field("data_queue_p50", F64),        # median DataLoader ready batches over the ranks
+    pa.field("data_queue_empty", F64),      # share of reporting ranks whose queue was empty
+])
+
+#: Written by the processor: per job, analysis window (``step_lo..step_hi``), collective kind and group,
+#: the achieved algorithm / bus bandwidth against the link's peak.
+COMM_BW = pa.schema([
+    pa.field("job", pa.string(), nullable=False),
+    pa.field("step_lo", pa.int64(), nullable=False),
+    pa.field("step_hi", pa.int64(), nullable=False),
+    pa.field("t_end", TS, nullable=False),  # t_end of step_hi
+    pa.field("op", pa.string(), nullable=False),
+    pa.field("group", pa.string()),
+    pa.field("group_size", pa.int32()),
+    pa.field("ranks", pa.int32()),          # ranks that reported the group in the window
+    pa.field("link", pa.string()),          # link type the peak is taken from
+    pa.field("calls_per_step", F64),        # calls per rank and step
+    pa.field("bytes_per_call", F64),        # payload bytes per call (this rank's, mean)
+    pa.field("xfer_ms_per_step", F64),      # transfer time per step (the last-arriving rank's wall time)
+    pa.field("time_ms_per_step", F64),      # wall time in the collective per rank and step (mean)
+    pa.field("wait_share", F64),            # wait_ms / time_ms
+    pa.field("algbw_gbps", F64),            # bytes / transfer time, GB/s
+    pa.field("busbw_gbps", F64),            # algbw x bus factor of the op (nccl-tests), GB/s
+    pa.field("peak_gbps", F64),             # the link's peak bus bandwidth, GB/s
+    pa.field("util", F64),                  # busbw / peak
+    pa.field("diagnosis", pa.string()),     # small-messages | slow-link | sync-bound | null
+])
+
 SCHEMAS: dict[str, pa.Schema] = {
     "steps": STEPS, "topology": TOPOLOGY, "host": HOST, "gc": GC, "comm": COMM,
     "alerts": ALERTS, "deadletter": DEADLETTER, "rank_minutes": RANK_MINUTES,
+    "efficiency": EFFICIENCY, "comm_bw": COMM_BW,
 }
 #: Kinds a producer may send (telemetry); alerts/deadletter are written by the processor.
 TELEMETRY = ("steps", "topology", "host", "gc", "comm")
@@ -182,17 +229,20 @@ NATURAL_KEYS: dict[str, tuple[str, ...]] = {
     "gc": ("job", "rank", "t"),
     "comm": ("job", "rank", "step", "op", "group"),
     "alerts": ("alert_id", "status"),
+    "efficiency": ("job", "step"),
+    "comm_bw": ("job", "step_hi", "op", "group"),
 }
 
 #: Columns that are durations (ms) or sizes: finite and >= 0 when present.
 NONNEGATIVE: dict[str, tuple[str, ...]] = {
     "steps": ("step_ms", "data_ms", "compute_ms", "comm_ms", "comm_wait_ms", "gc_ms", "gc_count",
               "samples", "tokens", "rank", "step", "data_queue"),
-    "topology": ("rank", "world_size", "dp", "tp", "pp", "ep", "cp", "model_flops_per_token"),
+    "topology": ("rank", "world_size", "dp", "tp", "pp", "ep", "cp", "model_flops_per_token",
+                 "model_params", "model_flops_per_sample"),
     "host": ("cpu_util", "cpu_iowait", "cpu_steal", "load1", "mem_used", "mem_available",
              "disk_read_bps", "disk_write_bps", "net_rx_bps", "net_tx_bps", "rdma_retrans"),
     "gc": ("rank", "duration_ms", "collected", "uncollectable", "generation"),
-    "comm": ("rank", "step", "count", "bytes", "time_ms", "wait_ms"),
+    "comm": ("rank", "step", "count", "bytes", "time_ms", "wait_ms", "group_size"),
 }
 
 #: Job ids become directory names (``job=<id>``): keep them to a safe alphabet.

@@ -40,10 +40,11 @@ log = logging.getLogger("stepwatch.store")
 
 #: The event-time column that gives each table's date partition and sort order.
 TIME_COLUMN = {"rank_minutes": "minute", "steps": "t_end", "host": "t", "gc": "t", "alerts": "t_detected", "deadletter": "t_received",
-               "topology": "_received", "comm": "_received"}
+               "topology": "_received", "comm": "_received", "efficiency": "t_end", "comm_bw": "t_end"}
 SORT_COLUMNS = {"rank_minutes": ["minute", "rank"], "steps": ["step", "rank"], "host": ["node", "t"], "gc": ["t"], "comm": ["step", "rank"],
-                "topology": ["rank"], "alerts": ["t_detected"], "deadletter": ["t_received"]}
-TABLES = ("steps", "topology", "host", "gc", "comm", "alerts", "deadletter", "rank_minutes")
+                "topology": ["rank"], "alerts": ["t_detected"], "deadletter": ["t_received"],
+                "efficiency": ["step"], "comm_bw": ["step_hi", "op", "group"]}
+TABLES = ("steps", "topology", "host", "gc", "comm", "alerts", "deadletter", "rank_minutes", "efficiency", "comm_bw")
 
 
 def rank_minutes(steps: pa.Table) -> pa.Table:

@@ -7,7 +7,8 @@ when every rank of the topology reported it, or when the job's event time (lates
 has moved ``lateness_ns`` past it, or when the ring needs the room; closed steps are handed to the
 detectors in order as a :class:`~stepwatch.detectors.base.StepBlock`.
 
-Memory: 6 float64 planes + 1 bool plane x capacity x ranks, e.g. 16,384 ranks x 128 steps ≈ 103 MB.
+Memory: 6 float64 planes + 1 bool plane + 1 float32 plane (DataLoader queue) x capacity x ranks, e.g. 16,384
+ranks x 128 steps ≈ 111 MB; tokens and samples are kept as per-step sums.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import pyarrow as pa
 from stepwatch.detectors.base import JobContext, StepBlock
 
 FIELDS = ("step_ms", "data_ms", "compute_ms", "comm_ms", "comm_wait_ms", "gc_ms")
+COUNTS = ("tokens", "samples")
+INFO = ("device_type", "dtype", "model_flops_per_token", "model_flops_per_sample")
 COORDS = ("dp", "tp", "cp", "ep")
 
 
@@ -44,6 +47,14 @@ class JobState:
         self.last_step = np.empty(0, dtype=np.int64)
         self.last_t_end = np.empty(0, dtype=np.int64)
         self.planes = {f: np.empty((capacity, 0)) for f in FIELDS}
+        # efficiency inputs: per slot sums of tokens/samples (and ranks reporting them), DataLoader
+        # ready batches per rank (float32: 4 bytes x capacity x ranks, NaN = not reported)
+        self.sums = {c: np.zeros(capacity) for c in COUNTS}
+        self.sum_n = {c: np.zeros(capacity, dtype=np.int64) for c in COUNTS}
+        self.queue = np.empty((capacity, 0), dtype=np.float32)
+        self.queue_seen = False
+        self.params = np.empty(0)                 # model_params per rank (NaN unknown)
+        self.info: dict = {}
         self.filled = np.zeros((capacity, 0), dtype=bool)
         self.count = np.zeros(capacity, dtype=np.int64)
         self.t_end = np.zeros(capacity, dtype=np.int64)
@@ -67,6 +78,12 @@ class JobState:
         fl = np.zeros((self.capacity, n), dtype=bool)
         fl[:, :old] = self.filled
         self.filled = fl
+        q = np.full((self.capacity, n), np.nan, dtype=np.float32)
+        q[:, :old] = self.queue
+        self.queue = q
+        pr = np.full(n, np.nan)
+        pr[:old] = self.params
+        self.params = pr
         nodes = np.full(n, "", dtype=object)
         nodes[:old] = self.nodes
         self.nodes = nodes
@@ -100,12 +117,31 @@ class JobState:
             if c in topo.column_names:
                 v = topo.column(c).to_numpy(zero_copy_only=False).astype(float)
                 self.coords[c][ranks] = np.where(np.isnan(v), -1, v).astype(np.int32)[ok]
+        if "model_params" in topo.column_names:
+            v = topo.column("model_params").to_numpy(zero_copy_only=False).astype(float)[ok]
+            self.params[ranks[np.isfinite(v)]] = v[np.isfinite(v)]
+        for c in INFO:
+            if c in topo.column_names:
+                vals = [v for v in topo.column(c).to_pylist() if v is not None]
+                if vals:
+                    self.info[c] = max(vals) if isinstance(vals[0], float) else vals[0]
         self.topology_known = True
+
+    def job_info(self) -> dict:
+        """Job-level facts for the efficiency analyses (see :attr:`JobContext.info`)."""
+        info = dict(self.info)
+        p = self.params[np.isfinite(self.params)] if len(self.params) else self.params
+        if len(p):
+            info["model_params"] = float(p.mean())
+        tp = self.coords.get("tp")
+        info["tp_size"] = int(tp.max()) + 1 if tp is not None and len(tp) and tp.max() >= 0 else 1
+        info["pp_size"] = int(self.stage.max()) + 1 if len(self.stage) else 1
+        return info
 
     def context(self) -> JobContext:
         return JobContext(self.job, self.world_size, self.nodes, self.stage, coords=self.coords,
                           last_step=self.last_step, last_t_end=self.last_t_end, max_step=self.max_step,
-                          steps_event_ns=self.max_t_end)
+                          steps_event_ns=self.max_t_end, info=self.job_info())
 
     # ------------------------------------------------------------------ ingest
     def ingest(self, t: pa.Table) -> tuple[IngestResult, list[StepBlock]]:
@@ -198,6 +234,17 @@ class JobState:
                 continue
             self.planes[f][slot, r] = v[idx]
         self.filled[slot, r] = True
+        for c in COUNTS:
+            col = t.column(c)
+            if col.null_count < len(col):
+                v = col.to_numpy(zero_copy_only=False).astype(np.float64)[idx]
+                ok = np.isfinite(v)
+                np.add.at(self.sums[c], slot[ok], v[ok])
+                np.add.at(self.sum_n[c], slot[ok], 1)
+        col = t.column("data_queue") if "data_queue" in t.column_names else None
+        if col is not None and col.null_count < len(col):
+            self.queue_seen = True
+            self.queue[slot, r] = col.to_numpy(zero_copy_only=False).astype(np.float32)[idx]
         self.count += np.bincount(slot[open_], minlength=self.capacity)
         np.maximum.at(self.t_end, slot, t_end[idx])
         if len(s):
@@ -213,6 +260,10 @@ class JobState:
             for f in FIELDS:
                 self.planes[f][sl].fill(np.nan)
             self.filled[sl].fill(False)
+            self.queue[sl].fill(np.nan)
+            for c in COUNTS:
+                self.sums[c][sl] = 0.0
+                self.sum_n[c][sl] = 0
             self.count[sl] = 0
             self.t_end[sl] = 0
             self.slot_step[sl] = -1
@@ -227,7 +278,11 @@ class JobState:
             return None
         steps, slots = steps[present], slots[present]
         p = {f: self.planes[f][slots] for f in FIELDS}
-        return StepBlock(steps=steps, t_end=self.t_end[slots].copy(), **p)
+        n_tok, n_smp = self.sum_n["tokens"][slots], self.sum_n["samples"][slots]
+        return StepBlock(steps=steps, t_end=self.t_end[slots].copy(), **p,
+                         tokens=self.sums["tokens"][slots] if n_tok.any() else None, tokens_ranks=n_tok,
+                         samples=self.sums["samples"][slots] if n_smp.any() else None, samples_ranks=n_smp,
+                         data_queue=self.queue[slots] if self.queue_seen else None)
 
     def _close_upto(self, b: int) -> list[StepBlock]:
         a = self.next_close

@@ -407,6 +407,11 @@ class Processor:
             return
         finally:
             self.metrics.detector_seconds.labels(det.name).observe(time.perf_counter() - t0)
+        drain = getattr(det, "drain_rows", None)     # detectors that also produce table rows (efficiency)
+        if drain is not None:
+            for table, rows in drain().items():
+                if rows.num_rows and not rt.replaying:   # replayed steps' rows are already stored
+                    self._buffer(table, wire.conform(rows, wire.SCHEMAS[table]))
         for a in alerts:
             self._emit(rt, a)
 

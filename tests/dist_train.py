@@ -62,7 +62,9 @@ def train() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(rank)
     data = TensorDataset(torch.randn(steps * 16, 64, generator=g), torch.randint(0, 10, (steps * 16,), generator=g))
-    loader = DataLoader(data, batch_size=16)
+    nw = int(os.environ.get("SW_NUM_WORKERS", "0"))     # DataLoader workers (0: single-process, no prefetch)
+    loader = DataLoader(data, batch_size=16, num_workers=nw,
+                        **({"prefetch_factor": 4, "persistent_workers": True} if nw else {}))
     params = list(model.parameters())
     it = iter(loader)
     ends = []

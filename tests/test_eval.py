@@ -70,7 +70,9 @@ def test_comm_slowdown_of_one_dp_group_is_one_group_alert(results):
 def test_regression_and_recovery_both_match_with_cause(results):
     f = only_fault(results, "t-regress")
     assert f["found"] and f["localised"] and f["cause_ok"]
-    assert [a.kind for a in f["alerts"]] == ["regression", "recovery"]
+    assert [a.kind for a in f["alerts"] if a.kind in ("regression", "recovery")] == ["regression", "recovery"]
+    # the efficiency detectors report the same fault: MFU fell, and the DataLoader queue ran empty (io)
+    assert sorted({a.kind for a in f["alerts"]} - {"regression", "recovery"}) <= ["dataloader_starved", "mfu_regression"]
 
 
 def test_gc_jitter_is_jitter_with_cause_gc(results):

@@ -74,9 +74,14 @@ def test_comm_slow_of_one_dp_group_and_the_comm_table():
     assert lab["ranks"] == group and lab["scope"] == "group" and lab["group"] == "dp3"
     assert lab["cause"] == "communication" and len(lab["nodes"]) == R // RPN
     comm = out["comm"]
-    assert comm.num_rows == R * S and set(comm.column("group").to_pylist()) == {f"dp{i}" for i in range(8)}
-    assert np.allclose(grid(comm, "time_ms"), grid(out["steps"], "comm_ms"))
-    assert np.allclose(grid(comm, "wait_ms"), grid(out["steps"], "comm_wait_ms"))
+    # per rank and step: the all_reduce on the DP group (wall time = transfer + wait for the group's last
+    # rank, as the probe records it) and a barrier on "world" holding the rest of the comm wait
+    ar = comm.filter(pc.equal(comm.column("op"), "all_reduce"))
+    bar = comm.filter(pc.equal(comm.column("op"), "barrier"))
+    assert ar.num_rows == bar.num_rows == R * S and set(ar.column("group").to_pylist()) == {f"dp{i}" for i in range(8)}
+    assert set(bar.column("group").to_pylist()) == {"world"} and set(ar.column("group_size").to_pylist()) == {R // 8}
+    assert np.allclose(grid(ar, "time_ms") - grid(ar, "wait_ms"), grid(out["steps"], "comm_ms"))
+    assert np.allclose(grid(ar, "wait_ms") + grid(bar, "wait_ms"), grid(out["steps"], "comm_wait_ms"))
     assert "comm" not in sim().generate(0, 2)                     # off by default
 
 
@@ -86,7 +91,7 @@ def test_rank_hang_and_job_hang_drop_rows_but_not_host_samples():
     st = out["steps"]
     r20 = st.filter(pc.equal(st.column("rank"), 20)).column("step").to_pylist()
     assert max(r20) == 14 and st.num_rows == R * S - (S - 15)
-    assert out["comm"].num_rows == st.num_rows and out["host"].num_rows == S * (R // RPN)
+    assert out["comm"].num_rows == 2 * st.num_rows and out["host"].num_rows == S * (R // RPN)
     assert 20 not in out["gc"].filter(pc.greater_equal(out["gc"].column("t"), st.column("t_end")[15 * R])) \
         .column("rank").to_pylist()
     assert (s.labels()[0]["scope"], s.labels()[0]["ranks"], s.labels()[0]["cause"]) == ("rank", [20], None)

@@ -53,14 +53,17 @@ def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("grafana-store")
     sim = Simulation(job="j1", ranks=RANKS, steps=STEPS, step_ms=1000.0, seed=1, t0_ns=T0, pp=2,
                      faults=[f"slow-rank:rank={SLOW_RANK},pct=30,start=40",
-                             f"cpu-contention:rank={CONTENDED_RANK},start=30", "gc-storm:rank=3,start=50,end=80"])
+                             f"cpu-contention:rank={CONTENDED_RANK},start=30", "gc-storm:rank=3,start=50,end=80"],
+                     comm=True)
     g = sim.generate(0, STEPS)
     steps = g["steps"]
     t_end = dict(zip(steps.column("step").to_pylist(), steps.column("t_end").cast(pa.int64()).to_pylist()))
     alerts = pa.Table.from_pylist([a.row() for a in make_alerts(t_end)], schema=schema.ALERTS)
     st = ParquetStore(root).init()
+    from stepwatch.detectors.efficiency import efficiency_tables
+    eff = efficiency_tables(sim.topology(), steps, g["comm"])     # what the processor's efficiency detectors write
     st.write_flush({"topology": [sim.topology()], "steps": [steps], "host": [g["host"]], "gc": [g["gc"]],
-                    "alerts": [alerts]}, {})
+                    "alerts": [alerts], "comm": [g["comm"]], **{k: [v] for k, v in eff.items()}}, {})
     con = connect(root)
     yield con
     con.close()
