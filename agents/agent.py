@@ -46,7 +46,7 @@ from stepwatch.stream.metrics import Metrics
 log = logging.getLogger("stepwatch.agent")
 
 _FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
-KINDS = ("topology", "steps", "gc", "comm", "host")
+KINDS = ("topology", "steps", "gc", "comm", "host", "profiles")
 ACTIVE_S = 60.0          # a probe heard from within this many seconds is a served rank
 PENDING_S = 30.0         # records of an unknown probe instance wait this long for its hello
 PENDING_MAX = 256        # ... and at most this many datagrams per instance
@@ -214,6 +214,7 @@ class Agent:
         self._t_host = -1e18
         self.ticks = 0
         self.bad = 0
+        self.control = None                 # targeted profiling (stepwatch.agents.control), see enable_profiling
 
     # ------------------------------------------------------------------ socket
     def start(self) -> "Agent":
@@ -239,6 +240,8 @@ class Agent:
         self._rx = threading.Thread(target=self._receive, name="stepwatch-agent-rx", daemon=True)
         self._rx.start()
         sample(self.runners, time.monotonic())       # baselines for rates and CPU shares
+        if self.control is not None:
+            self.control.start()
         self._t_host = time.monotonic()
         qlen = _max_dgram_qlen()
         if qlen is not None and qlen < 64:
@@ -276,6 +279,10 @@ class Agent:
             typ, inst, _, body = frames[0]
             if typ == wirep.T_HELLO:
                 self._hello(inst, body, now)
+                return
+            if typ == wirep.T_PROFILE:
+                if self.control is not None:
+                    self.control.on_result(self.idents.get(inst), body)
                 return
         except (wirep.BadDatagram, ValueError, TypeError) as e:
             self._bad(e)
@@ -389,6 +396,9 @@ class Agent:
                 self.rows["host"][r["job"]].append(r)
             if hrows:
                 m.records_in.labels("host").inc(len(hrows))
+        if self.control is not None:
+            for r in self.control.take_rows():
+                self.rows["profiles"][r["job"]].append(r)
         items = []
         for kind in KINDS:
             per_job = self.rows[kind]
@@ -421,8 +431,18 @@ class Agent:
         finally:
             self.close()
 
+    def enable_profiling(self, key: bytes, profile_dir: str | None = None, **kw) -> "Agent":
+        """Accept signed profiling commands for this node (before :meth:`start`); ``kw`` goes to
+        :class:`~stepwatch.agents.control.AgentControl` (``cooldown_s``, ``max_steps`` ...)."""
+        from stepwatch.agents.control import AgentControl
+        d = profile_dir or os.environ.get("STEPWATCH_PROFILE_DIR") or os.path.join(self.socket_dir, "profiles")
+        self.control = AgentControl(self, self.shipper.settings if self.shipper else None, key, d, **kw)
+        return self
+
     def close(self) -> None:
         self.stop_event.set()
+        if self.control is not None:
+            self.control.close()
         if self._rx is not None:
             self._rx.join(2)
             self._rx = None

@@ -26,6 +26,14 @@ def cmd_agent(a) -> int:
                   spool_dir=a.spool_dir, spool_max_bytes=int(a.spool_max_mb * (1 << 20)),
                   plugins=[p for p in a.plugins.split(",") if p] if a.plugins else None,
                   create_topics=not a.no_create_topics)
+    from stepwatch.agents.profiling import KeyError_, load_key
+    try:
+        key = None if a.no_kafka or a.no_profiling else load_key()
+    except KeyError_ as e:
+        print(f"stepwatch agent: {e}", file=sys.stderr)
+        return 1
+    if key is not None:      # signed profiling commands for this node (DESIGN §9, docs/profiling.md)
+        agent.enable_profiling(key, a.profile_dir, cooldown_s=a.profile_cooldown, max_steps=a.profile_max_steps)
     try:
         agent.start()
     except (RuntimeError, OSError) as e:
@@ -68,6 +76,13 @@ def add_agent_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-addr", default="127.0.0.1")
     p.add_argument("--no-create-topics", action="store_true", help="do not create missing Kafka topics")
     p.add_argument("--no-kafka", action="store_true", help="receive, decode and count only; send nothing (tests, benchmarks)")
+    g = p.add_argument_group("targeted profiling (on when STEPWATCH_PROFILING_KEY[_FILE] holds the shared key)")
+    g.add_argument("--profile-dir", default=os.environ.get("STEPWATCH_PROFILE_DIR"),
+                   help="where probes write traces (local path or shared volume; default <socket-dir>/profiles)")
+    g.add_argument("--profile-cooldown", type=float, default=60.0,
+                   help="seconds after an accepted command during which this node refuses new ones")
+    g.add_argument("--profile-max-steps", type=int, default=200, help="longest profile accepted, in steps")
+    g.add_argument("--no-profiling", action="store_true", help="ignore profiling commands even with a key")
 
 
 def register(sub) -> None:

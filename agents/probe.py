@@ -80,6 +80,7 @@ MAGIC = 0x5357
 VERSION = 1
 T_BATCH = 1
 T_HELLO = 2
+T_PROFILE = 3                         # probe -> agent: the outcome of a profiling command (HDR + JSON)
 
 HDR = struct.Struct("<HBBiiBBBB")
 STEP = struct.Struct("<qqqddddddiiqqI4x")
@@ -309,6 +310,8 @@ class Probe:
         self._opt_t0 = 0
         self._gc_t0 = 0
         self._pid = os.getpid()
+        self._ctl = None                      # targeted profiling (stepwatch.agents.profiling.ProbeControl)
+        self._ctl_active = False              # a profile needs step boundaries (one check per step)
 
     # ------------------------------------------------------------------ state
     def _reset_counters(self) -> None:
@@ -501,6 +504,7 @@ class Probe:
             self._t_connect = -(1 << 62)
             self._backlog.clear()
             self._open = False
+            self._ctl_close(unlink=True)
 
     def _after_fork(self) -> None:
         """In a forked child: a new probe instance with its own socket and counters. Identity fields
@@ -536,6 +540,7 @@ class Probe:
             self.world_size = None
         self._identity_ready = self.rank is not None and self.world_size is not None
         self._pid = os.getpid()
+        self._ctl_close(unlink=False)                 # the parent's control socket stays the parent's
 
     def _mp_child(self) -> None:
         import multiprocessing.util as mpu
@@ -683,6 +688,9 @@ class Probe:
             d["group_sizes"] = dict(self._group_sizes)
         if self.node:
             d["node"] = self.node
+        ctl = self._ctl_path()
+        if ctl:
+            d["ctl"] = ctl
         d.update(self._device())
         d.update(self.extra)
         return d
@@ -806,6 +814,8 @@ class Probe:
 
     def _flush(self, perf: int) -> None:
         self._last_flush = perf
+        if self._ctl is not None:
+            self._ctl_poll()
         n = self._frames
         if n:
             off, self._off, self._frames = self._off, 0, 0
@@ -863,6 +873,8 @@ class Probe:
         self._step += 1
         if perf - self._last_flush >= self.flush_ns or off > MAX_DATAGRAM - MAX_FRAME or self._need_hello:
             self._flush(perf)
+        if self._ctl_active:
+            self._ctl.on_step(self._step)
 
     # ------------------------------------------------------------------ automatic hooks
     def _opt_pre(self, opt, args, kwargs) -> None:
@@ -1153,6 +1165,33 @@ class Probe:
             except (TypeError, AttributeError):
                 pass
 
+    # ------------------------------------------------------------------ targeted profiling
+    def _ctl_path(self) -> str:
+        """The control socket announced in the hello (bound on first use; '' when profiling is off:
+        ``STEPWATCH_PROFILING=0``). Commands and their handling: :mod:`stepwatch.agents.profiling`."""
+        if self._ctl is None:
+            if os.environ.get("STEPWATCH_PROFILING", "1") == "0" or not self._path:
+                return ""
+            try:
+                mod = _profiling_module()
+            except Exception:  # noqa: BLE001 - no profiling, telemetry goes on
+                return ""
+            self._ctl = mod.ProbeControl(self, lambda inst, rank: HDR.pack(MAGIC, VERSION, T_PROFILE, inst, rank,
+                                                                          0, 0, 0, 0))
+        return self._ctl.ensure_bound(os.path.dirname(self._path))
+
+    def _ctl_poll(self) -> None:
+        try:
+            self._ctl.poll()
+        except Exception:  # noqa: BLE001 - profiling never fails training
+            self._ctl_active = False
+
+    def _ctl_close(self, unlink: bool) -> None:
+        c, self._ctl = self._ctl, None
+        self._ctl_active = False
+        if c is not None:
+            c.close(unlink=unlink)
+
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict:
         """Counters since ``init`` (or the fork that made this process). ``steps`` ended; of their
@@ -1168,6 +1207,24 @@ class Probe:
                 "comm_keys_dropped": self.comm_keys_dropped, "phases_dropped": self.phases_dropped,
                 "hellos": self.hellos, "socket": self._path, "instance": self.instance,
                 "rank": self.rank, "job": self.job}
+
+
+def _profiling_module():
+    """``stepwatch.agents.profiling``, or the file next to this one when the probe was loaded on its
+    own (``STEPWATCH_PROBE_FILE``, where the package is not importable)."""
+    try:
+        from stepwatch.agents import profiling
+        return profiling
+    except ImportError:
+        mod = sys.modules.get("stepwatch_profiling")
+        if mod is None:
+            import importlib.util
+            spec = importlib.util.spec_from_file_location(
+                "stepwatch_profiling", os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiling.py"))
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules["stepwatch_profiling"] = mod
+            spec.loader.exec_module(mod)
+        return mod
 
 
 # ---------------------------------------------------------------------------- decoding (agent side)
@@ -1206,6 +1263,16 @@ def decode(data: bytes) -> list[tuple[int, int, int, object]]:
                 raise BadDatagram(f"undecodable hello: {e}") from None
             if not isinstance(body, dict):
                 raise BadDatagram("hello is not a JSON object")
+            return [(typ, inst, rank, body)]
+        if typ == T_PROFILE:
+            if off:
+                raise BadDatagram("profile result after a batch frame")
+            try:
+                body = json.loads(bytes(data[HDR.size:]).decode("utf-8"))
+            except (UnicodeDecodeError, ValueError) as e:
+                raise BadDatagram(f"undecodable profile result: {e}") from None
+            if not isinstance(body, dict):
+                raise BadDatagram("profile result is not a JSON object")
             return [(typ, inst, rank, body)]
         if typ != T_BATCH:
             raise BadDatagram(f"unknown frame type {typ}")

@@ -213,11 +213,50 @@ COMM_BW = pa.schema([
     pa.field("diagnosis", pa.string()),     # small-messages | slow-link | sync-bound | null
 ])
 
+#: Targeted profiling (DESIGN §9). ``control``: one signed command per node (keyed by node; never
+#: stored). ``reference`` (ranks profiled as the healthy comparison) is signed with the rest; see
+#: :mod:`stepwatch.agents.profiling` for the canonical form that ``signature`` covers.
+CONTROL = pa.schema([
+    pa.field("cmd_id", pa.string(), nullable=False),
+    pa.field("job", pa.string(), nullable=False),
+    pa.field("node", pa.string(), nullable=False),
+    pa.field("ranks", pa.list_(pa.int32())),
+    pa.field("steps", pa.int32()),
+    pa.field("kind", pa.string()),
+    pa.field("reason", pa.string()),
+    pa.field("issued_at", TS),
+    pa.field("expires_at", TS),
+    pa.field("signature", pa.string()),
+    pa.field("reference", pa.list_(pa.int32())),
+])
+
+#: ``profiles``: one row per (command, rank, outcome), published by the node agent (or by the
+#: processor for a command it did not issue because of the cap). ``reason`` is the alert id.
+PROFILES = pa.schema([
+    pa.field("cmd_id", pa.string(), nullable=False),
+    pa.field("job", pa.string(), nullable=False),
+    pa.field("node", pa.string()),
+    pa.field("rank", pa.int32()),
+    pa.field("status", pa.string(), nullable=False),     # ok | failed | rejected | expired | busy
+    pa.field("uri", pa.string()),
+    pa.field("bytes", pa.int64()),
+    pa.field("summary", pa.string()),                     # JSON: top operators/functions by self time
+    pa.field("started_at", TS),
+    pa.field("finished_at", TS),
+    pa.field("kind", pa.string()),                        # torch | py-spy
+    pa.field("role", pa.string()),                        # suspect | reference
+    pa.field("reason", pa.string()),                      # alert id that asked for it ('' by hand)
+    pa.field("detail", pa.string()),                      # why: rejection/failure reason, or a note
+    pa.field("steps", pa.int32()),                        # steps profiled (asked for, when not ok)
+    pa.field("t", TS),                                    # when the outcome was published
+])
+
 SCHEMAS: dict[str, pa.Schema] = {
     "steps": STEPS, "topology": TOPOLOGY, "host": HOST, "gc": GC, "comm": COMM,
     "alerts": ALERTS, "deadletter": DEADLETTER, "rank_minutes": RANK_MINUTES,
     "efficiency": EFFICIENCY, "comm_bw": COMM_BW,
 }
+SCHEMAS["profiles"] = PROFILES     # targeted profiling results (agents publish, the processor stores)
 #: Kinds a producer may send (telemetry); alerts/deadletter are written by the processor.
 TELEMETRY = ("steps", "topology", "host", "gc", "comm")
 
@@ -229,6 +268,7 @@ NATURAL_KEYS: dict[str, tuple[str, ...]] = {
     "gc": ("job", "rank", "t"),
     "comm": ("job", "rank", "step", "op", "group"),
     "alerts": ("alert_id", "status"),
+    "profiles": ("cmd_id", "rank", "status"),
     "efficiency": ("job", "step"),
     "comm_bw": ("job", "step_hi", "op", "group"),
 }
@@ -270,7 +310,7 @@ def parse_schema_header(value: str | bytes | None) -> tuple[str, int]:
         raise WireError("missing 'schema' header (expected e.g. 'steps/1')")
     s = value.decode("utf-8", "replace") if isinstance(value, (bytes, bytearray)) else str(value)
     kind, _, ver = s.partition("/")
-    if kind not in TELEMETRY:
+    if kind not in TELEMETRY and kind != "profiles":
         raise WireError(f"unknown schema {s!r} in 'schema' header (expected one of "
                         f"{', '.join(k + '/1' for k in TELEMETRY)})")
     try:

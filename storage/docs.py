@@ -24,6 +24,10 @@ ABOUT = {
                     "`t_end`) partial sums (`steps` = rows summed). One (job, rank, minute) may have several "
                     "rows (one per flush): always aggregate with `sum`. Per-rank questions over hours read "
                     "this instead of `steps` (about 60x fewer rows).",
+    "profiles": "Targeted profiling (wire `profiles/1`, see docs/profiling.md): one row per command, rank and "
+                "outcome (`ok`, `failed`, `rejected`, `expired`, `busy`). `reason` is the alert id that asked for "
+                "it, `role` says suspect or reference, `summary` is JSON (top operators or Python functions by "
+                "self time, ms per step), `uri` the trace file, `detail` why a command was refused or failed.",
 }
 
 ABOUT["efficiency"] = ("Written by the processor's `mfu` detector: one row per job and closed step. `mfu` = "

@@ -45,6 +45,10 @@ SORT_COLUMNS = {"rank_minutes": ["minute", "rank"], "steps": ["step", "rank"], "
                 "topology": ["rank"], "alerts": ["t_detected"], "deadletter": ["t_received"],
                 "efficiency": ["step"], "comm_bw": ["step_hi", "op", "group"]}
 TABLES = ("steps", "topology", "host", "gc", "comm", "alerts", "deadletter", "rank_minutes", "efficiency", "comm_bw")
+# targeted profiling results (DESIGN §9): one row per command, rank and outcome
+TIME_COLUMN["profiles"] = "_received"
+SORT_COLUMNS["profiles"] = ["cmd_id", "rank"]
+TABLES = TABLES + ("profiles",)
 
 
 def rank_minutes(steps: pa.Table) -> pa.Table:

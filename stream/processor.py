@@ -39,7 +39,7 @@ from stepwatch.stream.metrics import ProcessorMetrics
 
 log = logging.getLogger("stepwatch.processor")
 
-INPUT_TOPICS = ("topology", "steps", "host", "gc", "comm")
+INPUT_TOPICS = ("topology", "steps", "host", "gc", "comm", "profiles")
 
 
 def _build_detectors(settings):
@@ -75,7 +75,7 @@ class Processor:
                  lateness_s: float = 10.0, window_steps: int = 128, replay_steps: int = 256,
                  detector_settings: dict | None = None,
                  on_alert: Callable[[Alert], None] | None = None, metrics: ProcessorMetrics | None = None,
-                 create_topics: bool = True, idle_close_s: float = 5.0):
+                 create_topics: bool = True, idle_close_s: float = 5.0, profiling="env"):
         self.kafka = kafka
         self.store = ParquetStore(data_dir).init()
         self.group = group
@@ -89,6 +89,11 @@ class Processor:
         self.metrics = metrics or ProcessorMetrics()
         self.create_topics = create_topics
         self.idle_close_s = idle_close_s
+        if profiling == "env":                      # on when STEPWATCH_PROFILING_KEY[_FILE] holds a key
+            from stepwatch.stream.profiling import settings_from_env
+            profiling = settings_from_env()
+        self.profiling_settings = profiling         # ProfilingSettings (stream.profiling); None: no commands
+        self.profiling = None                       # its Issuer, once the producer exists
         self.jobs: dict[str, JobRuntime] = {}
         self.buffers: dict[str, list[pa.Table]] = defaultdict(list)
         self.buffered_rows = 0
@@ -115,6 +120,9 @@ class Processor:
         self.store.cluster = re.sub(r"[^A-Za-z0-9._-]", "_", cid)
         self.store.recover()
         self.producer = make_producer(self.kafka, linger_ms=20)
+        if self.profiling_settings is not None:
+            from stepwatch.stream.profiling import Issuer
+            self.profiling = Issuer(self.profiling_settings, self.kafka, self.producer)
         self.consumer = make_consumer(self.kafka, self.group, client_id=f"{self.kafka.client_id}-processor")
         from kafka import ConsumerRebalanceListener
 
@@ -237,6 +245,8 @@ class Processor:
             return
         if kind != "steps":
             self._buffer(kind, t)
+            if kind == "profiles" and self.profiling is not None:
+                self._profile_results(t)
             if kind in ("host", "gc", "comm"):
                 self._context(kind, t)
             return
@@ -435,6 +445,37 @@ class Processor:
             self.on_alert(a)
         else:
             log.warning("%s", a.line())
+        if self.profiling is not None and a.status == "firing" and not rt.replaying:
+            self._profile_alert(rt, a)
+
+    # ------------------------------------------------------------------ targeted profiling (stream.profiling)
+    def _profile_alert(self, rt: JobRuntime, a: Alert) -> None:
+        try:
+            rows = self.profiling.on_alert(rt.state, a)
+        except Exception:  # noqa: BLE001 - profiling never stops the processor
+            log.exception("could not issue profiling commands for alert %s", a.alert_id)
+            return
+        if rows:
+            from stepwatch.stream.profiling import profile_rows_table
+            self._buffer("profiles", profile_rows_table(rows))
+
+    def _profile_results(self, t: pa.Table) -> None:
+        """Suspect + reference summaries in: re-emit the alert with a ``profile_diff`` section (on the
+        alerts topic and to the callback; the alerts table keeps one row per alert and status)."""
+        from stepwatch.stream.profiling import alert_with_diff
+        for p, d in self.profiling.on_results(t):
+            if p.alert is None:
+                continue
+            a = alert_with_diff(p.alert, p.cmd_id, d)
+            row = pa.Table.from_pylist([a.row()], schema=wire.ALERTS)
+            if self.producer is not None:
+                self.producer.send(self.kafka.topic("alerts"), wire.encode_arrow(row), key=a.job.encode(),
+                                   headers=[("content-type", wire.ARROW_CT.encode()), ("schema", b"alerts/1")])
+            if self.on_alert:
+                self.on_alert(a)
+            else:
+                log.warning("%s — profile: %s", a.line(), ", ".join(
+                    f"{x['name']} +{x['delta_ms']:.2f} ms/step" for x in d["slower"][:3]))
 
     def _close_idle_jobs(self) -> None:
         """Close steps of jobs whose stream went quiet (event time cannot advance without data)."""
