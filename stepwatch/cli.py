@@ -322,6 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
     register_agents(sub)
     from stepwatch.eval import register as register_eval
     register_eval(sub)
+    from stepwatch.stream.profiling_cli import register as register_profile
+    register_profile(sub)
     pr.set_defaults(func=cmd_process)
 
     q = sub.add_parser("sql", help="run SQL over the Parquet store (DuckDB views)")
