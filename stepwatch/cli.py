@@ -254,12 +254,17 @@ def cmd_demo(a) -> int:
                     regression_step=a.regression_step, seed=a.seed)
 
 
+def _profiling_bench(a) -> int:
+    from stepwatch.stream.bench_profiling import run_profiling_bench
+    return run_profiling_bench(a)
+
+
 def cmd_bench(a) -> int:
     from stepwatch import bench
     from stepwatch.agents.bench_overhead import run_overhead_bench
     from stepwatch.eval import run_detector_bench
     return {"ingest": bench.run_bench, "query": bench.run_query_bench, "overhead": run_overhead_bench,
-            "detectors": run_detector_bench}[a.what](a)
+            "detectors": run_detector_bench, "profiling": _profiling_bench}[a.what](a)
 
 
 # ---------------------------------------------------------------------------- parser
@@ -359,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=cmd_sql)
 
     be = sub.add_parser("bench", help="benchmarks that print figures")
-    be.add_argument("what", choices=["ingest", "query", "overhead", "detectors"])
+    be.add_argument("what", choices=["ingest", "query", "overhead", "detectors", "profiling"])
     be.add_argument("--ranks", type=int, default=16384)
     be.add_argument("--steps", type=int, default=60, help="steps pre-produced for the throughput run")
     be.add_argument("--lag-seconds", type=int, default=30, help="length of the live (1 step/s) lag run")
@@ -368,6 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--data-dir", default=None, help="default: a temporary folder")
     from stepwatch.agents.bench_overhead import add_overhead_args
     add_overhead_args(be)
+    from stepwatch.stream.bench_profiling import add_profiling_args
+    add_profiling_args(be)
     be.set_defaults(func=cmd_bench)
     return p
 

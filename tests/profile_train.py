@@ -2,7 +2,7 @@
 test itself): ``SW_NPROC`` ranks forked from one parent (as tests/dist_train.py does), a small MLP, a
 step padded with a sleep to ``SW_STEP_MS``; rank ``SW_SLOW_RANK`` does ``SW_SLOW_EXTRA_MS`` of extra work
 inside ``torch.profiler.record_function("slow_op")`` (a matmul loop then a sleep), the injected slow
-operation a profile must find. The run goes on until ``SW_STEPS`` steps or until the file ``SW_STOP``
+operation a profile must find (from step ``SW_SLOW_FROM``, default 0). The run goes on until ``SW_STEPS`` steps or until the file ``SW_STOP``
 exists (checked every 10 steps with one all_reduce, so every rank stops at the same step). Each rank
 writes ``$SW_OUT/rank<r>.json`` with the wall time at the end of each step."""
 import json
@@ -19,6 +19,7 @@ def train() -> None:
     steps = int(os.environ.get("SW_STEPS", "2000"))
     step_ms = float(os.environ.get("SW_STEP_MS", "50"))
     slow = int(os.environ.get("SW_SLOW_RANK", "-1"))
+    slow_from = int(os.environ.get("SW_SLOW_FROM", "0"))     # the slow rank is slow from this step on
     extra_ms = float(os.environ.get("SW_SLOW_EXTRA_MS", "30"))
     stop = os.environ.get("SW_STOP", "")
     torch.set_num_threads(1)
@@ -41,7 +42,7 @@ def train() -> None:
         pad = step_ms - (time.perf_counter() - t0) * 1e3
         if pad > 0:
             time.sleep(pad / 1e3)
-        if rank == slow:            # on top of the padded step: this rank is extra_ms slower
+        if rank == slow and i >= slow_from:     # on top of the padded step: this rank is extra_ms slower
             with torch.profiler.record_function("slow_op"):
                 t1 = time.perf_counter()
                 for _ in range(4):
