@@ -144,6 +144,76 @@ def torch_summary(key_averages, steps: int, top: int = TOP_N) -> dict:
             "top": ops[:top]}
 
 
+# trace events whose duration is an operator's (CPU side) or a device activity's own time
+_CPU_CATS = frozenset(("cpu_op", "user_annotation", "python_function"))
+_DEVICE_CATS = frozenset(("kernel", "gpu_memcpy", "gpu_memset"))
+
+
+def trace_summary(trace: dict, steps: int, top: int = TOP_N) -> dict:
+    """The :func:`torch_summary` of a Chrome trace written by ``export_chrome_trace``: self time per
+    operator / ``record_function`` range = its duration minus its direct children's on the same
+    thread; device kernels and copies count their whole duration. Computed from the file (in a
+    separate process, see :func:`summarize_in_subprocess`) so the training process never runs the
+    profiler's Python post-processing, which would compete with training for the GIL."""
+    steps = max(int(steps), 1)
+    threads: dict[tuple, list] = {}
+    dev: dict[str, list] = {}
+    for e in trace.get("traceEvents", ()):
+        if e.get("ph") != "X":
+            continue
+        cat = e.get("cat")
+        name = str(e.get("name", ""))
+        if cat in _CPU_CATS:
+            if name.startswith("ProfilerStep"):
+                continue
+            threads.setdefault((e.get("pid"), e.get("tid")), []).append(
+                (float(e.get("ts", 0.0)), float(e.get("dur", 0.0)), name))
+        elif cat in _DEVICE_CATS:
+            a = dev.setdefault(name, [0.0, 0])
+            a[0] += float(e.get("dur", 0.0))
+            a[1] += 1
+    cpu: dict[str, list] = {}
+    for evs in threads.values():
+        evs.sort(key=lambda x: (x[0], -x[1]))
+        stack: list[list] = []                     # [end, self_us, name] of the open ranges
+        for ts, dur, name in evs:
+            while stack and stack[-1][0] <= ts:
+                _close(stack.pop(), cpu)
+            if stack:
+                stack[-1][1] -= dur                # a direct child: not the parent's own time
+            stack.append([ts + dur, dur, name])
+        while stack:
+            _close(stack.pop(), cpu)
+    ops, total = [], 0.0
+    for name in set(cpu) | set(dev):
+        c_us, n = cpu.get(name, (0.0, 0))
+        d_us, dn = dev.get(name, (0.0, 0))
+        c, d = max(c_us, 0.0) / 1e3, d_us / 1e3
+        total += c + d
+        ops.append({"name": name, "self_ms": round((c + d) / steps, 4), "cpu_ms": round(c / steps, 4),
+                    "device_ms": round(d / steps, 4), "calls": round((n or dn) / steps, 3)})
+    ops.sort(key=lambda o: -o["self_ms"])
+    return {"profiler": "torch", "unit": "ms/step", "steps": steps, "total_self_ms": round(total / steps, 4),
+            "top": ops[:top]}
+
+
+def _close(item: list, acc: dict) -> None:
+    a = acc.setdefault(item[2], [0.0, 0])
+    a[0] += item[1]
+    a[1] += 1
+
+
+def summarize_in_subprocess(path: str, steps: int, timeout_s: float = 120.0) -> dict:
+    """:func:`trace_summary` of the trace file at ``path`` computed by a child Python process (its
+    CPU and its GIL are not the training process's)."""
+    r = subprocess.run([sys.executable, "-m", "stepwatch.agents.profiling", "summarize", path, str(int(steps))],
+                       stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout_s, close_fds=True)
+    if r.returncode != 0:
+        err = r.stderr.decode("utf-8", "replace").strip().splitlines()
+        raise RuntimeError("trace summary failed: " + (err[-1] if err else f"exit code {r.returncode}"))
+    return json.loads(r.stdout)
+
+
 def _func_name(frame: str) -> str:
     """``fn (file.py:12)`` -> ``fn (file.py)``: aggregate a function over its lines."""
     frame = frame.strip()
@@ -371,9 +441,9 @@ class ProfileRun:
         try:
             t0 = time.perf_counter()
             if self.kind == "torch":
-                self.prof.export_chrome_trace(self.path)
-                summary = torch_summary(self.prof.key_averages(), max(self.n, 1))
+                self.prof.export_chrome_trace(self.path)      # kineto writes it (C++), no Python parsing
                 self.prof = None
+                summary = summarize_in_subprocess(self.path, max(self.n, 1))
             else:
                 try:
                     _, err = self.proc.communicate(timeout=30)
@@ -519,3 +589,24 @@ class ProbeControl:
             except OSError:
                 return False
         return False
+
+
+def _main(argv: list[str]) -> int:
+    """``python -m stepwatch.agents.profiling summarize TRACE.json[.gz] STEPS``: the summary as JSON."""
+    if len(argv) != 3 or argv[0] != "summarize":
+        sys.stderr.write("usage: python -m stepwatch.agents.profiling summarize TRACE STEPS\n")
+        return 2
+    path, steps = argv[1], int(argv[2])
+    if path.endswith(".gz"):
+        import gzip
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            trace = json.load(f)
+    else:
+        with open(path, encoding="utf-8") as f:
+            trace = json.load(f)
+    json.dump(trace_summary(trace, steps), sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

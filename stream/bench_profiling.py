@@ -11,7 +11,7 @@ profile rank 1 and a reference for ``--prof-steps`` steps. Reported:
   available in the processor;
 - the profiled rank's step time (wall time between its step ends, median) before the profile, while
   the profiler warms up (``torch._inductor`` import on a helper thread), during the N profiled steps,
-  the first steps after (trace export and summary on a helper thread) and later: it must return to
+  the first steps after (trace export on a helper thread, summary in a child process) and later: it must return to
   the baseline.
 """
 from __future__ import annotations

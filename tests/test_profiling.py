@@ -317,6 +317,34 @@ def test_summary_and_diff_of_real_torch_profiles_name_the_slow_op():
     assert command_diff([1], [3], res) is None
 
 
+def test_trace_file_summary_in_a_child_process_equals_the_profilers_own(tmp_path):
+    """The probe summarises the exported Chrome trace in a child process (no profiler post-processing
+    in the training process): the self times must be the profiler's own key_averages()."""
+    torch = pytest.importorskip("torch")
+    from torch.profiler import ProfilerActivity, profile, record_function
+    m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    x = torch.randn(16, 32)
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        for _ in range(4):
+            with record_function("slow_op"):
+                time.sleep(0.002)
+                (x @ x.T).sum()                    # a child inside the range: not the range's own time
+            m(x).pow(2).mean().backward()
+            opt.step()
+    path = str(tmp_path / "trace.json")
+    p.export_chrome_trace(path)
+    want = {o["name"]: o for o in profiling.torch_summary(p.key_averages(), 4, top=1000)["top"]}
+    got = profiling.summarize_in_subprocess(path, 4)
+    assert got["top"][0]["name"] == "slow_op"
+    for o in got["top"]:
+        assert o["self_ms"] == pytest.approx(want[o["name"]]["self_ms"], abs=2e-4), o["name"]
+    assert got["top"][0]["calls"] == 1.0                # once per step (op call counts may differ by one or two:
+    #                                                    the trace keeps an event or two key_averages() merges)
+    with pytest.raises(RuntimeError, match="trace summary failed"):
+        profiling.summarize_in_subprocess(str(tmp_path / "missing.json"), 4)
+
+
 def test_pyspy_raw_summary():
     raw = "<module> (t.py:9);train (t.py:5);slow (t.py:2) 30\n<module> (t.py:9);train (t.py:6);slow (t.py:3) 10\n" \
           "<module> (t.py:9);train (t.py:7) 20\n"
