@@ -871,7 +871,9 @@ class Probe:
         self._frames += 1
         self.n_steps += 1
         self._step += 1
-        if perf - self._last_flush >= self.flush_ns or off > MAX_DATAGRAM - MAX_FRAME or self._need_hello:
+        # (a hello waiting while no agent listens does not force a send per step: reconnects are timed)
+        if (perf - self._last_flush >= self.flush_ns or off > MAX_DATAGRAM - MAX_FRAME
+                or (self._need_hello and self._connected)):
             self._flush(perf)
         if self._ctl_active:
             self._ctl.on_step(self._step)
