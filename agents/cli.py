@@ -33,7 +33,8 @@ def cmd_agent(a) -> int:
         print(f"stepwatch agent: {e}", file=sys.stderr)
         return 1
     if key is not None:      # signed profiling commands for this node (DESIGN §9, docs/profiling.md)
-        agent.enable_profiling(key, a.profile_dir, cooldown_s=a.profile_cooldown, max_steps=a.profile_max_steps)
+        agent.enable_profiling(key, a.profile_dir, cooldown_s=a.profile_cooldown, max_steps=a.profile_max_steps,
+                               keep_mb=a.profile_keep_mb)
     try:
         agent.start()
     except (RuntimeError, OSError) as e:
@@ -82,6 +83,9 @@ def add_agent_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--profile-cooldown", type=float, default=60.0,
                    help="seconds after an accepted command during which this node refuses new ones")
     g.add_argument("--profile-max-steps", type=int, default=200, help="longest profile accepted, in steps")
+    g.add_argument("--profile-keep-mb", type=float, default=0.0,
+                   help="delete the oldest traces in --profile-dir beyond this many MiB (checked at start and "
+                        "after each profile; for a per-node directory); 0 keeps everything")
     g.add_argument("--no-profiling", action="store_true", help="ignore profiling commands even with a key")
 
 

@@ -41,6 +41,42 @@ from stepwatch.agents import profiling
 log = logging.getLogger("stepwatch.agent.control")
 
 GRACE_S = 30.0                 # a forwarded profile with no answer this long after its deadline: expired
+TRACE_SUFFIXES = (".json.gz", ".pyspy.txt")   # the names profiling.trace_name gives
+
+
+def prune_traces(directory: str, keep_bytes: int, protect=frozenset()) -> tuple[int, int]:
+    """Delete the oldest trace files of ``directory`` (by mtime) until those left take at most
+    ``keep_bytes``; returns (files deleted, bytes freed). Only trace names (``*.json.gz``,
+    ``*.pyspy.txt``, not in sub-directories) are counted or touched; names in ``protect`` (traces of
+    profiles still running) are counted but never deleted. A missing directory is not an error."""
+    files = []
+    try:
+        with os.scandir(directory) as it:
+            for e in it:
+                if e.name.endswith(TRACE_SUFFIXES) and e.is_file(follow_symlinks=False):
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    files.append((st.st_mtime_ns, e.name, st.st_size))
+    except OSError:
+        return 0, 0
+    total = sum(f[2] for f in files)
+    n = freed = 0
+    for _, name, size in sorted(files):
+        if total <= keep_bytes:
+            break
+        if name in protect:
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+        except OSError as e:
+            log.warning("could not delete old trace %s: %s", name, e.strerror)
+            continue
+        total -= size
+        n += 1
+        freed += size
+    return n, freed
 
 
 def node_partition(node: str, partitions: int) -> int:
@@ -81,12 +117,14 @@ class ControlMetrics:
         self.forwarded = Counter("stepwatch_agent_profile_forwarded", "Profiles handed to a probe", registry=registry)
         self.done = Counter("stepwatch_agent_profiles_done", "Profile outcomes reported by probes, by status",
                             ["status"], registry=registry)
+        self.pruned = Counter("stepwatch_agent_profile_traces_deleted", "Old traces deleted to keep the trace "
+                              "directory within --profile-keep-mb", registry=registry)
 
 
 class AgentControl:
     def __init__(self, agent, kafka, key: bytes, profile_dir: str, cooldown_s: float = 60.0,
                  max_steps: int = 200, max_ttl_s: float = 3600.0, skew_s: float = 60.0,
-                 reject_rows_per_min: int = 30, consume: bool = True):
+                 reject_rows_per_min: int = 30, consume: bool = True, keep_mb: float = 0.0):
         self.agent = agent
         self.kafka = kafka
         self._key = key
@@ -97,6 +135,8 @@ class AgentControl:
         self.skew_s = skew_s
         self.reject_rows_per_min = reject_rows_per_min
         self.consume = consume
+        self.keep_bytes = int(keep_mb * (1 << 20))      # trace budget of profile_dir; 0: keep everything
+        self._prune_due = self.keep_bytes > 0           # at start, then after each trace written
         self.metrics = ControlMetrics(agent.metrics.registry)
         self.lock = threading.Lock()
         self.seen: dict[str, int] = {}                  # cmd_id -> expires_at (ns): replay protection
@@ -304,6 +344,8 @@ class AgentControl:
             a = self.active.get((ident.job, ident.rank))
             if a is not None and a["cmd"].get("cmd_id") == body.get("cmd_id"):
                 del self.active[(ident.job, ident.rank)]
+            if status == "ok" and self.keep_bytes > 0:
+                self._prune_due = True                   # pruned at the next tick, not on the receive thread
             row = {"cmd_id": str(body.get("cmd_id"))[:64], "job": ident.job, "node": ident.node, "rank": ident.rank,
                    "status": status, "uri": body.get("uri"), "bytes": body.get("bytes"),
                    "summary": json.dumps(summ, sort_keys=True) if summ is not None else None,
@@ -322,7 +364,25 @@ class AgentControl:
                 a = self.active.pop(k)
                 self.rows.append(self._row(a["cmd"], k[1], "expired", "no answer from the probe", now))
             rows, self.rows = self.rows, []
+            prune, self._prune_due = self._prune_due, False
+            protect = {profiling.trace_name(j, r, str(a["cmd"].get("cmd_id")), str(a["cmd"].get("kind")))
+                       for (j, r), a in self.active.items()}
+        if prune:
+            self.prune(protect)
         return rows
+
+    def prune(self, protect=frozenset()) -> int:
+        """Keep ``profile_dir`` within ``keep_mb`` (oldest traces first); returns the files deleted.
+        Meant for a per-node directory: on a volume shared by several nodes each agent would count
+        the others' traces too, so leave ``keep_mb`` at 0 there and expire traces by other means."""
+        if self.keep_bytes <= 0:
+            return 0
+        n, freed = prune_traces(self.profile_dir, self.keep_bytes, protect)
+        if n:
+            self.metrics.pruned.inc(n)
+            log.info("deleted %d old trace(s), %.1f MiB, to keep %s within %.0f MiB", n, freed / (1 << 20),
+                     self.profile_dir, self.keep_bytes / (1 << 20))
+        return n
 
 
 def _safe_job(job) -> str:

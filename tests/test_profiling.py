@@ -449,3 +449,59 @@ def test_result_datagram_decodes():
     from stepwatch.agents.probe import HDR, MAGIC, VERSION
     d = HDR.pack(MAGIC, VERSION, T_PROFILE, 7, 3, 0, 0, 0, 0) + b'{"cmd_id":"c","status":"ok"}'
     assert decode(d) == [(T_PROFILE, 7, 3, {"cmd_id": "c", "status": "ok"})]
+
+
+# ---------------------------------------------------------------------------- agent: trace retention
+
+def _trace(d, name, kib, age_s):
+    p = os.path.join(d, name)
+    with open(p, "wb") as f:
+        f.write(b"x" * (kib << 10))
+    t = time.time() - age_s
+    os.utime(p, (t, t))
+    return p
+
+
+def test_prune_traces_deletes_the_oldest_beyond_the_budget(tmp_path):
+    from stepwatch.agents.control import prune_traces
+    d = str(tmp_path)
+    old = _trace(d, "j-r1-a.json.gz", 400, 300)
+    mid = _trace(d, "j-r2-b.pyspy.txt", 400, 200)
+    new = _trace(d, "j-r1-c.json.gz", 400, 100)
+    running = _trace(d, "j-r3-d.json.gz", 400, 400)      # oldest, but its profile is still running
+    other = _trace(d, "notes.txt", 4000, 500)              # not a trace: neither counted nor deleted
+    os.mkdir(os.path.join(d, "sub.json.gz"))               # a directory with a trace-like name: ignored
+    assert prune_traces(d, 1000 << 10, protect={"j-r3-d.json.gz"}) == (2, 800 << 10)
+    assert [os.path.exists(p) for p in (old, mid, new, running, other)] == [False, False, True, True, True]
+    assert prune_traces(d, 1000 << 10) == (0, 0)           # within the budget now
+    assert prune_traces(str(tmp_path / "missing"), 1) == (0, 0)
+
+
+def test_agent_keeps_the_trace_directory_within_keep_mb(socket_dir):
+    from types import SimpleNamespace
+    traces = os.path.join(socket_dir, "traces")
+    os.mkdir(traces)
+    agent = Agent(None, socket_dir=socket_dir, node=NODE, interval_s=0.2, plugins=[])
+    agent.enable_profiling(KEY, traces, keep_mb=1.0)
+    c = agent.control
+    try:
+        old = [_trace(traces, f"pj-r0-old{i}.json.gz", 512, 1000 - i) for i in range(3)]   # 1.5 MiB at start
+        c.take_rows()                                       # the first tick prunes what is already there
+        assert [os.path.exists(p) for p in old] == [False, True, True]
+        new = _trace(traces, "pj-r1-new.json.gz", 512, 0)
+        c.take_rows()
+        assert os.path.exists(old[1]), "nothing is pruned until a profile finishes"
+        c.on_result(SimpleNamespace(job="pj", rank=1, node=NODE), {"cmd_id": "new", "status": "ok", "kind": "torch"})
+        rows = c.take_rows()
+        assert [r["status"] for r in rows] == ["ok"]
+        assert [os.path.exists(p) for p in old[1:] + [new]] == [False, True, True]
+        assert agent.metrics.registry.get_sample_value("stepwatch_agent_profile_traces_deleted_total") == 2
+    finally:
+        agent.close()
+    off = Agent(None, socket_dir=socket_dir, node=NODE, interval_s=0.2, plugins=[]).enable_profiling(KEY, traces)
+    try:
+        _trace(traces, "pj-r0-big.json.gz", 4096, 2000)
+        off.control.take_rows()
+        assert len(os.listdir(traces)) == 3                 # keep_mb 0 (the default): nothing deleted
+    finally:
+        off.close()
