@@ -3,9 +3,10 @@
 #
 #   docker build -t REGISTRY/stepwatch:0.1.0 .
 #
-# Runs as the unprivileged user 10001 (the chart's runAsUser). The image also carries py-spy (used
-# only when the chart's profiling.pySpy.enabled grants SYS_PTRACE) and nvidia-ml-py (NVML, for GPU
-# metrics when the NVIDIA container runtime injects the driver).
+# Runs as the unprivileged user 10001 (the chart's runAsUser). The image also carries py-spy (the
+# agent never runs it: the probe in a training image with stepwatch[profiling] does, see
+# docs/profiling.md) and nvidia-ml-py (NVML, for GPU metrics when the NVIDIA container runtime
+# injects the driver).
 
 FROM python:3.11-slim AS build
 WORKDIR /src

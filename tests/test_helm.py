@@ -3,8 +3,8 @@ which binds Helm v4's Go SDK), every rendered object validated against the Kuber
 the newest release that ``kubernetes-validate`` bundles (offline; strict: unknown fields fail).
 
 Value sets: the defaults (plus the one required value, the Kafka bootstrap servers) and the chart's
-``ci/*.yaml`` (chart-testing's convention): NVIDIA nodes with SASL_SSL Kafka, Ascend nodes with py-spy
-profiling, four processors with ServiceMonitors.
+``ci/*.yaml`` (chart-testing's convention): NVIDIA nodes with SASL_SSL Kafka, Ascend nodes with signed
+profiling commands, four processors with ServiceMonitors.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ AGENT_CPU_MILLICORES, AGENT_RSS_MB = 16, 96
 VALUE_SETS = {
     "defaults": yaml.safe_load((CHART / "ci" / "minimal-values.yaml").read_text()),
     "nvidia-sasl": yaml.safe_load((CHART / "ci" / "nvidia-sasl-values.yaml").read_text()),
-    "ascend-pyspy": yaml.safe_load((CHART / "ci" / "ascend-pyspy-values.yaml").read_text()),
+    "ascend-profiling": yaml.safe_load((CHART / "ci" / "ascend-profiling-values.yaml").read_text()),
     "scale-out": yaml.safe_load((CHART / "ci" / "scale-out-values.yaml").read_text()),
 }
 MINIMAL = VALUE_SETS["defaults"]
@@ -141,7 +141,7 @@ def test_chart_grafana_files_are_what_grafana_export_writes_now(tmp_path):
     assert helmfiles.main(["--chart", str(CHART), "--check"]) == 0
 
 
-@pytest.mark.parametrize("name", ["defaults", "nvidia-sasl", "ascend-pyspy", "scale-out"])
+@pytest.mark.parametrize("name", ["defaults", "nvidia-sasl", "ascend-profiling", "scale-out"])
 def test_configmap_dashboards_equal_the_generator(name):
     objs = rendered(name)
     want = helmfiles.expected_files()
@@ -179,8 +179,8 @@ EXPECTED_KINDS = {
                  "PersistentVolumeClaim", "CronJob", "ConfigMap"},
     "nvidia-sasl": {"ServiceAccount", "PriorityClass", "DaemonSet", "Deployment", "Service", "PodDisruptionBudget",
                     "PersistentVolumeClaim", "CronJob", "ConfigMap", "Job"},
-    "ascend-pyspy": {"ServiceAccount", "PriorityClass", "DaemonSet", "Deployment", "Service", "PodDisruptionBudget",
-                     "PersistentVolumeClaim", "ConfigMap"},
+    "ascend-profiling": {"ServiceAccount", "PriorityClass", "DaemonSet", "Deployment", "Service",
+                         "PodDisruptionBudget", "PersistentVolumeClaim", "ConfigMap"},
     "scale-out": {"ServiceAccount", "PriorityClass", "DaemonSet", "Deployment", "Service", "PodDisruptionBudget",
                   "PersistentVolumeClaim", "CronJob", "ConfigMap", "ServiceMonitor"},
 }
@@ -220,8 +220,8 @@ def test_kinds_labels_and_selectors(name):
 def test_every_pod_is_hardened(name):
     """No service-account token, seccomp RuntimeDefault, no privilege escalation, read-only root,
     capabilities dropped; non-root except the init container that hands over the node directories
-    (CHOWN/FOWNER only) and, when py-spy is opted in, the agent (SYS_PTRACE only)."""
-    pyspy = name == "ascend-pyspy"
+    (CHOWN/FOWNER only). The agent is non-root without capabilities in every value set, profiling
+    included (py-spy runs in the training pod, not in the agent)."""
     for w in workloads(rendered(name)):
         spec = pod_spec(w)
         assert spec["automountServiceAccountToken"] is False
@@ -234,9 +234,6 @@ def test_every_pod_is_hardened(name):
             added = sc["capabilities"].get("add", [])
             if c["name"] == "node-dirs":
                 assert added == ["CHOWN", "FOWNER"] and sc["runAsUser"] == 0
-            elif w["kind"] == "DaemonSet" and pyspy:
-                assert added == ["SYS_PTRACE"]
-                assert spec["securityContext"]["runAsUser"] == 0
             else:
                 assert added == [], f"{w['metadata']['name']}/{c['name']} adds {added}"
                 assert spec["securityContext"]["runAsNonRoot"] is True
@@ -268,10 +265,12 @@ def test_agent_daemonsets_default():
         assert v[m["/run/stepwatch"]["name"]]["hostPath"] == {"path": "/run/stepwatch", "type": "DirectoryOrCreate"}
         assert v[m["/var/lib/stepwatch/spool"]["name"]]["hostPath"]["path"] == "/var/lib/stepwatch/spool"
         assert mounts(container(d, "node-dirs")).keys() == {"/run/stepwatch", "/var/lib/stepwatch/spool"}
+        assert "trace-dir" not in volumes(d)                                      # profiling is off
         assert agent["command"] == ["stepwatch"] and agent["args"][0] == "agent"
         a = agent["args"]
         assert a[a.index("--socket-dir") + 1] == "/run/stepwatch"
         assert a[a.index("--metrics-addr") + 1] == "$(POD_IP)"
+        assert not [x for x in a if x.startswith("--profile")]
         e = env(agent)
         assert e["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
         assert e["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
@@ -336,8 +335,8 @@ def test_nvidia_nodes_with_sasl_kafka():
     assert proc["spec"]["replicas"] == 2 and proc["spec"]["strategy"]["type"] == "RollingUpdate"
 
 
-def test_ascend_nodes_with_pyspy_profiling():
-    objs = rendered("ascend-pyspy")
+def test_ascend_nodes_with_profiling():
+    objs = rendered("ascend-profiling")
     ds = find(objs, "DaemonSet")
     assert [d["metadata"]["name"] for d in ds] == [f"{FULL}-agent-ascend"]
     d = ds[0]
@@ -345,16 +344,29 @@ def test_ascend_nodes_with_pyspy_profiling():
     assert spec["nodeSelector"] == {"node-role.kubernetes.io/training": "true"}
     assert {t["key"] for t in spec["tolerations"]} == {"huawei.com/Ascend910", "huawei.com/Ascend310P", "training"}
     agent = container(d, "agent")
-    assert agent["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["SYS_PTRACE"]}
-    assert spec["securityContext"]["runAsUser"] == 0 and spec["securityContext"]["runAsNonRoot"] is False
-    assert spec["hostPID"] is True                                    # py-spy must see the training processes
-    assert "chown 0:0" in container(d, "node-dirs")["command"][-1]
+    assert agent["securityContext"]["capabilities"] == {"drop": ["ALL"]}          # no ptrace: py-spy is not here
+    assert spec["securityContext"]["runAsUser"] == 10001 and spec["securityContext"]["runAsNonRoot"] is True
+    # the trace directory: a hostPath mounted at its node path, passed as --profile-dir (the path the
+    # training pods see, since they mount the same hostPath at the same path), with the limits
+    a = agent["args"]
+    assert a[a.index("--profile-dir") + 1] == "/data/stepwatch/traces"
+    assert a[a.index("--profile-keep-mb") + 1] == "1024"
+    assert a[a.index("--profile-cooldown") + 1] == "120" and a[a.index("--profile-max-steps") + 1] == "50"
+    tv = volumes(d)[mounts(agent)["/data/stepwatch/traces"]["name"]]
+    assert tv["hostPath"] == {"path": "/data/stepwatch/traces", "type": "DirectoryOrCreate"}
+    assert not mounts(agent)["/data/stepwatch/traces"].get("readOnly")             # the agent deletes old traces
+    init = container(d, "node-dirs")
+    assert "/data/stepwatch/traces" in mounts(init)
+    assert "chown 10001:10001 /run/stepwatch /var/lib/stepwatch/spool /data/stepwatch/traces" in init["command"][-1]
+    assert "chmod 1777 /data/stepwatch/traces" in init["command"][-1]
     proc = one(objs, "Deployment", f"{FULL}-processor")
     for w, c in ((d, agent), (proc, container(proc, "processor"))):
         assert env(c)["STEPWATCH_PROFILING_KEY_FILE"]["value"] == "/etc/stepwatch/profiling/hmac-key"
         key = volumes(w)[mounts(c)["/etc/stepwatch/profiling"]["name"]]["secret"]
         assert key == {"secretName": "stepwatch-profiling", "defaultMode": 0o440,
                        "items": [{"key": "hmac-key", "path": "hmac-key"}]}
+    assert env(container(proc, "processor"))["STEPWATCH_PROFILE_ON"]["value"].endswith("regression=py-spy")
+    assert "trace-dir" not in volumes(proc)                                         # only the agents need it
     # compaction as a sidecar of the single processor, no CronJob
     assert not find(objs, "CronJob")
     ca = container(proc, "compact")["args"]
@@ -363,13 +375,39 @@ def test_ascend_nodes_with_pyspy_profiling():
     assert proc["spec"]["strategy"]["type"] == "Recreate"             # ReadWriteOnce store
 
 
-def test_sys_ptrace_only_when_opted_in():
-    for name in VALUE_SETS:
-        text = json.dumps(rendered(name))
-        assert ("SYS_PTRACE" in text) == (name == "ascend-pyspy")
-    objs, _ = render(with_values(**{"profiling.enabled": True, "profiling.hmacKeySecret": {"name": "k",
-                                                                                            "key": "hmac-key"}}))
-    assert "SYS_PTRACE" not in json.dumps(objs)                      # profiling alone does not grant ptrace
+def test_profiling_defaults_pass_the_trace_dir_and_limits():
+    objs, text = render(with_values(**{"profiling.enabled": True,
+                                       "profiling.hmacKeySecret": {"name": "k", "key": "hmac-key"}}))
+    for d in find(objs, "DaemonSet"):
+        agent = container(d, "agent")
+        a = agent["args"]
+        assert a[a.index("--profile-dir") + 1] == "/var/lib/stepwatch/traces"
+        assert a[a.index("--profile-keep-mb") + 1] == "2048"
+        assert a[a.index("--profile-cooldown") + 1] == "60" and a[a.index("--profile-max-steps") + 1] == "200"
+        assert volumes(d)[mounts(agent)["/var/lib/stepwatch/traces"]["name"]]["hostPath"]["path"] == \
+            "/var/lib/stepwatch/traces"
+    # NOTES: the training pod mounts the trace hostPath at the same path, and what py-spy needs there
+    assert "mountPath: /var/lib/stepwatch/traces" in text and "path: /var/lib/stepwatch/traces" in text
+    assert "SYS_PTRACE" in text and "ptrace_scope=0" in text
+
+
+def test_agent_stays_non_root_without_capabilities_with_profiling():
+    """py-spy is started by the probe inside the training process against its own pid: the agent only
+    verifies and forwards commands, so no value set (profiling on, py-spy chosen for an alert kind)
+    gives it root, a capability, or SYS_PTRACE anywhere in the chart."""
+    on = {"profiling.enabled": True, "profiling.hmacKeySecret": {"name": "k", "key": "hmac-key"},
+          "processor.extraEnv": [{"name": "STEPWATCH_PROFILE_ON", "value": "slow_rank=py-spy,regression=py-spy"}]}
+    sets = [rendered(name) for name in VALUE_SETS] + [render(with_values(**on))[0]]
+    for objs in sets:
+        assert "SYS_PTRACE" not in json.dumps(objs)
+        for d in find(objs, "DaemonSet"):
+            spec = pod_spec(d)
+            assert spec["securityContext"]["runAsNonRoot"] is True
+            assert spec["securityContext"]["runAsUser"] == 10001 and spec["securityContext"]["runAsGroup"] == 10001
+            sc = container(d, "agent")["securityContext"]
+            assert sc["capabilities"] == {"drop": ["ALL"]}
+            assert sc["allowPrivilegeEscalation"] is False and sc["privileged"] is False
+            assert "runAsUser" not in sc                                  # nothing overrides the pod's uid
 
 
 # -------------------------------------------------------------------------------- processors, store
@@ -516,6 +554,9 @@ def test_rendered_commands_parse_with_the_real_clis(name):
                 assert a.group == "stepwatch-processor" and a.metrics_port == 9108
             if sub == "agent":
                 assert a.socket_dir == "/run/stepwatch" and a.metrics_port == 9109
+                if name == "ascend-profiling":
+                    assert (a.profile_dir, a.profile_keep_mb, a.profile_cooldown, a.profile_max_steps) == \
+                        ("/data/stepwatch/traces", 1024.0, 120.0, 50)
     assert seen >= {"process"} | ({"agent"} if name != "provision-job" else set())
 
 
@@ -559,6 +600,8 @@ BAD_VALUES = [
     (with_values(**{"kafka.securityProtocol": "SASL"}), "at '/kafka/securityProtocol'"),
     (with_values(**{"agent.runAsUser": 0}), "at '/agent/runAsUser': minimum: got 0, want 1"),
     (with_values(**{"compaction.mode": "daily"}), "at '/compaction/mode'"),
+    (with_values(**{"profiling.traceDir.hostPath": "traces"}), "at '/profiling/traceDir/hostPath'"),
+    (with_values(**{"profiling.maxSteps": 0}), "at '/profiling/maxSteps': minimum: got 0, want 1"),
     (with_values(**{"grafana.dataRoot": "data"}), "at '/grafana/dataRoot'"),
     (with_values(**{"kafka.topics.partitionsByTopic": {"stepz": 3}}),
      "at '/kafka/topics/partitionsByTopic': additional properties 'stepz' not allowed"),
@@ -587,7 +630,13 @@ BAD_COMBINATIONS = [
      "kafka.securityProtocol=SASL_SSL needs kafka.sasl.passwordSecret.name"),
     ({"kafka.securityProtocol": "SASL_PLAINTEXT"}, "kafka.securityProtocol=SASL_PLAINTEXT needs kafka.sasl.mechanism"),
     ({"kafka.tls": {"secret": "ca"}}, "kafka.tls.secret is set but kafka.securityProtocol is PLAINTEXT"),
-    ({"profiling.pySpy": {"enabled": True}}, "profiling.pySpy.enabled needs profiling.enabled"),
+    ({"profiling.pySpy": {"enabled": True}}, "profiling.pySpy was removed: the agent never runs py-spy"),
+    ({"profiling.enabled": True, "profiling.hmacKeySecret": {"name": "k", "key": "hmac-key"},
+      "profiling.traceDir": {"hostPath": "/run/stepwatch/traces", "keepMB": 0}},
+     "profiling.traceDir.hostPath=/run/stepwatch/traces collides with /run/stepwatch"),
+    ({"profiling.enabled": True, "profiling.hmacKeySecret": {"name": "k", "key": "hmac-key"},
+      "profiling.traceDir": {"hostPath": "/var/lib/stepwatch", "keepMB": 0}},
+     "profiling.traceDir.hostPath=/var/lib/stepwatch collides with /var/lib/stepwatch/spool"),
     ({"profiling.enabled": True}, "profiling.enabled needs profiling.hmacKeySecret.name"),
     ({"processor.grafanaAnnotations": True}, "processor.grafanaAnnotations needs grafana.url"),
     ({"grafana.provisionJob": {"enabled": True}}, "grafana.provisionJob.enabled needs grafana.url"),
@@ -630,7 +679,11 @@ def test_notes_tell_how_a_training_pod_reaches_the_agent():
     text = notes("defaults")
     assert "STEPWATCH_SOCKET_DIR" in text and "path: /run/stepwatch" in text
     assert "pod-security.kubernetes.io/enforce=privileged" in text
-    assert "SYS_PTRACE" in notes("ascend-pyspy")
+    assert "SYS_PTRACE" not in text and "traces" not in text                # profiling is off
+    prof = notes("ascend-profiling")
+    assert "as uid 10001 without capabilities" in prof
+    assert "mountPath: /data/stepwatch/traces" in prof and "path: /data/stepwatch/traces" in prof
+    assert "SYS_PTRACE" in prof and "never gets SYS_PTRACE" in prof
 
 
 def _value_keys(d: dict, prefix="") -> list[str]:

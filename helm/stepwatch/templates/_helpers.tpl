@@ -235,8 +235,17 @@ capabilities:
 {{- if and $v.profiling.enabled (not $v.profiling.hmacKeySecret.name) -}}
 {{- fail "profiling.enabled needs profiling.hmacKeySecret.name: an existing Secret with the shared HMAC-SHA256 key that signs profiling commands" -}}
 {{- end -}}
-{{- if and $v.profiling.pySpy.enabled (not $v.profiling.enabled) -}}
-{{- fail "profiling.pySpy.enabled needs profiling.enabled (signed profiling commands) as well" -}}
+{{- if hasKey $v.profiling "pySpy" -}}
+{{- fail "profiling.pySpy was removed: the agent never runs py-spy nor needs ptrace (it stays non-root without capabilities); the probe in the training process starts py-spy against itself, so the TRAINING container needs the permission (docs/profiling.md, \"py-spy permissions\"). Choose the profiler per alert kind with STEPWATCH_PROFILE_ON in processor.extraEnv" -}}
+{{- end -}}
+{{- if $v.profiling.enabled -}}
+{{- $t := $v.profiling.traceDir.hostPath -}}
+{{- /* the agent mounts the trace directory at its node path: it must not shadow or nest in the agent's own mounts */ -}}
+{{- range $m := list "/run/stepwatch" "/var/lib/stepwatch/spool" "/host" "/tmp" "/etc" "/usr" "/proc" "/sys" "/dev" "/bin" "/lib" $v.agent.socketDir.hostPath $v.agent.spool.hostPath -}}
+{{- if or (eq $t $m) (hasPrefix (printf "%s/" $m) $t) (hasPrefix (printf "%s/" $t) $m) -}}
+{{- fail (printf "profiling.traceDir.hostPath=%s collides with %s (the agent mounts the trace directory at the same path as on the node): use a directory of its own, e.g. /var/lib/stepwatch/traces" $t $m) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 {{- if and $v.processor.enabled (gt (int $v.processor.replicas) 1) -}}
 {{- if not $v.store.persistence.enabled -}}
