@@ -15,17 +15,28 @@ thread turns each alert into an annotation (``POST /api/annotations``) and deliv
   [0.5, 1.5)), for as long as it takes (``max_attempts`` bounds it if set), keeping alerts in order;
   other 4xx answers (a bad token, a bad request) are not retried and count as *failed*;
 * while Grafana is away, alerts wait in the queue (``maxsize``); when it is full, new alerts are
-  **dropped** and counted — the only way an alert is lost while the sink is open.
+  **dropped** and counted — the only way an alert is lost while the sink is open;
+* **one annotation per (alert_id, status)**: the processor calls its callback again for an alert it
+  already emitted, same id and status, when a targeted profile's diff arrives
+  (``evidence.profile_diff``, see ``stream/processor.py`` ``_profile_results``). The sink remembers the
+  annotation id Grafana returned for the last ``remember`` keys (an LRU, 10,000 by default) and, for
+  such a re-send, **updates** that annotation (``PATCH /api/annotations/{id}``: the text gains a
+  ``profile …`` line per diff, the tags ``profiled``) instead of posting a second one; a re-send
+  with nothing new (the same diff, or none) is skipped and counted as a duplicate. A key the sink
+  does not know (evicted, or its first post failed) is posted as a new annotation, diff included.
+  The window is per sink, in memory: a restarted processor does not know the earlier ids.
 
 :meth:`~AnnotationSink.close` stops accepting alerts and waits up to ``timeout`` seconds for the
 queue to drain; what is still undelivered then is counted as failed (and logged).
 
 Prometheus counters (on the registry passed in, e.g. the processor's):
 ``stepwatch_grafana_annotations_sent_total``, ``…_failed_total``, ``…_retried_total`` (retries),
-``…_dropped_total`` (queue overflow), and the gauge ``stepwatch_grafana_annotations_queued``.
+``…_dropped_total`` (queue overflow), ``…_updated_total`` (annotations patched with a profile diff),
+``…_duplicates_total`` (re-sends skipped), and the gauge ``stepwatch_grafana_annotations_queued``.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import random
@@ -44,6 +55,15 @@ log = logging.getLogger("stepwatch.grafana.annotations")
 
 MAX_TAGGED = 8
 RETRY_STATUS = {408, 429}
+PROFILED_TAG = "profiled"
+
+
+def profile_line(d: dict) -> str:
+    """One readable line of an ``evidence.profile_diff`` section (the top 3 slower operators)."""
+    slower = ", ".join(f"{x.get('name')} +{float(x.get('delta_ms') or 0):.2f} ms/step"
+                       for x in (d.get("slower") or [])[:3]) or "no operator slower"
+    return (f"profile {d.get('cmd_id')}: rank {d.get('suspect_rank')} vs reference rank "
+            f"{d.get('reference_rank')}: {slower}")
 
 
 def annotation_payload(alert: Alert, t_first_ns: int | None = None, dashboard_uid: str | None = None) -> dict:
@@ -59,7 +79,12 @@ def annotation_payload(alert: Alert, t_first_ns: int | None = None, dashboard_ui
             f"status:{alert.status}", f"severity:{alert.severity}"]
     tags += [f"rank:{int(r)}" for r in list(alert.ranks)[:MAX_TAGGED]]
     tags += [f"node:{n}" for n in list(dict.fromkeys(alert.nodes))[:MAX_TAGGED]]
-    body = {"time": t_start_ms, "timeEnd": t_end_ms, "tags": tags, "text": alert.line()}
+    text = alert.line()
+    diff = (alert.evidence or {}).get("profile_diff")
+    if isinstance(diff, dict):
+        tags.append(PROFILED_TAG)
+        text += "\n" + profile_line(diff)
+    body = {"time": t_start_ms, "timeEnd": t_end_ms, "tags": tags, "text": text}
     if dashboard_uid:
         body["dashboardUID"] = dashboard_uid
     return body
@@ -73,6 +98,9 @@ class _Metrics:
                                             "exhausted, or undelivered at close)", registry=registry)
         self.retried = Counter(f"{p}_retried", "Delivery retries after an error or 5xx", registry=registry)
         self.dropped = Counter(f"{p}_dropped", "Alerts dropped because the queue was full", registry=registry)
+        self.updated = Counter(f"{p}_updated", "Annotations updated with a profile diff (PATCH)", registry=registry)
+        self.duplicates = Counter(f"{p}_duplicates", "Re-sent alerts (same alert_id and status) with nothing new: "
+                                                    "skipped", registry=registry)
         self.queued = Gauge(f"{p}_queued", "Alerts waiting for delivery", registry=registry)
 
 
@@ -83,13 +111,14 @@ class AnnotationSink:
     queue bound. ``backoff_s``/``backoff_max_s``: retry backoff. ``max_attempts``: None = retry until
     delivered. ``timeout``: per-request timeout (seconds). ``registry``: where the counters live (a
     fresh one if None). ``dashboard_uid``: attach the annotations to one dashboard (default: none,
-    i.e. organisation-wide annotations, found by tag).
+    i.e. organisation-wide annotations, found by tag). ``remember``: how many (alert_id, status)
+    keys the sink remembers to keep one annotation per alert and status (see the module docs).
     """
 
     def __init__(self, url: str | None = None, token: str | None = None, *, maxsize: int = 10_000,
                  backoff_s: float = 0.5, backoff_max_s: float = 30.0, max_attempts: int | None = None,
                  timeout: float = 5.0, registry: CollectorRegistry | None = None,
-                 dashboard_uid: str | None = None, api=None, seed: int | None = None):
+                 dashboard_uid: str | None = None, api=None, seed: int | None = None, remember: int = 10_000):
         if api is None:
             if not url or not token:
                 raise ValueError("AnnotationSink needs url and token (or api)")
@@ -102,6 +131,9 @@ class AnnotationSink:
         self.dashboard_uid = dashboard_uid
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = _Metrics(self.registry)
+        self.remember = max(1, int(remember))
+        # (alert_id, status) -> {"id": annotation id, "text", "tags", "cmds": diffs applied}; worker only
+        self._posted: collections.OrderedDict = collections.OrderedDict()
         self._q: queue.Queue = queue.Queue(maxsize=maxsize)
         self._rng = random.Random(seed)
         self._closing = threading.Event()
@@ -160,7 +192,8 @@ class AnnotationSink:
     def stats(self) -> dict[str, float]:
         m = self.metrics
         return {"sent": _val(m.sent), "failed": _val(m.failed), "retried": _val(m.retried),
-                "dropped": _val(m.dropped), "queued": self._q.qsize()}
+                "dropped": _val(m.dropped), "updated": _val(m.updated), "duplicates": _val(m.duplicates),
+                "queued": self._q.qsize()}
 
     # ------------------------------------------------------------------ worker
     def _run(self) -> None:
@@ -172,7 +205,7 @@ class AnnotationSink:
                     self._idle.set()
                 continue
             try:
-                self._deliver(annotation_payload(alert, t_first, self.dashboard_uid))
+                self._handle(alert, t_first)
             except Exception:  # noqa: BLE001 - the worker must survive anything
                 log.exception("grafana annotations: unexpected error")
                 self.metrics.failed.inc()
@@ -181,20 +214,57 @@ class AnnotationSink:
                 if self._q.empty():
                     self._idle.set()
 
-    def _deliver(self, body: dict) -> None:
+    def _handle(self, alert: Alert, t_first: int | None) -> None:
+        """Post the alert's annotation, or update the one already posted for its (alert_id, status)."""
+        key = (alert.alert_id, alert.status)
+        known = self._posted.get(key)
+        diff = (alert.evidence or {}).get("profile_diff")
+        if known is not None:
+            self._posted.move_to_end(key)
+            cmd = diff.get("cmd_id") if isinstance(diff, dict) else None
+            if cmd is None or cmd in known["cmds"]:
+                self.metrics.duplicates.inc()          # the same alert again, nothing new to show
+                return
+            text = known["text"] + "\n" + profile_line(diff)
+            tags = known["tags"] + ([PROFILED_TAG] if PROFILED_TAG not in known["tags"] else [])
+            ok, status = self._deliver("PATCH", f"/annotations/{known['id']}", {"text": text, "tags": tags},
+                                       quiet={404})
+            if ok:
+                self.metrics.updated.inc()
+                known.update(text=text, tags=tags)
+                known["cmds"].add(cmd)
+                return
+            del self._posted[key]
+            if status != 404:
+                return
+            log.info("grafana annotations: annotation %s is gone; posting the alert again", known["id"])
+        body = annotation_payload(alert, t_first, self.dashboard_uid)
+        ok, resp = self._deliver("POST", "/annotations", body)
+        if ok:
+            self.metrics.sent.inc()
+            ann_id = resp.get("id") if isinstance(resp, dict) else None
+            if isinstance(ann_id, int):
+                self._posted[key] = {"id": ann_id, "text": body["text"], "tags": body["tags"],
+                                     "cmds": {diff.get("cmd_id")} if isinstance(diff, dict) else set()}
+                while len(self._posted) > self.remember:
+                    self._posted.popitem(last=False)
+
+    def _deliver(self, method: str, path: str, body: dict, quiet=frozenset()):
+        """(True, Grafana's answer) once delivered, else (False, the refusing status or None);
+        counts failures. Statuses in ``quiet`` are not counted (the caller handles them)."""
         attempt = 0
         while True:
             attempt += 1
             try:
-                self.api.client.POST("/annotations", json=body)
-                self.metrics.sent.inc()
-                return
+                return True, getattr(self.api.client, method)(path, json=body)
             except GrafanaClientError as e:
                 if e.status_code not in RETRY_STATUS:
+                    if e.status_code in quiet:
+                        return False, e.status_code
                     self.metrics.failed.inc()
-                    log.error("grafana annotations: Grafana refused an annotation (%s): %s",
+                    log.error("grafana annotations: Grafana refused %s %s (%s): %s", method, path,
                               e.status_code, getattr(e, "message", e))
-                    return
+                    return False, e.status_code
                 why = str(e.status_code)
             except GrafanaServerError as e:
                 why = str(e.status_code)
@@ -203,14 +273,14 @@ class AnnotationSink:
             if self.max_attempts is not None and attempt >= self.max_attempts:
                 self.metrics.failed.inc()
                 log.error("grafana annotations: giving up after %d attempts (%s)", attempt, why)
-                return
+                return False, None
             delay = min(self.backoff_max_s, self.backoff_s * 2 ** (attempt - 1)) * self._rng.uniform(0.5, 1.5)
             self.metrics.retried.inc()
             log.debug("grafana annotations: attempt %d failed (%s); retrying in %.2fs", attempt, why, delay)
             if self._stop.wait(delay):
                 # closing and out of time: count the undelivered annotation as failed
                 self.metrics.failed.inc()
-                return
+                return False, None
 
 
 def _val(counter) -> float:

@@ -442,6 +442,13 @@ class FakeGrafana:
             a = {"id": next(self._ids), **body}
             self.annotations.append(a)
             return 200, {"id": a["id"], "message": "Annotation added"}
+        if (g := m(r"/api/annotations/(\d+)", path)) and method == "PATCH":
+            # Grafana's PatchAnnotation: only the fields given (text, tags, time, timeEnd) change
+            a = next((x for x in self.annotations if x["id"] == int(g[1])), None)
+            if a is None:
+                return 404, {"message": "Annotation not found"}
+            a.update({k: body[k] for k in ("text", "tags", "time", "timeEnd") if body.get(k) is not None})
+            return 200, {"message": "Annotation patched"}
         return 404, {"message": "Not found"}
 
 

@@ -158,3 +158,86 @@ def test_processor_flags_build_a_sink_used_as_on_alert(grafana, tmp_path):
     on_alert(alert())
     assert sink.close(5) and len(grafana.annotations) == 1
     assert reg.get_sample_value("stepwatch_grafana_annotations_sent_total") == 1
+
+
+def _with_diff(a, cmd_id="3f2a9c0e1b7d4a55"):
+    """What the processor re-sends when a profile diff arrives (stream.profiling.alert_with_diff):
+    the same alert_id and status, evidence.profile_diff added."""
+    from stepwatch.stream.profiling import alert_with_diff
+    return alert_with_diff(a, cmd_id, {
+        "suspect_rank": 13, "reference_rank": 12, "faster": [], "totals": {},
+        "slower": [{"name": "slow_op", "suspect_ms": 21.0, "reference_ms": 1.0, "delta_ms": 20.01, "ratio": 21.0},
+                   {"name": "aten::tanh", "suspect_ms": 0.5, "reference_ms": 0.25, "delta_ms": 0.25, "ratio": 2.0}]})
+
+
+def test_a_profile_diff_resend_updates_the_alerts_annotation_instead_of_adding_one(grafana):
+    reg = CollectorRegistry()
+    sink = AnnotationSink(grafana.url, grafana.token, registry=reg)
+    first = alert("firing")
+    sink.submit(first, t_first_ns=T_FIRST)
+    sink.submit(_with_diff(first))                   # the processor's re-send: same alert_id, status firing
+    sink.submit(_with_diff(first))                   # the same diff again: nothing new
+    sink.submit(alert("firing"))                     # a plain duplicate
+    sink.submit(alert("resolved"), t_first_ns=T_FIRST)   # another status: its own annotation
+    sink.submit(_with_diff(first, "0123456789abcdef"))   # a second command's diff (another node)
+    assert sink.close(5)
+    assert [r.method for r in grafana.writes()] == ["POST", "PATCH", "POST", "PATCH"]
+    fired, resolved = grafana.annotations
+    assert "status:firing" in fired["tags"] and "status:resolved" in resolved["tags"]
+    lines = fired["text"].split("\n")
+    assert lines[0] == first.line()
+    assert lines[1:] == ["profile 3f2a9c0e1b7d4a55: rank 13 vs reference rank 12: slow_op +20.01 ms/step, "
+                         "aten::tanh +0.25 ms/step",
+                         "profile 0123456789abcdef: rank 13 vs reference rank 12: slow_op +20.01 ms/step, "
+                         "aten::tanh +0.25 ms/step"]
+    assert fired["tags"][-1] == "profiled" and fired["tags"].count("profiled") == 1
+    assert fired["time"] == T_FIRST // 10**6 and fired["timeEnd"] == T_DET // 10**6   # the region is kept
+    patch = grafana.writes()[1]
+    assert patch.path == f"/api/annotations/{fired['id']}" and set(patch.body) == {"text", "tags"}
+    st = sink.stats()
+    assert (st["sent"], st["updated"], st["duplicates"], st["failed"]) == (2, 2, 2, 0)
+    assert reg.get_sample_value("stepwatch_grafana_annotations_updated_total") == 2
+    assert grafana.violations == []                  # POST and PATCH bodies and answers match Grafana 11.4's spec
+
+
+def test_processor_resend_through_the_callback_leaves_one_annotation(grafana):
+    """End to end through the processor's own re-send path (Processor._profile_results), with the
+    sink as its on_alert callback, as `stepwatch process --grafana-url` wires it."""
+    from types import SimpleNamespace
+
+    from stepwatch.stream.processor import Processor
+    sink = AnnotationSink(grafana.url, grafana.token)
+    a = alert("firing")
+    sink.submit(a, t_first_ns=T_FIRST)              # the first emission (Processor._emit)
+    diff = _with_diff(a).evidence["profile_diff"]
+    fake = SimpleNamespace(producer=None, on_alert=sink, profiling=SimpleNamespace(
+        on_results=lambda t: [(SimpleNamespace(alert=a, cmd_id=diff["cmd_id"]), diff)]))
+    Processor._profile_results(fake, None)
+    assert sink.close(5)
+    assert len(grafana.annotations) == 1 and "profile 3f2a9c0e1b7d4a55" in grafana.annotations[0]["text"]
+    assert grafana.violations == []
+
+
+def test_the_window_is_bounded_and_a_lost_annotation_is_posted_again(grafana):
+    sink = AnnotationSink(grafana.url, grafana.token, remember=2)
+    a, b, c = alert(kind="k1"), alert(kind="k2"), alert(kind="k3")
+    for x in (a, b, c):
+        sink.submit(x)
+    sink.submit(_with_diff(a))                       # a was evicted (window 2): a new annotation, diff included
+    sink.submit(_with_diff(c))                       # c is known: patched
+    assert sink.close(5)
+    assert [r.method for r in grafana.writes()] == ["POST"] * 4 + ["PATCH"]
+    assert "profile 3f2a9c0e1b7d4a55" in grafana.annotations[3]["text"] and "profiled" in grafana.annotations[3]["tags"]
+    assert len(sink._posted) == 2
+    # the annotation was deleted in Grafana meanwhile: the PATCH gets 404 and the alert is posted again
+    sink = AnnotationSink(grafana.url, grafana.token)
+    d = alert(kind="k4")
+    sink.submit(d)
+    assert wait_for(lambda: sink.stats()["sent"] == 1)
+    grafana.annotations.pop()
+    sink.submit(_with_diff(d))
+    assert sink.close(5)
+    assert [r.status for r in grafana.writes()[-3:]] == [200, 404, 200]
+    assert "profile 3f2a9c0e1b7d4a55" in grafana.annotations[-1]["text"]
+    assert sink.stats()["failed"] == 0
+    assert grafana.violations == []
