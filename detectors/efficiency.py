@@ -401,8 +401,11 @@ class Mfu(Detector):
             self._flops_ref = float(per_dev[good][0])
         k = np.where(good, self._flops_ref / np.where(good, per_dev, 1.0), np.nan)[:, None]
         fields = ("step_ms", "data_ms", "compute_ms", "comm_ms", "comm_wait_ms", "gc_ms")
-        scaled = StepBlock(block.steps[good], block.t_end[good],
-                           *(getattr(block, f)[good] * k[good] for f in fields))
+        if good.all():                            # the usual case: no (S, R) boolean-index copies
+            scaled = StepBlock(block.steps, block.t_end, *(getattr(block, f) * k for f in fields))
+        else:
+            scaled = StepBlock(block.steps[good], block.t_end[good],
+                               *(getattr(block, f)[good] * k[good] for f in fields))
         out = []
         for a in self._cp.update(ctx, scaled):
             if a.kind != "regression":
@@ -535,13 +538,400 @@ def comm_analysis(t: pa.Table, nodes: np.ndarray | None, family: str | None, ste
     return out
 
 
+# --------------------------------------------------------------------------- incremental comm aggregates
+
+_HIST_EDGES = np.array([4 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20], dtype=np.float64)
+_HIST_NAMES = ["<4KiB", "4KiB-64KiB", "64KiB-1MiB", "1MiB-16MiB", "16MiB-256MiB", ">=256MiB"]
+_RANK_BITS = 31                      # member codes: key << 31 | rank (ranks < 2**31)
+_LOC_SHIFT = 52                      # per-batch sort key: step offset << 52 | key << 31 | rank
+_MAX_KEYS = 1 << (_LOC_SHIFT - _RANK_BITS)
+_MAX_SLOTS = 2048                    # step offsets of one batch fit in the 11 bits above _LOC_SHIFT
+
+
+def _sorted_unique(a: np.ndarray) -> np.ndarray:
+    """``np.unique`` of an int64 array by sorting (numpy 2's hash-based ``np.unique`` is ~10x slower at
+    the sizes here)."""
+    s = np.sort(a)
+    return s[np.r_[True, s[1:] != s[:-1]]] if len(s) > 1 else s
+
+
+def _col_f64(t: pa.Table, name: str, fill: float) -> np.ndarray:
+    """A numeric column as float64, nulls (and a missing column) as ``fill``."""
+    if name not in t.column_names:
+        return np.full(t.num_rows, fill)
+    c = t.column(name)
+    if c.null_count:
+        return pc.fill_null(c.cast(pa.float64()), fill).to_numpy()
+    return c.to_numpy().astype(np.float64, copy=False)
+
+
+def _col_i64(t: pa.Table, name: str, fill: int) -> np.ndarray:
+    c = t.column(name)
+    if pa.types.is_timestamp(c.type):
+        c = c.cast(pa.int64())
+    if c.null_count:
+        return pc.fill_null(c.cast(pa.int64()), fill).to_numpy()
+    return c.to_numpy().astype(np.int64, copy=False)
+
+
+class _Names:
+    """Strings -> dense integer codes in order of first sight, by pyarrow hash lookups (no Python work
+    per row; only a name never seen before costs a Python step)."""
+
+    def __init__(self):
+        self.names: list[str] = []
+        self._vs = pa.array([], pa.string())
+        self._prev = (None, None)                            # (last column, its codes)
+
+    def codes(self, col) -> np.ndarray:
+        if not pa.types.is_string(col.type):
+            col = col.cast(pa.string())
+        prev, codes = self._prev
+        if prev is not None and len(prev) == len(col) and prev.equals(col):
+            return codes                                    # the same layout as the last batch (a memcmp)
+        idx = pc.index_in(col, value_set=self._vs)
+        if idx.null_count:
+            new = pc.unique(pc.filter(col, pc.is_null(idx))).to_pylist()
+            self.names.extend(new)
+            self._vs = pa.array(self.names, pa.string())
+            idx = pc.index_in(col, value_set=self._vs)
+        codes = idx.to_numpy().astype(np.int64)
+        self._prev = (col, codes)
+        return codes
+
+
+class _CommAggregate:
+    """The comm rows of a job folded, as they arrive, into per-step accumulators: per (step, rank) the wait
+    and whether the rank reported, per (step, (op, group) key) the sums :func:`comm_analysis` needs (min and
+    sum of the time, wait, bytes, calls, rows, max group size), the message-size histogram and
+    the sorted (key, rank) members. ``(op, group)`` are dictionary-encoded to integer keys; steps live in a
+    ring of ``slots`` (a step's slot is reclaimed by the step ``slots`` later; rows older than the newest
+    step seen minus ``slots`` are dropped). :meth:`analyse` then reads only these small arrays: the same
+    result as :func:`comm_analysis` over the rows of the window, at a cost independent of the rows.
+    Memory: ``slots`` x (ranks x 9 + keys x 64) bytes."""
+
+    def __init__(self, slots: int):
+        self.W = int(min(max(slots, 2), _MAX_SLOTS))
+        self.ops, self.groups = _Names(), _Names()
+        self._lut = np.full((0, 0), -1, dtype=np.int64)       # (op code, group code) -> key
+        self.key_op: list[int] = []                          # op code per key
+        self.key_group: list[int] = []
+        self._pay = np.zeros(0, dtype=bool)                   # key carries payload (not barrier / wait)
+        self.K = 0
+        self.slot_step = np.full(self.W, np.iinfo(np.int64).min, dtype=np.int64)
+        self.newest = None
+        W = self.W
+        self.any = np.zeros(W, dtype=bool)
+        self.tt, self.tw = np.zeros(W), np.zeros(W)
+        self.rw = np.zeros((W, 0))                            # wait per slot and rank
+        self.rs = np.zeros((W, 0), dtype=bool)                # rank reported in the slot
+        self._kalloc(0)
+        self.hist = np.zeros((W, len(_HIST_NAMES)))
+        self.members: list[np.ndarray | None] = [None] * W    # sorted key << 31 | rank, payload rows
+        self._prev_members = None
+        self._prev_raw = (None, None)                         # (last batch's member codes, sorted unique)
+        self._prev_keys = (None, None, None)                  # (op codes, group codes, keys) of the last batch
+        self._nodes = (None, None, None)                      # (array seen, its copy, codes)
+        self._mem_cache = (None, None, None, np.zeros(0), None)  # (members, node codes, (keys, ranks), ranks, nodes)
+
+    # -- storage
+    def _kalloc(self, kc: int) -> None:
+        W = self.W
+        new = {"kmin": np.inf, "ktime": 0.0, "kwait": 0.0, "kbytes": 0.0, "kcount": 0.0, "krows": 0.0,
+               "kgs": np.nan}
+        old = getattr(self, "_kc", 0)
+        for name, fill in new.items():
+            a = np.full((W, kc), fill)
+            if old:
+                a[:, :old] = getattr(self, name)
+            setattr(self, name, a)
+        self._kc = kc
+
+    def _ralloc(self, rc: int) -> None:
+        old = self.rw.shape[1]
+        rw, rs = np.zeros((self.W, rc)), np.zeros((self.W, rc), dtype=bool)
+        rw[:, :old], rs[:, :old] = self.rw, self.rs
+        self.rw, self.rs = rw, rs
+
+    def _reset_slot(self, i: int, step: int) -> None:
+        self.slot_step[i] = step
+        self.any[i] = False
+        self.tt[i] = self.tw[i] = 0.0
+        self.rw[i] = 0.0
+        self.rs[i] = False
+        for name in ("ktime", "kwait", "kbytes", "kcount", "krows"):
+            getattr(self, name)[i] = 0.0
+        self.kmin[i] = np.inf
+        self.kgs[i] = np.nan
+        self.hist[i] = 0.0
+        self.members[i] = None
+
+    def _keys(self, opc: np.ndarray, grc: np.ndarray) -> np.ndarray:
+        po, pg, pk = self._prev_keys
+        if po is opc and pg is grc:                         # the codes of the last batch again
+            return pk
+        key = self._lookup(opc, grc)
+        self._prev_keys = (opc, grc, key)
+        return key
+
+    def _lookup(self, opc: np.ndarray, grc: np.ndarray) -> np.ndarray:
+        no, ng = len(self.ops.names), len(self.groups.names)
+        if self._lut.shape != (no, ng):
+            lut = np.full((no, ng), -1, dtype=np.int64)
+            lut[:self._lut.shape[0], :self._lut.shape[1]] = self._lut
+            self._lut = lut
+        key = self._lut[opc, grc]
+        miss = key < 0
+        if miss.any():
+            pairs = _sorted_unique(opc[miss] * ng + grc[miss])
+            o, g = pairs // ng, pairs % ng
+            if self.K + len(pairs) > _MAX_KEYS:
+                raise OverflowError("too many (op, group) keys")
+            self._lut[o, g] = np.arange(self.K, self.K + len(pairs))
+            self.key_op.extend(o.tolist())
+            self.key_group.extend(g.tolist())
+            self._pay = np.r_[self._pay, [self.ops.names[i] not in ("barrier", "wait") for i in o]]
+            self.K += len(pairs)
+            if self.K > self._kc:
+                self._kalloc(max(self.K, 2 * self._kc, 16))
+            key = self._lut[opc, grc]
+        return key
+
+    # -- ingest
+    def ingest(self, t: pa.Table, rank_limit: int) -> None:
+        """Fold a batch of comm rows (any steps, any order) into the accumulators."""
+        n = t.num_rows
+        if n == 0 or "step" not in t.column_names or "rank" not in t.column_names:
+            return
+        lo_int = np.iinfo(np.int64).min
+        step, rank = _col_i64(t, "step", lo_int), _col_i64(t, "rank", -1)
+        time_ms, wait_ms = _col_f64(t, "time_ms", 0.0), _col_f64(t, "wait_ms", 0.0)
+        nbytes, count, gs = _col_f64(t, "bytes", 0.0), _col_f64(t, "count", 1.0), _col_f64(t, "group_size", np.nan)
+        op = t.column("op") if "op" in t.column_names else pa.nulls(n, pa.string())
+        opc = self.ops.codes(pc.fill_null(op, "?") if op.null_count else op)
+        if "group" in t.column_names:
+            grp = t.column("group")
+            grc = self.groups.codes(pc.fill_null(grp, "") if grp.null_count else grp)
+        else:
+            grc = np.full(n, self.groups.codes(pa.array([""]))[0], dtype=np.int64)
+        ok = (step != lo_int) & (rank >= 0) & (rank < rank_limit)
+        if not ok.any():
+            return
+        top = int(step[ok].max())
+        self.newest = top if self.newest is None else max(self.newest, top)
+        ok &= step > self.newest - self.W
+        if not ok.all():
+            if not ok.any():
+                return
+            step, rank, time_ms, wait_ms, nbytes, count, gs, opc, grc = (
+                a[ok] for a in (step, rank, time_ms, wait_ms, nbytes, count, gs, opc, grc))
+        key = self._keys(opc, grc)
+        smin = int(step.min())
+        li = step - smin
+        nloc = int(li.max()) + 1
+        present = np.flatnonzero(np.bincount(li, minlength=nloc))
+        slots = (smin + present) % self.W
+        for p, i in zip(present.tolist(), slots.tolist()):
+            if self.slot_step[i] != smin + p:
+                self._reset_slot(i, smin + p)
+        # every row: time and wait totals, per-rank wait and presence
+        self.any[slots] = True
+        if nloc == 1:                                       # the usual batch: one step
+            self.tt[slots] += time_ms.sum()
+            self.tw[slots] += wait_ms.sum()
+        else:
+            self.tt[slots] += np.bincount(li, weights=time_ms, minlength=nloc)[present]
+            self.tw[slots] += np.bincount(li, weights=wait_ms, minlength=nloc)[present]
+        rc = int(rank.max()) + 1
+        if rc > self.rw.shape[1]:
+            self._ralloc(max(rc, self.rw.shape[1] + self.rw.shape[1] // 4))
+        R = self.rw.shape[1]
+        if nloc == 1:
+            self.rw[slots[0]] += np.bincount(rank, weights=wait_ms, minlength=R)
+            self.rs[slots[0], rank] = True
+        else:
+            cell = li * R + rank
+            self.rw[slots] += np.bincount(cell, weights=wait_ms, minlength=nloc * R).reshape(nloc, R)[present]
+            self.rs.reshape(-1)[slots[np.searchsorted(present, li)] * R + rank] = True
+        # payload rows: per (step, key)
+        pi = np.flatnonzero(self._pay[key] & (count > 0) & (nbytes > 0))
+        if not len(pi):
+            return
+        pk, pli, prank = key[pi], li[pi], rank[pi]
+        ptime, pcount, pbytes = time_ms[pi], count[pi], nbytes[pi]
+        kc = self._kc
+        code = pk if nloc == 1 else pli * kc + pk
+        M = nloc * kc
+
+        def fold(name, w):
+            acc = getattr(self, name)
+            acc[slots] += np.bincount(code, weights=w, minlength=M).reshape(nloc, kc)[present]
+        fold("ktime", ptime)
+        fold("kwait", wait_ms[pi])
+        fold("kbytes", pbytes)
+        fold("kcount", pcount)
+        self.krows[slots] += np.bincount(code, minlength=M).reshape(nloc, kc)[present]
+        tmp = np.full(M, np.inf)
+        np.minimum.at(tmp, code, ptime)
+        self.kmin[slots] = np.minimum(self.kmin[slots], tmp.reshape(nloc, kc)[present])
+        tmp = np.full(M, np.nan)
+        np.fmax.at(tmp, code, gs[pi])
+        self.kgs[slots] = np.fmax(self.kgs[slots], tmp.reshape(nloc, kc)[present])
+        b = np.searchsorted(_HIST_EDGES, pbytes / np.maximum(pcount, 1), side="right")
+        nh = len(_HIST_NAMES)
+        self.hist[slots] += np.bincount(b if nloc == 1 else pli * nh + b, weights=pcount,
+                                        minlength=nloc * nh).reshape(nloc, nh)[present]
+        # members: sorted unique key << 31 | rank per step (one sort of the batch's payload rows)
+        raw = (pk << _RANK_BITS) | prank
+        if nloc > 1:
+            raw |= pli << _LOC_SHIFT
+        prev_raw, prev_u = self._prev_raw
+        if prev_raw is not None and len(prev_raw) == len(raw) and np.array_equal(prev_raw, raw):
+            u = prev_u                                      # the same rows as the last batch: no sort
+        else:
+            u = _sorted_unique(raw)
+            self._prev_raw = (raw, u)
+        loc = u >> _LOC_SHIFT
+        cut = np.searchsorted(loc, np.arange(nloc + 1))
+        mask = (np.int64(1) << _LOC_SHIFT) - 1
+        for p, i in zip(present.tolist(), slots.tolist()):
+            m = u[cut[p]:cut[p + 1]] & mask
+            if not len(m):
+                continue
+            old = self.members[i]
+            if old is not None:
+                m = _sorted_unique(np.concatenate([old, m]))
+            prev = self._prev_members
+            if prev is not None and len(prev) == len(m) and np.array_equal(prev, m):
+                m = prev                                    # the same members as before: share the array
+            self.members[i] = self._prev_members = m
+
+    # -- analysis
+    def _node_codes(self, nodes) -> np.ndarray | None:
+        if nodes is None or not len(nodes):
+            return None
+        seen, copy, codes = self._nodes
+        if not (seen is nodes and len(copy) == len(nodes) and np.array_equal(copy, nodes)):
+            arr = np.asarray(nodes, dtype=object)
+            try:                                            # hash encoding (only equality matters here)
+                d = pa.array(arr, pa.string(), from_pandas=True).dictionary_encode()
+                codes = pc.fill_null(d.indices, len(d.dictionary)).to_numpy()
+            except (pa.ArrowException, TypeError):
+                _, codes = np.unique(arr.astype(str), return_inverse=True)
+            self._nodes = (nodes, arr.copy(), codes.astype(np.int64))
+            codes = self._nodes[2]
+        return codes
+
+    def analyse(self, lo: int, hi: int, nodes, family: str | None, step_ms: float,
+                link_gbps: dict | None = None, link: str | None = None) -> dict:
+        """:func:`comm_analysis` of the rows of steps ``lo..hi``, from the accumulators; the groups in
+        the order their (op, group) was first seen, with their ``key``; ``members`` (key and rank of the
+        window's payload members) for naming a group's ranks."""
+        sl = np.flatnonzero((self.slot_step >= lo) & (self.slot_step <= hi) & self.any)
+        if not len(sl):
+            return {}
+        peaks = dict(LINK_GBPS, **(link_gbps or {}))
+        n_steps = len(sl)
+        rows_sl = sl.tolist()
+        seen, rwait = self.rs[rows_sl[0]].copy(), self.rw[rows_sl[0]].copy()
+        for i in rows_sl[1:]:                               # a few (steps) vector ops, no (steps x ranks) copy
+            seen |= self.rs[i]
+            rwait += self.rw[i]
+        n_ranks = max(int(seen.sum()), 1)
+        tot_time, tot_wait = float(self.tt[sl].sum()), float(self.tw[sl].sum())
+        out = {"wait_share": tot_wait / tot_time if tot_time > 0 else None,
+               "comm_share": tot_time / (n_steps * n_ranks) / step_ms if step_ms and step_ms > 0 else None,
+               "steps": n_steps, "ranks": n_ranks}
+        rk = np.flatnonzero(seen)
+        out["rank_wait"] = (rk, rwait[rk] / n_steps)
+        K = self.K
+        krows = self.krows[sl, :K]
+        P = krows > 0
+        nst = P.sum(axis=0)
+        keys = np.flatnonzero(nst)
+        if not len(keys):
+            out["groups"] = None
+            out["hist"] = {}
+            return out
+        rows = krows.sum(axis=0)[keys]
+        nst = nst[keys].astype(float)
+        calls = self.kcount[sl, :K].sum(axis=0)[keys]
+        byts = self.kbytes[sl, :K].sum(axis=0)[keys]
+        xfer = np.where(P, self.kmin[sl, :K], 0.0).sum(axis=0)[keys]
+        tsum = self.ktime[sl, :K].sum(axis=0)[keys]
+        wsum = self.kwait[sl, :K].sum(axis=0)[keys]
+        gsz = np.fmax.reduce(self.kgs[sl, :K], axis=0)[keys]
+        # distinct ranks and nodes per key over the window: union of the steps' members
+        distinct: list[np.ndarray] = []
+        for i in sl.tolist():
+            m = self.members[i]
+            if m is None or any(m is d for d in distinct):
+                continue
+            if distinct and len(distinct[-1]) == len(m) and np.array_equal(distinct[-1], m):
+                continue
+            distinct.append(m)
+        mem = distinct[0] if len(distinct) == 1 else _sorted_unique(np.concatenate(distinct))
+        codes = self._node_codes(nodes)
+        cm = self._mem_cache
+        if cm[0] is mem and cm[1] is codes and len(cm[3]) >= K:
+            mk, mr, nrk_all, nnd_all = cm[2][0], cm[2][1], cm[3], cm[4]     # the same members as last time
+        else:
+            mk, mr = mem >> _RANK_BITS, mem & ((1 << _RANK_BITS) - 1)
+            nrk_all = np.bincount(mk, minlength=K).astype(float)
+            if codes is None:
+                nnd_all = np.ones(K)
+            else:
+                nc = np.where(mr < len(codes), codes[np.minimum(mr, len(codes) - 1)], -1) + 1
+                span = int(codes.max()) + 2 if len(codes) else 1
+                nnd_all = np.bincount(_sorted_unique(mk * span + nc) // span, minlength=K).astype(float)
+            self._mem_cache = (mem, codes, (mk, mr), nrk_all, nnd_all)
+        nrk, nnd = nrk_all[keys], nnd_all[keys]
+        gsz = np.where(np.isfinite(gsz) & (gsz > 0), gsz, nrk)
+        calls_rank_step = calls / np.maximum(rows, 1)
+        bpc = byts / np.maximum(calls, 1)
+        xfer_per_call = xfer / np.maximum(nst * calls_rank_step, 1e-12)
+        opk = np.asarray(self.key_op, dtype=np.int64)[keys]
+        alg = np.full(len(keys), np.nan)
+        bus = np.full(len(keys), np.nan)
+        for o in np.unique(opk).tolist():
+            m = opk == o
+            alg[m], bus[m] = bus_bandwidth(self.ops.names[o], gsz[m], bpc[m], xfer_per_call[m])
+        if link:
+            kinds = [link]
+            li = np.zeros(len(keys), dtype=np.int64)
+        else:
+            kinds = [link_type(family, 1), link_type(family, 2)]
+            li = (nnd > 1).astype(np.int64)
+        peak = np.array([peaks.get(k, np.nan) for k in kinds], dtype=float)[li]
+        sat = np.array([SATURATE_BYTES.get(k, 4 * 2**20) for k in kinds], dtype=float)[li]
+        names_k = np.array(kinds, dtype=object)[li]
+        out["groups"] = {
+            "op": [self.ops.names[o] for o in opk.tolist()],
+            "group": [self.groups.names[self.key_group[k]] for k in keys.tolist()],
+            "group_size": gsz.astype(np.int64), "ranks": nrk.astype(np.int64), "link": names_k.tolist(),
+            "calls_per_step": calls_rank_step, "bytes_per_call": bpc, "xfer_ms_per_step": xfer / np.maximum(nst, 1),
+            "time_ms_per_step": tsum / np.maximum(rows, 1),
+            "wait_share": np.where(tsum > 0, wsum / np.maximum(tsum, 1e-12), np.nan),
+            "algbw_gbps": alg, "busbw_gbps": bus, "peak_gbps": peak,
+            "util": bus / peak, "saturate_bytes": sat, "calls": calls, "time_sum": tsum, "rows": rows,
+            "key": keys,
+        }
+        out["members"] = (mk, mr)
+        h = self.hist[sl].sum(axis=0)
+        out["hist"] = {_HIST_NAMES[i]: int(h[i]) for i in range(len(_HIST_NAMES))}
+        return out
+
+
 class CommBandwidth(Detector):
     """Transmission analysis from the comm records: achieved bus bandwidth per (collective kind, group)
     against the link's peak (``comm_bw`` rows) and three diagnoses.
 
     Every ``every`` steps (by step number) the comm rows of the last ``window`` steps up to
-    ``lag`` steps before the newest closed step (comm rows may arrive after the step rows) go through
-    :func:`comm_analysis`; the median step time of those steps is the reference. Diagnoses (each an
+    ``lag`` steps before the newest closed step (comm rows may arrive after the step rows) are analysed
+    as :func:`comm_analysis` does, from a :class:`_CommAggregate` that folds the comm window's new rows on
+    every ``update`` (the analysis never touches the raw rows; a context whose ``comm`` is not a
+    :class:`~stepwatch.detectors.context.Window` gets :func:`comm_analysis` over ``comm.select``); the
+    median step time of those steps is the reference. Diagnoses (each an
     alert, cause ``communication`` unless said; resolved after ``clear`` evaluations without it):
 
     * ``comm_small_messages`` (job): at least ``small_share`` of the calls carry less than 1/``small_div``
@@ -598,6 +988,9 @@ class CommBandwidth(Detector):
         self._n = 0
         self._bucket = None
         self._pending: list[pa.Table] = []
+        self._agg: _CommAggregate | None = None     # rows folded as they arrive (see _pull)
+        self._win = None                            # the comm window they come from
+        self._last = None                           # its newest part already folded
 
     def drain_rows(self) -> dict[str, pa.Table]:
         if not self._pending:
@@ -606,10 +999,42 @@ class CommBandwidth(Detector):
         self._pending = []
         return {"comm_bw": t}
 
+    def _pull(self, ctx: JobContext) -> None:
+        """Fold the comm rows that reached the job's window since the last call into the aggregate (one
+        vectorised pass over the new rows; the window's parts are appended in arrival order and leave from
+        the front, so the new ones are those after the newest part already folded). Without a window of
+        that kind (``_parts``), :meth:`_evaluate` falls back to :func:`comm_analysis` over its rows."""
+        w = getattr(ctx, "comm", None)
+        parts = getattr(w, "_parts", None)
+        if parts is None:
+            self._agg = self._win = self._last = None
+            return
+        if w is not self._win or self._agg is None:
+            span = int(getattr(w, "span", 64) or 64)
+            self._agg = _CommAggregate(max(self.window + self.lag + self.every + 2, span + 2))
+            self._win, self._last = w, None
+        new = []
+        for e in reversed(parts):
+            if e is self._last:
+                break
+            new.append(e[2])
+        if not new:
+            return
+        self._last = parts[-1]
+        new.reverse()
+        t = new[0] if len(new) == 1 else pa.concat_tables(new, promote_options="permissive")
+        nodes = getattr(ctx, "nodes", None)
+        limit = max(int(getattr(ctx, "world_size", 0) or 0), 0 if nodes is None else len(nodes), 1 << 16)
+        try:
+            self._agg.ingest(t, limit)
+        except OverflowError:                       # > 2M distinct (op, group) names: start over
+            self._agg = None
+
     def update(self, ctx: JobContext, block: StepBlock) -> list[Alert]:
         S = len(block)
         if S == 0 or block.step_ms.ndim != 2 or block.step_ms.shape[1] == 0:
             return []
+        self._pull(ctx)
         med = nanmedian(block.step_ms, axis=1)
         out = []
         for s in range(S):
@@ -629,13 +1054,18 @@ class CommBandwidth(Detector):
         m = (self._st >= lo) & (self._st <= hi)
         if m.sum() < self.min_steps:
             return []
-        t = ctx.comm.select(lo, hi)
-        if t is None:
-            return []
+        t = None
+        if self._agg is None:
+            t = ctx.comm.select(lo, hi)
+            if t is None:
+                return []
         step_ms = float(np.nanmedian(self._ms[m])) if np.isfinite(self._ms[m]).any() else float("nan")
         t_hi = int(self._te[m][np.argmax(self._st[m])])
         fam = device_family((ctx.info or {}).get("device_type"))
-        res = comm_analysis(t, ctx.nodes, fam, step_ms, self.link_gbps, self.link)
+        if self._agg is not None:
+            res = self._agg.analyse(lo, hi, ctx.nodes, fam, step_ms, self.link_gbps, self.link)
+        else:
+            res = comm_analysis(t, ctx.nodes, fam, step_ms, self.link_gbps, self.link)
         if not res or res.get("steps", 0) < self.min_steps:
             return []
         g = res.get("groups")
@@ -658,22 +1088,14 @@ class CommBandwidth(Detector):
                                                                            step_first, step_now, t_now))
             # slow link (per group, against peers of the same op, size, link and payload class)
             bus = g["busbw_gbps"]
-            cls = [f"{o}|{n}|{lk}|{int(round(math.log2(max(b, 1)) / 1))}"
-                   for o, n, lk, b in zip(g["op"], g["group_size"], g["link"], g["bytes_per_call"])]
-            cls = np.array(cls, dtype=object)
-            for c in np.unique(cls):
-                idx = np.flatnonzero((cls == c) & np.isfinite(bus))
-                if len(idx) < self.min_peers + 1:
-                    continue
-                for j in idx:
-                    peers = bus[idx[idx != j]]
-                    ref = float(np.median(peers))
-                    if ref > 0 and bus[j] < self.slow_ratio * ref:
+            for idx, ref in _peer_medians(g, bus, self.min_peers):
+                for j, r in zip(idx.tolist(), ref.tolist()):
+                    if r > 0 and bus[j] < self.slow_ratio * r:
                         diag[j] = "slow-link"
                         key = f"slow|{g['op'][j]}|{g['group'][j]}"
                         present.add(key)
-                        alerts += self._eps.seen(key, lambda j=j, ref=ref: self._slow_alert(
-                            ctx, t, g, j, ref, step_ms, step_first, step_now, t_now))
+                        alerts += self._eps.seen(key, lambda j=j, ref=r: self._slow_alert(
+                            ctx, t, res, g, j, ref, step_ms, step_first, step_now, t_now))
         # sync-bound (job-wide), unless a few stragglers explain it (slow_rank names them)
         ws = res.get("wait_share")
         if ws is not None and ws >= self.sync_share and comm_share >= self.min_comm_share:
@@ -722,10 +1144,14 @@ class CommBandwidth(Detector):
                                  "allgather_bucket_size, Megatron overlap_grad_reduce with larger buckets "
                                  "(HCCL: HCCL_BUFFSIZE); coalesce small all_reduces."))
 
-    def _slow_alert(self, ctx, t, g, j, ref, step_ms, step_first, step_now, t_now) -> Alert:
+    def _slow_alert(self, ctx, t, res, g, j, ref, step_ms, step_first, step_now, t_now) -> Alert:
         op, grp = g["op"][j], g["group"][j]
-        m = pc.and_(pc.equal(t.column("op"), op), pc.equal(t.column("group"), grp))
-        ranks = sorted(int(r) for r in np.unique(t.filter(m).column("rank").to_numpy(zero_copy_only=False)))
+        if "members" in res:                        # the aggregate's (key, rank) members of the window
+            mk, mr = res["members"]
+            ranks = mr[mk == g["key"][j]].tolist()
+        else:
+            m = pc.and_(pc.equal(t.column("op"), op), pc.equal(t.column("group"), grp))
+            ranks = sorted(int(r) for r in np.unique(t.filter(m).column("rank").to_numpy(zero_copy_only=False)))
         ranks = [r for r in ranks if 0 <= r < len(ctx.nodes)] if len(ctx.nodes) else []
         nodes = [ctx.node_of(r) for r in ranks]
         uniq_nodes = sorted(set(nodes))
@@ -761,6 +1187,74 @@ class CommBandwidth(Detector):
                                  f"straggler: the ranks that wait least are {who}; compare their phases "
                                  "(data, compute, host gap) and balance the work (pipeline stages, uneven "
                                  "batches). " + SUGGESTIONS["parallelism"]))
+
+
+def _peer_medians(g: dict, bus: np.ndarray, min_peers: int):
+    """The slow-link peer classes of the groups of an analysis: groups of the same op, group size, link and
+    payload class (log2 of the bytes per call, rounded), in the order of their ``op|size|link|class``
+    labels; yields per class with at least ``min_peers`` + 1 finite bus bandwidths (group indices
+    ascending, the median bus bandwidth of each group's peers), the median leaving the group out (from one
+    sort of the class, no per-group median)."""
+    n = len(bus)
+    if n < min_peers + 1:
+        return
+    ops = g["op"]
+    opd = {o: i for i, o in enumerate(dict.fromkeys(ops))}
+    lkd = {lk: i for i, lk in enumerate(dict.fromkeys(g["link"]))}
+    lb = np.round(np.log2(np.maximum(np.asarray(g["bytes_per_call"], dtype=np.float64), 1.0))).astype(np.int64)
+    combo = np.stack([np.array([opd[o] for o in ops], dtype=np.int64), np.asarray(g["group_size"], dtype=np.int64),
+                      np.array([lkd[lk] for lk in g["link"]], dtype=np.int64), lb], axis=1)
+    uniq, inv = np.unique(combo, axis=0, return_inverse=True)
+    inv = inv.reshape(-1)
+    opn, lkn = list(opd), list(lkd)
+    labels = [f"{opn[u[0]]}|{u[1]}|{lkn[u[2]]}|{u[3]}" for u in uniq.tolist()]
+    fin = np.isfinite(bus)
+    for c in sorted(range(len(uniq)), key=labels.__getitem__):
+        idx = np.flatnonzero((inv == c) & fin)
+        k = len(idx)
+        if k < min_peers + 1:
+            continue
+        v = bus[idx]
+        o = np.argsort(v, kind="stable")
+        srt = v[o]
+        p = np.empty(k, dtype=np.int64)
+        p[o] = np.arange(k)                 # each group's place in the sorted class
+
+        def peer(i):                        # i-th smallest of the class without the group itself
+            return np.where(i < p, srt[i], srt[min(i + 1, k - 1)])
+        m = k - 1                           # peers per group
+        ref = peer(m // 2) if m % 2 else (peer(m // 2 - 1) + peer(m // 2)) / 2.0
+        yield idx, ref
+
+
+def _nanmedian_axis0(a: np.ndarray) -> np.ndarray:
+    """``np.nanmedian(a.astype(float64), axis=0)``, the same values, for a short axis 0 (steps) and many
+    columns (ranks): one sort of the transposed rows (NaN sorts last) and the mean of the two middle
+    values, instead of numpy's masked-array path (~10x slower at 20 x 16,384)."""
+    if a.shape[1] == 0:
+        return np.zeros(0)
+    s = np.sort(np.ascontiguousarray(a.T, dtype=np.float64), axis=1)
+    n = s.shape[1] - np.isnan(s).sum(axis=1)
+    lo = np.maximum((n - 1) // 2, 0)[:, None]
+    hi = np.maximum(n // 2, 0)[:, None]
+    return ((np.take_along_axis(s, lo, axis=1) + np.take_along_axis(s, hi, axis=1)) / 2.0)[:, 0]
+
+
+def _median_at_least(a: np.ndarray, thr: float) -> np.ndarray:
+    """Per column, ``np.nan_to_num(np.nanmedian(a, axis=0)) >= thr`` (the same answer) by counting: the
+    median (mean of the two middle values) is >= thr when the lower middle is, < thr when the upper middle
+    is below; only columns with thr between the two middles need their median."""
+    x = a.astype(np.float64)
+    n = x.shape[0] - np.isnan(x).sum(axis=0)
+    c = (x >= thr).sum(axis=0)                               # NaN compares False
+    lo, hi = np.maximum((n - 1) // 2, 0), n // 2
+    out = (n > 0) & (c >= n - lo)                            # the lower middle >= thr
+    amb = (n > 0) & ~out & (c >= n - hi)                     # upper middle >= thr > lower middle
+    if amb.any():
+        out[amb] = _nanmedian_axis0(x[:, amb]) >= thr
+    if thr <= 0:
+        out |= n == 0                                        # an all-NaN median counts as 0
+    return out
 
 
 def _r(x, nd: int = 3):
@@ -843,9 +1337,8 @@ class DataLoader(Detector):
         return out
 
     def _evaluate(self, ctx: JobContext, step_now: int) -> list[Alert]:
-        q = self._q.astype(np.float64)
-        rep = np.isfinite(q)
-        nrep = rep.sum(axis=0)
+        q = self._q
+        nrep = np.isfinite(q).sum(axis=0)
         t_now = int(self._te[(self._n - 1) % self.window])
         present: set = set()
         alerts: list[Alert] = []
@@ -853,16 +1346,24 @@ class DataLoader(Detector):
         if ok.any():
             with np.errstate(invalid="ignore", divide="ignore"):
                 empty = (q == 0).sum(axis=0) / np.maximum(nrep, 1)
-            dshare = nanmedian(self._d.astype(np.float64), axis=0)
-            starved = ok & (empty >= self.empty_share) & (np.nan_to_num(dshare) >= self.min_data_share)
+            # median data share >= min_data_share, only where the queue test holds (usually no rank),
+            # by counting; the medians themselves only for an alert being assembled
+            cand = np.flatnonzero(ok & (empty >= self.empty_share))
+            starved = np.zeros(q.shape[1], dtype=bool)
+            starved[cand] = _median_at_least(self._d[:, cand], self.min_data_share)
             if starved.any():
+                dshare = np.full(q.shape[1], np.nan)
                 job_wide = starved.sum() >= self.job_share * ok.sum()
                 ranks = [] if job_wide else np.flatnonzero(starved).tolist()
                 key = "job" if job_wide else "ranks:" + ",".join(map(str, ranks[:64]))
                 present.add(key)
                 step_first = int(self._st[self._st >= 0].min())
-                alerts += self._eps.seen(key, lambda: self._alert(ctx, q, empty, dshare, starved, ok, ranks,
-                                                                  step_first, step_now, t_now))
+
+                def make():
+                    dshare[starved] = _nanmedian_axis0(self._d[:, starved])
+                    return self._alert(ctx, q.astype(np.float64), empty, dshare, starved, ok, ranks, step_first,
+                                       step_now, t_now)
+                alerts += self._eps.seen(key, make)
         return alerts + self._eps.sweep(present, step_now, t_now)
 
     def _alert(self, ctx, q, empty, dshare, starved, ok, ranks, step_first, step_now, t_now) -> Alert:
@@ -899,17 +1400,38 @@ def efficiency_tables(topology: pa.Table | None, steps: pa.Table, comm: pa.Table
     if topology is not None and topology.num_rows:
         st.set_topology(topology)
     tel = JobTelemetry()
-    if comm is not None and comm.num_rows:
-        tel.add("comm", comm)
+    cstep = None
+    if comm is not None and comm.num_rows:             # step order, to hand each block its steps' rows
+        cstep = pc.cast(comm.column("step"), pa.int64()).to_numpy(zero_copy_only=False)
+        order = np.argsort(cstep, kind="stable")
+        comm, cstep = comm.take(pa.array(order)), cstep[order]
     _, blocks = st.ingest(wire.conform(steps, wire.STEPS))
     blocks += st.close_ready(force=True)
     dets = [Mfu(**settings.get("mfu", {})), CommBandwidth(**settings.get("comm_bw", {}))]
     out: dict[str, list] = {}
     ctx = st.context()
     tel.attach(ctx)
+    fed = 0
+
+    def keep(d):
+        for k, v in d.drain_rows().items():
+            out.setdefault(k, []).append(wire.conform(v, wire.SCHEMAS[k]))
     for b in blocks:
-        for d in dets:
-            d.update(ctx, b)
-            for k, v in d.drain_rows().items():
-                out.setdefault(k, []).append(wire.conform(v, wire.SCHEMAS[k]))
+        dets[0].update(ctx, b)
+        keep(dets[0])
+        for j in range(len(b)):                         # comm_bw step by step, each step's comm rows first
+            if cstep is not None:
+                upto = int(np.searchsorted(cstep, int(b.steps[j]), side="right"))
+                if upto > fed:
+                    tel.add("comm", comm.slice(fed, upto - fed))
+                    fed = upto
+            dets[1].update(ctx, _block_slice(b, j, j + 1))
+            keep(dets[1])
     return {k: pa.concat_tables(v) for k, v in out.items()}
+
+
+def _block_slice(b: StepBlock, i: int, j: int) -> StepBlock:
+    """Steps ``i:j`` of a block (every per-step field sliced, None kept)."""
+    import dataclasses
+    return StepBlock(**{f.name: (None if getattr(b, f.name) is None else getattr(b, f.name)[i:j])
+                        for f in dataclasses.fields(b)})

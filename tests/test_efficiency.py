@@ -232,6 +232,54 @@ def test_small_messages_and_sync_bound():
     assert feed_comm(CommBandwidth(), ctx_of(R, device_type="H100"), 30, straggler) == []
 
 
+def test_incremental_comm_aggregate_matches_comm_analysis():
+    """The detector folds comm rows into per-step accumulators as they arrive (any batches, late rows,
+    nulls); analysing a window from those gives what comm_analysis computes over the window's raw rows."""
+    from stepwatch.detectors.efficiency import _CommAggregate
+    rng = np.random.default_rng(7)
+    R = 48
+    nodes = np.array([f"n{r // 4}" for r in range(R)], dtype=object)
+    tabs = []
+    for s in range(30):
+        spec = []
+        for r in range(R):
+            for op, grp in (("all_reduce", f"g{r % 6}"), ("all_gather", f"t{r // 8}"), ("barrier", "world")):
+                if rng.random() < 0.05:
+                    continue                                    # a missing row
+                step = s - 1 if s and rng.random() < 0.1 else s  # a late row of the previous step
+                spec.append((r, step, op, grp, int(rng.integers(0, 4)),
+                             int(rng.integers(0, 2**24)) * int(rng.random() > 0.05), float(rng.random() * 20),
+                             float(rng.random() * 5), int(rng.choice([0, 8]))))
+        t = comm_rows(spec)
+        t = t.set_column(t.column_names.index("group_size"), "group_size",       # some null group sizes
+                         pa.array([None if rng.random() < 0.1 else v for v in t.column("group_size").to_pylist()],
+                                  pa.int32()))
+        tabs.append(t)
+    agg = _CommAggregate(40)
+    rows = pa.concat_tables(tabs)
+    cuts = np.sort(rng.choice(np.arange(1, rows.num_rows), 60, replace=False))
+    for a, b in zip(np.r_[0, cuts], np.r_[cuts, rows.num_rows]):                 # batches of random sizes
+        agg.ingest(rows.slice(int(a), int(b - a)), 1 << 16)
+    step = rows.column("step").to_numpy()
+    for lo, hi in ((0, 9), (5, 24), (20, 29)):
+        ref = comm_analysis(rows.filter(pa.array((step >= lo) & (step <= hi))), nodes, "h100", 100.0)
+        got = agg.analyse(lo, hi, nodes, "h100", 100.0)
+        for k in ("wait_share", "comm_share", "steps", "ranks"):
+            assert got[k] == pytest.approx(ref[k], rel=1e-9)
+        assert got["hist"] == ref["hist"]
+        assert got["rank_wait"][0].tolist() == ref["rank_wait"][0].tolist()
+        assert np.allclose(got["rank_wait"][1], ref["rank_wait"][1], rtol=1e-9)
+        gr, gg = ref["groups"], got["groups"]
+        order = lambda g: sorted(range(len(g["op"])), key=lambda i: (g["op"][i], g["group"][i]))
+        ir, ig = order(gr), order(gg)
+        assert [(gr["op"][i], gr["group"][i], gr["link"][i]) for i in ir] == [
+            (gg["op"][i], gg["group"][i], gg["link"][i]) for i in ig]
+        for k in ("group_size", "ranks", "calls_per_step", "bytes_per_call", "xfer_ms_per_step", "time_ms_per_step",
+                  "wait_share", "algbw_gbps", "busbw_gbps", "peak_gbps", "util", "saturate_bytes", "calls", "rows"):
+            assert np.allclose(np.asarray(gg[k], float)[ig], np.asarray(gr[k], float)[ir], rtol=1e-9, equal_nan=True), k
+        assert {o for o, _ in zip(gg["op"], gg["group"])} == {"all_reduce", "all_gather"}
+
+
 # --------------------------------------------------------------------------- data loader
 def test_dataloader_starved_job_wide_and_per_node_and_quiet_when_fed():
     R = 16
