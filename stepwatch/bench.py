@@ -138,7 +138,8 @@ def _comm_from_steps(steps):
             "step": steps.column("step"), "op": pa.array(["all_reduce"] * 1, pa.string()).take(pa.array(np.zeros(n, np.int64))),
             "group": pa.array(["dp0"], pa.string()).take(pa.array(np.zeros(n, np.int64))),
             "count": pa.array(np.full(n, 12, np.int64)), "bytes": pa.array(np.full(n, 1 << 30, np.int64)),
-            "time_ms": steps.column("comm_ms"), "wait_ms": steps.column("comm_wait_ms")}
+            "time_ms": steps.column("comm_ms"), "wait_ms": steps.column("comm_wait_ms"),
+            "group_size": pa.nulls(n, pa.int32())}
     return pa.Table.from_arrays(list(cols.values()), schema=wire.COMM)
 
 

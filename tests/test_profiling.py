@@ -310,7 +310,7 @@ def test_summary_and_diff_of_real_torch_profiles_name_the_slow_op():
     assert 15 < top["slow_op"]["self_ms"] < 200 and top["slow_op"]["calls"] == 1
     d = profiling.diff(s, r)
     assert d["slower"][0]["name"] == "slow_op" and d["slower"][0]["ratio"] is None
-    assert d["delta_total_ms"] > 15
+    assert d["delta_total_ms"] > 10                 # 20 ms of sleep per step (other operators vary on a busy machine)
     assert "slow_op" in profiling.format_diff(d).splitlines()[3]
     res = {1: {"status": "ok", "summary": json.dumps(s)}, 2: {"status": "ok", "summary": json.dumps(r)}}
     assert command_diff([1], [2], res)["slower"][0]["name"] == "slow_op"
