@@ -346,6 +346,12 @@ def test_trace_file_summary_in_a_child_process_equals_the_profilers_own(tmp_path
     assert slow["self_ms"] >= 10.0 and slow["calls"] == 1.0     # the sleep, without its child matmul
     for o in got["top"]:
         assert o["self_ms"] == pytest.approx(want[o["name"]]["self_ms"], abs=2e-4), o["name"]
+    gz = str(tmp_path / "trace.json.gz")                 # the probe's way: summary + compressed copy
+    again = profiling.summarize_in_subprocess(path, 4, gzip_to=gz)
+    assert again == got and not os.path.exists(path)
+    import gzip
+    with gzip.open(gz, "rt") as f:
+        assert json.load(f)["traceEvents"]
     with pytest.raises(RuntimeError, match="trace summary failed"):
         profiling.summarize_in_subprocess(str(tmp_path / "missing.json"), 4)
 
