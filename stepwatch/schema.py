@@ -251,12 +251,28 @@ PROFILES = pa.schema([
     pa.field("t", TS),                                    # when the outcome was published
 ])
 
+PROFILE_DIFFS = pa.schema([
+    pa.field("alert_id", pa.string()),                    # the alert that asked for the profile ('' by hand)
+    pa.field("job", pa.string(), nullable=False),
+    pa.field("cmd_id", pa.string(), nullable=False),
+    pa.field("suspect_rank", pa.int32()),
+    pa.field("reference_rank", pa.int32()),
+    pa.field("position", pa.int32(), nullable=False),      # 1 = the most slower; -1, -2 ... the most faster
+    pa.field("name", pa.string(), nullable=False),         # operator / record_function range / Python function
+    pa.field("suspect_ms", F64),                          # self time per profiled step
+    pa.field("reference_ms", F64),
+    pa.field("delta_ms", F64),
+    pa.field("ratio", F64),                               # suspect / reference (null: the reference has none)
+    pa.field("t", TS, nullable=False),                    # when the processor compared them
+])
+
 SCHEMAS: dict[str, pa.Schema] = {
     "steps": STEPS, "topology": TOPOLOGY, "host": HOST, "gc": GC, "comm": COMM,
     "alerts": ALERTS, "deadletter": DEADLETTER, "rank_minutes": RANK_MINUTES,
     "efficiency": EFFICIENCY, "comm_bw": COMM_BW,
+    "profiles": PROFILES,               # targeted profiling results (agents publish, the processor stores)
+    "profile_diffs": PROFILE_DIFFS,     # suspect vs reference, per operator (the processor computes them)
 }
-SCHEMAS["profiles"] = PROFILES     # targeted profiling results (agents publish, the processor stores)
 #: Kinds a producer may send (telemetry); alerts/deadletter are written by the processor.
 TELEMETRY = ("steps", "topology", "host", "gc", "comm")
 
@@ -269,6 +285,7 @@ NATURAL_KEYS: dict[str, tuple[str, ...]] = {
     "comm": ("job", "rank", "step", "op", "group"),
     "alerts": ("alert_id", "status"),
     "profiles": ("cmd_id", "rank", "status"),
+    "profile_diffs": ("cmd_id", "name"),
     "efficiency": ("job", "step"),
     "comm_bw": ("job", "step_hi", "op", "group"),
 }

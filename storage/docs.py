@@ -28,6 +28,10 @@ ABOUT = {
                 "outcome (`ok`, `failed`, `rejected`, `expired`, `busy`). `reason` is the alert id that asked for "
                 "it, `role` says suspect or reference, `summary` is JSON (top operators or Python functions by "
                 "self time, ms per step), `uri` the trace file, `detail` why a command was refused or failed.",
+    "profile_diffs": "Written by the processor when a command's suspect and reference profiles are both `ok`: one "
+                     "row per operator (or Python function) the two differ in, `position` 1 = the one the suspect "
+                     "spends most extra self time in (ms per profiled step), negative positions = where it spends "
+                     "less. `alert_id` links it to the alert; `stepwatch profile diff CMD_ID` prints the same.",
 }
 
 ABOUT["efficiency"] = ("Written by the processor's `mfu` detector: one row per job and closed step. `mfu` = "

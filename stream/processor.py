@@ -460,10 +460,13 @@ class Processor:
             self._buffer("profiles", profile_rows_table(rows))
 
     def _profile_results(self, t: pa.Table) -> None:
-        """Suspect + reference summaries in: re-emit the alert with a ``profile_diff`` section (on the
-        alerts topic and to the callback; the alerts table keeps one row per alert and status)."""
-        from stepwatch.stream.profiling import alert_with_diff
+        """Suspect + reference summaries in: store the comparison (``profile_diffs`` table) and re-emit
+        the alert with a ``profile_diff`` section (on the alerts topic and to the callback; the alerts
+        table keeps one row per alert and status)."""
+        from stepwatch.stream.profiling import alert_with_diff, diff_rows_table
         for p, d in self.profiling.on_results(t):
+            aid = getattr(p.alert, "alert_id", "") or ""
+            self._buffer("profile_diffs", diff_rows_table(p.job, aid, p.cmd_id, d))
             if p.alert is None:
                 continue
             a = alert_with_diff(p.alert, p.cmd_id, d)

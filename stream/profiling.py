@@ -257,6 +257,21 @@ def command_diff(suspects, reference, results: dict) -> dict | None:
     return d
 
 
+def diff_rows_table(job: str, alert_id: str, cmd_id: str, d: dict, t_ns: int | None = None) -> pa.Table:
+    """The ``profile_diffs`` rows of one diff: slower entries at positions 1, 2, ... and faster ones at
+    -1, -2, ..."""
+    t_ns = time.time_ns() if t_ns is None else int(t_ns)
+    rows = []
+    for sign, entries in ((1, d.get("slower", [])), (-1, d.get("faster", []))):
+        for i, x in enumerate(entries, 1):
+            rows.append({"alert_id": alert_id or "", "job": job, "cmd_id": cmd_id,
+                         "suspect_rank": d.get("suspect_rank"), "reference_rank": d.get("reference_rank"),
+                         "position": sign * i, "name": x["name"], "suspect_ms": x["suspect_ms"],
+                         "reference_ms": x["reference_ms"], "delta_ms": x["delta_ms"], "ratio": x.get("ratio"),
+                         "t": t_ns})
+    return pa.Table.from_pylist(rows, schema=wire.PROFILE_DIFFS)
+
+
 def alert_with_diff(alert, cmd_id: str, d: dict):
     """A copy of ``alert`` whose evidence carries ``profile_diff`` (the top slower entries)."""
     a = copy.copy(alert)

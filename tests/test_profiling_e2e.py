@@ -123,6 +123,14 @@ def test_slow_rank_alert_triggers_profiles_of_suspect_and_reference_and_the_diff
     alert_rows = con.execute("SELECT count(*) FROM alerts WHERE alert_id = ? AND status = 'firing'",
                              [pending.alert.alert_id]).fetchone()[0]
     assert alert_rows == 1                        # the re-emission is not stored twice
+    # ... while the comparison itself is stored, linked to the alert, for post-mortem SQL
+    top = con.execute("SELECT name, delta_ms, suspect_rank, reference_rank FROM profile_diffs WHERE alert_id = ? "
+                      "AND cmd_id = ? AND position > 0 ORDER BY position", [pending.alert.alert_id,
+                                                                            pending.cmd_id]).fetchall()
+    assert top[0][0] == "slow_op" and top[0][1] > 15 and top[0][2:] == (slow, ref), top
+    doc_sql = ("SELECT a.kind, a.ranks, d.name, d.delta_ms, d.ratio FROM alerts a JOIN profile_diffs d USING "
+               "(alert_id) WHERE a.status = 'firing' AND d.position BETWEEN 1 AND 3 ORDER BY a.t_detected, d.position")
+    assert "slow_op" in [r[2] for r in con.execute(doc_sql).fetchall()]      # the query in docs/profiling.md
 
     # the CLI prints the same comparison from the table
     from stepwatch.cli import main
