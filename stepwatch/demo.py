@@ -137,6 +137,13 @@ def _post_mortem(root: Path, job: str, sim, sent: dict, t_begin: float) -> bool:
                    FROM job_steps WHERE job = ?)
         SELECT avg(CASE WHEN step_ms > 1.1 * med THEN 1.0 ELSE 0.0 END), count(*) FROM s""", [job]).fetchall()[0]
     _say(f"\njitter ratio (steps > 1.1x the median of the 21 steps around them): {100 * (jit[0] or 0):.1f}% of {jit[1]} steps")
+    eff = con.execute("""
+        SELECT median(mfu), sum(productive_ms) / nullif(sum(wall_ms), 0), any_value(peak_tflops),
+               max(devices), count(mfu)
+        FROM efficiency WHERE job = ?""", [job]).fetchall()[0]
+    if eff[4]:
+        _say(f"efficiency: MFU median {100 * eff[0]:.1f}% (peak {eff[2]:,.0f} TFLOPS per device x {eff[3]:,} "
+             f"devices); goodput {100 * (eff[1] or 0):.1f}% of wall time in productive steps")
     # ground truth
     labels = json.loads((root / "labels.json").read_text())
     found_all = True

@@ -115,3 +115,15 @@ def test_sasl_needs_a_password_from_env_or_file(tmp_path):
     finally:
         os.environ.clear()
         os.environ.update(old)
+
+
+def test_demo_finds_both_faults_and_reports_efficiency(tmp_path):
+    """`make demo` as a user runs it (smaller): exit 0 only when both injected faults are found."""
+    r = run("demo", "--ranks", "128", "--steps", "260", "--slow-rank", "77", "--data-dir", str(tmp_path / "demo"),
+            timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = r.stdout
+    assert re.search(r"FOUND\s+slow rank 77 ", out) and re.search(r"FOUND\s+regression from step 200", out), out
+    m = re.search(r"efficiency: MFU median ([\d.]+)% .*goodput ([\d.]+)%", out)
+    assert m and 0 < float(m.group(1)) < 100 and 50 < float(m.group(2)) <= 100, out
+    assert (tmp_path / "demo" / "report.html").stat().st_size > 10_000
