@@ -440,9 +440,9 @@ def test_probe_runs_py_spy_or_reports_why_not(served, monkeypatch):
     assert ctl.handle_command(served.cmd([0], steps=20, kind="py-spy")) == []
     rows = _wait_rows(served, n_steps=200, work=busy_python_function)
     (r,) = [x for x in rows if x["rank"] == 0]
-    if r["status"] == "failed":                  # ptrace refused on this machine: the reason is reported
-        assert "py-spy" in r["detail"], r
-        return
+    if r["status"] == "failed" and "ermission" in (r["detail"] or ""):
+        # the reason is reported on `profiles`; the sampling itself cannot be checked here: say so
+        pytest.skip(f"this machine refuses ptrace to py-spy (see docs/profiling.md): {r['detail']}")
     assert r["status"] == "ok" and r["uri"].endswith(".pyspy.txt"), r
     names = [o["name"] for o in json.loads(r["summary"])["top"][:3]]
     assert any("busy_python_function" in n for n in names), names
