@@ -210,9 +210,12 @@ def test_processor_resend_through_the_callback_leaves_one_annotation(grafana):
     a = alert("firing")
     sink.submit(a, t_first_ns=T_FIRST)              # the first emission (Processor._emit)
     diff = _with_diff(a).evidence["profile_diff"]
-    fake = SimpleNamespace(producer=None, on_alert=sink, profiling=SimpleNamespace(
-        on_results=lambda t: [(SimpleNamespace(alert=a, cmd_id=diff["cmd_id"]), diff)]))
+    buffered = []
+    fake = SimpleNamespace(producer=None, on_alert=sink, _buffer=lambda table, t: buffered.append((table, t)),
+                           profiling=SimpleNamespace(on_results=lambda t: [
+                               (SimpleNamespace(alert=a, cmd_id=diff["cmd_id"], job=a.job), diff)]))
     Processor._profile_results(fake, None)
+    assert [tb for tb, _ in buffered] == ["profile_diffs"]          # the comparison is stored as well
     assert sink.close(5)
     assert len(grafana.annotations) == 1 and "profile 3f2a9c0e1b7d4a55" in grafana.annotations[0]["text"]
     assert grafana.violations == []
