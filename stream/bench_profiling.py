@@ -110,7 +110,7 @@ def run_profiling_bench(a) -> int:
         if p.returncode != 0 or proc.profiling is None or not proc.profiling.diffs:
             print(f"no profile diff (training rc {p.returncode}): {err[-2000:]}", file=sys.stderr)
             return 1
-        (pend, d), = proc.profiling.diffs[:1]
+        pend, d = proc.profiling.diffs[0]
         con = connect(base / "data")
         rows = {r[0]: r for r in con.execute(
             "SELECT rank, uri, epoch_ns(started_at), epoch_ns(finished_at), summary, bytes FROM profiles "

@@ -24,6 +24,7 @@ deployment) that is the cluster-wide cap; with P processors set ``max_in_flight`
 """
 from __future__ import annotations
 
+import collections
 import copy
 import json
 import logging
@@ -128,24 +129,32 @@ def choose_ranks(state, alert_ranks, max_suspects: int = 2, want_reference: bool
     if not suspects or not want_reference:
         return suspects, []
 
-    def role(r):
-        key = [int(state.stage[r])] if len(state.stage) > r else [0]
-        for c in ("tp", "cp", "ep"):
-            a = state.coords.get(c)
-            key.append(int(a[r]) if a is not None and len(a) > r else -1)
-        return tuple(key)
+    def coord(a) -> np.ndarray:                # (R,) coordinate per rank, -1 where unknown
+        out = np.full(R, -1, np.int64)
+        if a is not None:
+            n = min(len(a), R)
+            out[:n] = np.asarray(a[:n], np.int64)
+        return out
 
-    bad = set(int(r) for r in alert_ranks) | set(suspects)
-    healthy = [r for r in range(R) if r not in bad]
-    same = [r for r in healthy if role(r) == role(suspects[0])] or healthy
-    if not same:
+    # role = (pipeline stage, tp, cp, ep coordinates): the reference runs the same part of the model
+    roles = [coord(state.stage)] + [coord(state.coords.get(c)) for c in ("tp", "cp", "ep")]
+    s0 = suspects[0]
+    healthy = np.ones(R, bool)
+    bad = np.array([int(r) for r in alert_ranks if 0 <= int(r) < R] + suspects, np.int64)
+    healthy[bad] = False
+    same = healthy.copy()
+    for a in roles:
+        same &= a == a[s0]
+    cand = np.flatnonzero(same) if same.any() else np.flatnonzero(healthy)
+    if not len(cand):
         return suspects, []
-    vals = np.array([busy[r] if r < len(busy) else np.nan for r in same])
+    b = np.full(R, np.nan)
+    b[:min(len(busy), R)] = busy[:R]
+    vals = b[cand]
     if np.isfinite(vals).any():
-        med = np.nanmedian(vals)
-        ref = same[int(np.nanargmin(np.abs(vals - med)))]
+        ref = cand[int(np.nanargmin(np.abs(vals - np.nanmedian(vals))))]
     else:
-        ref = same[0]
+        ref = cand[0]
     return suspects, [int(ref)]
 
 
@@ -157,7 +166,7 @@ class Issuer:
         self.pending: dict[str, Pending] = {}
         self.issued = 0
         self.capped = 0
-        self.diffs: list[tuple[Pending, dict]] = []
+        self.diffs: collections.deque = collections.deque(maxlen=1000)   # (command, diff), newest last
 
     # ------------------------------------------------------------------ cap
     def in_flight(self, now_ns: int | None = None) -> int:

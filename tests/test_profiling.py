@@ -227,13 +227,15 @@ class _Kafka:
         return "t." + n
 
 
-def _state(world=8, slow=5):
+def _state(world=8, slow=5, tp=None):
     st = JobState("cj", world_size=world, capacity=16)
     import pyarrow as pa
     from stepwatch import schema as wire
-    st.set_topology(wire.conform(pa.table({"job": ["cj"] * world, "rank": list(range(world)),
-                                           "node": [f"n{r // 4}" for r in range(world)],
-                                           "world_size": [world] * world}), wire.TOPOLOGY))
+    topo = {"job": ["cj"] * world, "rank": list(range(world)), "node": [f"n{r // 4}" for r in range(world)],
+            "world_size": [world] * world}
+    if tp:
+        topo["tp"] = [r % tp for r in range(world)]
+    st.set_topology(wire.conform(pa.table(topo), wire.TOPOLOGY))
     for s in range(10):
         step_ms = np.full(world, 100.0)
         wait = np.full(world, 20.0)
@@ -264,6 +266,18 @@ def test_issuer_picks_a_reference_and_signs_one_command_per_node():
     # not a configured kind / not firing: nothing
     assert iss.on_alert(st, Alert(job="cj", kind="jitter", status="firing", step_first=1, step_detected=2,
                                   t_detected=1, ranks=[1])) == []
+
+
+def test_reference_runs_the_same_part_of_the_model():
+    """With tensor parallelism the reference has the suspect's tp coordinate (same shard of every
+    layer), healthy and closest to the median busy time."""
+    st = _state(world=16, slow=5, tp=4)
+    sus, ref = choose_ranks(st, [5])
+    assert sus == [5] and ref[0] % 4 == 5 % 4 and ref[0] != 5
+    big = _state(world=4096, slow=4000, tp=8)                   # columnar: no per-rank Python loop
+    t = time.perf_counter()
+    sus, ref = choose_ranks(big, [4000])
+    assert ref[0] % 8 == 4000 % 8 and ref[0] != 4000 and time.perf_counter() - t < 0.5
 
 
 def test_issuer_refuses_past_the_cap_and_frees_slots_on_answers():
