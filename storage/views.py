@@ -55,8 +55,20 @@ def connect(root: str | Path, threads: int | None = None) -> duckdb.DuckDBPyConn
     con = duckdb.connect(":memory:")
     if threads:
         con.execute(f"SET threads = {int(threads)}")
-    con.execute(view_sql(root))
+    for attempt in range(4):
+        try:                             # binding a view opens a file: compaction may swap it meanwhile
+            con.execute(view_sql(root))
+            return con
+        except duckdb.IOException as e:
+            if attempt == 3 or not _vanished(e):
+                raise
     return con
+
+
+def _vanished(e: Exception) -> bool:
+    """A file listed by DuckDB was gone when it opened it (a compaction swap or a retention delete)."""
+    msg = str(e)
+    return "No such file" in msg or "Could not open" in msg or "Cannot open" in msg or "not found" in msg.lower()
 
 
 def query(con: duckdb.DuckDBPyConnection, sql: str, params=None, retries: int = 3):
@@ -69,7 +81,5 @@ def query(con: duckdb.DuckDBPyConnection, sql: str, params=None, retries: int = 
             cols = [d[0] for d in cur.description] if cur.description else []
             return cols, (cur.fetchall() if cols else [])
         except duckdb.IOException as e:
-            msg = str(e)
-            if attempt == retries or not ("No such file" in msg or "Could not open" in msg
-                                          or "not found" in msg.lower()):
+            if attempt == retries or not _vanished(e):
                 raise
