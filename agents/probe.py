@@ -1256,25 +1256,16 @@ def decode(data: bytes) -> list[tuple[int, int, int, object]]:
             raise BadDatagram(f"bad magic 0x{magic:04x}")
         if ver != VERSION:
             raise BadDatagram(f"unsupported version {ver}")
-        if typ == T_HELLO:
+        if typ in (T_HELLO, T_PROFILE):                  # header + one JSON object, alone in its datagram
+            what = "hello" if typ == T_HELLO else "profile result"
             if off:
-                raise BadDatagram("hello after a batch frame")
+                raise BadDatagram(f"{what} after a batch frame")
             try:
                 body = json.loads(bytes(data[HDR.size:]).decode("utf-8"))
             except (UnicodeDecodeError, ValueError) as e:
-                raise BadDatagram(f"undecodable hello: {e}") from None
+                raise BadDatagram(f"undecodable {what}: {e}") from None
             if not isinstance(body, dict):
-                raise BadDatagram("hello is not a JSON object")
-            return [(typ, inst, rank, body)]
-        if typ == T_PROFILE:
-            if off:
-                raise BadDatagram("profile result after a batch frame")
-            try:
-                body = json.loads(bytes(data[HDR.size:]).decode("utf-8"))
-            except (UnicodeDecodeError, ValueError) as e:
-                raise BadDatagram(f"undecodable profile result: {e}") from None
-            if not isinstance(body, dict):
-                raise BadDatagram("profile result is not a JSON object")
+                raise BadDatagram(f"{what} is not a JSON object")
             return [(typ, inst, rank, body)]
         if typ != T_BATCH:
             raise BadDatagram(f"unknown frame type {typ}")
