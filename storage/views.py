@@ -66,7 +66,8 @@ def connect(root: str | Path, threads: int | None = None) -> duckdb.DuckDBPyConn
 
 
 def _vanished(e: Exception) -> bool:
-    """A file listed by DuckDB was gone when it opened it (a compaction swap or a retention delete)."""
+    """A file listed by DuckDB was gone when it opened it (a compaction swap or a retention delete);
+    used when binding the views, which reads no rows."""
     msg = str(e)
     return "No such file" in msg or "Could not open" in msg or "Cannot open" in msg or "not found" in msg.lower()
 
@@ -81,5 +82,7 @@ def query(con: duckdb.DuckDBPyConnection, sql: str, params=None, retries: int = 
             cols = [d[0] for d in cur.description] if cur.description else []
             return cols, (cur.fetchall() if cols else [])
         except duckdb.IOException as e:
-            if attempt == retries or not _vanished(e):
+            msg = str(e)       # (not "Cannot open file": a retry after it was once seen reading a partial listing)
+            if attempt == retries or not ("No such file" in msg or "Could not open" in msg
+                                          or "not found" in msg.lower()):
                 raise
