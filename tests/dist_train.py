@@ -115,13 +115,15 @@ def train() -> None:
     dist.destroy_process_group()
 
 
-def _worker(rank: int, world: int, port: int) -> None:
+def _worker(rank: int, world: int, port: int, fn) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
-    train()
+    fn()
 
 
-def main() -> None:
+def run_ranks(fn) -> None:
+    """Fork ``$SW_NPROC`` (4) ranks on a free loopback port, each running ``fn`` (also used by
+    profile_train.py)."""
     import socket
     import torch.multiprocessing as mp
     import torch._dynamo  # noqa: F401 - imported lazily by the first backward: once here, not once per rank
@@ -129,8 +131,8 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(world, port), nprocs=world, start_method="fork")
+    mp.start_processes(_worker, args=(world, port, fn), nprocs=world, start_method="fork")
 
 
 if __name__ == "__main__":
-    main()
+    run_ranks(train)

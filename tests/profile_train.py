@@ -7,7 +7,6 @@ exists (checked every 10 steps with one all_reduce, so every rank stops at the s
 writes ``$SW_OUT/rank<r>.json`` with the wall time at the end of each step."""
 import json
 import os
-import socket
 import time
 
 import torch
@@ -68,21 +67,6 @@ def train() -> None:
     dist.destroy_process_group()
 
 
-def _worker(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    train()
-
-
-def main() -> None:
-    import torch.multiprocessing as mp
-    import torch._dynamo  # noqa: F401 - imported lazily by the first backward: once here, not once per rank
-    world = int(os.environ.get("SW_NPROC", "4"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(world, port), nprocs=world, start_method="fork")
-
-
 if __name__ == "__main__":
-    main()
+    from dist_train import run_ranks          # the same launcher as the plain training run
+    run_ranks(train)
