@@ -154,7 +154,7 @@ def cmd_sql(a) -> int:
     import duckdb
 
     from stepwatch.storage.store import ParquetStore
-    from stepwatch.storage.views import connect, view_sql
+    from stepwatch.storage.views import connect, query, view_sql
     if a.print_views:
         print(view_sql(a.data_dir))
         return 0
@@ -183,14 +183,11 @@ def cmd_sql(a) -> int:
               file=sys.stderr)
         return 2
     ParquetStore(a.data_dir).init()
-    con = connect(a.data_dir)
     try:
-        cur = con.execute(a.query)
+        cols, rows = query(connect(a.data_dir), a.query)      # (retried across a compaction swap)
     except duckdb.Error as e:
         print(f"stepwatch sql: {e}", file=sys.stderr)
         return 1
-    cols = [d[0] for d in cur.description] if cur.description else []
-    rows = cur.fetchall() if cols else []
     _print_rows(a.format, cols, rows)
     return 0
 

@@ -12,10 +12,17 @@ Safety:
   temporary file under the lock (a writer died mid-flush) is left alone until recovery.
 * **Readers**: the new set of files is built in a staging folder and *exchanged* with the
   partition folder in one atomic ``renameat2(RENAME_EXCHANGE)``: a query sees either the old files
-  or the compacted one, never both and never neither. The old set is kept for a grace period
-  (queries that already opened files keep reading them). A query that listed the folder just before
-  the swap and opens a file just after it gets "file not found" and is retried by
-  :func:`stepwatch.storage.views.query`.
+  or the compacted one, never both. The old set is kept for a grace period (queries that already
+  opened files keep reading them); a query that listed the folder before the swap and opens a file
+  after it gets "file not found" and is retried by :func:`stepwatch.storage.views.query`.
+* **Fences**: DuckDB lists a folder through its handle but then ``stat``-s each entry *by path*
+  and silently skips an entry that is gone. A query whose listing straddles the swap would read the
+  old names in the new folder, find the merged ones missing, skip them and return too few rows
+  without an error. So the new folder also holds, under each merged file's name, an empty file
+  (a *fence*): DuckDB stats it, opens it and fails with "too small to be a Parquet file", which
+  :func:`~stepwatch.storage.views.query` retries after a short wait. The fences are removed
+  ``fence_s`` (0.25 s) after the swap; queries on that table in that window are retried (a Grafana
+  panel refreshed then shows the error once). A pass removes fences a crashed pass left behind.
 """
 from __future__ import annotations
 
@@ -61,6 +68,7 @@ class CompactResult:
     bytes_out: int = 0
     expired: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    fences: int = 0
 
 
 def _partitions(root: Path, tables=TABLES):
@@ -73,13 +81,25 @@ def _partitions(root: Path, tables=TABLES):
                     yield t, dd
 
 
+FENCE_S = 0.25      # how long the fences stand after a swap: far longer than a DuckDB listing takes
+
+
 def compact_partition(root: Path, table: str, part: Path, target_bytes: int = 256 << 20,
-                      min_age_s: float = 30.0, min_files: int = 2, res: CompactResult | None = None) -> bool:
-    """Merge the small, settled files of one partition. Returns True when it swapped."""
+                      min_age_s: float = 30.0, min_files: int = 2, res: CompactResult | None = None,
+                      fences: list[Path] | None = None, fence_s: float = FENCE_S) -> bool:
+    """Merge the small, settled files of one partition. Returns True when it swapped.
+
+    The fences (see the module doc) are appended to ``fences`` for the caller to remove
+    ``fence_s`` after the swap (:func:`run` waits once for a whole pass); without a list they are
+    removed here, after waiting."""
     res = res or CompactResult()
     now = time.time()
     files = sorted(f for f in part.glob("*.parquet"))
-    small = [f for f in files if f.stat().st_size < target_bytes and now - f.stat().st_mtime >= min_age_s]
+    small = []
+    for f in files:
+        st = f.stat()
+        if 0 < st.st_size < target_bytes and now - st.st_mtime >= min_age_s:     # (size 0: a fence)
+            small.append(f)
     if len(small) < min_files:
         return False
     # merge in batches so one output file stays near target_bytes
@@ -123,17 +143,55 @@ def compact_partition(root: Path, table: str, part: Path, target_bytes: int = 25
             for f in part.glob("*.parquet"):
                 if f.name not in merged:
                     os.link(f, stage / f.name)      # arrived after we listed, or not merged
+            for name in merged:                     # fences: see the module doc
+                (stage / name).touch()
             exchange(stage, part)
+        swapped_at = time.monotonic()
+        new_fences = [part / name for name in sorted(merged)]
         # `stage` now holds the old files: keep them for the grace period (see purge_trash)
         trash = root / "_state" / "trash" / f"{int(time.time())}-{uuid.uuid4().hex[:8]}"
         trash.parent.mkdir(parents=True, exist_ok=True)
         os.replace(stage, trash)
         res.partitions += 1
+        if fences is not None:
+            fences.extend(new_fences)
+        else:
+            time.sleep(max(0.0, swapped_at + fence_s - time.monotonic()))
+            remove_fences(new_fences)
         return True
     except BaseException:
         if stage.exists() and not any(stage.glob("*.tmp")):
             shutil.rmtree(stage, ignore_errors=True)
         raise
+
+
+def remove_fences(fences) -> int:
+    """Unlink fences by path (a later swap may have linked one into a newer folder: same path)."""
+    n = 0
+    for f in fences:
+        try:
+            if os.stat(f).st_size == 0:
+                os.unlink(f)
+                n += 1
+        except FileNotFoundError:
+            pass
+    return n
+
+
+def stale_fences(root: Path, older_than_s: float, tables=TABLES) -> list[Path]:
+    """Fences a crashed pass left behind (empty ``*.parquet`` files older than ``older_than_s``):
+    every query of their table would fail until they are gone."""
+    now = time.time()
+    out = []
+    for _, part in _partitions(Path(root), tables):
+        for f in part.glob("*.parquet"):
+            try:
+                st = f.stat()
+            except FileNotFoundError:
+                continue
+            if st.st_size == 0 and now - st.st_mtime >= older_than_s:
+                out.append(f)
+    return out
 
 
 def purge_trash(root: Path, grace_s: float = 300.0) -> int:
@@ -175,13 +233,24 @@ def expire(root: Path, retention_days: float, today: date | None = None, res: Co
 
 
 def run(root: str | Path, target_mb: float = 256, min_age_s: float = 30.0, retention_days: float | None = None,
-        grace_s: float = 300.0, tables=TABLES) -> CompactResult:
-    """One maintenance pass: retention, then compaction of every partition, then trash purge."""
+        grace_s: float = 300.0, tables=TABLES, fence_s: float = FENCE_S) -> CompactResult:
+    """One maintenance pass: retention, then compaction of every partition, then (``fence_s``
+    after the last swap) removal of the pass's fences, then trash purge."""
     root = Path(root)
     res = CompactResult()
+    left = stale_fences(root, max(fence_s, 1.0) * 4, tables)
+    if left:
+        log.warning("removing %d fences a crashed compaction left (queries of their tables failed)", len(left))
+        remove_fences(left)
     if retention_days is not None:
         expire(root, retention_days, res=res)
+    fences: list[Path] = []
+    last_swap = 0.0
     for table, part in list(_partitions(root, tables)):
-        compact_partition(root, table, part, int(target_mb * (1 << 20)), min_age_s, res=res)
+        if compact_partition(root, table, part, int(target_mb * (1 << 20)), min_age_s, res=res, fences=fences):
+            last_swap = time.monotonic()
+    if fences:
+        time.sleep(max(0.0, last_swap + fence_s - time.monotonic()))
+        res.fences = remove_fences(fences)
     purge_trash(root, grace_s)
     return res

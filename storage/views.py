@@ -6,6 +6,7 @@ writes (``job=_seed``, zero rows) keep every glob non-empty; the views filter th
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import duckdb
@@ -55,34 +56,45 @@ def connect(root: str | Path, threads: int | None = None) -> duckdb.DuckDBPyConn
     con = duckdb.connect(":memory:")
     if threads:
         con.execute(f"SET threads = {int(threads)}")
-    for attempt in range(4):
-        try:                             # binding a view opens a file: compaction may swap it meanwhile
+    for attempt in range(RETRIES + 1):
+        try:                             # binding a view opens files: compaction may swap them meanwhile
             con.execute(view_sql(root))
             return con
-        except duckdb.IOException as e:
-            if attempt == 3 or not _vanished(e):
+        except duckdb.Error as e:
+            if attempt == RETRIES or not _swapped(e, binding=True):
                 raise
+            time.sleep(BACKOFF_S * 2 ** attempt)
     return con
 
 
-def _vanished(e: Exception) -> bool:
-    """A file listed by DuckDB was gone when it opened it (a compaction swap or a retention delete);
-    used when binding the views, which reads no rows."""
+RETRIES, BACKOFF_S = 5, 0.05     # waits 0.05 .. 0.8 s, 1.55 s in all: longer than a compaction fence stands
+
+
+def _swapped(e: Exception, binding: bool = False) -> bool:
+    """The error a query gets when compaction or retention changed the files under it: a listed file
+    was gone when it was opened, or it was a compaction *fence* (an empty file standing for a merged
+    one for a fraction of a second; see :mod:`stepwatch.storage.compact`). Either way the same query
+    a moment later reads a consistent set. ("Cannot open file" only while binding the views: that
+    message once came with a read of a partial listing, before fences existed.)"""
     msg = str(e)
-    return "No such file" in msg or "Could not open" in msg or "Cannot open" in msg or "not found" in msg.lower()
+    if "too small to be a Parquet file" in msg or "file size: 0" in msg:
+        return True           # a fence: at listing, or when a file listed before the swap is re-opened
+    if not isinstance(e, duckdb.IOException):
+        return False
+    return ("No such file" in msg or "Could not open" in msg or "not found" in msg.lower()
+            or (binding and "Cannot open" in msg))
 
 
-def query(con: duckdb.DuckDBPyConnection, sql: str, params=None, retries: int = 3):
-    """Run a query and fetch all rows, retrying when a file vanished under it (compaction swapped
-    or retention removed a partition between DuckDB listing the folder and opening the file).
-    Returns (columns, rows)."""
+def query(con: duckdb.DuckDBPyConnection, sql: str, params=None, retries: int = RETRIES):
+    """Run a query and fetch all rows, retrying (with a growing wait) when compaction or retention
+    changed the files under it: a file vanished between DuckDB listing the folder and opening it, or
+    a compaction fence stood in for a merged file. Returns (columns, rows)."""
     for attempt in range(retries + 1):
         try:
             cur = con.execute(sql, params) if params is not None else con.execute(sql)
             cols = [d[0] for d in cur.description] if cur.description else []
             return cols, (cur.fetchall() if cols else [])
-        except duckdb.IOException as e:
-            msg = str(e)       # (not "Cannot open file": a retry after it was once seen reading a partial listing)
-            if attempt == retries or not ("No such file" in msg or "Could not open" in msg
-                                          or "not found" in msg.lower()):
+        except duckdb.Error as e:
+            if attempt == retries or not _swapped(e):
                 raise
+            time.sleep(BACKOFF_S * 2 ** attempt)

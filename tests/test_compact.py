@@ -97,7 +97,10 @@ def test_queries_during_compaction_and_writes_see_each_row_exactly_once(tmp_path
     swaps = 0
     deadline = time.monotonic() + 8
     while time.monotonic() < deadline and threads[0].is_alive():
-        swaps += compact.run(tmp_path, min_age_s=0, grace_s=0).partitions
+        # back-to-back passes (a real deployment runs one every few minutes); a fence stands 0.1 s,
+        # the next pass comes 0.4 s later: a query's retries (0.05, 0.1, 0.2 s ...) get past it
+        swaps += compact.run(tmp_path, min_age_s=0, grace_s=0, fence_s=0.1).partitions
+        time.sleep(0.4)
     stop.set()
     for t in threads:
         t.join(30)
@@ -106,6 +109,49 @@ def test_queries_during_compaction_and_writes_see_each_row_exactly_once(tmp_path
     con = connect(tmp_path)
     n, uniq = con.execute("SELECT count(*), count(DISTINCT (rank, step)) FROM steps").fetchall()[0]
     assert n == uniq == written[0] * per_flush
+
+
+def test_a_listing_taken_before_the_swap_finds_every_old_name_and_fails_instead_of_reading_too_few(tmp_path):
+    """DuckDB lists a folder through its handle, then stats each name by path and silently skips a
+    missing one: a listing straddling the swap would read too few rows without an error. While the
+    fences stand, every old name still resolves to a file and reading one fails (and is retried)."""
+    import duckdb
+    import pytest
+    st = ParquetStore(tmp_path, fsync=False).init()
+    for k in range(6):
+        st.write_flush({"steps": [steps("j", k * 5, 5)]}, {})
+    part = files(tmp_path)[0].parent
+    old_names = sorted(f.name for f in part.glob("*.parquet"))
+    fences: list = []
+    assert compact.compact_partition(tmp_path, "steps", part, min_age_s=0, fences=fences)
+    assert sorted(f.name for f in fences) == old_names
+    for name in old_names:                                  # what a straddling listing stats next
+        assert (part / name).is_file() and (part / name).stat().st_size == 0
+    glob = str(tmp_path / "steps" / "*" / "*" / "*.parquet")
+    with pytest.raises(duckdb.InvalidInputException, match="too small to be a Parquet file"):
+        duckdb.connect().execute(f"SELECT count(*) FROM read_parquet('{glob}')").fetchall()
+    # connect() and query() wait and retry: the fences come down 0.2 s later, then every row is read once
+    threading.Timer(0.2, compact.remove_fences, [fences]).start()
+    con = connect(tmp_path)
+    _, rows = query(con, "SELECT count(*), count(DISTINCT (rank, step)) FROM steps")
+    assert rows == [(6 * 5 * RANKS, 6 * 5 * RANKS)]
+    assert [f.name for f in part.glob("*.parquet")] == [f.name for f in files(tmp_path)] and len(files(tmp_path)) == 1
+
+
+def test_a_pass_removes_fences_a_crashed_pass_left(tmp_path):
+    st = ParquetStore(tmp_path, fsync=False).init()
+    for k in range(3):
+        st.write_flush({"steps": [steps("j", k * 5, 5)]}, {})
+    part = files(tmp_path)[0].parent
+    fences: list = []
+    assert compact.compact_partition(tmp_path, "steps", part, min_age_s=0, fences=fences)   # ... and crashed
+    old = time.time() - 60
+    for f in fences:
+        import os
+        os.utime(f, (old, old))
+    compact.run(tmp_path, min_age_s=3600)
+    assert not any(f.exists() for f in fences)
+    assert connect(tmp_path).execute("SELECT count(*) FROM steps").fetchall() == [(3 * 5 * RANKS,)]
 
 
 def test_retention_removes_only_partitions_wholly_outside_the_window(tmp_path):
