@@ -90,7 +90,12 @@ def _scrape(port: int) -> dict[str, float]:
 
 # ---------------------------------------------------------------------------- 1. probe overhead
 
-def _loops(dist):
+CALLS = ("DataLoader next", "all_reduce", "optimizer.step")
+
+
+def _loops(dist, calls: list[int] | None = None):
+    """The two loops; ``minimal`` also adds the wall time of each of its three instrumented calls
+    to ``calls`` (ns), so the overhead can be split between them."""
     import torch
     import torch.nn.functional as F
     from torch.utils.data import DataLoader, TensorDataset
@@ -102,11 +107,20 @@ def _loops(dist):
         loader = DataLoader(TensorDataset(torch.zeros(1 << 16, 4)), batch_size=1)
         it = iter(loader)
         t = torch.zeros(16)
+        acc = calls if calls is not None else [0, 0, 0]
+        pc = time.perf_counter_ns
 
         def step():
+            a = pc()
             next(it)
+            b = pc()
             dist.all_reduce(t)
+            c = pc()
             opt.step()
+            d = pc()
+            acc[0] += b - a
+            acc[1] += c - b
+            acc[2] += d - c
         return step
 
     def mlp():
@@ -221,7 +235,9 @@ def probe_overhead(rounds: int, block_steps: int, out=print) -> dict:
     try:
         _wait_socket(os.path.join(agent_dir, P.SOCKET_NAME), agent)
         conds = {"off": None, "on": agent_dir, "no-agent": empty_dir}
-        for name, make in _loops(dist).items():
+        calls = [0, 0, 0]
+        per_call = {c: [] for c in conds}
+        for name, make in _loops(dist, calls).items():
             step = make()
 
             def block(cond: str) -> tuple[float, float]:
@@ -231,11 +247,14 @@ def probe_overhead(rounds: int, block_steps: int, out=print) -> dict:
                     p.init(job="bench", rank=0, world_size=1, socket_dir=conds[cond])
                 for _ in range(SETTLE_STEPS):       # one-time costs of (re)installing: not per step
                     step()
+                calls[:] = [0, 0, 0]
                 c0, w0 = time.process_time_ns(), time.perf_counter_ns()
                 for _ in range(block_steps):
                     step()
                 c1, w1 = time.process_time_ns(), time.perf_counter_ns()
                 p.shutdown()
+                if name == "minimal":
+                    per_call[cond].append([x / block_steps / 1e3 for x in calls])
                 return (c1 - c0) / block_steps / 1e3, (w1 - w0) / block_steps / 1e3
 
             for c in conds:                     # warm-up: first calls, allocator, hooks
@@ -266,12 +285,18 @@ def probe_overhead(rounds: int, block_steps: int, out=print) -> dict:
         "interleaved (µs; overhead = median over rounds of condition - off [quartiles])")
     out(f"  {'loop':<8} {'clock':<5} {'off':>8} {'on':>8} {'no-agent':>9}   {'overhead on':>24}   "
         f"{'overhead no-agent':>24}")
+    pc_diff = {c: [statistics.median(a[i] - b[i] for a, b in zip(per_call[c], per_call["off"]))
+                   for i in range(len(CALLS))] for c in ("on", "no-agent")}
+    results["minimal"]["per_call"] = pc_diff
     for name in ("minimal", "mlp"):
         for clock in ("cpu", "wall"):
             r = results[name][clock]
             s_ = r["step_us"]
             out(f"  {name:<8} {clock:<5} {s_['off']:8.1f} {s_['on']:8.1f} {s_['no-agent']:9.1f}   "
                 f"{cell(r['on']):>24}   {cell(r['no-agent']):>24}")
+    out("  minimal loop, where the overhead goes (median over rounds of the call's wall time, condition - off, µs): "
+        + "; ".join(f"{k} on {pc_diff['on'][i]:+.1f}, no-agent {pc_diff['no-agent'][i]:+.1f}"
+                    for i, k in enumerate(CALLS)))
     out(f"  isolated probe cost (1 DataLoader next + 1 all_reduce + optimizer hooks ending the step, "
         f"best of 7 x 20,000 steps, process CPU): on {iso['on']:.1f} µs = {iso['on'] / 1e3:.4f} % of a 100 ms "
         f"step; no agent {iso['no-agent']:.1f} µs = {iso['no-agent'] / 1e3:.4f} %")

@@ -459,3 +459,26 @@ def test_stepwatch_probe_reexports_the_module_api():
     from stepwatch import probe as sp
     assert sp.init is P.init and sp.step is P.step and sp.stats is P.stats and sp.phase is P.phase
     assert Path(sp.__file__).name == "probe.py"
+
+
+def test_a_step_with_very_many_collectives_is_summed_in_bounded_memory(probe, rx, sockdir):
+    """Calls are kept raw until the step is packed at a flush; past MAX_CALLS in one step they are
+    summed per (op, group) on the spot. The frame's totals are the same either way."""
+    probe.init(job="many", rank=0, world_size=4, socket_dir=sockdir, auto=False, flush_ms=0)
+    ar, bc, grp = probe._intern("all_reduce"), probe._intern("broadcast"), probe._intern("dp")
+    n = 3 * P.MAX_CALLS + 7
+    probe.begin_step()
+    for i in range(n):
+        probe._record_comm(ar if i % 3 else bc, grp, 1000, 2000, 500.0)
+        assert len(probe._calls) < P.MAX_CALLS
+    probe.end_step()
+    hello, names, steps, comm, gcs = split(rx.read())
+    assert len(steps) == 1
+    by_op = {names[c[1]]: c for c in comm}
+    n_bc = len(range(0, n, 3))
+    assert by_op["broadcast"][3] == n_bc and by_op["all_reduce"][3] == n - n_bc        # counts
+    assert by_op["all_reduce"][4] == (n - n_bc) * 1000                                  # bytes
+    assert by_op["all_reduce"][5] == pytest.approx((n - n_bc) * 2000 / 1e6)            # time, ms
+    assert by_op["all_reduce"][6] == pytest.approx((n - n_bc) * 500 / 1e6)             # wait, ms
+    s = steps[0]
+    assert s["comm_wait_ms"] == pytest.approx(n * 500 / 1e6) and s["comm_ms"] == pytest.approx(n * 1500 / 1e6)
