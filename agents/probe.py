@@ -879,10 +879,13 @@ class Probe:
         if self._n_gc:
             gcrows = bytes(self._gcmv[16:16 + self._n_gc * GCREC.size])
             self._n_gc = 0
+        calls = self._calls
+        if calls:
+            self._calls = []          # (a collective between this end and the next begin is not this step's)
         pend = self._pending
         pend.append((self._step, self._t0_wall, wall, perf - self._t0_perf, ph[0], ph[1] if self._ph_used[1] else -1,
                      self._gc_ns, self._gc_count, self._data_queue, self._samples, self._tokens,
-                     self.dropped & 0xFFFFFFFF, phases, self._calls or None, gcrows))
+                     self.dropped & 0xFFFFFFFF, phases, calls or None, gcrows))
         self.n_steps += 1
         self._step += 1
         # (a hello waiting while no agent listens does not force a send per step: reconnects are timed)

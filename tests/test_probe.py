@@ -482,3 +482,19 @@ def test_a_step_with_very_many_collectives_is_summed_in_bounded_memory(probe, rx
     assert by_op["all_reduce"][6] == pytest.approx((n - n_bc) * 500 / 1e6)             # wait, ms
     s = steps[0]
     assert s["comm_wait_ms"] == pytest.approx(n * 500 / 1e6) and s["comm_ms"] == pytest.approx(n * 1500 / 1e6)
+
+
+def test_a_collective_between_explicit_steps_is_not_added_to_the_finished_step(probe, rx, sockdir):
+    probe.init(job="between", rank=0, world_size=2, socket_dir=sockdir, auto=False)   # (flush at 500 ms)
+    ar, grp = probe._intern("all_reduce"), probe._intern("dp")
+    probe.begin_step()
+    probe.end_step()                                      # the first step goes out at once, with the hello
+    probe.begin_step()
+    probe._record_comm(ar, grp, 100, 1000, 0.0)
+    probe.end_step()                                      # this one waits for the flush
+    probe._record_comm(ar, grp, 100, 1000, 0.0)          # after end_step, before the next begin_step
+    probe.begin_step()
+    probe.end_step()
+    probe.flush()
+    hello, names, steps, comm, gcs = split(rx.read())
+    assert len(steps) == 3 and [c[3] for c in comm if c[0] == steps[1]["step"]] == [1]
