@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test install clean bench
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py agents/_probefast.c
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[test]'

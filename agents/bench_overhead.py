@@ -90,7 +90,7 @@ def _scrape(port: int) -> dict[str, float]:
 
 # ---------------------------------------------------------------------------- 1. probe overhead
 
-CALLS = ("DataLoader next", "all_reduce", "optimizer.step")
+CALLS = ("DataLoader next", "all_reduce", "optimizer.step", "replay+send")
 
 
 def _loops(dist, calls: list[int] | None = None):
@@ -192,7 +192,7 @@ def isolated_cost(agent_dir: str, empty_dir: str, n: int = 20000, repeats: int =
             p._explicit = False
             p._patch_dataloader(it_cls)
             ar = p._wrap_collective(Dist, "all_reduce", all_reduce)
-            pre, post = p._opt_pre, p._opt_post
+            pre, post = p._log.opt_pre, p._log.opt_post
         it = it_cls()
         best = float("inf")
         for _ in range(repeats):
@@ -235,7 +235,7 @@ def probe_overhead(rounds: int, block_steps: int, out=print) -> dict:
     try:
         _wait_socket(os.path.join(agent_dir, P.SOCKET_NAME), agent)
         conds = {"off": None, "on": agent_dir, "no-agent": empty_dir}
-        calls = [0, 0, 0]
+        calls = [0, 0, 0, 0]
         per_call = {c: [] for c in conds}
         for name, make in _loops(dist, calls).items():
             step = make()
@@ -247,11 +247,16 @@ def probe_overhead(rounds: int, block_steps: int, out=print) -> dict:
                     p.init(job="bench", rank=0, world_size=1, socket_dir=conds[cond])
                 for _ in range(SETTLE_STEPS):       # one-time costs of (re)installing: not per step
                     step()
-                calls[:] = [0, 0, 0]
+                calls[:] = [0, 0, 0, 0]
                 c0, w0 = time.process_time_ns(), time.perf_counter_ns()
                 for _ in range(block_steps):
                     step()
+                # the block's deferred work (events replayed into steps, frames packed and sent) counts:
+                # the probe does it every ~500 ms or ~100 steps, and at the end of the block here
+                f0 = time.perf_counter_ns()
+                p.flush()
                 c1, w1 = time.process_time_ns(), time.perf_counter_ns()
+                calls[3] += w1 - f0
                 p.shutdown()
                 if name == "minimal":
                     per_call[cond].append([x / block_steps / 1e3 for x in calls])

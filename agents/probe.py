@@ -96,8 +96,14 @@ MAX_DATAGRAM = 16384                  # frames of several steps are sent togethe
 DEFAULT_FLUSH_MS = 500.0              # a datagram leaves at least this often while steps end
 MAX_NAMES = 1024
 MAX_BACKLOG = 16                      # datagrams kept for a retry while the agent's queue is full
-MAX_PENDING = 64                      # finished steps waiting to be packed and sent (then a flush)
+MAX_PENDING = 64                      # finished steps packed and waiting to be sent (then a flush)
 MAX_CALLS = 512                       # collective calls kept raw in one step; beyond, they are summed then
+
+LOG_CAP = 1024                        # hot-path events held before a replay is forced (see _PyLog)
+
+# Events of the hot path (see _PyLog): (kind, slot, t0, t1, a, b), replayed by Probe._replay.
+# K_OPT_POST: t0 = the optimizer's pre-hook time (0: none), t1 = its post-hook time, a = id(optimizer)
+K_OPT_POST, K_DATA, K_COLL, K_GC, K_BEGIN, K_END, K_PHASE, K_COUNT = range(2, 10)
 
 SOCKET_NAME = "agent.sock"
 HELLO_EVERY_NS = 10_000_000_000       # identity re-sent every 10-20 s (an agent restart learns it again)
@@ -105,6 +111,210 @@ DEFAULT_COMM_GBPS = 25.0              # nominal link bandwidth for the transfer 
 
 _perf = time.perf_counter_ns
 _wall = time.time_ns
+
+
+def _load_fast():
+    """The C hot path (``_probefast``, built from ``agents/_probefast.c`` when a compiler was there),
+    or None: then the pure-Python one below runs (same events, same records, more cost per step).
+    ``STEPWATCH_PROBE_PURE=1`` forces the pure-Python path."""
+    if os.environ.get("STEPWATCH_PROBE_PURE", "") not in ("", "0"):
+        return None
+    try:
+        from stepwatch.agents import _probefast
+        return _probefast
+    except ImportError:
+        pass
+    try:                           # loaded on its own (STEPWATCH_PROBE_FILE): the extension beside this file
+        import importlib.machinery
+        import importlib.util
+        here = os.path.dirname(os.path.abspath(__file__))
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            f = os.path.join(here, "_probefast" + suffix)
+            if os.path.exists(f):
+                spec = importlib.util.spec_from_file_location("_probefast", f)
+                mod = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(mod)
+                return mod
+    except Exception:  # noqa: BLE001 - an unloadable extension: the pure-Python path
+        pass
+    return None
+
+
+_fast = _load_fast()
+FAST = _fast is not None             # which hot path runs (reported by stats() and the overhead bench)
+
+
+class _PyLog:
+    """The hot path's event log, in pure Python (``_probefast.Log`` is the same in C).
+
+    Every hook that runs inside a training step only reads the clock and appends one event
+    ``(kind, slot, t0, t1, a, b)``; :meth:`Probe._replay` turns the events into steps later, a few
+    hundred at a time. On a real loop the probe's code is out of the caches at every step, where each
+    Python operation costs ~0.1-0.3 µs: doing the per-step logic in the replay, warm, and not in the
+    hooks is what keeps the step path short. ``opt_post`` (the step end of automatic mode) asks for a
+    replay (``on_drain``) once ``high`` events wait, ``drain_ns`` passed since ``last_drain``, or
+    ``eager`` is set (a profile that needs every step boundary); a full log asks for one at once."""
+
+    def __init__(self, cap: int, on_drain, on_first_opt):
+        self.ev: list[tuple] = []          # the same list for the log's life (the wrappers hold it)
+        self.cap, self.high = cap, cap // 2
+        self.last_drain = 0
+        self.drain_ns = int(DEFAULT_FLUSH_MS * 1e6)
+        self.primary = 0                   # id of the primary optimizer (0: none stepped yet)
+        self.lost = self.comm_keys_dropped = self.pre_t = 0
+        self.eager = self.in_coll = 0
+        self.dq_need = 1                   # the next DataLoader call reads the prefetch queue depth
+        self._on_drain, self._on_first_opt = on_drain, on_first_opt
+        self._draining = False
+
+    @property
+    def n(self) -> int:
+        return len(self.ev)
+
+    @staticmethod
+    def now() -> int:
+        return _perf()
+
+    def call_drain(self) -> None:
+        if self._draining:
+            return
+        self._draining = True
+        try:
+            self._on_drain()
+        except Exception:  # noqa: BLE001 - telemetry never fails training
+            pass
+        finally:
+            self._draining = False
+
+    def add(self, kind: int, slot: int, t0: int, t1: int, a: int, b: float) -> None:
+        ev = self.ev
+        if len(ev) >= self.cap:
+            self.call_drain()
+            if len(ev) >= self.cap:            # a replay is running (re-entered): count, drop
+                self.lost += 1
+                return
+        ev.append((kind, slot, t0, t1, a, b))
+
+    def drain(self) -> list[tuple]:
+        ev = self.ev
+        out = ev[:]           # (a GC callback while this copy is allocated appends before it: kept)
+        ev.clear()
+        return out
+
+    def clear(self) -> None:
+        self.ev.clear()
+
+    def opt_pre(self, opt, args, kwargs) -> None:
+        self.pre_t = _perf()              # sent with the post-hook's event: one event per optimizer step
+
+    def opt_post(self, opt, args, kwargs) -> None:
+        t = _perf()
+        if not self.primary:
+            try:
+                self._on_first_opt(opt)
+            except Exception:  # noqa: BLE001
+                pass
+        ev = self.ev
+        if len(ev) < self.cap:
+            ev.append((K_OPT_POST, 0, self.pre_t, t, id(opt), 0.0))
+        else:
+            self.add(K_OPT_POST, 0, self.pre_t, t, id(opt), 0.0)
+        self.pre_t = 0
+        self.dq_need = 1
+        if self.eager or len(ev) >= self.high or t - self.last_drain >= self.drain_ns:
+            self.call_drain()
+
+
+def _py_data_wrap(log: _PyLog, fn, dq_fn):
+    """A DataLoader iterator's ``__next__``, timed (``_probefast.DataWrap`` in C)."""
+    ev, cap = log.ev, log.cap
+    single = [None]                       # an iterator type whose queue depth is always 0
+
+    def __next__(it):
+        t0 = _perf()
+        try:
+            return fn(it)
+        finally:
+            t1 = _perf()
+            dq = -1
+            if log.dq_need:               # the first call of a step: how many batches were ready
+                log.dq_need = 0
+                if type(it) is single[0]:
+                    dq = 0
+                else:
+                    try:
+                        dq = int(dq_fn(it))
+                    except Exception:  # noqa: BLE001
+                        dq = -1
+                    if dq == -2:
+                        single[0] = type(it)
+                        dq = 0
+            if len(ev) < cap:
+                ev.append((K_DATA, 0, t0, t1, dq, 0.0))
+            else:
+                log.add(K_DATA, 0, t0, t1, dq, 0.0)
+
+    __next__.__wrapped__ = fn
+    return __next__
+
+
+def _py_coll_wrap(log: _PyLog, fn, p_idx: int, g_idx: int, a_idx: int, payload, resolve, nbytes_fn):
+    """A torch.distributed collective, timed (``_probefast.CollWrap`` in C): the call, raw, as one
+    event; its accumulator slot is cached per process group."""
+    ev, cap = log.ev, log.cap
+    slots: dict[int, int] = {}          # id(group) -> accumulator slot (resolve keeps the group alive)
+
+    def wrapper(*args, **kwargs):
+        if log.in_coll:                 # a collective made of collectives: the outer one counts
+            return fn(*args, **kwargs)
+        log.in_coll = 1
+        t0 = _perf()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            t1 = _perf()
+            log.in_coll = 0
+            try:
+                n = len(args)
+                group = args[g_idx] if 0 <= g_idx < n else kwargs.get("group")
+                s = slots.get(id(group), -2)
+                if s == -2:
+                    s = slots[id(group)] = resolve(group)
+                if s < 0:
+                    log.comm_keys_dropped += 1
+                else:
+                    x = None if payload is None else args[p_idx] if 0 <= p_idx < n else kwargs.get(payload)
+                    if x is None:
+                        nbytes = 0
+                    else:
+                        try:
+                            nbytes = x.nbytes
+                        except AttributeError:
+                            nbytes = nbytes_fn(x)
+                    # async: the launch only (0 wait), the wait is timed in Work.wait(); -1: split later
+                    wait = 0.0 if a_idx >= 0 and (args[a_idx] if a_idx < n else kwargs.get("async_op", False)) \
+                        else -1.0
+                    if len(ev) < cap:
+                        ev.append((K_COLL, s, t0, t1, nbytes, wait))
+                    else:
+                        log.add(K_COLL, s, t0, t1, nbytes, wait)
+            except Exception:  # noqa: BLE001 - telemetry never fails a collective
+                pass
+
+    wrapper.__wrapped__ = fn
+    return wrapper
+
+
+def _queue_depth(it) -> int:
+    """Ready batches in a DataLoader iterator's prefetch queue (multi-process loaders); -2 for a
+    single-process one (always 0: it prefetches nothing); -1 when unknown."""
+    q = getattr(it, "_data_queue", None)
+    if q is not None:
+        try:
+            return int(q.qsize())
+        except (NotImplementedError, OSError, AttributeError, ValueError):
+            return -1
+    return -2 if getattr(it, "_num_workers", 1) == 0 else -1
 
 
 def default_socket_dir() -> str:
@@ -190,7 +400,7 @@ class _Phase:
     def __exit__(self, *exc):
         self.depth -= 1
         if self.depth == 0:
-            self.probe._add_phase(self.slot, _perf() - self.t0)
+            self.probe._log.add(K_PHASE, self.slot, 0, 0, _perf() - self.t0, 0.0)
         return False
 
 
@@ -266,7 +476,7 @@ class Probe:
         self._backlog: collections.deque = collections.deque()
         self._buf = bytearray(MAX_DATAGRAM)
         self._mv = memoryview(self._buf)
-        self._pending: list[tuple] = []                # finished steps, packed into _buf when flushed
+        self._off = self._frames = 0                   # bytes and frames (finished steps) packed in _buf
         self._last_flush = 0
         self.flush_ns = int(DEFAULT_FLUSH_MS * 1e6)
         self._gcbuf = bytearray(HDR.size + MAX_GC * GCREC.size)   # header room: sent alone when full
@@ -295,7 +505,10 @@ class Probe:
         self._group_refs: list = []
         self._c_traffic = [1.0] * MAX_COMM                 # bytes on the wire per payload byte, per slot
         self._ns_per_byte = 1.0 / DEFAULT_COMM_GBPS
-        self._in_coll = 0
+        # the hot path: hooks append events here, _replay makes steps of them (C when built, else Python)
+        self._log = (_fast.Log if _fast is not None else _PyLog)(LOG_CAP, self._drain, self._first_opt)
+        self._replaying = False
+        self._events_lost = 0
         self._step_ctx = _StepCtx(self)
         self._reset_counters()
         self._reset_step_state()
@@ -308,11 +521,19 @@ class Probe:
         self._pending_counts: tuple | None = None
         self._primary_opt: int | None = None
         self._opt_slot: int | None = None
-        self._opt_t0 = 0
         self._gc_t0 = 0
         self._pid = os.getpid()
         self._ctl = None                      # targeted profiling (stepwatch.agents.profiling.ProbeControl)
-        self._ctl_active = False              # a profile needs step boundaries (one check per step)
+        self._ctl_active = False              # a profile needs step boundaries (every step end replays)
+
+    @property
+    def _ctl_active(self) -> bool:
+        return self._ctl_on
+
+    @_ctl_active.setter
+    def _ctl_active(self, on: bool) -> None:
+        self._ctl_on = bool(on)
+        self._log.eager = 1 if on else 0
 
     # ------------------------------------------------------------------ state
     def _reset_counters(self) -> None:
@@ -343,8 +564,7 @@ class Probe:
         self._clear_step()
         self._n_gc = 0
 
-    def _clear_step(self) -> None:
-        """Zero what the last step used (O(phases and collective kinds used), no allocation)."""
+    def _zero_phases(self) -> None:
         ph, used = self._ph_ns, self._ph_used
         ph[0] = ph[1] = 0
         used[0] = used[1] = False
@@ -353,6 +573,10 @@ class Probe:
                 ph[i] = 0
                 used[i] = False
             self._ph_touched.clear()
+
+    def _clear_step(self) -> None:
+        """Zero what the last step used (O(phases and collective kinds used), no allocation)."""
+        self._zero_phases()
         if self._calls:
             self._calls = []
         self._gc_ns = self._gc_count = 0
@@ -405,6 +629,8 @@ class Probe:
             self.gc_row_min_ns = int(float(m) * 1e6) if m not in (None, "") else 0
             f = flush_ms if flush_ms is not None else os.environ.get("STEPWATCH_FLUSH_MS")
             self.flush_ns = int(float(f) * 1e6) if f not in (None, "") else int(DEFAULT_FLUSH_MS * 1e6)
+            self._log.drain_ns = self.flush_ns
+            self._log.last_drain = 0             # the first step end replays (and says hello) at once
             self._identity_ready = self.rank is not None and self.world_size is not None
             path = os.path.join(socket_dir or default_socket_dir(), SOCKET_NAME)
             if path != self._path:
@@ -454,8 +680,8 @@ class Probe:
             from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
         except ImportError:
             return False
-        self._hooks.append(register_optimizer_step_pre_hook(self._opt_pre))
-        self._hooks.append(register_optimizer_step_post_hook(self._opt_post))
+        self._hooks.append(register_optimizer_step_pre_hook(self._log.opt_pre))
+        self._hooks.append(register_optimizer_step_post_hook(self._log.opt_post))
         try:
             from torch.utils.data import dataloader as dl
             self._patch_dataloader(dl._BaseDataLoaderIter)
@@ -494,6 +720,7 @@ class Probe:
             self._connected = False
             self._t_connect = -(1 << 62)
             self._backlog.clear()
+            self._log.clear()
             self._open = False
             self._ctl_close(unlink=True)
 
@@ -519,10 +746,15 @@ class Probe:
         self._reset_counters()
         self._reset_step_state()
         self._n_gc = 0
-        self._pending.clear()                         # the parent's pending steps are the parent's
+        self._off = self._frames = 0                  # the parent's pending steps are the parent's
         self._last_flush = 0
+        log = self._log                               # ... and so are its events
+        log.clear()
+        log.primary = log.last_drain = log.in_coll = log.pre_t = 0
+        log.dq_need = 1
+        self._replaying = False
         self._primary_opt = None
-        self._opt_t0 = self._gc_t0 = 0
+        self._gc_t0 = 0
         self._last_hello = 0
         self._need_hello = self._hello_dirty = True
         if not self._rank_given:
@@ -569,7 +801,7 @@ class Probe:
 
     def add_phase(self, name: str, ms: float) -> None:
         """Add ``ms`` to a phase of the current step (for times measured elsewhere)."""
-        self._add_phase(self._slot_for_phase(name), ms * 1e6)
+        self._log.add(K_PHASE, self._slot_for_phase(name), 0, 0, int(ms * 1e6), 0.0)
 
     def _add_phase(self, slot: int, ns: int) -> None:
         if slot < 0:
@@ -583,46 +815,222 @@ class Probe:
 
     def count(self, samples: int | None = None, tokens: int | None = None) -> None:
         """Add samples/tokens to the current step."""
-        if samples is not None:
-            self._samples = max(self._samples, 0) + int(samples)
-        if tokens is not None:
-            self._tokens = max(self._tokens, 0) + int(tokens)
+        if samples is not None or tokens is not None:
+            self._log.add(K_COUNT, 0, int(tokens) if tokens is not None else -1, 0,
+                          int(samples) if samples is not None else -1, 0.0)
 
     def step(self, samples: int | None = None, tokens: int | None = None) -> _StepCtx:
         """``with probe.step():`` one training step (explicit mode)."""
-        self._explicit = True
         self._pending_counts = (samples, tokens)
         return self._step_ctx
 
     def begin_step(self, step: int | None = None) -> None:
         """Start a step (explicit mode); an open step is ended first. ``step`` sets the number."""
-        self._explicit = True
-        now = _perf()
-        wall = now + self._wall_off
-        if self._open:
-            self._end(now, wall)
-        if step is not None:
-            self._step = int(step)
-        self._begin(now, wall)
+        t = _perf()
+        log = self._log
+        log.add(K_BEGIN, 0, t, 0, int(step) if step is not None else -1, 0.0)
+        log.dq_need = 1
         pc = self._pending_counts
         if pc is not None:
             self._pending_counts = None
             self.count(*pc)
+        if log.eager or log.n >= log.high or t - log.last_drain >= log.drain_ns:
+            self._drain()
 
     def end_step(self) -> None:
-        if self._open:
-            now = _perf()
-            self._end(now, now + self._wall_off)
+        t = _perf()
+        log = self._log
+        log.add(K_END, 0, t, 0, 0, 0.0)
+        log.dq_need = 1
+        if log.eager or log.n >= log.high or t - log.last_drain >= log.drain_ns:
+            self._drain()
 
-    def _begin(self, perf: int, wall: int) -> None:
-        self._clear_step()
-        self._t0_perf, self._t0_wall = perf, wall
-        self._open = True
+    # ------------------------------------------------------------------ replay: events -> steps
+    def _drain(self) -> None:
+        """Replay the hot path's events into steps (and send them when due). Called by the hooks at a
+        step end (see :class:`_PyLog` for when), by ``flush``/``stats``/``shutdown``, and when the log
+        is full."""
+        if self._replaying:
+            return
+        self._replaying = True
+        try:
+            log = self._log
+            log.last_drain = _perf()
+            events = log.drain()
+            if not events or not self._on:
+                return
+            n0 = self.n_steps
+            self._replay(events)
+            if self._ctl_on and self.n_steps != n0:
+                last = events[-1]             # a profile starts and stops at live step boundaries only
+                if last[0] == K_END or last[0] == K_BEGIN or (
+                        last[0] == K_OPT_POST and last[4] == self._primary_opt and not self._explicit):
+                    self._ctl.on_step(self._step)
+        finally:
+            self._replaying = False
 
-    def _ensure_open(self, perf: int) -> None:
-        """Automatic mode: the first event of a run opens the first step."""
-        if not self._open and not self._explicit:
-            self._begin(perf, perf + self._wall_off)
+    def _replay(self, events: list) -> None:
+        """Apply the events, in order, to the step state: what the hooks would have done live. The
+        state lives in locals while the batch is replayed (the loop runs once per event, a few
+        hundred at a time; attribute traffic per event would be most of its cost)."""
+        open_, explicit, t0p, t0w = self._open, self._explicit, self._t0_perf, self._t0_wall
+        ph, used, touched = self._ph_ns, self._ph_used, self._ph_touched
+        calls, gc_ns, gc_count, dq = self._calls, self._gc_ns, self._gc_count, self._data_queue
+        samples, tokens, step = self._samples, self._tokens, self._step
+        primary, off = self._primary_opt, self._wall_off
+        buf, mv, boff, inst = self._buf, self._mv, self._off, self.instance
+        ids, keys = self._phase_ids, self._comm_key
+        traffic, nspb = self._c_traffic, self._ns_per_byte
+        opt_slot = self._opt_slot
+        for kind, slot, t0, t1, a, b in events:
+            if kind == K_DATA:
+                if not open_ and not explicit:          # automatic mode: the first event opens a step
+                    open_, t0p, t0w = True, t0, t0 + off
+                    self._zero_phases()
+                    calls, gc_ns, gc_count, dq, samples, tokens = [], 0, 0, -1, -1, -1
+                if a >= 0 and dq < 0:
+                    dq = a
+                ph[0] += t1 - t0                        # (the data slot is always sent: no "used" flag)
+                continue
+            if kind == K_COLL:                          # raw: summed and split into comm/wait when packed
+                if not open_ and not explicit:
+                    open_, t0p, t0w = True, t0, t0 + off
+                    self._zero_phases()
+                    calls, gc_ns, gc_count, dq, samples, tokens = [], 0, 0, -1, -1, -1
+                calls.append((slot, 1, a, t1 - t0, None if b < 0 else b))
+                if len(calls) >= MAX_CALLS:
+                    self._calls = calls
+                    self._squash_calls()
+                    calls = self._calls
+                continue
+            if kind == K_OPT_POST:
+                if t0:                                  # the optimizer phase (any optimizer)
+                    if not open_ and not explicit:      # (automatic mode: the first one opens a step)
+                        open_, t0p, t0w = True, t0, t0 + off
+                        self._zero_phases()
+                        calls, gc_ns, gc_count, dq, samples, tokens = [], 0, 0, -1, -1, -1
+                    if opt_slot is None:
+                        opt_slot = self._opt_slot = self._slot_for_phase("optimizer")
+                    if opt_slot >= 0:
+                        if not used[opt_slot]:
+                            used[opt_slot] = True
+                            touched.append(opt_slot)
+                        ph[opt_slot] += t1 - t0
+                if explicit or a != primary:
+                    continue
+                t0, reopen, number = t1, True, -1       # the primary optimizer: a step ends, the next starts
+            elif kind == K_END:
+                if not open_:
+                    continue
+                reopen, number = False, -1
+            elif kind == K_BEGIN:
+                explicit = self._explicit = True
+                if not open_:                           # (what came since the last step end is nobody's)
+                    if a >= 0:
+                        step = a
+                    open_, t0p, t0w = True, t0, t0 + off
+                    self._zero_phases()
+                    calls, gc_ns, gc_count, dq, samples, tokens = [], 0, 0, -1, -1, -1
+                    continue
+                reopen, number = True, a
+            elif kind == K_GC:
+                gc_ns += t1
+                gc_count += 1
+                if t1 >= self.gc_row_min_ns:
+                    self._gc_row(t0, t1, slot, a, int(b))
+                continue
+            elif kind == K_PHASE:
+                self._add_phase(slot, a)
+                continue
+            elif kind == K_COUNT:
+                if a >= 0:
+                    samples = (samples if samples > 0 else 0) + a
+                if t0 >= 0:
+                    tokens = (tokens if tokens > 0 else 0) + t0
+                continue
+            else:
+                continue
+            # ---- the open step ends at t0: its frame is packed into the datagram buffer
+            wall = t0 + off
+            self.n_steps += 1
+            if self._connected or t0 - self._t_connect >= self.reconnect_ns:
+                if not self._identity_ready:
+                    self._resolve_identity()
+                if boff > MAX_DATAGRAM - MAX_FRAME:       # the buffer is full: it leaves now
+                    self._off = boff
+                    self._send_buf(t0)
+                    boff = self._off
+                step_ns, data_ns = t0 - t0p, ph[0]
+                one = None
+                if not calls:
+                    comms, comm_ns, wait_ns = None, 0.0, 0.0
+                elif len(calls) == 1:                    # (the common case, without a dict)
+                    one = calls[0]
+                    k, count, nbytes, tt, wait = one
+                    if wait is None:
+                        tr = nbytes * traffic[k] * nspb
+                        wait = tt - tr if tt > tr else 0.0
+                        one = (k, count, nbytes, tt, wait)
+                    comms, comm_ns, wait_ns = None, tt - wait, wait
+                else:
+                    comms, comm_ns, wait_ns = self._sum_calls(calls)
+                if used[1]:
+                    compute_ns = ph[1]
+                else:                                    # not given: the rest of the step
+                    compute_ns = step_ns - data_ns - comm_ns - wait_ns - gc_ns
+                    if compute_ns < 0:
+                        compute_ns = 0
+                n_gc = self._n_gc
+                HDR_STEP.pack_into(buf, boff, MAGIC, VERSION, T_BATCH, inst, self.rank, 1,
+                                   len(comms) if comms else 1 if one else 0, n_gc, len(touched),
+                                   step, t0w, wall, step_ns, data_ns, compute_ns, comm_ns, wait_ns, gc_ns,
+                                   gc_count, dq, samples, tokens, self.dropped & 0xFFFFFFFF)
+                boff += 120
+                for i in touched:
+                    PHASE.pack_into(buf, boff, ids[i], ph[i])
+                    boff += 16
+                if one:
+                    k, count, nbytes, tt, wait = one
+                    op, grp = keys[k]
+                    COMM.pack_into(buf, boff, op, grp, count, nbytes, tt, wait)
+                    boff += 40
+                elif comms:
+                    for k, (count, nbytes, tt, wait) in comms.items():
+                        op, grp = keys[k]
+                        COMM.pack_into(buf, boff, op, grp, count, nbytes, tt, wait)
+                        boff += 40
+                if n_gc:
+                    k = n_gc * GCREC.size
+                    mv[boff:boff + k] = self._gcmv[16:16 + k]
+                    boff += k
+                    self._n_gc = 0
+                self._frames += 1
+            else:                                        # nobody listens (a reconnect was tried < 1 s ago)
+                self._n_gc = 0
+                self._lost(1, "no_agent")
+            step = step + 1 if number < 0 else number
+            # zero what this step used (no allocation but the next step's call list)
+            ph[0] = ph[1] = 0
+            used[0] = used[1] = False
+            if touched:
+                for i in touched:
+                    ph[i] = 0
+                    used[i] = False
+                touched.clear()
+            if calls:
+                calls.clear()
+            gc_ns = gc_count = 0
+            dq = samples = tokens = -1
+            open_, t0p, t0w = reopen, t0, wall
+            if (t0 - self._last_flush >= self.flush_ns or self._frames >= MAX_PENDING
+                    or (self._need_hello and self._connected)):
+                self._off = boff
+                self._flush(t0)
+                boff = self._off
+        self._off = boff
+        self._open, self._t0_perf, self._t0_wall, self._calls = open_, t0p, t0w, calls
+        self._gc_ns, self._gc_count, self._data_queue = gc_ns, gc_count, dq
+        self._samples, self._tokens, self._step = samples, tokens, step
 
     # ------------------------------------------------------------------ step end: pack and send
     def _resolve_identity(self) -> None:
@@ -801,136 +1209,36 @@ class Probe:
 
     def flush(self) -> None:
         """Send the finished steps that wait for company now (shutdown and exit do it too)."""
+        self._drain()
         self._flush(_perf())
 
     def _flush(self, perf: int) -> None:
-        """Pack the finished steps into frames (header + step, phases, collectives, GC rows; one
-        ``pack_into`` each) in the preallocated buffer and send it, in as many datagrams as they
-        need. Packing here, for a few dozen steps at once, and not at each step's end is what keeps
-        the step path short: in a real loop the probe's code and data are out of the caches at every
-        step, and ``pack_into`` alone cost ~2.5 µs there, against ~0.3 µs in a tight loop."""
+        """Send the frames packed so far (and poll the profiling control socket)."""
         self._last_flush = perf
         if self._ctl is not None:
             self._ctl_poll()
-        pend = self._pending
-        if not pend:
-            return
+        if self._frames:
+            self._send_buf(perf)
+
+    def _send_buf(self, perf: int) -> None:
+        """The buffer's frames as one datagram, after the hello when one is due."""
+        frames, off = self._frames, self._off
+        self._frames = self._off = 0
         if not self._connected and perf - self._t_connect < self.reconnect_ns:
-            n = len(pend)                     # nobody listens (a reconnect was tried < 1 s ago): not even packed
-            pend.clear()
-            self._lost(n, "no_agent")
+            self._lost(frames, "no_agent")
             return
         if self._need_hello or perf - self._last_hello > self._hello_every:
             self._send_hello(perf)
-        buf, mv = self._buf, self._mv
-        inst, rank = self.instance, self.rank
-        ids, keys = self._phase_ids, self._comm_key
-        off = frames = 0
-        for (step, t0_wall, wall, step_ns, data_ns, compute_ns, gc_ns, gc_count, data_queue,
-             samples, tokens, dropped, phases, calls, gcrows) in pend:
-            if off > MAX_DATAGRAM - MAX_FRAME:
-                self._sendto(mv[:off], frames=frames)
-                off = frames = 0
-            if calls:
-                comms, comm_ns, wait_ns = self._sum_calls(calls)
-            else:
-                comms, comm_ns, wait_ns = None, 0.0, 0.0
-            if compute_ns < 0:                       # not given (explicit "compute" phase): the rest of the step
-                compute_ns = step_ns - data_ns - comm_ns - wait_ns - gc_ns
-                if compute_ns < 0:
-                    compute_ns = 0
-            HDR_STEP.pack_into(buf, off, MAGIC, VERSION, T_BATCH, inst, rank, 1, len(comms) if comms else 0,
-                               len(gcrows) // GCREC.size if gcrows else 0, len(phases) if phases else 0,
-                               step, t0_wall, wall, step_ns, data_ns, compute_ns, comm_ns, wait_ns, gc_ns,
-                               gc_count, data_queue, samples, tokens, dropped)
-            off += 120
-            if phases:
-                for slot, ns in phases:
-                    PHASE.pack_into(buf, off, ids[slot], ns)
-                    off += 16
-            if comms:
-                for slot, (count, nbytes, t, wait) in comms.items():
-                    op, grp = keys[slot]
-                    COMM.pack_into(buf, off, op, grp, count, nbytes, t, wait)
-                    off += 40
-            if gcrows:
-                k = len(gcrows)
-                mv[off:off + k] = gcrows
-                off += k
-            frames += 1
-        pend.clear()
-        self._sendto(mv[:off], frames=frames)
-
-    def _end(self, perf: int, wall: int) -> None:
-        """Close the open step: keep its figures as one tuple (packed with the others at the next
-        flush) and flush when ``flush_ns`` passed since the last one or ``MAX_PENDING`` steps wait."""
-        self._open = False
-        if not self._on:
-            return
-        if not self._identity_ready:
-            self._resolve_identity()
-        ph = self._ph_ns
-        phases = gcrows = None
-        pt = self._ph_touched
-        if pt:
-            phases = []
-            for i in pt:
-                phases.append((i, ph[i]))
-        if self._n_gc:
-            gcrows = bytes(self._gcmv[16:16 + self._n_gc * GCREC.size])
-            self._n_gc = 0
-        calls = self._calls
-        if calls:
-            self._calls = []          # (a collective between this end and the next begin is not this step's)
-        pend = self._pending
-        pend.append((self._step, self._t0_wall, wall, perf - self._t0_perf, ph[0], ph[1] if self._ph_used[1] else -1,
-                     self._gc_ns, self._gc_count, self._data_queue, self._samples, self._tokens,
-                     self.dropped & 0xFFFFFFFF, phases, calls or None, gcrows))
-        self.n_steps += 1
-        self._step += 1
-        # (a hello waiting while no agent listens does not force a send per step: reconnects are timed)
-        if (perf - self._last_flush >= self.flush_ns or len(pend) >= MAX_PENDING
-                or (self._need_hello and self._connected)):
-            self._flush(perf)
-        if self._ctl_active:
-            self._ctl.on_step(self._step)
+        self._sendto(self._mv[:off], frames=frames)
 
     # ------------------------------------------------------------------ automatic hooks
-    def _opt_pre(self, opt, args, kwargs) -> None:
-        if self._on:
-            t = _perf()
-            if not self._open and not self._explicit:
-                self._begin(t, t + self._wall_off)
-            self._opt_t0 = t
-
-    def _opt_post(self, opt, args, kwargs) -> None:
-        if not self._on:
-            return
-        t = _perf()
-        if self._opt_t0:
-            s = self._opt_slot
-            if s is None:
-                s = self._opt_slot = self._slot_for_phase("optimizer")
-            if s >= 0:                                   # the optimizer phase (inlined _add_phase)
-                if not self._ph_used[s]:
-                    self._ph_used[s] = True
-                    self._ph_touched.append(s)
-                self._ph_ns[s] += t - self._opt_t0
-            self._opt_t0 = 0
-        if self._explicit:
-            return
-        oid = id(opt)
+    def _first_opt(self, opt) -> None:
+        """Live, once: the first optimizer that finishes a step is the primary one (its step ends
+        training steps)."""
         if self._primary_opt is None:
-            self._primary_opt = oid
+            self._primary_opt = id(opt)
+            self._log.primary = id(opt)
             self._count_params(opt)
-        elif oid != self._primary_opt:
-            return
-        wall = t + self._wall_off
-        self._end(t, wall)
-        self._clear_step()                       # the next step starts now
-        self._t0_perf = t
-        self._t0_wall = wall
-        self._open = True
 
     def _gc_cb(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -938,27 +1246,28 @@ class Probe:
             return
         if not self._gc_t0:
             return
-        dt = _perf() - self._gc_t0
+        t = _perf()
+        dt = t - self._gc_t0
         self._gc_t0 = 0
-        if not self._on:
-            return
-        self._gc_ns += dt
-        self._gc_count += 1
-        if dt >= self.gc_row_min_ns:
-            n = self._n_gc
-            GCREC.pack_into(self._gcbuf, HDR.size + n * GCREC.size, _perf() + self._wall_off, dt,
-                            info.get("generation", 0),
-                            info.get("collected", 0), info.get("uncollectable", 0))
-            n += 1
-            if n == MAX_GC and self.n_steps:
-                # a burst of collections: send them now on their own (no step record)
-                HDR.pack_into(self._gcbuf, 0, MAGIC, VERSION, T_BATCH, self.instance, self.rank, 0, 0, MAX_GC, 0)
-                self._sendto(self._gcmv, frames=1)
-                n = 0
-            elif n == MAX_GC:
-                self.gc_rows_dropped += 1       # nothing is sent before the first step: reuse the last slot
-                n -= 1
-            self._n_gc = n
+        if self._on:
+            self._log.add(K_GC, info.get("generation", 0), t, dt, info.get("collected", 0),
+                          float(info.get("uncollectable", 0)))
+
+    def _gc_row(self, t: int, dt: int, generation: int, collected: int, uncollectable: int) -> None:
+        """One collection as a ``gc`` row of the step (replay)."""
+        n = self._n_gc
+        GCREC.pack_into(self._gcbuf, HDR.size + n * GCREC.size, t + self._wall_off, dt, generation,
+                        collected, uncollectable)
+        n += 1
+        if n == MAX_GC and self.n_steps:
+            # a burst of collections: send them now on their own (no step record)
+            HDR.pack_into(self._gcbuf, 0, MAGIC, VERSION, T_BATCH, self.instance, self.rank, 0, 0, MAX_GC, 0)
+            self._sendto(self._gcmv, frames=1)
+            n = 0
+        elif n == MAX_GC:
+            self.gc_rows_dropped += 1       # nothing is sent before the first step: reuse the last slot
+            n -= 1
+        self._n_gc = n
 
     def _count_params(self, opt) -> None:
         """Once, at the primary optimizer's first step: the parameters it updates (this rank's share
@@ -980,32 +1289,9 @@ class Probe:
 
     def _patch_dataloader(self, cls) -> None:
         orig = cls.__next__
-        probe = self
-        ph_ns = self._ph_ns                              # allocated once, only zeroed
-
-        def __next__(it):
-            if not probe._on:
-                return orig(it)
-            t0 = _perf()
-            if not probe._open:
-                probe._ensure_open(t0)
-            if probe._data_queue < 0:
-                d = getattr(it, "__dict__", None)
-                q = d.get("_data_queue") if d else None
-                if q is not None:
-                    try:
-                        probe._data_queue = q.qsize()
-                    except (NotImplementedError, OSError, AttributeError):
-                        pass
-                elif d is not None and d.get("_num_workers", 1) == 0:
-                    probe._data_queue = 0           # single-process loader: nothing is ever prefetched
-            try:
-                return orig(it)
-            finally:
-                ph_ns[_SLOT_DATA] += _perf() - t0       # (the data slot is always sent: no "used" flag)
-
-        __next__.__wrapped__ = orig
-        self._patch(cls, "__next__", __next__)
+        w = (_fast.DataWrap(self._log, orig, _queue_depth) if _fast is not None
+             else _py_data_wrap(self._log, orig, _queue_depth))
+        self._patch(cls, "__next__", w)
 
     # ------------------------------------------------------------------ collectives
     def _group(self, dist, group) -> tuple[int, int]:
@@ -1043,7 +1329,7 @@ class Probe:
         return s
 
     def _record_comm(self, op_id: int, grp_id: int, nbytes: int, dt: int, wait_ns: float) -> None:
-        """Add one call with a known wait (Work.wait(), tests and benchmarks)."""
+        """Add one call with a known wait, ending now (Work.wait(), tests and benchmarks)."""
         key = (op_id, grp_id)
         s = self._comm_slot.get(key)
         if s is None:
@@ -1052,10 +1338,8 @@ class Probe:
                 return
             s = self._comm_slot[key] = len(self._comm_slot)
             self._comm_key[s] = key
-        calls = self._calls                   # kept raw: summed when the step is packed, at a flush
-        calls.append((s, 1, nbytes, dt, float(wait_ns)))
-        if len(calls) >= MAX_CALLS:
-            self._squash_calls()
+        t1 = _perf()
+        self._log.add(K_COLL, s, t1 - int(dt), t1, int(nbytes), float(wait_ns))
 
     def _squash_calls(self) -> None:
         """A step with very many collectives: sum its calls so far per slot (bounded memory)."""
@@ -1086,8 +1370,9 @@ class Probe:
         return agg, comm_ns, wait_ns
 
     def _wrap_collective(self, dist, name: str, fn):
-        """A wrapper timing ``fn``; the per-call work is a few lookups and additions: the
-        accumulator slot is cached per process group, the payload read with ``Tensor.nbytes``."""
+        """A wrapper timing ``fn`` (``_probefast.CollWrap``, or :func:`_py_coll_wrap`): per call, the
+        clock twice and one event; the process group's accumulator slot is cached per group object,
+        the payload read with ``Tensor.nbytes``."""
         import inspect
         try:
             params = list(inspect.signature(fn).parameters)
@@ -1097,54 +1382,24 @@ class Probe:
                    "reduce_scatter_tensor": "input", "all_to_all": "input_tensor_list",
                    "all_to_all_single": "input", "all_reduce_coalesced": "tensors",
                    "barrier": None}.get(name, None if name.endswith(("_object", "_object_list")) else "tensor")
-        big = 1 << 30
-        p_idx = params.index(payload) if payload in params else big
-        g_idx = params.index("group") if "group" in params else big
-        a_idx = params.index("async_op") if "async_op" in params and name not in ("send", "recv") else big
+        p_idx = params.index(payload) if payload in params else -1
+        if payload not in params:
+            payload = None
+        g_idx = params.index("group") if "group" in params else -1
+        a_idx = params.index("async_op") if "async_op" in params and name not in ("send", "recv") else -1
         op_id = self._intern(name)
-        probe = self
-        slots: dict[int, int] = {}          # id(group) -> accumulator slot
 
-        def wrapper(*args, **kwargs):
-            if not probe._on or probe._in_coll:
-                return fn(*args, **kwargs)
-            probe._in_coll = 1
-            t0 = _perf()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                dt = _perf() - t0
-                probe._in_coll = 0
-                try:                  # the call, raw: summed and split into comm/wait when packed
-                    if not probe._open:
-                        probe._ensure_open(t0)
-                    n = len(args)
-                    group = args[g_idx] if g_idx < n else kwargs.get("group")
-                    s = slots.get(id(group), -2)
-                    if s == -2:
-                        grp_id, size = probe._group(dist, group)
-                        s = slots[id(group)] = probe._comm_slot_for(name, op_id, grp_id, size)
-                    if s < 0:
-                        probe.comm_keys_dropped += 1
-                    else:
-                        x = args[p_idx] if p_idx < n else kwargs.get(payload)
-                        try:
-                            nbytes = x.nbytes
-                        except AttributeError:
-                            nbytes = _nbytes(x) if x is not None else 0
-                        calls = probe._calls          # (as in _record_comm, inlined)
-                        # async: the launch only (0 wait); the wait is timed in Work.wait()
-                        calls.append((s, 1, nbytes, dt, 0.0 if (args[a_idx] if a_idx < n
-                                                                else kwargs.get("async_op", False)) else None))
-                        if len(calls) >= MAX_CALLS:
-                            probe._squash_calls()
-                except Exception:  # noqa: BLE001 - telemetry never fails a collective
-                    pass
+        def resolve(group) -> int:
+            grp_id, size = self._group(dist, group)          # (keeps the group alive: the caches use its id)
+            return self._comm_slot_for(name, op_id, grp_id, size)
 
-        wrapper.__wrapped__ = fn
-        wrapper.__name__ = getattr(fn, "__name__", name)
-        wrapper.__doc__ = getattr(fn, "__doc__", None)
-        return wrapper
+        if _fast is not None:
+            w = _fast.CollWrap(self._log, fn, p_idx, g_idx, a_idx, payload, resolve, _nbytes)
+        else:
+            w = _py_coll_wrap(self._log, fn, p_idx, g_idx, a_idx, payload, resolve, _nbytes)
+        w.__name__ = getattr(fn, "__name__", name)
+        w.__doc__ = getattr(fn, "__doc__", None)
+        return w
 
     def _patch_distributed(self, dist) -> None:
         for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
@@ -1173,23 +1428,20 @@ class Probe:
         work = getattr(dist, "Work", None)
         if work is not None and hasattr(work, "wait"):
             orig_wait = work.wait
-            probe = self
-            op_wait = self._intern("wait")
-            grp_async = self._intern("async")
+            log = self._log
+            slot = self._comm_slot_for("wait", self._intern("wait"), self._intern("async"), 1)
 
             def wait(w, *args, **kwargs):
-                if not probe._on or probe._in_coll:
+                if log.in_coll or slot < 0:
                     return orig_wait(w, *args, **kwargs)
-                probe._in_coll += 1
+                log.in_coll = 1
                 t0 = _perf()
                 try:
                     return orig_wait(w, *args, **kwargs)
                 finally:
                     t1 = _perf()
-                    probe._in_coll -= 1
-                    if not probe._open:
-                        probe._ensure_open(t0)
-                    probe._record_comm(op_wait, grp_async, 0, t1 - t0, float(t1 - t0))
+                    log.in_coll = 0
+                    log.add(K_COLL, slot, t0, t1, 0, float(t1 - t0))     # all of it is waiting
 
             try:
                 self._patch(work, "wait", wait)
@@ -1229,13 +1481,17 @@ class Probe:
         frames, ``sent`` reached the agent's socket, ``pending`` wait in the buffer, ``backlog_frames``
         wait in the retry backlog and ``dropped`` (= ``dropped_full + dropped_no_agent +
         dropped_error``) were lost; ``datagrams`` and ``hellos`` sent; ``gc_rows_dropped`` (before
-        the first step), ``comm_keys_dropped`` and ``phases_dropped`` (over the fixed capacity)."""
-        return {"steps": self.n_steps, "sent": self.sent, "dropped": self.dropped, "deferred": self.deferred,
+        the first step), ``comm_keys_dropped`` and ``phases_dropped`` (over the fixed capacity);
+        ``events_lost`` hot-path events dropped (none unless a replay re-entered with a full log);
+        ``fast``: whether the C hot path runs. Replays the waiting events first."""
+        self._drain()
+        log = self._log
+        return {"fast": FAST, "events_lost": log.lost,"steps": self.n_steps, "sent": self.sent, "dropped": self.dropped, "deferred": self.deferred,
                 "backlog": len(self._backlog), "backlog_frames": sum(f for _, _, f in self._backlog),
-                "datagrams": self.datagrams, "pending": len(self._pending),
+                "datagrams": self.datagrams, "pending": self._frames,
                 "dropped_full": self.dropped_full, "dropped_no_agent": self.dropped_no_agent,
                 "dropped_error": self.dropped_error, "gc_rows_dropped": self.gc_rows_dropped,
-                "comm_keys_dropped": self.comm_keys_dropped, "phases_dropped": self.phases_dropped,
+                "comm_keys_dropped": self.comm_keys_dropped + log.comm_keys_dropped, "phases_dropped": self.phases_dropped,
                 "hellos": self.hellos, "socket": self._path, "instance": self.instance,
                 "rank": self.rank, "job": self.job}
 

@@ -85,8 +85,15 @@ def rx(sockdir):
     r.close()
 
 
-@pytest.fixture
-def probe():
+@pytest.fixture(params=["c", "python"])
+def probe(request, monkeypatch):
+    """A probe on each hot path: the C one (``_probefast``, built by ``pip install``) and the pure-Python
+    fallback; both must produce the same records."""
+    if request.param == "c":
+        assert P._fast is not None, ("the C hot path (stepwatch.agents._probefast) was not built: "
+                                     "pip install needs a C compiler and the Python headers (README)")
+    else:
+        monkeypatch.setattr(P, "_fast", None)
     p = Probe()
     yield p
     p.shutdown()
@@ -470,8 +477,11 @@ def test_a_step_with_very_many_collectives_is_summed_in_bounded_memory(probe, rx
     probe.begin_step()
     for i in range(n):
         probe._record_comm(ar if i % 3 else bc, grp, 1000, 2000, 500.0)
-        assert len(probe._calls) < P.MAX_CALLS
+        # the event log is bounded (a full one is replayed at once), and so are the replayed calls
+        assert probe._log.n <= P.LOG_CAP and len(probe._calls) < P.MAX_CALLS
+    assert n > P.LOG_CAP
     probe.end_step()
+    assert probe.stats()["events_lost"] == 0
     hello, names, steps, comm, gcs = split(rx.read())
     assert len(steps) == 1
     by_op = {names[c[1]]: c for c in comm}
@@ -498,3 +508,44 @@ def test_a_collective_between_explicit_steps_is_not_added_to_the_finished_step(p
     probe.flush()
     hello, names, steps, comm, gcs = split(rx.read())
     assert len(steps) == 3 and [c[3] for c in comm if c[0] == steps[1]["step"]] == [1]
+
+
+def test_wrappers_keep_the_wrapped_calls_exceptions_and_still_record_them(probe, rx, sockdir):
+    """A collective that raises, and a DataLoader iterator that ends, raise exactly what they raised
+    without the probe (on both hot paths); the time spent is still recorded."""
+    probe.init(job="exc", rank=0, world_size=2, socket_dir=sockdir, auto=False, flush_ms=0)
+    probe._explicit = True
+
+    class Dist:
+        @staticmethod
+        def get_world_size(group=None):
+            return 2
+
+    def all_reduce(tensor, op=None, group=None, async_op=False):
+        raise RuntimeError("peer gone: " + str(tensor.nbytes))
+
+    class It:
+        n = 0
+
+        def __next__(self):
+            self.n += 1
+            if self.n > 2:
+                raise StopIteration
+            return self.n
+
+    ar = probe._wrap_collective(Dist, "all_reduce", all_reduce)
+    it_cls = type("It", (It,), {})
+    probe._patch_dataloader(it_cls)
+    it = it_cls()
+    probe.begin_step()
+    with pytest.raises(RuntimeError, match="peer gone: 64"):
+        ar(torch.zeros(16), group=None, async_op=False)
+    assert [next(it), next(it)] == [1, 2]
+    with pytest.raises(StopIteration):
+        next(it)
+    assert list(iter(lambda: next(it, None), None)) == []
+    probe.end_step()
+    hello, names, steps, comm, gcs = split(rx.read())
+    assert len(steps) == 1 and steps[0]["data_ms"] > 0
+    (c,) = comm
+    assert names[c[1]] == "all_reduce" and c[3] == 1 and c[4] == 64

@@ -1,0 +1,636 @@
+/* The probe's hot path in C: the hooks and wrappers that run inside every training step.
+ *
+ * On a real training loop the probe's code runs once per step, between milliseconds of framework
+ * work that evict it from the caches; each Python operation then costs ~0.1-0.3 µs and the per-step
+ * logic of the pure-Python probe added ~25 µs to a 250 µs step. Here each hook only reads the clock
+ * (CLOCK_MONOTONIC, the clock of time.perf_counter_ns) and appends one fixed-size event to a
+ * preallocated array; stepwatch.agents.probe replays the events in Python, warm, a few hundred at a
+ * time (Probe._replay), so the step semantics exist once, in Python. The pure-Python fallback
+ * (probe._PyLog and the closures beside it) appends the same events as tuples.
+ *
+ * Objects:
+ *   Log(cap, on_drain, on_first_opt)  the event array. add(kind, slot, t0, t1, a, b) appends one event
+ *       (calls on_drain() when the array is full); drain() returns the events as a list of 6-tuples and
+ *       empties it; opt_pre / opt_post are the torch optimizer step hooks (one event per step:
+ *       (K_OPT_POST, t0 = pre-hook time, t1 = post-hook time, a = id(optimizer)); opt_post calls on_drain() when
+ *       `high` events wait, `drain_ns` passed since `last_drain`, or `eager` is set).
+ *   DataWrap(log, fn, dq_fn)  a DataLoader iterator's __next__; records (t0, t1) and, at the first call
+ *       after a step boundary, the prefetch queue depth from dq_fn(it) (-2: "0, and the same for every
+ *       iterator of this type", cached).
+ *   CollWrap(log, fn, p_idx, g_idx, a_idx, payload, resolve, nbytes_fn)  a torch.distributed collective:
+ *       records (slot, t0, t1, payload bytes, 0.0 when async_op else -1.0). resolve(group) gives the
+ *       accumulator slot of a process group (cached here per group object, -1 when none is left).
+ * Nothing here raises into the training code: errors of the probe's own work are cleared, and an
+ * exception of the wrapped call is kept across the recording.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+enum { K_OPT_POST = 2, K_DATA = 3, K_COLL = 4 };      /* as in probe.py */
+
+typedef struct {
+    int32_t kind, slot;
+    int64_t t0, t1, a;
+    double b;
+} Ev;
+
+static inline int64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* ------------------------------------------------------------------------------------------ Log */
+
+typedef struct {
+    PyObject_HEAD
+    Ev *ev;
+    Py_ssize_t n, cap, high;
+    long long last_drain, drain_ns, primary, lost, comm_keys_dropped, pre_t;
+    int eager, dq_need, in_coll, draining;
+    PyObject *on_drain, *on_first_opt;
+} Log;
+
+static void call_drain(Log *L)
+{
+    if (L->draining || L->on_drain == NULL)
+        return;
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);                 /* the wrapped call's exception, if any, survives */
+    L->draining = 1;
+    PyObject *r = PyObject_CallNoArgs(L->on_drain);
+    L->draining = 0;
+    if (r == NULL)
+        PyErr_Clear();
+    Py_XDECREF(r);
+    PyErr_Restore(et, ev, tb);
+}
+
+static inline void push(Log *L, int32_t kind, int32_t slot, int64_t t0, int64_t t1, int64_t a, double b)
+{
+    if (L->n >= L->cap) {
+        call_drain(L);
+        if (L->n >= L->cap) {                   /* a drain is running (re-entered): count, drop */
+            L->lost++;
+            return;
+        }
+    }
+    Ev *e = &L->ev[L->n++];
+    e->kind = kind; e->slot = slot; e->t0 = t0; e->t1 = t1; e->a = a; e->b = b;
+}
+
+static int Log_init(Log *L, PyObject *args, PyObject *kw)
+{
+    static char *names[] = {"cap", "on_drain", "on_first_opt", NULL};
+    Py_ssize_t cap;
+    PyObject *on_drain, *on_first_opt;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "nOO", names, &cap, &on_drain, &on_first_opt))
+        return -1;
+    if (cap < 2 || cap > (1 << 24)) {
+        PyErr_Format(PyExc_ValueError, "Log: cap must be in 2..16777216, got %zd", cap);
+        return -1;
+    }
+    PyMem_Free(L->ev);
+    L->ev = PyMem_Calloc((size_t)cap, sizeof(Ev));
+    if (L->ev == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    L->cap = cap;
+    L->high = cap / 2;
+    L->n = 0;
+    L->drain_ns = 500000000LL;
+    L->dq_need = 1;
+    Py_INCREF(on_drain);
+    Py_XSETREF(L->on_drain, on_drain);
+    Py_INCREF(on_first_opt);
+    Py_XSETREF(L->on_first_opt, on_first_opt);
+    return 0;
+}
+
+static int Log_traverse(Log *L, visitproc visit, void *arg)
+{
+    Py_VISIT(L->on_drain);
+    Py_VISIT(L->on_first_opt);
+    return 0;
+}
+
+static int Log_clear(Log *L)
+{
+    Py_CLEAR(L->on_drain);
+    Py_CLEAR(L->on_first_opt);
+    return 0;
+}
+
+static void Log_dealloc(Log *L)
+{
+    PyObject_GC_UnTrack(L);
+    Log_clear(L);
+    PyMem_Free(L->ev);
+    Py_TYPE(L)->tp_free((PyObject *)L);
+}
+
+static PyObject *Log_add(Log *L, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "Log.add takes 6 arguments (kind, slot, t0, t1, a, b), got %zd", nargs);
+        return NULL;
+    }
+    long kind = PyLong_AsLong(args[0]), slot = PyLong_AsLong(args[1]);
+    long long t0 = PyLong_AsLongLong(args[2]), t1 = PyLong_AsLongLong(args[3]), a = PyLong_AsLongLong(args[4]);
+    double b = PyFloat_AsDouble(args[5]);
+    if (PyErr_Occurred())
+        return NULL;
+    push(L, (int32_t)kind, (int32_t)slot, t0, t1, a, b);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Log_drain(Log *L, PyObject *unused)
+{
+    Py_ssize_t n = L->n;
+    if (n == 0)
+        return PyList_New(0);
+    Ev *copy = PyMem_Malloc((size_t)n * sizeof(Ev));
+    if (copy == NULL)
+        return PyErr_NoMemory();
+    memcpy(copy, L->ev, (size_t)n * sizeof(Ev));
+    L->n = 0;                           /* events appended while the tuples are built (GC) stay for later */
+    PyObject *out = PyList_New(n);
+    if (out == NULL) {
+        PyMem_Free(copy);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Ev *e = &copy[i];
+        PyObject *t = Py_BuildValue("(iiLLLd)", e->kind, e->slot, (long long)e->t0, (long long)e->t1,
+                                    (long long)e->a, e->b);
+        if (t == NULL) {
+            Py_DECREF(out);
+            PyMem_Free(copy);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, t);
+    }
+    PyMem_Free(copy);
+    return out;
+}
+
+static PyObject *Log_clear_events(Log *L, PyObject *unused)
+{
+    L->n = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Log_opt_pre(Log *L, PyObject *const *args, Py_ssize_t nargs)
+{
+    L->pre_t = now_ns();                /* sent with the post-hook's event: one event per optimizer step */
+    Py_RETURN_NONE;
+}
+
+static PyObject *Log_opt_post(Log *L, PyObject *const *args, Py_ssize_t nargs)
+{
+    int64_t t = now_ns();
+    PyObject *opt = nargs > 0 ? args[0] : Py_None;
+    if (L->primary == 0 && L->on_first_opt != NULL) {     /* once: the Python side picks the primary */
+        PyObject *r = PyObject_CallOneArg(L->on_first_opt, opt);
+        if (r == NULL)
+            PyErr_Clear();
+        Py_XDECREF(r);
+    }
+    push(L, K_OPT_POST, 0, L->pre_t, t, (int64_t)(intptr_t)opt, 0.0);
+    L->pre_t = 0;
+    L->dq_need = 1;
+    if (L->eager || L->n >= L->high || t - L->last_drain >= L->drain_ns)
+        call_drain(L);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Log_now(PyObject *self, PyObject *unused)
+{
+    return PyLong_FromLongLong(now_ns());
+}
+
+static PyObject *Log_len(Log *L, void *closure) { return PyLong_FromSsize_t(L->n); }
+
+static PyMethodDef Log_methods[] = {
+    {"add", (PyCFunction)(void (*)(void))Log_add, METH_FASTCALL, "add(kind, slot, t0, t1, a, b)"},
+    {"drain", (PyCFunction)Log_drain, METH_NOARGS, "the events as 6-tuples; the log is emptied"},
+    {"clear", (PyCFunction)Log_clear_events, METH_NOARGS, "forget the events"},
+    {"opt_pre", (PyCFunction)(void (*)(void))Log_opt_pre, METH_FASTCALL, "optimizer step pre-hook"},
+    {"opt_post", (PyCFunction)(void (*)(void))Log_opt_post, METH_FASTCALL, "optimizer step post-hook"},
+    {"now", (PyCFunction)Log_now, METH_NOARGS | METH_STATIC, "CLOCK_MONOTONIC in ns"},
+    {NULL}};
+
+static PyMemberDef Log_members[] = {
+    {"cap", T_PYSSIZET, offsetof(Log, cap), READONLY, "events held at most"},
+    {"high", T_PYSSIZET, offsetof(Log, high), 0, "a step end drains once this many wait"},
+    {"last_drain", T_LONGLONG, offsetof(Log, last_drain), 0, "perf ns of the last drain"},
+    {"drain_ns", T_LONGLONG, offsetof(Log, drain_ns), 0, "a step end drains when this much passed"},
+    {"primary", T_LONGLONG, offsetof(Log, primary), 0, "id of the primary optimizer (0: none yet)"},
+    {"pre_t", T_LONGLONG, offsetof(Log, pre_t), 0, "perf ns of the running optimizer step's pre-hook"},
+    {"lost", T_LONGLONG, offsetof(Log, lost), 0, "events dropped (log full while draining)"},
+    {"comm_keys_dropped", T_LONGLONG, offsetof(Log, comm_keys_dropped), 0, "collectives without a slot"},
+    {"eager", T_INT, offsetof(Log, eager), 0, "drain at every step end"},
+    {"dq_need", T_INT, offsetof(Log, dq_need), 0, "the next DataLoader call reads the queue depth"},
+    {"in_coll", T_INT, offsetof(Log, in_coll), 0, "inside a wrapped collective"},
+    {NULL}};
+
+static PyGetSetDef Log_getset[] = {{"n", (getter)Log_len, NULL, "events waiting", NULL}, {NULL}};
+
+static PyTypeObject LogType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "stepwatch.agents._probefast.Log",
+    .tp_basicsize = sizeof(Log),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "Log(cap, on_drain, on_first_opt): the probe's preallocated event array",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Log_init,
+    .tp_dealloc = (destructor)Log_dealloc,
+    .tp_traverse = (traverseproc)Log_traverse,
+    .tp_clear = (inquiry)Log_clear,
+    .tp_methods = Log_methods,
+    .tp_members = Log_members,
+    .tp_getset = Log_getset,
+};
+
+/* ------------------------------------------------------------------ wrappers: common descriptor */
+
+static PyObject *bind(PyObject *self, PyObject *obj, PyObject *type)
+{
+    if (obj == NULL || obj == Py_None) {
+        Py_INCREF(self);
+        return self;
+    }
+    return PyMethod_New(self, obj);
+}
+
+/* ------------------------------------------------------------------------------------- DataWrap */
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vc;
+    Log *log;
+    PyObject *fn, *dq_fn;
+    PyTypeObject *single;               /* an iterator type whose queue depth is always 0 */
+} DataWrap;
+
+static PyObject *DataWrap_vc(PyObject *o, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    DataWrap *w = (DataWrap *)o;
+    Log *L = w->log;
+    int64_t t0 = now_ns();
+    PyObject *r = PyObject_Vectorcall(w->fn, args, nargsf, kwnames);
+    int64_t t1 = now_ns();
+    int64_t dq = -1;
+    if (L->dq_need && PyVectorcall_NARGS(nargsf) > 0) {
+        PyObject *it = args[0];
+        L->dq_need = 0;
+        if (Py_TYPE(it) == w->single) {
+            dq = 0;
+        } else {
+            PyObject *et, *ev, *tb;
+            PyErr_Fetch(&et, &ev, &tb);
+            PyObject *v = PyObject_CallOneArg(w->dq_fn, it);
+            if (v == NULL) {
+                PyErr_Clear();
+            } else {
+                long long x = PyLong_AsLongLong(v);
+                if (x == -1 && PyErr_Occurred())
+                    PyErr_Clear();
+                else if (x == -2) {
+                    w->single = Py_TYPE(it);
+                    dq = 0;
+                } else
+                    dq = x;
+                Py_DECREF(v);
+            }
+            PyErr_Restore(et, ev, tb);
+        }
+    }
+    if (L->n >= L->cap && r == NULL) {          /* the drain must not see the call's exception */
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        push(L, K_DATA, 0, t0, t1, dq, 0.0);
+        PyErr_Restore(et, ev, tb);
+    } else {
+        push(L, K_DATA, 0, t0, t1, dq, 0.0);
+    }
+    return r;
+}
+
+static int DataWrap_init(DataWrap *w, PyObject *args, PyObject *kw)
+{
+    PyObject *log, *fn, *dq_fn;
+    if (!PyArg_ParseTuple(args, "O!OO", &LogType, &log, &fn, &dq_fn))
+        return -1;
+    Py_INCREF(log);
+    Py_XSETREF(w->log, (Log *)log);
+    Py_INCREF(fn);
+    Py_XSETREF(w->fn, fn);
+    Py_INCREF(dq_fn);
+    Py_XSETREF(w->dq_fn, dq_fn);
+    w->single = NULL;
+    w->vc = DataWrap_vc;
+    return 0;
+}
+
+static int DataWrap_traverse(DataWrap *w, visitproc visit, void *arg)
+{
+    Py_VISIT(w->log);
+    Py_VISIT(w->fn);
+    Py_VISIT(w->dq_fn);
+    return 0;
+}
+
+static int DataWrap_clear(DataWrap *w)
+{
+    Py_CLEAR(w->log);
+    Py_CLEAR(w->fn);
+    Py_CLEAR(w->dq_fn);
+    return 0;
+}
+
+static void DataWrap_dealloc(DataWrap *w)
+{
+    PyObject_GC_UnTrack(w);
+    DataWrap_clear(w);
+    Py_TYPE(w)->tp_free((PyObject *)w);
+}
+
+static PyObject *DataWrap_call(PyObject *o, PyObject *args, PyObject *kw)
+{
+    if (((DataWrap *)o)->log == NULL) {
+        PyErr_SetString(PyExc_TypeError, "DataWrap was not initialised");
+        return NULL;
+    }
+    return PyVectorcall_Call(o, args, kw);
+}
+
+static PyMemberDef DataWrap_members[] = {
+    {"__wrapped__", T_OBJECT, offsetof(DataWrap, fn), READONLY, "the wrapped __next__"}, {NULL}};
+
+static PyTypeObject DataWrapType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "stepwatch.agents._probefast.DataWrap",
+    .tp_basicsize = sizeof(DataWrap),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_doc = "DataWrap(log, fn, dq_fn): a timed DataLoader iterator __next__",
+    .tp_vectorcall_offset = offsetof(DataWrap, vc),
+    .tp_call = DataWrap_call,
+    .tp_descr_get = bind,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)DataWrap_init,
+    .tp_dealloc = (destructor)DataWrap_dealloc,
+    .tp_traverse = (traverseproc)DataWrap_traverse,
+    .tp_clear = (inquiry)DataWrap_clear,
+    .tp_members = DataWrap_members,
+};
+
+/* ------------------------------------------------------------------------------------- CollWrap */
+
+#define NCACHE 8
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vc;
+    Log *log;
+    PyObject *fn, *payload, *resolve, *nbytes_fn, *dict;
+    Py_ssize_t p_idx, g_idx, a_idx;
+    PyObject *gkey[NCACHE];             /* borrowed: resolve() keeps every group it saw alive */
+    int gslot[NCACHE];
+    int ncache;
+} CollWrap;
+
+static PyObject *str_group, *str_async_op, *str_nbytes;
+
+/* the argument at position idx or keyword name (borrowed; NULL when absent) */
+static inline PyObject *arg_of(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, Py_ssize_t idx,
+                               PyObject *name)
+{
+    if (idx >= 0 && idx < nargs)
+        return args[idx];
+    if (kwnames != NULL && name != NULL) {
+        Py_ssize_t nk = PyTuple_GET_SIZE(kwnames);
+        for (Py_ssize_t i = 0; i < nk; i++) {
+            PyObject *k = PyTuple_GET_ITEM(kwnames, i);
+            if (k == name || PyUnicode_Compare(k, name) == 0)
+                return args[nargs + i];
+        }
+    }
+    return NULL;
+}
+
+static void coll_record(CollWrap *w, PyObject *const *args, size_t nargsf, PyObject *kwnames, int64_t t0,
+                        int64_t t1)
+{
+    Log *L = w->log;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *group = arg_of(args, nargs, kwnames, w->g_idx, str_group);
+    if (group == NULL)
+        group = Py_None;
+    int slot = -2;
+    for (int i = 0; i < w->ncache; i++)
+        if (w->gkey[i] == group) {
+            slot = w->gslot[i];
+            break;
+        }
+    if (slot == -2) {
+        PyObject *v = PyObject_CallOneArg(w->resolve, group);
+        if (v == NULL) {
+            PyErr_Clear();
+            return;
+        }
+        slot = (int)PyLong_AsLong(v);
+        Py_DECREF(v);
+        if (PyErr_Occurred()) {
+            PyErr_Clear();
+            return;
+        }
+        if (w->ncache < NCACHE) {
+            w->gkey[w->ncache] = group;
+            w->gslot[w->ncache++] = slot;
+        }
+    }
+    if (slot < 0) {
+        L->comm_keys_dropped++;
+        return;
+    }
+    long long nbytes = 0;
+    PyObject *x = w->payload == Py_None ? NULL : arg_of(args, nargs, kwnames, w->p_idx, w->payload);
+    if (x != NULL && x != Py_None) {
+        PyObject *v = PyObject_GetAttr(x, str_nbytes);
+        if (v == NULL) {                            /* a list of tensors: the Python helper sums them */
+            PyErr_Clear();
+            v = PyObject_CallOneArg(w->nbytes_fn, x);
+        }
+        if (v == NULL) {
+            PyErr_Clear();
+        } else {
+            nbytes = PyLong_AsLongLong(v);
+            if (nbytes == -1 && PyErr_Occurred()) {
+                PyErr_Clear();
+                nbytes = 0;
+            }
+            Py_DECREF(v);
+        }
+    }
+    PyObject *ao = arg_of(args, nargs, kwnames, w->a_idx, w->a_idx >= 0 ? str_async_op : NULL);
+    int is_async = 0;
+    if (ao != NULL) {
+        is_async = PyObject_IsTrue(ao);
+        if (is_async < 0) {
+            PyErr_Clear();
+            is_async = 0;
+        }
+    }
+    push(L, K_COLL, slot, t0, t1, nbytes, is_async ? 0.0 : -1.0);
+}
+
+static PyObject *CollWrap_vc(PyObject *o, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    CollWrap *w = (CollWrap *)o;
+    Log *L = w->log;
+    if (L->in_coll)                             /* a collective made of collectives: the outer one counts */
+        return PyObject_Vectorcall(w->fn, args, nargsf, kwnames);
+    L->in_coll = 1;
+    int64_t t0 = now_ns();
+    PyObject *r = PyObject_Vectorcall(w->fn, args, nargsf, kwnames);
+    int64_t t1 = now_ns();
+    L->in_coll = 0;
+    PyObject *et = NULL, *ev = NULL, *tb = NULL;
+    if (r == NULL)
+        PyErr_Fetch(&et, &ev, &tb);
+    coll_record(w, args, nargsf, kwnames, t0, t1);
+    if (PyErr_Occurred())
+        PyErr_Clear();
+    if (r == NULL)
+        PyErr_Restore(et, ev, tb);
+    return r;
+}
+
+static int CollWrap_init(CollWrap *w, PyObject *args, PyObject *kw)
+{
+    PyObject *log, *fn, *payload, *resolve, *nbytes_fn;
+    Py_ssize_t p_idx, g_idx, a_idx;
+    if (!PyArg_ParseTuple(args, "O!OnnnOOO", &LogType, &log, &fn, &p_idx, &g_idx, &a_idx, &payload, &resolve,
+                          &nbytes_fn))
+        return -1;
+    if (payload != Py_None && !PyUnicode_Check(payload)) {
+        PyErr_Format(PyExc_TypeError, "CollWrap: payload must be a parameter name or None, got %R", payload);
+        return -1;
+    }
+    Py_INCREF(log);
+    Py_XSETREF(w->log, (Log *)log);
+    Py_INCREF(fn);
+    Py_XSETREF(w->fn, fn);
+    Py_INCREF(payload);
+    Py_XSETREF(w->payload, payload);
+    Py_INCREF(resolve);
+    Py_XSETREF(w->resolve, resolve);
+    Py_INCREF(nbytes_fn);
+    Py_XSETREF(w->nbytes_fn, nbytes_fn);
+    w->p_idx = p_idx;
+    w->g_idx = g_idx;
+    w->a_idx = a_idx;
+    w->ncache = 0;
+    w->vc = CollWrap_vc;
+    return 0;
+}
+
+static int CollWrap_traverse(CollWrap *w, visitproc visit, void *arg)
+{
+    Py_VISIT(w->log);
+    Py_VISIT(w->fn);
+    Py_VISIT(w->payload);
+    Py_VISIT(w->resolve);
+    Py_VISIT(w->nbytes_fn);
+    Py_VISIT(w->dict);
+    return 0;
+}
+
+static int CollWrap_clear(CollWrap *w)
+{
+    Py_CLEAR(w->log);
+    Py_CLEAR(w->fn);
+    Py_CLEAR(w->payload);
+    Py_CLEAR(w->resolve);
+    Py_CLEAR(w->nbytes_fn);
+    Py_CLEAR(w->dict);
+    w->ncache = 0;
+    return 0;
+}
+
+static void CollWrap_dealloc(CollWrap *w)
+{
+    PyObject_GC_UnTrack(w);
+    CollWrap_clear(w);
+    Py_TYPE(w)->tp_free((PyObject *)w);
+}
+
+static PyObject *CollWrap_call(PyObject *o, PyObject *args, PyObject *kw)
+{
+    if (((CollWrap *)o)->log == NULL) {
+        PyErr_SetString(PyExc_TypeError, "CollWrap was not initialised");
+        return NULL;
+    }
+    return PyVectorcall_Call(o, args, kw);
+}
+
+static PyMemberDef CollWrap_members[] = {
+    {"__wrapped__", T_OBJECT, offsetof(CollWrap, fn), READONLY, "the wrapped collective"},
+    {NULL}};
+
+static PyTypeObject CollWrapType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "stepwatch.agents._probefast.CollWrap",
+    .tp_basicsize = sizeof(CollWrap),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "CollWrap(log, fn, p_idx, g_idx, a_idx, payload, resolve, nbytes_fn): a timed collective",
+    .tp_vectorcall_offset = offsetof(CollWrap, vc),
+    .tp_call = CollWrap_call,
+    .tp_dictoffset = offsetof(CollWrap, dict),
+    .tp_getattro = PyObject_GenericGetAttr,
+    .tp_setattro = PyObject_GenericSetAttr,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)CollWrap_init,
+    .tp_dealloc = (destructor)CollWrap_dealloc,
+    .tp_traverse = (traverseproc)CollWrap_traverse,
+    .tp_clear = (inquiry)CollWrap_clear,
+    .tp_members = CollWrap_members,
+};
+
+/* --------------------------------------------------------------------------------------- module */
+
+static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_probefast",
+                                    "The probe's hot path in C (see stepwatch.agents.probe).", -1, NULL};
+
+PyMODINIT_FUNC PyInit__probefast(void)
+{
+    if (PyType_Ready(&LogType) < 0 || PyType_Ready(&DataWrapType) < 0 || PyType_Ready(&CollWrapType) < 0)
+        return NULL;
+    str_group = PyUnicode_InternFromString("group");
+    str_async_op = PyUnicode_InternFromString("async_op");
+    str_nbytes = PyUnicode_InternFromString("nbytes");
+    if (!str_group || !str_async_op || !str_nbytes)
+        return NULL;
+    PyObject *m = PyModule_Create(&moddef);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&LogType);
+    Py_INCREF(&DataWrapType);
+    Py_INCREF(&CollWrapType);
+    if (PyModule_AddObject(m, "Log", (PyObject *)&LogType) < 0 ||
+        PyModule_AddObject(m, "DataWrap", (PyObject *)&DataWrapType) < 0 ||
+        PyModule_AddObject(m, "CollWrap", (PyObject *)&CollWrapType) < 0 ||
+        PyModule_AddIntConstant(m, "EVENT_SIZE", (long)sizeof(Ev)) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
