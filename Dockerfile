@@ -9,8 +9,10 @@
 # injects the driver).
 
 FROM python:3.11-slim AS build
+# a C compiler for the probe's hot path (agents/_probefast.c); the runtime stage does not carry it
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY stepwatch/ stepwatch/
 COPY agents/ agents/
 COPY stream/ stream/

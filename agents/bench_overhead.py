@@ -12,10 +12,17 @@ its node.
    (probe, nobody listening: every datagram dropped and counted). Reported, for the process CPU time
    (what the probe adds to the rank; immune to other processes taking the core) and the wall time:
    median block step time per condition, and the overhead = median over rounds of (condition - off)
-   in µs per step, with its quartiles. Then the *isolated* cost: the probe's real wrappers and hooks
-   around no-op stand-ins (one DataLoader ``__next__``, one all_reduce, the optimizer hooks that end
-   the step and send the datagram) minus the same calls unwrapped, best of 7 x 20,000 steps: the
-   figure without training noise. Targets: <= 20 µs/step, <= 0.5 % of a 100 ms step.
+   in µs per step, with its quartiles. A block ends with ``flush()`` inside the timed part: the
+   probe's deferred work (its events replayed into steps, frames packed and sent, which it does
+   every ~500 ms or few hundred events) is paid by the steps that caused it. Also per loop: the wall
+   time inside each instrumented call and in that flush, condition - off (median over rounds, per
+   call; their sum is the probe's direct cost, free of the variance of the rest of the step, which
+   on the ``mlp`` loop is far larger than the probe). Then the *isolated* cost: the probe's real
+   wrappers and hooks around no-op stand-ins (one DataLoader ``__next__``, one all_reduce, the
+   optimizer hooks that end the step) minus the same calls unwrapped, best of 7 x 20,000 steps: the
+   figure without training noise. Targets: <= 20 µs/step, <= 0.5 % of a 100 ms step; judged on the
+   isolated cost, the ``minimal`` loop's whole step, and both loops' in-call sums. The first line
+   says which hot path ran (C, or the pure-Python fallback).
 2. **Agent cost.** ``stepwatch agent`` runs as a child process sending to the embedded broker (or,
    with ``--no-broker``, sending nowhere), all host plug-ins at 1 Hz, while ``--agent-ranks`` (8)
    probes in this process report one step every ``--agent-step-ms`` (100 ms) each, with two
@@ -130,19 +137,29 @@ def _loops(dist, calls: list[int] | None = None):
         loader = DataLoader(TensorDataset(torch.randn(1 << 14, 64), torch.randint(0, 10, (1 << 14,))),
                             batch_size=32)
         state = {"it": iter(loader)}
+        acc = calls if calls is not None else [0, 0, 0]
+        pc = time.perf_counter_ns
 
         def step():
+            a = pc()
             try:
                 x, y = next(state["it"])
             except StopIteration:
                 state["it"] = iter(loader)
                 x, y = next(state["it"])
+            b = pc()
             loss = F.cross_entropy(model(x), y)
             opt.zero_grad()
             loss.backward()
             flat = torch.cat([p.grad.reshape(-1) for p in params])
+            c = pc()
             dist.all_reduce(flat)
+            d = pc()
             opt.step()
+            e = pc()
+            acc[0] += b - a
+            acc[1] += d - c
+            acc[2] += e - d
         return step
 
     return {"minimal": minimal, "mlp": mlp}
@@ -236,7 +253,7 @@ def probe_overhead(rounds: int, block_steps: int, out=print) -> dict:
         _wait_socket(os.path.join(agent_dir, P.SOCKET_NAME), agent)
         conds = {"off": None, "on": agent_dir, "no-agent": empty_dir}
         calls = [0, 0, 0, 0]
-        per_call = {c: [] for c in conds}
+        per_call = {n: {c: [] for c in conds} for n in ("minimal", "mlp")}
         for name, make in _loops(dist, calls).items():
             step = make()
 
@@ -258,8 +275,7 @@ def probe_overhead(rounds: int, block_steps: int, out=print) -> dict:
                 c1, w1 = time.process_time_ns(), time.perf_counter_ns()
                 calls[3] += w1 - f0
                 p.shutdown()
-                if name == "minimal":
-                    per_call[cond].append([x / block_steps / 1e3 for x in calls])
+                per_call[name][cond].append([x / block_steps / 1e3 for x in calls])
                 return (c1 - c0) / block_steps / 1e3, (w1 - w0) / block_steps / 1e3
 
             for c in conds:                     # warm-up: first calls, allocator, hooks
@@ -286,32 +302,47 @@ def probe_overhead(rounds: int, block_steps: int, out=print) -> dict:
 
     def cell(o):
         return f"{o['overhead_us']:7.1f} [{o['q1']:6.1f},{o['q3']:6.1f}]"
-    out(f"probe overhead per step: training loops, {rounds} rounds x {block_steps} steps per condition, "
+    out(f"probe overhead per step ({'C' if P.FAST else 'pure-Python (C extension not built)'} hot path): "
+        f"training loops, {rounds} rounds x {block_steps} steps per condition, "
         "interleaved (µs; overhead = median over rounds of condition - off [quartiles])")
     out(f"  {'loop':<8} {'clock':<5} {'off':>8} {'on':>8} {'no-agent':>9}   {'overhead on':>24}   "
         f"{'overhead no-agent':>24}")
-    pc_diff = {c: [statistics.median(a[i] - b[i] for a, b in zip(per_call[c], per_call["off"]))
-                   for i in range(len(CALLS))] for c in ("on", "no-agent")}
-    results["minimal"]["per_call"] = pc_diff
     for name in ("minimal", "mlp"):
         for clock in ("cpu", "wall"):
             r = results[name][clock]
             s_ = r["step_us"]
             out(f"  {name:<8} {clock:<5} {s_['off']:8.1f} {s_['on']:8.1f} {s_['no-agent']:9.1f}   "
                 f"{cell(r['on']):>24}   {cell(r['no-agent']):>24}")
-    out("  minimal loop, where the overhead goes (median over rounds of the call's wall time, condition - off, µs): "
-        + "; ".join(f"{k} on {pc_diff['on'][i]:+.1f}, no-agent {pc_diff['no-agent'][i]:+.1f}"
-                    for i, k in enumerate(CALLS)))
+    # the time inside the instrumented calls (+ the block's replay and send): the probe's direct cost,
+    # free of the variance of the rest of the step (which the whole-step figures above carry)
+    out("  time in the instrumented calls + the deferred replay/send, condition - off, µs per step: the sum of "
+        "the per-call medians over rounds (robust to one noisy call), [quartiles of the per-round sums], split:")
+    for name in ("minimal", "mlp"):
+        pcs = per_call[name]
+        sums = {c: [sum(x) for x in pcs[c]] for c in conds}
+        st = _stats(sums)
+        split = {c: [statistics.median(a[i] - b[i] for a, b in zip(pcs[c], pcs["off"])) for i in range(len(CALLS))]
+                 for c in ("on", "no-agent")}
+        for c in ("on", "no-agent"):
+            st[c]["overhead_us"] = sum(split[c])
+        results[name]["calls"] = {"on": st["on"], "no-agent": st["no-agent"], "split": split}
+        out(f"  {name:<8} on {cell(st['on'])}  no-agent {cell(st['no-agent'])}   on: "
+            + ", ".join(f"{k} {split['on'][i]:+.1f}" for i, k in enumerate(CALLS)))
     out(f"  isolated probe cost (1 DataLoader next + 1 all_reduce + optimizer hooks ending the step, "
         f"best of 7 x 20,000 steps, process CPU): on {iso['on']:.1f} µs = {iso['on'] / 1e3:.4f} % of a 100 ms "
         f"step; no agent {iso['no-agent']:.1f} µs = {iso['no-agent'] / 1e3:.4f} %")
     worst_iso = max(iso["on"], iso["no-agent"])
-    loop = {n: max(results[n]["cpu"][c]["overhead_us"] for c in ("on", "no-agent")) for n in ("minimal", "mlp")}
+    conds2 = ("on", "no-agent")
+    whole = max(results["minimal"]["cpu"][c]["overhead_us"] for c in conds2)
+    incalls = {n: max(results[n]["calls"][c]["overhead_us"] for c in conds2) for n in ("minimal", "mlp")}
+    mlp_iqr = max(results["mlp"]["cpu"][c]["q3"] - results["mlp"]["cpu"][c]["q1"] for c in conds2)
     ok_iso = worst_iso <= TARGET_US
-    ok_loop = all(v <= TARGET_US for v in loop.values())
+    ok_loop = whole <= TARGET_US and all(v <= TARGET_US for v in incalls.values())
+    loop = {"minimal": whole, **{f"{n} calls": v for n, v in incalls.items()}}
     out(f"  target <= {TARGET_US:.0f} µs/step: isolated {'met' if ok_iso else 'MISSED'} (worst {worst_iso:.1f} µs); "
-        f"in the loops {'met' if ok_loop else 'not met'} (worst medians: minimal {loop['minimal']:.1f} µs, "
-        f"mlp {loop['mlp']:.1f} µs)")
+        f"in the loops {'met' if ok_loop else 'MISSED'} (worst medians: minimal whole step {whole:.1f} µs, "
+        f"in the calls + replay: minimal {incalls['minimal']:.1f} µs, mlp {incalls['mlp']:.1f} µs; the mlp "
+        f"whole-step difference is below this machine's noise: quartiles {mlp_iqr:.0f} µs apart)")
     worst_pct = max(worst_iso, *loop.values()) / 1e3
     out(f"  target <= {TARGET_PCT} % of a 100 ms step: {'met' if worst_pct <= TARGET_PCT else 'MISSED'} "
         f"(worst {worst_pct:.3f} %)")
