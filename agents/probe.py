@@ -33,16 +33,18 @@ Or explicitly (any framework)::
 ``compute`` feeds ``compute_ms`` (otherwise compute is derived: step - data - comm - comm wait - gc,
 floored at 0), any other name goes to the ``phases`` map (at most 8 names per step).
 
-Cost and safety. Per step the probe does O(1) work with preallocated state: accumulators are plain
-attributes and lists zeroed in place; a finished step becomes a fixed-size *frame* packed with
+Cost and safety. Inside a step every hook only reads the clock and appends one fixed-size event to
+a preallocated log (:class:`_PyLog`; in C, ``_probefast.Log``, built from ``agents/_probefast.c``
+where a compiler exists). Every few hundred events (or ``flush_ms``, 500 ms) :meth:`Probe._replay`
+turns them into steps, warm, and packs each finished step as a fixed-size *frame* with
 :mod:`struct` into one preallocated buffer. Frames are sent together as one datagram on a
-non-blocking ``AF_UNIX``/``SOCK_DGRAM`` socket connected to ``<socket_dir>/agent.sock`` once
-``flush_ms`` (500 ms) passed since the last send: a 100 ms step pays a system call every fifth
-step, a 1 s step every step. When the agent is absent, or its queue stays full past a small
-backlog, frames are dropped and counted (:func:`stats`); training never blocks on telemetry. Steps
-still waiting are sent by ``shutdown`` (also at exit, at ``destroy_process_group`` and in the
-finalizers of multiprocessing children). This module imports only the standard library (torch is
-touched only when the program imports it), so ``stepwatch wrap`` can load it into any Python process.
+non-blocking ``AF_UNIX``/``SOCK_DGRAM`` socket connected to ``<socket_dir>/agent.sock``: a 100 ms
+step pays a system call every fifth step, a 1 s step every step. When the agent is absent, or its
+queue stays full past a small backlog, frames are dropped and counted (:func:`stats`); training
+never blocks on telemetry. Events and steps still waiting are sent by ``shutdown`` (also at exit,
+at ``destroy_process_group`` and in the finalizers of multiprocessing children). This module
+imports only the standard library (torch is touched only when the program imports it), so
+``stepwatch wrap`` can load it into any Python process.
 
 Datagram layout (little-endian; the node agent decodes it with :func:`decode`). A datagram is a hello
 alone, or one or more batch frames back to back; a frame is ``HDR`` followed by its records:
