@@ -20,6 +20,11 @@
  *   CollWrap(log, fn, p_idx, g_idx, a_idx, payload, resolve, nbytes_fn)  a torch.distributed collective:
  *       records (slot, t0, t1, payload bytes, 0.0 when async_op else -1.0). resolve(group) gives the
  *       accumulator slot of a process group (cached here per group object, -1 when none is left).
+ *       With dev_begin/dev_end (optional): a synchronous call whose payload is a device tensor
+ *       (tensor.is_cpu false) is bracketed by dev_begin(tensor) -> token (>= 0; device events
+ *       recorded on the current stream) and dev_end(token), and logged as K_DCOLL with the token, so
+ *       that the replay takes the device time (the collective's kernel, waiting for peers included)
+ *       rather than the host's, which on CUDA/NPU is the launch only.
  * Nothing here raises into the training code: errors of the probe's own work are cleared, and an
  * exception of the wrapped call is kept across the recording.
  */
@@ -31,7 +36,7 @@
 #include <string.h>
 #include <time.h>
 
-enum { K_OPT_POST = 2, K_DATA = 3, K_COLL = 4 };      /* as in probe.py */
+enum { K_OPT_POST = 2, K_DATA = 3, K_COLL = 4, K_DCOLL = 10 };      /* as in probe.py */
 
 typedef struct {
     int32_t kind, slot;
@@ -400,14 +405,14 @@ typedef struct {
     PyObject_HEAD
     vectorcallfunc vc;
     Log *log;
-    PyObject *fn, *payload, *resolve, *nbytes_fn, *dict;
+    PyObject *fn, *payload, *resolve, *nbytes_fn, *dev_begin, *dev_end, *dict;
     Py_ssize_t p_idx, g_idx, a_idx;
     PyObject *gkey[NCACHE];             /* borrowed: resolve() keeps every group it saw alive */
     int gslot[NCACHE];
     int ncache;
 } CollWrap;
 
-static PyObject *str_group, *str_async_op, *str_nbytes;
+static PyObject *str_group, *str_async_op, *str_nbytes, *str_is_cpu;
 
 /* the argument at position idx or keyword name (borrowed; NULL when absent) */
 static inline PyObject *arg_of(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, Py_ssize_t idx,
@@ -426,8 +431,54 @@ static inline PyObject *arg_of(PyObject *const *args, Py_ssize_t nargs, PyObject
     return NULL;
 }
 
+static int coll_async(CollWrap *w, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *ao = arg_of(args, nargs, kwnames, w->a_idx, w->a_idx >= 0 ? str_async_op : NULL);
+    int is_async = 0;
+    if (ao != NULL) {
+        is_async = PyObject_IsTrue(ao);
+        if (is_async < 0) {
+            PyErr_Clear();
+            is_async = 0;
+        }
+    }
+    return is_async;
+}
+
+/* a device token (>= 0) when the call's payload is a device tensor and it is synchronous, else -1 */
+static long long coll_dev_begin(CollWrap *w, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    if (w->dev_begin == NULL || w->dev_begin == Py_None || w->payload == Py_None)
+        return -1;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *x = arg_of(args, nargs, kwnames, w->p_idx, w->payload);
+    if (x == NULL || x == Py_None || coll_async(w, args, nargs, kwnames))
+        return -1;
+    PyObject *cpu = PyObject_GetAttr(x, str_is_cpu);
+    if (cpu == NULL) {
+        PyErr_Clear();
+        return -1;
+    }
+    int on_cpu = cpu == Py_True;
+    Py_DECREF(cpu);
+    if (on_cpu)
+        return -1;
+    PyObject *tok = PyObject_CallOneArg(w->dev_begin, x);
+    if (tok == NULL) {
+        PyErr_Clear();
+        return -1;
+    }
+    long long t = PyLong_AsLongLong(tok);
+    Py_DECREF(tok);
+    if (t == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return -1;
+    }
+    return t;
+}
+
 static void coll_record(CollWrap *w, PyObject *const *args, size_t nargsf, PyObject *kwnames, int64_t t0,
-                        int64_t t1)
+                        int64_t t1, long long token)
 {
     Log *L = w->log;
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
@@ -480,16 +531,10 @@ static void coll_record(CollWrap *w, PyObject *const *args, size_t nargsf, PyObj
             Py_DECREF(v);
         }
     }
-    PyObject *ao = arg_of(args, nargs, kwnames, w->a_idx, w->a_idx >= 0 ? str_async_op : NULL);
-    int is_async = 0;
-    if (ao != NULL) {
-        is_async = PyObject_IsTrue(ao);
-        if (is_async < 0) {
-            PyErr_Clear();
-            is_async = 0;
-        }
-    }
-    push(L, K_COLL, slot, t0, t1, nbytes, is_async ? 0.0 : -1.0);
+    if (token >= 0)
+        push(L, K_DCOLL, slot, t0, t1, nbytes, (double)token);
+    else
+        push(L, K_COLL, slot, t0, t1, nbytes, coll_async(w, args, nargs, kwnames) ? 0.0 : -1.0);
 }
 
 static PyObject *CollWrap_vc(PyObject *o, PyObject *const *args, size_t nargsf, PyObject *kwnames)
@@ -499,6 +544,7 @@ static PyObject *CollWrap_vc(PyObject *o, PyObject *const *args, size_t nargsf, 
     if (L->in_coll)                             /* a collective made of collectives: the outer one counts */
         return PyObject_Vectorcall(w->fn, args, nargsf, kwnames);
     L->in_coll = 1;
+    long long token = coll_dev_begin(w, args, nargsf, kwnames);
     int64_t t0 = now_ns();
     PyObject *r = PyObject_Vectorcall(w->fn, args, nargsf, kwnames);
     int64_t t1 = now_ns();
@@ -506,7 +552,15 @@ static PyObject *CollWrap_vc(PyObject *o, PyObject *const *args, size_t nargsf, 
     PyObject *et = NULL, *ev = NULL, *tb = NULL;
     if (r == NULL)
         PyErr_Fetch(&et, &ev, &tb);
-    coll_record(w, args, nargsf, kwnames, t0, t1);
+    if (token >= 0) {
+        PyObject *tok = PyLong_FromLongLong(token);
+        PyObject *x = tok ? PyObject_CallOneArg(w->dev_end, tok) : NULL;
+        Py_XDECREF(tok);
+        Py_XDECREF(x);
+        if (PyErr_Occurred())
+            PyErr_Clear();
+    }
+    coll_record(w, args, nargsf, kwnames, t0, t1, token);
     if (PyErr_Occurred())
         PyErr_Clear();
     if (r == NULL)
@@ -516,10 +570,10 @@ static PyObject *CollWrap_vc(PyObject *o, PyObject *const *args, size_t nargsf, 
 
 static int CollWrap_init(CollWrap *w, PyObject *args, PyObject *kw)
 {
-    PyObject *log, *fn, *payload, *resolve, *nbytes_fn;
+    PyObject *log, *fn, *payload, *resolve, *nbytes_fn, *dev_begin = Py_None, *dev_end = Py_None;
     Py_ssize_t p_idx, g_idx, a_idx;
-    if (!PyArg_ParseTuple(args, "O!OnnnOOO", &LogType, &log, &fn, &p_idx, &g_idx, &a_idx, &payload, &resolve,
-                          &nbytes_fn))
+    if (!PyArg_ParseTuple(args, "O!OnnnOOO|OO", &LogType, &log, &fn, &p_idx, &g_idx, &a_idx, &payload, &resolve,
+                          &nbytes_fn, &dev_begin, &dev_end))
         return -1;
     if (payload != Py_None && !PyUnicode_Check(payload)) {
         PyErr_Format(PyExc_TypeError, "CollWrap: payload must be a parameter name or None, got %R", payload);
@@ -535,6 +589,10 @@ static int CollWrap_init(CollWrap *w, PyObject *args, PyObject *kw)
     Py_XSETREF(w->resolve, resolve);
     Py_INCREF(nbytes_fn);
     Py_XSETREF(w->nbytes_fn, nbytes_fn);
+    Py_INCREF(dev_begin);
+    Py_XSETREF(w->dev_begin, dev_begin);
+    Py_INCREF(dev_end);
+    Py_XSETREF(w->dev_end, dev_end);
     w->p_idx = p_idx;
     w->g_idx = g_idx;
     w->a_idx = a_idx;
@@ -550,6 +608,8 @@ static int CollWrap_traverse(CollWrap *w, visitproc visit, void *arg)
     Py_VISIT(w->payload);
     Py_VISIT(w->resolve);
     Py_VISIT(w->nbytes_fn);
+    Py_VISIT(w->dev_begin);
+    Py_VISIT(w->dev_end);
     Py_VISIT(w->dict);
     return 0;
 }
@@ -561,6 +621,8 @@ static int CollWrap_clear(CollWrap *w)
     Py_CLEAR(w->payload);
     Py_CLEAR(w->resolve);
     Py_CLEAR(w->nbytes_fn);
+    Py_CLEAR(w->dev_begin);
+    Py_CLEAR(w->dev_end);
     Py_CLEAR(w->dict);
     w->ncache = 0;
     return 0;
@@ -591,7 +653,8 @@ static PyTypeObject CollWrapType = {
     .tp_name = "stepwatch.agents._probefast.CollWrap",
     .tp_basicsize = sizeof(CollWrap),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
-    .tp_doc = "CollWrap(log, fn, p_idx, g_idx, a_idx, payload, resolve, nbytes_fn): a timed collective",
+    .tp_doc = "CollWrap(log, fn, p_idx, g_idx, a_idx, payload, resolve, nbytes_fn[, dev_begin, dev_end]): "
+              "a timed collective",
     .tp_vectorcall_offset = offsetof(CollWrap, vc),
     .tp_call = CollWrap_call,
     .tp_dictoffset = offsetof(CollWrap, dict),
@@ -617,7 +680,8 @@ PyMODINIT_FUNC PyInit__probefast(void)
     str_group = PyUnicode_InternFromString("group");
     str_async_op = PyUnicode_InternFromString("async_op");
     str_nbytes = PyUnicode_InternFromString("nbytes");
-    if (!str_group || !str_async_op || !str_nbytes)
+    str_is_cpu = PyUnicode_InternFromString("is_cpu");
+    if (!str_group || !str_async_op || !str_nbytes || !str_is_cpu)
         return NULL;
     PyObject *m = PyModule_Create(&moddef);
     if (m == NULL)

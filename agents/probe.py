@@ -18,8 +18,10 @@ Two lines instrument a PyTorch script::
 - **collectives**: the ``torch.distributed`` functions (all_reduce, all_gather[_into_tensor],
   reduce_scatter[_tensor], broadcast, reduce, barrier, all_to_all[_single], gather, scatter, send,
   recv, ...) are wrapped: wall time, calls and payload bytes per (op, process group) and step, and
-  the time blocked in ``Work.wait()`` of asynchronous ones (op ``wait``). See :func:`transfer_ms`
-  for how the time blocked waiting for peers (``comm_wait_ms``) is separated from transfer time.
+  the time blocked in ``Work.wait()`` of asynchronous ones (op ``wait``). A synchronous collective
+  on a CUDA/NPU tensor is timed by device events on the current stream (the host only launches it),
+  read without synchronising when the steps are replayed. See :func:`transfer_ms` for how the time
+  blocked waiting for peers (``comm_wait_ms``) is separated from transfer time.
 
 Or explicitly (any framework)::
 
@@ -106,6 +108,9 @@ LOG_CAP = 1024                        # hot-path events held before a replay is 
 # Events of the hot path (see _PyLog): (kind, slot, t0, t1, a, b), replayed by Probe._replay.
 # K_OPT_POST: t0 = the optimizer's pre-hook time (0: none), t1 = its post-hook time, a = id(optimizer)
 K_OPT_POST, K_DATA, K_COLL, K_GC, K_BEGIN, K_END, K_PHASE, K_COUNT = range(2, 10)
+# K_DCOLL: a synchronous collective on a device tensor; b = the token of its device events
+K_DCOLL = 10
+MAX_DEV_CALLS = 4096                  # device event pairs awaiting their replay (beyond: timed by the host)
 
 SOCKET_NAME = "agent.sock"
 HELLO_EVERY_NS = 10_000_000_000       # identity re-sent every 10-20 s (an agent restart learns it again)
@@ -260,9 +265,11 @@ def _py_data_wrap(log: _PyLog, fn, dq_fn):
     return __next__
 
 
-def _py_coll_wrap(log: _PyLog, fn, p_idx: int, g_idx: int, a_idx: int, payload, resolve, nbytes_fn):
+def _py_coll_wrap(log: _PyLog, fn, p_idx: int, g_idx: int, a_idx: int, payload, resolve, nbytes_fn,
+                  dev_begin=None, dev_end=None):
     """A torch.distributed collective, timed (``_probefast.CollWrap`` in C): the call, raw, as one
-    event; its accumulator slot is cached per process group."""
+    event; its accumulator slot is cached per process group. A synchronous call on a device tensor
+    is also bracketed by device events (``dev_begin``/``dev_end``, see :meth:`Probe._dev_begin`)."""
     ev, cap = log.ev, log.cap
     slots: dict[int, int] = {}          # id(group) -> accumulator slot (resolve keeps the group alive)
 
@@ -270,6 +277,16 @@ def _py_coll_wrap(log: _PyLog, fn, p_idx: int, g_idx: int, a_idx: int, payload, 
         if log.in_coll:                 # a collective made of collectives: the outer one counts
             return fn(*args, **kwargs)
         log.in_coll = 1
+        n = len(args)
+        x = None if payload is None else args[p_idx] if 0 <= p_idx < n else kwargs.get(payload)
+        is_async = a_idx >= 0 and (args[a_idx] if a_idx < n else kwargs.get("async_op", False))
+        tok = -1
+        if dev_begin is not None and x is not None and not is_async:
+            try:
+                if x.is_cpu is False:
+                    tok = dev_begin(x)
+            except Exception:  # noqa: BLE001 - a list payload, or no device events: host time
+                tok = -1
         t0 = _perf()
         try:
             return fn(*args, **kwargs)
@@ -277,7 +294,8 @@ def _py_coll_wrap(log: _PyLog, fn, p_idx: int, g_idx: int, a_idx: int, payload, 
             t1 = _perf()
             log.in_coll = 0
             try:
-                n = len(args)
+                if tok >= 0:
+                    dev_end(tok)
                 group = args[g_idx] if 0 <= g_idx < n else kwargs.get("group")
                 s = slots.get(id(group), -2)
                 if s == -2:
@@ -285,7 +303,6 @@ def _py_coll_wrap(log: _PyLog, fn, p_idx: int, g_idx: int, a_idx: int, payload, 
                 if s < 0:
                     log.comm_keys_dropped += 1
                 else:
-                    x = None if payload is None else args[p_idx] if 0 <= p_idx < n else kwargs.get(payload)
                     if x is None:
                         nbytes = 0
                     else:
@@ -293,13 +310,14 @@ def _py_coll_wrap(log: _PyLog, fn, p_idx: int, g_idx: int, a_idx: int, payload, 
                             nbytes = x.nbytes
                         except AttributeError:
                             nbytes = nbytes_fn(x)
-                    # async: the launch only (0 wait), the wait is timed in Work.wait(); -1: split later
-                    wait = 0.0 if a_idx >= 0 and (args[a_idx] if a_idx < n else kwargs.get("async_op", False)) \
-                        else -1.0
+                    if tok >= 0:                # timed on the device: the replay reads the events
+                        e = (K_DCOLL, s, t0, t1, nbytes, float(tok))
+                    else:                       # async: the launch only (0 wait), the wait is timed in
+                        e = (K_COLL, s, t0, t1, nbytes, 0.0 if is_async else -1.0)   # Work.wait(); -1: split later
                     if len(ev) < cap:
-                        ev.append((K_COLL, s, t0, t1, nbytes, wait))
+                        ev.append(e)
                     else:
-                        log.add(K_COLL, s, t0, t1, nbytes, wait)
+                        log.add(*e)
             except Exception:  # noqa: BLE001 - telemetry never fails a collective
                 pass
 
@@ -511,6 +529,12 @@ class Probe:
         self._log = (_fast.Log if _fast is not None else _PyLog)(LOG_CAP, self._drain, self._first_opt)
         self._replaying = False
         self._events_lost = 0
+        # device timing of collectives (CUDA/NPU events), see _dev_begin
+        self._dev_mods: dict = {}                          # device type -> torch.cuda / torch.npu (False: none)
+        self._dev_pool: dict = {}                          # device type -> free events
+        self._dev_calls: dict = {}                         # token -> (device type, start event, end event)
+        self._dev_next = 0
+        self.dev_timed = self.dev_unready = 0
         self._step_ctx = _StepCtx(self)
         self._reset_counters()
         self._reset_step_state()
@@ -755,6 +779,7 @@ class Probe:
         log.primary = log.last_drain = log.in_coll = log.pre_t = 0
         log.dq_need = 1
         self._replaying = False
+        self._dev_calls.clear()                       # (the parent's device events)
         self._primary_opt = None
         self._gc_t0 = 0
         self._last_hello = 0
@@ -894,11 +919,14 @@ class Probe:
                     dq = a
                 ph[0] += t1 - t0                        # (the data slot is always sent: no "used" flag)
                 continue
-            if kind == K_COLL:                          # raw: summed and split into comm/wait when packed
+            if kind == K_COLL or kind == K_DCOLL:       # raw: summed and split into comm/wait when packed
                 if not open_ and not explicit:
                     open_, t0p, t0w = True, t0, t0 + off
                     self._zero_phases()
                     calls, gc_ns, gc_count, dq, samples, tokens = [], 0, 0, -1, -1, -1
+                if kind == K_DCOLL:                     # timed on the device (see _dev_begin)
+                    calls.append((slot, 1, a, self._dev_time(int(b), t1 - t0), None))
+                    continue
                 calls.append((slot, 1, a, t1 - t0, None if b < 0 else b))
                 if len(calls) >= MAX_CALLS:
                     self._calls = calls
@@ -1396,12 +1424,65 @@ class Probe:
             return self._comm_slot_for(name, op_id, grp_id, size)
 
         if _fast is not None:
-            w = _fast.CollWrap(self._log, fn, p_idx, g_idx, a_idx, payload, resolve, _nbytes)
+            w = _fast.CollWrap(self._log, fn, p_idx, g_idx, a_idx, payload, resolve, _nbytes,
+                               self._dev_begin, self._dev_end)
         else:
-            w = _py_coll_wrap(self._log, fn, p_idx, g_idx, a_idx, payload, resolve, _nbytes)
+            w = _py_coll_wrap(self._log, fn, p_idx, g_idx, a_idx, payload, resolve, _nbytes,
+                              self._dev_begin, self._dev_end)
         w.__name__ = getattr(fn, "__name__", name)
         w.__doc__ = getattr(fn, "__doc__", None)
         return w
+
+    def _dev_begin(self, x) -> int:
+        """Live, before a synchronous collective on a device tensor: record a start event on the
+        current stream (``torch.cuda.Event``/``torch.npu.Event``, pooled) and return its token (-1:
+        no device events; the host time is kept). On CUDA/NPU the host only launches the collective,
+        so the host's wall time would be the launch; the events, read at the replay (``query()``
+        first: never a synchronisation), give the kernel's time on the device, waiting for peers
+        included, which is then split into transfer and wait as on the CPU."""
+        kind = x.device.type
+        mod = self._dev_mods.get(kind)
+        if mod is None:
+            torch = sys.modules.get("torch")
+            mod = getattr(torch, kind, None) if torch is not None else None
+            if mod is None or not hasattr(mod, "Event"):
+                mod = False
+            self._dev_mods[kind] = mod
+        if mod is False or len(self._dev_calls) >= MAX_DEV_CALLS:
+            return -1
+        pool = self._dev_pool.get(kind)
+        if pool:
+            e0, e1 = pool.pop()
+        else:
+            e0, e1 = mod.Event(enable_timing=True), mod.Event(enable_timing=True)
+        e0.record()
+        tok = self._dev_next
+        self._dev_next = (tok + 1) & 0x3FFFFFFF
+        self._dev_calls[tok] = (kind, e0, e1)
+        return tok
+
+    def _dev_end(self, tok: int) -> None:
+        d = self._dev_calls.get(tok)
+        if d is not None:
+            d[2].record()
+
+    def _dev_time(self, tok: int, host_ns: int) -> int:
+        """Replay: the device time of a collective (ns) when its end event completed, else the
+        host's (counted in ``dev_unready``); the events go back to the pool."""
+        d = self._dev_calls.pop(tok, None)
+        if d is None:
+            return host_ns
+        kind, e0, e1 = d
+        try:
+            if e1.query():
+                self.dev_timed += 1
+                host_ns = int(e0.elapsed_time(e1) * 1e6)
+            else:
+                self.dev_unready += 1
+        except Exception:  # noqa: BLE001 - a device error is the training's to report, not ours
+            self.dev_unready += 1
+        self._dev_pool.setdefault(kind, []).append((e0, e1))
+        return host_ns
 
     def _patch_distributed(self, dist) -> None:
         for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
@@ -1485,10 +1566,12 @@ class Probe:
         dropped_error``) were lost; ``datagrams`` and ``hellos`` sent; ``gc_rows_dropped`` (before
         the first step), ``comm_keys_dropped`` and ``phases_dropped`` (over the fixed capacity);
         ``events_lost`` hot-path events dropped (none unless a replay re-entered with a full log);
-        ``fast``: whether the C hot path runs. Replays the waiting events first."""
+        ``fast``: whether the C hot path runs; ``dev_timed``/``dev_unready`` collectives timed by
+        device events / by the host because their end event had not completed at the replay.
+        Replays the waiting events first."""
         self._drain()
         log = self._log
-        return {"fast": FAST, "events_lost": log.lost,"steps": self.n_steps, "sent": self.sent, "dropped": self.dropped, "deferred": self.deferred,
+        return {"fast": FAST, "events_lost": log.lost, "dev_timed": self.dev_timed, "dev_unready": self.dev_unready,"steps": self.n_steps, "sent": self.sent, "dropped": self.dropped, "deferred": self.deferred,
                 "backlog": len(self._backlog), "backlog_frames": sum(f for _, _, f in self._backlog),
                 "datagrams": self.datagrams, "pending": self._frames,
                 "dropped_full": self.dropped_full, "dropped_no_agent": self.dropped_no_agent,

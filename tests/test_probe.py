@@ -549,3 +549,75 @@ def test_wrappers_keep_the_wrapped_calls_exceptions_and_still_record_them(probe,
     assert len(steps) == 1 and steps[0]["data_ms"] > 0
     (c,) = comm
     assert names[c[1]] == "all_reduce" and c[3] == 1 and c[4] == 64
+
+
+class _DevTensor:
+    """A tensor on an accelerator, as the wrapper sees it (this machine has none)."""
+    is_cpu = False
+    nbytes = 4096
+
+    class device:
+        type = "fakedev"
+
+
+def test_collectives_on_a_device_are_timed_by_device_events(probe, rx, sockdir):
+    """On CUDA/NPU the host only launches a collective: a synchronous call on a device tensor is
+    bracketed by the device module's timing events (``torch.cuda.Event`` there; a stand-in with the
+    same methods here), read at the replay without synchronising. Events are pooled; one whose end
+    has not completed at the replay leaves the host time (counted); CPU tensors and async calls are
+    timed by the host as before."""
+    made = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.records, self.ready = 0, True
+            made.append(self)
+
+        def record(self):
+            self.records += 1
+
+        def query(self):
+            return self.ready
+
+        def elapsed_time(self, end):
+            return 7.5                                   # ms on the device
+
+    class Dist:
+        @staticmethod
+        def get_world_size(group=None):
+            return 2
+
+    def all_reduce(tensor, op=None, group=None, async_op=False):
+        return None
+
+    probe.init(job="dev", rank=0, world_size=2, socket_dir=sockdir, auto=False, flush_ms=0)
+    probe._dev_mods["fakedev"] = type("FakeDevModule", (), {"Event": Event})
+    ar = probe._wrap_collective(Dist, "all_reduce", all_reduce)
+    for _ in range(2):                                  # two steps of two calls: 2 event pairs, reused
+        probe.begin_step()
+        ar(_DevTensor())
+        ar(_DevTensor(), group=None)
+        probe.end_step()
+    assert len(made) == 4 and all(e.records == 2 for e in made)
+    for e in made:
+        e.ready = False                                 # the device is behind: host time, counted
+    probe.begin_step()
+    ar(_DevTensor())
+    ar(_DevTensor(), async_op=True)                     # async: the launch, by the host, no events
+    ar(torch.zeros(16))                                 # a CPU tensor: the host's time
+    probe.end_step()
+    st = probe.stats()
+    assert st["dev_timed"] == 4 and st["dev_unready"] == 1 and len(made) == 4
+    hello, names, steps, comm, gcs = split(rx.read())
+    assert len(steps) == 3
+    by_step = {}
+    for c in comm:
+        by_step.setdefault(c[0], []).append(c)
+    for s in steps[:2]:
+        (c,) = by_step[s["step"]]
+        assert names[c[1]] == "all_reduce" and c[3] == 2 and c[4] == 8192
+        assert c[5] == pytest.approx(15.0)                           # 2 x 7.5 ms, from the device
+        assert s["comm_ms"] + s["comm_wait_ms"] == pytest.approx(15.0)
+    (c,) = by_step[steps[2]["step"]]
+    assert c[3] == 3 and c[4] == 4096 * 2 + 64 and c[5] < 5.0        # host times: microseconds
