@@ -216,11 +216,6 @@ static PyObject *Log_opt_post(Log *L, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
-static PyObject *Log_now(PyObject *self, PyObject *unused)
-{
-    return PyLong_FromLongLong(now_ns());
-}
-
 static PyObject *Log_len(Log *L, void *closure) { return PyLong_FromSsize_t(L->n); }
 
 static PyMethodDef Log_methods[] = {
@@ -229,7 +224,6 @@ static PyMethodDef Log_methods[] = {
     {"clear", (PyCFunction)Log_clear_events, METH_NOARGS, "forget the events"},
     {"opt_pre", (PyCFunction)(void (*)(void))Log_opt_pre, METH_FASTCALL, "optimizer step pre-hook"},
     {"opt_post", (PyCFunction)(void (*)(void))Log_opt_post, METH_FASTCALL, "optimizer step post-hook"},
-    {"now", (PyCFunction)Log_now, METH_NOARGS | METH_STATIC, "CLOCK_MONOTONIC in ns"},
     {NULL}};
 
 static PyMemberDef Log_members[] = {

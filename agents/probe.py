@@ -178,10 +178,6 @@ class _PyLog:
     def n(self) -> int:
         return len(self.ev)
 
-    @staticmethod
-    def now() -> int:
-        return _perf()
-
     def call_drain(self) -> None:
         if self._draining:
             return
@@ -528,7 +524,6 @@ class Probe:
         # the hot path: hooks append events here, _replay makes steps of them (C when built, else Python)
         self._log = (_fast.Log if _fast is not None else _PyLog)(LOG_CAP, self._drain, self._first_opt)
         self._replaying = False
-        self._events_lost = 0
         # device timing of collectives (CUDA/NPU events), see _dev_begin
         self._dev_mods: dict = {}                          # device type -> torch.cuda / torch.npu (False: none)
         self._dev_pool: dict = {}                          # device type -> free events
@@ -924,10 +919,10 @@ class Probe:
                     open_, t0p, t0w = True, t0, t0 + off
                     self._zero_phases()
                     calls, gc_ns, gc_count, dq, samples, tokens = [], 0, 0, -1, -1, -1
-                if kind == K_DCOLL:                     # timed on the device (see _dev_begin)
+                if kind == K_COLL:
+                    calls.append((slot, 1, a, t1 - t0, None if b < 0 else b))
+                else:                                   # timed on the device (see _dev_begin)
                     calls.append((slot, 1, a, self._dev_time(int(b), t1 - t0), None))
-                    continue
-                calls.append((slot, 1, a, t1 - t0, None if b < 0 else b))
                 if len(calls) >= MAX_CALLS:
                     self._calls = calls
                     self._squash_calls()
