@@ -651,7 +651,7 @@ class Probe:
             f = flush_ms if flush_ms is not None else os.environ.get("STEPWATCH_FLUSH_MS")
             self.flush_ns = int(float(f) * 1e6) if f not in (None, "") else int(DEFAULT_FLUSH_MS * 1e6)
             self._log.drain_ns = self.flush_ns
-            self._log.last_drain = 0             # the first step end replays (and says hello) at once
+            self._log.last_drain = self._last_flush = 0     # the first step end is sent at once, with the hello
             self._identity_ready = self.rank is not None and self.world_size is not None
             path = os.path.join(socket_dir or default_socket_dir(), SOCKET_NAME)
             if path != self._path:
@@ -900,10 +900,11 @@ class Probe:
         calls, gc_ns, gc_count, dq = self._calls, self._gc_ns, self._gc_count, self._data_queue
         samples, tokens, step = self._samples, self._tokens, self._step
         primary, off = self._primary_opt, self._wall_off
-        buf, mv, boff, inst = self._buf, self._mv, self._off, self.instance
+        buf, boff, inst = self._buf, self._off, self.instance
         ids, keys = self._phase_ids, self._comm_key
         traffic, nspb = self._c_traffic, self._ns_per_byte
         opt_slot = self._opt_slot
+        pack = _fast.pack_step if _fast is not None else None      # the frame in one C call
         for kind, slot, t0, t1, a, b in events:
             if kind == K_DATA:
                 if not open_ and not explicit:          # automatic mode: the first event opens a step
@@ -985,50 +986,16 @@ class Probe:
                     self._off = boff
                     self._send_buf(t0)
                     boff = self._off
-                step_ns, data_ns = t0 - t0p, ph[0]
-                one = None
-                if not calls:
-                    comms, comm_ns, wait_ns = None, 0.0, 0.0
-                elif len(calls) == 1:                    # (the common case, without a dict)
-                    one = calls[0]
-                    k, count, nbytes, tt, wait = one
-                    if wait is None:
-                        tr = nbytes * traffic[k] * nspb
-                        wait = tt - tr if tt > tr else 0.0
-                        one = (k, count, nbytes, tt, wait)
-                    comms, comm_ns, wait_ns = None, tt - wait, wait
-                else:
-                    comms, comm_ns, wait_ns = self._sum_calls(calls)
-                if used[1]:
-                    compute_ns = ph[1]
-                else:                                    # not given: the rest of the step
-                    compute_ns = step_ns - data_ns - comm_ns - wait_ns - gc_ns
-                    if compute_ns < 0:
-                        compute_ns = 0
                 n_gc = self._n_gc
-                HDR_STEP.pack_into(buf, boff, MAGIC, VERSION, T_BATCH, inst, self.rank, 1,
-                                   len(comms) if comms else 1 if one else 0, n_gc, len(touched),
-                                   step, t0w, wall, step_ns, data_ns, compute_ns, comm_ns, wait_ns, gc_ns,
-                                   gc_count, dq, samples, tokens, self.dropped & 0xFFFFFFFF)
-                boff += 120
-                for i in touched:
-                    PHASE.pack_into(buf, boff, ids[i], ph[i])
-                    boff += 16
-                if one:
-                    k, count, nbytes, tt, wait = one
-                    op, grp = keys[k]
-                    COMM.pack_into(buf, boff, op, grp, count, nbytes, tt, wait)
-                    boff += 40
-                elif comms:
-                    for k, (count, nbytes, tt, wait) in comms.items():
-                        op, grp = keys[k]
-                        COMM.pack_into(buf, boff, op, grp, count, nbytes, tt, wait)
-                        boff += 40
-                if n_gc:
-                    k = n_gc * GCREC.size
-                    mv[boff:boff + k] = self._gcmv[16:16 + k]
-                    boff += k
-                    self._n_gc = 0
+                if pack is not None:                     # C: the frame in one call
+                    boff = pack(buf, boff, inst, self.rank, step, t0w, wall, t0 - t0p, ph[0],
+                                ph[1] if used[1] else -1, gc_ns, gc_count, dq, samples, tokens, self.dropped,
+                                touched, ph, ids, calls, traffic, nspb, keys,
+                                self._gcmv[16:16 + n_gc * GCREC.size] if n_gc else None)
+                else:
+                    boff = self._pack_py(boff, step, t0w, wall, t0 - t0p, gc_ns, gc_count, dq, samples, tokens,
+                                         calls, n_gc)
+                self._n_gc = 0
                 self._frames += 1
             else:                                        # nobody listens (a reconnect was tried < 1 s ago)
                 self._n_gc = 0
@@ -1056,6 +1023,58 @@ class Probe:
         self._open, self._t0_perf, self._t0_wall, self._calls = open_, t0p, t0w, calls
         self._gc_ns, self._gc_count, self._data_queue = gc_ns, gc_count, dq
         self._samples, self._tokens, self._step = samples, tokens, step
+
+    def _pack_py(self, boff: int, step: int, t0w: int, wall: int, step_ns: int, gc_ns: int, gc_count: int,
+                 dq: int, samples: int, tokens: int, calls: list, n_gc: int) -> int:
+        """One step's frame at ``boff`` in the datagram buffer, in Python (``_probefast.pack_step`` does
+        the same in C, byte for byte); returns the new offset."""
+        buf, mv, inst = self._buf, self._mv, self.instance
+        ph, used, touched = self._ph_ns, self._ph_used, self._ph_touched
+        ids, keys = self._phase_ids, self._comm_key
+        traffic, nspb = self._c_traffic, self._ns_per_byte
+        data_ns = ph[0]
+        one = None
+        if not calls:
+            comms, comm_ns, wait_ns = None, 0.0, 0.0
+        elif len(calls) == 1:                    # (the common case, without a dict)
+            one = calls[0]
+            k, count, nbytes, tt, wait = one
+            if wait is None:
+                tr = nbytes * traffic[k] * nspb
+                wait = tt - tr if tt > tr else 0.0
+                one = (k, count, nbytes, tt, wait)
+            comms, comm_ns, wait_ns = None, tt - wait, wait
+        else:
+            comms, comm_ns, wait_ns = self._sum_calls(calls)
+        if used[1]:
+            compute_ns = ph[1]
+        else:                                    # not given: the rest of the step
+            compute_ns = step_ns - data_ns - comm_ns - wait_ns - gc_ns
+            if compute_ns < 0:
+                compute_ns = 0
+        HDR_STEP.pack_into(buf, boff, MAGIC, VERSION, T_BATCH, inst, self.rank, 1,
+                           len(comms) if comms else 1 if one else 0, n_gc, len(touched),
+                           step, t0w, wall, step_ns, data_ns, compute_ns, comm_ns, wait_ns, gc_ns,
+                           gc_count, dq, samples, tokens, self.dropped & 0xFFFFFFFF)
+        boff += 120
+        for i in touched:
+            PHASE.pack_into(buf, boff, ids[i], ph[i])
+            boff += 16
+        if one:
+            k, count, nbytes, tt, wait = one
+            op, grp = keys[k]
+            COMM.pack_into(buf, boff, op, grp, count, nbytes, tt, wait)
+            boff += 40
+        elif comms:
+            for k, (count, nbytes, tt, wait) in comms.items():
+                op, grp = keys[k]
+                COMM.pack_into(buf, boff, op, grp, count, nbytes, tt, wait)
+                boff += 40
+        if n_gc:
+            k = n_gc * GCREC.size
+            mv[boff:boff + k] = self._gcmv[16:16 + k]
+            boff += k
+        return boff
 
     # ------------------------------------------------------------------ step end: pack and send
     def _resolve_identity(self) -> None:

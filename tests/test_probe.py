@@ -621,3 +621,53 @@ def test_collectives_on_a_device_are_timed_by_device_events(probe, rx, sockdir):
         assert s["comm_ms"] + s["comm_wait_ms"] == pytest.approx(15.0)
     (c,) = by_step[steps[2]["step"]]
     assert c[3] == 3 and c[4] == 4096 * 2 + 64 and c[5] < 5.0        # host times: microseconds
+
+
+def test_c_and_python_pack_the_same_bytes(sockdir):
+    """``_probefast.pack_step`` and ``Probe._pack_py`` write the same frame, byte for byte: no calls,
+    one call with a known wait, one to be split by the bandwidth model, several calls over two
+    slots, named phases, an explicit compute phase, GC rows."""
+    assert P._fast is not None, "the C hot path was not built (README: a C compiler and the Python headers)"
+    p = Probe()
+    try:
+        p.init(job="pack", rank=3, world_size=8, socket_dir=sockdir, auto=False, comm_gbps=10)
+        ar, bc, grp = p._intern("all_reduce"), p._intern("broadcast"), p._intern("dp")
+        s0 = p._comm_slot_for("all_reduce", ar, grp, 8)
+        s1 = p._comm_slot_for("broadcast", bc, grp, 8)
+        fwd = p._slot_for_phase("forward")
+        p.dropped = (1 << 32) + 5                       # carried modulo 2**32
+        cases = [
+            ([], [], False, 0),
+            ([(s0, 1, 4096, 120_000, 30_000.0)], [fwd], False, 0),
+            ([(s0, 1, 1 << 26, 9_000_000, None)], [], True, 0),
+            ([(s0, 1, 1 << 20, 500_000, None), (s1, 2, 64, 1_000, 0.0), (s0, 3, 1 << 20, 200_000, None)],
+             [fwd], False, 2),
+            ([(s1, 1, 1 << 30, 10, None)], [], False, 1),         # the model says more than the wall time
+        ]
+        for calls, touched, compute, n_gc in cases:
+            ph, used = p._ph_ns, p._ph_used
+            for i in range(P.MAX_PHASES):
+                ph[i], used[i] = 0, False
+            p._ph_touched[:] = touched
+            ph[0] = 1_234_567
+            for i in touched:
+                ph[i], used[i] = 2_000_000 + i, True
+            if compute:
+                ph[1], used[1] = 3_000_000, True
+            for j in range(n_gc):
+                P.GCREC.pack_into(p._gcbuf, P.HDR.size + j * P.GCREC.size, 10**18 + j, 5e5, 2, 100 + j, 0)
+            args = (7, 10**18, 10**18 + 50_000_000, 50_000_000, 800_000 if n_gc else 0, n_gc, 3, 32, -1)
+            p._buf[:] = bytes(len(p._buf))
+            end_py = p._pack_py(0, *args, list(calls), n_gc)
+            py = bytes(p._buf[:end_py])
+            p._buf[:] = bytes(len(p._buf))
+            end_c = P._fast.pack_step(p._buf, 0, p.instance, p.rank, *args[:4], ph[0], ph[1] if used[1] else -1,
+                                      *args[4:], p.dropped, p._ph_touched, ph, p._phase_ids, list(calls),
+                                      p._c_traffic, p._ns_per_byte, p._comm_key,
+                                      p._gcmv[16:16 + n_gc * P.GCREC.size] if n_gc else None)
+            assert end_c == end_py and bytes(p._buf[:end_c]) == py, (calls, touched, compute, n_gc)
+            (typ, inst, rank, (st, phases, comm, gcs)), = decode(py)
+            assert rank == 3 and st[0] == 7 and st[-1] == 5 and len(comm) == len({c[0] for c in calls})
+            assert len(phases) == len(touched) and len(gcs) == n_gc
+    finally:
+        p.shutdown()
