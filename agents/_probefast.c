@@ -58,7 +58,7 @@ typedef struct {
     Ev *ev;
     Py_ssize_t n, cap, high;
     long long last_drain, drain_ns, primary, lost, comm_keys_dropped, pre_t;
-    int eager, dq_need, in_coll, draining;
+    int eager, dq_need, in_coll, draining, dev_on;
     PyObject *on_drain, *on_first_opt;
 } Log;
 
@@ -238,6 +238,7 @@ static PyMemberDef Log_members[] = {
     {"eager", T_INT, offsetof(Log, eager), 0, "drain at every step end"},
     {"dq_need", T_INT, offsetof(Log, dq_need), 0, "the next DataLoader call reads the queue depth"},
     {"in_coll", T_INT, offsetof(Log, in_coll), 0, "inside a wrapped collective"},
+    {"dev_on", T_INT, offsetof(Log, dev_on), 0, "an accelerator is in use: look at the payload's device"},
     {NULL}};
 
 static PyGetSetDef Log_getset[] = {{"n", (getter)Log_len, NULL, "events waiting", NULL}, {NULL}};
@@ -442,7 +443,7 @@ static int coll_async(CollWrap *w, PyObject *const *args, Py_ssize_t nargs, PyOb
 /* a device token (>= 0) when the call's payload is a device tensor and it is synchronous, else -1 */
 static long long coll_dev_begin(CollWrap *w, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
-    if (w->dev_begin == NULL || w->dev_begin == Py_None || w->payload == Py_None)
+    if (!w->log->dev_on || w->dev_begin == NULL || w->dev_begin == Py_None || w->payload == Py_None)
         return -1;
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     PyObject *x = arg_of(args, nargs, kwnames, w->p_idx, w->payload);

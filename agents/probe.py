@@ -169,7 +169,7 @@ class _PyLog:
         self.drain_ns = int(DEFAULT_FLUSH_MS * 1e6)
         self.primary = 0                   # id of the primary optimizer (0: none stepped yet)
         self.lost = self.comm_keys_dropped = self.pre_t = 0
-        self.eager = self.in_coll = 0
+        self.eager = self.in_coll = self.dev_on = 0
         self.dq_need = 1                   # the next DataLoader call reads the prefetch queue depth
         self._on_drain, self._on_first_opt = on_drain, on_first_opt
         self._draining = False
@@ -277,7 +277,7 @@ def _py_coll_wrap(log: _PyLog, fn, p_idx: int, g_idx: int, a_idx: int, payload, 
         x = None if payload is None else args[p_idx] if 0 <= p_idx < n else kwargs.get(payload)
         is_async = a_idx >= 0 and (args[a_idx] if a_idx < n else kwargs.get("async_op", False))
         tok = -1
-        if dev_begin is not None and x is not None and not is_async:
+        if log.dev_on and dev_begin is not None and x is not None and not is_async:
             try:
                 if x.is_cpu is False:
                     tok = dev_begin(x)
@@ -878,6 +878,8 @@ class Probe:
         try:
             log = self._log
             log.last_drain = _perf()
+            if not log.dev_on:
+                log.dev_on = self._accelerator_in_use()
             events = log.drain()
             if not events or not self._on:
                 return
@@ -1446,6 +1448,19 @@ class Probe:
         w.__name__ = getattr(fn, "__name__", name)
         w.__doc__ = getattr(fn, "__doc__", None)
         return w
+
+    @staticmethod
+    def _accelerator_in_use() -> int:
+        """1 once this process uses CUDA (its context exists) or has torch_npu loaded: only then do the
+        collective wrappers look at their payload's device (checked at every replay until true; never
+        initialises CUDA)."""
+        if sys.modules.get("torch_npu") is not None:
+            return 1
+        torch = sys.modules.get("torch")
+        try:
+            return 1 if torch is not None and torch.cuda.is_initialized() else 0
+        except Exception:  # noqa: BLE001
+            return 0
 
     def _dev_begin(self, x) -> int:
         """Live, before a synchronous collective on a device tensor: record a start event on the

@@ -593,6 +593,12 @@ def test_collectives_on_a_device_are_timed_by_device_events(probe, rx, sockdir):
 
     probe.init(job="dev", rank=0, world_size=2, socket_dir=sockdir, auto=False, flush_ms=0)
     probe._dev_mods["fakedev"] = type("FakeDevModule", (), {"Event": Event})
+    ar0 = probe._wrap_collective(Dist, "all_reduce", all_reduce)
+    probe.begin_step()
+    ar0(_DevTensor())                      # no CUDA context, no torch_npu: the payload is not even looked at
+    probe.end_step()
+    assert made == [] and probe.stats()["dev_timed"] == 0
+    probe._log.dev_on = 1                  # what a CUDA context or torch_npu turns on (at the next replay)
     ar = probe._wrap_collective(Dist, "all_reduce", all_reduce)
     for _ in range(2):                                  # two steps of two calls: 2 event pairs, reused
         probe.begin_step()
@@ -610,7 +616,8 @@ def test_collectives_on_a_device_are_timed_by_device_events(probe, rx, sockdir):
     st = probe.stats()
     assert st["dev_timed"] == 4 and st["dev_unready"] == 1 and len(made) == 4
     hello, names, steps, comm, gcs = split(rx.read())
-    assert len(steps) == 3
+    assert len(steps) == 4
+    steps = steps[1:]
     by_step = {}
     for c in comm:
         by_step.setdefault(c[0], []).append(c)
