@@ -50,7 +50,7 @@ SETTLE_STEPS = 10          # untimed steps after each (re)install (hello, connec
 
 def add_overhead_args(p: argparse.ArgumentParser) -> None:
     """Options of ``stepwatch bench overhead`` (names chosen not to clash with ``bench ingest``'s)."""
-    p.add_argument("--rounds", type=int, default=40, help="rounds of interleaved blocks per loop")
+    p.add_argument("--rounds", type=int, default=80, help="rounds of interleaved blocks per loop")
     p.add_argument("--block-steps", type=int, default=100, help="steps per block")
     p.add_argument("--agent-ranks", type=int, default=8, help="probes served by the agent")
     p.add_argument("--agent-seconds", type=float, default=30.0, help="measured agent run")
@@ -457,7 +457,7 @@ def run_overhead_bench(a) -> int:
         except ImportError:
             print("  probe overhead skipped: torch is not installed (pip install torch==2.13.0)")
         else:
-            probe_overhead(g("rounds", 40), g("block_steps", 100))
+            probe_overhead(g("rounds", 80), g("block_steps", 100))
     if not g("skip_agent", False):
         agent_cost(g("agent_ranks", 8), g("agent_seconds", 30.0), g("agent_step_ms", 100.0),
                    broker=not g("no_broker", False))
