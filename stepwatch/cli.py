@@ -246,9 +246,17 @@ def cmd_compact(a) -> int:
 
 # ---------------------------------------------------------------------------- demo / bench
 def cmd_demo(a) -> int:
+    if a.real:
+        from stepwatch.demo import run_real_demo
+        return run_real_demo(ranks=a.ranks or 4, steps=a.steps or 200, slow_rank=2 if a.slow_rank is None else a.slow_rank,
+                             gc_rank=1 if a.gc_rank is None else a.gc_rank,
+                             data_dir=a.data_dir or "./stepwatch-data/demo-real")
+    if a.gc_rank is not None:
+        raise SystemExit("stepwatch demo: --gc-rank needs --real (the simulated job injects a slow rank and a regression)")
     from stepwatch.demo import run_demo
-    return run_demo(ranks=a.ranks, steps=a.steps, data_dir=a.data_dir, slow_rank=a.slow_rank,
-                    regression_step=a.regression_step, seed=a.seed)
+    return run_demo(ranks=a.ranks or 1024, steps=a.steps or 300, data_dir=a.data_dir or "./stepwatch-data/demo",
+                    slow_rank=613 if a.slow_rank is None else a.slow_rank, regression_step=a.regression_step,
+                    seed=a.seed)
 
 
 def _profiling_bench(a) -> int:
@@ -273,12 +281,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
 
     d = sub.add_parser("demo", help="broker + simulated job + processor on this machine, then a post-mortem")
-    d.add_argument("--ranks", type=int, default=1024)
-    d.add_argument("--steps", type=int, default=300)
-    d.add_argument("--slow-rank", type=int, default=613, help="rank made slow from step 80")
-    d.add_argument("--regression-step", type=int, default=200, help="step where the job-wide regression starts")
+    d.add_argument("--real", action="store_true",
+                   help="real PyTorch training instead of the simulation: gloo ranks on CPU under `stepwatch wrap`, "
+                        "a node agent, the broker and the processor (needs torch)")
+    d.add_argument("--ranks", type=int, default=None, help="default 1024 simulated, 4 real")
+    d.add_argument("--steps", type=int, default=None, help="default 300 simulated, 200 real (~50 ms each)")
+    d.add_argument("--slow-rank", type=int, default=None,
+                   help="rank made slow (simulated: from step 80, default 613; real: 20 ms more per step, default 2; "
+                        "-1: none)")
+    d.add_argument("--gc-rank", type=int, default=None,
+                   help="real: rank that collects a large heap every step, in a second run (default 1; -1: no such run)")
+    d.add_argument("--regression-step", type=int, default=200, help="simulated: step where the job-wide regression starts")
     d.add_argument("--seed", type=int, default=7)
-    d.add_argument("--data-dir", default="./stepwatch-data/demo")
+    d.add_argument("--data-dir", default=None, help="default ./stepwatch-data/demo (or demo-real)")
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("broker", help="run the embedded Kafka-protocol broker (Tansu) on 127.0.0.1")

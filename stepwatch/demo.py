@@ -173,3 +173,150 @@ def _post_mortem(root: Path, job: str, sim, sent: dict, t_begin: float) -> bool:
     _say(f"demo finished in {time.monotonic() - t_begin:.0f} s")
     con.close()
     return found_all
+
+
+# ---------------------------------------------------------------------------- demo --real
+
+def run_real_demo(ranks: int = 4, steps: int = 200, slow_rank: int = 2, gc_rank: int = 1, step_ms: float = 50.0,
+                  slow_extra_ms: float = 20.0, data_dir: str = "./stepwatch-data/demo-real") -> int:
+    """``stepwatch demo --real``: real PyTorch training, not a simulation. ``ranks`` gloo processes on
+    CPU train a small MLP (``stepwatch.agents.demo_train``, which knows nothing of stepwatch) under
+    ``stepwatch wrap``; a node agent receives their probes' records and ships them through the
+    embedded broker to a processor, which stores them and raises alerts. Two runs, one after the
+    other, each its own job: in the first, rank ``slow_rank`` is made ``slow_extra_ms`` slower per
+    step; in the second, rank ``gc_rank`` collects a large heap every step (-1 skips a run). Returns
+    0 when each injected fault was named by a ``slow_rank`` alert on the right rank."""
+    import importlib.util
+    import os
+    import socket as socketmod
+    import subprocess
+    import tempfile
+
+    if importlib.util.find_spec("torch") is None:
+        _say("stepwatch demo --real trains a real PyTorch model: install torch first "
+             "(pip install torch==2.13.0, or pip install 'stepwatch[torch]')")
+        return 2
+    if ranks < 2:
+        _say(f"stepwatch demo --real: --ranks must be at least 2 (a slow rank needs peers), got {ranks}")
+        return 2
+    for name, r in (("--slow-rank", slow_rank), ("--gc-rank", gc_rank)):
+        if r >= ranks or r < -1:
+            _say(f"stepwatch demo --real: {name} {r} is not one of the {ranks} ranks (0..{ranks - 1}, or -1 for none)")
+            return 2
+    runs = [(f"demo-real-slow-r{slow_rank}", {"SW_SLOW_RANK": slow_rank, "SW_SLOW_EXTRA_MS": slow_extra_ms},
+             f"rank {slow_rank} sleeps {slow_extra_ms:.0f} ms more per step", slow_rank, None)] if slow_rank >= 0 else []
+    if gc_rank >= 0:
+        runs.append((f"demo-real-gc-r{gc_rank}", {"SW_GC_RANK": gc_rank},
+                     f"rank {gc_rank} builds reference cycles and runs gc.collect() on a large heap every step",
+                     gc_rank, "gc"))
+    if not runs:
+        _say("stepwatch demo --real: nothing to inject (--slow-rank -1 and --gc-rank -1)")
+        return 2
+    from stepwatch.agents.agent import Agent
+    from stepwatch.agents.wrap import wrap_env
+    from stepwatch.stream.broker import EmbeddedBroker
+    from stepwatch.stream.kafkaio import KafkaSettings, ensure_topics
+    from stepwatch.stream.processor import Processor
+
+    t_begin = time.monotonic()
+    root = Path(data_dir)
+    if root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    node = socketmod.gethostname()
+    sock_dir = tempfile.mkdtemp(prefix="sw-demo-", dir="/tmp")       # AF_UNIX paths are short
+    _say(f"stepwatch demo --real: {ranks} gloo ranks on CPU train an MLP for {steps} steps of ~{step_ms:.0f} ms, "
+         f"instrumented by `stepwatch wrap` (no code change); {len(runs)} run(s)")
+    lock = threading.Lock()
+    bar = Progress()
+
+    def on_alert(a):
+        with lock:
+            bar.clear()
+            print(a.line(), flush=True)
+
+    results = []
+    try:
+        with EmbeddedBroker(log_path=root / "broker.log") as broker:
+            _say(f"  broker:   Tansu on {broker.bootstrap} (in-memory)")
+            s = KafkaSettings(bootstrap=broker.bootstrap, partitions=2)
+            ensure_topics(s)
+            agent = Agent(s, socket_dir=sock_dir, node=node, interval_s=1.0, spool_dir=root / "_agent_spool").start()
+            proc = Processor(s, root, group="stepwatch-demo-real", flush_interval_s=0.5, on_alert=on_alert)
+            stop_agent, stop_proc = threading.Event(), threading.Event()
+            t_agent = threading.Thread(target=agent.run, args=(stop_agent,), name="agent", daemon=True)
+            t_proc = threading.Thread(target=proc.run, kwargs={"stop_event": stop_proc}, name="processor", daemon=True)
+            t_agent.start()
+            t_proc.start()
+            _say(f"  agent:    {sock_dir}/agent.sock on node {node}; processor writing {root}")
+            train = importlib.util.find_spec("stepwatch.agents.demo_train").origin
+            cmd = [sys.executable, "-m", "stepwatch.agents.wrap", "--", sys.executable, train]
+            stored = lambda: proc.metrics.value(proc.metrics.records_out, "steps")  # noqa: E731
+            expect = 0
+            for job, inject, what, _, _ in runs:
+                _say(f"\nrun {job}: {what}")
+                _say(f"  training: python -m stepwatch.agents.wrap -- python {os.path.relpath(train)}")
+                env = wrap_env(job=job, socket_dir=sock_dir)
+                env.update({k: str(v) for k, v in {"SW_NPROC": ranks, "SW_STEPS": steps, "SW_STEP_MS": step_ms,
+                                                   **inject}.items()})
+                with open(root / f"{job}.log", "w") as out:
+                    p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+                    while p.poll() is None:
+                        bar.show(f"  training: stored {stored() - expect:,.0f}/{ranks * steps:,} step rows of this run, "
+                                 f"alerts {proc.stats()['alerts']}")
+                        time.sleep(0.25)
+                expect += ranks * steps
+                if p.returncode != 0:
+                    bar.clear()
+                    _say(f"  the training run failed (exit {p.returncode}); its output: {root / (job + '.log')}")
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline and t_proc.is_alive():
+                    rt = proc.jobs.get(job)
+                    if stored() >= expect and rt is not None and rt.state.open_steps() == 0:
+                        break
+                    bar.show(f"  processing: stored {stored():,.0f}/{expect:,} step rows")
+                    time.sleep(0.25)
+                time.sleep(0.6)            # one more flush so the alerts of the last steps are stored
+                bar.clear()
+                results.append(p.returncode == 0)
+            stop_agent.set()
+            t_agent.join(30)
+            stop_proc.set()
+            t_proc.join(30)
+    finally:
+        shutil.rmtree(sock_dir, ignore_errors=True)
+    ok = all(results) and len(results) == len(runs)
+    for job, _, what, rank, cause in runs:
+        ok &= _post_mortem_real(root, job, ranks * steps, what, rank, cause)
+    _say(f"\ndata: {root.absolute()}  (Parquet; each run's training output in <job>.log)")
+    _say(f"try:  stepwatch sql --data-dir {root} \"SELECT job, rank, median(step_ms), median(comm_wait_ms), "
+         f"sum(gc_ms) FROM steps GROUP BY ALL ORDER BY ALL\"")
+    _say(f"demo finished in {time.monotonic() - t_begin:.0f} s")
+    return 0 if ok else 1
+
+
+def _post_mortem_real(root: Path, job: str, expect: int, what: str, rank: int, cause: str | None) -> bool:
+    from stepwatch.storage.views import connect
+    con = connect(root)
+    _say("")
+    _say("─" * 100)
+    _say(f"post-mortem of job {job} ({what})")
+    n = con.execute("SELECT count(*) FROM steps WHERE job = ?", [job]).fetchone()[0]
+    _say(f"step rows stored: {n:,} of {expect:,}")
+    _say("per rank (medians over the run; busy = step - comm wait: the slow rank waits least):")
+    cur = con.execute("""SELECT rank, round(median(step_ms), 1) AS step_ms, round(median(data_ms), 2) AS data_ms,
+                                round(median(comm_wait_ms), 1) AS comm_wait_ms,
+                                round(median(step_ms - comm_wait_ms), 1) AS busy_ms, round(sum(gc_ms), 0) AS gc_ms_total,
+                                sum(gc_count) AS collections
+                         FROM steps WHERE job = ? AND step > 0 GROUP BY rank ORDER BY rank""", [job])
+    _say(format_table([d[0] for d in cur.description], cur.fetchall()))
+    cur = con.execute("""SELECT kind, status, step_first, step_detected, ranks, nodes, cause, round(cost_pct, 1) AS cost_pct
+                         FROM alerts WHERE job = ? ORDER BY step_detected, kind""", [job])
+    rows = cur.fetchall()
+    _say("alerts:")
+    _say(format_table([d[0] for d in cur.description], rows) if rows else "  (none)")
+    hit = [r for r in rows if r[0] == "slow_rank" and (r[4] or []) == [rank] and (cause is None or r[6] == cause)]
+    got = f"slow_rank alert names rank {hit[0][4]} on {hit[0][5]}, cause {hit[0][6]}" if hit else "not found"
+    _say(f"{'FOUND ' if hit else 'MISSED'} {what}: {got}")
+    con.close()
+    return bool(hit) and n == expect

@@ -1,6 +1,7 @@
-"""Helpers for the tests that run tests/dist_train.py (a real gloo training run) under ``stepwatch wrap``."""
+"""Helpers for the tests that run agents/demo_train.py (a real gloo training run) under ``stepwatch wrap``."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -10,7 +11,7 @@ from pathlib import Path
 
 from stepwatch.agents.wrap import wrap_env
 
-TRAIN = Path(__file__).with_name("dist_train.py")
+TRAIN = Path(importlib.util.find_spec("stepwatch.agents.demo_train").origin)   # (without importing torch here)
 
 
 def launch(socket_dir: str, job: str, env: dict) -> subprocess.Popen:

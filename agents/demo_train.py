@@ -1,6 +1,7 @@
-"""A small real training run for tests/test_distributed.py (not a test itself).
+"""A small real training run: ``stepwatch demo --real`` and tests/test_distributed.py run it under
+``stepwatch wrap``. It knows nothing of stepwatch (unless ``SW_EXPLICIT=1``).
 
-``python dist_train.py`` imports torch once and forks ``SW_NPROC`` (4) ranks that rendezvous over
+``python demo_train.py`` imports torch once and forks ``SW_NPROC`` (4) ranks that rendezvous over
 127.0.0.1 on a free port (what torchrun would do, without importing torch once per rank: on a small
 shared test machine that costs ~15 s).
 
@@ -123,7 +124,7 @@ def _worker(rank: int, world: int, port: int, fn) -> None:
 
 def run_ranks(fn) -> None:
     """Fork ``$SW_NPROC`` (4) ranks on a free loopback port, each running ``fn`` (also used by
-    profile_train.py)."""
+    tests/profile_train.py)."""
     import socket
     import torch.multiprocessing as mp
     import torch._dynamo  # noqa: F401 - imported lazily by the first backward: once here, not once per rank
