@@ -42,6 +42,18 @@ class Progress:
             sys.stdout.flush()
 
 
+def _alert_printer() -> tuple[Progress, object]:
+    """A status line and an ``on_alert`` callback for the processor that prints each alert above it."""
+    lock = threading.Lock()
+    bar = Progress()
+
+    def on_alert(a):
+        with lock:
+            bar.clear()
+            print(a.line(), flush=True)
+    return bar, on_alert
+
+
 def run_demo(ranks: int = 1024, steps: int = 300, data_dir: str = "./stepwatch-data/demo", slow_rank: int = 613,
              regression_step: int = 200, seed: int = 7, quiet: bool = False) -> int:
     from stepwatch.agents.simsend import send_simulation
@@ -70,13 +82,7 @@ def run_demo(ranks: int = 1024, steps: int = 300, data_dir: str = "./stepwatch-d
         _say(f"  broker:   Tansu on {broker.bootstrap} (in-memory)")
         s = KafkaSettings(bootstrap=broker.bootstrap, partitions=2)
         ensure_topics(s)
-        lock = threading.Lock()
-        bar = Progress()
-
-        def on_alert(a):
-            with lock:
-                bar.clear()
-                print(a.line(), flush=True)
+        bar, on_alert = _alert_printer()
 
         proc = Processor(s, root, group="stepwatch-demo", flush_interval_s=0.5, lateness_s=5,
                          on_alert=on_alert, idle_close_s=2.0)
@@ -227,13 +233,7 @@ def run_real_demo(ranks: int = 4, steps: int = 200, slow_rank: int = 2, gc_rank:
     sock_dir = tempfile.mkdtemp(prefix="sw-demo-", dir="/tmp")       # AF_UNIX paths are short
     _say(f"stepwatch demo --real: {ranks} gloo ranks on CPU train an MLP for {steps} steps of ~{step_ms:.0f} ms, "
          f"instrumented by `stepwatch wrap` (no code change); {len(runs)} run(s)")
-    lock = threading.Lock()
-    bar = Progress()
-
-    def on_alert(a):
-        with lock:
-            bar.clear()
-            print(a.line(), flush=True)
+    bar, on_alert = _alert_printer()
 
     results = []
     try:
