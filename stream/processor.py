@@ -31,6 +31,7 @@ import pyarrow.compute as pc
 from stepwatch import schema as wire
 from stepwatch.detectors.base import Alert, Detector, JobContext, StepBlock
 from stepwatch.detectors.context import JobTelemetry
+from stepwatch.detectors.incidents import Incidents
 from stepwatch.storage.store import Marker, ParquetStore
 from stepwatch.storage.views import connect as views_connect
 from stepwatch.stream.align import JobState
@@ -55,6 +56,7 @@ class JobRuntime:
     replaying: bool = False
     telemetry: JobTelemetry = field(default_factory=JobTelemetry)   # bounded host/gc/comm windows
     steps_partition: int | None = None                # partition the job's step rows arrive on
+    incidents: Incidents = field(default_factory=Incidents)   # alerts grouped per fault
 
 
 @dataclass
@@ -108,6 +110,9 @@ class Processor:
         self.t_last_flush: float | None = None      # wall time of the last flush that wrote rows
         self._topic_kind = {kafka.topic(k): k for k in INPUT_TOPICS}
         self._lag_by_tp: dict[tuple[str, int], int] = {}   # consumer lag per partition (last flush)
+        #: (topic, partition) -> whether it is read to its end; None: ask the consumer (see _caught_up)
+        self.caught_up_hook: Callable[[str, int], bool] | None = None
+        self._caught_up_cache: dict[tuple[str, int], tuple[float, bool]] = {}
 
     # ------------------------------------------------------------------ kafka lifecycle
     def start(self) -> None:
@@ -182,8 +187,10 @@ class Processor:
     def poll_once(self, timeout_ms: int = 200) -> int:
         records = self.consumer.poll(timeout_ms=timeout_ms, max_records=2000)
         n = 0
-        # topology first so steps in the same poll find their job's world size
-        for tp in sorted(records, key=lambda tp: self._topic_kind.get(tp.topic) != "topology"):
+        # topology first so steps in the same poll find their job's world size; then steps, so a host
+        # sample is never judged against steps already fetched but not yet handled (job-hang proof)
+        order = {"topology": 0, "steps": 1}
+        for tp in sorted(records, key=lambda tp: order.get(self._topic_kind.get(tp.topic), 2)):
             prog = self.progress.get((tp.topic, tp.partition))
             for msg in records[tp]:
                 n += 1
@@ -289,7 +296,33 @@ class Processor:
         rt.telemetry.attach(ctx)
         if rt.steps_partition is not None:
             ctx.backlog = self._lag_by_tp.get((self.kafka.topic("steps"), rt.steps_partition), 0) > 0
+        ctx.caught_up = lambda: self._caught_up(rt)
         return ctx
+
+    def _caught_up(self, rt: JobRuntime) -> bool:
+        """Whether the job's steps partition has been read to its end (position >= the broker's end
+        offset, asked at most every 0.5 s per partition): the proof a silence judged on event time needs
+        (docs/detectors.md, stall). Without a consumer (rows handed over in order) it is taken as yes."""
+        topic, part = self.kafka.topic("steps"), rt.steps_partition
+        if part is None:
+            return True
+        if self.caught_up_hook is not None:
+            return bool(self.caught_up_hook(topic, part))
+        if self.consumer is None:
+            return True
+        now = time.monotonic()
+        hit = self._caught_up_cache.get((topic, part))
+        if hit is not None and now - hit[0] < 0.5:
+            return hit[1]
+        from kafka.structs import TopicPartition
+        tp = TopicPartition(topic, part)
+        try:
+            end = self.consumer.end_offsets([tp])[tp]
+            ok = self.consumer.position(tp) >= end
+        except Exception:  # noqa: BLE001 - unknown (e.g. the partition is not ours): no proof
+            ok = False
+        self._caught_up_cache[(topic, part)] = (now, ok)
+        return ok
 
     def _tick(self, rt: JobRuntime) -> None:
         """Tell the detectors the job's event time (newest step end or host sample) moved."""
@@ -360,6 +393,11 @@ class Processor:
                 rt.state.set_topology(topo)
             for aid, status in con.execute("SELECT alert_id, status FROM alerts WHERE job = ?", [job]).fetchall():
                 rt.alerts_seen.add((aid, status))
+            try:                                           # incidents keep their ids across restarts
+                rt.incidents.seed(con.sql("SELECT * FROM alerts WHERE job = ? AND incident_id IS NOT NULL "
+                                          "ORDER BY t_detected", params=[job]).to_arrow_table().to_pylist())
+            except Exception:  # noqa: BLE001 - a store written before incidents existed
+                log.info("no incidents to warm for job %s", job, exc_info=True)
             top = con.execute("SELECT max(step) FROM steps WHERE job = ?", [job]).fetchall()[0][0]
             if top is not None:
                 lo = int(top) - self.replay_steps + 1
@@ -428,8 +466,11 @@ class Processor:
     def _emit(self, rt: JobRuntime, a: Alert) -> None:
         key = (a.alert_id, a.status)
         if key in rt.alerts_seen:
+            if not a.incident_id:                           # replayed: its incident is known (seeded)
+                a.incident_id = rt.incidents.by_alert.get(a.alert_id, "")
             return
         rt.alerts_seen.add(key)
+        rt.incidents.assign(a)                               # one incident per fault (detectors/incidents.py)
         st = rt.state
         sl = a.step_first % st.capacity
         if "t_first_ns" not in a.evidence and st.slot_step[sl] == a.step_first and st.t_end[sl]:
