@@ -25,7 +25,7 @@ class Stall(Detector):
     *Job hang* is judged in :meth:`tick`, on every host batch, with one watermark per source: per node,
     the newest host sample and the newest step end of the node's ranks (the agent and its ranks share
     the node's clock, so clock offsets between nodes cancel). The job is silent for as long as its least
-    silent node whose host samples still arrive (within the threshold of the newest); it hangs when that
+    silent node whose host samples still arrive (within the threshold of the median node); it hangs when that
     silence exceeds ``max(hang_s, hang_steps * median step time)``. Event time alone cannot tell a hang
     from a steps topic read behind the host topic (Kafka orders nothing across topics and partitions), so
     the alert is raised only once the job's steps source is known to be read to its end
@@ -191,7 +191,7 @@ class Stall(Detector):
         """How long the job's steps have been silent in event time, judged per source: per node, the
         newest host sample minus the newest step end of the node's ranks (one clock: a node's agent and
         its ranks share it, so clock offsets between nodes cancel). Only nodes whose host samples still
-        arrive (within ``thr`` of the newest) count, and the job is silent only as long as its *least*
+        arrive (within ``thr`` of the median node's newest sample) count, and the job is silent only as long as its *least*
         silent node is. Without per-node watermarks: the job's newest host sample minus its newest step
         end."""
         host, steps_t = int(ctx.host_event_ns), int(ctx.steps_event_ns)
@@ -207,8 +207,9 @@ class Stall(Detector):
         smax = np.full(len(names), np.iinfo(np.int64).min, dtype=np.int64)
         np.maximum.at(smax, inv, lt[seen].astype(np.int64))
         hv = np.array([hn.get(str(n), 0) for n in names], dtype=np.int64)
-        live = hv >= max(int(hv.max()), 0) - thr
-        live &= hv > 0
+        # still sampling: within the threshold of the median node (a few nodes with clocks ahead or
+        # behind move the median by nothing; a node whose agent stopped falls out)
+        live = (hv > 0) & (hv >= int(np.median(hv[hv > 0])) - thr) if (hv > 0).any() else hv > 0
         if not live.any():
             return glob, {"judged": "job"}
         per = hv[live] - smax[live]

@@ -112,7 +112,8 @@ class Processor:
         self._lag_by_tp: dict[tuple[str, int], int] = {}   # consumer lag per partition (last flush)
         #: (topic, partition) -> whether it is read to its end; None: ask the consumer (see _caught_up)
         self.caught_up_hook: Callable[[str, int], bool] | None = None
-        self._caught_up_cache: dict[tuple[str, int], tuple[float, bool]] = {}
+        self._caught_up_cache: dict[tuple[str, int], tuple[float, float]] = {}
+        self._read_to: dict[tuple[str, int], int] = {}     # next offset after the last message handled
 
     # ------------------------------------------------------------------ kafka lifecycle
     def start(self) -> None:
@@ -194,6 +195,7 @@ class Processor:
             prog = self.progress.get((tp.topic, tp.partition))
             for msg in records[tp]:
                 n += 1
+                self._read_to[(tp.topic, tp.partition)] = msg.offset + 1   # handled up to here (_caught_up)
                 if prog is not None:
                     if prog.marker.is_done(msg.offset):
                         self.metrics.skipped.inc()
@@ -300,8 +302,9 @@ class Processor:
         return ctx
 
     def _caught_up(self, rt: JobRuntime) -> bool:
-        """Whether the job's steps partition has been read to its end (position >= the broker's end
-        offset, asked at most every 0.5 s per partition): the proof a silence judged on event time needs
+        """Whether the job's steps partition has been read to its end: it is assigned and not paused, and
+        the messages handled reach the broker's end offset (asked at most every 0.5 s per partition) and
+        the high watermark of the last fetch. The proof a silence judged on event time needs
         (docs/detectors.md, stall). Without a consumer (rows handed over in order) it is taken as yes."""
         topic, part = self.kafka.topic("steps"), rt.steps_partition
         if part is None:
@@ -310,19 +313,24 @@ class Processor:
             return bool(self.caught_up_hook(topic, part))
         if self.consumer is None:
             return True
-        now = time.monotonic()
-        hit = self._caught_up_cache.get((topic, part))
-        if hit is not None and now - hit[0] < 0.5:
-            return hit[1]
         from kafka.structs import TopicPartition
         tp = TopicPartition(topic, part)
         try:
-            end = self.consumer.end_offsets([tp])[tp]
-            ok = self.consumer.position(tp) >= end
+            if tp in self.consumer.paused() or tp not in self.consumer.assignment():
+                return False                               # not being read: no proof
+            # what was handled (the consumer's position runs ahead by the records of the current poll)
+            pos = self._read_to.get((topic, part))
+            if pos is None:
+                pos = self.consumer.position(tp)
+            now = time.monotonic()
+            hit = self._caught_up_cache.get((topic, part))
+            if hit is None or now - hit[0] >= 0.5:         # the broker's end offset, at most every 0.5 s
+                hit = (now, self.consumer.end_offsets([tp])[tp])
+                self._caught_up_cache[(topic, part)] = hit
+            # the high watermark of the last fetch too (some brokers answer ListOffsets with less)
+            return pos >= max(hit[1], self.consumer.highwater(tp) or 0)
         except Exception:  # noqa: BLE001 - unknown (e.g. the partition is not ours): no proof
-            ok = False
-        self._caught_up_cache[(topic, part)] = (now, ok)
-        return ok
+            return False
 
     def _tick(self, rt: JobRuntime) -> None:
         """Tell the detectors the job's event time (newest step end or host sample) moved."""
