@@ -30,8 +30,9 @@ incident by these rules, in order:
    from the store (:meth:`Incidents.seed` with the stored alerts) or replays the same steps gets the
    same id.
 
-An incident is *firing* while any of its alerts is firing and was not resolved (a ``recovery`` closes the
-job-wide change it belongs to); otherwise *resolved*. Each alert is stamped with ``incident_id`` and
+An incident naming ranks is *firing* while one of its rank-naming alerts is firing and was not resolved
+(the job-wide consequences, whose ``regression`` alerts never resolve, do not hold it open); a job-wide
+incident is firing until a ``recovery`` closes it; otherwise *resolved*. Each alert is stamped with ``incident_id`` and
 ``evidence["incident"]``: the incident's id, status, role of this alert (``root`` | ``consequence`` |
 ``refire`` | ``update``), root alert id, cause, ranks/nodes, and a timeline of its last
 ``timeline_max`` events (step, kind, status, alert id). Cost: O(open incidents) per alert; state: the
@@ -70,9 +71,17 @@ class Incident:
     timeline: list = field(default_factory=list)
     members: int = 0
 
+    local_ids: set = field(default_factory=set)   # its alerts that name ranks
+
     @property
     def status(self) -> str:
-        return "firing" if (not self.closed and any(self.firing.values())) else "resolved"
+        """A localised incident fires while one of its rank-naming alerts does (its job-wide consequences,
+        whose regression alerts never resolve, do not hold it open); a job-wide one until recovered."""
+        if self.closed:
+            return "resolved"
+        if self.local and self.local_ids:
+            return "firing" if any(self.firing.get(i) for i in self.local_ids) else "resolved"
+        return "firing" if any(self.firing.values()) else "resolved"
 
     def active_at(self, step: int, cooldown: int) -> bool:
         """A localised incident is active while firing and ``cooldown`` steps after; a job-wide one (whose
@@ -144,6 +153,8 @@ class Incidents:
         if a.alert_id not in self.by_alert:
             inc.members += 1
         self.by_alert[a.alert_id] = inc.id
+        if a.ranks:
+            inc.local_ids.add(a.alert_id)
         inc.ranks |= set(int(r) for r in a.ranks)
         inc.nodes |= set(str(n) for n in a.nodes)
         inc.step_first = min(inc.step_first, int(a.step_first))
