@@ -64,6 +64,7 @@ class Stall(Detector):
         self._ms = np.full(64, np.nan)          # median step time of recent steps (ring)
         self._ms_n = 0
         self._hang: Alert | None = None
+        self._node_key, self._node_grp = None, None   # ranks grouped by node (job-hang watermarks)
         self._hang_top = -1                      # newest step when the hang fired
 
     def _reset(self, R: int) -> None:
@@ -200,12 +201,18 @@ class Stall(Detector):
         lt, nodes = ctx.last_t_end, np.asarray(ctx.nodes)
         if not hn or lt is None or len(lt) != len(nodes) or len(nodes) == 0:
             return glob, {"judged": "job"}
-        seen = lt > 0
-        if not seen.any():
+        if not (lt > 0).any():
             return glob, {"judged": "job"}
-        names, inv = np.unique(nodes[seen].astype(str), return_inverse=True)
-        smax = np.full(len(names), np.iinfo(np.int64).min, dtype=np.int64)
-        np.maximum.at(smax, inv, lt[seen].astype(np.int64))
+        key = (id(ctx.nodes), len(nodes))
+        if self._node_key != key:                          # ranks grouped by node, once per topology
+            names, inv = np.unique(nodes.astype(str), return_inverse=True)
+            order = np.argsort(inv, kind="stable")
+            starts = np.flatnonzero(np.r_[True, np.diff(inv[order]) != 0])
+            self._node_key, self._node_grp = key, (names, order, starts)
+        names, order, starts = self._node_grp
+        smax = np.maximum.reduceat(lt[order].astype(np.int64), starts)
+        has = smax > 0                                     # nodes with a rank that reported
+        names, smax = names[has], smax[has]
         hv = np.array([hn.get(str(n), 0) for n in names], dtype=np.int64)
         # still sampling: within the threshold of the median node (a few nodes with clocks ahead or
         # behind move the median by nothing; a node whose agent stopped falls out)
