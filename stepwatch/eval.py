@@ -163,6 +163,7 @@ class Emitted:
     newest_step: int            # newest step of the job the processor had seen
     event_ns: int               # the job's event time (newest step end or host sample)
     consumer_ns: int = 0        # the consumer's clock when it was emitted (delivery time of the message)
+    steps_ns: int = 0           # the job's newest step end then (event time of the steps alone)
 
 
 @dataclass
@@ -249,7 +250,7 @@ def run_scenario(sc, data_dir: Path, rows_per_message: int = 4096, flush_every: 
         st = rt.state if rt else None
         host = rt.telemetry.host_event_ns if rt else 0
         emitted.append(Emitted(a, int(st.max_step) if st else -1, max(int(st.max_t_end) if st else 0, host),
-                               clock[0]))
+                               clock[0], int(st.max_t_end) if st else 0))
 
     proc = Processor(kafka, data_dir, flush_interval_s=1e9, lateness_s=10.0, on_alert=on_alert,
                      create_topics=False, detector_settings=detector_settings)
@@ -362,7 +363,8 @@ def score(res: dict) -> dict:
             f["localised"] = _localised(a, lab)
             f["cause_ok"] = None if lab["cause"] is None else a.cause == lab["cause"]
             t_fault = int(starts[lab["start"]]) if lab["start"] < len(starts) else int(starts[-1])
-            f["delay_s"] = (first.event_ns - t_fault) / 1e9
+            # event time of the steps at the alert (host samples read ahead of the steps do not count)
+            f["delay_s"] = ((first.steps_ns or first.event_ns) - t_fault) / 1e9
             if lab["kind"] in ("rank-hang", "job-hang") and first.newest_step <= lab["start"] + 2:
                 # no newer step comes: the delay is the consumer's clock at the alert (a host topic read
                 # ahead of the steps does not make the hang look older than it was seen)

@@ -62,6 +62,7 @@ class IndepScenario:
     seed: int = 1
     step_ms: float = 1000.0
     steps_per_msg: int = 5
+    nodes_per_msg: int = 1          # >1: a relay batches several nodes' rows (large jobs)
     partitions: int = 6
     checkpoint_every: int | None = 50
     note: str = ""
@@ -245,123 +246,137 @@ class IndepJob:
             "pp": pa.array(self.stage), "framework": pa.array(["indep-producer"] * R),
         })
 
-    def _steps_rows(self, s0: int, s1: int, rs: np.ndarray) -> pa.Table | None:
-        S = np.arange(s0, s1)
-        rep = self.reported[s0:s1][:, rs]
-        if not rep.any():
-            return None
-        ss, rr = np.nonzero(rep)
-        steps, ranks = S[ss], rs[rr]
-        jitter = self.rng.integers(0, 2_000_000, len(steps))      # ranks finish within ~2 ms of each other
-        te = self.t_end[steps] - jitter
-        step_ms = self.step[steps] - jitter / 1e6
+    def _names(self, ranks: np.ndarray) -> pa.Array:
+        return pa.array(self.nodes.tolist()).take(pa.array(self.node_of[ranks]))
+
+    def _steps_table(self, steps: np.ndarray, ranks: np.ndarray) -> pa.Table:
+        n = len(steps)
+        jitter = self.rng.integers(0, 2_000_000, n)                 # ranks finish within ~2 ms of each other
         return pa.table({
-            "job": pa.array([self.sc.job] * len(steps)), "node": pa.array(self.nodes[self.node_of[ranks]].tolist()),
+            "job": pa.array([self.sc.job] * n), "node": self._names(ranks),
             "rank": pa.array(ranks.astype(np.int32)), "step": pa.array(steps.astype(np.int64)),
             "t_start": pa.array(self.t_start[steps], pa.int64()).cast(TS),
-            "t_end": pa.array(te, pa.int64()).cast(TS),
-            "step_ms": pa.array(step_ms), "data_ms": pa.array(self.data[steps, ranks]),
+            "t_end": pa.array(self.t_end[steps] - jitter, pa.int64()).cast(TS),
+            "step_ms": pa.array(self.step[steps] - jitter / 1e6), "data_ms": pa.array(self.data[steps, ranks]),
             "compute_ms": pa.array(self.compute[steps, ranks]), "comm_ms": pa.array(self.comm[steps]),
             "comm_wait_ms": pa.array(self.wait[steps, ranks]), "gc_ms": pa.array(self.gc[steps, ranks]),
             "gc_count": pa.array((self.gc[steps, ranks] > 0).astype(np.int32)),
-            "samples": pa.array(np.full(len(steps), 8, np.int64)),
-            "tokens": pa.array(np.full(len(steps), 8 * 4096, np.int64)),
+            "samples": pa.array(np.full(n, 8, np.int64)), "tokens": pa.array(np.full(n, 8 * 4096, np.int64)),
         })
 
-    def _gc_rows(self, s0: int, s1: int, rs: np.ndarray) -> pa.Table | None:
-        g = self.gc[s0:s1][:, rs]
-        rep = self.reported[s0:s1][:, rs] & (g > 0)
-        if not rep.any():
-            return None
-        ss, rr = np.nonzero(rep)
-        steps, ranks = np.arange(s0, s1)[ss], rs[rr]
-        dur = g[ss, rr]
+    def _gc_table(self, steps: np.ndarray, ranks: np.ndarray) -> pa.Table:
+        n = len(steps)
+        dur = self.gc[steps, ranks]
         return pa.table({
-            "job": pa.array([self.sc.job] * len(steps)), "node": pa.array(self.nodes[self.node_of[ranks]].tolist()),
+            "job": pa.array([self.sc.job] * n), "node": self._names(ranks),
             "rank": pa.array(ranks.astype(np.int32)),
             "t": pa.array(self.t_start[steps] + (0.3 * self.step[steps] * 1e6).astype(np.int64), pa.int64()).cast(TS),
             "generation": pa.array(np.where(dur > 20, 2, 0).astype(np.int32)), "duration_ms": pa.array(dur),
-            "collected": pa.array(np.full(len(steps), 500, np.int64)),
-            "uncollectable": pa.array(np.zeros(len(steps), np.int64)),
+            "collected": pa.array(np.full(n, 500, np.int64)), "uncollectable": pa.array(np.zeros(n, np.int64)),
         })
 
-    def _comm_rows(self, s0: int, s1: int, rs: np.ndarray) -> pa.Table | None:
-        rep = self.reported[s0:s1][:, rs]
-        if not rep.any():
-            return None
-        ss, rr = np.nonzero(rep)
-        steps, ranks = np.arange(s0, s1)[ss], rs[rr]
+    def _comm_table(self, steps: np.ndarray, ranks: np.ndarray, op: str, share: float, count: int,
+                    nbytes: int) -> pa.Table:
         n = len(steps)
-        ops = np.repeat(np.array(["all_reduce", "all_gather"]), n)
-        steps2, ranks2 = np.tile(steps, 2), np.tile(ranks, 2)
-        share = np.repeat(np.array([0.8, 0.2]), n)
-        time_ms = self.comm[steps2] * share + self.wait[steps2, ranks2] * share
+        wait = self.wait[steps, ranks] * share
         return pa.table({
-            "job": pa.array([self.sc.job] * 2 * n), "node": pa.array(self.nodes[self.node_of[ranks2]].tolist()),
-            "rank": pa.array(ranks2.astype(np.int32)), "step": pa.array(steps2.astype(np.int64)),
-            "op": pa.array(ops.tolist()), "group": pa.array([f"dp{self.stage[r]}" for r in ranks2]),
-            "count": pa.array(np.repeat(np.array([12, 4], np.int64), n)),
-            "bytes": pa.array(np.repeat(np.array([400 << 20, 50 << 20], np.int64), n)),
-            "time_ms": pa.array(time_ms), "wait_ms": pa.array(self.wait[steps2, ranks2] * share),
+            "job": pa.array([self.sc.job] * n), "node": self._names(ranks),
+            "rank": pa.array(ranks.astype(np.int32)), "step": pa.array(steps.astype(np.int64)),
+            "op": pa.array([op] * n), "group": pa.array([f"dp{x}" for x in range(max(self.sc.pp, 1))]).take(
+                pa.array(self.stage[ranks])),
+            "count": pa.array(np.full(n, count, np.int64)), "bytes": pa.array(np.full(n, nbytes, np.int64)),
+            "time_ms": pa.array(self.comm[steps] * share + wait), "wait_ms": pa.array(wait),
         })
 
-    def _host_rows(self, n: int, ts: np.ndarray) -> pa.Table:
+    def _host_table(self, node: np.ndarray, ts: np.ndarray) -> pa.Table:
         k = len(ts)
         rng = self.rng
-        # which step each sample falls in (for the fault windows)
-        si = np.clip(np.searchsorted(self.t_end, ts), 0, self.S - 1)
+        si = np.clip(np.searchsorted(self.t_end, ts), 0, self.S - 1)   # the step each sample falls in
         cpu = np.clip(rng.normal(55.0, 4.0, k), 0, 100)
-        procs = []
-        hog = self.hog.get(n)
-        retr = self.retrans[si, n]
-        for j in range(k):
-            p = [{"pid": 4000 + i, "name": "python", "cpu_pct": float(97.0 + rng.normal(0, 1.5))}
-                 for i in range(4)] + [{"pid": 911, "name": "node-exporter", "cpu_pct": 1.5}]
-            if hog is not None and hog[0] <= si[j] <= hog[1]:
-                p = [{"pid": 31337, "name": "backup-agent", "cpu_pct": hog[2]}] + p[:4]
-                cpu[j] = min(100.0, cpu[j] + 30.0)
-            procs.append(p)
+        hog = np.zeros(k, dtype=bool)
+        hog_pct = np.zeros(k)
+        for n, (a, b, pct) in self.hog.items():
+            m = (node == n) & (si >= a) & (si <= b)
+            hog |= m
+            hog_pct[m] = pct
+        cpu = np.where(hog, np.minimum(100.0, cpu + 30.0), cpu)
+        # top 5 processes: 4 training ranks and a monitoring agent, or the hog first
+        names = np.tile(np.array(["python"] * 4 + ["node-exporter"], dtype=object), (k, 1))
+        pids = np.tile(np.array([4000, 4001, 4002, 4003, 911], dtype=np.int64), (k, 1))
+        pct = np.concatenate([97.0 + rng.normal(0, 1.5, (k, 4)), np.full((k, 1), 1.5)], axis=1)
+        names[hog, 1:] = names[hog, :4]
+        pids[hog, 1:] = pids[hog, :4]
+        pct[hog, 1:] = pct[hog, :4]
+        names[hog, 0], pids[hog, 0], pct[hog, 0] = "backup-agent", 31337, hog_pct[hog]
+        procs = pa.ListArray.from_arrays(pa.array(np.arange(0, 5 * k + 1, 5, dtype=np.int32)), pa.StructArray.from_arrays(
+            [pa.array(pids.ravel()), pa.array(names.ravel().tolist()), pa.array(pct.ravel())],
+            names=["pid", "name", "cpu_pct"]))
         return pa.table({
-            "job": pa.array([self.sc.job] * k), "node": pa.array([str(self.nodes[n])] * k),
+            "job": pa.array([self.sc.job] * k), "node": pa.array(self.nodes.tolist()).take(pa.array(node)),
             "t": pa.array(ts, pa.int64()).cast(TS), "cpu_util": pa.array(cpu),
             "cpu_iowait": pa.array(np.clip(rng.normal(1.0, 0.3, k), 0, 100)),
             "cpu_steal": pa.array(np.zeros(k)), "load1": pa.array(rng.normal(40.0, 2.0, k)),
             "mem_used": pa.array(np.full(k, 300 << 30, np.int64)),
             "mem_available": pa.array(np.full(k, 200 << 30, np.int64)),
             "net_rx_bps": pa.array(rng.normal(8e9, 2e8, k)), "net_tx_bps": pa.array(rng.normal(8e9, 2e8, k)),
-            "rdma_retrans": pa.array(retr.astype(np.int64)),
-            "top_procs": pa.array(procs, pa.list_(pa.struct([("pid", pa.int64()), ("name", pa.string()),
-                                                             ("cpu_pct", pa.float64())]))),
+            "rdma_retrans": pa.array(self.retrans[si, node].astype(np.int64)),
+            "top_procs": procs,
         })
 
     def messages(self, with_comm: bool = True) -> list[Message]:
+        """Every message of the job, in produce order: rows per node (``nodes_per_msg`` nodes) and per
+        topic, ``steps_per_msg`` steps (host: 5 samples) per message."""
         sc, rng = self.sc, self.rng
         job = sc.job
         out: list[Message] = []
         part = {k: zlib.crc32(f"{k}|{job}".encode()) % sc.partitions
                 for k in ("topology", "steps", "host", "gc", "comm")}
 
-        def add(kind, t, produce):
-            if t is not None and t.num_rows:
-                out.append(Message(kind, part[kind], int(produce), _encode(t), t.num_rows))
+        def emit(kind, t: pa.Table, group: np.ndarray, produce_of):
+            """Slice ``t`` (rows sorted by ``group``) into one message per group."""
+            if t.num_rows == 0:
+                return
+            order = np.argsort(group, kind="stable")
+            t, group = t.take(pa.array(order)), group[order]
+            cut = np.flatnonzero(np.r_[True, np.diff(group) != 0, True])
+            for a, b in zip(cut[:-1], cut[1:]):
+                out.append(Message(kind, part[kind], int(produce_of(int(group[a]))), _encode(t.slice(a, b - a)),
+                                   int(b - a)))
 
-        add("topology", self.topology(), T0_NS - 2_000_000_000)
-        k = sc.steps_per_msg
-        for n in range(len(self.nodes)):
-            rs = np.flatnonzero(self.node_of == n)
-            for s0 in range(0, self.S, k):
-                s1 = min(s0 + k, self.S)
-                delay = int(rng.uniform(0.05, 0.8) * 1e9)
-                produce = int(self.t_end[s1 - 1]) + delay
-                add("steps", self._steps_rows(s0, s1, rs), produce)
-                add("gc", self._gc_rows(s0, s1, rs), produce + 1000)
-                if with_comm:
-                    add("comm", self._comm_rows(s0, s1, rs), produce + 2000)
-            # host: one sample per second per node (phase-shifted per node), 5 per message
-            ts = np.arange(T0_NS + int(rng.uniform(0, 1e9)), self.t_stop, 1_000_000_000, dtype=np.int64)
-            for i in range(0, len(ts), 5):
-                chunk = ts[i:i + 5]
-                add("host", self._host_rows(n, chunk), int(chunk[-1]) + int(rng.uniform(0.01, 0.3) * 1e9))
+        out.append(Message("topology", part["topology"], T0_NS - 2_000_000_000, _encode(self.topology()), self.R))
+        k, g = sc.steps_per_msg, max(1, sc.nodes_per_msg)
+        ngroups = int(self.node_of.max()) // g + 1
+        nchunks = (self.S + k - 1) // k
+        delay = rng.uniform(0.05, 0.8, (nchunks, ngroups))            # the agent's flush delay
+        last_step = np.minimum((np.arange(nchunks) + 1) * k, self.S) - 1
+
+        def produce(grp, extra=0):
+            c, ng = divmod(grp, ngroups)
+            return int(self.t_end[last_step[c]] + delay[c, ng] * 1e9) + extra
+
+        ss, rr = np.nonzero(self.reported)
+        grp = (ss // k) * ngroups + self.node_of[rr] // g
+        emit("steps", self._steps_table(ss, rr), grp, produce)
+        gm = self.gc[ss, rr] > 0
+        emit("gc", self._gc_table(ss[gm], rr[gm]), grp[gm], lambda x: produce(x, 1000))
+        if with_comm:
+            t = pa.concat_tables([self._comm_table(ss, rr, "all_reduce", 0.8, 12, 400 << 20),
+                                  self._comm_table(ss, rr, "all_gather", 0.2, 4, 50 << 20)])
+            emit("comm", t, np.concatenate([grp, grp]), lambda x: produce(x, 2000))
+        # host: one sample per second per node (phase-shifted per node), 5 per message
+        N = len(self.nodes)
+        phase = rng.uniform(0, 1e9, N).astype(np.int64)
+        nsamp = int((self.t_stop - T0_NS) // 1_000_000_000)
+        node = np.repeat(np.arange(N), nsamp)
+        ts = T0_NS + phase[node] + np.tile(np.arange(nsamp, dtype=np.int64) * 1_000_000_000, N)
+        keep = ts < self.t_stop
+        node, ts = node[keep], ts[keep]
+        si = np.tile(np.arange(nsamp), N)[keep] // 5
+        hgrp = si * ngroups + node // g
+        hmax = np.zeros(int(hgrp.max()) + 1, dtype=np.int64)
+        np.maximum.at(hmax, hgrp, ts)
+        hdelay = rng.uniform(0.01, 0.3, len(hmax))
+        emit("host", self._host_table(node, ts), hgrp, lambda x: int(hmax[x] + hdelay[x] * 1e9))
         out.sort(key=lambda m: m.produce_ns)
         for i, m in enumerate(out):
             m.seq = i
@@ -454,7 +469,7 @@ def _suite() -> list[IndepScenario]:
           note="rank 201 stops, the rest block a step later; host samples go on"),
         S("hang-all", [dict(kind="hang", start=160)], seed=142),
         S("strag-5-16k", [dict(kind="straggler", rank=9000, pct=5, start=60)], ranks=16384, steps=140, seed=151,
-          steps_per_msg=5),
+          nodes_per_msg=32, note="2,048 nodes; a relay sends 32 nodes' rows per message"),
     ]
 
 
