@@ -55,7 +55,7 @@ PHASE_CAUSE = {"comm": "communication", "data": "io", "gc": "gc", "host": "cpu",
 class IndepScenario:
     name: str
     faults: list[dict] = field(default_factory=list)
-    ranks: int = 512
+    ranks: int = 256
     per_node: int = 8
     pp: int = 1
     steps: int = 240
@@ -450,11 +450,11 @@ def _suite() -> list[IndepScenario]:
         S("clean-ckpt10", [], seed=103, checkpoint_every=10, steps_per_msg=10,
           note="checkpoint every 10 steps, 10 steps per message"),
         S("strag-5", [dict(kind="straggler", rank=133, pct=5, start=60)], seed=111),
-        S("strag-8-pp4", [dict(kind="straggler", rank=390, pct=8, start=70)], seed=112, pp=4),
+        S("strag-8-pp4", [dict(kind="straggler", rank=190, pct=8, start=70)], seed=112, pp=4),
         S("strag-15-end", [dict(kind="straggler", rank=17, pct=15, start=60, end=150)], seed=113,
           note="ends at 150: must resolve, one incident"),
         S("strag-30", [dict(kind="straggler", rank=255, pct=30, start=80)], seed=114),
-        S("intermittent-25", [dict(kind="intermittent", rank=300, pct=25, start=60)], seed=115,
+        S("intermittent-25", [dict(kind="intermittent", rank=150, pct=25, start=60)], seed=115,
           note="slow on ~40% of steps"),
         S("comm-up-30-nic", [dict(kind="phase", phase="comm", pct=30, start=90, nic_node=7)], seed=121,
           note="comm transfer +30% on every rank, NIC retransmits on one node"),
@@ -464,7 +464,7 @@ def _suite() -> list[IndepScenario]:
         S("gc-up-200-back", [dict(kind="phase", phase="gc", pct=200, start=80, end=170)], seed=124),
         S("host-up-40", [dict(kind="phase", phase="host", pct=40, start=100)], seed=125),
         S("cpu-hog", [hog(23, 20, 70)], seed=131, note="one node's CPU hog slows the whole job"),
-        S("cpu-hog-pp4", [hog(40, 25, 70, end=180)], seed=132, pp=4),
+        S("cpu-hog-pp4", [hog(20, 25, 70, end=180)], seed=132, pp=4),
         S("hang-rank", [dict(kind="hang", rank=201, start=150)], seed=141,
           note="rank 201 stops, the rest block a step later; host samples go on"),
         S("hang-all", [dict(kind="hang", start=160)], seed=142),
