@@ -169,3 +169,19 @@ def test_independent_family_through_the_processor(tmp_path, shuffle):
     assert f["found"] and f["first_kind"] == "job_hang" and f["localised"] and s["false"] == []
     hang = f["alerts"][0]
     assert hang.ranks == [30] and hang.evidence["steps_read_to_end"] is True
+
+
+def test_independent_suite_has_what_the_issue_asks_for():
+    from stepwatch.scenarios_indep import SCENARIOS as INDEP, IndepJob
+    kinds = {f["kind"] for s in INDEP for f in s.faults}
+    assert kinds >= {"straggler", "intermittent", "phase", "cpu-hog", "hang"}
+    assert {f["phase"] for s in INDEP for f in s.faults if f["kind"] == "phase"} >= {"comm", "data", "gc", "host"}
+    assert any(f.get("end") for s in INDEP for f in s.faults if f["kind"] == "phase")          # with recovery
+    assert any(f.get("nic_node") is not None for s in INDEP for f in s.faults)
+    assert {f["pct"] for s in INDEP for f in s.faults if f["kind"] == "straggler"} >= {5, 30}
+    assert sum(not s.faults for s in INDEP) >= 3 and any(s.pp > 1 and not s.faults for s in INDEP)
+    assert all(s.steps_per_msg >= 5 for s in INDEP)
+    # labels carry what the scoring needs
+    lab = IndepJob(INDEP[[s.name for s in INDEP].index("comm-up-15-back")]).labels()[0]
+    assert (lab["kind"], lab["phase"], lab["cause"], lab["start"], lab["end"], lab["scope"]) == \
+        ("regression", "comm", "communication", 60, 210, "job")
