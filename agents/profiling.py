@@ -288,8 +288,6 @@ def parse_command(body: bytes) -> dict:
             raise BadCommand("bad_command", f"{name} must be a list of at most {MAX_RANKS} ranks")
         for r in lst:
             _int(r, 0, RANK_LIMIT - 1, name[:-1] if name == "ranks" else "reference rank")
-    if not set(ref) <= set(ranks):
-        raise BadCommand("bad_command", "reference ranks must be among ranks")
     reason = d.get("reason")
     if not isinstance(reason, str) or len(reason) > 256:
         raise BadCommand("bad_command", "reason must be a string of at most 256 characters")
