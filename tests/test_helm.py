@@ -39,6 +39,7 @@ VALUE_SETS = {
     "scale-out": yaml.safe_load((CHART / "ci" / "scale-out-values.yaml").read_text()),
 }
 MINIMAL = VALUE_SETS["defaults"]
+PUBLIC_KEY = VALUE_SETS["ascend-profiling"]["profiling"]["publicKey"]       # a real Ed25519 public key
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -269,6 +270,7 @@ def test_agent_daemonsets_default():
         assert agent["command"] == ["stepwatch"] and agent["args"][0] == "agent"
         a = agent["args"]
         assert a[a.index("--socket-dir") + 1] == "/run/stepwatch"
+        assert a[a.index("--socket-mode") + 1] == "0660"                          # not 0666: the group only
         assert a[a.index("--metrics-addr") + 1] == "$(POD_IP)"
         assert not [x for x in a if x.startswith("--profile")]
         e = env(agent)
@@ -357,14 +359,21 @@ def test_ascend_nodes_with_profiling():
     assert not mounts(agent)["/data/stepwatch/traces"].get("readOnly")             # the agent deletes old traces
     init = container(d, "node-dirs")
     assert "/data/stepwatch/traces" in mounts(init)
-    assert "chown 10001:10001 /run/stepwatch /var/lib/stepwatch/spool /data/stepwatch/traces" in init["command"][-1]
-    assert "chmod 1777 /data/stepwatch/traces" in init["command"][-1]
+    script = init["command"][-1]
+    assert "chown 10001:10001 /run/stepwatch /run/stepwatch/ctl /var/lib/stepwatch/spool /data/stepwatch/traces" \
+        in script
+    assert "chmod 3770 /run/stepwatch/ctl" in script and "chmod 0750 /run/stepwatch" in script
+    assert "chmod 1770 /data/stepwatch/traces" in script and "1777" not in script
     proc = one(objs, "Deployment", f"{FULL}-processor")
-    for w, c in ((d, agent), (proc, container(proc, "processor"))):
-        assert env(c)["STEPWATCH_PROFILING_KEY_FILE"]["value"] == "/etc/stepwatch/profiling/hmac-key"
-        key = volumes(w)[mounts(c)["/etc/stepwatch/profiling"]["name"]]["secret"]
-        assert key == {"secretName": "stepwatch-profiling", "defaultMode": 0o440,
-                       "items": [{"key": "hmac-key", "path": "hmac-key"}]}
+    # the processors sign: only they get the private key; agents hold the public key only
+    pc = container(proc, "processor")
+    assert env(pc)["STEPWATCH_PROFILING_PRIVATE_KEY_FILE"]["value"] == "/etc/stepwatch/profiling/signing-key.pem"
+    key = volumes(proc)[mounts(pc)["/etc/stepwatch/profiling"]["name"]]["secret"]
+    assert key == {"secretName": "stepwatch-profiling", "defaultMode": 0o440,
+                   "items": [{"key": "signing-key.pem", "path": "signing-key.pem"}]}
+    assert env(agent)["STEPWATCH_PROFILING_PUBLIC_KEY"]["value"] == PUBLIC_KEY
+    assert "/etc/stepwatch/profiling" not in mounts(agent) and "profiling-key" not in volumes(d)
+    assert "STEPWATCH_PROFILING_PRIVATE_KEY_FILE" not in env(agent)
     assert env(container(proc, "processor"))["STEPWATCH_PROFILE_ON"]["value"].endswith("regression=py-spy")
     assert "trace-dir" not in volumes(proc)                                         # only the agents need it
     # compaction as a sidecar of the single processor, no CronJob
@@ -377,7 +386,7 @@ def test_ascend_nodes_with_profiling():
 
 def test_profiling_defaults_pass_the_trace_dir_and_limits():
     objs, text = render(with_values(**{"profiling.enabled": True,
-                                       "profiling.hmacKeySecret": {"name": "k", "key": "hmac-key"}}))
+                                       "profiling.signingKeySecret": {"name": "k", "key": "signing-key.pem"}, "profiling.publicKey": PUBLIC_KEY}))
     for d in find(objs, "DaemonSet"):
         agent = container(d, "agent")
         a = agent["args"]
@@ -395,7 +404,7 @@ def test_agent_stays_non_root_without_capabilities_with_profiling():
     """py-spy is started by the probe inside the training process against its own pid: the agent only
     verifies and forwards commands, so no value set (profiling on, py-spy chosen for an alert kind)
     gives it root, a capability, or SYS_PTRACE anywhere in the chart."""
-    on = {"profiling.enabled": True, "profiling.hmacKeySecret": {"name": "k", "key": "hmac-key"},
+    on = {"profiling.enabled": True, "profiling.signingKeySecret": {"name": "k", "key": "signing-key.pem"}, "profiling.publicKey": PUBLIC_KEY,
           "processor.extraEnv": [{"name": "STEPWATCH_PROFILE_ON", "value": "slow_rank=py-spy,regression=py-spy"}]}
     sets = [rendered(name) for name in VALUE_SETS] + [render(with_values(**on))[0]]
     for objs in sets:
@@ -631,13 +640,16 @@ BAD_COMBINATIONS = [
     ({"kafka.securityProtocol": "SASL_PLAINTEXT"}, "kafka.securityProtocol=SASL_PLAINTEXT needs kafka.sasl.mechanism"),
     ({"kafka.tls": {"secret": "ca"}}, "kafka.tls.secret is set but kafka.securityProtocol is PLAINTEXT"),
     ({"profiling.pySpy": {"enabled": True}}, "profiling.pySpy was removed: the agent never runs py-spy"),
-    ({"profiling.enabled": True, "profiling.hmacKeySecret": {"name": "k", "key": "hmac-key"},
+    ({"profiling.enabled": True, "profiling.signingKeySecret": {"name": "k", "key": "signing-key.pem"}, "profiling.publicKey": PUBLIC_KEY,
       "profiling.traceDir": {"hostPath": "/run/stepwatch/traces", "keepMB": 0}},
      "profiling.traceDir.hostPath=/run/stepwatch/traces collides with /run/stepwatch"),
-    ({"profiling.enabled": True, "profiling.hmacKeySecret": {"name": "k", "key": "hmac-key"},
+    ({"profiling.enabled": True, "profiling.signingKeySecret": {"name": "k", "key": "signing-key.pem"}, "profiling.publicKey": PUBLIC_KEY,
       "profiling.traceDir": {"hostPath": "/var/lib/stepwatch", "keepMB": 0}},
      "profiling.traceDir.hostPath=/var/lib/stepwatch collides with /var/lib/stepwatch/spool"),
-    ({"profiling.enabled": True}, "profiling.enabled needs profiling.hmacKeySecret.name"),
+    ({"profiling.enabled": True}, "profiling.enabled needs profiling.signingKeySecret.name"),
+    ({"profiling.enabled": True, "profiling.signingKeySecret": {"name": "k", "key": "signing-key.pem"}},
+     "profiling.enabled needs profiling.publicKey"),
+    ({"profiling.hmacKeySecret": {"name": "k", "key": "hmac-key"}}, "profiling.hmacKeySecret was removed"),
     ({"processor.grafanaAnnotations": True}, "processor.grafanaAnnotations needs grafana.url"),
     ({"grafana.provisionJob": {"enabled": True}}, "grafana.provisionJob.enabled needs grafana.url"),
     ({"agent.nodeGroups": {"nvidia": {"enabled": False}, "ascend": {"enabled": False}}},
@@ -683,6 +695,13 @@ def test_notes_tell_how_a_training_pod_reaches_the_agent():
     prof = notes("ascend-profiling")
     assert "as uid 10001 without capabilities" in prof
     assert "mountPath: /data/stepwatch/traces" in prof and "path: /data/stepwatch/traces" in prof
+    # what profiling needs in a training pod (issue 16): the agent's group, the socket directory
+    # read-only, ctl/ writable, the public key and the probe's own trace directory
+    assert "supplementalGroups: [10001]" in prof and "readOnly: true" in prof
+    assert "mountPath: /run/stepwatch/ctl" in prof and "path: /run/stepwatch/ctl" in prof
+    assert f'STEPWATCH_PROFILING_PUBLIC_KEY' in prof and PUBLIC_KEY in prof
+    assert "STEPWATCH_PROFILE_DIR" in prof and "value: /data/stepwatch/traces" in prof
+    assert "supplementalGroups: [10001]" in text and "stepwatch-ctl" not in text
     assert "SYS_PTRACE" in prof and "never gets SYS_PTRACE" in prof
 
 
