@@ -13,7 +13,9 @@ in order when it returns. :meth:`Agent.close` does a last tick and removes the s
 Identity. A probe introduces itself with a *hello* datagram (job, rank, world size, device, the table of
 interned op/group/phase names) and repeats it every 10-20 s, so a restarted agent learns its ranks again.
 Records of a probe instance the agent has not heard a hello from yet are held (bounded, 30 s) and
-then dropped and counted. Rows carry the node name the probe gave (``STEPWATCH_NODE``), else the
+then dropped and counted. The socket is 0660 in the agent's group; each datagram carries its sender's
+pid/uid/gid (``SO_PASSCRED``), a hello is range-checked and binds its instance to that process, and
+another process cannot speak for it (:mod:`stepwatch.agents.ingress`, docs/limits.md). Rows carry the node name the probe gave (``STEPWATCH_NODE``), else the
 agent's ``--node`` (in Kubernetes: the node name from the downward API), and the job the probe gave,
 else the agent's ``--job``, else ``default``.
 
