@@ -196,7 +196,10 @@ def test_one_profile_end_to_end_in_the_charts_layout(kafka, tmp_path):
         watch.subscribe([kafka.topic("profiles")])
         watch.poll(timeout_ms=1000)
         producer = make_producer(kafka)
-        time.sleep(3.0)                                            # the agent's control consumer is positioned
+        deadline = time.monotonic() + 60                           # the agent's control consumer is positioned
+        while "profiling commands for node" not in (tmp_path / "agent.log").read_text():
+            assert time.monotonic() < deadline, (tmp_path / "agent.log").read_text()[-3000:]
+            time.sleep(0.2)
         iss = Issuer(ProfilingSettings(key=key, ttl_s=90.0), kafka, producer)
         cmd_id, refused = iss.issue(tenv["STEPWATCH_JOB"], {0: NODE}, [0], [], "torch", 3)
         assert refused == []
