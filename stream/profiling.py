@@ -221,11 +221,14 @@ class Issuer:
         by_node: dict[str, list] = {}
         for r in ranks:
             by_node.setdefault(nodes[r], []).append(r)
-        for node, rs in by_node.items():
-            cmd = profiling.new_command(job, node, rs, steps, kind, reason, reference=[r for r in rs if r in reference],
-                                        ttl_s=ttl, now_ns=now, cmd_id=cmd_id)
-            self.producer.send(self.kafka.topic("control"), encode_control(cmd, self.settings.key), key=node.encode(),
-                               headers=control_headers())
+        try:                                     # every envelope first: a command is sent whole or not at all
+            sealed = [(node, encode_control(profiling.new_command(
+                job, node, rs, steps, kind, reason, reference=[r for r in rs if r in reference], ttl_s=ttl, now_ns=now,
+                cmd_id=cmd_id), self.settings.key)) for node, rs in by_node.items()]
+        except ValueError as e:                  # over the envelope's bounds (docs/limits.md)
+            return cmd_id, refused(f"command not sent: {e}")
+        for node, env in sealed:
+            self.producer.send(self.kafka.topic("control"), env, key=node.encode(), headers=control_headers())
         self.producer.flush(5)
         self.pending[cmd_id] = Pending(cmd_id, job, list(suspects), list(reference), now + int(ttl * 1e9), kind,
                                        alert=alert, t_issued=time.monotonic())
