@@ -456,6 +456,9 @@ class Agent:
         m.probe_dropped.set(sum(i.dropped for i in active))
         for inst in [k for k, i in self.idents.items() if now - i.t_seen > 10 * ACTIVE_S]:
             del self.idents[inst]
+        if len(self._topo_sent) > 2 * self.limits.max_instances:     # bounded under a stream of made-up ranks
+            live = {(i.job, i.rank) for i in self.idents.values()}
+            self._topo_sent = {k: v for k, v in self._topo_sent.items() if k in live}
         if now - self._t_host >= self.interval_s * 0.5:
             self._t_host = now
             hrows = self.host_rows(now, time.time_ns())

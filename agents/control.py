@@ -234,6 +234,7 @@ class AgentControl:
         self.last_accept = -1e18                        # monotonic time of the last accepted command
         self.rows: list[dict] = []
         self._rej_window: collections.deque = collections.deque()
+        self._unsolicited: collections.deque = collections.deque()
         self._n_logged = 0
         self.t_start_ns = time.time_ns()
         self.stop_event = threading.Event()
@@ -357,6 +358,17 @@ class AgentControl:
                  "status": "rejected", "kind": None, "reason": "", "role": None, "detail": f"{e.reason}: {e.detail}",
                  "steps": None, "t": now}]
 
+    def _unsolicited_ok(self, now: int) -> bool:
+        """At most ``reject_rows_per_min`` rows a minute for probe answers to commands this agent did
+        not forward (a probe refusing an envelope sent to it directly, or a flood)."""
+        w = self._unsolicited
+        while w and now - w[0] > 60_000_000_000:
+            w.popleft()
+        if len(w) >= self.reject_rows_per_min:
+            return False
+        w.append(now)
+        return True
+
     def _window_ok(self, now: int) -> bool:
         w = self._rej_window
         while w and now - w[0] > 60_000_000_000:
@@ -479,6 +491,9 @@ class AgentControl:
             if a is not None and (a["cmd"]["cmd_id"] == cid or (cid is None and a["digest"] == body.get("envelope"))):
                 del self.active[(ident.job, ident.rank)]
                 cid = a["cmd"]["cmd_id"]
+            elif not self._unsolicited_ok(now):        # answers to nothing this agent forwarded: bounded
+                self.metrics.rejected.labels("unsolicited_result").inc()
+                return None
             if status == "ok" and self.keep_bytes > 0:
                 self._prune_due = True                   # pruned at the next tick, not on the receive thread
             uri = _s(body.get("uri"), 4096)

@@ -205,3 +205,19 @@ def test_datagrams_of_unknown_instances_are_bounded(socket_dir):
         assert agent.metrics.value(agent.metrics.dropped, "no_identity") == 50 - held
     finally:
         agent.close()
+
+
+def test_a_flood_of_made_up_instances_is_bounded(socket_dir):
+    from stepwatch.agents.ingress import IngressLimits
+    agent = Agent(None, socket_dir=socket_dir, node="n1", interval_s=0.2, plugins=[],
+                  limits=IngressLimits(max_instances=16)).start()
+    try:
+        flood = [hello(7000 + i, job=f"made-up-{i}", rank=0, world_size=1) for i in range(200)]
+        assert send_as(agent.path, flood) == "sent 200"
+        time.sleep(0.3)
+        items = agent.tick()
+        assert len(agent.idents) == 16 and len(agent._topo_sent) == 16
+        assert agent.metrics.value(agent.metrics.dropped, "too_many_instances") == 184
+        assert len({j for k, j, _ in items if k == "topology"}) == 16
+    finally:
+        agent.close()

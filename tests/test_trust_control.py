@@ -271,3 +271,23 @@ def test_keys_never_appear_in_errors(tmp_path):
     two = profiling.load_public_keys(env={profiling.ENV_PUBLIC: PUB + "," + profiling.public_key_text(OTHER)})
     assert len(two) == 2                                              # a rotation: both verify
     assert profiling.open_envelope(sealed("cj", [0], key=OTHER), two)["ranks"] == [0]
+
+
+def test_unsolicited_results_are_bounded(socket_dir):
+    """A probe (any process with the group) answering commands nobody sent cannot flood `profiles`."""
+    n = Node(socket_dir)
+    try:
+        sent0 = n.probe._ctl.replies
+        for i in range(100):
+            n.probe._ctl.reply({"cmd_id": f"made-up-{i}", "status": "ok", "uri": "file:///x", "bytes": 1})
+            time.sleep(0.002)
+        sent = n.probe._ctl.replies - sent0                          # the agent's queue may refuse a few
+        assert sent > 40
+        time.sleep(0.5)
+        made_up = [r for r in n.rows if r["cmd_id"].startswith("made-up-")]
+        assert len(made_up) == 30
+        reg = n.agent.metrics.registry
+        assert reg.get_sample_value("stepwatch_agent_profile_commands_rejected_total",
+                                    {"reason": "unsolicited_result"}) == sent - 30
+    finally:
+        n.close()
