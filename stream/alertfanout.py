@@ -32,7 +32,7 @@ ORDER BY t_detected"""
 
 def open_alerts(con, job: str) -> list[Alert]:
     """The job's open alerts in the store (DuckDB connection over the views), as :class:`Alert`."""
-    t = con.execute(OPEN_ALERTS_SQL, [job, job]).to_arrow_table()
+    t = con.sql(OPEN_ALERTS_SQL, params=[job, job]).to_arrow_table()
     out = []
     for r in t.to_pylist():
         try:

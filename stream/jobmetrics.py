@@ -38,7 +38,10 @@ metric                                         type       meaning
                                                           lives; point kinds count for ``point_hold_s``)
 ``stepwatch_job_slowest_rank_busy_seconds``    gauge      the ``top_k`` ranks with the longest busy time
                                                           (exponentially smoothed over steps), labels
-                                                          ``rank`` and ``node``
+                                                          ``rank`` and ``node``; with hysteresis (an
+                                                          exported rank stays until one ``margin`` slower
+                                                          displaces it), so healthy ranks a hair apart do
+                                                          not churn series; from the ``2/smoothing``-th step
 =============================================  =========  ====================================================
 
 Series per job: 3 + 2 + 9 fixed, 2 per collective kind, 1 per (alert kind, cause) seen, at most
@@ -68,7 +71,7 @@ QUANTILES = (0.5, 0.99, 1.0)
 
 class _Job:
     __slots__ = ("job", "step_s", "spread", "n", "pos", "count", "sum_s", "ranks_reporting", "world_size",
-                 "last_step", "last_t", "ewma", "nodes", "mfu", "wall", "prod", "eff_n", "bw", "alerts",
+                 "last_step", "last_t", "ewma", "top", "nodes", "mfu", "wall", "prod", "eff_n", "bw", "alerts",
                  "combos", "touched", "snapshot")
 
     def __init__(self, job: str, window: int):
@@ -84,6 +87,7 @@ class _Job:
         self.last_step = -1
         self.last_t = 0.0
         self.ewma: np.ndarray | None = None        # (R,) smoothed busy ms per rank
+        self.top = np.empty(0, dtype=np.int64)     # ranks exported as the slowest (with hysteresis)
         self.nodes = np.empty(0, dtype=object)
         self.mfu = np.nan
         self.wall = np.zeros(window)               # ring over efficiency rows: wall and productive ms
@@ -100,15 +104,19 @@ class JobMetrics:
     """The per-job collector (see the module docs). ``registry``: where to register (None: don't);
     ``top_k``: slow ranks exported per job; ``window_steps``: steps the quantiles, spread, jitter and
     goodput look at; ``job_ttl_s``: idle seconds before a job leaves the registry; ``smoothing``: EWMA
-    weight of a new step in the per-rank busy time that ranks the slowest; ``point_hold_s``: how long a
+    weight of a new step in the per-rank busy time that ranks the slowest; ``margin``: how much slower
+    (relative) a rank must be to displace an exported slow rank (hysteresis); ``point_hold_s``: how long a
     point alert (regression, recovery) counts as firing."""
 
     def __init__(self, registry=None, *, top_k: int = 5, window_steps: int = 256, job_ttl_s: float = 600.0,
-                 smoothing: float = 0.2, point_hold_s: float = 900.0, clock=time.monotonic):
+                 smoothing: float = 0.2, margin: float = 0.03, point_hold_s: float = 900.0,
+                 clock=time.monotonic):
         if top_k < 0 or window_steps < JITTER_NEIGHBOURS or job_ttl_s <= 0 or not 0 < smoothing <= 1:
             raise ValueError("jobmetrics: need top_k >= 0, window_steps >= 21, job_ttl_s > 0, 0 < smoothing <= 1")
         self.top_k, self.window = int(top_k), int(window_steps)
         self.job_ttl_s, self.smoothing, self.point_hold_s = float(job_ttl_s), float(smoothing), float(point_hold_s)
+        self.margin = float(margin)
+        self.warmup = int(np.ceil(2 / self.smoothing))     # steps before slow ranks are exported
         self.clock = clock
         self._jobs: dict[str, _Job] = {}
         self._lock = threading.Lock()
@@ -161,6 +169,33 @@ class JobMetrics:
                 fin = np.isfinite(row)
                 new = np.where(np.isnan(j.ewma), row, (1 - a) * j.ewma + a * row)
                 j.ewma = np.where(fin, new, j.ewma)
+            if j.count >= self.warmup:                 # first let the smoothing settle (no churn from step 0)
+                j.top = self._slowest(j.ewma, j.top)
+
+    def _slowest(self, ewma: np.ndarray, top: np.ndarray) -> np.ndarray:
+        """The ranks to export as the slowest: the top ``top_k`` by smoothed busy time, with hysteresis
+        so that healthy ranks a hair apart do not churn series: an exported rank stays until a rank
+        more than ``margin`` slower displaces it (or it stops reporting). O(R) per block (one
+        argpartition of the ranks)."""
+        k = min(self.top_k, int(np.isfinite(ewma).sum()))
+        if k == 0:
+            return np.empty(0, dtype=np.int64)
+        e = np.where(np.isfinite(ewma), ewma, -np.inf)
+        cand = np.argpartition(-e, k - 1)[:k] if k < len(e) else np.arange(len(e))
+        cand = cand[np.argsort(-e[cand], kind="stable")]
+        keep = [int(r) for r in top if r < len(e) and np.isfinite(e[r])]
+        for c in cand.tolist():
+            if c in keep:
+                continue
+            if len(keep) < k:
+                keep.append(c)
+                continue
+            weakest = min(keep, key=lambda r: e[r])
+            if e[c] > e[weakest] * (1 + self.margin):
+                keep[keep.index(weakest)] = c
+            else:
+                break                                   # candidates only get smaller from here
+        return np.asarray(keep[:k], dtype=np.int64)
 
     def on_rows(self, table: str, t: pa.Table) -> None:
         """Rows the processor buffers for the store; ``efficiency`` and ``comm_bw`` are used."""
@@ -252,14 +287,10 @@ class JobMetrics:
             n = min(j.eff_n, self.window)
             w = float(np.sum(j.wall[:n]))
             v["goodput"] = float(np.sum(j.prod[:n]) / w) if w > 0 else np.nan
-        if j.ewma is not None and self.top_k:
-            e = np.where(np.isfinite(j.ewma), j.ewma, -np.inf)
-            k = min(self.top_k, int(np.isfinite(j.ewma).sum()))
-            if k:
-                idx = np.argpartition(-e, k - 1)[:k] if k < len(e) else np.arange(len(e))
-                idx = idx[np.argsort(-e[idx], kind="stable")]
-                v["slowest"] = [(int(r), str(j.nodes[r]) if r < len(j.nodes) else "", float(e[r]) / 1e3)
-                                for r in idx]
+        if j.ewma is not None and len(j.top):
+            idx = j.top[np.argsort(-j.ewma[j.top], kind="stable")]
+            v["slowest"] = [(int(r), str(j.nodes[r]) if r < len(j.nodes) else "", float(j.ewma[r]) / 1e3)
+                            for r in idx]
         j.snapshot = v
         return v
 
@@ -334,3 +365,20 @@ class JobMetrics:
 
 def _q(q: float) -> str:
     return "1" if q == 1.0 else repr(q)
+
+
+def add_args(p) -> None:
+    """``stepwatch process`` flags of the per-job metrics."""
+    g = p.add_argument_group("per-job Prometheus metrics (served with --metrics-port)")
+    g.add_argument("--job-metrics-top-k", type=int, default=5, metavar="K",
+                   help="slowest ranks exported per job (rank and node labels; 0: none)")
+    g.add_argument("--job-metrics-ttl", type=float, default=600.0, metavar="S",
+                   help="seconds without data after which a job's series leave the registry")
+
+
+def configure_from_args(jm: JobMetrics | None, a) -> None:
+    if jm is None:
+        return
+    if a.job_metrics_top_k < 0 or a.job_metrics_ttl <= 0:
+        raise SystemExit("stepwatch process: --job-metrics-top-k must be >= 0 and --job-metrics-ttl > 0")
+    jm.top_k, jm.job_ttl_s = int(a.job_metrics_top_k), float(a.job_metrics_ttl)
