@@ -19,6 +19,8 @@ metric                                         type       meaning
                                                           ``quantile`` 0.5, 0.99 and 1 (the max) over the last
                                                           ``window_steps`` closed steps; ``_sum``/``_count``
                                                           over the processor's lifetime (rate() them)
+``stepwatch_job_tokens_total``                 counter    tokens trained (global; from the efficiency rows)
+``stepwatch_job_samples_total``                counter    samples trained (global)
 ``stepwatch_job_busy_spread_ratio``            gauge      median over the window of (max - median) / median of
                                                           the ranks' busy time (step minus collective wait)
 ``stepwatch_job_jitter_ratio``                 gauge      share of the window's steps slower than 1.1x the
@@ -44,7 +46,7 @@ metric                                         type       meaning
                                                           not churn series; from the ``2/smoothing``-th step
 =============================================  =========  ====================================================
 
-Series per job: 3 + 2 + 9 fixed, 2 per collective kind, 1 per (alert kind, cause) seen, at most
+Series per job: 5 (the summary) + 10 fixed, 2 per collective kind, 1 per (alert kind, cause) seen, at most
 ``top_k`` slow ranks — the same at 64 and at 100,000 ranks. Plus, once per processor,
 ``stepwatch_job_metrics_jobs`` (jobs exported).
 
@@ -71,7 +73,7 @@ QUANTILES = (0.5, 0.99, 1.0)
 
 class _Job:
     __slots__ = ("job", "step_s", "spread", "n", "pos", "count", "sum_s", "ranks_reporting", "world_size",
-                 "last_step", "last_t", "ewma", "top", "nodes", "mfu", "wall", "prod", "eff_n", "bw", "alerts",
+                 "last_step", "last_t", "ewma", "top", "nodes", "mfu", "wall", "prod", "eff_n", "tokens", "samples", "bw", "alerts",
                  "combos", "touched", "snapshot")
 
     def __init__(self, job: str, window: int):
@@ -93,6 +95,7 @@ class _Job:
         self.wall = np.zeros(window)               # ring over efficiency rows: wall and productive ms
         self.prod = np.zeros(window)
         self.eff_n = 0
+        self.tokens = self.samples = None          # totals from the efficiency rows (None: never reported)
         self.bw: dict[str, tuple[float, float]] = {}    # op -> (busbw bytes/s, worst util)
         self.alerts: dict[str, tuple[str, str, float | None]] = {}   # alert_id -> (kind, cause, hold deadline)
         self.combos: set[tuple[str, str]] = set()
@@ -215,8 +218,14 @@ class JobMetrics:
         wall = t.column("wall_ms").to_numpy(zero_copy_only=False).astype(np.float64)
         prod = t.column("productive_ms").to_numpy(zero_copy_only=False).astype(np.float64)
         ok = np.isfinite(wall) & np.isfinite(prod) & (wall > 0)
+        tok = t.column("tokens").to_numpy(zero_copy_only=False).astype(np.float64)
+        smp = t.column("samples").to_numpy(zero_copy_only=False).astype(np.float64)
         with self._lock:
             j = self._get(job)
+            if np.isfinite(tok).any():
+                j.tokens = (j.tokens or 0.0) + float(np.nansum(tok))
+            if np.isfinite(smp).any():
+                j.samples = (j.samples or 0.0) + float(np.nansum(smp))
             fin = np.flatnonzero(np.isfinite(mfu))
             if len(fin):
                 j.mfu = float(mfu[fin[-1]])
@@ -295,12 +304,16 @@ class JobMetrics:
         return v
 
     def collect(self):
-        from prometheus_client.core import GaugeMetricFamily, Metric
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
         P = "stepwatch_job_"
         fams = {
             "step": Metric(P + "step_duration_seconds",
                            "Job step time (median over the ranks of each step): quantiles over the last "
                            "closed steps (1 = max), sum and count over the processor's lifetime", "summary"),
+            "tokens": CounterMetricFamily(P + "tokens", "Tokens trained (global: replication over tp/pp removed), "
+                                          "rate() it for tokens/s", labels=["job"]),
+            "samples": CounterMetricFamily(P + "samples", "Samples trained (global), rate() it for samples/s",
+                                           labels=["job"]),
             "spread": GaugeMetricFamily(P + "busy_spread_ratio", "Median over recent steps of (max - median) / "
                                         "median of the ranks' busy time", labels=["job"]),
             "jitter": GaugeMetricFamily(P + "jitter_ratio", "Share of recent steps slower than 1.1x the median "
@@ -341,6 +354,10 @@ class JobMetrics:
                     fams["world"].add_metric([job], j.world_size)
                     fams["last"].add_metric([job], j.last_step)
                     fams["last_t"].add_metric([job], j.last_t)
+                if j.tokens is not None:
+                    fams["tokens"].add_metric([job], j.tokens)
+                if j.samples is not None:
+                    fams["samples"].add_metric([job], j.samples)
                 if np.isfinite(j.mfu):
                     fams["mfu"].add_metric([job], j.mfu)
                 if "goodput" in v and np.isfinite(v["goodput"]):
