@@ -319,7 +319,7 @@ class _Worker:
                                  tenacity.stop_when_event_set(s._stop))
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception_type(_Retryable), stop=stop,
-            wait=tenacity.wait_exponential_jitter(initial=s.backoff_s, max=s.backoff_max_s, jitter=s.backoff_s),
+            wait=tenacity.wait_exponential(multiplier=s.backoff_s, max=s.backoff_max_s) + tenacity.wait_random(0, s.backoff_s),
             sleep=s._sleep, before_sleep=before_sleep, reraise=True)
         try:
             retrying(once)
