@@ -56,7 +56,6 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
-import tenacity
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from stepwatch.detectors.base import Alert
@@ -292,6 +291,7 @@ class _Worker:
                 self.m_failed.inc(len(chunk))
 
     def _post(self, bodies: list[dict]) -> bool:
+        import tenacity                          # here: `stepwatch --help` need not load it
         s = self.sink
         data = json.dumps(bodies).encode()
         headers = {"Content-Type": "application/json", "User-Agent": "stepwatch"}
@@ -311,7 +311,7 @@ class _Worker:
             except (urllib.error.URLError, OSError) as e:          # refused, reset, timeout, DNS
                 raise _Retryable(f"{type(e).__name__}: {getattr(e, 'reason', e)}") from e
 
-        def before_sleep(rs: tenacity.RetryCallState) -> None:
+        def before_sleep(rs) -> None:
             self.m_retried.inc()
             log.debug("alertmanager %s: attempt %d failed (%s)", self.url, rs.attempt_number, rs.outcome.exception())
 

@@ -15,7 +15,6 @@ import threading
 import time
 import uuid
 
-import numpy as np
 import pytest
 
 from promstack import (MISSING_PROM, PROMETHEUS, PROMTOOL, Prometheus, free_port, http_get, promtool_check_metrics,
