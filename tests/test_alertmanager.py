@@ -17,7 +17,7 @@ import uuid
 
 import pytest
 
-from promstack import ALERTMANAGER, MISSING_AM, Alertmanager, Webhook, wait_until
+from promstack import ALERTMANAGER, AMTOOL, MISSING_AM, Alertmanager, Webhook, wait_until
 from stepwatch.agents.simsend import send_simulation
 from stepwatch.agents.simulate import Simulation
 from stepwatch.dashboards.alertmanager import (AlertmanagerError, AlertmanagerSink, postable_alert,
@@ -198,3 +198,24 @@ def test_a_dead_alertmanager_neither_blocks_the_caller_nor_its_partner(tmp_path)
         live.stop()
     st = sink.stats()
     assert st["sent"] == 50 and st["failed"] >= 1 and st["dropped"] == 0
+
+
+@pytest.mark.skipif(not AMTOOL, reason=MISSING_AM + " (amtool)")
+def test_the_documented_route_passes_amtool(tmp_path):
+    import re
+    import subprocess
+    from pathlib import Path
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "alerting.md").read_text()
+    block = next(b for b in re.findall(r"```yaml\n(.*?)```", doc, re.S) if b.startswith("route:"))
+    cfg = tmp_path / "alertmanager.yml"
+    cfg.write_text(block)
+    r = subprocess.run([AMTOOL, "check-config", str(cfg)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
+    r = subprocess.run([AMTOOL, "config", "routes", "test", f"--config.file={cfg}", "source=stepwatch",
+                        "job=llama-70b", "severity=critical", "alertname=slow_rank"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "training-pager", r.stdout + r.stderr
+    r = subprocess.run([AMTOOL, "config", "routes", "test", f"--config.file={cfg}", "source=stepwatch",
+                        "job=llama-70b", "severity=warning", "alertname=jitter"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "training-channel", r.stdout + r.stderr
