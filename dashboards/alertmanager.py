@@ -40,7 +40,8 @@ auth or a bearer token read from a file (:func:`read_credentials`).
 Prometheus metrics (on the registry passed in, e.g. the processor's), label ``url``:
 ``stepwatch_alertmanager_alerts_sent_total``, ``…_failed_total``, ``…_dropped_total``,
 ``stepwatch_alertmanager_requests_retried_total``, gauges ``stepwatch_alertmanager_alerts_queued`` and
-``stepwatch_alertmanager_alerts_firing`` (being re-sent).
+``stepwatch_alertmanager_alerts_firing`` (being re-sent); without label,
+``stepwatch_alertmanager_alerts_restored_total`` (open alerts taken over from the store).
 """
 from __future__ import annotations
 
@@ -183,6 +184,8 @@ class _Metrics:
                                registry=registry)
         self.queued = Gauge(f"{p}_alerts_queued", "Alerts waiting for delivery", ["url"], registry=registry)
         self.firing = Gauge(f"{p}_alerts_firing", "Firing alerts being re-sent", ["url"], registry=registry)
+        self.restored = Counter(f"{p}_alerts_restored", "Open alerts taken over from the store after a (re)start",
+                                registry=registry)
 
 
 class _Worker:
@@ -383,6 +386,7 @@ class AlertmanagerSink:
 
     def restore(self, alert: Alert) -> bool:
         """An alert still open in the store after a restart: resume re-sending it (same labels)."""
+        self.metrics.restored.inc()
         return self._put(alert, True)
 
     def _put(self, alert: Alert, restored: bool) -> bool:
@@ -432,7 +436,8 @@ class AlertmanagerSink:
             return sum(s.value for m in c.collect() for s in m.samples if s.name.endswith("_total"))
         m = self.metrics
         return {"sent": total(m.sent), "failed": total(m.failed), "dropped": total(m.dropped),
-                "retried": total(m.retried), "queued": sum(w.q.qsize() for w in self.workers),
+                "retried": total(m.retried), "restored": total(m.restored),
+                "queued": sum(w.q.qsize() for w in self.workers),
                 "firing": max((len(w.firing) for w in self.workers), default=0)}
 
 

@@ -122,6 +122,7 @@ def test_slow_rank_alert_reaches_a_webhook_through_alertmanager_fires_once_and_r
         assert resolved[0]["labels"] == lab                                # the same alert (same fingerprint)
         assert resolved[0]["fingerprint"] == a["fingerprint"] and a["fingerprint"] in fp
         assert p2[1].stats()["firing"] == 0
+        assert p2[1].stats()["restored"] == 1 and p1[1].stats()["restored"] == 0   # taken over from the store
         restored = [x for x in p2[0].alerts if x.kind == "slow_rank"]
         assert [x.status for x in restored] == ["resolved"]               # not fired again after the restart
         time.sleep(3)                                                       # > 2 group_intervals
@@ -219,3 +220,32 @@ def test_the_documented_route_passes_amtool(tmp_path):
                         "job=llama-70b", "severity=warning", "alertname=jitter"],
                        capture_output=True, text=True, timeout=60)
     assert r.stdout.strip() == "training-channel", r.stdout + r.stderr
+
+
+@pytest.mark.skipif(not ALERTMANAGER, reason=MISSING_AM)
+def test_stepwatch_process_cli_posts_to_alertmanager(broker, tmp_path):
+    """`stepwatch process --alertmanager URL --alertmanager-credentials-file F`: the command's own wiring."""
+    import subprocess
+    import sys
+    am = Alertmanager(tmp_path / "am").start(_route_config(None))
+    kafka = KafkaSettings(bootstrap=broker.bootstrap, prefix=f"amcli{uuid.uuid4().hex[:6]}.", partitions=2)
+    ensure_topics(kafka)
+    cred = tmp_path / "token"
+    cred.write_text("a-token\n")
+    prod = make_producer(kafka)
+    try:
+        send_simulation(Simulation(job="clijob", ranks=32, steps=40, step_ms=100.0, seed=2,
+                                   faults=["slow-rank:rank=5,pct=40,start=5"]), prod, kafka)
+        p = subprocess.run([sys.executable, "-m", "stepwatch.cli", "process", "--bootstrap", broker.bootstrap,
+                            "--topic-prefix", kafka.prefix, "--data-dir", str(tmp_path / "data"), "--group", "g-cli",
+                            "--flush-interval", "0.3", "--lateness", "2", "--idle-exit", "6", "-q",
+                            "--alertmanager", am.url, "--alertmanager-credentials-file", str(cred),
+                            "--grafana-link-url", GRAFANA], capture_output=True, text=True, timeout=180)
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert "[FIRING] slow_rank job=clijob rank 5" in p.stdout
+        got = [a for a in am.alerts() if a["labels"].get("job") == "clijob"]
+        assert [a["labels"]["alertname"] for a in got] == ["slow_rank"] and got[0]["labels"]["ranks"] == "5"
+        assert got[0]["annotations"]["dashboard"].startswith(f"{GRAFANA}/d/stepwatch-job/")
+    finally:
+        prod.close()
+        am.stop()
