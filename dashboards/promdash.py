@@ -5,7 +5,9 @@ panels, links, the tag annotation of the alerts the processor posts to Grafana),
 over the processor's per-job metrics (:mod:`stepwatch.stream.jobmetrics`) instead of SQL. The
 datasource is a dashboard variable (``datasource``, type ``prometheus``), so it imports into any
 Grafana that has a Prometheus scraping the processor (with ``honor_labels: true``, so that the metrics'
-``job`` label is the training job; the chart's ServiceMonitor sets ``honorLabels``).
+``job`` label is the training job; the chart's ServiceMonitor sets ``honorLabels``). Per-job figures
+are taken with ``max by (job)`` before they are summed: after a partition moves, the old owner exports
+a job's last values until ``--job-metrics-ttl`` passes, next to the new owner's.
 
 ``python -m stepwatch.dashboards.build`` writes it next to the DuckDB dashboards
 (``dashboards/json/stepwatch-overview-prometheus.json``); the chart ships it as a ConfigMap with
@@ -97,9 +99,9 @@ def overview() -> PromDashboard:
     d.query_variable("job", "Job", "label_values(stepwatch_job_last_step, job)", multi=True, include_all=True)
     d.tag_annotation("stepwatch alerts", ["stepwatch"], "red")
 
-    d.stat("Jobs", f"count(stepwatch_job_last_step{{{J}}})", "jobs",
+    d.stat("Jobs", f"count(max by (job) (stepwatch_job_last_step{{{J}}}))", "jobs",
            description="Jobs the processors export metrics for (a job leaves after --job-metrics-ttl without data).")
-    d.stat("Ranks reporting", f"sum(stepwatch_job_ranks_reporting{{{J}}})", "ranks",
+    d.stat("Ranks reporting", f"sum(max by (job) (stepwatch_job_ranks_reporting{{{J}}}))", "ranks",
            description="Ranks that reported each job's newest closed step, summed over the selected jobs.")
     d.stat("Throughput", f"sum(rate(stepwatch_job_tokens_total{{{J}}}[$__rate_interval]))", "tokens/s",
            unit="short", decimals=0, description="Tokens per second summed over the selected jobs.")
@@ -108,7 +110,8 @@ def overview() -> PromDashboard:
                        {"color": "red", "value": 0.10}],
            description="Worst job: share of recent steps slower than 1.1x the median of the 21 steps up to them "
                        "(the field's 'fluctuation > 10%' ratio).")
-    d.stat("Alerts firing", f"sum(stepwatch_job_alerts_firing{{{J}}}) or vector(0)", "firing",
+    d.stat("Alerts firing", f"sum(max by (job, kind, cause) (stepwatch_job_alerts_firing{{{J}}})) or vector(0)",
+           "firing",
            thresholds=[{"color": "green", "value": None}, {"color": "red", "value": 1}],
            description="Open alerts (regressions/recoveries count for 15 minutes after detection).")
     d.stat("Lowest goodput", f"min(stepwatch_job_goodput_ratio{{{J}}})", "goodput", unit="percentunit", decimals=1,
@@ -124,7 +127,7 @@ def overview() -> PromDashboard:
         (f"sum by (job) (rate(stepwatch_job_tokens_total{{{J}}}[$__rate_interval]))", "tokens_per_s"),
         (f"max by (job) (stepwatch_job_jitter_ratio{{{J}}})", "jitter"),
         (f"max by (job) (stepwatch_job_mfu_ratio{{{J}}})", "mfu"),
-        (f"sum by (job) (stepwatch_job_alerts_firing{{{J}}})", "firing_alerts"),
+        (f"sum by (job) (max by (job, kind, cause) (stepwatch_job_alerts_firing{{{J}}}))", "firing_alerts"),
     ], ("job",), w=24, h=7, links={"job": LINK_JOB},
         units={"Value #C": "s", "Value #D": "s", "Value #F": "percentunit", "Value #G": "percentunit"},
         transformations=[{"id": "merge", "options": {}},
@@ -158,7 +161,7 @@ def overview() -> PromDashboard:
             transformations=[{"id": "organize", "options": {"excludeByName": {"Time": True, "__name__": True,
                                                                                "instance": True}}}],
             description="Per job, the ranks with the longest busy time per step (smoothed): a straggler leads.")
-    d.table("Firing alerts", [(f"sum by (job, kind, cause) (stepwatch_job_alerts_firing{{{J}}}) > 0", "")],
+    d.table("Firing alerts", [(f"max by (job, kind, cause) (stepwatch_job_alerts_firing{{{J}}}) > 0", "")],
             ("job", "kind", "cause"), w=12, h=8, links={"job": LINK_JOB}, nonempty=False,
             transformations=[{"id": "organize", "options": {"excludeByName": {"Time": True},
                                                             "renameByName": {"Value": "firing"}}}],
