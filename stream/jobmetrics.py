@@ -183,6 +183,11 @@ class JobMetrics:
         k = min(self.top_k, int(np.isfinite(ewma).sum()))
         if k == 0:
             return np.empty(0, dtype=np.int64)
+        if len(top) == k and np.isfinite(ewma[top]).all():
+            thr = float(ewma[top].min()) * (1 + self.margin)     # fast path: nobody outside is that slow
+            with np.errstate(invalid="ignore"):
+                if int(np.count_nonzero(ewma > thr)) == int(np.count_nonzero(ewma[top] > thr)):
+                    return top
         e = np.where(np.isfinite(ewma), ewma, -np.inf)
         cand = np.argpartition(-e, k - 1)[:k] if k < len(e) else np.arange(len(e))
         cand = cand[np.argsort(-e[cand], kind="stable")]
