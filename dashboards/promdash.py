@@ -50,7 +50,7 @@ class PromDashboard(Dashboard):
     def query_variable(self, name, label, q, *, multi=False, include_all=False, columns=()):
         self.variables.append({
             "type": "query", "name": name, "label": label, "datasource": dict(DS),
-            "query": {"query": q, "refId": "PrometheusVariableQueryEditor-VariableQuery", "qryType": 1},
+            "query": q,
             "definition": q, "refresh": 2, "sort": 1, "regex": "", "multi": multi, "includeAll": include_all,
             "allValue": ".*" if include_all else None, "options": [],
             "current": {"selected": True, "text": ["All"], "value": ["$__all"]} if include_all else {},
@@ -129,7 +129,7 @@ def overview() -> PromDashboard:
         (f"max by (job) (stepwatch_job_mfu_ratio{{{J}}})", "mfu"),
         (f"sum by (job) (max by (job, kind, cause) (stepwatch_job_alerts_firing{{{J}}}))", "firing_alerts"),
     ], ("job",), w=24, h=7, links={"job": LINK_JOB},
-        units={"Value #C": "s", "Value #D": "s", "Value #F": "percentunit", "Value #G": "percentunit"},
+        units={"step p50": "s", "step max": "s", "jitter": "percentunit", "MFU": "percentunit"},   # after renaming
         transformations=[{"id": "merge", "options": {}},
                          {"id": "organize", "options": {"excludeByName": {"Time": True}, "renameByName": {
                              "Value #A": "ranks", "Value #B": "last step", "Value #C": "step p50",
