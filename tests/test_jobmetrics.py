@@ -144,9 +144,19 @@ def test_exposition_passes_promtool_with_processor_and_agent_metrics():
     feed(jm, 64, "a")
     jm.on_alert(Alert(job="a", kind="slow_rank", status="firing", step_first=1, step_detected=5, t_detected=1))
     pm.lag.labels("t", "0").set(3)
+    from stepwatch.dashboards.alertmanager import AlertmanagerSink
+    from stepwatch.dashboards.annotations import AnnotationSink
+    sinks = [AlertmanagerSink(["http://127.0.0.1:9"], registry=pm.registry),      # their counters too
+             AnnotationSink("http://127.0.0.1:9", "t", registry=pm.registry)]
     am = AgentMetrics()
     am.records_in.labels("steps").inc()
     am.plugin_seconds.labels("cpu").observe(0.01)
-    for reg in (pm.registry, am.registry):
-        r = promtool_check_metrics(generate_latest(reg))
-        assert r.returncode == 0 and not r.stdout.strip() and not r.stderr.strip(), (r.stdout, r.stderr)
+    try:
+        for reg in (pm.registry, am.registry):
+            text = generate_latest(reg)
+            r = promtool_check_metrics(text)
+            assert r.returncode == 0 and not r.stdout.strip() and not r.stderr.strip(), (r.stdout, r.stderr)
+        assert b"stepwatch_alertmanager_alerts_sent_total" in generate_latest(pm.registry)
+    finally:
+        for s in sinks:
+            s.close(0.1)
