@@ -221,6 +221,29 @@ capabilities:
         path: token
 {{- end -}}
 
+{{/* the processor's Alertmanager flags (stepwatch process --alertmanager ...) */}}
+{{- define "stepwatch.alertmanagerArgs" -}}
+{{- $am := .Values.alertmanager -}}
+{{- range $am.urls }}
+- --alertmanager
+- {{ . | quote }}
+{{- end }}
+{{- if $am.urls }}
+- --alertmanager-resend
+- {{ $am.resendInterval | quote }}
+{{- if $am.credentialsSecret.name }}
+- --alertmanager-credentials-file
+- /etc/stepwatch/alertmanager/credentials
+- --alertmanager-auth
+- {{ $am.authType }}
+{{- end }}
+{{- if .Values.grafana.url }}
+- --grafana-link-url
+- {{ .Values.grafana.url | quote }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
 {{/* ------------------------------------------------------------------ checks across values */}}
 {{- define "stepwatch.validate" -}}
 {{- $v := .Values -}}
@@ -284,6 +307,9 @@ capabilities:
 {{- end -}}
 {{- if and $v.grafana.provisionJob.enabled (or (not $v.grafana.url) (not $v.grafana.tokenSecret.name)) -}}
 {{- fail "grafana.provisionJob.enabled needs grafana.url and grafana.tokenSecret.name (an existing Secret with a Grafana service-account token; Editor for dashboards and rules, Admin for the datasource)" -}}
+{{- end -}}
+{{- if and $v.alertmanager.credentialsSecret.name (not $v.alertmanager.urls) -}}
+{{- fail "alertmanager.credentialsSecret.name is set but alertmanager.urls is empty: list the Alertmanager URL(s) the processor posts alerts to" -}}
 {{- end -}}
 {{- if and $v.agent.enabled (not (include "stepwatch.agentGroups" .)) -}}
 {{- fail "agent.enabled but no agent.nodeGroups entry is enabled: enable one (nvidia, ascend) or add your own" -}}
