@@ -90,7 +90,7 @@ class Processor:
         self.metrics = metrics or ProcessorMetrics()
         self.create_topics = create_topics
         self.idle_close_s = idle_close_s
-        if profiling == "env":                      # on when STEPWATCH_PROFILING_KEY[_FILE] holds a key
+        if profiling == "env":                      # on when STEPWATCH_PROFILING_PRIVATE_KEY[_FILE] holds a key
             from stepwatch.stream.profiling import settings_from_env
             profiling = settings_from_env()
         self.profiling_settings = profiling         # ProfilingSettings (stream.profiling); None: no commands
