@@ -17,7 +17,8 @@ ABOUT = {
     "gc": "One row per Python garbage collection in a training process (wire `gc/1`).",
     "comm": "One row per rank per step per collective kind and group (wire `comm/1`).",
     "alerts": "One row per alert state change (`firing`, then `resolved`) written by the processor. "
-              "`alert_id` is stable for the same finding; `evidence` is JSON text.",
+              "`alert_id` is stable for the same finding; `evidence` is JSON text; `incident_id` groups the "
+              "alerts of one fault (cause, consequences, re-fires; null in rows written before incidents).",
     "deadletter": "Rejected input: whole messages (`row` null, raw bytes in `payload`) or single rows "
                   "(`row` = index in the message, the row as JSON in `payload`), with the `reason`.",
     "rank_minutes": "Derived by the store from every batch of step rows it writes: per (job, rank, minute of "
