@@ -1,13 +1,16 @@
-"""``stepwatch eval``: the detectors measured on a labelled scenario suite, through the real processor.
+"""``stepwatch eval``: the detectors measured on two labelled scenario families, through the real processor.
 
-Every scenario is a simulated job (:class:`~stepwatch.agents.simulate.Simulation`) with known injected
-faults (its :meth:`~stepwatch.agents.simulate.Simulation.labels`). Its telemetry is encoded exactly as
-agents send it (Arrow IPC messages of at most 4,096 rows with the ``content-type``/``schema`` headers,
-keyed by job, topology first, then per step the ``steps``, ``host``, ``gc`` and ``comm`` messages) and fed
-to a real :class:`~stepwatch.stream.processor.Processor` (temporary data folder, no broker) through its
-message handler ``_handle`` — decode, validation, alignment, detectors, alert emission — with a store
-flush every 50 steps and at the end (the end of the stream force-closes the open steps, as the
-processor's idle timer does). Alerts are collected as the processor emits them, together with the job's
+Family ``sim``: simulated jobs (:class:`~stepwatch.agents.simulate.Simulation`) with known injected
+faults (its :meth:`~stepwatch.agents.simulate.Simulation.labels`), encoded exactly as its agents send
+them (Arrow IPC messages of at most 4,096 rows with the ``content-type``/``schema`` headers, keyed by job,
+topology first, then per step the ``steps``, ``host``, ``gc`` and ``comm`` messages). Family ``indep``:
+:mod:`stepwatch.scenarios_indep`, an independent producer written from the wire format alone (its own
+noise, faults, per-node messages of several steps, several partitions). Each family runs in produce order
+and in a consumer-group shuffle (:func:`stepwatch.scenarios_indep.deliveries`). Messages are fed to a real
+:class:`~stepwatch.stream.processor.Processor` (temporary data folder, no broker) through its message
+handler ``_handle`` — decode, validation, alignment, detectors, incidents, alert emission — with a store
+flush every 50 steps of consumer time and at the end (the end of the stream force-closes the open steps,
+as the processor's idle timer does). Alerts are collected as the processor emits them, together with the job's
 event time and newest step at that moment, and scored against the labels:
 
 * an alert **matches** a fault when its kind can report that fault (see :data:`COMPATIBLE`), its
@@ -21,9 +24,10 @@ event time and newest step at that moment, and scored against the labels:
   alert was emitted, in seconds, and in steps as (newest step the processor had seen) - (first faulty
   step); for hangs, where no newer step arrives, the elapsed event time divided by the step time.
 
-Totals: recall over faults of >= 5% effect (hangs count as large), precision over the alerts not matched
-to smaller faults, localisation and cause shares of the found faults, median delay (>= 5% faults) and the
-3% faults' delay, alerts on clean scenarios and pipeline-stage false positives.
+Totals: recall over faults of >= 5% effect (hangs count as large), precision over incidents (and over
+alerts) not matched to smaller faults, incidents per fault, localisation and cause shares of the found
+faults, median delay (>= 5% faults), the 5% stragglers' and the 3% faults' delay, false job hangs, alerts on
+clean scenarios and pipeline-stage false positives.
 """
 from __future__ import annotations
 
