@@ -35,8 +35,12 @@
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <unistd.h>
 
-enum { K_OPT_POST = 2, K_DATA = 3, K_COLL = 4, K_DCOLL = 10 };      /* as in probe.py */
+enum { K_OPT_POST = 2, K_DATA = 3, K_COLL = 4, K_DCOLL = 10, K_CPU = 11 };      /* as in probe.py */
 
 typedef struct {
     int32_t kind, slot;
@@ -49,6 +53,58 @@ static inline int64_t now_ns(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* ----------------------------------------------------------------------------- thread CPU clocks */
+
+/* The calling thread's CPU time and run-queue wait (cumulative ns) from one pread of
+ * /proc/thread-self/schedstat ("<ns on a CPU> <ns runnable, waiting for a CPU> <timeslices>"), reopened
+ * when the reading thread changes and after a fork; without that file, CLOCK_THREAD_CPUTIME_ID and a
+ * wait of -1 (probe._ThreadCpu is the same in Python). */
+static int sched_fd = -1, sched_ok = 1;
+static pthread_t sched_thr;
+
+static void sched_atfork_child(void)
+{
+    if (sched_fd >= 0)
+        close(sched_fd);
+    sched_fd = -1;
+}
+
+static void cpu_read(int64_t *cpu, int64_t *wait)
+{
+    if (sched_ok) {
+        pthread_t me = pthread_self();
+        if (sched_fd < 0 || !pthread_equal(me, sched_thr)) {
+            if (sched_fd >= 0)
+                close(sched_fd);
+            sched_fd = open("/proc/thread-self/schedstat", O_RDONLY | O_CLOEXEC);
+            sched_thr = me;
+            if (sched_fd < 0)
+                sched_ok = 0;
+        }
+        if (sched_fd >= 0) {
+            char b[128];
+            ssize_t n = pread(sched_fd, b, sizeof(b) - 1, 0);
+            if (n > 0) {
+                char *e1, *e2;
+                b[n] = 0;
+                unsigned long long c = strtoull(b, &e1, 10), w = strtoull(e1, &e2, 10);
+                if (e1 != b && e2 != e1) {
+                    *cpu = (int64_t)c;
+                    *wait = (int64_t)w;
+                    return;
+                }
+            }
+            close(sched_fd);
+            sched_fd = -1;
+            sched_ok = 0;
+        }
+    }
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    *cpu = (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+    *wait = -1;
 }
 
 /* ------------------------------------------------------------------------------------------ Log */
@@ -192,6 +248,19 @@ static PyObject *Log_clear_events(Log *L, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+static inline void cpu_mark(Log *L)
+{
+    int64_t c, w;
+    cpu_read(&c, &w);
+    push(L, K_CPU, 0, c, w, 0, 0.0);
+}
+
+static PyObject *Log_cpu_mark(Log *L, PyObject *unused)
+{
+    cpu_mark(L);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Log_opt_pre(Log *L, PyObject *const *args, Py_ssize_t nargs)
 {
     L->pre_t = now_ns();                /* sent with the post-hook's event: one event per optimizer step */
@@ -208,6 +277,8 @@ static PyObject *Log_opt_post(Log *L, PyObject *const *args, Py_ssize_t nargs)
             PyErr_Clear();
         Py_XDECREF(r);
     }
+    if ((long long)(intptr_t)opt == L->primary)       /* a step ends: where its CPU time is read */
+        cpu_mark(L);
     push(L, K_OPT_POST, 0, L->pre_t, t, (int64_t)(intptr_t)opt, 0.0);
     L->pre_t = 0;
     L->dq_need = 1;
@@ -222,6 +293,7 @@ static PyMethodDef Log_methods[] = {
     {"add", (PyCFunction)(void (*)(void))Log_add, METH_FASTCALL, "add(kind, slot, t0, t1, a, b)"},
     {"drain", (PyCFunction)Log_drain, METH_NOARGS, "the events as 6-tuples; the log is emptied"},
     {"clear", (PyCFunction)Log_clear_events, METH_NOARGS, "forget the events"},
+    {"cpu_mark", (PyCFunction)Log_cpu_mark, METH_NOARGS, "a step boundary: one K_CPU event (thread CPU clocks)"},
     {"opt_pre", (PyCFunction)(void (*)(void))Log_opt_pre, METH_FASTCALL, "optimizer step pre-hook"},
     {"opt_post", (PyCFunction)(void (*)(void))Log_opt_post, METH_FASTCALL, "optimizer step post-hook"},
     {NULL}};
@@ -670,21 +742,22 @@ static PyTypeObject CollWrapType = {
 #endif
 
 #define MAX_SLOTS 16                    /* probe.MAX_COMM */
-#define HDR_STEP_SIZE 120
+#define HDR_STEP_SIZE 136
 #define PHASE_SIZE 16
 #define COMM_SIZE 40
 
 static inline void put(char *p, const void *v, size_t n) { memcpy(p, v, n); }
 
 /* pack_step(buf, off, inst, rank, step, t0w, wall, step_ns, data_ns, compute_ns, gc_ns, gc_count, dq,
- *           samples, tokens, dropped, touched, ph, ids, calls, traffic, nspb, keys, gcrows) -> new off
+ *           samples, tokens, dropped, touched, ph, ids, calls, traffic, nspb, keys, gcrows, cpu_ns,
+ *           cpu_wait_ns) -> new off
  * One step's frame, byte for byte what Probe._replay packs in Python (HDR_STEP, PHASE per touched
  * slot, COMM per accumulator slot in order of first call, the GC rows): the calls are summed per slot,
  * a call without a known wait split with the bandwidth model, compute_ns < 0 derived. */
 static PyObject *pack_step(PyObject *self, PyObject *const *a, Py_ssize_t nargs)
 {
-    if (nargs != 24) {
-        PyErr_Format(PyExc_TypeError, "pack_step takes 24 arguments, got %zd", nargs);
+    if (nargs != 26) {
+        PyErr_Format(PyExc_TypeError, "pack_step takes 26 arguments, got %zd", nargs);
         return NULL;
     }
     long long off = PyLong_AsLongLong(a[1]);
@@ -699,6 +772,7 @@ static PyObject *pack_step(PyObject *self, PyObject *const *a, Py_ssize_t nargs)
     PyObject *touched = a[16], *ph = a[17], *ids = a[18], *calls = a[19], *traffic = a[20], *keys = a[22];
     double nspb = PyFloat_AsDouble(a[21]);
     PyObject *gcrows = a[23];
+    double cpu_ns = PyFloat_AsDouble(a[24]), cpu_wait_ns = PyFloat_AsDouble(a[25]);
     if (PyErr_Occurred())
         return NULL;
     if (!PyList_Check(touched) || !PyList_Check(ph) || !PyList_Check(ids) || !PyList_Check(calls) ||
@@ -751,7 +825,8 @@ static PyObject *pack_step(PyObject *self, PyObject *const *a, Py_ssize_t nargs)
     }
     double compute_ns = compute_given;
     if (compute_given < 0) {
-        compute_ns = (double)(step_ns - data_ns) - comm_ns - wait_ns - (double)gc_ns;
+        compute_ns = (double)(step_ns - data_ns) - comm_ns - wait_ns - (double)gc_ns -
+                     (cpu_wait_ns > 0 ? cpu_wait_ns : 0.0);
         if (compute_ns < 0)
             compute_ns = 0.0;
     }
@@ -780,7 +855,7 @@ static PyObject *pack_step(PyObject *self, PyObject *const *a, Py_ssize_t nargs)
     uint8_t b;
     int32_t i32;
     put(p, &magic, 2);
-    b = 1; put(p + 2, &b, 1);                                 /* version */
+    b = 2; put(p + 2, &b, 1);                                 /* version */
     b = 1; put(p + 3, &b, 1);                                 /* T_BATCH */
     i32 = (int32_t)inst; put(p + 4, &i32, 4);
     i32 = (int32_t)rank; put(p + 8, &i32, 4);
@@ -804,6 +879,8 @@ static PyObject *pack_step(PyObject *self, PyObject *const *a, Py_ssize_t nargs)
     q = samples; put(p + 96, &q, 8);
     q = tokens; put(p + 104, &q, 8);
     uint32_t u32 = (uint32_t)dropped; put(p + 112, &u32, 4);
+    put(p + 120, &cpu_ns, 8);
+    put(p + 128, &cpu_wait_ns, 8);
     p += HDR_STEP_SIZE;
     for (Py_ssize_t i = 0; i < nphase; i++) {
         Py_ssize_t slot = PyLong_AsSsize_t(PyList_GET_ITEM(touched, i));
@@ -855,6 +932,7 @@ PyMODINIT_FUNC PyInit__probefast(void)
 {
     if (PyType_Ready(&LogType) < 0 || PyType_Ready(&DataWrapType) < 0 || PyType_Ready(&CollWrapType) < 0)
         return NULL;
+    pthread_atfork(NULL, NULL, sched_atfork_child);
     str_group = PyUnicode_InternFromString("group");
     str_async_op = PyUnicode_InternFromString("async_op");
     str_nbytes = PyUnicode_InternFromString("nbytes");

@@ -81,14 +81,16 @@ import threading
 import time
 
 MAGIC = 0x5357
-VERSION = 1
+VERSION = 2                           # 2: STEP carries the main thread's CPU time and run-queue wait
+VERSIONS = (1, 2)                     # what decode() reads (a version-1 STEP has neither: null)
 T_BATCH = 1
 T_HELLO = 2
 T_PROFILE = 3                         # probe -> agent: the outcome of a profiling command (HDR + JSON)
 
 HDR = struct.Struct("<HBBiiBBBB")
-STEP = struct.Struct("<qqqddddddiiqqI4x")
-HDR_STEP = struct.Struct("<HBBiiBBBB" + "qqqddddddiiqqI4x")     # both at once: one call per step
+STEP = struct.Struct("<qqqddddddiiqqI4xdd")
+STEP_V1 = struct.Struct("<qqqddddddiiqqI4x")                      # (version-1 probes: no CPU fields)
+HDR_STEP = struct.Struct("<HBBiiBBBB" + "qqqddddddiiqqI4xdd")   # both at once: one call per step
 PHASE = struct.Struct("<H6xd")
 COMM = struct.Struct("<HH4xqqdd")
 GCREC = struct.Struct("<qdB7xqq")
@@ -110,6 +112,12 @@ LOG_CAP = 1024                        # hot-path events held before a replay is 
 K_OPT_POST, K_DATA, K_COLL, K_GC, K_BEGIN, K_END, K_PHASE, K_COUNT = range(2, 10)
 # K_DCOLL: a synchronous collective on a device tensor; b = the token of its device events
 K_DCOLL = 10
+# K_CPU: at a step boundary, the step-ending thread's CPU time t0 and run-queue wait t1 (ns, cumulative;
+# t1 = -1: not available), see _ThreadCpu
+K_CPU = 11
+# K_BUCKET: one gradient bucket of a DDP reducer, from its all-reduce's launch (t0) to its completion (t1),
+# a = payload bytes (see Probe._ddp_hook)
+K_BUCKET = 12
 MAX_DEV_CALLS = 4096                  # device event pairs awaiting their replay (beyond: timed by the host)
 
 SOCKET_NAME = "agent.sock"
@@ -151,6 +159,44 @@ _fast = _load_fast()
 FAST = _fast is not None             # which hot path runs (reported by stats() and the overhead bench)
 
 
+class _ThreadCpu:
+    """The calling thread's CPU time and run-queue wait, cumulative ns: ``read() -> (cpu, wait)``.
+
+    Both come from one ``pread`` of ``/proc/thread-self/schedstat`` (the scheduler's own accounting:
+    time on a CPU, and time *runnable but waiting for a CPU*, which is what a competing process on the
+    rank's core costs it). Where that file is missing (no ``CONFIG_SCHED_INFO``), the CPU time comes
+    from ``CLOCK_THREAD_CPUTIME_ID`` and the wait is -1 (unknown). The file is reopened when the
+    reading thread changes or after a fork. ``_probefast`` does the same in C (``Log.cpu_mark``)."""
+
+    def __init__(self):
+        self.fd, self.tid, self.pid, self.proc = -1, 0, 0, True
+
+    def read(self) -> tuple[int, int]:
+        if self.proc:
+            tid = threading.get_native_id()
+            if tid != self.tid or self.fd < 0 or self.pid != os.getpid():
+                self._reopen(tid)
+            if self.fd >= 0:
+                try:
+                    f = os.pread(self.fd, 96, 0).split()
+                    return int(f[0]), int(f[1])
+                except (OSError, ValueError, IndexError):
+                    self.proc = False
+        return time.thread_time_ns(), -1
+
+    def _reopen(self, tid: int) -> None:
+        if self.fd >= 0 and self.pid == os.getpid():
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+        self.fd, self.tid, self.pid = -1, tid, os.getpid()
+        try:
+            self.fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self.proc = False
+
+
 class _PyLog:
     """The hot path's event log, in pure Python (``_probefast.Log`` is the same in C).
 
@@ -173,6 +219,7 @@ class _PyLog:
         self.dq_need = 1                   # the next DataLoader call reads the prefetch queue depth
         self._on_drain, self._on_first_opt = on_drain, on_first_opt
         self._draining = False
+        self._cpu = _ThreadCpu()
 
     @property
     def n(self) -> int:
@@ -207,6 +254,11 @@ class _PyLog:
     def clear(self) -> None:
         self.ev.clear()
 
+    def cpu_mark(self) -> None:
+        """A step boundary: the thread's CPU time and run-queue wait so far (one K_CPU event)."""
+        c, w = self._cpu.read()
+        self.add(K_CPU, 0, c, w, 0, 0.0)
+
     def opt_pre(self, opt, args, kwargs) -> None:
         self.pre_t = _perf()              # sent with the post-hook's event: one event per optimizer step
 
@@ -218,6 +270,8 @@ class _PyLog:
             except Exception:  # noqa: BLE001
                 pass
         ev = self.ev
+        if id(opt) == self.primary:       # a step ends: where its CPU time is read
+            self.cpu_mark()
         if len(ev) < self.cap:
             ev.append((K_OPT_POST, 0, self.pre_t, t, id(opt), 0.0))
         else:
@@ -360,8 +414,10 @@ _TRAFFIC = {
     "all_reduce_coalesced": lambda n: 2.0 * (n - 1) / n,
     "all_gather": lambda n: float(n - 1),
     "all_gather_into_tensor": lambda n: float(n - 1),
+    "all_gather_single": lambda n: float(n - 1),
     "reduce_scatter": lambda n: (n - 1) / n,
     "reduce_scatter_tensor": lambda n: (n - 1) / n,
+    "reduce_scatter_single": lambda n: (n - 1) / n,
     "all_to_all": lambda n: (n - 1) / n,
     "all_to_all_single": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0, "reduce": lambda n: 1.0, "gather": lambda n: 1.0,
@@ -582,6 +638,9 @@ class Probe:
             self._ph_used = [False] * MAX_PHASES
             self._ph_touched: list[int] = []      # named phase slots (>= 2) used in this step
         self._calls: list[tuple] = []             # this step's collectives: (slot, count, bytes, ns, wait ns | None)
+        self._buckets: dict[int, list] = {}        # this step's DDP buckets per slot (see _bucket_calls)
+        self._cpu0 = self._cpuw0 = -1              # CPU clocks at the open step's start (-1: unknown)
+        self._cpu_mark = (-1, -1, False)           # the last K_CPU (cpu, wait) not yet used by a boundary
         self._clear_step()
         self._n_gc = 0
 
@@ -712,6 +771,10 @@ class Probe:
             import torch.distributed as dist
             if dist.is_available():
                 self._patch_distributed(dist)
+                try:            # DDP's reducer all-reduces from C++: time them through a comm hook
+                    _sibling("ddp_hooks").patch(self, dist)
+                except Exception:  # noqa: BLE001 - no DDP timing, the rest goes on
+                    pass
         except ImportError:
             pass
         return True
@@ -850,6 +913,7 @@ class Probe:
         """Start a step (explicit mode); an open step is ended first. ``step`` sets the number."""
         t = _perf()
         log = self._log
+        log.cpu_mark()
         log.add(K_BEGIN, 0, t, 0, int(step) if step is not None else -1, 0.0)
         log.dq_need = 1
         pc = self._pending_counts
@@ -862,6 +926,7 @@ class Probe:
     def end_step(self) -> None:
         t = _perf()
         log = self._log
+        log.cpu_mark()
         log.add(K_END, 0, t, 0, 0, 0.0)
         log.dq_need = 1
         if log.eager or log.n >= log.high or t - log.last_drain >= log.drain_ns:
@@ -906,6 +971,8 @@ class Probe:
         ids, keys = self._phase_ids, self._comm_key
         traffic, nspb = self._c_traffic, self._ns_per_byte
         opt_slot = self._opt_slot
+        cpu0, cw0, (cpu_t, cpu_w, fresh) = self._cpu0, self._cpuw0, self._cpu_mark
+        buckets = self._buckets
         pack = _fast.pack_step if _fast is not None else None      # the frame in one C call
         for kind, slot, t0, t1, a, b in events:
             if kind == K_DATA:
@@ -930,6 +997,27 @@ class Probe:
                     self._calls = calls
                     self._squash_calls()
                     calls = self._calls
+                continue
+            if kind == K_CPU:                           # the CPU clocks at the boundary that follows
+                cpu_t, cpu_w, fresh = t0, t1, True
+                continue
+            if kind == K_BUCKET:                        # a DDP bucket: summed per slot, see _bucket_calls
+                if not open_ and not explicit:
+                    open_, t0p, t0w = True, t0, t0 + off
+                    self._zero_phases()
+                    calls, gc_ns, gc_count, dq, samples, tokens = [], 0, 0, -1, -1, -1
+                if b >= 0:                              # timed on the device (see _dev_begin)
+                    t1 = t0 + self._dev_time(int(b), t1 - t0)
+                bk = buckets.get(slot)
+                if bk is None:
+                    buckets[slot] = [1, a, t0, t1, a]
+                else:
+                    bk[0] += 1
+                    bk[1] += a
+                    if t0 >= bk[2]:
+                        bk[2], bk[4] = t0, a
+                    if t1 > bk[3]:
+                        bk[3] = t1
                 continue
             if kind == K_OPT_POST:
                 if t0:                                  # the optimizer phase (any optimizer)
@@ -959,6 +1047,9 @@ class Probe:
                     open_, t0p, t0w = True, t0, t0 + off
                     self._zero_phases()
                     calls, gc_ns, gc_count, dq, samples, tokens = [], 0, 0, -1, -1, -1
+                    cpu0, cw0 = (cpu_t, cpu_w) if fresh else (-1, -1)
+                    fresh = False
+                    buckets.clear()
                     continue
                 reopen, number = True, a
             elif kind == K_GC:
@@ -981,6 +1072,13 @@ class Probe:
             # ---- the open step ends at t0: its frame is packed into the datagram buffer
             wall = t0 + off
             self.n_steps += 1
+            if fresh and cpu0 >= 0 and cpu_t >= cpu0:   # the step's CPU time and run-queue wait
+                cpu_ns = float(cpu_t - cpu0)
+                cw_ns = float(cpu_w - cw0) if cw0 >= 0 and cpu_w >= cw0 else -1.0
+            else:
+                cpu_ns = cw_ns = -1.0
+            if buckets:
+                self._bucket_calls(calls, buckets)
             if self._connected or t0 - self._t_connect >= self.reconnect_ns:
                 if not self._identity_ready:
                     self._resolve_identity()
@@ -993,10 +1091,10 @@ class Probe:
                     boff = pack(buf, boff, inst, self.rank, step, t0w, wall, t0 - t0p, ph[0],
                                 ph[1] if used[1] else -1, gc_ns, gc_count, dq, samples, tokens, self.dropped,
                                 touched, ph, ids, calls, traffic, nspb, keys,
-                                self._gcmv[16:16 + n_gc * GCREC.size] if n_gc else None)
+                                self._gcmv[16:16 + n_gc * GCREC.size] if n_gc else None, cpu_ns, cw_ns)
                 else:
                     boff = self._pack_py(boff, step, t0w, wall, t0 - t0p, gc_ns, gc_count, dq, samples, tokens,
-                                         calls, n_gc)
+                                         calls, n_gc, cpu_ns, cw_ns)
                 self._n_gc = 0
                 self._frames += 1
             else:                                        # nobody listens (a reconnect was tried < 1 s ago)
@@ -1016,6 +1114,8 @@ class Probe:
             gc_ns = gc_count = 0
             dq = samples = tokens = -1
             open_, t0p, t0w = reopen, t0, wall
+            cpu0, cw0 = (cpu_t, cpu_w) if fresh and reopen else (-1, -1)
+            fresh = False
             if (t0 - self._last_flush >= self.flush_ns or self._frames >= MAX_PENDING
                     or (self._need_hello and self._connected)):
                 self._off = boff
@@ -1025,9 +1125,24 @@ class Probe:
         self._open, self._t0_perf, self._t0_wall, self._calls = open_, t0p, t0w, calls
         self._gc_ns, self._gc_count, self._data_queue = gc_ns, gc_count, dq
         self._samples, self._tokens, self._step = samples, tokens, step
+        self._cpu0, self._cpuw0, self._cpu_mark = cpu0, cw0, (cpu_t, cpu_w, fresh)
+
+    def _bucket_calls(self, calls: list, buckets: dict) -> None:
+        """The step's DDP buckets as one call per slot (and clear them). The reducer launches each
+        bucket's all-reduce while backward goes on, so most of their time overlaps computation; what held
+        the step is the tail from the last launch (the end of backward) to the last completion. That tail
+        is the call's time, split into transfer (the last bucket's payload at ``comm_gbps``) and waiting
+        for peers; count and bytes are all the buckets'."""
+        nspb, traffic = self._ns_per_byte, self._c_traffic
+        for s, (count, nbytes, last_launch, last_done, last_bytes) in buckets.items():
+            tail = last_done - last_launch if last_done > last_launch else 0
+            tr = last_bytes * traffic[s] * nspb
+            calls.append((s, count, nbytes, tail, float(tail - tr) if tail > tr else 0.0))
+        buckets.clear()
 
     def _pack_py(self, boff: int, step: int, t0w: int, wall: int, step_ns: int, gc_ns: int, gc_count: int,
-                 dq: int, samples: int, tokens: int, calls: list, n_gc: int) -> int:
+                 dq: int, samples: int, tokens: int, calls: list, n_gc: int, cpu_ns: float = -1.0,
+                 cw_ns: float = -1.0) -> int:
         """One step's frame at ``boff`` in the datagram buffer, in Python (``_probefast.pack_step`` does
         the same in C, byte for byte); returns the new offset."""
         buf, mv, inst = self._buf, self._mv, self.instance
@@ -1050,15 +1165,15 @@ class Probe:
             comms, comm_ns, wait_ns = self._sum_calls(calls)
         if used[1]:
             compute_ns = ph[1]
-        else:                                    # not given: the rest of the step
-            compute_ns = step_ns - data_ns - comm_ns - wait_ns - gc_ns
+        else:                                    # not given: the rest of the step, less the run-queue wait
+            compute_ns = step_ns - data_ns - comm_ns - wait_ns - gc_ns - (cw_ns if cw_ns > 0 else 0.0)
             if compute_ns < 0:
                 compute_ns = 0
         HDR_STEP.pack_into(buf, boff, MAGIC, VERSION, T_BATCH, inst, self.rank, 1,
                            len(comms) if comms else 1 if one else 0, n_gc, len(touched),
                            step, t0w, wall, step_ns, data_ns, compute_ns, comm_ns, wait_ns, gc_ns,
-                           gc_count, dq, samples, tokens, self.dropped & 0xFFFFFFFF)
-        boff += 120
+                           gc_count, dq, samples, tokens, self.dropped & 0xFFFFFFFF, cpu_ns, cw_ns)
+        boff += HDR_STEP.size
         for i in touched:
             PHASE.pack_into(buf, boff, ids[i], ph[i])
             boff += 16
@@ -1425,7 +1540,8 @@ class Probe:
         except (TypeError, ValueError):
             return None
         payload = {"all_gather_into_tensor": "input_tensor", "reduce_scatter": "input_list",
-                   "reduce_scatter_tensor": "input", "all_to_all": "input_tensor_list",
+                   "reduce_scatter_tensor": "input", "all_gather_single": "input_tensor",
+                   "reduce_scatter_single": "input", "all_to_all": "input_tensor_list",
                    "all_to_all_single": "input", "all_reduce_coalesced": "tensors",
                    "barrier": None}.get(name, None if name.endswith(("_object", "_object_list")) else "tensor")
         p_idx = params.index(payload) if payload in params else -1
@@ -1518,7 +1634,7 @@ class Probe:
                      "reduce_scatter_tensor", "broadcast", "reduce", "barrier", "all_to_all",
                      "all_to_all_single", "gather", "scatter", "all_reduce_coalesced", "send", "recv",
                      "isend", "irecv", "all_gather_object", "broadcast_object_list", "gather_object",
-                     "scatter_object_list"):
+                     "scatter_object_list", "all_gather_single", "reduce_scatter_single"):
             fn = getattr(dist, name, None)
             if fn is None or getattr(fn, "_stepwatch", False):
                 continue
@@ -1611,19 +1727,23 @@ class Probe:
 
 
 def _profiling_module():
-    """``stepwatch.agents.profiling``, or the file next to this one when the probe was loaded on its
+    return _sibling("profiling")
+
+
+def _sibling(name: str):
+    """``stepwatch.agents.<name>``, or the file next to this one when the probe was loaded on its
     own (``STEPWATCH_PROBE_FILE``, where the package is not importable)."""
     try:
-        from stepwatch.agents import profiling
-        return profiling
+        import importlib
+        return importlib.import_module(f"stepwatch.agents.{name}")
     except ImportError:
-        mod = sys.modules.get("stepwatch_profiling")
+        mod = sys.modules.get(f"stepwatch_{name}")
         if mod is None:
             import importlib.util
             spec = importlib.util.spec_from_file_location(
-                "stepwatch_profiling", os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiling.py"))
+                f"stepwatch_{name}", os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py"))
             mod = importlib.util.module_from_spec(spec)
-            sys.modules["stepwatch_profiling"] = mod
+            sys.modules[f"stepwatch_{name}"] = mod
             spec.loader.exec_module(mod)
         return mod
 
@@ -1635,7 +1755,8 @@ class BadDatagram(ValueError):
 
 
 STEP_FIELDS = ("step", "t_start", "t_end", "step_ns", "data_ns", "compute_ns", "comm_ns", "comm_wait_ns",
-               "gc_ns", "gc_count", "data_queue", "samples", "tokens", "probe_dropped")
+               "gc_ns", "gc_count", "data_queue", "samples", "tokens", "probe_dropped", "cpu_ns", "cpu_wait_ns")
+_NO_CPU = (-1.0, -1.0)
 
 
 def decode(data: bytes) -> list[tuple[int, int, int, object]]:
@@ -1653,7 +1774,7 @@ def decode(data: bytes) -> list[tuple[int, int, int, object]]:
         magic, ver, typ, inst, rank, n_step, n_comm, n_gc, n_phase = HDR.unpack_from(data, off)
         if magic != MAGIC:
             raise BadDatagram(f"bad magic 0x{magic:04x}")
-        if ver != VERSION:
+        if ver not in VERSIONS:
             raise BadDatagram(f"unsupported version {ver}")
         if typ in (T_HELLO, T_PROFILE):                  # header + one JSON object, alone in its datagram
             what = "hello" if typ == T_HELLO else "profile result"
@@ -1671,14 +1792,17 @@ def decode(data: bytes) -> list[tuple[int, int, int, object]]:
         if n_step > 1 or n_phase > MAX_PHASES or n_comm > MAX_COMM or n_gc > MAX_GC:
             raise BadDatagram(f"record counts out of range (step {n_step}, phase {n_phase}, comm {n_comm}, "
                               f"gc {n_gc})")
-        size = HDR.size + n_step * STEP.size + n_phase * PHASE.size + n_comm * COMM.size + n_gc * GCREC.size
+        st = STEP if ver == VERSION else STEP_V1
+        size = HDR.size + n_step * st.size + n_phase * PHASE.size + n_comm * COMM.size + n_gc * GCREC.size
         if off + size > n:
             raise BadDatagram(f"frame {len(out)} needs {size} bytes, {n - off} left")
         p = off + HDR.size
         step = None
         if n_step:
-            step = STEP.unpack_from(data, p)
-            p += STEP.size
+            step = st.unpack_from(data, p)
+            if st is STEP_V1:
+                step += _NO_CPU
+            p += st.size
         phases = []
         for _ in range(n_phase):
             phases.append(PHASE.unpack_from(data, p))

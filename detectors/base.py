@@ -99,6 +99,10 @@ class StepBlock:
     samples: np.ndarray | None = None        # (S,) float64
     samples_ranks: np.ndarray | None = None  # (S,) int64
     data_queue: np.ndarray | None = None     # (S, R) float32, NaN = not reported
+    #: CPU starvation (probe): the step-ending thread's CPU time and its time runnable but waiting for a
+    #: CPU (run queue), (S, R) float32 ms, NaN = not reported; None when no rank sends them
+    cpu_ms: np.ndarray | None = None
+    cpu_wait_ms: np.ndarray | None = None
 
     @property
     def busy_ms(self) -> np.ndarray:

@@ -112,6 +112,9 @@ def split(msgs):
             d = dict(zip(P.STEP_FIELDS, st))
             for k in ("step", "data", "compute", "comm", "comm_wait", "gc"):
                 d[k + "_ms"] = d.pop(k + "_ns") / 1e6           # the datagram carries ns
+            for k in ("cpu", "cpu_wait"):                       # -1: not measured
+                v = d.pop(k + "_ns")
+                d[k + "_ms"] = v / 1e6 if v >= 0 else None
             d["phases"] = [(i, ns / 1e6) for i, ns in phases]
             d["rank"] = rank
             steps.append(d)
@@ -124,21 +127,28 @@ def split(msgs):
 # --------------------------------------------------------------------------- layout
 
 def test_struct_sizes_are_fixed_and_documented():
-    assert (P.HDR.size, P.STEP.size, P.PHASE.size, P.COMM.size, P.GCREC.size) == (16, 104, 16, 40, 40)
+    assert (P.HDR.size, P.STEP.size, P.PHASE.size, P.COMM.size, P.GCREC.size) == (16, 120, 16, 40, 40)
+    assert P.STEP_V1.size == 104 and P.STEP.format.startswith(P.STEP_V1.format)    # v2 = v1 + 2 doubles
     assert P.HDR_STEP.size == P.HDR.size + P.STEP.size
-    assert P.MAX_FRAME == 16 + 104 + 8 * 16 + 16 * 40 + 16 * 40
+    assert P.MAX_FRAME == 16 + 120 + 8 * 16 + 16 * 40 + 16 * 40
     assert P.MAX_DATAGRAM >= 10 * P.MAX_FRAME
 
 
 def test_decode_rejects_malformed_datagrams():
-    good = P.HDR.pack(P.MAGIC, 1, P.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(P.STEP.size)
+    good = P.HDR.pack(P.MAGIC, 2, P.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(P.STEP.size)
     assert decode(good)[0][3][0][0] == 0
     assert len(decode(good + good)) == 2                                       # frames back to back
+    # a version-1 frame (probes before the CPU fields): read, with the CPU fields null (-1)
+    v1 = P.HDR.pack(P.MAGIC, 1, P.T_BATCH, 1, 0, 1, 0, 0, 0) + P.STEP_V1.pack(*range(1, 14), 0)
+    (_, _, _, (st, _, _, _)), = decode(v1)
+    assert len(st) == len(P.STEP_FIELDS) and st[:3] == (1, 2, 3) and st[-2:] == (-1.0, -1.0)
+    assert len(decode(v1 + good)) == 2
     bad = [b"", b"xx", good[:-1], good + b"\0",
            struct.pack("<H", 0x1234) + good[2:],                               # magic
            P.HDR.pack(P.MAGIC, 9, P.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(P.STEP.size),   # version
            P.HDR.pack(P.MAGIC, 1, 7, 1, 0, 0, 0, 0, 0),                         # type
-           P.HDR.pack(P.MAGIC, 1, P.T_BATCH, 1, 0, 2, 0, 0, 0) + bytes(2 * P.STEP.size),  # two steps
+           P.HDR.pack(P.MAGIC, 2, P.T_BATCH, 1, 0, 2, 0, 0, 0) + bytes(2 * P.STEP.size),  # two steps
+           P.HDR.pack(P.MAGIC, 2, P.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(P.STEP_V1.size),    # v2 needs 120 bytes
            P.HDR.pack(P.MAGIC, 1, P.T_BATCH, 1, 0, 0, 99, 0, 0),                 # counts out of range
            P.HDR.pack(P.MAGIC, 1, P.T_HELLO, 1, 0, 0, 0, 0, 0) + b"{not json",
            P.HDR.pack(P.MAGIC, 1, P.T_HELLO, 1, 0, 0, 0, 0, 0) + b"[1, 2]",
@@ -186,8 +196,10 @@ def test_explicit_steps_phases_and_counts(probe, rx, sockdir):
         assert s["rank"] == 3 and s["samples"] == 32 and s["tokens"] == 4096
         assert s["data_ms"] >= 2 and ph["forward"] >= 3 and ph["backward"] >= 1
         assert s["step_ms"] >= s["data_ms"] + ph["forward"] + ph["backward"] - 0.01
-        # compute is derived: step - data - comm - wait - gc
-        assert s["compute_ms"] == pytest.approx(s["step_ms"] - s["data_ms"] - s["gc_ms"], abs=1e-6)
+        # compute is derived: step - data - comm - wait - gc - run-queue wait (CPU contention)
+        assert s["cpu_ms"] is not None and 0 <= s["cpu_ms"] < s["step_ms"]
+        assert s["compute_ms"] == pytest.approx(s["step_ms"] - s["data_ms"] - s["gc_ms"] - (s["cpu_wait_ms"] or 0),
+                                                abs=1e-6)
         assert s["t_end"] - s["t_start"] == pytest.approx(s["step_ms"] * 1e6, rel=0.05, abs=2e6)
         assert s["data_queue"] == -1
     assert {names[i]: ms for i, ms in steps[3]["phases"]} == {"optimizer": 1.5}
@@ -651,7 +663,8 @@ def test_c_and_python_pack_the_same_bytes(sockdir):
              [fwd], False, 2),
             ([(s1, 1, 1 << 30, 10, None)], [], False, 1),         # the model says more than the wall time
         ]
-        for calls, touched, compute, n_gc in cases:
+        for ci, (calls, touched, compute, n_gc) in enumerate(cases):
+            cpu = (-1.0, -1.0) if ci == 0 else (41_000_000.0, -1.0) if ci == 1 else (12_345_678.0, 3_456_789.0)
             ph, used = p._ph_ns, p._ph_used
             for i in range(P.MAX_PHASES):
                 ph[i], used[i] = 0, False
@@ -665,16 +678,17 @@ def test_c_and_python_pack_the_same_bytes(sockdir):
                 P.GCREC.pack_into(p._gcbuf, P.HDR.size + j * P.GCREC.size, 10**18 + j, 5e5, 2, 100 + j, 0)
             args = (7, 10**18, 10**18 + 50_000_000, 50_000_000, 800_000 if n_gc else 0, n_gc, 3, 32, -1)
             p._buf[:] = bytes(len(p._buf))
-            end_py = p._pack_py(0, *args, list(calls), n_gc)
+            end_py = p._pack_py(0, *args, list(calls), n_gc, *cpu)
             py = bytes(p._buf[:end_py])
             p._buf[:] = bytes(len(p._buf))
             end_c = P._fast.pack_step(p._buf, 0, p.instance, p.rank, *args[:4], ph[0], ph[1] if used[1] else -1,
                                       *args[4:], p.dropped, p._ph_touched, ph, p._phase_ids, list(calls),
                                       p._c_traffic, p._ns_per_byte, p._comm_key,
-                                      p._gcmv[16:16 + n_gc * P.GCREC.size] if n_gc else None)
+                                      p._gcmv[16:16 + n_gc * P.GCREC.size] if n_gc else None, *cpu)
             assert end_c == end_py and bytes(p._buf[:end_c]) == py, (calls, touched, compute, n_gc)
             (typ, inst, rank, (st, phases, comm, gcs)), = decode(py)
-            assert rank == 3 and st[0] == 7 and st[-1] == 5 and len(comm) == len({c[0] for c in calls})
+            assert rank == 3 and st[0] == 7 and st[13] == 5 and len(comm) == len({c[0] for c in calls})
+            assert st[14:] == cpu
             assert len(phases) == len(touched) and len(gcs) == n_gc
     finally:
         p.shutdown()
