@@ -47,7 +47,8 @@ class JobContext:
     backlog: bool = False        # the job's step rows are known to be behind (consumer lag > 0)
     #: job-level facts from the topology rows for the efficiency analyses: ``device_type``, ``dtype``,
     #: ``model_flops_per_token``, ``model_flops_per_sample``, ``model_params`` (mean over the ranks that
-    #: sent it: each rank's share), ``tp_size``, ``pp_size`` (1 when unknown); empty when unknown
+    #: sent it: each rank's share), ``tp_size``, ``pp_size`` (1 when unknown); empty when unknown;
+    #: ``cpu_wait_reported`` (True once step rows carry ``cpu_wait_ms``: see causes.decide)
     info: dict = field(default_factory=dict)
 
     def node_of(self, rank: int) -> str:

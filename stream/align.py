@@ -143,6 +143,8 @@ class JobState:
         tp = self.coords.get("tp")
         info["tp_size"] = int(tp.max()) + 1 if tp is not None and len(tp) and tp.max() >= 0 else 1
         info["pp_size"] = int(self.stage.max()) + 1 if len(self.stage) else 1
+        if "cpu_wait_ms" in self.cpu:
+            info["cpu_wait_reported"] = True       # ranks measure their run-queue wait (causes.decide)
         return info
 
     def context(self) -> JobContext:

@@ -5,11 +5,14 @@ nothing of stepwatch and runs unchanged under ``stepwatch wrap``.
 torchrun would do, without importing torch once per rank). Each rank pins itself to its own core
 (``os.sched_setaffinity``: rank r on the r-th core this process may use) and uses one intra-op thread,
 wraps an MLP in ``DistributedDataParallel`` and trains it with SGD on random data from a ``DataLoader``.
-Nothing pads the steps: the step time is the rank's real compute and the all-reduce.
+Unless ``SW_PAD_MS`` is set, nothing pads the steps: the step time is the rank's real compute and the
+all-reduce.
 
 Settings (environment):
 
 - ``SW_STEPS`` (300) steps; ``SW_WIDTH`` (384) hidden width; ``SW_BATCH`` (64);
+- ``SW_PAD_MS`` (0): every forward pass also sleeps this long (time on a device, as the host sees it:
+  the rank's thread waits off the CPU);
 - ``SW_SLEEP_RANK`` / ``SW_SLEEP_MS`` / ``SW_SLEEP_FROM``: that rank's forward pass sleeps that long
   from that step on (a slow accelerator, as the host sees it: the rank waits off the CPU);
 - ``SW_MODE`` ``ddp`` (default), ``fsdp`` (FSDP1 ``FullyShardedDataParallel``), ``fsdp2``
@@ -53,6 +56,7 @@ def train() -> None:
     sleep_rank = int(os.environ.get("SW_SLEEP_RANK", "-1"))
     sleep_ms = float(os.environ.get("SW_SLEEP_MS", "0"))
     sleep_from = int(os.environ.get("SW_SLEEP_FROM", "0"))
+    pad_ms = float(os.environ.get("SW_PAD_MS", "0"))
     mode = os.environ.get("SW_MODE", "ddp")
     progress = os.environ.get("SW_PROGRESS")
     dist.init_process_group("gloo")
@@ -62,6 +66,7 @@ def train() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = SleepyForward(width)
+    model.sleep_ms = pad_ms
     if mode == "ddp":
         net = torch.nn.parallel.DistributedDataParallel(model)
     elif mode == "fsdp":
@@ -88,7 +93,7 @@ def train() -> None:
     ends = []
     for i in range(steps):
         if rank == sleep_rank and i == sleep_from:
-            model.sleep_ms = sleep_ms
+            model.sleep_ms = pad_ms + sleep_ms
         if loader is not None:
             x, y = next(loader)
         else:
