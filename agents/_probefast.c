@@ -35,12 +35,8 @@
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
-#include <fcntl.h>
-#include <pthread.h>
-#include <stdlib.h>
-#include <unistd.h>
 
-enum { K_OPT_POST = 2, K_DATA = 3, K_COLL = 4, K_DCOLL = 10, K_CPU = 11 };      /* as in probe.py */
+enum { K_OPT_POST = 2, K_DATA = 3, K_COLL = 4, K_DCOLL = 10 };      /* as in probe.py */
 
 typedef struct {
     int32_t kind, slot;
@@ -53,58 +49,6 @@ static inline int64_t now_ns(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
-
-/* ----------------------------------------------------------------------------- thread CPU clocks */
-
-/* The calling thread's CPU time and run-queue wait (cumulative ns) from one pread of
- * /proc/thread-self/schedstat ("<ns on a CPU> <ns runnable, waiting for a CPU> <timeslices>"), reopened
- * when the reading thread changes and after a fork; without that file, CLOCK_THREAD_CPUTIME_ID and a
- * wait of -1 (probe._ThreadCpu is the same in Python). */
-static int sched_fd = -1, sched_ok = 1;
-static pthread_t sched_thr;
-
-static void sched_atfork_child(void)
-{
-    if (sched_fd >= 0)
-        close(sched_fd);
-    sched_fd = -1;
-}
-
-static void cpu_read(int64_t *cpu, int64_t *wait)
-{
-    if (sched_ok) {
-        pthread_t me = pthread_self();
-        if (sched_fd < 0 || !pthread_equal(me, sched_thr)) {
-            if (sched_fd >= 0)
-                close(sched_fd);
-            sched_fd = open("/proc/thread-self/schedstat", O_RDONLY | O_CLOEXEC);
-            sched_thr = me;
-            if (sched_fd < 0)
-                sched_ok = 0;
-        }
-        if (sched_fd >= 0) {
-            char b[128];
-            ssize_t n = pread(sched_fd, b, sizeof(b) - 1, 0);
-            if (n > 0) {
-                char *e1, *e2;
-                b[n] = 0;
-                unsigned long long c = strtoull(b, &e1, 10), w = strtoull(e1, &e2, 10);
-                if (e1 != b && e2 != e1) {
-                    *cpu = (int64_t)c;
-                    *wait = (int64_t)w;
-                    return;
-                }
-            }
-            close(sched_fd);
-            sched_fd = -1;
-            sched_ok = 0;
-        }
-    }
-    struct timespec ts;
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-    *cpu = (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-    *wait = -1;
 }
 
 /* ------------------------------------------------------------------------------------------ Log */
@@ -248,19 +192,6 @@ static PyObject *Log_clear_events(Log *L, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-static inline void cpu_mark(Log *L)
-{
-    int64_t c, w;
-    cpu_read(&c, &w);
-    push(L, K_CPU, 0, c, w, 0, 0.0);
-}
-
-static PyObject *Log_cpu_mark(Log *L, PyObject *unused)
-{
-    cpu_mark(L);
-    Py_RETURN_NONE;
-}
-
 static PyObject *Log_opt_pre(Log *L, PyObject *const *args, Py_ssize_t nargs)
 {
     L->pre_t = now_ns();                /* sent with the post-hook's event: one event per optimizer step */
@@ -277,8 +208,6 @@ static PyObject *Log_opt_post(Log *L, PyObject *const *args, Py_ssize_t nargs)
             PyErr_Clear();
         Py_XDECREF(r);
     }
-    if ((long long)(intptr_t)opt == L->primary)       /* a step ends: where its CPU time is read */
-        cpu_mark(L);
     push(L, K_OPT_POST, 0, L->pre_t, t, (int64_t)(intptr_t)opt, 0.0);
     L->pre_t = 0;
     L->dq_need = 1;
@@ -293,7 +222,6 @@ static PyMethodDef Log_methods[] = {
     {"add", (PyCFunction)(void (*)(void))Log_add, METH_FASTCALL, "add(kind, slot, t0, t1, a, b)"},
     {"drain", (PyCFunction)Log_drain, METH_NOARGS, "the events as 6-tuples; the log is emptied"},
     {"clear", (PyCFunction)Log_clear_events, METH_NOARGS, "forget the events"},
-    {"cpu_mark", (PyCFunction)Log_cpu_mark, METH_NOARGS, "a step boundary: one K_CPU event (thread CPU clocks)"},
     {"opt_pre", (PyCFunction)(void (*)(void))Log_opt_pre, METH_FASTCALL, "optimizer step pre-hook"},
     {"opt_post", (PyCFunction)(void (*)(void))Log_opt_post, METH_FASTCALL, "optimizer step post-hook"},
     {NULL}};
@@ -932,7 +860,6 @@ PyMODINIT_FUNC PyInit__probefast(void)
 {
     if (PyType_Ready(&LogType) < 0 || PyType_Ready(&DataWrapType) < 0 || PyType_Ready(&CollWrapType) < 0)
         return NULL;
-    pthread_atfork(NULL, NULL, sched_atfork_child);
     str_group = PyUnicode_InternFromString("group");
     str_async_op = PyUnicode_InternFromString("async_op");
     str_nbytes = PyUnicode_InternFromString("nbytes");

@@ -52,11 +52,12 @@ Datagram layout (little-endian; the node agent decodes it with :func:`decode`). 
 alone, or one or more batch frames back to back; a frame is ``HDR`` followed by its records:
 
 ====================  =========================================================================
-``HDR``  16 bytes     magic ``0x5357``, version 1, type (1 batch frame, 2 hello), instance id
+``HDR``  16 bytes     magic ``0x5357``, version 2, type (1 batch frame, 2 hello), instance id
                       (int32, random per probe), rank (int32), n_step (0/1), n_comm, n_gc, n_phase
-``STEP`` 104 bytes    step, t_start ns, t_end ns, step/data/compute/comm/comm_wait/gc ns, gc_count,
+``STEP`` 120 bytes    step, t_start ns, t_end ns, step/data/compute/comm/comm_wait/gc ns, gc_count,
                       data_queue (-1 = null), samples, tokens (-1 = null), frames the probe
-                      dropped so far (uint32)
+                      dropped so far (uint32), the step-ending thread's CPU ns and
+                      run-queue wait ns (float64, -1 = null; version 1 frames end before them)
 ``PHASE`` 16 bytes    name id, ns   (``n_phase`` of them)
 ``COMM`` 40 bytes     op id, group id, calls, bytes, time ns, wait ns   (``n_comm``)
 ``GCREC`` 40 bytes    t_end ns, duration ns, generation, collected, uncollectable   (``n_gc``)
@@ -112,9 +113,6 @@ LOG_CAP = 1024                        # hot-path events held before a replay is 
 K_OPT_POST, K_DATA, K_COLL, K_GC, K_BEGIN, K_END, K_PHASE, K_COUNT = range(2, 10)
 # K_DCOLL: a synchronous collective on a device tensor; b = the token of its device events
 K_DCOLL = 10
-# K_CPU: at a step boundary, the step-ending thread's CPU time t0 and run-queue wait t1 (ns, cumulative;
-# t1 = -1: not available), see _ThreadCpu
-K_CPU = 11
 # K_BUCKET: one gradient bucket of a DDP reducer, from its all-reduce's launch (t0) to its completion (t1),
 # a = payload bytes (see Probe._ddp_hook)
 K_BUCKET = 12
@@ -166,7 +164,7 @@ class _ThreadCpu:
     time on a CPU, and time *runnable but waiting for a CPU*, which is what a competing process on the
     rank's core costs it). Where that file is missing (no ``CONFIG_SCHED_INFO``), the CPU time comes
     from ``CLOCK_THREAD_CPUTIME_ID`` and the wait is -1 (unknown). The file is reopened when the
-    reading thread changes or after a fork. ``_probefast`` does the same in C (``Log.cpu_mark``)."""
+    reading thread changes or after a fork. Read by :meth:`Probe._drain` (every ~500 ms), not per step."""
 
     def __init__(self):
         self.fd, self.tid, self.pid, self.proc = -1, 0, 0, True
@@ -219,7 +217,6 @@ class _PyLog:
         self.dq_need = 1                   # the next DataLoader call reads the prefetch queue depth
         self._on_drain, self._on_first_opt = on_drain, on_first_opt
         self._draining = False
-        self._cpu = _ThreadCpu()
 
     @property
     def n(self) -> int:
@@ -254,11 +251,6 @@ class _PyLog:
     def clear(self) -> None:
         self.ev.clear()
 
-    def cpu_mark(self) -> None:
-        """A step boundary: the thread's CPU time and run-queue wait so far (one K_CPU event)."""
-        c, w = self._cpu.read()
-        self.add(K_CPU, 0, c, w, 0, 0.0)
-
     def opt_pre(self, opt, args, kwargs) -> None:
         self.pre_t = _perf()              # sent with the post-hook's event: one event per optimizer step
 
@@ -270,8 +262,6 @@ class _PyLog:
             except Exception:  # noqa: BLE001
                 pass
         ev = self.ev
-        if id(opt) == self.primary:       # a step ends: where its CPU time is read
-            self.cpu_mark()
         if len(ev) < self.cap:
             ev.append((K_OPT_POST, 0, self.pre_t, t, id(opt), 0.0))
         else:
@@ -600,6 +590,8 @@ class Probe:
         self._opt_slot: int | None = None
         self._gc_t0 = 0
         self._pid = os.getpid()
+        self._step_tid: int | None = None     # the thread that ends steps (its CPU clocks: _cpu_sample)
+        self._cpu_clock = _ThreadCpu()
         self._ctl = None                      # targeted profiling (stepwatch.agents.profiling.ProbeControl)
         self._ctl_active = False              # a profile needs step boundaries (every step end replays)
 
@@ -639,8 +631,8 @@ class Probe:
             self._ph_touched: list[int] = []      # named phase slots (>= 2) used in this step
         self._calls: list[tuple] = []             # this step's collectives: (slot, count, bytes, ns, wait ns | None)
         self._buckets: dict[int, list] = {}        # this step's DDP buckets per slot (see _bucket_calls)
-        self._cpu0 = self._cpuw0 = -1              # CPU clocks at the open step's start (-1: unknown)
-        self._cpu_mark = (-1, -1, False)           # the last K_CPU (cpu, wait) not yet used by a boundary
+        self._cpu_rates = (-1.0, -1.0)             # CPU and run-queue wait per wall ns, this replay (see _cpu_sample)
+        self._cpu_prev = None                      # (perf ns, cpu ns, wait ns) at the last sample
         self._clear_step()
         self._n_gc = 0
 
@@ -839,6 +831,7 @@ class Probe:
         self._replaying = False
         self._dev_calls.clear()                       # (the parent's device events)
         self._primary_opt = None
+        self._step_tid = None
         self._gc_t0 = 0
         self._last_hello = 0
         self._need_hello = self._hello_dirty = True
@@ -913,7 +906,8 @@ class Probe:
         """Start a step (explicit mode); an open step is ended first. ``step`` sets the number."""
         t = _perf()
         log = self._log
-        log.cpu_mark()
+        if self._step_tid is None:
+            self._step_tid = threading.get_ident()
         log.add(K_BEGIN, 0, t, 0, int(step) if step is not None else -1, 0.0)
         log.dq_need = 1
         pc = self._pending_counts
@@ -926,7 +920,6 @@ class Probe:
     def end_step(self) -> None:
         t = _perf()
         log = self._log
-        log.cpu_mark()
         log.add(K_END, 0, t, 0, 0, 0.0)
         log.dq_need = 1
         if log.eager or log.n >= log.high or t - log.last_drain >= log.drain_ns:
@@ -943,6 +936,7 @@ class Probe:
         try:
             log = self._log
             log.last_drain = _perf()
+            self._cpu_sample(log.last_drain)
             if not log.dev_on:
                 log.dev_on = self._accelerator_in_use()
             events = log.drain()
@@ -958,6 +952,23 @@ class Probe:
         finally:
             self._replaying = False
 
+    def _cpu_sample(self, now: int) -> None:
+        """The step thread's CPU time and run-queue wait since the last replay, as rates per wall ns, which
+        the replay applies to each step it packs: one ``pread`` per replay (every ~500 ms, or every step
+        end where steps are longer or a profile runs), nothing on the step path. A replay run by another
+        thread (a collective's callback filling the log) samples nothing; its steps get null."""
+        self._cpu_rates = (-1.0, -1.0)
+        tid = self._step_tid
+        if tid is None or threading.get_ident() != tid:
+            return
+        c, w = self._cpu_clock.read()
+        prev = self._cpu_prev
+        self._cpu_prev = (now, c, w)
+        if prev is None or now <= prev[0] or c < prev[1]:
+            return
+        dt = now - prev[0]
+        self._cpu_rates = ((c - prev[1]) / dt, (w - prev[2]) / dt if w >= prev[2] >= 0 else -1.0)
+
     def _replay(self, events: list) -> None:
         """Apply the events, in order, to the step state: what the hooks would have done live. The
         state lives in locals while the batch is replayed (the loop runs once per event, a few
@@ -971,7 +982,7 @@ class Probe:
         ids, keys = self._phase_ids, self._comm_key
         traffic, nspb = self._c_traffic, self._ns_per_byte
         opt_slot = self._opt_slot
-        cpu0, cw0, (cpu_t, cpu_w, fresh) = self._cpu0, self._cpuw0, self._cpu_mark
+        rate_c, rate_w = self._cpu_rates
         buckets = self._buckets
         pack = _fast.pack_step if _fast is not None else None      # the frame in one C call
         for kind, slot, t0, t1, a, b in events:
@@ -997,9 +1008,6 @@ class Probe:
                     self._calls = calls
                     self._squash_calls()
                     calls = self._calls
-                continue
-            if kind == K_CPU:                           # the CPU clocks at the boundary that follows
-                cpu_t, cpu_w, fresh = t0, t1, True
                 continue
             if kind == K_BUCKET:                        # a DDP bucket: summed per slot, see _bucket_calls
                 if not open_ and not explicit:
@@ -1047,8 +1055,6 @@ class Probe:
                     open_, t0p, t0w = True, t0, t0 + off
                     self._zero_phases()
                     calls, gc_ns, gc_count, dq, samples, tokens = [], 0, 0, -1, -1, -1
-                    cpu0, cw0 = (cpu_t, cpu_w) if fresh else (-1, -1)
-                    fresh = False
                     buckets.clear()
                     continue
                 reopen, number = True, a
@@ -1072,11 +1078,9 @@ class Probe:
             # ---- the open step ends at t0: its frame is packed into the datagram buffer
             wall = t0 + off
             self.n_steps += 1
-            if fresh and cpu0 >= 0 and cpu_t >= cpu0:   # the step's CPU time and run-queue wait
-                cpu_ns = float(cpu_t - cpu0)
-                cw_ns = float(cpu_w - cw0) if cw0 >= 0 and cpu_w >= cw0 else -1.0
-            else:
-                cpu_ns = cw_ns = -1.0
+            step_ns = t0 - t0p                          # its CPU time and run-queue wait: at this
+            cpu_ns = step_ns * rate_c if rate_c >= 0 else -1.0     # replay's rates (see _cpu_sample)
+            cw_ns = step_ns * rate_w if rate_w >= 0 else -1.0
             if buckets:
                 self._bucket_calls(calls, buckets)
             if self._connected or t0 - self._t_connect >= self.reconnect_ns:
@@ -1114,8 +1118,6 @@ class Probe:
             gc_ns = gc_count = 0
             dq = samples = tokens = -1
             open_, t0p, t0w = reopen, t0, wall
-            cpu0, cw0 = (cpu_t, cpu_w) if fresh and reopen else (-1, -1)
-            fresh = False
             if (t0 - self._last_flush >= self.flush_ns or self._frames >= MAX_PENDING
                     or (self._need_hello and self._connected)):
                 self._off = boff
@@ -1125,7 +1127,6 @@ class Probe:
         self._open, self._t0_perf, self._t0_wall, self._calls = open_, t0p, t0w, calls
         self._gc_ns, self._gc_count, self._data_queue = gc_ns, gc_count, dq
         self._samples, self._tokens, self._step = samples, tokens, step
-        self._cpu0, self._cpuw0, self._cpu_mark = cpu0, cw0, (cpu_t, cpu_w, fresh)
 
     def _bucket_calls(self, calls: list, buckets: dict) -> None:
         """The step's DDP buckets as one call per slot (and clear them). The reducer launches each
@@ -1399,6 +1400,8 @@ class Probe:
         if self._primary_opt is None:
             self._primary_opt = id(opt)
             self._log.primary = id(opt)
+            if self._step_tid is None:
+                self._step_tid = threading.get_ident()          # whose CPU the steps report
             self._count_params(opt)
 
     def _gc_cb(self, phase: str, info: dict) -> None:

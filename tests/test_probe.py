@@ -2,6 +2,7 @@
 fork, and zero-code mode (``stepwatch wrap``). A bound Unix socket stands in for the node agent."""
 from __future__ import annotations
 
+import copy
 import gc
 import os
 import shutil
@@ -692,3 +693,96 @@ def test_c_and_python_pack_the_same_bytes(sockdir):
             assert len(phases) == len(touched) and len(gcs) == n_gc
     finally:
         p.shutdown()
+
+
+# --------------------------------------------------------------------------- DDP (issue 15)
+
+def _ddp_steps(ddp, opt, n, x, y):
+    import torch.nn.functional as F
+    for _ in range(n):
+        opt.zero_grad()
+        F.mse_loss(ddp(x), y).backward()
+        opt.step()
+
+
+def test_ddp_bucket_all_reduces_are_timed_through_a_comm_hook(probe, rx, sockdir, gloo):
+    """DDP's reducer all-reduces from C++; the probe's comm hook keeps the default reduction (same
+    gradients as without the probe) and reports one all_reduce per step with the buckets' bytes."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from stepwatch.agents import ddp_hooks
+    assert ddp_hooks.K_BUCKET == P.K_BUCKET
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
+                              torch.nn.ReLU(), torch.nn.Linear(1024, 8))
+    x, y = torch.randn(32, 64), torch.randn(32, 8)
+    plain = DDP(copy.deepcopy(ref))                          # before init: DDP's own reduction
+    opt_p = torch.optim.SGD(plain.parameters(), lr=0.1)
+    _ddp_steps(plain, opt_p, 3, x, y)
+    probe.init(job="ddp", socket_dir=sockdir, flush_ms=0)
+    ddp = DDP(copy.deepcopy(ref), bucket_cap_mb=1)           # 4.5 MB of gradients: 2 buckets from step 1
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    _ddp_steps(ddp, opt, 3, x, y)
+    assert ddp._stepwatch_timer.registered and ddp.logger is not None
+    for a, b in zip(plain.parameters(), ddp.parameters()):    # the same training
+        assert torch.equal(a, b)
+    hello, names, steps, comm, gcs = split(rx.read())
+    assert len(steps) == 3
+    n_bytes = 4 * sum(p.numel() for p in ref.parameters())
+    for s in steps[1:]:
+        rows = [c for c in comm if c[0] == s["step"]]
+        assert [(names[c[1]], names[c[2]]) for c in rows] == [("all_reduce", "world")], rows
+        _, _, _, cnt, nbytes, t_ms, w_ms = rows[0]
+        assert cnt >= 2 and nbytes == n_bytes                  # every bucket, counted and summed
+        assert 0 <= w_ms <= t_ms and 0 < t_ms < s["step_ms"]   # the tail after backward, not the buckets' sum
+        assert s["comm_ms"] + s["comm_wait_ms"] == pytest.approx(t_ms, rel=1e-6)
+        assert s["cpu_ms"] is not None and s["cpu_ms"] > 0
+    probe.shutdown()
+    assert DDP.__init__ is not ddp_hooks.patch and not getattr(DDP.__init__, "_stepwatch", False)
+
+
+def test_ddp_user_comm_hook_runs_inside_the_probes_and_is_timed(probe, rx, sockdir, gloo):
+    """A hook the user registers (before the first forward, or after it: the probe's hook is then already
+    in the reducer, which takes one hook only) is the one that runs, timed; a built-in one after the
+    probe's is run as its Python equivalent."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    calls = []
+
+    def my_hook(state, bucket):
+        calls.append(bucket.index())
+        return default_hooks.allreduce_hook(state, bucket)
+
+    probe.init(job="ddp-hook", socket_dir=sockdir, flush_ms=0)
+    x, y = torch.randn(16, 32), torch.randn(16, 4)
+    early, late = DDP(torch.nn.Linear(32, 4)), DDP(torch.nn.Linear(32, 4))
+    opt = torch.optim.SGD(list(early.parameters()) + list(late.parameters()), lr=0.1)   # one optimizer: one step each
+    early.register_comm_hook(None, my_hook)                   # before the first forward
+    _ddp_steps(early, opt, 2, x, y)
+    assert len(calls) == 2 and early._stepwatch_timer.user is my_hook
+    _ddp_steps(late, opt, 1, x, y)                            # the probe's own hook is registered here
+    late.register_comm_hook(None, my_hook)                    # DDP alone would accept this too
+    _ddp_steps(late, opt, 1, x, y)
+    assert len(calls) == 3
+    late._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+    _ddp_steps(late, opt, 1, x, y)
+    assert len(calls) == 3 and late._stepwatch_timer.user is None
+    hello, names, steps, comm, gcs = split(rx.read())
+    assert all(names[c[1]] == "all_reduce" and c[3] == 1 for c in comm)   # one bucket per step, every step timed
+    assert len({c[0] for c in comm}) == len(steps) == 5
+
+
+def test_bucket_tail_is_the_exposed_part_split_by_the_bandwidth_model(probe, sockdir):
+    """Replay: the step's buckets become one call whose time is from the last launch to the last
+    completion; the transfer part is the last bucket's payload at comm_gbps, the rest is wait."""
+    probe.init(job="tail", rank=0, world_size=2, socket_dir=sockdir, auto=False, comm_gbps=1.0)
+    s = probe._comm_slot_for("all_reduce", probe._intern("all_reduce"), probe._intern("world"), 2)
+    calls = []
+    buckets = {s: [3, 3000, 2_000_000, 9_000_000, 1000]}      # last launch at 2 ms, last done at 9 ms
+    probe._bucket_calls(calls, buckets)
+    assert buckets == {}
+    (slot, cnt, nbytes, t, w), = calls
+    tr = 1000 * 1.0 * 1.0                                     # all_reduce over 2 ranks: 1 byte on the wire per byte; 1 B/ns
+    assert (slot, cnt, nbytes, t) == (s, 3, 3000, 7_000_000) and w == pytest.approx(7_000_000 - tr)
