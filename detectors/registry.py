@@ -17,12 +17,10 @@ from .changepoint import ChangePoint
 from .efficiency import CommBandwidth, DataLoader, Mfu
 from .jitter import Jitter
 from .slowrank import SlowRank
-from .smallstage import SmallStage
 from .stall import Stall
 
 REGISTRY: dict[str, type[Detector]] = {
     "slow_rank": SlowRank,
-    "small_stage": SmallStage,               # stages of 2-3 ranks, which slow_rank cannot judge
     "changepoint": ChangePoint,
     "jitter": Jitter,
     "stall": Stall,
