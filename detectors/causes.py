@@ -186,7 +186,8 @@ def host_evidence(ctx, nodes, t_lo: int, t_hi: int) -> dict:
 
     Returns ``{"samples", "cpu_util", "cpu_iowait", "load1", "rdma_retrans": {"suspect", "others"}
     medians, "foreign": [{"node", "name", "pid", "cpu_pct", "seen_elsewhere", "new"}] (processes that use
-    >= 50% of a core on a suspect node, or >= 20% when they are ``new`` there, and appear among the top
+    >= 50% of a core on a suspect node, or >= 20% when they are ``new`` there and the ranks report their
+    run-queue wait (then a process only names the cause when the rank waited for its CPU), and appear among the top
     processes of <= 20% of the other nodes; ``new``: not among that node's top processes at >= 20% in the
     samples of the 2 minutes before the window (None without such samples); new ones first, then by CPU),
     "accel": {"node", "index", "clock_mhz", "temp_c", "fleet_clock_mhz", "fleet_temp_c", "down_clocked"}
@@ -211,12 +212,13 @@ def host_evidence(ctx, nodes, t_lo: int, t_hi: int) -> dict:
     for c in ("cpu_util", "cpu_iowait", "load1", "rdma_retrans"):
         v = _col(t, c)
         ev[c] = {"suspect": _med(v[sus]), "others": _med(v[~sus])}
+    measured = bool((getattr(ctx, "info", None) or {}).get("cpu_wait_reported"))
     before = w.select(int(t_lo) - BEFORE_NS, int(t_lo) - 1_500_000_000)
-    ev["foreign"] = _foreign(t, sus, _seen(before, nodes))
+    ev["foreign"] = _foreign(t, sus, _seen(before, nodes), NEW_MIN_PCT if measured else FOREIGN_MIN_PCT)
     acc = _accel(t, sus)
     if acc:
         ev["accel"] = acc
-    if (getattr(ctx, "info", None) or {}).get("cpu_wait_reported"):
+    if measured:
         ev["cpu_wait_reported"] = True
     return ev
 
@@ -253,7 +255,7 @@ def _codes(arr) -> tuple[np.ndarray, list]:
     return d.indices.to_numpy(zero_copy_only=False).astype(np.int64), d.dictionary.to_pylist()
 
 
-def _foreign(t, sus: np.ndarray, seen: set | None = None) -> list[dict]:
+def _foreign(t, sus: np.ndarray, seen: set | None = None, new_min: float = NEW_MIN_PCT) -> list[dict]:
     import pyarrow.compute as pc
 
     if "top_procs" not in t.column_names:
@@ -272,7 +274,7 @@ def _foreign(t, sus: np.ndarray, seen: set | None = None) -> list[dict]:
     on_s = sus[row]
     others = np.unique(node[~on_s])
     out = []
-    for c in np.unique(name_c[on_s & (cpu >= (FOREIGN_MIN_PCT if seen is None else NEW_MIN_PCT))]).tolist():
+    for c in np.unique(name_c[on_s & (cpu >= (FOREIGN_MIN_PCT if seen is None else new_min))]).tolist():
         m = on_s & (name_c == c)
         k = int(np.argmax(np.where(m, cpu, -1)))
         nd = str(node_names[node[k]])
