@@ -161,6 +161,8 @@ def rows_from_batch(ident: Identity, body) -> tuple[dict | None, list[dict], lis
     names = ident.names
     srow = None
     if step is not None:
+        if len(step) == 14:                       # a version-1 record: no CPU fields
+            step = tuple(step) + (-1.0, -1.0)
         (n, t0, t1, step_ns, data_ns, compute_ns, comm_ns, wait_ns, gc_ns, gc_count, data_queue, samples, tokens,
          dropped, cpu_ns, cpu_wait_ns) = step
         ident.dropped = dropped
