@@ -309,14 +309,26 @@ class Processor:
         """Whether the job's steps partition has been read to its end: it is assigned and not paused, and
         the messages handled reach the broker's end offset (asked at most every 0.5 s per partition) and
         the high watermark of the last fetch. The proof a silence judged on event time needs
-        (docs/detectors.md, stall). Without a consumer (rows handed over in order) it is taken as yes."""
+        (docs/detectors.md, stall). Without a consumer (rows handed over in order) it is taken as yes. A job
+        whose steps this processor has not read since it started (rebuilt from the store) needs every steps
+        partition it is assigned read to its end."""
         topic, part = self.kafka.topic("steps"), rt.steps_partition
         if part is None:
-            return True
+            if self.consumer is None:
+                return self.caught_up_hook is None or all(
+                    self.caught_up_hook(topic, p) for (t, p) in list(self._read_to) if t == topic)
+            try:
+                parts = [tp.partition for tp in self.consumer.assignment() if tp.topic == topic]
+            except Exception:  # noqa: BLE001
+                return False
+            return bool(parts) and all(self._tp_caught_up(topic, p) for p in parts)
         if self.caught_up_hook is not None:
             return bool(self.caught_up_hook(topic, part))
         if self.consumer is None:
             return True
+        return self._tp_caught_up(topic, part)
+
+    def _tp_caught_up(self, topic: str, part: int) -> bool:
         from kafka.structs import TopicPartition
         tp = TopicPartition(topic, part)
         try:
