@@ -21,7 +21,7 @@ incident by these rules, in order:
    beside a compute straggler stays its own incident: two faults.
    The other way round too: a localised alert that comes after the job-wide one it explains (began
    within ``lead_steps`` of it, the job-wide incident still firing, a cause as above) joins that incident
-   as its cause.
+   as its cause (the incident then reports that alert's kind and cause; its id stays).
 4. **The same job-wide change**: a job-wide alert joins the newest job-wide incident with the same cause
    whose newest alert is less than the cool-down old; a ``recovery`` joins the newest job-wide incident
    not yet recovered, whatever its cause (the change it undoes), and closes it.
@@ -143,6 +143,8 @@ class Incidents:
                            step_last=int(a.step_detected))
             self.incidents[inc.id] = inc
             self._bound()
+        if role == "cause":                                  # the localised cause names the incident
+            inc.kind, inc.cause = a.kind, a.cause
         self._add(inc, a)
         a.incident_id = inc.id
         a.evidence = dict(a.evidence)                        # resolved alerts share the firing one's dict

@@ -64,6 +64,7 @@ def test_unrelated_faults_stay_apart_and_a_recovery_closes_its_regression():
     inc2.assign(s2)
     assert s2.incident_id == r.incident_id and s2.evidence["incident"]["role"] == "cause"
     assert s2.evidence["incident"]["ranks"] == list(range(8, 16))
+    assert (s2.evidence["incident"]["kind"], s2.evidence["incident"]["cause"]) == ("slow_node", "cpu")
 
 
 def test_the_incident_id_survives_a_processor_restart(tmp_path):
