@@ -73,3 +73,49 @@ def test_paused_steps_partition_is_no_hang_and_the_real_hang_is_found(kafka, tmp
         assert sent["steps"] + rest["steps"] == 100 and sent["host"] + rest["host"] > 100
     finally:
         proc.close()
+
+
+def test_after_a_restart_unread_steps_are_no_hang(kafka, tmp_path):
+    """A processor restarted on the same store and group rebuilds the job from the store (its steps up to
+    ~20) before it has read any of the job's new step rows; its steps partitions are paused from the
+    moment they are assigned while the host topic is read ~180 s ahead: no hang until they are read."""
+    sc = IndepScenario("cg-restart", [dict(kind="hang", rank=21, start=120)], ranks=32, per_node=8, steps=200,
+                       seed=6, checkpoint_every=None)
+    job = IndepJob(sc)
+    msgs = job.messages(with_comm=False)
+    t_cut = int(job.t_end[20])
+    _produce(kafka, job, [m for m in msgs if m.produce_ns <= t_cut])
+    store, group = tmp_path / "store", f"g-{kafka.prefix}r"
+    first = Processor(kafka, store, group=group, flush_interval_s=0.2, on_alert=lambda a: None, profiling=None)
+    first.start()
+    try:
+        assert _poll_until(first, lambda: sc.job in first.jobs and first.jobs[sc.job].state.max_step >= 19)
+        first._flush()
+    finally:
+        first.close()
+    _produce(kafka, job, [m for m in msgs if m.produce_ns > t_cut])
+    alerts = []
+    proc = Processor(kafka, store, group=group, flush_interval_s=0.5, on_alert=alerts.append, profiling=None)
+    steps_topic = kafka.topic("steps")
+    assigned = proc._assigned
+
+    def pause_steps(tps):                      # test control: the steps partitions are read later
+        assigned(tps)
+        proc.consumer.pause(*[tp for tp in tps if tp.topic == steps_topic])
+
+    proc._assigned = pause_steps
+    proc.start()
+    try:
+        assert _poll_until(proc, lambda: sc.job in proc.jobs
+                           and proc.jobs[sc.job].telemetry.host_event_ns >= job.t_stop - 2_000_000_000)
+        rt = proc.jobs[sc.job]
+        for _ in range(10):
+            proc.poll_once(timeout_ms=100)
+        assert rt.steps_partition is None and 19 <= rt.state.max_step < 30      # rebuilt from the store only
+        assert (rt.telemetry.host_event_ns - rt.state.max_t_end) / 1e9 > 150
+        assert [a for a in alerts if a.kind == "job_hang"] == []
+        proc.consumer.resume(*proc.consumer.paused())
+        assert _poll_until(proc, lambda: any(a.kind == "job_hang" for a in alerts), timeout_s=90)
+        assert [(a.ranks, a.step_first) for a in alerts if a.kind == "job_hang"] == [([21], 120)]
+    finally:
+        proc.close()
