@@ -21,6 +21,11 @@ from .causes import PHASES, SUGGESTIONS, attribute, confirm_shift, job_host_shif
 #: absorbs. Power: a 5-sigma mean shift with 5 points after it is found in 99% of series (all with 7).
 PENALTY_C = 6.0
 
+#: Half-width (points) of the local window on which :func:`find` confirms a change against a linear
+#: trend: a line is a local approximation of a drift or a slow curve, and 50 points on each side leave a
+#: slope well determined while a seasonal or curved series is still close to a line within it.
+LOCAL = 50
+
 _SEARCH = {"bottomup": rpt.BottomUp, "binseg": rpt.Binseg, "pelt": rpt.Pelt}
 
 
@@ -48,6 +53,43 @@ def noise_sigma(values) -> float:
     return 1.4826 * _median(np.abs(d - _median(d))) / math.sqrt(2.0)
 
 
+#: Largest AR(1) coefficient :func:`noise_scales` reports. Above it the series is treated as nearly
+#: integrated (a smooth curve, a random walk): its long-run variance is then inflated 2 (1 + r) / (1 - r)^2
+#: = 380-fold over the white estimate, which already makes any change that is not large against the
+#: curve's own wandering too expensive.
+RHO_MAX = 0.9
+
+
+def _mad_sd(d: np.ndarray) -> float:
+    return 1.4826 * _median(np.abs(d - _median(d))) if len(d) else 0.0
+
+
+def noise_scales(values) -> tuple[float, float, float]:
+    """Robust noise of a series that may be autocorrelated: ``(sigma, rho, sigma_lr)``.
+
+    With AR(1) noise of coefficient r and marginal variance g, the first differences have variance
+    ``v1 = 2 g (1 - r)`` and the lag-2 differences ``v2 = 2 g (1 - r^2) = v1 (1 + r)``; both are taken
+    robustly (``(1.4826 MAD)^2``: level shifts and spikes touch few differences), so ``r = v2 / v1 - 1``
+    (clipped to ``[0, RHO_MAX]``), the marginal sd ``sigma = sqrt(v1 / (2 (1 - r)))`` and the long-run sd
+    (the sd of a segment mean times sqrt(its length), what a mean-shift test needs)
+    ``sigma_lr = sigma * sqrt((1 + r) / (1 - r))``. White noise: r ~ 0 and sigma_lr = sigma =
+    :func:`noise_sigma`. Smooth curves (trends, seasonality, random walks) have differences that are
+    themselves smooth: r reaches its cap and sigma_lr grows accordingly. NaNs are ignored; zeros for
+    fewer than 4 finite values.
+    """
+    x = np.asarray(values, dtype=np.float64)
+    x = x[np.isfinite(x)]
+    if len(x) < 4:
+        return 0.0, 0.0, 0.0
+    v1 = _mad_sd(np.diff(x)) ** 2
+    v2 = _mad_sd(x[2:] - x[:-2]) ** 2
+    if not v1 > 0:
+        return 0.0, 0.0, 0.0
+    r = min(max(v2 / v1 - 1.0, 0.0), RHO_MAX)
+    g = v1 / (2.0 * (1.0 - r))
+    return math.sqrt(g), r, math.sqrt(g * (1.0 + r) / (1.0 - r))
+
+
 def median_filter(x: np.ndarray, width: int) -> np.ndarray:
     """Running median of odd ``width`` with symmetric edges (``d c b a | a b c d``), so a spike on
     the last point is still outvoted. ``width <= 1`` returns ``x`` unchanged."""
@@ -67,7 +109,8 @@ def median_filter(x: np.ndarray, width: int) -> np.ndarray:
 
 def find(values, *, model: str = "l2", min_size: int = 5, penalty: float | None = None,
          jump: int = 1, c: float = PENALTY_C, smooth: int = 5, search: str = "bottomup",
-         refine: bool = True, screen: bool = False, known=()) -> list[int]:
+         refine: bool = True, screen: bool = False, known=(), autocorr: bool = True,
+         trend: bool = True, local: int = LOCAL) -> list[int]:
     """Indices where a new segment of ``values`` begins (0 and ``len(values)`` excluded).
 
     Parameters
@@ -78,8 +121,11 @@ def find(values, *, model: str = "l2", min_size: int = 5, penalty: float | None 
         any other model needs an explicit ``penalty``.
     min_size : minimum segment length (points); a change needs ``min_size`` points on both sides.
         Series shorter than ``2 * min_size`` give ``[]``.
-    penalty : cost per change point. Default (None): ``c * sigma**2 * log(n)`` with ``sigma`` from
-        :func:`noise_sigma` of the raw series (robust to spikes and the shifts themselves).
+    penalty : cost per change point. Default (None): ``c * sigma_lr**2 * log(n)`` with ``sigma_lr`` the
+        long-run noise sd of the raw series from :func:`noise_scales` (robust to spikes and the shifts
+        themselves; inflated for autocorrelated noise, so AR(1) noise, seasonality and smooth curves do
+        not pay for spurious changes). ``autocorr=False``: the white-noise ``sigma`` of :func:`noise_sigma`
+        (the behaviour before the long-run correction).
     jump : grid of candidate positions for the ruptures search (1 = every point). With ``refine`` the
         positions are re-optimised to the exact point afterwards, so ``jump > 1`` costs little accuracy.
     c : penalty constant (default :data:`PENALTY_C` = 6, about 3x the BIC's 2 log n: conservative for
@@ -100,6 +146,13 @@ def find(values, *, model: str = "l2", min_size: int = 5, penalty: float | None 
     known : with ``screen``: indices of change points already known (reported before); the screen then
         asks whether any segment *between* them could be split further, so a window holding an
         already-reported change does not pay for a full search on every call.
+    trend : for "l2": confirm every change against a local linear trend: on the points within ``local``
+        of it (and inside its neighbouring segments), fit level + slope + a jump at the change; the jump
+        must still pay the penalty (``jump^2 / var-factor >= penalty``), with the noise taken as the
+        larger of ``sigma_lr`` and the robust sd of that fit's residuals (the series' own wandering
+        around it: a seasonal hump, a curve). A trend or a smooth curve cut into steps, which a
+        piecewise-constant search does, is dropped; an abrupt shift is kept. Weakest first, repeated.
+    local : half-width (points) of the local-trend confirmation (default :data:`LOCAL` = 50).
 
     Constant series, all-NaN and very short series return ``[]``.
     """
@@ -115,7 +168,7 @@ def find(values, *, model: str = "l2", min_size: int = 5, penalty: float | None 
     if penalty is None:
         if model != "l2":
             raise ValueError(f"automatic penalty is calibrated for model='l2'; pass penalty for {model!r}")
-        sigma = noise_sigma(y)
+        sigma = noise_scales(y)[2] if autocorr else noise_sigma(y)
         # Floor: exactly piecewise-constant data has MAD 0; keep a penalty relative to the level.
         scale = _median(np.abs(y)) or float(np.max(np.abs(y)))
         sigma = max(sigma, 1e-4 * scale, 1e-12)
@@ -132,7 +185,44 @@ def find(values, *, model: str = "l2", min_size: int = 5, penalty: float | None 
         return []
     if refine and model == "l2" and bkps:
         bkps = _refine_l2(z, bkps, min_size, float(penalty))
+    if trend and model == "l2" and bkps:
+        slr = noise_scales(y)[2] if autocorr else noise_sigma(y)
+        bkps = _confirm_jumps(y, z, bkps, float(penalty), slr, int(local))
     return [int(keep[b]) for b in bkps]
+
+
+def _jump_gain(y: np.ndarray, z: np.ndarray, a: int, t: int, b: int, local: int, slr: float) -> float:
+    """The l2 gain of a jump at ``t`` once a local level and slope are allowed, in units of the penalty's
+    noise: ``jump^2 / var-factor * (slr / s)^2`` with s = max(slr, robust sd of the fit's residuals on the
+    raw values), on the points ``[max(a, t - local), min(b, t + local))`` of the filtered series."""
+    lo, hi = max(a, t - local), min(b, t + local)
+    if hi - lo < 4 or t - lo < 1 or hi - t < 1:
+        return math.inf
+    i = np.arange(lo, hi, dtype=np.float64)
+    X = np.stack((np.ones(hi - lo), (i - t) / (hi - lo), (i >= t).astype(np.float64)), axis=1)
+    try:
+        inv = np.linalg.inv(X.T @ X)
+    except np.linalg.LinAlgError:
+        return math.inf
+    beta = inv @ (X.T @ z[lo:hi])
+    res = y[lo:hi] - X @ beta
+    s = max(slr, _mad_sd(res), 1e-300)
+    return float(beta[2] ** 2 / inv[2, 2]) * (slr / s) ** 2 if slr > 0 else float(beta[2] ** 2 / inv[2, 2])
+
+
+def _confirm_jumps(y, z, bkps: list[int], pen: float, slr: float, local: int) -> list[int]:
+    """Drop, weakest first, the change points whose jump does not pay ``pen`` against a local trend
+    (:func:`_jump_gain` with the neighbouring change points as the window's limits)."""
+    n = len(z)
+    bk = list(bkps)
+    while bk:
+        e = [0] + bk + [n]
+        g = [_jump_gain(y, z, e[j - 1], e[j], e[j + 1], local, slr) for j in range(1, len(e) - 1)]
+        j = int(np.argmin(g))
+        if g[j] >= pen:
+            break
+        del bk[j]
+    return bk
 
 
 def _l2_cost(z: np.ndarray):
@@ -369,7 +459,7 @@ class ChangePoint(Detector):
         self._reported = [r for r in self._reported if r >= lo]
         known = np.searchsorted(steps, np.asarray(self._reported, dtype=np.int64))
         bkps = find(vals, min_size=self.min_size, c=self.penalty_c, smooth=self.smooth, screen=True,
-                    known=known)
+                    known=known, trend=False)
         if not bkps:
             return []
         sigma = max(noise_sigma(vals), 1e-9)
