@@ -26,6 +26,10 @@ PENALTY_C = 6.0
 #: slope well determined while a seasonal or curved series is still close to a line within it.
 LOCAL = 50
 
+#: Standard errors a jump needs in the local-trend confirmation of :func:`find` (as the streaming
+#: detector's ``min_t``).
+TREND_T = 5.0
+
 _SEARCH = {"bottomup": rpt.BottomUp, "binseg": rpt.Binseg, "pelt": rpt.Pelt}
 
 
@@ -166,7 +170,7 @@ def median_filter(x: np.ndarray, width: int) -> np.ndarray:
 def find(values, *, model: str = "l2", min_size: int = 5, penalty: float | None = None,
          jump: int = 1, c: float = PENALTY_C, smooth: int = 5, search: str = "bottomup",
          refine: bool = True, screen: bool = False, known=(), autocorr: bool = True,
-         trend: bool = True, local: int = LOCAL) -> list[int]:
+         trend: bool = True, local: int = LOCAL, trend_t: float | None = TREND_T) -> list[int]:
     """Indices where a new segment of ``values`` begins (0 and ``len(values)`` excluded).
 
     Parameters
@@ -204,11 +208,14 @@ def find(values, *, model: str = "l2", min_size: int = 5, penalty: float | None 
         already-reported change does not pay for a full search on every call.
     trend : for "l2": confirm every change against a local linear trend: on the points within ``local``
         of it (and inside its neighbouring segments), fit level + slope + a jump at the change; the jump
-        must still pay the penalty (``jump^2 / var-factor >= penalty``), with the noise taken as the
-        larger of ``sigma_lr`` and the robust sd of that fit's residuals (the series' own wandering
-        around it: a seasonal hump, a curve). A trend or a smooth curve cut into steps, which a
-        piecewise-constant search does, is dropped; an abrupt shift is kept. Weakest first, repeated.
+        must be at least ``trend_t`` standard errors, with the noise taken as the larger of ``sigma_lr``
+        and the robust sd of that fit's residuals (the series' own wandering around it: a seasonal
+        hump, a curve). A trend or a smooth curve cut into steps, which a piecewise-constant search
+        does, is dropped; an abrupt shift is kept. Weakest first, repeated.
     local : half-width (points) of the local-trend confirmation (default :data:`LOCAL` = 50).
+    trend_t : standard errors the jump needs in that confirmation (default :data:`TREND_T` = 5, the
+        streaming detector's ``min_t``: one test at a known place, so no log n for the search; None:
+        the jump must pay the whole penalty).
 
     Constant series, all-NaN and very short series return ``[]``.
     """
@@ -243,7 +250,8 @@ def find(values, *, model: str = "l2", min_size: int = 5, penalty: float | None 
         bkps = _refine_l2(z, bkps, min_size, float(penalty))
     if trend and model == "l2" and bkps:
         slr = noise_scales(y)[2] if autocorr else noise_sigma(y)
-        bkps = _confirm_jumps(y, z, bkps, float(penalty), slr, int(local))
+        need = float(penalty) if trend_t is None else trend_t * trend_t * max(slr, 1e-300) ** 2
+        bkps = _confirm_jumps(y, z, bkps, need, slr, int(local))
     return [int(keep[b]) for b in bkps]
 
 
