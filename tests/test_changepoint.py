@@ -293,7 +293,7 @@ def test_find_keeps_an_abrupt_shift_on_a_trend_and_in_ar1_noise():
     u = np.zeros(500)
     for i in range(1, 500):
         u[i] = 0.6 * u[i - 1] + 0.8 * e[i]
-    u[200:] += 6.0                                # 3 long-run sd (sigma_lr = 0.8 / 0.4 = 2)
+    u[200:] += 8.0                                # 4 long-run sd (sigma_lr = 0.8 / 0.4 = 2)
     assert near(find(u), [200])
 
 
