@@ -393,29 +393,39 @@ def _refine_l2(z: np.ndarray, bkps: list[int], min_size: int, pen: float) -> lis
 
 
 class ChangePoint(Detector):
-    """Regressions and recoveries of the job's step time (kinds ``regression`` / ``recovery``).
+    """Regressions and recoveries of the job's step time and of each of its phases (kinds
+    ``regression`` / ``recovery``).
 
     Per closed step the detector keeps the median step time over ranks (the only O(R) work per step)
-    and the medians of the phases over a fixed sample of at most ``phase_sample`` ranks, in ring
-    buffers of the last ``window`` steps. Every ``every`` steps (by step number) it runs :func:`find` on
-    the window. A candidate change at window index i is confirmed when
+    and the medians of the phases (data wait, compute, comm, comm wait, GC, host gap) over a fixed
+    sample of at most ``phase_sample`` ranks, in ring buffers of the last ``window`` steps. Every
+    ``every`` steps (by step number) it runs :func:`find` (``trend=False``) on the step-time series and,
+    with ``phases``, on each phase series. A candidate change at window index i of a series is
+    confirmed when (once the window holds ``min_steps`` steps)
 
     - at least ``min_size`` points follow it (the search guarantees it),
-    - the effect ``|median after - median before| / median before >= min_effect``, medians taken over
-      the segments around i on the raw (unfiltered) values, and
-    - the shift is large against the noise: ``|Δ| / (sigma * sqrt(1/n_before + 1/n_after)) >= min_t``
-      with ``sigma`` the robust noise level of the window, and
-    - the floor moved with it: the 25th percentile of the segments shifted in the same direction by at
-      least ``floor_share`` of the median's effect. A level shift moves every step; intermittent slow
-      steps (DataLoader stalls, unsynchronised GC, a straggler one step in three) raise only the upper
-      part of the distribution and are the jitter detector's.
+    - the shift is large against the series' own noise: ``|Δ| / sqrt(s_b^2/n_b + s_a^2/n_a) >= min_t``,
+      medians of the raw segments, ``s`` the long-run noise within the segments found
+      (:func:`segment_noise`; a segment's own when it has >= 4 min_size points, never below the window's),
+    - the effect is large enough: the step time by ``min_effect`` (relative), a phase by
+      ``phase_min_effect`` (relative to the lower level) and by ``phase_min_share`` of the median step
+      time,
+    - persistence: at least ``persist`` of each segment's steps lie on its own side of the midpoint
+      between the two medians (a level shift; not noise that takes turns, nor a few slow steps), and
+    - step time only: the floor moved with it (the 25th percentile of the segments shifted in the same
+      direction by at least ``floor_share`` of the median's effect; intermittent slow steps — DataLoader
+      stalls, unsynchronised GC, a straggler one step in three — raise only the upper part: jitter).
 
-    Each change is reported once: candidates within ``±min_size`` steps of an already reported change
-    are ignored, and reported changes are remembered until they leave the window. Alerts carry
-    ``step_first`` = the first step of the new segment, ``cost_pct`` = relative step-time increase in %
-    (0 for recoveries), ``cause`` from :func:`~stepwatch.detectors.causes.attribute` on the median
-    phases before vs after (phases also include ``comm_wait_ms`` → parallelism). Steps where every rank
-    is NaN are skipped. Alerts are ``firing`` only (a recovery is its own alert).
+    Each change is reported once: confirmed candidates of all series within ``min_size`` steps of each
+    other are one alert, led by the step time when it moved (the other series in ``also_changed``), else
+    by the phase that moved most (ms); candidates within ``±min_size`` steps of an already reported
+    change are ignored, and reported changes are remembered until they leave the window. Alerts carry
+    ``step_first`` = the first step of the new segment, ``evidence.series`` = the leading series,
+    ``cost_pct`` = relative step-time increase in % (a phase: its increase as % of the step time; 0 for
+    recoveries), ``cause``: a phase's own cause, or for the step time
+    :func:`~stepwatch.detectors.causes.attribute` on the median phases before vs after (phases also
+    include ``comm_wait_ms`` → parallelism), then confirmed with job-wide host evidence. Steps where
+    every rank is NaN are skipped. Alerts are ``firing`` only (a recovery is its own alert).
 
     Straggler-driven changes: in synchronous training one slow rank makes every step slower, so the
     job's step time shifts when a straggler appears or goes. Such a change shows as the median rank
