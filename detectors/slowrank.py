@@ -65,7 +65,8 @@ class SlowRank(Detector):
       10) a 5% straggler (4.3% busy-time excess, ~3.9 sd) is confirmed in 5-8 steps (median 5.5 over 8
       draws), 10% in 2-3; 0 false alarms in 2.4M clean rank-steps of the simulator, in 1.8M of
       unclipped Student-t(3) noise and in 1.2M with AR(1) per-rank drift (0.9, 0.7%) on 1% noise.
-      A drift as large as the per-step noise (AR 0.95 at 1%) fires ~1 per 400k rank-steps.
+      A drift as large as the per-step noise (AR 0.95 at 1%) fires ~1 per 400k rank-steps. A 3%
+      straggler (2.3 sd) takes 11-24 steps, or is missed (3 of 8 draws of 70 steps).
 
     Resolution (hysteresis): ``clear_steps`` consecutive reported steps that are not flagged and both
     CUSUMs below ``h/2`` (a small straggler seldom crosses the per-step flag; without the CUSUM
