@@ -404,9 +404,11 @@ class ChangePoint(Detector):
     confirmed when (once the window holds ``min_steps`` steps)
 
     - at least ``min_size`` points follow it (the search guarantees it),
-    - the shift is large against the series' own noise: ``|Δ| / sqrt(s_b^2/n_b + s_a^2/n_a) >= min_t``,
+    - the shift is large against the series' own noise: ``|Δ| / (s sqrt(1/n_b + 1/n_a)) >= min_t``,
       medians of the raw segments, ``s`` the long-run noise within the segments found
-      (:func:`segment_noise`; a segment's own when it has >= 4 min_size points, never below the window's),
+      (:func:`segment_noise`), or within the two segments around the change, or within the regime since
+      the last reported change, when that is larger (a noisy regime after a quiet one: its wandering
+      is not a change),
     - the effect is large enough: the step time by ``min_effect`` (relative), a phase by
       ``phase_min_effect`` (relative to the lower level) and by ``phase_min_share`` of the median step
       time,
@@ -600,11 +602,19 @@ class ChangePoint(Detector):
                 continue
             before, after = _median(xb), _median(xa)
             d = after - before
-            # Welch: each segment with its own noise when it is long enough to tell (never below the
-            # window's): a level that is noisier after the change does not make its wandering significant
-            sb = max(sigma, noise_scales(xb)[2]) if len(xb) >= 4 * self.min_size else sigma
-            sa = max(sigma, noise_scales(xa)[2]) if len(xa) >= 4 * self.min_size else sigma
-            tstat = abs(d) / math.sqrt(sb * sb / len(xb) + sa * sa / len(xa))
+            # the noise around this change: the window's, or that of its two segments alone when they
+            # are noisier (a noisy regime after a quiet one: its wandering is not a change)
+            loc = segment_noise(np.concatenate((xb, xa)), [0, len(xb), len(xb) + len(xa)], 2 * self.min_size)
+            # ... and of the whole regime since the last reported change (short segments say little)
+            prior = [r for r in self._reported if r < step_first]
+            if prior:
+                r0 = min(int(np.searchsorted(steps, max(prior))), a)
+                reg = v[r0:b][fin[r0:b]]
+                cut = int(np.count_nonzero(fin[r0:i]))
+                if len(reg) >= 4 * self.min_size:
+                    loc = max(loc, segment_noise(reg, [0, cut, len(reg)], 2 * self.min_size))
+            sg = max(sigma, loc)
+            tstat = abs(d) / (sg * math.sqrt(1.0 / len(xb) + 1.0 / len(xa)))
             if tstat < self.min_t or d == 0:
                 continue
             if step_level is None:
@@ -631,7 +641,7 @@ class ChangePoint(Detector):
             if (np.mean(sgn * (xa - mid) > 0) < self.persist or np.mean(sgn * (mid - xb) > 0) < self.persist):
                 continue
             out.append({"series": name, "step_first": step_first, "seg": (a, i, b), "before": before,
-                        "after": after, "effect": effect, "tstat": tstat, "sigma": sigma})
+                        "after": after, "effect": effect, "tstat": tstat, "sigma": sg})
         return out
 
     def _times(self) -> np.ndarray:
