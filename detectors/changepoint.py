@@ -11,7 +11,8 @@ import numpy as np
 import ruptures as rpt
 
 from .base import Alert, Detector, JobContext, StepBlock
-from .causes import PHASE_CAUSE, PHASES, SUGGESTIONS, attribute, confirm_shift, job_host_shift, nanmedian, phase_arrays
+from .causes import (PHASE_CAUSE, PHASES, SUGGESTIONS, attribute, confirm_shift, job_host_shift, nanmedian,
+                     phase_arrays)
 
 #: Default penalty constant: ``penalty = PENALTY_C * sigma**2 * log(n)`` (about 3x the BIC's 2 log n).
 #: Calibrated with the default 5-point median pre-filter on 2% Gaussian noise (+1% Student-t(3)) with
@@ -58,8 +59,8 @@ def noise_sigma(values) -> float:
 
 
 #: Largest AR(1) coefficient :func:`noise_scales` reports. Above it the series is treated as nearly
-#: integrated (a smooth curve, a random walk): its long-run variance is then inflated 2 (1 + r) / (1 - r)^2
-#: = 380-fold over the white estimate, which already makes any change that is not large against the
+#: integrated (a smooth curve, a random walk): its long-run variance is then inflated (1 + r) / (1 - r)^2
+#: = 190-fold over the white estimate, which already makes any change that is not large against the
 #: curve's own wandering too expensive.
 RHO_MAX = 0.9
 
@@ -83,8 +84,9 @@ def _wins_var(d: np.ndarray) -> float:
 def block_sigma(values, m: int) -> float:
     """Long-run noise sd seen at the scale of ``m``-point means: ``sqrt(m / 2) * sd(D)`` with ``D`` the
     differences between the means of adjacent ``m``-point blocks at every position (MAD: a spike moves
-    the 2m differences whose blocks hold it, so the estimate must tolerate a large share of outliers). White noise gives its sd; autocorrelated noise of any form (not only AR(1): a mixture of slow
-    and fast wandering) gives what a comparison of ``m``-point means actually sees. NaNs are ignored."""
+    the 2m differences whose blocks hold it, so the estimate must tolerate a large share of outliers).
+    White noise gives its sd; autocorrelated noise of any form (not only AR(1): a mixture of slow and
+    fast wandering) gives what a comparison of ``m``-point means actually sees. NaNs are ignored."""
     x = np.asarray(values, dtype=np.float64)
     x = x[np.isfinite(x)]
     m = int(m)
@@ -101,9 +103,9 @@ def noise_scales(values) -> tuple[float, float, float]:
 
     With AR(1) noise of coefficient r and marginal variance g, the first differences have variance
     ``v1 = 2 g (1 - r)`` and the lag-2 differences ``v2 = 2 g (1 - r^2) = v1 (1 + r)``; both are taken
-    robustly (winsorized at 4 MAD-sd: level shifts and spikes touch few differences), so ``r = v2 / v1 - 1``
-    (clipped to ``[0, RHO_MAX]``), the marginal sd ``sigma = sqrt(v1 / (2 (1 - r)))`` and the long-run sd
-    (the sd of a segment mean times sqrt(its length), what a mean-shift test needs)
+    robustly (winsorized at 4 MAD-sd: level shifts and spikes touch few differences), so
+    ``r = v2 / v1 - 1`` (clipped to ``[0, RHO_MAX]``), the marginal sd ``sigma = sqrt(v1 / (2 (1 - r)))``
+    and the long-run sd (the sd of a segment mean times sqrt(its length), what a mean-shift test needs)
     ``sigma_lr = sigma * sqrt((1 + r) / (1 - r))``. White noise: r ~ 0 and sigma_lr = sigma =
     :func:`noise_sigma`. Smooth curves (trends, seasonality, random walks) have differences that are
     themselves smooth: r reaches its cap and sigma_lr grows accordingly. NaNs are ignored; zeros for
@@ -698,8 +700,8 @@ class ChangePoint(Detector):
             evidence["step_median_after_ms"] = round(step_a, 3)
             evidence["step_effect_pct"] = round(d_step / step_b * 100.0, 2) if step_b > 0 else None
         if others:
-            evidence["also_changed"] = {c["series"]: {"before": round(c["before"], 3), "after": round(c["after"], 3)}
-                                        for c in others}
+            evidence["also_changed"] = {c["series"]: {"before": round(c["before"], 3),
+                                                      "after": round(c["after"], 3)} for c in others}
         if host_ev:
             evidence["host"] = host_ev
         return Alert(job=ctx.job, kind=kind, status="firing", step_first=lead["step_first"],
