@@ -293,7 +293,7 @@ def run_scenario(sc, data_dir: Path, rows_per_message: int = 4096, flush_every: 
         offsets[k] = o + 1
         proc._handle(Record(kafka.topic(m.kind), m.partition, o, key, m.payload, wire.headers(m.kind)))
     for rt in proc.jobs.values():                   # end of stream: what the idle timer does
-        proc._detect(rt, rt.state.close_ready(force=True))
+        proc._detect(rt, rt.state.close_ready(force=True), force=True)
     proc._flush()
     wall = time.perf_counter() - t0
     det_s: dict[str, float] = {}

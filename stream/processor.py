@@ -57,6 +57,7 @@ class JobRuntime:
     replaying: bool = False
     telemetry: JobTelemetry = field(default_factory=JobTelemetry)   # bounded host/gc/comm windows
     steps_partition: int | None = None                # partition the job's step rows arrive on
+    pending: list = field(default_factory=list)       # closed steps held until the topology is read
     incidents: Incidents = field(default_factory=Incidents)   # alerts grouped per fault
 
 
@@ -253,7 +254,10 @@ class Processor:
         if kind == "topology":
             for job in pc.unique(t.column("job")).to_pylist():
                 part = t.filter(pc.equal(t.column("job"), job))
-                self._job(job).state.set_topology(part)
+                rt = self._job(job)
+                rt.state.set_topology(part)
+                if rt.pending:                              # steps held for it: detect them now
+                    self._detect(rt, [])
             self._buffer("topology", t)
             return
         if kind != "steps":
@@ -464,7 +468,16 @@ class Processor:
         except Exception:  # noqa: BLE001 - evidence is optional; the steps replay is what matters
             log.info("could not warm the host/gc context of job %s from the store", rt.state.job, exc_info=True)
 
-    def _detect(self, rt: JobRuntime, blocks: list[StepBlock]) -> None:
+    def _detect(self, rt: JobRuntime, blocks: list[StepBlock], force: bool = False) -> None:
+        # a job's topology (pipeline stages: which ranks are peers) may be read after its first steps
+        # (Kafka orders nothing across topics): hold its closed steps, bounded, until it comes
+        if not rt.state.topology_known and not rt.replaying and not force:
+            rt.pending += blocks
+            held = sum(len(b) for b in rt.pending)
+            if held < max(8, min(128, 4_000_000 // max(rt.state.world_size, 1))):
+                return
+        if rt.pending:
+            blocks, rt.pending = rt.pending + list(blocks), []
         if not blocks:
             return
         ctx = self._ctx(rt)
@@ -560,8 +573,8 @@ class Processor:
         if time.monotonic() - self.last_data < self.idle_close_s:
             return
         for rt in self.jobs.values():
-            if rt.state.open_steps():
-                self._detect(rt, rt.state.close_ready(force=True))
+            if rt.state.open_steps() or rt.pending:
+                self._detect(rt, rt.state.close_ready(force=True), force=True)
 
     # ------------------------------------------------------------------ flush
     def _flush(self) -> None:
