@@ -944,7 +944,9 @@ class CommBandwidth(Detector):
     * ``comm_sync_bound`` (job, cause ``parallelism``): the wait is at least ``sync_share`` of the time in
       collectives and collectives take at least ``min_comm_share`` of the step, and the wait is not
       explained by a few stragglers (ranks waiting less than a quarter of the median wait are at most
-      ``straggler_share`` of the ranks: those the slow-rank detector names) → look for the straggler;
+      ``straggler_share`` of the ranks: those the slow-rank detector names; in a job where that share is
+      less than one rank, the least-waiting rank waiting less than half the median of the others) → look
+      for the straggler;
       the evidence lists the ranks that wait least.
 
     Settings (keyword arguments, defaults):
@@ -1103,7 +1105,17 @@ class CommBandwidth(Detector):
             ranks, wait = res["rank_wait"]
             medw = float(np.median(wait)) if len(wait) else 0.0
             few = (wait < 0.25 * medw).sum() if medw > 0 else 0
-            if not (0 < few <= self.straggler_share * len(wait)):
+            explained = 0 < few <= self.straggler_share * len(wait)
+            if not explained and 2 <= len(wait) and self.straggler_share * len(wait) < 1:
+                # a small job (10% of it is less than one rank): one straggler, the rank that waits least,
+                # compared with the median of the *other* ranks (the median of all would hold the straggler
+                # itself: of 2 ranks it is their mean). Where nobody straggles, who arrives last changes
+                # from step to step and the ranks' waits are alike; under half the others' is one rank last
+                # on most steps, and the others' wait is its doing (slow_rank's small-stage test names it)
+                lo = int(np.argmin(wait))
+                rest = float(np.median(np.delete(wait, lo)))
+                explained = rest > 0 and float(wait[lo]) < 0.5 * rest
+            if not explained:
                 if g:
                     diag[np.asarray(g["wait_share"]) >= self.sync_share] = "sync-bound"
                 present.add("sync")
