@@ -20,7 +20,7 @@ _NULL_MIN = 256       # pooled null values a calibration wants (small jobs: over
 _NULL_FEW = 64
 _SMALL_DELAY = 16     # small stages: steps by which the learned pairwise baseline and noise lag
 _SMALL_LEARN = 16     # small stages: learned steps before a rank is judged
-_MEAN_ABS_TO_SIGMA = 1.2533   # sd / mean absolute deviation (normal law)
+_SMALL_HIST = 64      # small stages: learned steps whose median and MAD are a rank's baseline and noise
 
 
 class SlowRank(Detector):
@@ -172,11 +172,10 @@ class SlowRank(Detector):
         # the null law's sample ring: _EVERY steps, or enough steps for _NULL_MIN values on a small job
         rows = max(_EVERY, -(-_NULL_MIN // max(len(self._cols), 1)))
         self._samp = np.full((rows, len(self._cols)), np.nan, dtype=np.float32)
-        # small stages (2 .. min_peers - 1 ranks, see _small_z): each rank's learned pairwise baseline
-        # and noise, learned from the values of _SMALL_DELAY steps ago
-        self._sm_base = np.zeros(R, dtype=np.float64)
-        self._sm_dev = np.full(R, np.nan, dtype=np.float64)     # EWMA of |relative difference - baseline|
-        self._sm_n = np.zeros(R, dtype=np.int32)
+        # small stages (2 .. min_peers - 1 ranks, see _small_z): each rank's learned relative differences
+        # to its peers (their median: its baseline, their MAD: its noise), from _SMALL_DELAY steps ago
+        self._sm_hist = np.full((_SMALL_HIST, R), np.nan, dtype=np.float64)   # learned values (ring)
+        self._sm_n = np.zeros(R, dtype=np.int64)
         self._sm_ring = np.full((_SMALL_DELAY, R), np.nan, dtype=np.float64)
         self._sm_pos = np.zeros(R, dtype=np.int64)
         self._age = 0                                            # steps judged (by the CUSUM)
@@ -392,14 +391,14 @@ class SlowRank(Detector):
         median and MAD across peers mean nothing. In synchronous training the straggler is the rank that
         waits least, so its busy time exceeds the others': each rank is judged on its relative difference
         to the median of the *other* ranks of the stage, ``e = (x - m_others) / m_others``, against that
-        difference's own history: ``z = (e - b) / s``, with ``b`` the rank's learned baseline offset (a
-        pair that is permanently a bit asymmetric is judged against itself) and ``s`` the difference's own
-        noise (``1.2533 x`` an EWMA of ``|e - b|``, each value clipped at ``z_min`` sd, floored at
-        ``1.4826 mad_floor``). Both are EWMAs (the first _SMALL_LEARN values averaged, then over
-        ~_OFFSET_STEPS steps) of the values of _SMALL_DELAY steps ago, skipped while the rank is under an
-        alert or its CUSUM above h/2: a new straggler is not absorbed while it is being confirmed. A rank is
-        judged once _SMALL_LEARN values were learned; the z then feeds the same flags, persistence and
-        sequential test as a large stage's. Returns (z, e, excess ms, relative noise per step, judged)."""
+        difference's own history: ``z = (e - b) / s``, ``b`` the median of the rank's last _SMALL_HIST
+        learned values (its baseline offset: a pair that is permanently a bit asymmetric is judged
+        against itself), ``s`` 1.4826 x their MAD (floored at ``1.4826 mad_floor``; a median and a MAD,
+        so bursts in the history do not inflate it). The values are learned _SMALL_DELAY steps late, and
+        not while the rank is under an alert or its CUSUM is above h/2: a new straggler is not absorbed
+        while it is being confirmed. A rank is judged once _SMALL_LEARN values were learned; its z then
+        feeds the same flags, persistence and sequential test as a large stage's. Returns (z, e, excess
+        ms, relative noise per step, judged)."""
         S, w = sub.shape
         oth = np.empty_like(sub)
         for j in range(w):                                                  # w <= 3
@@ -413,14 +412,17 @@ class SlowRank(Detector):
         hot = np.zeros(w, dtype=bool)
         if self._cs_ready:
             hot = (self._cs[cols] >= 0.5 * self._h[0]) | (self._csb[cols] >= 0.5 * self._h[1])
+        hist = self._sm_hist[:, cols]                                       # (_SMALL_HIST, w), a copy
+        n = self._sm_n[cols].copy()
+        with np.errstate(all="ignore"):
+            b = nanmedian(hist, axis=0)
+            sd = np.maximum(_MAD_TO_SIGMA * nanmedian(np.abs(hist - b), axis=0), floor)
         for s in range(S):                                                  # a small stage: w values
-            b, n = self._sm_base[cols], self._sm_n[cols]
-            sd = np.maximum(_MEAN_ABS_TO_SIGMA * np.nan_to_num(self._sm_dev[cols], nan=0.0), floor)
             ready = n >= _SMALL_LEARN
             zz[s] = np.where(ready, (ee[s] - b) / sd, np.nan)
             if ready.any():
                 sd_out[s] = float(np.median(sd[ready]))
-            # learn from the value of _SMALL_DELAY steps ago
+            # learn the value of _SMALL_DELAY steps ago
             slot = self._sm_pos[cols] % _SMALL_DELAY
             old = self._sm_ring[slot, cols]
             self._sm_ring[slot, cols] = ee[s]
@@ -428,14 +430,14 @@ class SlowRank(Detector):
             ok = np.isfinite(old) & ~self._active[cols] & ~hot
             if not ok.any():
                 continue
-            rate = np.maximum(1.0 / (n + 1.0), 1.0 / _OFFSET_STEPS)
-            r = np.where(ok, old - b, 0.0)
-            lim = np.where(ready, self.z_min * sd, np.inf)                  # Huber clip once learned
-            rc = np.clip(r, -lim, lim)
-            self._sm_base[cols] = b + np.where(ok, rate * rc, 0.0)
-            prev = np.nan_to_num(self._sm_dev[cols], nan=0.0)
-            self._sm_dev[cols] = np.where(ok, prev + rate * (np.abs(rc) - prev), self._sm_dev[cols])
-            self._sm_n[cols] = n + ok
+            j = np.flatnonzero(ok)
+            hist[n[j] % _SMALL_HIST, j] = old[j]
+            n[j] += 1
+            with np.errstate(all="ignore"):
+                b[j] = nanmedian(hist[:, j], axis=0)
+                sd[j] = np.maximum(_MAD_TO_SIGMA * nanmedian(np.abs(hist[:, j] - b[j]), axis=0), floor)
+        self._sm_hist[:, cols] = hist
+        self._sm_n[cols] = n
         return zz, ee, dev, sd_out, np.isfinite(zz) & (oth > 0)
 
     def _cusum_step(self, zs: np.ndarray, judged: np.ndarray, step: int):
@@ -450,7 +452,8 @@ class SlowRank(Detector):
         h1, h2 = (self._h if ready else (math.inf, math.inf))
         for attr, k, c, h in (("_cs", k1, c1, h1), ("_csb", k2, c2, h2)):
             prev = getattr(self, attr)
-            inc = np.where(miss, 0.0, np.minimum(u, c) - k)
+            # (a small stage's rank also clipped below: the other rank's burst is its negative outlier)
+            inc = np.where(miss, 0.0, np.minimum(np.where(self._small_rank, np.maximum(u, -c), u), c) - k)
             new = np.minimum(np.maximum(prev + inc, 0.0), 1.5 * h)
             frm = attr + "_from"
             setattr(self, frm, np.where((prev <= 0) & (new > 0), step, getattr(self, frm)))
