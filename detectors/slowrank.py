@@ -20,6 +20,7 @@ _NULL_MIN = 256       # pooled null values a calibration wants (small jobs: over
 _NULL_FEW = 64
 _SMALL_DELAY = 16     # small stages: steps by which the learned pairwise baseline and noise lag
 _SMALL_LEARN = 16     # small stages: learned steps before a rank is judged
+_HOST_SPAN_NS = 1_000_000_000   # least span of the host samples an alert's evidence reads
 _SMALL_HIST = 64      # small stages: learned steps whose median and MAD are a rank's baseline and noise
 
 
@@ -569,8 +570,11 @@ class SlowRank(Detector):
         tt = w["t_end"][w["t_end"] > 0]
         dt = int(np.median(np.diff(tt))) if len(tt) > 1 else 0
         t_lo, t_hi = int(w["t_end"][ev_rows[0]]) - dt, t_end
+        # a host sample at t averages the node's CPU over the agent's interval before t (1 s by default):
+        # a quick confirmation of fast steps (5 steps of 50 ms) may hold none, so the host window spans at
+        # least that, and takes the samples that have already arrived whose interval overlaps the steps
         node_names = sorted({ctx.node_of(x) for x in M} - {""})
-        host = host_evidence(ctx, node_names, t_lo, t_hi)
+        host = host_evidence(ctx, node_names, min(t_lo, t_hi - _HOST_SPAN_NS), t_hi + _HOST_SPAN_NS)
         gce = gc_evidence(ctx, M, t_lo, t_hi, steps=len(run))
         comm = comm_evidence(ctx, M, int(w["steps"][ev_rows[0]]), step)
         excess_ms = busy - peer_med if np.isfinite(peer_med) else None
