@@ -574,10 +574,14 @@ def validate(kind: str, table: pa.Table) -> tuple[pa.Table, list[tuple[int, str]
     return good, rejected, table.take(pa.array(bad_idx))
 
 
-def decode(payload: bytes, content_type: str | bytes | None, schema_header: str | bytes | None) -> Decoded:
+def decode(payload: bytes, content_type: str | bytes | None, schema_header: str | bytes | None,
+           check_arrow=None, prepare=None) -> Decoded:
     """Decode one message into valid rows and per-row rejections.
 
     Raises WireError (with a reason naming the field/value) when the whole message is unusable.
+    ``check_arrow(payload)`` (bounds before decompression) and ``prepare(kind, raw_table)`` (extra
+    columns, expansion bounds; returns the table) are the processor's ingress hooks
+    (:mod:`stepwatch.stream.ingress`).
     """
     kind, _ = parse_schema_header(schema_header)
     ct = content_type.decode() if isinstance(content_type, (bytes, bytearray)) else content_type
@@ -586,11 +590,15 @@ def decode(payload: bytes, content_type: str | bytes | None, schema_header: str 
     if payload is None:
         raise WireError("empty message (no value)")
     if ct == ARROW_CT:
+        if check_arrow is not None:
+            check_arrow(payload)
         raw = _read_arrow(payload)
     elif ct == JSON_CT:
         raw = _read_json(payload, schema)
     else:
         raise WireError(f"unsupported content-type {ct!r} (use {ARROW_CT} or {JSON_CT})")
+    if prepare is not None:
+        raw = prepare(kind, raw)
     table = conform(raw, schema)
     good, rejected, bad_rows = validate(kind, table)
     return Decoded(kind, good, rejected, bad_rows)

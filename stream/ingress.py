@@ -55,6 +55,8 @@ class IngressLimits:
     """Raw Kafka value, bytes. Larger messages are deadlettered (payload truncated)."""
     max_decoded_bytes: int = 256 << 20
     """Arrow buffers after decompression (and dictionary/view expansion), bytes per message."""
+    max_json_bytes: int = 8 << 20
+    """Raw value of a JSON message, bytes (JSON is for small producers; its Python objects take ~20x)."""
     max_rows_per_message: int = 1_000_000
     """Rows per message (a 100k-rank job sends 100k step rows per step, usually in 4,096-row messages)."""
     max_columns: int = 256
@@ -239,6 +241,16 @@ def check_arrow_sizes(payload: bytes, limits: IngressLimits) -> None:
                                  f"bytes ({len(payload):,} bytes on the wire)")
         if rows > limits.max_rows_per_message:
             raise wire.WireError(f"message holds more than max_rows_per_message={limits.max_rows_per_message:,} rows")
+
+
+def check_size(value: bytes | None, content_type, limits: IngressLimits) -> None:
+    """Raise WireError if the raw value is over ``max_message_bytes`` (``max_json_bytes`` for JSON)."""
+    if value is None:
+        return
+    ct = content_type.decode("utf-8", "replace") if isinstance(content_type, (bytes, bytearray)) else (content_type or "")
+    cap = limits.max_json_bytes if ct.split(";")[0].strip() == wire.JSON_CT else limits.max_message_bytes
+    if len(value) > cap:
+        raise wire.WireError(f"message of {len(value):,} bytes (over {cap:,}: max_message_bytes / max_json_bytes)")
 
 
 def _has_amplifying(t: pa.DataType) -> bool:
@@ -475,7 +487,7 @@ def split(table: pa.Table, checks: list[tuple[str, np.ndarray]]) -> tuple[pa.Tab
 class MessageDeadletter:
     """What went wrong with one source message, summarised into one deadletter record."""
 
-    __slots__ = ("whole", "reasons", "bad_rows", "jobs", "first_row")
+    __slots__ = ("whole", "reasons", "bad_rows", "jobs", "first_row", "total_rows")
 
     def __init__(self):
         self.whole: str | None = None        # the whole message was rejected: why
@@ -483,11 +495,15 @@ class MessageDeadletter:
         self.bad_rows = 0
         self.jobs: set = set()
         self.first_row: int | None = None
+        self.total_rows: int | None = None
 
-    def add(self, reason: str | None, rejected=None, rows: pa.Table | None = None, n: int | None = None,
+    def add(self, reason: str | None = None, rejected=None, rows: pa.Table | None = None, n: int | None = None,
             keep: int = 5) -> None:
-        if reason is not None and not rejected and not n:
-            self.whole = self.whole or reason
+        """``reason`` alone: the whole message is bad. ``rejected`` [(row, why)] or ``reason`` with
+        ``n`` (rows it covers, may be 0 for a second reason on the same rows): some rows are bad."""
+        if not rejected and n is None:
+            if reason is not None:
+                self.whole = self.whole or reason
             return
         if rejected:
             if self.first_row is None:
