@@ -268,8 +268,11 @@ def cmd_bench(a) -> int:
     from stepwatch import bench
     from stepwatch.agents.bench_overhead import run_overhead_bench
     from stepwatch.eval import run_detector_bench
+    from stepwatch.fuzz import run_fuzz
+    from stepwatch.hostile import run_hostile_bench
     return {"ingest": bench.run_bench, "query": bench.run_query_bench, "overhead": run_overhead_bench,
-            "detectors": run_detector_bench, "profiling": _profiling_bench}[a.what](a)
+            "detectors": run_detector_bench, "profiling": _profiling_bench, "fuzz": run_fuzz,
+            "hostile": run_hostile_bench}[a.what](a)
 
 
 # ---------------------------------------------------------------------------- parser
@@ -376,7 +379,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=cmd_sql)
 
     be = sub.add_parser("bench", help="benchmarks that print figures")
-    be.add_argument("what", choices=["ingest", "query", "overhead", "detectors", "profiling"])
+    be.add_argument("what", choices=["ingest", "query", "overhead", "detectors", "profiling", "fuzz", "hostile"])
+    be.add_argument("--inputs", type=int, default=100_000, help="fuzz: inputs per boundary")
+    be.add_argument("--seed", type=int, default=0, help="fuzz: hypothesis seed")
+    be.add_argument("--boundary", default=None, help="fuzz: only this boundary (stepwatch.fuzz.BOUNDARIES)")
+    be.add_argument("--messages", type=int, default=10_000, help="hostile: malformed/hostile messages to send")
     be.add_argument("--ranks", type=int, default=16384)
     be.add_argument("--steps", type=int, default=60, help="steps pre-produced for the throughput run")
     be.add_argument("--lag-seconds", type=int, default=30, help="length of the live (1 step/s) lag run")

@@ -381,7 +381,9 @@ def headers(kind: str, content_type: str = ARROW_CT) -> list[tuple[str, bytes]]:
 def _read_arrow(payload: bytes) -> pa.Table:
     try:
         with pa.ipc.open_stream(pa.py_buffer(payload)) as r:
-            return r.read_all()
+            t = r.read_all()
+        t.schema.names     # noqa: B018 - raises on field names that are not UTF-8
+        return t
     except Exception as e:  # noqa: BLE001 - any decoder failure is a bad message
         raise WireError(f"undecodable Arrow IPC stream: {e}") from None
 
@@ -463,8 +465,8 @@ def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
             if col.type != f.type:
                 try:
                     col = col.cast(f.type)
-                except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
-                    raise WireError(f"field '{f.name}': cannot read {col.type} as {f.type} ({e})") from None
+                except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError, UnicodeDecodeError) as e:
+                    raise WireError(f"field '{f.name}': cannot read its type as {f.type} ({e!r:.300})") from None
         elif not f.nullable:
             raise WireError(f"required field '{f.name}' is missing")
         else:
@@ -584,7 +586,7 @@ def decode(payload: bytes, content_type: str | bytes | None, schema_header: str 
     (:mod:`stepwatch.stream.ingress`).
     """
     kind, _ = parse_schema_header(schema_header)
-    ct = content_type.decode() if isinstance(content_type, (bytes, bytearray)) else content_type
+    ct = content_type.decode("utf-8", "replace") if isinstance(content_type, (bytes, bytearray)) else content_type
     ct = (ct or ARROW_CT).split(";")[0].strip()
     schema = SCHEMAS[kind]
     if payload is None:

@@ -282,7 +282,10 @@ def _expanded_bytes(col: pa.ChunkedArray) -> int:
             else:
                 raise wire.WireError(f"dictionary-encoded {d.type} columns are not accepted")
         elif t in (pa.string_view(), pa.binary_view()):
-            total += int(pc.sum(pc.binary_length(ch)).as_py() or 0)
+            views = ch.buffers()[1]                # 16-byte views; the first 4 bytes: the length
+            if views is not None and len(ch):
+                lens = np.frombuffer(views, dtype=np.int32)[ch.offset * 4:(ch.offset + len(ch)) * 4:4]
+                total += int(np.abs(lens.astype(np.int64)).sum())
         else:
             raise wire.WireError(f"columns of type {t} are not accepted")
         total += len(ch) * 8
@@ -391,7 +394,10 @@ class ExtraColumns:
                 cols.append(col)
                 fields.append(table.schema.field(i))
                 continue
-            want = _storable(col.type)
+            try:
+                want = _storable(col.type)
+            except UnicodeDecodeError:             # a nested field name that is not UTF-8
+                want = None
             if want is None:
                 self._drop("type")
                 continue

@@ -208,17 +208,7 @@ class Processor:
                         self.metrics.skipped.inc()
                         continue
                     prog.consumed.append(msg.offset)
-                self._dl, self._src = ingress.MessageDeadletter(), (msg.topic, msg.partition, msg.offset)
-                try:
-                    self._handle(msg)
-                except Exception as e:  # noqa: BLE001 - one message must never stop the processor
-                    log.exception("failed to handle %s@%d/%d", msg.topic, msg.partition, msg.offset)
-                    self._dl.add(f"internal error while processing: {e!r}"[:2000])
-                try:
-                    self._finish_deadletter(msg)
-                except Exception:  # noqa: BLE001
-                    log.exception("could not deadletter %s@%d/%d", msg.topic, msg.partition, msg.offset)
-                self._dl = self._src = None
+                self.process_message(msg)
         if n:
             self.last_data = time.monotonic()
             if self.t_first_data is None:
@@ -232,6 +222,21 @@ class Processor:
         return n
 
     # ------------------------------------------------------------------ messages
+    def process_message(self, msg) -> None:
+        """One Kafka record: decode, bound, route, buffer; at most one deadletter record for it.
+        Never raises (the fuzz harness, :mod:`stepwatch.fuzz`, drives this same entry point)."""
+        self._dl, self._src = ingress.MessageDeadletter(), (msg.topic, msg.partition, msg.offset)
+        try:
+            self._handle(msg)
+        except Exception as e:  # noqa: BLE001 - one message must never stop the processor
+            log.exception("failed to handle %s@%d/%d", msg.topic, msg.partition, msg.offset)
+            self._dl.add(f"internal error while processing: {e!r}"[:2000])
+        try:
+            self._finish_deadletter(msg)
+        except Exception:  # noqa: BLE001
+            log.exception("could not deadletter %s@%d/%d", msg.topic, msg.partition, msg.offset)
+        self._dl = self._src = None
+
     def _handle(self, msg) -> None:
         hdr = {k: v for k, v in (msg.headers or [])}
         kind = self._topic_kind.get(msg.topic, "?")
