@@ -88,7 +88,14 @@ def cmd_process(a) -> int:
     from stepwatch.dashboards.cli import annotation_sink_from_args
     from stepwatch.dashboards.grafana import GrafanaError
     s = settings_from_args(a)
-    p = Processor(s, a.data_dir, group=a.group, flush_interval_s=a.flush_interval, lateness_s=a.lateness)
+    from stepwatch.stream.ingress import limits_from_pairs
+    try:
+        limits = limits_from_pairs(a.limit)
+    except ValueError as e:
+        print(f"stepwatch process: {e}", file=sys.stderr)
+        return 2
+    p = Processor(s, a.data_dir, group=a.group, flush_interval_s=a.flush_interval, lateness_s=a.lateness,
+                  limits=limits)
     try:
         sink = annotation_sink_from_args(a, registry=p.metrics.registry)   # None without --grafana-url
     except GrafanaError as e:
@@ -335,6 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--idle-exit", type=float, default=None, help="exit after this many idle seconds")
     pr.add_argument("-q", "--quiet", action="store_true")
     pr.add_argument("--stats-json", default=None, help="write final counters here on exit")
+    pr.add_argument("--limit", action="append", default=[], metavar="NAME=VALUE",
+                    help="an ingress bound, repeatable, e.g. max_ranks=262144 (docs/limits.md lists them)")
     from stepwatch.dashboards.cli import add_annotation_args, register as register_grafana
     add_annotation_args(pr)
     register_grafana(sub)

@@ -383,6 +383,7 @@ def _read_arrow(payload: bytes) -> pa.Table:
         with pa.ipc.open_stream(pa.py_buffer(payload)) as r:
             t = r.read_all()
         t.schema.names     # noqa: B018 - raises on field names that are not UTF-8
+        t.validate(full=True)   # buffers, offsets, UTF-8: ~60 µs for 4,096 step rows; compute kernels trust it
         return t
     except Exception as e:  # noqa: BLE001 - any decoder failure is a bad message
         raise WireError(f"undecodable Arrow IPC stream: {e}") from None

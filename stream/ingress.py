@@ -100,6 +100,30 @@ class IngressLimits:
     """Deadletter/ingress warnings logged per second (burst of 10); the rest are counted."""
 
 
+def limits_from_pairs(pairs: list[str] | None, base: IngressLimits | None = None) -> IngressLimits:
+    """``["max_ranks=262144", "max_age_s=none"]`` -> IngressLimits (``stepwatch process --limit``)."""
+    import dataclasses
+    lim = dataclasses.replace(base or IngressLimits())
+    types = {f.name: f.type for f in dataclasses.fields(IngressLimits)}
+    for p in pairs or ():
+        name, sep, raw = p.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or name not in types:
+            raise ValueError(f"unknown limit {p!r} (one of: {', '.join(types)})")
+        t = str(types[name])
+        raw = raw.strip()
+        if raw.lower() in ("none", "") and "None" in t:
+            v = None
+        elif t.startswith("int"):
+            v = int(float(raw)) if "e" in raw.lower() else int(raw, 0)
+        elif t.startswith("float"):
+            v = float(raw)
+        else:
+            v = raw
+        setattr(lim, name, v)
+    return lim
+
+
 # ------------------------------------------------------------------------------ rate limits
 class TokenBucket:
     def __init__(self, rate: float, burst: float):
