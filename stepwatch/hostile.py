@@ -216,9 +216,10 @@ def build_stream(n_bad: int, prefix: str = "h", good_jobs: int = 8, ranks: int =
             fresh = f"{prefix}-new-{i}"
             t = steps_table(fresh, [0], [0], t_now)
             return Item("steps", _arrow(t), _hdr(), fresh.encode(), rows=_keys(t), label="made-up job id")
-        if k == 24:
-            g = one(rank=ranks + 5)
-            return partial(job, g, "rank outside topology")
+        if k == 24:     # a string where a number belongs: the column cannot be cast
+            t = one(rank=7)
+            t = t.set_column(t.schema.get_field_index("step_ms"), "step_ms", pa.array(["fast"]))
+            return bad_whole(_arrow(t), _hdr(), "string step_ms", key=job.encode())
         if k == 25:
             h = pa.table({"job": [job], "node": ["n"], "t": pa.array([4_102_444_800 * 10**9]).cast(wire.TS)})
             return bad_whole(_arrow(h), _hdr("host"), "host t year 2100", kind="host", key=job.encode())
@@ -341,7 +342,7 @@ def run_hostile_bench(a) -> int:
         print(f"sent {len(items):,} messages + {len(extra['corrupt batch'])} records in corrupt gzip batches "
               f"in {time.perf_counter() - t:.1f}s (codecs: gzip, snappy, lz4, zstd, none)")
         cmd = [sys.executable, "-m", "stepwatch.cli", "process", "--bootstrap", broker.bootstrap, "--topic-prefix",
-               s.prefix, "--data-dir", str(base), "--group", "hostile", "-q", "--idle-exit", "6",
+               s.prefix, "--data-dir", str(base), "--group", "hostile", "-q", "--idle-exit", "30",
                "--stats-json", str(base / "_stats.json")]
         t = time.perf_counter()
         p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(base / "_processor.log", "wb"))

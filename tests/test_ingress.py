@@ -325,3 +325,32 @@ def test_a_burst_of_new_job_ids_does_not_stall_ingest(kafka, tmp_path):
     assert proc.metrics.value(proc.metrics.rebuilds, "store") == 0
     assert proc.metrics.value(proc.metrics.rebuilds, "none") >= 1001
     assert took - flush_s < 30, (took, flush_s)
+
+
+# ------------------------------------------------------------------------------ the same bounds, below the broker
+def test_alignment_walks_only_the_step_ranges_that_hold_rows():
+    """Behind the ingress bound (max_step_jump), the alignment itself must not spin either."""
+    from stepwatch.stream.align import JobState
+    st = JobState("j", capacity=128)
+    t = wire.conform(H.steps_table("j", [0, 0, 0], [0, 4_000_000, 10**12], NOW), wire.STEPS)
+    t0 = time.perf_counter()
+    res, _ = st.ingest(t)
+    assert time.perf_counter() - t0 < 1.0
+    assert st.max_step == 10**12 and res.keep.sum() == 3
+
+
+def test_expansion_bombs_are_refused_from_metadata_and_encodings():
+    from stepwatch.stream.ingress import IngressLimits, check_arrow_sizes, check_expansion
+    lim = IngressLimits()
+    with pytest.raises(wire.WireError, match="max_decoded_bytes"):
+        check_arrow_sizes(H.decompression_bomb(), lim)
+    with pytest.raises(wire.WireError, match="max_rows_per_message"):
+        check_arrow_sizes(H.rows_bomb(), lim)
+    t = wire._read_arrow(H.dictionary_bomb())
+    with pytest.raises(wire.WireError, match="expands"):
+        check_expansion(t, lim)
+    v = pa.array(["x" * 1000] * 4).cast(pa.string_view())
+    big = pa.table({"v": pa.chunked_array([v] * 100_000)})
+    with pytest.raises(wire.WireError, match="expands"):
+        check_expansion(big, IngressLimits(max_decoded_bytes=100 << 20))
+    check_arrow_sizes(H._arrow(H.steps_table("ok", np.arange(4096), np.zeros(4096), NOW)), lim)
