@@ -7,6 +7,7 @@
     stepwatch sql "SELECT …"           DuckDB over the Parquet store
     stepwatch bench ingest|query|overhead|detectors  throughput and lag into Parquet; canned-query
                                        times at scale; probe and agent overhead; detector cost per step
+    stepwatch bench fuzz|hostile       100,000 fuzzed inputs per boundary; 10,000 hostile Kafka messages
     stepwatch eval                     the labelled scenario suite through the processor: recall, precision, delay
     stepwatch report --job J           HTML post-mortem; stepwatch compact: compaction and retention
     stepwatch grafana provision|export dashboards, DuckDB datasource, alert rules (idempotent)
