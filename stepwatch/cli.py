@@ -88,6 +88,9 @@ def cmd_process(a) -> int:
     from stepwatch.stream.processor import Processor
     from stepwatch.dashboards.cli import annotation_sink_from_args
     from stepwatch.dashboards.grafana import GrafanaError
+    from stepwatch.dashboards.alertmanager import AlertmanagerError, sink_from_args as am_sink_from_args
+    from stepwatch.stream.alertfanout import attach
+    from stepwatch.stream.jobmetrics import configure_from_args
     s = settings_from_args(a)
     from stepwatch.stream.ingress import limits_from_pairs
     try:
@@ -97,17 +100,15 @@ def cmd_process(a) -> int:
         return 2
     p = Processor(s, a.data_dir, group=a.group, flush_interval_s=a.flush_interval, lateness_s=a.lateness,
                   limits=limits)
+    configure_from_args(p.job_metrics, a)
     try:
         sink = annotation_sink_from_args(a, registry=p.metrics.registry)   # None without --grafana-url
-    except GrafanaError as e:
+        am = am_sink_from_args(a, registry=p.metrics.registry)             # None without --alertmanager
+    except (GrafanaError, AlertmanagerError) as e:
         print(f"stepwatch process: {e}", file=sys.stderr)
         return 2
-
-    def on_alert(al):
-        print(al.line(), flush=True)
-        if sink:
-            sink.submit(al)          # never blocks; retries in the background
-    p.on_alert = on_alert
+    # every alert to the console, Grafana and Alertmanager (sinks never block; they retry in the background)
+    attach(p, [sink, am], echo=lambda al: print(al.line(), flush=True))
     if a.metrics_port:
         p.metrics.serve(a.metrics_port, a.metrics_addr)
     stop = threading.Event()
@@ -129,6 +130,8 @@ def cmd_process(a) -> int:
     finally:
         if sink:
             sink.close(10)
+        if am:
+            am.close(10)
     st = p.stats()
     if a.stats_json:
         import json
@@ -347,6 +350,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="an ingress bound, repeatable, e.g. max_ranks=262144 (docs/limits.md lists them)")
     from stepwatch.dashboards.cli import add_annotation_args, register as register_grafana
     add_annotation_args(pr)
+    from stepwatch.dashboards.alertmanager import add_args as add_alertmanager_args
+    from stepwatch.stream.jobmetrics import add_args as add_job_metrics_args
+    add_alertmanager_args(pr)
+    add_job_metrics_args(pr)
     register_grafana(sub)
     from stepwatch.agents.cli import register as register_agents
     register_agents(sub)
