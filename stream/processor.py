@@ -242,6 +242,9 @@ class Processor:
         self._dl = self._src = None
 
     def _handle(self, msg) -> None:
+        if self._dl is None:          # called directly (eval, tests): the same path as poll_once
+            self.process_message(msg)
+            return
         hdr = {k: v for k, v in (msg.headers or [])}
         kind = self._topic_kind.get(msg.topic, "?")
         self.metrics.messages_in.labels(kind).inc()
