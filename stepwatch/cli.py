@@ -5,8 +5,9 @@
     stepwatch simulate                 send a simulated cluster's telemetry to Kafka (faults + labels)
     stepwatch process                  the stream processor (consumer group -> Parquet, alerts)
     stepwatch sql "SELECT …"           DuckDB over the Parquet store
-    stepwatch bench ingest|query|overhead|detectors  throughput and lag into Parquet; canned-query
-                                       times at scale; probe and agent overhead; detector cost per step
+    stepwatch bench ingest|query|overhead|detectors|changepoint  throughput and lag into Parquet; canned-query
+                                       times at scale; probe and agent overhead; detector cost per step;
+                                       change-point finders on generated labelled series
     stepwatch bench fuzz|hostile       100,000 fuzzed inputs per boundary; 10,000 hostile Kafka messages
     stepwatch eval                     the labelled scenario suite through the processor: recall, precision, delay
     stepwatch report --job J           HTML post-mortem; stepwatch compact: compaction and retention
@@ -282,8 +283,8 @@ def cmd_bench(a) -> int:
     from stepwatch.fuzz import run_fuzz
     from stepwatch.hostile import run_hostile_bench
     return {"ingest": bench.run_bench, "query": bench.run_query_bench, "overhead": run_overhead_bench,
-            "detectors": run_detector_bench, "profiling": _profiling_bench, "fuzz": run_fuzz,
-            "hostile": run_hostile_bench}[a.what](a)
+            "detectors": run_detector_bench, "profiling": _profiling_bench,
+            "changepoint": bench.run_changepoint_bench, "fuzz": run_fuzz, "hostile": run_hostile_bench}[a.what](a)
 
 
 # ---------------------------------------------------------------------------- parser
@@ -396,7 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=cmd_sql)
 
     be = sub.add_parser("bench", help="benchmarks that print figures")
-    be.add_argument("what", choices=["ingest", "query", "overhead", "detectors", "profiling", "fuzz", "hostile"])
+    be.add_argument("what", choices=["ingest", "query", "overhead", "detectors", "profiling", "changepoint",
+                                     "fuzz", "hostile"])
     be.add_argument("--inputs", type=int, default=100_000, help="fuzz: inputs per boundary")
     be.add_argument("--seed", type=int, default=0, help="fuzz: hypothesis seed")
     be.add_argument("--boundary", default=None, help="fuzz: only this boundary (stepwatch.fuzz.BOUNDARIES)")
