@@ -39,7 +39,7 @@ from stepwatch.stream.metrics import ProcessorMetrics
 
 log = logging.getLogger("stepwatch.processor")
 
-INPUT_TOPICS = ("topology", "steps", "host", "gc", "comm", "profiles")
+INPUT_TOPICS = ("topology", "steps", "host", "gc", "comm", "profiles", "inflight")
 
 
 def _build_detectors(settings):
@@ -247,7 +247,7 @@ class Processor:
             self._buffer(kind, t)
             if kind == "profiles" and self.profiling is not None:
                 self._profile_results(t)
-            if kind in ("host", "gc", "comm"):
+            if kind in ("host", "gc", "comm", "inflight"):
                 self._context(kind, t)
             return
         jobs = pc.unique(t.column("job"))
