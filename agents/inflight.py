@@ -77,7 +77,7 @@ class Liveness:
     def rows(self, idents: dict, node_default: str, now: float, t_ns: int) -> list[dict]:
         out = []
         for inst, ident in idents.items():
-            age = now - ident.t_seen
+            age = max(now - ident.t_seen, 0.0)
             pid = _int(ident.hello.get("pid"))
             if pid is None or age > self.horizon_s or now - self._last.get(inst, -1e18) < self.every_s:
                 continue

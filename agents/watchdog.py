@@ -43,7 +43,8 @@ COLLECTIVES = frozenset((
     "monitored_barrier", "batch_isend_irecv"))
 MAX_FRAMES = 24
 MAX_STACK = 4096
-_HERE = (os.path.splitext(os.path.abspath(__file__))[0], )
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_OURS = {os.path.join(_HERE, "probe"), os.path.join(_HERE, "watchdog")}
 
 
 def _env_float(name: str, default: float) -> float:
@@ -61,7 +62,8 @@ def format_stack(frame, limit: int = MAX_FRAMES) -> tuple[str, list]:
     frames = []
     f = frame
     while f is not None and len(frames) < 256:
-        frames.append(f)
+        if os.path.splitext(f.f_code.co_filename)[0] not in _OURS:      # (the probe's own wrappers)
+            frames.append(f)
         f = f.f_back
     lines = []
     for f in reversed(frames[:limit]):
@@ -250,9 +252,15 @@ class Watchdog:
     def _group(self, group) -> tuple[str, int | None, int]:
         """(name, size, name id) of a process group as the probe names it in its comm rows."""
         p = self.p
+        dist = sys.modules.get("torch.distributed")
+        if group is not None and dist is not None:
+            try:                                        # the default group, as the call's frame sees it
+                if group is dist.distributed_c10d._get_default_group():
+                    group = None
+            except Exception:  # noqa: BLE001
+                pass
         g = p._groups.get(id(group))
         if g is None:
-            dist = sys.modules.get("torch.distributed")
             if dist is None:
                 return ("world" if group is None else "?"), None, 0
             try:

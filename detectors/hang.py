@@ -150,7 +150,7 @@ def locate(ctx, since_ns: int, max_names: int = 8, now_ns: int | None = None) ->
                 c["elapsed_s"] = round(row["elapsed_ms"] / 1e3, 1)
             if row.get("stack"):
                 c["stack"] = row["stack"]
-                c["at"] = row["stack"].rsplit("\n", 1)[-1]
+                c["at"] = stack_line(row["stack"])
         elif node in host:
             c["node_host_behind_s"] = host[node]
             if host[node] is None or host[node] > 10:
@@ -167,6 +167,17 @@ def locate(ctx, since_ns: int, max_names: int = 8, now_ns: int | None = None) ->
     ranks = [c["rank"] for c in culprits]
     return {"ranks": ranks, "nodes": [c["node"] for c in culprits], "evidence": {"inflight": ev},
             "suggestion": suggestion(top, culprits)}
+
+
+def stack_line(stack: str) -> str:
+    """The innermost frame of the program itself: the last stack line outside torch and the Python
+    library (the innermost line when all are)."""
+    lines = [ln for ln in stack.split("\n") if ln.strip()]
+    for ln in reversed(lines):
+        f = ln.rsplit(":", 1)[0]
+        if "/torch/" not in f and "/lib/python3" not in f and "site-packages" not in f:
+            return ln
+    return lines[-1] if lines else ""
 
 
 def _host_ages(ctx, nodes: list[str]) -> dict:

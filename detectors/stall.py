@@ -47,10 +47,11 @@ class Stall(Detector):
         hang_s=30.0        job hang: seconds of host event time without a new step, at least ...
         hang_steps=10      ... this many median step times
         max_alerts=8       more newly stalled ranks/nodes than this at one step give one alert
-        hang_first_s=1800.0, hang_eval_s=1800.0, hang_checkpoint_s=1800.0
-                           job hang: seconds at least, while the step in progress is the first step of a
-                           process, contains evaluation or a checkpoint save (as the ranks' in-flight states
-                           report it; see detectors.hang, which also names the ranks the job waits for)
+        hang_first_s=1800.0  job hang: seconds at least while the step in progress is a process's first
+        hang_eval_s=1800.0   ... while it contains evaluation
+        hang_checkpoint_s=1800.0  ... while it contains a checkpoint save
+                           (the step's kinds come from the ranks' in-flight states; see detectors.hang, which
+                           also names the ranks the job waits for)
     """
 
     name = "stall"

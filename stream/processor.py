@@ -42,8 +42,10 @@ log = logging.getLogger("stepwatch.processor")
 INPUT_TOPICS = ("topology", "steps", "host", "gc", "comm", "profiles", "inflight")
 
 
-def _build_detectors(settings):
+def _build_detectors(settings, job: str | None = None):
     from stepwatch.detectors.registry import build
+    if hasattr(settings, "detector_settings"):      # a stepwatch.config.Config: per-job overrides
+        settings = settings.detector_settings(job)
     return build(settings)
 
 
@@ -344,7 +346,7 @@ class Processor:
         rt = self.jobs.get(job)
         if rt is None:
             rt = JobRuntime(JobState(job, capacity=self.window_steps, lateness_ns=self.lateness_ns),
-                            _build_detectors(self.detector_settings))
+                            _build_detectors(self.detector_settings, job))
             self.jobs[job] = rt
             self._rebuild(rt)
         return rt
