@@ -142,7 +142,10 @@ def locate(ctx, since_ns: int, max_names: int = 8, now_ns: int | None = None) ->
         node = ctx.node_of(r)
         c = {"rank": r, "node": node, "what": _ORDER[pri]}
         if i >= 0:
-            row = {k: v for k, v in t.slice(i, 1).to_pylist()[0].items() if v is not None and v != ""}
+            one = t.slice(i, 1)
+            one = pa.Table.from_arrays([c.cast(pa.int64()) if pa.types.is_timestamp(c.type) else c
+                                        for c in one.columns], names=one.column_names)
+            row = {k: v for k, v in one.to_pylist()[0].items() if v is not None and v != ""}
             for k in ("state", "source", "op", "group", "seq", "step", "step_kind", "pid"):
                 if k in row:
                     c[k] = row[k]
