@@ -69,9 +69,11 @@ def _newest_step_end(data: Path, job: str) -> int:
         con.close()
 
 
-@pytest.mark.parametrize("mode", ["python", "mismatch", "sigstop"])
+@pytest.mark.parametrize("mode", ["python", "mismatch", "sigstop", "python-pure"])
 def test_real_hang_names_the_rank_collective_and_stack(kafka, tmp_path, socket_dir, mode):
     job = f"hang-{mode}"
+    pure = mode.endswith("-pure")                 # the probe's pure-Python hot path (no _probefast)
+    mode = mode.removesuffix("-pure")
     cfg = _config(tmp_path / "stepwatch.toml")
     data = tmp_path / "data"
     agent = Agent(kafka, socket_dir=socket_dir, node="node-a", interval_s=0.5, spool_dir=tmp_path / "spool").start()
@@ -85,7 +87,7 @@ def test_real_hang_names_the_rank_collective_and_stack(kafka, tmp_path, socket_d
     out = tempfile.mkdtemp(prefix="sw-hang-")
     env = wrap_env(job=job, socket_dir=socket_dir)
     env.update(SW_HANG=mode, SW_HANG_RANK="3", SW_HANG_STEP="20", SW_HANG_S="12", SW_STEPS="40", SW_STEP_MS="50",
-               SW_NPROC="4", SW_OUT=out, STEPWATCH_INFLIGHT_S="1")
+               SW_NPROC="4", SW_OUT=out, STEPWATCH_INFLIGHT_S="1", STEPWATCH_PROBE_PURE="1" if pure else "0")
     p = subprocess.Popen([sys.executable, "-m", "stepwatch.agents.wrap", "--", sys.executable, str(SCRIPT)], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     found = t_found = None
@@ -140,6 +142,6 @@ def test_real_hang_names_the_rank_collective_and_stack(kafka, tmp_path, socket_d
     con.close()
     assert n_inflight >= 4
     delay = (t_found - hang_start) / 1e9
-    print(f"\n{mode}: job_hang stored {delay:.1f} s after the hang began (threshold {HANG_S} s); "
+    print(f"\n{job}: job_hang stored {delay:.1f} s after the hang began (threshold {HANG_S} s); "
           f"culprit {c['what']} at {c.get('at', '-')}; waiting in {inf['waiting']['op']} seq {inf['waiting']['seq']}")
     assert delay <= HANG_S + 5.0, delay
