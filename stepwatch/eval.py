@@ -59,6 +59,10 @@ class Scenario:
     checkpoint_every: int | None = 100
     comm: bool = False
     note: str = ""
+    #: in-flight states as probes' watchdogs and agents send them (agents.simulate.with_inflight): the
+    #: stuck rank of a job-hang ("python" | "mismatch" | "sigstop"), "" for long steps only; None: none
+    inflight: str | None = None
+    long_steps: dict = field(default_factory=dict)     # step -> (kind, extra ms): evaluation, checkpoint
 
     @property
     def large(self) -> bool:
@@ -66,9 +70,13 @@ class Scenario:
 
     def simulation(self):
         from stepwatch.agents.simulate import Simulation
-        return Simulation(job=f"eval-{self.name}", ranks=self.ranks, steps=self.steps, seed=self.seed,
-                          pp=self.pp, tp=self.tp, noise=self.noise, checkpoint_every=self.checkpoint_every,
-                          faults=list(self.faults), t0_ns=T0_NS, comm=self.comm)
+        sim = Simulation(job=f"eval-{self.name}", ranks=self.ranks, steps=self.steps, seed=self.seed,
+                         pp=self.pp, tp=self.tp, noise=self.noise, checkpoint_every=self.checkpoint_every,
+                         faults=list(self.faults), t0_ns=T0_NS, comm=self.comm)
+        if self.inflight is not None:
+            from stepwatch.agents.simulate import setup_inflight
+            setup_inflight(sim, self.inflight or None, self.long_steps)
+        return sim
 
 
 def _suite() -> list[Scenario]:
@@ -110,6 +118,16 @@ def _suite() -> list[Scenario]:
           note="one of 8 DP groups (128 ranks, one per node) at 40% of its link bandwidth"),
         S("dataloader-starved", ["dataloader-starved:start=0,pct=25"], seed=53, steps=120,
           note="prefetch queue empty, data wait 25% of every step"),
+        # hang localization from in-flight states (issue 18): every rank stops at the same step
+        S("hang-python", ["job-hang:rank=77,start=150"], seed=61, inflight="python",
+          note="rank 77 stuck in a Python function, the rest in all_reduce; all finished the same step"),
+        S("hang-mismatch", ["job-hang:rank=500,start=150"], seed=62, inflight="mismatch",
+          note="rank 500 in broadcast where the rest call all_reduce"),
+        S("hang-sigstop", ["job-hang:rank=901,start=150"], seed=63, inflight="sigstop",
+          note="rank 901 stopped (SIGSTOP): only its agent says so"),
+        S("clean-eval-ckpt", [], seed=64, inflight="",
+          long_steps={60: ("eval", 90_000.0), 120: ("checkpoint", 150_000.0), 180: ("eval", 90_000.0)},
+          note="90 s evaluation steps and a 150 s checkpoint step (the hang threshold is 30 s)"),
     ]
 
 
@@ -204,6 +222,10 @@ def run_scenario(sc: Scenario, data_dir: Path, rows_per_message: int = 4096, flu
     for s in range(sim.steps):                      # one step at a time, as live agents send them
         a = time.perf_counter()
         tables = sim.generate(s, s + 1)
+        if sc.inflight is not None:
+            from stepwatch.agents.simulate import with_inflight
+            for kind, t in with_inflight(sim, s, tables).pop("before"):
+                send(kind, t)
         t_sim += time.perf_counter() - a
         for kind in (("host", "steps", "gc", "comm") if host_first else ("steps", "host", "gc", "comm")):
             t = tables.get(kind)
