@@ -29,6 +29,7 @@ import logging
 import math
 import re
 import tomllib
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -326,13 +327,13 @@ def _same(a, b) -> bool:
 def retune(det, cls, old_kw: dict, new_kw: dict):
     """``det`` with ``new_kw`` in force and its state kept: the attributes a fresh detector built with
     ``new_kw`` has differently from one built with ``old_kw`` are the settings (and what derives from
-    them); only those are replaced. When such an attribute is a container of state (an array, a list, a
-    dict), the settings size the detector's memory and a fresh detector is returned instead."""
+    them); only those are replaced. When such an attribute is an array or a bounded deque, the settings
+    size the detector's memory and a fresh detector is returned instead."""
     if old_kw == new_kw:
         return det
     a, b = cls(**old_kw), cls(**new_kw)
     changed = [k for k in b.__dict__ if k not in a.__dict__ or not _same(a.__dict__[k], b.__dict__[k])]
-    if any(isinstance(b.__dict__[k], (np.ndarray, list, dict, set)) for k in changed):
+    if any(isinstance(b.__dict__[k], (np.ndarray, deque)) for k in changed):
         log.info("detector %s: new settings resize its state; it starts afresh", getattr(det, "name", cls))
         return b
     for k in changed:
