@@ -117,11 +117,12 @@ def cmd_process(a) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     last = [0.0]
     hup = threading.Event()
-    if cfg_path:                      # SIGHUP: reload the file between messages (stepwatch.config.reload)
+    watch = swconfig.FileWatch(cfg_path) if cfg_path else None
+    if cfg_path:                      # SIGHUP or a changed file: reload between messages (stepwatch.config)
         signal.signal(signal.SIGHUP, lambda *_: hup.set())
 
     def tick(proc):
-        if hup.is_set():
+        if hup.is_set() or (watch is not None and watch.changed()):
             hup.clear()
             swconfig.reload(proc, cfg_path)
         if a.quiet or time.monotonic() - last[0] < 5:

@@ -382,6 +382,36 @@ def reload(proc, path: str) -> bool:
     return True
 
 
+class FileWatch:
+    """Whether a file changed since the last look (inode, size, mtime; at most every ``every_s``): a
+    ConfigMap mounted by Kubernetes is swapped in place (a new ``..data`` symlink target)."""
+
+    def __init__(self, path: str, every_s: float = 5.0):
+        import time
+        self.path, self.every_s, self._clock = path, every_s, time.monotonic
+        self._last = self._clock()
+        self._sig = self._stat()
+
+    def _stat(self):
+        import os
+        try:
+            st = os.stat(self.path)
+            return (st.st_ino, st.st_size, st.st_mtime_ns)
+        except OSError:
+            return None
+
+    def changed(self) -> bool:
+        now = self._clock()
+        if now - self._last < self.every_s:
+            return False
+        self._last = now
+        sig = self._stat()
+        if sig is None or sig == self._sig:
+            return False
+        self._sig = sig
+        return True
+
+
 # ---------------------------------------------------------------------------- CLI
 
 def processor_kwargs(cfg: Config | None, a=None) -> dict:
