@@ -4,11 +4,12 @@
   step, see :mod:`stepwatch.agents.watchdog`) into an ``inflight`` row (``source`` = ``probe``).
 * :class:`Liveness` is the agent's own view of its ranks, for the rank that cannot speak: at every tick
   it looks at the process of every rank it served recently (the pid from its hello) in
-  ``$HOST_PROC/<pid>/stat``: a process that is **stopped** (state ``T``/``t``: SIGSTOP, a debugger),
-  **gone** (no such process, or a zombie) or **silent** (running, but no datagram for ``silent_s``,
-  30 s: e.g. stuck in a C call that holds the GIL, so even its watchdog cannot run) gets a row
-  (``source`` = ``agent``) every ``every_s`` (5 s) while the agent heard from it within the last
-  ``horizon_s`` (120 s). A healthy rank costs one small file read per tick.
+  ``$HOST_PROC/<pid>/stat``: a process that is **stopped** (state ``T``/``t``: SIGSTOP, a debugger) or
+  **silent** (running, but no datagram for ``silent_s``, 30 s: e.g. stuck in a C call that holds the GIL,
+  so even its watchdog cannot run) gets a row (``source`` = ``agent``) every ``every_s`` (5 s) while the
+  agent heard from it within the last ``horizon_s`` (120 s); one that is **gone** (no such process, or a
+  zombie: also every rank at the end of a job) gets one row. A healthy rank costs one small file read
+  per tick.
 """
 from __future__ import annotations
 
@@ -73,15 +74,19 @@ class Liveness:
     def __init__(self, silent_s: float = 30.0, every_s: float = 5.0, horizon_s: float = 120.0):
         self.silent_s, self.every_s, self.horizon_s = silent_s, every_s, horizon_s
         self._last: dict[int, float] = {}          # probe instance -> monotonic time of its last agent row
+        self._gone: set[int] = set()               # instances reported gone (once: a gone process stays gone)
 
     def rows(self, idents: dict, node_default: str, now: float, t_ns: int) -> list[dict]:
         out = []
         for inst, ident in idents.items():
             age = max(now - ident.t_seen, 0.0)
             pid = _int(ident.hello.get("pid"))
-            if pid is None or age > self.horizon_s or now - self._last.get(inst, -1e18) < self.every_s:
+            if pid is None or age > self.horizon_s or inst in self._gone or \
+                    now - self._last.get(inst, -1e18) < self.every_s:
                 continue
             st = process_state(pid)
+            if st == "gone":
+                self._gone.add(inst)
             if st == "running":
                 if age < self.silent_s:
                     continue
@@ -92,4 +97,5 @@ class Liveness:
                         "since": t_ns - int(age * 1e9), "pid": pid})
         for inst in [i for i in self._last if i not in idents]:
             del self._last[inst]
+        self._gone &= set(idents)
         return out

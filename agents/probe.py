@@ -697,6 +697,8 @@ class Probe:
                 self._on = True
         if auto:
             self.install_torch()
+        if self._wd is None and self.rank is not None and _is_rank_process():
+            self._start_watchdog()                # (its first step may hang too: in-flight kind "first")
         return self
 
     def install_torch(self) -> bool:
@@ -1137,7 +1139,8 @@ class Probe:
         self._log.add(K_MARK, self._slot_for_phase(name), _perf(), 0, 0, 0.0)
 
     def _start_watchdog(self) -> None:
-        """Once, after the process's first step (launchers and DataLoader workers never start one)."""
+        """Once: at ``init`` in a rank process, else after the process's first step (launchers and
+        DataLoader workers never start one)."""
         self._wd = False                              # (not again, whatever happens)
         if os.environ.get("STEPWATCH_WATCHDOG", "1") == "0":
             return
@@ -1720,6 +1723,16 @@ class Probe:
                 "comm_keys_dropped": self.comm_keys_dropped + log.comm_keys_dropped, "phases_dropped": self.phases_dropped,
                 "hellos": self.hellos, "socket": self._path, "instance": self.instance,
                 "rank": self.rank, "job": self.job}
+
+
+def _is_rank_process() -> bool:
+    """A process started as a rank (torchrun, a scheduler), not a multiprocessing child (DataLoader
+    workers, ranks forked by ``mp.spawn``: their watchdog starts after their first step)."""
+    try:
+        import multiprocessing
+        return multiprocessing.parent_process() is None
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def _watchdog_module():

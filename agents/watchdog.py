@@ -1,7 +1,7 @@
 """The probe's watchdog: what a rank is doing while its step runs far longer than usual.
 
-A daemon thread, started by the probe once the process has finished its first step, wakes every
-``period_s`` (1 s). It runs while the training (main) thread is blocked in a C call (a collective, a
+A daemon thread, started by the probe at ``init`` in a rank (``RANK`` known, not a multiprocessing
+child) or else once the process has finished its first step, wakes every ``period_s`` (1 s). It runs while the training (main) thread is blocked in a C call (a collective, a
 ``time.sleep``, I/O), because those release the GIL. It never touches the hot path's state: it reads
 the probe's replayed step state, peeks at the events the hot path logged since the last replay (a copy;
 nothing is drained) and the main thread's Python stack (``sys._current_frames()``; no ptrace, no signal).
@@ -144,6 +144,12 @@ class Watchdog:
         if not p._on or p._replaying:
             return None
         usual = self.usual_ns(now)
+        if self._hung_step is None:               # the cheap look of every wake: nothing is overlong
+            if p._open:
+                if now - p._t0_perf < self.threshold_ns(usual):
+                    return None
+            elif not p._log.n:
+                return None
         st = self.state(now)
         if self._hung_step is not None and (st is None or st["step"] != self._hung_step or not st["_open"]):
             done = {"state": "done", "step": self._hung_step, "t": now + p._wall_off, "pid": os.getpid(),
@@ -152,7 +158,7 @@ class Watchdog:
             self._last_key = None
             self._send(done)
             return done
-        if st is None or not st["_open"] or p.n_steps < 1:
+        if st is None or not st["_open"]:
             return None
         elapsed = now - st["_start"]
         if elapsed < self.threshold_ns(usual):
@@ -245,6 +251,8 @@ class Watchdog:
         else:
             st["state"] = "compute"
             st["since"] = last_t + p._wall_off
+        if p.n_steps == 0 and step == p._step:       # no step finished yet: the process's first
+            kinds.add("first")
         st["kinds"] = sorted(kinds)
         st["stack"] = stack
         return st

@@ -206,3 +206,24 @@ def test_locate_names_the_ranks_that_never_arrived():
     # step kinds of the step in progress
     ctx = _ctx(R, [dict(_coll(r), step_kind="eval") for r in range(R)])
     assert hang.kinds_in_progress(ctx, 0) == {"eval"}
+
+
+def test_watchdog_of_a_rank_reports_its_first_step(probe, rx, sockdir):
+    """A rank process (RANK known) starts its watchdog at init: a first step that runs long is reported
+    with the kind "first" (the processor's hang_first_s applies)."""
+    probe.init(job="first", rank=0, world_size=1, socket_dir=sockdir, flush_ms=0)
+    wd = probe._wd
+    assert isinstance(wd, Watchdog) and wd.thread.is_alive()
+    wd.period_s, wd.min_s = 0.1, 0.3
+    w = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.SGD([w], lr=0.1)
+    probe.begin_step()                            # (explicit mode: the first step opens here)
+
+    def compiling(s):
+        time.sleep(s)
+    compiling(1.6)                               # (the first wake is 1 s after init)
+    probe.end_step()
+    time.sleep(0.3)
+    msgs = [m[3] for m in rx.read() if m[0] == P.T_INFLIGHT]
+    assert msgs and msgs[0]["kinds"] == ["first"] and msgs[0]["step"] == 0, msgs
+    assert msgs[0]["stack"].splitlines()[-1].endswith("in compiling") and msgs[-1]["state"] == "done"
