@@ -80,7 +80,8 @@ class Liveness:
         out = []
         for inst, ident in idents.items():
             age = max(now - ident.t_seen, 0.0)
-            pid = _int(ident.hello.get("pid"))
+            peer = getattr(ident, "peer", None)            # the kernel's word (SO_PASSCRED) over the hello's
+            pid = _int(getattr(peer, "pid", None)) or _int(ident.hello.get("pid"))
             if pid is None or age > self.horizon_s or inst in self._gone or \
                     now - self._last.get(inst, -1e18) < self.every_s:
                 continue

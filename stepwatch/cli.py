@@ -88,6 +88,9 @@ def cmd_process(a) -> int:
     from stepwatch.dashboards.cli import annotation_sink_from_args
     from stepwatch.dashboards.grafana import GrafanaError
     from stepwatch import config as swconfig
+    from stepwatch.dashboards.alertmanager import AlertmanagerError, sink_from_args as am_sink_from_args
+    from stepwatch.stream.alertfanout import attach
+    from stepwatch.stream.jobmetrics import configure_from_args
     s = settings_from_args(a)
     cfg_path = a.config or os.environ.get("STEPWATCH_CONFIG") or None
     try:
@@ -99,17 +102,15 @@ def cmd_process(a) -> int:
     p = Processor(s, a.data_dir, group=a.group, detector_settings=cfg,
                   profiling=cfg.profiling_settings(settings_from_env()) if cfg else "env",
                   **{"flush_interval_s": 1.0, "lateness_s": 10.0, **swconfig.processor_kwargs(cfg, a)})
+    configure_from_args(p.job_metrics, a)
     try:
         sink = annotation_sink_from_args(a, registry=p.metrics.registry)   # None without --grafana-url
-    except GrafanaError as e:
+        am = am_sink_from_args(a, registry=p.metrics.registry)             # None without --alertmanager
+    except (GrafanaError, AlertmanagerError) as e:
         print(f"stepwatch process: {e}", file=sys.stderr)
         return 2
-
-    def on_alert(al):
-        print(al.line(), flush=True)
-        if sink:
-            sink.submit(al)          # never blocks; retries in the background
-    p.on_alert = on_alert
+    # every alert to the console, Grafana and Alertmanager (sinks never block; they retry in the background)
+    attach(p, [sink, am], echo=lambda al: print(al.line(), flush=True))
     if a.metrics_port:
         p.metrics.serve(a.metrics_port, a.metrics_addr)
     stop = threading.Event()
@@ -138,6 +139,8 @@ def cmd_process(a) -> int:
     finally:
         if sink:
             sink.close(10)
+        if am:
+            am.close(10)
     st = p.stats()
     if a.stats_json:
         import json
@@ -354,6 +357,10 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--stats-json", default=None, help="write final counters here on exit")
     from stepwatch.dashboards.cli import add_annotation_args, register as register_grafana
     add_annotation_args(pr)
+    from stepwatch.dashboards.alertmanager import add_args as add_alertmanager_args
+    from stepwatch.stream.jobmetrics import add_args as add_job_metrics_args
+    add_alertmanager_args(pr)
+    add_job_metrics_args(pr)
     register_grafana(sub)
     from stepwatch.agents.cli import register as register_agents
     register_agents(sub)
