@@ -88,6 +88,18 @@ RANGES: dict[str, dict[str, tuple]] = {
 }
 
 
+#: settings that size a detector's memory (rings, windows, caps; some are allocated only at the first step,
+#: so comparing fresh instances cannot tell): changing one gives that detector a fresh start on reload
+RESIZING: dict[str, set[str]] = {
+    "slow_rank": {"n"},
+    "changepoint": {"window", "smooth", "phase_sample", "min_size"},
+    "jitter": {"window", "clear_window", "baseline", "history", "min_periods"},
+    "mfu": {"window", "baseline", "max_pending"},
+    "comm_bw": {"window", "lag", "min_steps", "max_pending"},
+    "dataloader": {"window", "min_steps"},
+}
+
+
 class ConfigError(ValueError):
     """A setting that does not validate; the message names it and its valid range."""
 
@@ -327,11 +339,15 @@ def _same(a, b) -> bool:
 def retune(det, cls, old_kw: dict, new_kw: dict):
     """``det`` with ``new_kw`` in force and its state kept: the attributes a fresh detector built with
     ``new_kw`` has differently from one built with ``old_kw`` are the settings (and what derives from
-    them); only those are replaced. When such an attribute is an array or a bounded deque, the settings
-    size the detector's memory and a fresh detector is returned instead."""
+    them); only those are replaced. When a setting of :data:`RESIZING` changes, or such an attribute is an
+    array or a bounded deque, the settings size the detector's memory and a fresh detector is returned."""
     if old_kw == new_kw:
         return det
     a, b = cls(**old_kw), cls(**new_kw)
+    sizing = RESIZING.get(getattr(cls, "name", ""), set())
+    if any(old_kw.get(k, object()) != new_kw.get(k, object()) for k in sizing & (set(old_kw) | set(new_kw))):
+        log.info("detector %s: new settings resize its state; it starts afresh", cls.name)
+        return b
     changed = [k for k in b.__dict__ if k not in a.__dict__ or not _same(a.__dict__[k], b.__dict__[k])]
     if any(isinstance(b.__dict__[k], (np.ndarray, deque)) for k in changed):
         log.info("detector %s: new settings resize its state; it starts afresh", getattr(det, "name", cls))

@@ -105,6 +105,11 @@ def test_retune_keeps_detector_state_and_resizing_settings_start_afresh():
     j = Jitter()
     j2 = swconfig.retune(j, Jitter, {}, {"history": 64})               # sizes its memory: a fresh one
     assert j2 is not j and j2.history == 64
+    from stepwatch.detectors.slowrank import SlowRank
+    sr = SlowRank()
+    assert swconfig.retune(sr, SlowRank, {}, {"k": 2}) is sr and sr.k == 2          # in place
+    sr2 = swconfig.retune(sr, SlowRank, {"k": 2}, {"k": 2, "n": 4})                 # its ring is sized by n
+    assert sr2 is not sr and sr2.n == 4
 
 
 # ---------------------------------------------------------------------------- round trip through the CLI
@@ -160,12 +165,13 @@ def test_sighup_applies_a_per_job_override_on_the_next_step_and_refuses_a_bad_fi
             send_table(prod, kafka, "topology", sim.topology())
             _send_steps(sim, prod, kafka, 0, fault_at)
         err.wait(r"assigned \d+ partitions", 60)
-        # a file overriding two detectors for jobs named live-*; SIGHUP while the jobs stream
-        cfg.write_text("[processor]\nflush_interval_s = 0.3\nlateness_s = 0.5\n\n[[jobs]]\nmatch = \"live-*\"\n"
-                       "[jobs.detectors.slow_rank]\nk = 1\nn = 1\n[jobs.detectors.stall]\nhang_s = 3.0\n"
-                       "hang_steps = 1\n")
+        # a file overriding two detectors for jobs named live-*; SIGHUP while the jobs stream (the processor
+        # also notices the changed file by itself, within 5 s: whichever comes first retunes the job)
         time.sleep(2.0)                                    # (the first steps are in)
         n0 = len(err.lines)
+        cfg.write_text("[processor]\nflush_interval_s = 0.3\nlateness_s = 0.5\n\n[[jobs]]\nmatch = \"live-*\"\n"
+                       "[jobs.detectors.slow_rank]\nk = 1\n[jobs.detectors.stall]\nhang_s = 3.0\n"
+                       "hang_steps = 1\n")
         p.send_signal(signal.SIGHUP)
         err.wait(r"configuration .* reloaded \(1 job\(s\) retuned\)", 30, n0)
         for s in range(fault_at, fault_at + 10):           # the slow rank from step 30 on
@@ -174,7 +180,7 @@ def test_sighup_applies_a_per_job_override_on_the_next_step_and_refuses_a_bad_fi
             time.sleep(0.15)
         i = out.wait(r"\[FIRING\] slow_rank job=live-a rank 5", 60)
         m = re.search(r"from step (\d+) \(detected at (\d+)\)", out.lines[i])
-        assert int(m.group(2)) == fault_at, out.lines[i]    # the next step: k=1 of n=1
+        assert int(m.group(2)) == fault_at, out.lines[i]    # the next step: k=1 (of n=13)
         j = out.wait(r"\[FIRING\] slow_rank job=other-b rank 5", 60)
         m2 = re.search(r"\(detected at (\d+)\)", out.lines[j])
         assert int(m2.group(1)) >= fault_at + 4             # the defaults (k=5) for the job that does not match
@@ -185,8 +191,10 @@ def test_sighup_applies_a_per_job_override_on_the_next_step_and_refuses_a_bad_fi
         k = err.wait(r"refused", 30, n0)
         assert "detectors.stall.hang_s: -1 is out of range (valid: >= 0.1)" in err.lines[k]
         assert "settings in force stay" in err.lines[k]
-        # live-a stops stepping while its host samples go on: the override's 3 s hang threshold is still in force
-        _send_steps(sims["live-a"], prod, kafka, fault_at + 10, fault_at + 16, steps=False)
+        # live-a stops stepping while its host samples go on for 12 s (event time): the override's 3 s hang
+        # threshold is still in force (the default, 30 s, would not fire; the usual lead of the host topic over
+        # the steps topic in this test, a few seconds, is discounted first)
+        _send_steps(sims["live-a"], prod, kafka, fault_at + 10, fault_at + 22, steps=False)
         out.wait(r"\[FIRING\] job_hang job=live-a", 60)
         assert not any("job_hang job=other-b" in ln for ln in out.lines)
         assert p.poll() is None
