@@ -42,7 +42,7 @@ from stepwatch import __version__
 from stepwatch import schema as wire
 from stepwatch.agents import probe as wirep
 from stepwatch.agents.hostmetrics import PluginRunner, build_runners, sample
-from stepwatch.agents.inflight import Liveness, row_from_probe
+from stepwatch.agents.inflight import Liveness, RateBound, row_from_probe
 from stepwatch.agents.ingress import (IngressLimits, Peer, check_hello, enable_passcred, pid_alive, recv_with_peer,
                                       resolve_group)
 from stepwatch.agents.shipper import Shipper, Spool
@@ -225,6 +225,7 @@ class Agent:
         self.bad = 0
         self.control = None                 # targeted profiling (stepwatch.agents.control), see enable_profiling
         self.liveness = Liveness()          # stopped / gone / silent ranks (agents.inflight)
+        self._inflight_rate = RateBound()   # in-flight rows per probe instance (agents.inflight)
 
     # ------------------------------------------------------------------ socket
     def start(self) -> "Agent":
@@ -346,6 +347,9 @@ class Agent:
             return
         ident.t_seen = now
         if typ == wirep.T_INFLIGHT:                  # a probe's watchdog: an overlong step (agents.inflight)
+            if not self._inflight_rate.allow(inst, now):
+                m.dropped.labels("inflight_rate").inc()
+                return
             try:
                 self.rows["inflight"][ident.job].append(row_from_probe(ident, body))
                 m.records_in.labels("inflight").inc()

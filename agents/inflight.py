@@ -50,6 +50,27 @@ def row_from_probe(ident, body: dict) -> dict:
             "stack": _str(body.get("stack"), MAX_STACK), "pid": _int(body.get("pid")) or _int(ident.hello.get("pid"))}
 
 
+class RateBound:
+    """At most ``per_s`` in-flight rows per second per probe instance (a burst of ``burst``): the watchdog
+    sends one every few seconds; a probe that sends more is cut (``inflight_rate``), bounding the rows a
+    process can make the agent publish."""
+
+    def __init__(self, per_s: float = 1.0, burst: int = 4, max_keys: int = 65536):
+        self.per_s, self.burst, self.max_keys = per_s, burst, max_keys
+        self._tokens: dict[int, tuple[float, float]] = {}
+
+    def allow(self, inst: int, now: float) -> bool:
+        tok, t = self._tokens.get(inst, (float(self.burst), now))
+        tok = min(float(self.burst), tok + (now - t) * self.per_s)
+        if tok < 1.0:
+            self._tokens[inst] = (tok, now)
+            return False
+        if len(self._tokens) >= self.max_keys and inst not in self._tokens:
+            self._tokens.clear()
+        self._tokens[inst] = (tok - 1.0, now)
+        return True
+
+
 def process_state(pid: int, proc: str | None = None) -> str:
     """``running`` | ``stopped`` | ``gone`` for a pid, from ``<procfs>/<pid>/stat``."""
     try:

@@ -227,3 +227,18 @@ def test_watchdog_of_a_rank_reports_its_first_step(probe, rx, sockdir):
     msgs = [m[3] for m in rx.read() if m[0] == P.T_INFLIGHT]
     assert msgs and msgs[0]["kinds"] == ["first"] and msgs[0]["step"] == 0, msgs
     assert msgs[0]["stack"].splitlines()[-1].endswith("in compiling") and msgs[-1]["state"] == "done"
+
+
+def test_agent_bounds_in_flight_rows_per_probe_instance(sockdir):
+    ag = Agent(None, socket_dir=sockdir, node="n1")
+    ag.handle(P.HDR.pack(P.MAGIC, 1, P.T_HELLO, 9, 0, 0, 0, 0, 0) + json.dumps(
+        {"job": "j", "rank": 0, "world_size": 1, "pid": 1, "names": {}}).encode())
+    d = P.HDR.pack(P.MAGIC, 1, P.T_INFLIGHT, 9, 0, 0, 0, 0, 0) + json.dumps(
+        {"state": "compute", "step": 1, "t": 1_800_000_000_000_000_000}).encode()
+    for _ in range(50):                           # a flood in one instant: the burst gets through
+        ag.handle(d, now=100.0)
+    ag.handle(d, now=102.0)                       # then one a second (2 s later: 2 more)
+    ag.handle(d, now=102.1)
+    items = {k: t for k, j, t in ag.tick()}
+    assert items["inflight"].num_rows == 4 + 2
+    assert ag.metrics.value(ag.metrics.dropped, "inflight_rate") == 50 - 4
