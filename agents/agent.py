@@ -164,14 +164,18 @@ def rows_from_batch(ident: Identity, body) -> tuple[dict | None, list[dict], lis
     names = ident.names
     srow = None
     if step is not None:
+        if len(step) == 14:                       # a version-1 record: no CPU fields
+            step = tuple(step) + (-1.0, -1.0)
         (n, t0, t1, step_ns, data_ns, compute_ns, comm_ns, wait_ns, gc_ns, gc_count, data_queue, samples, tokens,
-         dropped) = step
+         dropped, cpu_ns, cpu_wait_ns) = step
         ident.dropped = dropped
         srow = dict(base, step=n, t_start=t0, t_end=t1, step_ms=step_ns / 1e6, data_ms=data_ns / 1e6,
                     compute_ms=compute_ns / 1e6, comm_ms=comm_ns / 1e6, comm_wait_ms=wait_ns / 1e6,
                     gc_ms=gc_ns / 1e6, gc_count=gc_count,
                     samples=_opt(samples), tokens=_opt(tokens), data_queue=_opt(data_queue),
-                    phases=[(names.get(i, f"#{i}"), ns / 1e6) for i, ns in phases] or None)
+                    phases=[(names.get(i, f"#{i}"), ns / 1e6) for i, ns in phases] or None,
+                    cpu_ms=cpu_ns / 1e6 if cpu_ns >= 0 else None,
+                    cpu_wait_ms=cpu_wait_ns / 1e6 if cpu_wait_ns >= 0 else None)
     crows = []
     if comm and step is not None:
         sizes = ident.hello.get("group_sizes") if isinstance(ident.hello.get("group_sizes"), dict) else {}

@@ -187,7 +187,7 @@ class Watchdog:
         seq = list(p._seq)
         last_t = p._log.last_drain
         for kind, slot, t0, t1, a, b in events:
-            if kind == m.K_COLL or kind == m.K_DCOLL:
+            if kind == m.K_COLL or kind == m.K_DCOLL or kind == getattr(m, "K_BUCKET", -1):
                 seq[slot] += 1
                 last_t = t1
             elif kind == m.K_DATA:
