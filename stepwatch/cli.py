@@ -5,8 +5,9 @@
     stepwatch simulate                 send a simulated cluster's telemetry to Kafka (faults + labels)
     stepwatch process                  the stream processor (consumer group -> Parquet, alerts)
     stepwatch sql "SELECT …"           DuckDB over the Parquet store
-    stepwatch bench ingest|query|overhead|detectors  throughput and lag into Parquet; canned-query
-                                       times at scale; probe and agent overhead; detector cost per step
+    stepwatch bench ingest|query|overhead|detectors|changepoint  throughput and lag into Parquet; canned-query
+                                       times at scale; probe and agent overhead; detector cost per step;
+                                       change-point finders on generated labelled series
     stepwatch eval                     the labelled scenario suite through the processor: recall, precision, delay
     stepwatch report --job J           HTML post-mortem; stepwatch compact: compaction and retention
     stepwatch grafana provision|export dashboards, DuckDB datasource, alert rules (idempotent)
@@ -289,7 +290,8 @@ def cmd_bench(a) -> int:
     from stepwatch.agents.bench_overhead import run_overhead_bench
     from stepwatch.eval import run_detector_bench
     return {"ingest": bench.run_bench, "query": bench.run_query_bench, "overhead": run_overhead_bench,
-            "detectors": run_detector_bench, "profiling": _profiling_bench}[a.what](a)
+            "detectors": run_detector_bench, "profiling": _profiling_bench,
+            "changepoint": bench.run_changepoint_bench}[a.what](a)
 
 
 # ---------------------------------------------------------------------------- parser
@@ -405,7 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=cmd_sql)
 
     be = sub.add_parser("bench", help="benchmarks that print figures")
-    be.add_argument("what", choices=["ingest", "query", "overhead", "detectors", "profiling"])
+    be.add_argument("what", choices=["ingest", "query", "overhead", "detectors", "profiling", "changepoint"])
     be.add_argument("--ranks", type=int, default=16384)
     be.add_argument("--steps", type=int, default=60, help="steps pre-produced for the throughput run")
     be.add_argument("--lag-seconds", type=int, default=30, help="length of the live (1 step/s) lag run")
