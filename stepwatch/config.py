@@ -65,11 +65,14 @@ PROFILERS = ("torch", "py-spy", "host")
 RANGES: dict[str, dict[str, tuple]] = {
     "slow_rank": {"k": (1, 1000), "n": (1, 1000), "clear_steps": (1, 100000), "z_min": (0.0, None),
                   "min_effect": (0.0, 10.0), "mad_floor": (0.0, 1.0), "min_peers": (1, None),
-                  "critical_pct": (0.0, 100.0), "small_effect": (0.0, 1.0), "small_h": (0.0, None),
-                  "node_share": (0.0, 1.0), "group_share": (0.0, 1.0)},
+                  "critical_pct": (0.0, 100.0), "small_effect": (0.0, 1.0),
+                  "node_share": (0.0, 1.0), "group_share": (0.0, 1.0), "ref_z": (0.0, 100.0),
+                  "span_z": (0.0, 100.0), "big_ref_z": (0.0, 100.0), "big_span_z": (0.0, 100.0),
+                  "alpha": (1e-15, 0.5)},
     "changepoint": {"window": (10, 100000), "every": (1, 100000), "min_size": (1, 10000), "min_effect": (0.0, 10.0),
                     "min_t": (0.0, None), "penalty_c": (0.0, None), "smooth": (1, 1001), "phase_sample": (1, None),
-                    "critical_pct": (0.0, 100.0), "floor_share": (0.0, 1.0)},
+                    "critical_pct": (0.0, 100.0), "floor_share": (0.0, 1.0), "persist": (0.0, 1.0),
+                    "phase_min_effect": (0.0, 10.0), "phase_min_share": (0.0, 1.0), "min_steps": (1, 100000)},
     "jitter": {"threshold": (1.0, None), "window": (1, 100000), "ratio": (0.0, 1.0), "clear_window": (1, 100000),
                "baseline": (1, 100000), "spike": (1.0, None), "min_periods": (2, 1000), "min_every": (1, 100000),
                "history": (8, 1000000)},
@@ -92,7 +95,7 @@ RANGES: dict[str, dict[str, tuple]] = {
 #: so comparing fresh instances cannot tell): changing one gives that detector a fresh start on reload
 RESIZING: dict[str, set[str]] = {
     "slow_rank": {"n"},
-    "changepoint": {"window", "smooth", "phase_sample", "min_size"},
+    "changepoint": {"window", "smooth", "phase_sample", "min_size", "min_steps"},
     "jitter": {"window", "clear_window", "baseline", "history", "min_periods"},
     "mfu": {"window", "baseline", "max_pending"},
     "comm_bw": {"window", "lag", "min_steps", "max_pending"},
