@@ -8,6 +8,7 @@
     stepwatch bench ingest|query|overhead|detectors|changepoint  throughput and lag into Parquet; canned-query
                                        times at scale; probe and agent overhead; detector cost per step;
                                        change-point finders on generated labelled series
+    stepwatch bench fuzz|hostile       100,000 fuzzed inputs per boundary; 10,000 hostile Kafka messages
     stepwatch eval                     the labelled scenario suite through the processor: recall, precision, delay
     stepwatch report --job J           HTML post-mortem; stepwatch compact: compaction and retention
     stepwatch grafana provision|export dashboards, DuckDB datasource, alert rules (idempotent)
@@ -88,11 +89,27 @@ def cmd_process(a) -> int:
     from stepwatch.stream.processor import Processor
     from stepwatch.dashboards.cli import annotation_sink_from_args
     from stepwatch.dashboards.grafana import GrafanaError
+    from stepwatch import config as swconfig
     from stepwatch.dashboards.alertmanager import AlertmanagerError, sink_from_args as am_sink_from_args
     from stepwatch.stream.alertfanout import attach
     from stepwatch.stream.jobmetrics import configure_from_args
     s = settings_from_args(a)
-    p = Processor(s, a.data_dir, group=a.group, flush_interval_s=a.flush_interval, lateness_s=a.lateness)
+    from stepwatch.stream.ingress import limits_from_pairs
+    try:
+        limits = limits_from_pairs(a.limit)
+    except ValueError as e:
+        print(f"stepwatch process: {e}", file=sys.stderr)
+        return 2
+    cfg_path = a.config or os.environ.get("STEPWATCH_CONFIG") or None
+    try:
+        cfg = swconfig.load(cfg_path) if cfg_path else None
+    except swconfig.ConfigError as e:
+        print(f"stepwatch process: {e}", file=sys.stderr)
+        return 2
+    from stepwatch.stream.profiling import settings_from_env
+    p = Processor(s, a.data_dir, group=a.group, detector_settings=cfg, limits=limits,
+                  profiling=cfg.profiling_settings(settings_from_env()) if cfg else "env",
+                  **{"flush_interval_s": 1.0, "lateness_s": 10.0, **swconfig.processor_kwargs(cfg, a)})
     configure_from_args(p.job_metrics, a)
     try:
         sink = annotation_sink_from_args(a, registry=p.metrics.registry)   # None without --grafana-url
@@ -108,8 +125,15 @@ def cmd_process(a) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     last = [0.0]
+    hup = threading.Event()
+    watch = swconfig.FileWatch(cfg_path) if cfg_path else None
+    if cfg_path:                      # SIGHUP or a changed file: reload between messages (stepwatch.config)
+        signal.signal(signal.SIGHUP, lambda *_: hup.set())
 
     def tick(proc):
+        if hup.is_set() or (watch is not None and watch.changed()):
+            hup.clear()
+            swconfig.reload(proc, cfg_path)
         if a.quiet or time.monotonic() - last[0] < 5:
             return
         last[0] = time.monotonic()
@@ -272,9 +296,11 @@ def cmd_bench(a) -> int:
     from stepwatch import bench
     from stepwatch.agents.bench_overhead import run_overhead_bench
     from stepwatch.eval import run_detector_bench
+    from stepwatch.fuzz import run_fuzz
+    from stepwatch.hostile import run_hostile_bench
     return {"ingest": bench.run_bench, "query": bench.run_query_bench, "overhead": run_overhead_bench,
             "detectors": run_detector_bench, "profiling": _profiling_bench,
-            "changepoint": bench.run_changepoint_bench}[a.what](a)
+            "changepoint": bench.run_changepoint_bench, "fuzz": run_fuzz, "hostile": run_hostile_bench}[a.what](a)
 
 
 # ---------------------------------------------------------------------------- parser
@@ -330,13 +356,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_kafka_args(pr)
     pr.add_argument("--data-dir", default=DEFAULT_DATA)
     pr.add_argument("--group", default="stepwatch-processor")
-    pr.add_argument("--flush-interval", type=float, default=1.0, help="seconds between store flushes")
-    pr.add_argument("--lateness", type=float, default=10.0, help="seconds of event time before an incomplete step closes")
+    pr.add_argument("--flush-interval", type=float, default=None, help="seconds between store flushes (1)")
+    pr.add_argument("--lateness", type=float, default=None,
+                    help="seconds of event time before an incomplete step closes (10)")
+    pr.add_argument("--config", default=None, help="configuration file (TOML; default $STEPWATCH_CONFIG): detector "
+                    "settings, limits, profiling policy; reloaded on SIGHUP (docs/configuration.md)")
     pr.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     pr.add_argument("--metrics-addr", default="127.0.0.1")
     pr.add_argument("--idle-exit", type=float, default=None, help="exit after this many idle seconds")
     pr.add_argument("-q", "--quiet", action="store_true")
     pr.add_argument("--stats-json", default=None, help="write final counters here on exit")
+    pr.add_argument("--limit", action="append", default=[], metavar="NAME=VALUE",
+                    help="an ingress bound, repeatable, e.g. max_ranks=262144 (docs/limits.md lists them)")
     from stepwatch.dashboards.cli import add_annotation_args, register as register_grafana
     add_annotation_args(pr)
     from stepwatch.dashboards.alertmanager import add_args as add_alertmanager_args
@@ -350,6 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     register_eval(sub)
     from stepwatch.stream.profiling_cli import register as register_profile
     register_profile(sub)
+    from stepwatch.config import register as register_config
+    register_config(sub)
     pr.set_defaults(func=cmd_process)
 
     q = sub.add_parser("sql", help="run SQL over the Parquet store (DuckDB views)")
@@ -385,7 +418,12 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=cmd_sql)
 
     be = sub.add_parser("bench", help="benchmarks that print figures")
-    be.add_argument("what", choices=["ingest", "query", "overhead", "detectors", "profiling", "changepoint"])
+    be.add_argument("what", choices=["ingest", "query", "overhead", "detectors", "profiling", "changepoint",
+                                     "fuzz", "hostile"])
+    be.add_argument("--inputs", type=int, default=100_000, help="fuzz: inputs per boundary")
+    be.add_argument("--seed", type=int, default=0, help="fuzz: hypothesis seed")
+    be.add_argument("--boundary", default=None, help="fuzz: only this boundary (stepwatch.fuzz.BOUNDARIES)")
+    be.add_argument("--messages", type=int, default=10_000, help="hostile: malformed/hostile messages to send")
     be.add_argument("--ranks", type=int, default=16384)
     be.add_argument("--steps", type=int, default=60, help="steps pre-produced for the throughput run")
     be.add_argument("--lag-seconds", type=int, default=30, help="length of the live (1 step/s) lag run")

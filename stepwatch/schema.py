@@ -123,6 +123,27 @@ COMM = pa.schema([
     pa.field("group_size", pa.int32()),
 ])
 
+#: What a rank is doing while its step runs far longer than usual (the probe's watchdog), or what its node
+#: agent sees of a rank that went quiet (``source`` "agent": the process stopped, exited, or sends nothing).
+INFLIGHT = pa.schema([
+    pa.field("job", pa.string(), nullable=False),
+    pa.field("node", pa.string(), nullable=False),
+    pa.field("rank", pa.int32(), nullable=False),
+    pa.field("t", TS, nullable=False),                    # when it was observed
+    pa.field("source", pa.string(), nullable=False),      # probe | agent
+    pa.field("state", pa.string(), nullable=False),       # collective | data | compute | done | stopped | gone | silent
+    pa.field("step", pa.int64()),                         # the step in progress
+    pa.field("step_kind", pa.string()),                   # first, eval, checkpoint (comma-separated) or null
+    pa.field("elapsed_ms", F64),                          # how long the step has run (done: its length)
+    pa.field("since", TS),                                # when the rank entered this state
+    pa.field("op", pa.string()),                          # collective: its op, process group and sequence number
+    pa.field("group", pa.string()),
+    pa.field("seq", pa.int64()),                          # per process group, 1 = the group's first collective
+    pa.field("group_size", pa.int32()),
+    pa.field("stack", pa.string()),                       # the main thread's Python stack, innermost frame last
+    pa.field("pid", pa.int64()),
+])
+
 ALERTS = pa.schema([
     pa.field("alert_id", pa.string(), nullable=False),
     pa.field("job", pa.string(), nullable=False),
@@ -276,9 +297,10 @@ SCHEMAS: dict[str, pa.Schema] = {
     "efficiency": EFFICIENCY, "comm_bw": COMM_BW,
     "profiles": PROFILES,               # targeted profiling results (agents publish, the processor stores)
     "profile_diffs": PROFILE_DIFFS,     # suspect vs reference, per operator (the processor computes them)
+    "inflight": INFLIGHT,               # in-flight state of ranks in an overlong step (probe watchdog, agent)
 }
 #: Kinds a producer may send (telemetry); alerts/deadletter are written by the processor.
-TELEMETRY = ("steps", "topology", "host", "gc", "comm")
+TELEMETRY = ("steps", "topology", "host", "gc", "comm", "inflight")
 
 #: Natural key of each table: a row with the same key is the same fact (deduplicated).
 NATURAL_KEYS: dict[str, tuple[str, ...]] = {
@@ -292,6 +314,7 @@ NATURAL_KEYS: dict[str, tuple[str, ...]] = {
     "profile_diffs": ("cmd_id", "name"),
     "efficiency": ("job", "step"),
     "comm_bw": ("job", "step_hi", "op", "group"),
+    "inflight": ("job", "rank", "t", "source"),
 }
 
 #: Columns that are durations (ms) or sizes: finite and >= 0 when present.
@@ -304,6 +327,7 @@ NONNEGATIVE: dict[str, tuple[str, ...]] = {
              "disk_read_bps", "disk_write_bps", "net_rx_bps", "net_tx_bps", "rdma_retrans"),
     "gc": ("rank", "duration_ms", "collected", "uncollectable", "generation"),
     "comm": ("rank", "step", "count", "bytes", "time_ms", "wait_ms", "group_size"),
+    "inflight": ("rank", "step", "elapsed_ms", "seq", "group_size", "pid"),
 }
 
 #: Job ids become directory names (``job=<id>``): keep them to a safe alphabet.
@@ -385,7 +409,10 @@ def headers(kind: str, content_type: str = ARROW_CT) -> list[tuple[str, bytes]]:
 def _read_arrow(payload: bytes) -> pa.Table:
     try:
         with pa.ipc.open_stream(pa.py_buffer(payload)) as r:
-            return r.read_all()
+            t = r.read_all()
+        t.schema.names     # noqa: B018 - raises on field names that are not UTF-8
+        t.validate(full=True)   # buffers, offsets, UTF-8: ~60 µs for 4,096 step rows; compute kernels trust it
+        return t
     except Exception as e:  # noqa: BLE001 - any decoder failure is a bad message
         raise WireError(f"undecodable Arrow IPC stream: {e}") from None
 
@@ -467,8 +494,8 @@ def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
             if col.type != f.type:
                 try:
                     col = col.cast(f.type)
-                except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
-                    raise WireError(f"field '{f.name}': cannot read {col.type} as {f.type} ({e})") from None
+                except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError, UnicodeDecodeError) as e:
+                    raise WireError(f"field '{f.name}': cannot read its type as {f.type} ({e!r:.300})") from None
         elif not f.nullable:
             raise WireError(f"required field '{f.name}' is missing")
         else:
@@ -578,23 +605,31 @@ def validate(kind: str, table: pa.Table) -> tuple[pa.Table, list[tuple[int, str]
     return good, rejected, table.take(pa.array(bad_idx))
 
 
-def decode(payload: bytes, content_type: str | bytes | None, schema_header: str | bytes | None) -> Decoded:
+def decode(payload: bytes, content_type: str | bytes | None, schema_header: str | bytes | None,
+           check_arrow=None, prepare=None) -> Decoded:
     """Decode one message into valid rows and per-row rejections.
 
     Raises WireError (with a reason naming the field/value) when the whole message is unusable.
+    ``check_arrow(payload)`` (bounds before decompression) and ``prepare(kind, raw_table)`` (extra
+    columns, expansion bounds; returns the table) are the processor's ingress hooks
+    (:mod:`stepwatch.stream.ingress`).
     """
     kind, _ = parse_schema_header(schema_header)
-    ct = content_type.decode() if isinstance(content_type, (bytes, bytearray)) else content_type
+    ct = content_type.decode("utf-8", "replace") if isinstance(content_type, (bytes, bytearray)) else content_type
     ct = (ct or ARROW_CT).split(";")[0].strip()
     schema = SCHEMAS[kind]
     if payload is None:
         raise WireError("empty message (no value)")
     if ct == ARROW_CT:
+        if check_arrow is not None:
+            check_arrow(payload)
         raw = _read_arrow(payload)
     elif ct == JSON_CT:
         raw = _read_json(payload, schema)
     else:
         raise WireError(f"unsupported content-type {ct!r} (use {ARROW_CT} or {JSON_CT})")
+    if prepare is not None:
+        raw = prepare(kind, raw)
     table = conform(raw, schema)
     good, rejected, bad_rows = validate(kind, table)
     return Decoded(kind, good, rejected, bad_rows)

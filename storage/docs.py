@@ -19,8 +19,10 @@ ABOUT = {
     "alerts": "One row per alert state change (`firing`, then `resolved`) written by the processor. "
               "`alert_id` is stable for the same finding; `evidence` is JSON text; `incident_id` groups the "
               "alerts of one fault (cause, consequences, re-fires; null in rows written before incidents).",
-    "deadletter": "Rejected input: whole messages (`row` null, raw bytes in `payload`) or single rows "
-                  "(`row` = index in the message, the row as JSON in `payload`), with the `reason`.",
+    "deadletter": "Rejected input: ONE row per source message (Kafka topic, partition, offset), whether the "
+                  "whole message was refused (`row` null) or some of its rows (`row` = index of the first bad "
+                  "row; `reason` = how many rows and the first distinct reasons). `payload` is the raw message "
+                  "(cut at 1 MiB). See docs/limits.md.",
     "rank_minutes": "Derived by the store from every batch of step rows it writes: per (job, rank, minute of "
                     "`t_end`) partial sums (`steps` = rows summed). One (job, rank, minute) may have several "
                     "rows (one per flush): always aggregate with `sum`. Per-rank questions over hours read "
@@ -35,6 +37,11 @@ ABOUT = {
                      "less. `alert_id` links it to the alert; `stepwatch profile diff CMD_ID` prints the same.",
 }
 
+ABOUT["inflight"] = ("What ranks were doing while a step ran far longer than usual (wire `inflight/1`): one row per "
+                     "rank every few seconds from the probe's watchdog (`source` = `probe`: `state` collective with "
+                     "`op`/`group`/`seq`, data or compute, the main thread's `stack`; `done` when the step ended), and "
+                     "rows from the node agent for a rank that cannot speak (`source` = `agent`: `stopped`, `gone`, "
+                     "`silent`). The `job_hang` alert names the ranks from these (docs/detectors.md).")
 ABOUT["efficiency"] = ("Written by the processor's `mfu` detector: one row per job and closed step. `mfu` = "
                        "`model_flops` / (`step_ms`/1000 x `devices` x `peak_tflops` x 1e12); goodput over a window "
                        "= sum(`productive_ms`) / sum(`wall_ms`). Definitions and the peak table: docs/detectors.md.")
