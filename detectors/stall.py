@@ -265,7 +265,7 @@ class Stall(Detector):
             return []
         kinds = hang.kinds_in_progress(ctx, steps_t)       # a long step by design: its kind's threshold
         thr = max([thr] + [int(self.hang_kind_s[k] * 1e9) for k in kinds if k in self.hang_kind_s])
-        if silent - usual < thr:
+        if silent < thr:
             return []
         last = ctx.last_step if ctx.last_step is not None else np.zeros(0, np.int64)
         seen = np.flatnonzero(last >= 0)

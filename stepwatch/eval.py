@@ -296,11 +296,15 @@ def run_scenario(sc, data_dir: Path, rows_per_message: int = 4096, flush_every: 
     read = {k: 0 for k in src}
     topic_kind = {kafka.topic(k): k for k in ("topology", "steps", "host", "gc", "comm", "inflight")}
 
-    def caught_up(topic: str, part: int) -> bool:
-        k = (topic_kind.get(topic, topic), part)
-        lst = src.get(k, [])
-        j = read.get(k, 0)
-        return j >= len(lst) or msgs[lst[j]].produce_ns > clock[0]
+    def caught_up(topic: str, part: int | None) -> bool:
+        kind = topic_kind.get(topic, topic)
+        keys = [(kind, part)] if part is not None else [k for k in src if k[0] == kind]
+        for k in keys:
+            lst = src.get(k, [])
+            j = read.get(k, 0)
+            if j < len(lst) and msgs[lst[j]].produce_ns <= clock[0]:
+                return False
+        return True
 
     proc.caught_up_hook = caught_up
     key = jobname.encode()

@@ -359,6 +359,22 @@ class Processor:
         return ctx
 
     def _caught_up(self, rt: JobRuntime) -> bool:
+        """The job's steps read to their end (:meth:`_steps_caught_up`) and the in-flight states too: a
+        step that is long by design (evaluation, checkpoint) is known so only from them."""
+        if not self._steps_caught_up(rt):
+            return False
+        topic = self.kafka.topic("inflight")
+        if self.caught_up_hook is not None:
+            return bool(self.caught_up_hook(topic, None))
+        if self.consumer is None:
+            return True
+        try:
+            parts = [tp.partition for tp in self.consumer.assignment() if tp.topic == topic]
+        except Exception:  # noqa: BLE001
+            return False
+        return all(self._tp_caught_up(topic, p) for p in parts)
+
+    def _steps_caught_up(self, rt: JobRuntime) -> bool:
         """Whether the job's steps partition has been read to its end: it is assigned and not paused, and
         the messages handled reach the broker's end offset (asked at most every 0.5 s per partition) and
         the high watermark of the last fetch. The proof a silence judged on event time needs
