@@ -36,7 +36,7 @@
 #include <string.h>
 #include <time.h>
 
-enum { K_OPT_POST = 2, K_DATA = 3, K_COLL = 4, K_DCOLL = 10 };      /* as in probe.py */
+enum { K_OPT_POST = 2, K_DATA = 3, K_COLL = 4, K_DCOLL = 10 };      /* as in eventlog.py */
 
 typedef struct {
     int32_t kind, slot;
@@ -267,7 +267,7 @@ static PyGetSetDef Log_getset[] = {{"n", (getter)Log_len, NULL, "events waiting"
 
 static PyTypeObject LogType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "stepwatch.agents._probefast.Log",
+    .tp_name = "stepwatch.agents.probe._probefast.Log",
     .tp_basicsize = sizeof(Log),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "Log(cap, on_drain, on_first_opt): the probe's preallocated event array",
@@ -399,7 +399,7 @@ static PyMemberDef DataWrap_members[] = {
 
 static PyTypeObject DataWrapType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "stepwatch.agents._probefast.DataWrap",
+    .tp_name = "stepwatch.agents.probe._probefast.DataWrap",
     .tp_basicsize = sizeof(DataWrap),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR,
     .tp_doc = "DataWrap(log, fn, dq_fn): a timed DataLoader iterator __next__",
@@ -668,7 +668,7 @@ static PyMemberDef CollWrap_members[] = {
 
 static PyTypeObject CollWrapType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "stepwatch.agents._probefast.CollWrap",
+    .tp_name = "stepwatch.agents.probe._probefast.CollWrap",
     .tp_basicsize = sizeof(CollWrap),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
     .tp_doc = "CollWrap(log, fn, p_idx, g_idx, a_idx, payload, resolve, nbytes_fn[, dev_begin, dev_end]): "
