@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test install clean bench
 
-$(STAMP): pyproject.toml setup.py agents/probe/_probefast.c
+$(STAMP): pyproject.toml setup.py $(wildcard agents/probe/_probefast*)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[all,test]'    # (plain `pip install .` is the probe alone)

@@ -39,8 +39,8 @@ def test_importing_the_probe_loads_only_the_standard_library():
     assert fast == "True"
 
 
-def test_no_module_of_the_package_is_over_600_lines():
-    sizes = {f.name: len(f.read_text().splitlines()) for f in PKG.glob("*.py")}
+def test_no_file_of_the_package_is_over_600_lines():
+    sizes = {f.name: len(f.read_text().splitlines()) for f in PKG.iterdir() if f.suffix in (".py", ".c", ".h")}
     assert sizes and max(sizes.values()) <= 600, sizes
 
 
