@@ -83,7 +83,7 @@ def scan(data: bytes) -> tuple[int, int, list[tuple]]:
 
 def last_dropped(data: bytes, frames: list[tuple]) -> int | None:
     """The probe's own drop counter from the last step record of a scanned datagram (None: no step)."""
-    for off, _, ver, n_step, *_ in reversed(frames):
+    for off, _, _, n_step, *_ in reversed(frames):
         if n_step:
             return W.STEP_V1.unpack_from(data, off + W.HDR.size)[13]
     return None
