@@ -159,7 +159,8 @@ def _opt(v: int) -> int | None:
 
 def rows_from_batch(ident: Identity, body) -> tuple[dict | None, list[dict], list[dict]]:
     """(steps row or None, comm rows, gc rows) of one decoded batch datagram, in the wire's columns and
-    units (the datagram carries durations in ns; rows carry ms)."""
+    units (the datagram carries durations in ns; rows carry ms). The agent itself decodes into columns
+    (agents/wirecols.py); this row form is the reference tests/test_wirecols.py holds it to."""
     step, phases, comm, gcs = body
     base = {"job": ident.job, "node": ident.node, "rank": ident.rank}
     names = ident.names
