@@ -38,7 +38,7 @@ from pathlib import Path
 import pyarrow as pa
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from stepwatch import __version__
+from stepwatch import __version__, catalog
 from stepwatch import schema as wire
 from stepwatch.agents import probe as wirep
 from stepwatch.agents import wirecols
@@ -52,7 +52,7 @@ from stepwatch.stream.metrics import Metrics
 log = logging.getLogger("stepwatch.agent")
 
 _FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
-KINDS = ("topology", "steps", "gc", "comm", "host", "profiles", "inflight")
+KINDS = catalog.INPUT_TOPICS
 ACTIVE_S = 60.0          # a probe heard from within this many seconds is a served rank
 PENDING_S = 30.0         # records of an unknown probe instance wait this long for its hello
 PENDING_MAX = 256        # ... and at most this many datagrams per instance

@@ -38,6 +38,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from stepwatch import catalog
 from stepwatch import schema as wire
 
 log = logging.getLogger("stepwatch.ingress")
@@ -445,7 +446,7 @@ class ExtraColumns:
 
 
 # ------------------------------------------------------------------------------ row bounds
-_RANKED = ("steps", "gc", "comm", "topology", "profiles", "inflight")
+_RANKED = catalog.RANKED
 
 
 def time_columns(kind: str) -> list[str]:

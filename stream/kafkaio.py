@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
+from stepwatch import catalog
 from stepwatch import schema as wire
 
-TOPIC_NAMES = ("steps", "host", "gc", "comm", "topology", "control", "profiles", "alerts", "deadletter", "inflight")
+TOPIC_NAMES = catalog.TOPICS
 
 
 @dataclass
