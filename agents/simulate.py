@@ -108,6 +108,7 @@ import numpy as np
 import pyarrow as pa
 
 from stepwatch import __version__
+from stepwatch.agents.probe.collectives import LINK_GBPS, bus_factor
 from stepwatch.schema import COMM, GC, HOST, STEPS, TOPOLOGY, TOP_PROC, ACCEL, JOB_RE
 
 __all__ = ["Fault", "parse_fault", "Simulation", "FAULT_KINDS", "REGRESSION_CAUSES"]
@@ -803,10 +804,9 @@ class Simulation:
     def _comm_payload(self) -> tuple[int, int]:
         """(gradient all-reduce payload per rank and step in bytes, data-parallel group size): sized so
         that the nominal comm time reaches ``_LINK_UTIL`` of the nominal RDMA bus bandwidth."""
-        from stepwatch.detectors.efficiency import LINK_GBPS, bus_factor
         n = self.world_size // (self.tp * self.pp)
         comm_ms = _COMM * self._unit
-        fac = float(bus_factor("all_reduce", n)) or 1.0
+        fac = float(bus_factor("all_reduce", max(n, 1))) or 1.0
         return int(_LINK_UTIL * LINK_GBPS["rdma"] * 1e9 * comm_ms / 1e3 / fac), n
 
     def _comm_table(self, nm: dict) -> pa.Table:
