@@ -107,6 +107,17 @@ def control_headers() -> list[tuple[str, bytes]]:
     return [("content-type", CONTENT_TYPE.encode()), ("schema", b"control/2")]
 
 
+
+def _per_minute_ok(window: collections.deque, now: int, limit: int) -> bool:
+    """A sliding one-minute window of event times (ns): True, and ``now`` recorded, while fewer than
+    ``limit`` events fell in the last minute."""
+    while window and now - window[0] > 60_000_000_000:
+        window.popleft()
+    if len(window) >= limit:
+        return False
+    window.append(now)
+    return True
+
 class SeenStore:
     """Command ids accepted, each until it expires, in memory and in an append-only file (one
     ``<cmd_id> <expires_at>`` line each, fsynced) that is read back at start and compacted there and
@@ -258,12 +269,12 @@ class AgentControl:
         c = KafkaConsumer(**self.kafka.client_config(), group_id=None, enable_auto_commit=False,
                           auto_offset_reset="latest", fetch_max_wait_ms=200,
                           max_partition_fetch_bytes=1 << 20)
-        parts = None
-        deadline = time.monotonic() + 30
-        while not parts and time.monotonic() < deadline and not self.stop_event.is_set():
-            parts = c.partitions_for_topic(topic)
-            if not parts:
-                time.sleep(0.5)
+        import tenacity
+        # the topic may not exist yet (the processor creates it): ask every 0.5 s for up to 30 s
+        parts = tenacity.Retrying(retry=tenacity.retry_if_result(lambda p: not p),
+                                  stop=tenacity.stop_after_delay(30) | tenacity.stop_when_event_set(self.stop_event),
+                                  wait=tenacity.wait_fixed(0.5), sleep=self.stop_event.wait,
+                                  retry_error_callback=lambda rs: None)(c.partitions_for_topic, topic)
         if not parts:
             c.close()
             raise RuntimeError(f"topic {topic} not found")
@@ -361,22 +372,11 @@ class AgentControl:
     def _unsolicited_ok(self, now: int) -> bool:
         """At most ``reject_rows_per_min`` rows a minute for probe answers to commands this agent did
         not forward (a probe refusing an envelope sent to it directly, or a flood)."""
-        w = self._unsolicited
-        while w and now - w[0] > 60_000_000_000:
-            w.popleft()
-        if len(w) >= self.reject_rows_per_min:
-            return False
-        w.append(now)
-        return True
+        return _per_minute_ok(self._unsolicited, now, self.reject_rows_per_min)
 
     def _window_ok(self, now: int) -> bool:
-        w = self._rej_window
-        while w and now - w[0] > 60_000_000_000:
-            w.popleft()
-        if len(w) >= self.reject_rows_per_min:
-            return False
-        w.append(now)
-        return True
+        """At most ``reject_rows_per_min`` rows a minute for refused commands."""
+        return _per_minute_ok(self._rej_window, now, self.reject_rows_per_min)
 
     def _row(self, cmd: dict, rank, status: str, detail: str, now: int, **kw) -> dict:
         r = {"cmd_id": cmd["cmd_id"], "job": _safe_job(cmd["job"]), "node": self.agent.node,
