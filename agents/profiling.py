@@ -122,19 +122,27 @@ def _read(path: str, what: str) -> bytes:
         raise KeyError_(f"cannot read the profiling {what} key file {path}: {e.strerror}") from None
 
 
+def _key_setting(env, name: str, file_name: str, path: str | None, what: str) -> bytes | None:
+    """The key text: ``$name``, else the file ``path`` or ``$file_name``; None (after refusing the old
+    shared-secret variables) when none is set."""
+    raw = env.get(name)
+    raw = raw.encode() if isinstance(raw, str) else raw
+    p = path or env.get(file_name)
+    if not raw and p:
+        raw = _read(p, what)
+    if not raw:
+        _old_env_error(env)
+        return None
+    return raw
+
+
 def load_private_key(path: str | None = None, env=None):
     """The Ed25519 private key that signs commands (processor, ``stepwatch profile``):
     ``$STEPWATCH_PROFILING_PRIVATE_KEY`` (base64 of the 32-byte seed, or PEM), else the file ``path``
     or ``$STEPWATCH_PROFILING_PRIVATE_KEY_FILE`` (PEM PKCS#8 or base64). None when none is set;
     KeyError_ (never quoting the key) when it cannot be read or parsed."""
-    env = os.environ if env is None else env
-    raw = env.get(ENV_PRIVATE)
-    raw = raw.encode() if isinstance(raw, str) else raw
-    p = path or env.get(ENV_PRIVATE_FILE)
-    if not raw and p:
-        raw = _read(p, "private")
-    if not raw:
-        _old_env_error(env)
+    raw = _key_setting(os.environ if env is None else env, ENV_PRIVATE, ENV_PRIVATE_FILE, path, "private")
+    if raw is None:
         return None
     raw = raw.strip()
     try:
@@ -177,14 +185,8 @@ def load_public_keys(path: str | None = None, env=None) -> dict | None:
     """The public keys that verify commands (agent, probe), by key id: ``$STEPWATCH_PROFILING_PUBLIC_KEY``
     (base64 of the 32-byte key, several separated by commas or spaces; or PEM), else the file ``path``
     or ``$STEPWATCH_PROFILING_PUBLIC_KEY_FILE``. None when none is set; KeyError_ when unparsable."""
-    env = os.environ if env is None else env
-    raw = env.get(ENV_PUBLIC)
-    raw = raw.encode() if isinstance(raw, str) else raw
-    p = path or env.get(ENV_PUBLIC_FILE)
-    if not raw and p:
-        raw = _read(p, "public")
-    if not raw:
-        _old_env_error(env)
+    raw = _key_setting(os.environ if env is None else env, ENV_PUBLIC, ENV_PUBLIC_FILE, path, "public")
+    if raw is None:
         return None
     try:
         keys = _parse_public(raw)
