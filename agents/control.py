@@ -269,12 +269,12 @@ class AgentControl:
         c = KafkaConsumer(**self.kafka.client_config(), group_id=None, enable_auto_commit=False,
                           auto_offset_reset="latest", fetch_max_wait_ms=200,
                           max_partition_fetch_bytes=1 << 20)
-        import tenacity
-        # the topic may not exist yet (the processor creates it): ask every 0.5 s for up to 30 s
-        parts = tenacity.Retrying(retry=tenacity.retry_if_result(lambda p: not p),
-                                  stop=tenacity.stop_after_delay(30) | tenacity.stop_when_event_set(self.stop_event),
-                                  wait=tenacity.wait_fixed(0.5), sleep=self.stop_event.wait,
-                                  retry_error_callback=lambda rs: None)(c.partitions_for_topic, topic)
+        parts = None
+        deadline = time.monotonic() + 30
+        while not parts and time.monotonic() < deadline and not self.stop_event.is_set():
+            parts = c.partitions_for_topic(topic)
+            if not parts:
+                time.sleep(0.5)
         if not parts:
             c.close()
             raise RuntimeError(f"topic {topic} not found")
