@@ -90,9 +90,6 @@ def node_partition(node: str, partitions: int) -> int:
     return (murmur2(node.encode()) & 0x7FFFFFFF) % partitions
 
 
-CONTENT_TYPE = "application/vnd.stepwatch.control+ed25519"
-
-
 def decode_control(payload: bytes, public_keys: dict) -> dict:
     """The verified command of one ``control`` message (raises profiling.BadCommand)."""
     return profiling.open_envelope(payload, public_keys)
@@ -101,10 +98,6 @@ def decode_control(payload: bytes, public_keys: dict) -> dict:
 def encode_control(cmd: dict, private_key) -> bytes:
     """The sealed envelope of ``cmd`` (the value of one ``control`` message)."""
     return profiling.seal(cmd, private_key)
-
-
-def control_headers() -> list[tuple[str, bytes]]:
-    return [("content-type", CONTENT_TYPE.encode()), ("schema", b"control/2")]
 
 
 
@@ -549,5 +542,4 @@ def _i(v, lo: int, hi: int) -> int | None:
 
 
 def _safe_job(job) -> str:
-    from stepwatch.agents.agent import safe_job
-    return safe_job(job if isinstance(job, str) else None)
+    return profiling.safe_job(job if isinstance(job, str) else None)

@@ -229,6 +229,14 @@ def canonical(cmd: dict) -> bytes:
     return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
 
 
+CONTENT_TYPE = "application/vnd.stepwatch.control+ed25519"
+
+
+def control_headers() -> list[tuple[str, bytes]]:
+    """The Kafka headers of a ``control`` message (its value: :func:`seal`)."""
+    return [("content-type", CONTENT_TYPE.encode()), ("schema", b"control/2")]
+
+
 def seal(cmd: dict, private_key) -> bytes:
     """The envelope of ``cmd`` signed with ``private_key``."""
     body = canonical(cmd)
@@ -834,7 +842,7 @@ class ProbeControl:
             self._refuse("not_this_rank", f"the command names ranks {cmd['ranks'][:8]}, this is rank {rank}", cmd)
             return
         job = getattr(p, "job", None)
-        if job and _job_key(job) != cmd["job"]:
+        if job and safe_job(job) != cmd["job"]:
             self._refuse("not_this_job", "the command is for another job", cmd)
             return
         if cmd["expires_at"] <= now:
@@ -892,9 +900,11 @@ class ProbeControl:
 _UNSAFE_JOB = re.compile(r"[^A-Za-z0-9._:@+-]")
 
 
-def _job_key(job: str) -> str:
-    """The job id the agent gives a probe's job (``stepwatch.agents.agent.safe_job``)."""
-    j = job.strip() or "default"
+def safe_job(job: str | None, default: str = "default") -> str:
+    """A job id usable as a folder name (``JOB_RE``, = ``stepwatch.schema.JOB_RE``): unsafe characters
+    become '_'. The job id the agent gives a probe's job; here (standard library only) so that the
+    probe, the agent and its control channel share one copy."""
+    j = (job or "").strip() or default
     if JOB_RE.match(j):
         return j
     j = _UNSAFE_JOB.sub("_", j)
