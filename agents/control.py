@@ -1,4 +1,4 @@
-"""The node agent's side of targeted profiling (DESIGN §9): ``control`` in, ``profiles`` out.
+"""The node agent's side of targeted profiling (docs/profiling.md): ``control`` in, ``profiles`` out.
 
 Lifecycle: :meth:`AgentControl.start` opens a Kafka consumer with no group that is ``assign()``-ed only
 the partition of the ``control`` topic this node's key hashes to (kafka-python's default murmur2

@@ -1,4 +1,4 @@
-"""Targeted fine-grained profiling (DESIGN §9): signing, summaries, diffs, and the probe-side runner.
+"""Targeted fine-grained profiling (docs/profiling.md): signing, summaries, diffs, and the probe-side runner.
 
 Everything here imports only the standard library at module level (the probe loads it into the
 training process); ``cryptography`` is imported when a key is loaded or a command verified (on a

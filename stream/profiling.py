@@ -1,4 +1,4 @@
-"""The processor's side of targeted profiling (DESIGN §9): alert -> signed ``control`` commands,
+"""The processor's side of targeted profiling (docs/profiling.md): alert -> signed ``control`` commands,
 ``profiles`` results -> side-by-side diff.
 
 Lifecycle. When the processor emits a *firing* alert of a configured kind (default ``slow_rank``,
