@@ -42,6 +42,7 @@ import time
 from prometheus_client import Counter
 
 from stepwatch.agents import profiling
+from stepwatch.agents.shipper import fsync_dir
 
 log = logging.getLogger("stepwatch.agent.control")
 
@@ -148,7 +149,7 @@ class SeenStore:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
-        _fsync_dir(d)
+        fsync_dir(d)
         if self._f is not None:
             self._f.close()
         self._f = open(self.path, "a")
@@ -181,19 +182,6 @@ class SeenStore:
         if self._f is not None:
             self._f.close()
             self._f = None
-
-
-def _fsync_dir(d: str) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class ControlMetrics:
