@@ -274,12 +274,7 @@ class AgentControl:
                 recs = self.consumer.poll(timeout_ms=250)
             except Exception as e:  # noqa: BLE001 - Kafka away: try again
                 log.warning("control consumer: %s", e)
-                if self.consumer is not None:
-                    try:
-                        self.consumer.close()
-                    except Exception:  # noqa: BLE001
-                        pass
-                    self.consumer = None
+                self._close_consumer()
                 self.stop_event.wait(2.0)
                 continue
             for msgs in recs.values():
@@ -291,6 +286,14 @@ class AgentControl:
                         if self._log_ok():
                             log.exception("control message at offset %s not handled", m.offset)
 
+    def _close_consumer(self) -> None:
+        if self.consumer is not None:
+            try:
+                self.consumer.close()
+            except Exception:  # noqa: BLE001 - a consumer that lost its broker may fail to close
+                pass
+            self.consumer = None
+
     def _log_ok(self) -> bool:
         self._n_logged += 1
         return self._n_logged <= 5 or self._n_logged % 1000 == 0
@@ -299,11 +302,7 @@ class AgentControl:
         self.stop_event.set()
         if self._thread is not None:
             self._thread.join(5)
-        if self.consumer is not None:
-            try:
-                self.consumer.close()
-            except Exception:  # noqa: BLE001
-                pass
+        self._close_consumer()
         self._out.close()
         self.seen.close()
 
