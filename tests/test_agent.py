@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import socket
-import tempfile
 import time
 import urllib.request
 from collections import namedtuple
@@ -200,13 +198,6 @@ def test_every_registered_plugin_runs_on_this_machine():
 
 
 # --------------------------------------------------------------------------- datagrams
-
-@pytest.fixture
-def sockdir():
-    d = tempfile.mkdtemp(prefix="swa-", dir="/tmp")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
 
 def _send(path: str, data: bytes) -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
