@@ -46,7 +46,7 @@ from stepwatch.agents.profiling import safe_job   # one copy: the probe and the 
 from stepwatch.agents.ingress import (IngressLimits, Peer, check_hello, enable_passcred, pid_alive, recv_with_peer,
                                       resolve_group)
 from stepwatch.agents.shipper import Shipper, Spool
-from stepwatch.stream.metrics import Metrics
+from stepwatch.metrics import Metrics
 
 log = logging.getLogger("stepwatch.agent")
 

@@ -62,7 +62,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from stepwatch.detectors.base import Alert
 
-from .sink import POLL_S, Lane, QueueSink, Retryable, SinkClosed, total
+from stepwatch.metrics import Metrics
+
+from .sink import POLL_S, Lane, QueueSink, Retryable, SinkClosed
 
 log = logging.getLogger("stepwatch.alertmanager")
 
@@ -172,8 +174,9 @@ def postable_alert(alert: Alert, *, now_ns: int, resolve_after_s: float, point_h
     return body
 
 
-class _Metrics:
+class _Metrics(Metrics):
     def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
         p = "stepwatch_alertmanager"
         self.sent = Counter(f"{p}_alerts_sent", "Alerts (firing, re-sent or resolved) Alertmanager accepted",
                             ["url"], registry=registry)
@@ -345,8 +348,8 @@ class AlertmanagerSink(QueueSink):
 
     def stats(self) -> dict[str, float]:
         m = self.metrics
-        return {"sent": total(m.sent), "failed": total(m.failed), "dropped": total(m.dropped),
-                "retried": total(m.retried), "restored": total(m.restored),
+        return {"sent": m.value(m.sent), "failed": m.value(m.failed), "dropped": m.value(m.dropped),
+                "retried": m.value(m.retried), "restored": m.value(m.restored),
                 "queued": sum(w.q.qsize() for w in self.workers),
                 "firing": max((len(w.firing) for w in self.workers), default=0)}
 

@@ -50,9 +50,10 @@ from grafana_client.client import (GrafanaClientError, GrafanaException, Grafana
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from stepwatch.detectors.base import Alert
+from stepwatch.metrics import Metrics
 
 from .grafana import make_api
-from .sink import Lane, QueueSink, Retryable, SinkClosed, total
+from .sink import Lane, QueueSink, Retryable, SinkClosed
 
 log = logging.getLogger("stepwatch.grafana.annotations")
 
@@ -95,8 +96,9 @@ def annotation_payload(alert: Alert, t_first_ns: int | None = None, dashboard_ui
     return body
 
 
-class _Metrics:
+class _Metrics(Metrics):
     def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
         p = "stepwatch_grafana_annotations"
         self.sent = Counter(f"{p}_sent", "Alert annotations Grafana accepted", registry=registry)
         self.failed = Counter(f"{p}_failed", "Alert annotations given up (non-retryable answer, attempts "
@@ -153,8 +155,8 @@ class AnnotationSink(QueueSink):
 
     def stats(self) -> dict[str, float]:
         m = self.metrics
-        return {"sent": total(m.sent), "failed": total(m.failed), "retried": total(m.retried),
-                "dropped": total(m.dropped), "updated": total(m.updated), "duplicates": total(m.duplicates),
+        return {"sent": m.value(m.sent), "failed": m.value(m.failed), "retried": m.value(m.retried),
+                "dropped": m.value(m.dropped), "updated": m.value(m.updated), "duplicates": m.value(m.duplicates),
                 "queued": self._lane.q.qsize()}
 
     # ------------------------------------------------------------------ worker

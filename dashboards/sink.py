@@ -200,8 +200,3 @@ class QueueSink:
             lane.thread.join(max(0.0, deadline - time.monotonic()) + 0.1)
             left_over += lane.discard()
         return drained and not left_over
-
-
-def total(counter) -> float:
-    """The sum of a Prometheus counter's ``_total`` samples over all its labels."""
-    return sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total"))
