@@ -143,7 +143,7 @@ class Spool:
             finally:
                 os.close(fd)
             os.replace(tmp, final)
-            _fsync_dir(self.dir)
+            fsync_dir(self.dir)
         except OSError:
             tmp.unlink(missing_ok=True)
             raise
@@ -189,7 +189,8 @@ class Spool:
             self.metrics.spool_files.set(len(self._files))
 
 
-def _fsync_dir(d) -> None:
+def fsync_dir(d) -> None:
+    """Make a rename or a new file in directory ``d`` durable (fsync of the directory itself)."""
     fd = os.open(d, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -1,6 +1,6 @@
 """Simulated telemetry of one synchronous data-parallel training job, with injected faults.
 
-:class:`Simulation` produces what the node agents of a cluster would send for one job (DESIGN §4):
+:class:`Simulation` produces what the node agents of a cluster would send for one job (docs/wire-format.md):
 ``topology`` (one row per rank), ``steps`` (one row per rank per step), ``host`` (one row per node
 per step) and ``gc`` (one row per Python garbage collection), as Arrow tables in the wire schemas of
 :mod:`stepwatch.schema`, plus ground-truth labels of the injected faults for evaluating detectors.
@@ -117,7 +117,7 @@ __all__ = ["Fault", "parse_fault", "Simulation", "FAULT_KINDS", "REGRESSION_CAUS
 FAULT_KINDS = ("slow-rank", "regression", "gc-storm", "cpu-contention", "gc-jitter", "data-stall",
                "comm-slow", "rank-hang", "job-hang", "small-messages", "slow-link", "dataloader-starved",
                "clean")
-#: Phases a regression can hit (the cause in the DESIGN §6 taxonomy).
+#: Phases a regression can hit (the cause in the taxonomy of docs/detectors.md, 'Cause taxonomy and remedies').
 REGRESSION_CAUSES = ("io", "communication", "computation", "cpu")
 _CAUSE_ALIASES = {"data": "io", "comm": "communication", "network": "communication",
                   "compute": "computation", "host": "cpu"}
@@ -888,8 +888,8 @@ class Simulation:
         ``end`` (inclusive; ``steps - 1`` when the fault runs to the end); ``ranks`` and ``nodes``
         (the affected ranks and their nodes; empty lists for job-wide faults: a regression or a
         gc-storm on all ranks; for a job-hang with ``rank``, the rank that stopped first);
-        ``scope`` (``rank`` | ``node`` | ``group`` | ``job``); ``pct``; ``cause`` (DESIGN §6
-        taxonomy: io | cpu | gc | communication | computation; None for rank-hang, which has none);
+        ``scope`` (``rank`` | ``node`` | ``group`` | ``job``); ``pct``; ``cause`` (the taxonomy of
+        docs/detectors.md: io | cpu | gc | communication | computation; None for rank-hang, which has none);
         for cpu-contention also ``process`` (the foreign process name); for comm-slow ``group`` (its
         name in the comm rows); ``every`` when the fault is intermittent.
         """

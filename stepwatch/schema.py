@@ -1,4 +1,4 @@
-"""Wire contract v1 (DESIGN §4) as code.
+"""Wire contract v1 (docs/wire-format.md) as code.
 
 Every telemetry message on Kafka carries one batch of rows of one kind (``steps``, ``topology``,
 ``host``, ``gc``, ``comm``; the processor itself writes ``alerts`` and ``deadletter``). A message is
@@ -240,7 +240,7 @@ COMM_BW = pa.schema([
     pa.field("diagnosis", pa.string()),     # small-messages | slow-link | sync-bound | null
 ])
 
-#: Targeted profiling (DESIGN §9). ``control``: one signed command per node (keyed by node; never
+#: Targeted profiling (docs/profiling.md). ``control``: one signed command per node (keyed by node; never
 #: stored). ``reference`` (ranks profiled as the healthy comparison) is signed with the rest; see
 #: :mod:`stepwatch.agents.profiling` for the canonical form that ``signature`` covers.
 CONTROL = pa.schema([

@@ -1,4 +1,4 @@
-"""The Parquet store: the system of record (DESIGN §7).
+"""The Parquet store: the system of record (docs/tables.md).
 
 Layout: ``<root>/<table>/job=<job>/date=YYYY-MM-DD/part-<flush>-<n>.parquet``, zstd, rows sorted
 by (time, rank) within a file so DuckDB can prune on row-group statistics.
