@@ -14,8 +14,10 @@ import inspect
 
 from .base import Detector
 from .changepoint import ChangePoint
-from .efficiency import CommBandwidth, DataLoader, Mfu
+from .commbw import CommBandwidth
+from .dataloader import DataLoader
 from .jitter import Jitter
+from .mfu import Mfu
 from .slowrank import SlowRank
 from .stall import Stall
 

@@ -60,7 +60,7 @@ def store(tmp_path_factory):
     t_end = dict(zip(steps.column("step").to_pylist(), steps.column("t_end").cast(pa.int64()).to_pylist()))
     alerts = pa.Table.from_pylist([a.row() for a in make_alerts(t_end)], schema=schema.ALERTS)
     st = ParquetStore(root).init()
-    from stepwatch.detectors.efficiency import efficiency_tables
+    from stepwatch.stream.offline import efficiency_tables
     eff = efficiency_tables(sim.topology(), steps, g["comm"])     # what the processor's efficiency detectors write
     st.write_flush({"topology": [sim.topology()], "steps": [steps], "host": [g["host"]], "gc": [g["gc"]],
                     "alerts": [alerts], "comm": [g["comm"]], **{k: [v] for k, v in eff.items()}}, {})
