@@ -9,7 +9,7 @@
   (:data:`LINK_GBPS`, :data:`SATURATE_BYTES`, :func:`link_type`).
 
 ``bus_factor`` and ``size_factor`` use arithmetic only, so they take a number or a numpy array of group sizes
-(``detectors/efficiency.py`` wraps them for arrays). The probe's C fast path receives the traffic factor per
+(``detectors/busbw.py`` wraps them for arrays). The probe's C fast path receives the traffic factor per
 (op, group) slot from :func:`traffic_factor` (``hooks.py``), so it has no model of its own.
 """
 from __future__ import annotations
@@ -131,7 +131,7 @@ def norm_dtype(dtype) -> str:
 
 def peak_tflops(device_type, dtype, table: dict[str, float] | None = None) -> tuple[float | None, str]:
     """(peak TFLOPS per device, how it was found) for a device type and dtype. ``table`` (from
-    ``detectors/efficiency.py:load_peak_table``) overrides the built-in :data:`PEAK_TFLOPS`."""
+    ``detectors/mfu.py:load_peak_table``) overrides the built-in :data:`PEAK_TFLOPS`."""
     fam, dt = device_family(device_type), norm_dtype(dtype)
     table = table or {}
     for key in (f"{fam}/{dt}", str(fam), "*"):
