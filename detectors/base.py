@@ -145,6 +145,10 @@ class Alert:
     suggestion: str = ""
     alert_id: str = ""
     incident_id: str = ""        # the incident it belongs to (detectors/incidents.py); set by the processor
+    #: what its host evidence was read from (nodes, time span, the other evidence its cause was decided on):
+    #: the processor reads it again when the host samples covering the alert's steps arrive later
+    #: (stream/hostwait.py); not stored
+    host_query: dict | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         if not self.alert_id:

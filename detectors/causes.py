@@ -223,6 +223,18 @@ def host_evidence(ctx, nodes, t_lo: int, t_hi: int) -> dict:
     return ev
 
 
+def recheck_host(window, q: dict) -> tuple[dict, str, str]:
+    """A localised alert's host evidence and cause read again from the job's host ``window`` with the query
+    it was built with (:attr:`~stepwatch.detectors.base.Alert.host_query`: nodes, time span, phase cause,
+    GC / comm evidence, excess ms): the host samples that cover its steps may be read after it was built
+    (see :mod:`stepwatch.stream.hostwait`). Returns ``(host evidence, cause, reason)``."""
+    from types import SimpleNamespace
+    ctx = SimpleNamespace(host=window, info={"cpu_wait_reported": bool(q.get("measured"))})
+    host = host_evidence(ctx, q["nodes"], q["t_lo"], q["t_hi"])
+    cause, reason = decide(q["phase_cause"], host, q.get("gc"), q.get("comm"), q.get("excess_ms"))
+    return host, cause, reason
+
+
 def _seen(t, nodes) -> set | None:
     """(node, process name) pairs at >= NEW_MIN_PCT among the top processes of ``t`` on ``nodes``; None
     when ``t`` has no sample of those nodes."""

@@ -601,6 +601,9 @@ class SlowRank(Detector):
                   step_detected=step, t_detected=t_end, ranks=M, nodes=[ctx.node_of(x) for x in M],
                   cause=cause, severity="critical" if cost > self.critical_pct else "warning",
                   evidence=evidence, cost_pct=round(cost, 3), suggestion=SUGGESTIONS[cause])
+        a.host_query = {"nodes": node_names, "t_lo": min(t_lo, t_hi - _HOST_SPAN_NS), "t_hi": t_hi + _HOST_SPAN_NS,
+                        "t_end": t_end, "phase_cause": phase_cause, "gc": gce, "comm": comm, "excess_ms": excess_ms,
+                        "measured": bool((getattr(ctx, "info", None) or {}).get("cpu_wait_reported"))}
         key = (scope, sid if scope != "rank" else r, step_first)
         grp = None
         if scope == "group":

@@ -36,6 +36,7 @@ from stepwatch.storage.store import Marker, ParquetStore
 from stepwatch.storage.views import connect as views_connect
 from stepwatch.stream import ingress
 from stepwatch.stream.align import JobState
+from stepwatch.stream.hostwait import HostWait
 from stepwatch.stream.ingress import IngressLimits
 from stepwatch.stream.jobmetrics import JobMetrics
 from stepwatch.stream.kafkaio import KafkaSettings, ensure_topics, make_consumer, make_producer
@@ -63,6 +64,7 @@ class JobRuntime:
     steps_partition: int | None = None                # partition the job's step rows arrive on
     pending: list = field(default_factory=list)       # closed steps held until the topology is read
     incidents: Incidents = field(default_factory=Incidents)   # alerts grouped per fault
+    hostwait: HostWait = field(default_factory=HostWait)      # alert rows waiting for their host samples
 
 
 @dataclass
@@ -175,6 +177,8 @@ class Processor:
 
     def close(self) -> None:
         try:
+            for rt in self.jobs.values():
+                self._host_settled(rt, force=True)
             self._flush()
         finally:
             if self.consumer is not None:
@@ -233,6 +237,8 @@ class Processor:
         if self.buffered_rows >= self.max_buffer_rows or now - self.last_flush >= self.flush_interval_s:
             self._close_idle_jobs()
             self._evict_jobs()
+            for rt in self.jobs.values():
+                self._host_settled(rt)
             self._flush()
             self._update_lag()
         return n
@@ -338,6 +344,7 @@ class Processor:
             rt.steps_partition = getattr(msg, "partition", None)
             self._detect(rt, blocks)
             self._tick(rt)
+            self._host_settled(rt)
 
     def _context(self, kind: str, t: pa.Table) -> None:
         """Keep host/gc/comm rows in their job's bounded windows (detector evidence); host samples
@@ -349,6 +356,7 @@ class Processor:
             rt.telemetry.add(kind, part)
             if kind == "host":
                 self._tick(rt)
+                self._host_settled(rt)
 
     def _ctx(self, rt: JobRuntime) -> JobContext:
         ctx = rt.state.context()
@@ -571,6 +579,7 @@ class Processor:
             try:
                 if rt.state.open_steps():
                     self._detect(rt, rt.state.close_ready(force=True))
+                self._host_settled(rt, force=True)
             except Exception:  # noqa: BLE001 - eviction never stops the processor
                 log.exception("closing evicted job %s", j)
             self.metrics.jobs_evicted.inc()
@@ -688,7 +697,13 @@ class Processor:
         if self.job_metrics is not None:
             self.job_metrics.on_alert(a)
         row = pa.Table.from_pylist([a.row()], schema=wire.ALERTS)
-        self._buffer("alerts", row)
+        if rt.replaying or not rt.hostwait.hold(a, rt.telemetry):
+            self._buffer("alerts", row)                      # else when its host samples came (_host_settled)
+        self._notify(a, row)
+        if self.profiling is not None and a.status == "firing" and not rt.replaying:
+            self._profile_alert(rt, a)
+
+    def _notify(self, a: Alert, row: pa.Table) -> None:
         if self.producer is not None:
             self.producer.send(self.kafka.topic("alerts"), wire.encode_arrow(row), key=a.job.encode(),
                                headers=[("content-type", wire.ARROW_CT.encode()), ("schema", b"alerts/1")])
@@ -696,8 +711,19 @@ class Processor:
             self.on_alert(a)
         else:
             log.warning("%s", a.line())
-        if self.profiling is not None and a.status == "firing" and not rt.replaying:
-            self._profile_alert(rt, a)
+
+    def _host_settled(self, rt: JobRuntime, force: bool = False) -> None:
+        """Alerts whose row waited for the host samples of their steps (stream/hostwait.py): decided again,
+        stored, and sent again (same alert id) when their cause or foreign process changed."""
+        if not len(rt.hostwait):
+            return
+        for a, changed in rt.hostwait.due(rt.telemetry, rt.state.max_t_end, force=force):
+            if changed:
+                rt.incidents.refresh(a)
+            row = pa.Table.from_pylist([a.row()], schema=wire.ALERTS)
+            self._buffer("alerts", row)
+            if changed:
+                self._notify(a, row)
 
     # ------------------------------------------------------------------ targeted profiling (stream.profiling)
     def _profile_alert(self, rt: JobRuntime, a: Alert) -> None:

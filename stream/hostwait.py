@@ -1,0 +1,96 @@
+"""Localised alerts whose host evidence waits, bounded, for the host samples that cover their steps.
+
+A ``slow_rank`` / ``slow_node`` / ``slow_group`` alert decides its cause with the host samples of its
+nodes (:func:`stepwatch.detectors.causes.decide`): a foreign process on the node names ``cpu``, and its
+name, pid and CPU share are the alert's evidence. Those samples travel on their own topic. A node agent
+samples the host *after* the steps it ships with the sample, and the processor handles a poll's steps
+before its host rows (a hang is never judged on host time ahead of steps it already fetched); Kafka orders
+nothing across topics anyway. So the sample that covers the steps which confirmed an alert is usually read
+just after the alert was built, and the alert would go out without the process that caused it.
+
+The processor (:class:`HostWait`, one per job):
+
+- emits the alert at once: notification delay is not the host stream's;
+- holds the alert's **store row** while, for one of its nodes that sends host samples to this job, the
+  newest sample is older than the alert's last step (``t_end``). The wait is bounded: until the job's
+  step event time is ``wait_s`` past that step, or ``wait_s`` of wall time, or the job is closed or
+  evicted, or more than ``max_held`` alerts wait (the oldest goes). Nodes that never sent a host sample
+  to the job are not waited for;
+- when the covering samples are there (or the wait ends), reads the host evidence again with the alert's
+  own query (:attr:`~stepwatch.detectors.base.Alert.host_query`, :func:`~stepwatch.detectors.causes.recheck_host`)
+  and decides the cause again. The alert is updated **in place**: same alert id, same incident (whose
+  cause follows when this alert names it), evidence ``host``, ``cause_reason`` and ``host_wait``
+  (``covered``: the samples came; ``waited_s``). When the cause, its reason or the foreign processes
+  changed, the update is sent again on the alerts topic and to the sinks (Alertmanager updates the alert
+  with the same labels); the store gets one row per alert and status, with the final evidence.
+
+Cost: nothing per step while no alert waits; one host-window read per released alert. State: at most
+``max_held`` alerts per job.
+"""
+from __future__ import annotations
+
+import time
+
+from stepwatch.detectors.base import Alert
+from stepwatch.detectors.causes import SUGGESTIONS, recheck_host
+
+
+def _foreign(ev: dict) -> list:
+    return [(p.get("node"), p.get("name"), p.get("pid")) for p in (ev.get("host") or {}).get("foreign") or []]
+
+
+class HostWait:
+    """The alerts of one job whose store row waits for host samples (see the module docs)."""
+
+    def __init__(self, wait_s: float = 3.0, max_held: int = 64):
+        self.wait_ns, self.wait_s, self.max_held = int(wait_s * 1e9), float(wait_s), int(max_held)
+        self.held: list[tuple[Alert, float, list[str]]] = []       # (alert, wall time held, nodes waited for)
+
+    def __len__(self) -> int:
+        return len(self.held)
+
+    def hold(self, a: Alert, tel, now: float | None = None) -> bool:
+        """Whether ``a``'s row waits: a firing alert with a host query, one of whose nodes sends host
+        samples to the job and has none yet at or after the alert's last step."""
+        q = a.host_query
+        if q is None or a.status != "firing":
+            return False
+        wm = tel.host_node_ns
+        nodes = [n for n in q.get("nodes") or [] if n in wm]
+        if not nodes or all(wm[n] >= q["t_end"] for n in nodes):
+            return False
+        self.held.append((a, time.monotonic() if now is None else now, nodes))
+        return True
+
+    def due(self, tel, steps_ns: int, now: float | None = None, force: bool = False) -> list[tuple[Alert, bool]]:
+        """The held alerts whose samples came or whose wait ended, re-decided: ``(alert, changed)`` with
+        ``changed`` when the cause, its reason or the foreign processes differ from what was sent."""
+        if not self.held:
+            return []
+        now = time.monotonic() if now is None else now
+        wm = tel.host_node_ns
+        out, keep = [], []
+        over = len(self.held) - self.max_held
+        for i, (a, t0, nodes) in enumerate(self.held):
+            q = a.host_query
+            covered = all(wm.get(n, -1) >= q["t_end"] for n in nodes)
+            if not (covered or force or i < over or now - t0 >= self.wait_s or steps_ns >= q["t_end"] + self.wait_ns):
+                keep.append((a, t0, nodes))
+                continue
+            out.append((a, self._recheck(a, tel, covered, now - t0)))
+        self.held = keep
+        return out
+
+    @staticmethod
+    def _recheck(a: Alert, tel, covered: bool, waited: float) -> bool:
+        host, cause, reason = recheck_host(tel.host, a.host_query)
+        before = (a.cause, a.evidence.get("cause_reason"), _foreign(a.evidence))
+        ev = dict(a.evidence)
+        if host:
+            ev["host"] = host
+        ev["cause_reason"] = reason
+        ev["host_wait"] = {"covered": bool(covered), "waited_s": round(max(waited, 0.0), 3)}
+        a.evidence = ev
+        if cause != a.cause:
+            a.cause, a.suggestion = cause, SUGGESTIONS[cause]
+        return before != (a.cause, reason, _foreign(ev))
