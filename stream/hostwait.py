@@ -12,10 +12,10 @@ The processor (:class:`HostWait`, one per job):
 
 - emits the alert at once: notification delay is not the host stream's;
 - holds the alert's **store row** while, for one of its nodes that sends host samples to this job, the
-  newest sample is older than the alert's last step (``t_end``). The wait is bounded: until the job's
-  step event time is ``wait_s`` past that step, or ``wait_s`` of wall time, or the job is closed or
-  evicted, or more than ``max_held`` alerts wait (the oldest goes). Nodes that never sent a host sample
-  to the job are not waited for;
+  newest sample is older than the alert's last step (``t_end``). The wait is bounded: ``wait_s`` (3 s)
+  of wall time, or until the job's steps are ``event_wait_s`` (30 s) of event time past that step (a
+  backlog read faster than real time), or the job is closed or evicted, or more than ``max_held`` alerts
+  wait (the oldest goes). Nodes that never sent a host sample to the job are not waited for;
 - when the covering samples are there (or the wait ends), reads the host evidence again with the alert's
   own query (:attr:`~stepwatch.detectors.base.Alert.host_query`, :func:`~stepwatch.detectors.causes.recheck_host`)
   and decides the cause again. The alert is updated **in place**: same alert id, same incident (whose
@@ -42,8 +42,8 @@ def _foreign(ev: dict) -> list:
 class HostWait:
     """The alerts of one job whose store row waits for host samples (see the module docs)."""
 
-    def __init__(self, wait_s: float = 3.0, max_held: int = 64):
-        self.wait_ns, self.wait_s, self.max_held = int(wait_s * 1e9), float(wait_s), int(max_held)
+    def __init__(self, wait_s: float = 3.0, event_wait_s: float = 30.0, max_held: int = 64):
+        self.wait_ns, self.wait_s, self.max_held = int(event_wait_s * 1e9), float(wait_s), int(max_held)
         self.held: list[tuple[Alert, float, list[str]]] = []       # (alert, wall time held, nodes waited for)
 
     def __len__(self) -> int:
