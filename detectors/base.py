@@ -125,6 +125,12 @@ class StepBlock:
     def __len__(self) -> int:
         return len(self.steps)
 
+    def tail(self, k: int) -> "StepBlock":
+        """The block without its first ``k`` steps (views)."""
+        import dataclasses
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name)[k:] for f in dataclasses.fields(self)
+                                            if getattr(self, f.name) is not None})
+
 
 @dataclass
 class Alert:
