@@ -11,11 +11,13 @@ just after the alert was built, and the alert would go out without the process t
 The processor (:class:`HostWait`, one per job):
 
 - emits the alert at once: notification delay is not the host stream's;
-- holds the alert's **store row** while, for one of its nodes that sends host samples to this job, the
-  newest sample is older than the alert's last step (``t_end``). The wait is bounded: ``wait_s`` (3 s)
-  of wall time, or until the job's steps are ``event_wait_s`` (30 s) of event time past that step (a
-  backlog read faster than real time), or the job is closed or evicted, or more than ``max_held`` alerts
-  wait (the oldest goes). Nodes that never sent a host sample to the job are not waited for;
+- holds the alert's **store row** while, for one of its nodes, the newest host sample read is older than
+  the alert's last step (``t_end``). The wait is bounded by what the processor knows of the host stream:
+  once the job's host partition is read to its end, ``wait_s`` (3 s: a few agent intervals) more; a
+  host topic read behind the steps (a consumer catching up, a slow fetch) is waited for up to
+  ``max_wait_s`` (30 s) of wall time or ``event_wait_s`` (30 s) of the job's step event time past the
+  alert's step, and never when the job is closed or evicted or more than ``max_held`` alerts wait (the
+  oldest goes);
 - when the covering samples are there (or the wait ends), reads the host evidence again with the alert's
   own query (:attr:`~stepwatch.detectors.base.Alert.host_query`, :func:`~stepwatch.detectors.causes.recheck_host`)
   and decides the cause again. The alert is updated **in place**: same alert id, same incident (whose
@@ -42,40 +44,49 @@ def _foreign(ev: dict) -> list:
 class HostWait:
     """The alerts of one job whose store row waits for host samples (see the module docs)."""
 
-    def __init__(self, wait_s: float = 3.0, event_wait_s: float = 30.0, max_held: int = 64):
+    def __init__(self, wait_s: float = 3.0, max_wait_s: float = 30.0, event_wait_s: float = 30.0,
+                 max_held: int = 64):
         self.wait_ns, self.wait_s, self.max_held = int(event_wait_s * 1e9), float(wait_s), int(max_held)
-        self.held: list[tuple[Alert, float, list[str]]] = []       # (alert, wall time held, nodes waited for)
+        self.max_wait_s = float(max_wait_s)
+        #: [alert, wall time held, nodes waited for, wall time the host source was first seen read to its end]
+        self.held: list[list] = []
 
     def __len__(self) -> int:
         return len(self.held)
 
     def hold(self, a: Alert, tel, now: float | None = None) -> bool:
-        """Whether ``a``'s row waits: a firing alert with a host query, one of whose nodes sends host
-        samples to the job and has none yet at or after the alert's last step."""
+        """Whether ``a``'s row waits: a firing alert with a host query, one of whose nodes has no host
+        sample read yet at or after the alert's last step."""
         q = a.host_query
         if q is None or a.status != "firing":
             return False
         wm = tel.host_node_ns
-        nodes = [n for n in q.get("nodes") or [] if n in wm]
-        if not nodes or all(wm[n] >= q["t_end"] for n in nodes):
+        nodes = [n for n in q.get("nodes") or [] if n]
+        if not nodes or all(wm.get(n, -1) >= q["t_end"] for n in nodes):
             return False
-        self.held.append((a, time.monotonic() if now is None else now, nodes))
+        self.held.append([a, time.monotonic() if now is None else now, nodes, None])
         return True
 
-    def due(self, tel, steps_ns: int, now: float | None = None, force: bool = False) -> list[tuple[Alert, bool]]:
+    def due(self, tel, steps_ns: int, now: float | None = None, force: bool = False,
+            caught_up: bool = True) -> list[tuple[Alert, bool]]:
         """The held alerts whose samples came or whose wait ended, re-decided: ``(alert, changed)`` with
-        ``changed`` when the cause, its reason or the foreign processes differ from what was sent."""
+        ``changed`` when the cause, its reason or the foreign processes differ from what was sent.
+        ``caught_up``: the job's host source is read to its end (see the module docs)."""
         if not self.held:
             return []
         now = time.monotonic() if now is None else now
         wm = tel.host_node_ns
         out, keep = [], []
         over = len(self.held) - self.max_held
-        for i, (a, t0, nodes) in enumerate(self.held):
+        for i, h in enumerate(self.held):
+            a, t0, nodes, t_cu = h
+            if caught_up and t_cu is None:
+                h[3] = t_cu = now
             q = a.host_query
             covered = all(wm.get(n, -1) >= q["t_end"] for n in nodes)
-            if not (covered or force or i < over or now - t0 >= self.wait_s or steps_ns >= q["t_end"] + self.wait_ns):
-                keep.append((a, t0, nodes))
+            if not (covered or force or i < over or (t_cu is not None and now - t_cu >= self.wait_s)
+                    or now - t0 >= self.max_wait_s or steps_ns >= q["t_end"] + self.wait_ns):
+                keep.append(h)
                 continue
             out.append((a, self._recheck(a, tel, covered, now - t0)))
         self.held = keep

@@ -65,6 +65,7 @@ class JobRuntime:
     pending: list = field(default_factory=list)       # closed steps held until the topology is read
     incidents: Incidents = field(default_factory=Incidents)   # alerts grouped per fault
     hostwait: HostWait = field(default_factory=HostWait)      # alert rows waiting for their host samples
+    host_partition: int | None = None                 # partition the job's host rows arrive on
 
 
 @dataclass
@@ -355,6 +356,7 @@ class Processor:
             rt = self._job(job)
             rt.telemetry.add(kind, part)
             if kind == "host":
+                rt.host_partition = self._src[1] if self._src else rt.host_partition
                 self._tick(rt)
                 self._host_settled(rt)
 
@@ -420,6 +422,22 @@ class Processor:
             return pos >= max(hit[1], self.consumer.highwater(tp) or 0)
         except Exception:  # noqa: BLE001 - unknown (e.g. the partition is not ours): no proof
             return False
+
+    def _host_caught_up(self, rt: JobRuntime) -> bool:
+        """Whether the job's host partition (or, before its first host row, every host partition this
+        processor reads) is read to its end (stream/hostwait.py). Without a consumer: yes."""
+        topic = self.kafka.topic("host")
+        if self.caught_up_hook is not None:
+            return bool(self.caught_up_hook(topic, rt.host_partition))
+        if self.consumer is None:
+            return True
+        if rt.host_partition is not None:
+            return self._tp_caught_up(topic, rt.host_partition)
+        try:
+            parts = [tp.partition for tp in self.consumer.assignment() if tp.topic == topic]
+        except Exception:  # noqa: BLE001
+            return False
+        return bool(parts) and all(self._tp_caught_up(topic, p) for p in parts)
 
     def _tick(self, rt: JobRuntime) -> None:
         """Tell the detectors the job's event time (newest step end or host sample) moved."""
@@ -717,7 +735,8 @@ class Processor:
         stored, and sent again (same alert id) when their cause or foreign process changed."""
         if not len(rt.hostwait):
             return
-        for a, changed in rt.hostwait.due(rt.telemetry, rt.state.max_t_end, force=force):
+        for a, changed in rt.hostwait.due(rt.telemetry, rt.state.max_t_end, force=force,
+                                          caught_up=self._host_caught_up(rt)):
             if changed:
                 rt.incidents.refresh(a)
             row = pa.Table.from_pylist([a.row()], schema=wire.ALERTS)

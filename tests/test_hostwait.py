@@ -62,16 +62,18 @@ def test_the_foreign_process_read_after_the_alert_is_in_its_evidence(tmp_path):
     assert firing[0][3] == last.incident_id
 
 
-def test_without_host_samples_nothing_waits(tmp_path):
+def test_without_host_samples_the_row_waits_only_its_bound(tmp_path):
+    """A producer that sends no host samples: the alert goes out at once and its row is stored when the
+    wait ends (host source read to its end + 3 s, here: the processor closes), unchanged, sent once."""
     sim = Simulation(job="hw0", ranks=64, steps=100, seed=5, faults=["slow-rank:rank=21,pct=20,start=60"],
                      t0_ns=T0)
     seen = []
     p = Processor(KafkaSettings(), tmp_path, on_alert=seen.append, profiling=None)
     _feed(p, sim, chunk=10, steps=100, host=False)
-    assert all(len(rt.hostwait) == 0 for rt in p.jobs.values())
-    p._flush()
+    p.close()
     fired = [a for a in seen if a.kind == "slow_rank" and a.status == "firing"]
-    assert len(fired) == 1 and "host_wait" not in fired[0].evidence
+    assert len(fired) == 1 and fired[0].evidence["host_wait"]["covered"] is False
+    assert fired[0].cause == "computation" and "host" not in fired[0].evidence
     con = connect(tmp_path)
     assert con.execute("SELECT count(*) FROM alerts WHERE alert_id = ? AND status = 'firing'",
                        [fired[0].alert_id]).fetchone()[0] == 1
