@@ -22,8 +22,8 @@ The processor (:class:`HostWait`, one per job):
   own query (:attr:`~stepwatch.detectors.base.Alert.host_query`, :func:`~stepwatch.detectors.causes.recheck_host`)
   and decides the cause again. The alert is updated **in place**: same alert id, same incident (whose
   cause follows when this alert names it), evidence ``host``, ``cause_reason`` and ``host_wait``
-  (``covered``: the samples came; ``waited_s``). When the cause, its reason or the foreign processes
-  changed, the update is sent again on the alerts topic and to the sinks (Alertmanager updates the alert
+  (``covered``: the samples came; ``waited_s``). When the cause, the foreign processes or a down-clocked
+  accelerator named changed, the update is sent again on the alerts topic and to the sinks (Alertmanager updates the alert
   with the same labels); the store gets one row per alert and status, with the final evidence.
 
 Cost: nothing per step while no alert waits; one host-window read per released alert. State: at most
@@ -37,8 +37,13 @@ from stepwatch.detectors.base import Alert
 from stepwatch.detectors.causes import SUGGESTIONS, recheck_host
 
 
-def _foreign(ev: dict) -> list:
-    return [(p.get("node"), p.get("name"), p.get("pid")) for p in (ev.get("host") or {}).get("foreign") or []]
+def _substance(cause: str, ev: dict) -> tuple:
+    """What a re-send is for: the cause, the foreign processes (node, name, pid) and a down-clocked
+    accelerator named; not the numbers, which move with every sample."""
+    host = ev.get("host") or {}
+    acc = host.get("accel") or {}
+    return (cause, tuple((p.get("node"), p.get("name"), p.get("pid")) for p in host.get("foreign") or []),
+            (acc.get("node"), acc.get("index")) if acc.get("down_clocked") else None)
 
 
 class HostWait:
@@ -70,7 +75,8 @@ class HostWait:
     def due(self, tel, steps_ns: int, now: float | None = None, force: bool = False,
             caught_up: bool = True) -> list[tuple[Alert, bool]]:
         """The held alerts whose samples came or whose wait ended, re-decided: ``(alert, changed)`` with
-        ``changed`` when the cause, its reason or the foreign processes differ from what was sent.
+        ``changed`` when the cause, the foreign processes or a down-clocked accelerator named differ from
+        what was sent.
         ``caught_up``: the job's host source is read to its end (see the module docs)."""
         if not self.held:
             return []
@@ -95,7 +101,7 @@ class HostWait:
     @staticmethod
     def _recheck(a: Alert, tel, covered: bool, waited: float) -> bool:
         host, cause, reason = recheck_host(tel.host, a.host_query)
-        before = (a.cause, a.evidence.get("cause_reason"), _foreign(a.evidence))
+        before = _substance(a.cause, a.evidence)
         ev = dict(a.evidence)
         if host:
             ev["host"] = host
@@ -104,4 +110,4 @@ class HostWait:
         a.evidence = ev
         if cause != a.cause:
             a.cause, a.suggestion = cause, SUGGESTIONS[cause]
-        return before != (a.cause, reason, _foreign(ev))
+        return before != _substance(a.cause, ev)
