@@ -561,6 +561,8 @@ class SlowRank(Detector):
             busy = float(nanmedian(w["busy"][ev_rows]))
             eff = float(nanmedian(w["eff"][ev_rows]))
             zz = float(nanmedian(w["z"][ev_rows]))
+        if np.isfinite(eff) and eff <= 0:   # over its evidence steps no slower than its peers: no straggler
+            return None                     # (a 2-rank stage's healthy rank, judged against the offset it took)
         peer_med = busy / (1.0 + eff) if np.isfinite(eff) and eff > -1 else float("nan")
         peers_by_slot = win.stage_phases(s, int(self._group_of[r]), M)
         peers = {ph: float(nanmedian(peers_by_slot[ph][ev_rows])) for ph in PHASES}
