@@ -169,13 +169,15 @@ def _show(alerts: list[dict]) -> str:
                      f"steps {a['step_first']}->{a['step_detected']} {a['incident_id']}" for a in alerts)
 
 
-def _one_incident(alerts: list[dict], a: dict, onset: int, cause: str) -> dict:
+def _one_incident(alerts: list[dict], a: dict, sent: list[dict], t_fault: float, cause: str) -> dict:
     """Every alert of the job is in ``a``'s incident, which ``a`` names (its kind and cause), and none
-    fired before the fault; returns the incident as the last alert row has it."""
+    was sent before the fault began (wall time ``t_fault``; by step it can look earlier: the probe reads
+    its run-queue wait every ~500 ms and spreads it over the steps of that interval); returns the
+    incident as the last alert row has it."""
     ids = {x["incident_id"] for x in alerts}
     assert ids == {a["incident_id"]} and a["incident_id"], f"alerts outside the incident:\n{_show(alerts)}"
-    early = [x for x in alerts if x["step_detected"] < onset]
-    assert not early, f"alerts before the fault (step {onset}):\n{_show(early)}"
+    early = [x for x in sent if x["sent_at"] < t_fault]
+    assert not early, f"alerts sent before the fault:\n{_show(early)}"
     inc = json.loads(alerts[-1]["evidence"])["incident"]
     assert (inc["kind"], inc["cause"], inc["ranks"], inc["nodes"]) == ("slow_rank", cause, [1], ["node-a"]), inc
     return inc
@@ -202,7 +204,7 @@ def _ready(run: Running, timeout: float = 60.0) -> None:
 def _run_fault(kafka, tmp_path, socket_dir, job: str, env: dict, hog_from: int | None, steps: int, world: int = 2):
     run = Running(kafka, tmp_path, socket_dir, node="node-a", group=f"g-{job}")
     sent = []           # what the sinks (Alertmanager, Grafana annotations) are handed, as it was then
-    run.proc.on_alert = lambda a: sent.append(json.loads(json.dumps(a.row(), default=str)))
+    run.proc.on_alert = lambda a: sent.append(dict(json.loads(json.dumps(a.row(), default=str)), sent_at=time.time()))
     try:
         _ready(run)
         reports, hog_pid, t_hog = _train(socket_dir, job, dict(env, SW_NPROC=world, SW_STEPS=steps), hog_from)
@@ -256,7 +258,7 @@ def test_ddp_cpu_contention_on_one_rank_is_one_alert_with_the_foreign_process(ka
     # ... and in what the sinks got for that alert last (the same alert id: an update, not a new alert)
     last = [x for x in sent if x["alert_id"] == a["alert_id"] and x["status"] == "firing"][-1]
     assert f"cpu-hog (pid {hog_pid})" in json.loads(last["evidence"])["cause_reason"] and last["cause"] == "cpu"
-    inc = _one_incident(alerts, a, onset, "cpu")
+    inc = _one_incident(alerts, a, sent, t_hog, "cpu")
     print(f"slow_rank at step {a['step_detected']} ({a['step_detected'] - onset} after the fault): "
           f"{ev['cause_reason']}; host wait {ev.get('host_wait')}; incident {inc['id']} of {inc['alerts']} alerts")
     _no_other_rank_named(alerts, 1)
@@ -276,7 +278,7 @@ def test_ddp_sleep_in_one_ranks_forward_is_one_alert_with_cause_computation(kafk
     a = mine[0]
     assert a["kind"] == "slow_rank" and a["nodes"] == ["node-a"] and a["cause"] == "computation", _show(alerts)
     assert a["step_detected"] - fault <= 10, a["step_detected"]
-    inc = _one_incident(alerts, a, fault, "computation")
+    inc = _one_incident(alerts, a, sent, reports[1]["ends"][fault - 1], "computation")
     print(f"slow_rank at step {a['step_detected']} ({a['step_detected'] - fault} after the fault); "
           f"incident {inc['id']} of {inc['alerts']} alerts")
     _no_other_rank_named(alerts, 1)
