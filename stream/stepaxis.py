@@ -1,0 +1,262 @@
+"""A job's step and time axis, decided by its ranks, never by one row (issue 16, docs/limits.md).
+
+A job's position is where **its ranks** are, not where the newest row says it is. Each rank's
+last reported step (and that row's ``t_end``) is kept; the job's *anchor* is the upper quartile of
+its reporting ranks' last steps (``ANCHOR_Q``; the anchor time likewise). So:
+
+- a step row more than ``max_step_jump`` ahead of the anchor is deadlettered (naming the field and
+  the value); rows ahead of the anchor by more than half the alignment window (``window_steps // 2``)
+  but within ``max_step_jump`` are stored and not aligned (the job's ranks have not got there);
+- a timestamp is bounded by ``max_future_skew_s`` ahead of the later of the receive time and the
+  job's anchor time (a simulation replayed faster than real time moves its own anchor; one row
+  cannot);
+- to move a job's anchor forward a sender must speak for more than a quarter of the job's reporting
+  ranks, and ranks that stopped reporting (up to three quarters of them) do not hold it back. A
+  job's first message has nothing to be judged against and is taken as sent; once the job's ranks
+  report elsewhere, the anchor follows them and, if the alignment window was placed by rows the
+  ranks do not confirm, it is **re-anchored**: the ring forgets those steps, and their rows still
+  buffered (not yet flushed) that lie more than ``max_step_jump`` ahead of the anchor are moved to
+  the deadletter table (one record per source message). Such rows that were already flushed stay
+  stored (counted, logged); a rebuild from the store takes the job's position from the same
+  quantile of its ranks' newest stored steps, so they never place the window again.
+
+Cost: a per-rank array of two int64 per job (16 bytes per reporting rank) and one ``lexsort`` of
+each batch; the O(ranks) quantile is recomputed only when the job has moved by a quarter of the
+alignment window since the last one, or a batch lies far from it.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from stepwatch import schema as wire
+from stepwatch.stream import ingress
+
+log = logging.getLogger("stepwatch.processor")
+
+
+ANCHOR_Q = 0.75
+
+
+def _quantile(v: np.ndarray) -> int:
+    """The value at index floor(ANCHOR_Q * (n - 1)) of sorted ``v``: of 2 values the lower, of 4 the
+    third; so a single rank of a job of 2 or more cannot move it forward."""
+    k = int(ANCHOR_Q * (len(v) - 1))
+    return int(np.partition(v, k)[k])
+
+
+class JobAxis:
+    """Per rank: the last reported step and its ``t_end``; the job's anchor (:func:`_quantile`)."""
+
+    __slots__ = ("step", "t_end", "anchor", "anchor_t", "dirty", "seen_hi", "seen_lo", "seen_t")
+
+    def __init__(self):
+        self.step = np.full(0, -1, np.int64)
+        self.t_end = np.zeros(0, np.int64)
+        self.anchor: int | None = None      # upper quartile of the ranks' last steps
+        self.anchor_t = 0                   # upper quartile of the ranks' last t_end (ns)
+        self.dirty = False                  # ranks reported since the anchor was computed
+        self.seen_hi = self.seen_lo = 0     # step range observed since then
+        self.seen_t = 0                     # newest t_end observed since then
+
+    def seed(self, state) -> None:
+        """A job rebuilt from the store: its ranks' newest steps are what the replay left."""
+        if len(self.step) or not len(state.last_step) or state.last_step.max() < 0:
+            return
+        self.step = state.last_step.copy()
+        self.t_end = state.last_t_end.copy()
+        self.dirty = True
+        self.compute()
+
+    def observe(self, rank: np.ndarray, step: np.ndarray, t_end: np.ndarray) -> None:
+        """Each rank's row with the highest step in this batch becomes its last report."""
+        if not len(rank):
+            return
+        order = np.lexsort((step, rank))
+        r = rank[order]
+        last = np.empty(len(r), dtype=bool)
+        last[:-1] = r[1:] != r[:-1]
+        last[-1] = True
+        ur, us, ut = r[last], step[order][last], t_end[order][last]
+        top = int(ur[-1]) + 1
+        if top > len(self.step):
+            s = np.full(top, -1, np.int64)
+            s[:len(self.step)] = self.step
+            t = np.zeros(top, np.int64)
+            t[:len(self.t_end)] = self.t_end
+            self.step, self.t_end = s, t
+        self.step[ur] = us
+        self.t_end[ur] = ut
+        lo, hi = int(us.min()), int(us.max())
+        if not self.dirty:
+            self.seen_lo, self.seen_hi, self.seen_t = lo, hi, int(ut.max())
+        else:
+            self.seen_lo, self.seen_hi = min(self.seen_lo, lo), max(self.seen_hi, hi)
+            self.seen_t = max(self.seen_t, int(ut.max()))
+        self.dirty = True
+
+    def compute(self) -> None:
+        rep = self.step >= 0
+        if rep.any():
+            self.anchor = _quantile(self.step[rep])
+            t = self.t_end[rep]
+            t = t[t > 0]
+            self.anchor_t = _quantile(t) if len(t) else 0
+        self.dirty = False
+
+    def refresh(self, lead: int, skew_ns: int, state_max: int = -1) -> None:
+        """Recompute the anchor if the job moved far enough from it to matter."""
+        if not self.dirty:
+            return
+        a = self.anchor
+        if (a is None or self.seen_hi > a + max(1, lead // 2) or self.seen_lo < a - lead
+                or state_max > a + lead or self.seen_t > self.anchor_t + skew_ns // 2):
+            self.compute()
+
+
+def _steps_reason(job: str, step: np.ndarray, bad: np.ndarray, anchor: int, limit: int) -> str:
+    v = int(step[bad].max())
+    return (f"field 'step': value {v:,} is {v - anchor:,} steps ahead of job {job!r}'s position (step {anchor:,}, "
+            f"where its ranks are); max_step_jump={limit:,}")
+
+
+def admit_steps(proc, rt, job: str, part: pa.Table) -> pa.Table:
+    """Judge a job's step rows against its ranks' position before they are aligned; called by
+    ``Processor._route``. Rows too far ahead are noted on the message's deadletter record and
+    dropped; the alignment window is limited to where the ranks are, and re-anchored when it was
+    placed by rows the ranks do not confirm. Returns the rows to align and store."""
+    lim = proc.limits
+    ax: JobAxis = rt.axis
+    st = rt.state
+    ax.seed(st)
+    step = part.column("step").to_numpy(zero_copy_only=False).astype(np.int64)
+    rank = pc.fill_null(part.column("rank"), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+    t_end = part.column("t_end").cast(pa.int64()).to_numpy(zero_copy_only=False)
+    if st.topology_known:                       # ranks outside the topology are refused by the ring
+        ok = rank < st.expected
+        ax.observe(rank[ok], step[ok], t_end[ok])
+    else:
+        ax.observe(rank, step, t_end)
+    lead = max(1, st.capacity // 2)
+    ax.refresh(lead, int(lim.max_future_skew_s * 1e9), st.max_step)
+    anchor = ax.anchor
+    bad = step > anchor + lim.max_step_jump
+    if bad.any():
+        n = int(bad.sum())
+        proc._dl.add(_steps_reason(job, step, bad, anchor, lim.max_step_jump), n=n, keep=lim.deadletter_reasons)
+        proc.metrics.rows_rejected.labels("steps").inc(n)
+        part = part.filter(pa.array(~bad))
+    if st.max_step > anchor + lead:
+        reanchor(proc, rt, job, anchor)
+    st.ahead_limit = anchor + lead
+    return part
+
+
+def reanchor(proc, rt, job: str, anchor: int) -> None:
+    """The job's alignment window lies beyond where its ranks are: forget it, and move the rows
+    still buffered that lie more than ``max_step_jump`` ahead of the ranks to the deadletter."""
+    lim = proc.limits
+    st = rt.state
+    lead = max(1, st.capacity // 2)
+    fed = st.next_close is not None and st.next_close > anchor + lead    # detectors saw those steps
+    old = st.max_step
+    st.reset_steps(anchor + lead)
+    rt.pending = [b for b in rt.pending if not len(b.steps) or int(b.steps.max()) <= anchor + lead]
+    if fed:
+        from stepwatch.stream.processor import _build_detectors
+        rt.detectors = _build_detectors(proc.detector_settings, job)
+    purged = purge_buffered(proc, job, anchor + lim.max_step_jump)
+    proc.metrics.step_axis.labels("reanchor").inc()
+    proc.rlog.warning("job %s: alignment window at step %d re-anchored to its ranks' position (step %d); "
+                      "%d buffered row(s) beyond max_step_jump moved to the deadletter", job, old, anchor,
+                      sum(t.num_rows for _, t in purged))
+    for src, rows in purged:
+        step = rows.column("step").to_numpy(zero_copy_only=False).astype(np.int64)
+        reason = _steps_reason(job, step, np.ones(len(step), bool), anchor, lim.max_step_jump)
+        _deadletter_later(proc, src, rows, reason + " (found when the job's ranks reported)")
+
+
+def purge_buffered(proc, job: str, above: int) -> list[tuple[object, pa.Table]]:
+    """Remove buffered step rows of ``job`` with a step above ``above``; [(source, rows)]."""
+    pieces, srcs = proc.buffers.get("steps", []), proc.buffer_src.get("steps", [])
+    out: dict = {}
+    for i, t in enumerate(pieces):
+        if not t.num_rows or srcs[i] == proc._src:
+            continue
+        m = pc.and_(pc.equal(t.column("job"), job), pc.greater(t.column("step"), above))
+        m = pc.fill_null(m, False)
+        if not pc.any(m).as_py():
+            continue
+        pieces[i] = t.filter(pc.invert(m))
+        gone = t.filter(m)
+        proc.buffered_rows -= gone.num_rows
+        out[srcs[i]] = pa.concat_tables([out[srcs[i]], gone]) if srcs[i] in out else gone
+        proc.metrics.step_axis.labels("purged").inc(gone.num_rows)
+    return list(out.items())
+
+
+def _deadletter_later(proc, src, rows: pa.Table, reason: str) -> None:
+    """A deadletter record for an earlier message (``src``) whose rows were buffered: amend its
+    record if it has one in this flush (still one per message), else add one, with the rows (Arrow)
+    as the payload."""
+    if src is None:
+        return
+    dl, dsrc = proc.buffers.get("deadletter", []), proc.buffer_src.get("deadletter", [])
+    for i, s in enumerate(dsrc):
+        if s == src and dl[i].num_rows == 1:
+            t = dl[i]
+            k = t.schema.get_field_index("reason")
+            was = t.column(k)[0].as_py() or ""
+            dl[i] = t.set_column(k, t.schema.field(k), pa.array([(was + "; " + reason)[:4000]], t.schema.field(k).type))
+            return
+    topic, part, off = src
+    msg = SimpleNamespace(topic=topic, partition=part, offset=off, key=None, value=wire.encode_arrow(rows),
+                          headers=[])
+    d = ingress.MessageDeadletter()
+    d.add(reason, n=rows.num_rows)
+    r = d.record(msg, job_of(rows), None, proc.limits, time.time_ns())
+    r["row"] = None
+    saved, proc._src = proc._src, src
+    try:
+        proc._buffer("deadletter", pa.Table.from_pylist([r], schema=wire.DEADLETTER))
+    finally:
+        proc._src = saved
+    proc.metrics.dropped.labels("deadletter").inc()
+    if proc.producer is not None:
+        proc.producer.send(proc.kafka.topic("deadletter"), r["payload"],
+                           headers=[("error", r["reason"][:1000].encode()),
+                                    ("source", f"{topic}/{part}/{off}".encode())])
+
+
+def job_of(rows: pa.Table) -> str | None:
+    j = rows.column("job")[0].as_py() if rows.num_rows else None
+    return j if isinstance(j, str) else None
+
+
+def time_base(jobs: dict, table: pa.Table, limits) -> np.ndarray | int | None:
+    """Per row, the job's anchor time (ns; 0 when unknown): timestamps may be ``max_future_skew_s``
+    ahead of the later of it and the receive time (see :func:`stepwatch.stream.ingress.row_bounds`)."""
+    if not jobs or "job" not in table.column_names or not table.num_rows:
+        return None
+    col = table.column("job")
+    keys = pc.unique(col)
+    skew = int(limits.max_future_skew_s * 1e9)
+    base = np.zeros(len(keys), np.int64)
+    for i, j in enumerate(keys.to_pylist()):
+        rt = jobs.get(j)
+        ax = getattr(rt, "axis", None)
+        if ax is None:
+            continue
+        ax.refresh(max(1, rt.state.capacity // 2), skew, rt.state.max_step)
+        base[i] = ax.anchor_t
+    if not base.any():
+        return None
+    if len(keys) == 1:
+        return int(base[0])
+    idx = pc.fill_null(pc.index_in(col, value_set=keys), 0).to_numpy(zero_copy_only=False)
+    return base[idx]
