@@ -298,7 +298,9 @@ class Processor:
             for job in pc.unique(t.column("job")).to_pylist():
                 part = t.filter(pc.equal(t.column("job"), job))
                 rt = self._job(job)
+                w0 = rt.state.world_size
                 rt.state.set_topology(part)
+                stepaxis.check_budget(self, rt, w0)
                 if rt.pending:                              # steps held for it: detect them now
                     self._detect(rt, [])
             self._buffer("topology", t)
@@ -317,9 +319,10 @@ class Processor:
             part = stepaxis.admit_steps(self, rt, job, part)    # bounds to where the job's ranks are
             if not part.num_rows:
                 continue
-            t0 = time.perf_counter()
+            t0, w0 = time.perf_counter(), rt.state.world_size
             res, blocks = rt.state.ingest(part)
             self.metrics.align_seconds.observe(time.perf_counter() - t0)
+            stepaxis.check_budget(self, rt, w0)
             if res.duplicates:
                 self.metrics.dropped.labels("duplicate").inc(res.duplicates)
             if len(res.bad_rank):
@@ -551,7 +554,9 @@ class Processor:
         if over <= 0 and len(self.jobs) > 1:
             size = sum(rt.state.state_bytes() for rt in self.jobs.values())
         if over > 0 or size > lim.max_state_bytes:
-            rest = sorted((j for j in self.jobs if j not in set(idle)), key=lambda j: self.job_seen.get(j, 0))
+            # sparse rings first (a row at a high rank of a made-up job), then the least recently active
+            rest = sorted((j for j in self.jobs if j not in set(idle)),
+                          key=lambda j: (not stepaxis.sparse(self.jobs[j]), self.job_seen.get(j, 0)))
             k = max(over, 0)
             extra = rest[:k]
             if size > lim.max_state_bytes:

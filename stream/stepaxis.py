@@ -64,6 +64,10 @@ class JobAxis:
         self.seen_hi = self.seen_lo = 0     # step range observed since then
         self.seen_t = 0                     # newest t_end observed since then
 
+    def reporting(self) -> int:
+        """Ranks that reported a step."""
+        return int((self.step >= 0).sum())
+
     def seed(self, state) -> None:
         """A job rebuilt from the store: its ranks' newest steps are what the replay left."""
         if len(self.step) or not len(state.last_step) or state.last_step.max() < 0:
@@ -236,6 +240,33 @@ def _deadletter_later(proc, src, rows: pa.Table, reason: str) -> None:
 def job_of(rows: pa.Table) -> str | None:
     j = rows.column("job")[0].as_py() if rows.num_rows else None
     return j if isinstance(j, str) else None
+
+
+SPARSE_MIN_WIDTH = 4096
+SPARSE_FACTOR = 64
+
+
+def sparse(rt) -> bool:
+    """Whether a job's alignment ring is far wider than the ranks that report steps into it: a ring
+    is as wide as the highest rank seen (≈6.8 KB per rank at a 128-step window), so one row at rank
+    131,071 of a made-up job holds 848 MiB. Such jobs are evicted first when ``max_jobs`` or
+    ``max_state_bytes`` is exceeded, so they cannot push real jobs out of memory."""
+    w = rt.state.world_size
+    return w > SPARSE_MIN_WIDTH and rt.axis.reporting() * SPARSE_FACTOR < w
+
+
+WIDEN_CHECK_BYTES = 64 << 20
+
+
+def check_budget(proc, rt, old_width: int) -> None:
+    """After a job's ring widened by more than 64 MiB (one row can widen it to its rank), hold the
+    ``max_state_bytes`` budget at once instead of at the next flush: a poll of 2,000 such rows would
+    otherwise allocate 2,000 rings before any eviction."""
+    st = rt.state
+    if st.world_size <= old_width or not st.world_size:
+        return
+    if (st.world_size - old_width) * (st.state_bytes() // st.world_size) >= WIDEN_CHECK_BYTES:
+        proc._evict_jobs()
 
 
 def time_base(jobs: dict, table: pa.Table, limits) -> np.ndarray | int | None:

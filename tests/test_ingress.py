@@ -413,6 +413,36 @@ def test_a_burst_of_new_job_ids_does_not_stall_ingest(kafka, tmp_path):
     assert took - flush_s < 30, (took, flush_s)
 
 
+def test_rows_at_high_ranks_of_made_up_jobs_cannot_push_a_real_job_out_of_memory(kafka, tmp_path):
+    """One row at rank 16,383 of a made-up job widens its ring to 16,384 ranks (~106 MiB). Four of
+    them, after a real job's steps, in one poll: the budget is held as each ring widens (not at the
+    next flush) and the sparse rings go first, so the real job keeps its state and is aligned to its
+    last step. (Before: the budget was checked at flush time only, least recently active first: the
+    real job was evicted.)"""
+    from stepwatch.stream.ingress import IngressLimits
+    job = "dense"
+    items = [topo(job, 8)] + good(job, 0, 10, ranks=8)
+    for i in range(4):
+        t = H.steps_table(f"sparse-{i}", [16_383], [0], NOW - 10**9)
+        items.append(H.Item("steps", H._arrow(t), H._hdr(), f"sparse-{i}".encode()))
+    send(kafka, items)
+    budget = 200 << 20
+    peak = [0]
+
+    def until(p):
+        peak[0] = max(peak[0], sum(rt.state.state_bytes() for rt in list(p.jobs.values())))
+        return stored(p) >= 84
+    proc = run(kafka, tmp_path, until, limits=IngressLimits(max_state_bytes=budget))
+    assert job in proc.jobs, sorted(proc.jobs)
+    st = proc.jobs[job].state
+    assert st.max_step == 9 and st.next_close == 10, (st.max_step, st.next_close)
+    assert proc.metrics.value(proc.metrics.jobs_evicted) >= 3
+    assert sum(rt.state.state_bytes() for rt in proc.jobs.values()) <= budget
+    con = connect(tmp_path)
+    assert n_steps(con, job) == 80
+    assert con.execute("SELECT count(*) FROM steps WHERE job LIKE 'sparse-%'").fetchone()[0] == 4
+
+
 # ------------------------------------------------------------------------------ the same bounds, below the broker
 def test_alignment_walks_only_the_step_ranges_that_hold_rows():
     """Behind the ingress bound (max_step_jump), the alignment itself must not spin either."""
