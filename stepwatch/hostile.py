@@ -483,15 +483,11 @@ def run_agent_leg(bootstrap: str, prefix: str, base, n_datagrams: int, n_control
     job ``agent-h`` (``steps`` steps) while another process floods ``agent.sock`` with ``n_datagrams``
     hostile datagrams and ``n_control`` unverifiable commands go to the control topic. Returns what
     the agent counted and whether it was alive at the end; ``rss["agent"]`` gets its peak RSS."""
-    import os
     import socket as _socket
     import subprocess
     import sys
-    import urllib.request
 
     from stepwatch.agents import profiling
-    from stepwatch.agents.probe import Probe
-    from stepwatch.stream.kafkaio import KafkaSettings, make_producer
     sock_dir = str(base / "agent-sock")
     os.makedirs(sock_dir, exist_ok=True)
     _, pub = profiling.keygen()
@@ -504,7 +500,24 @@ def run_agent_leg(bootstrap: str, prefix: str, base, n_datagrams: int, n_control
            "--socket-dir", sock_dir, "--node", "hnode", "--interval", "0.2", "--plugins", "cpu",
            "--metrics-port", str(port), "--metrics-addr", "127.0.0.1", "--no-create-topics"]
     agent = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(base / "_agent.log", "wb"))
-    path = os.path.join(sock_dir, "agent.sock")
+    try:
+        return _agent_leg(agent, path_of=os.path.join(sock_dir, "agent.sock"), sock_dir=sock_dir, port=port,
+                          bootstrap=bootstrap, prefix=prefix, n_datagrams=n_datagrams, n_control=n_control,
+                          steps=steps, rss=rss)
+    finally:
+        if agent.poll() is None:          # a failure above must not leave the agent running
+            agent.kill()
+            agent.wait(10)
+
+
+def _agent_leg(agent, path_of: str, sock_dir: str, port: int, bootstrap: str, prefix: str, n_datagrams: int,
+               n_control: int, steps: int, rss: dict) -> dict:
+    import subprocess
+    import urllib.request
+
+    from stepwatch.agents.probe import Probe
+    from stepwatch.stream.kafkaio import KafkaSettings, make_producer
+    path = path_of
     deadline = time.monotonic() + 60
     while not os.path.exists(path) and agent.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
