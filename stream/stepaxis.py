@@ -1,11 +1,11 @@
 """A job's step and time axis, decided by its ranks, never by one row (issue 16, docs/limits.md).
 
 A job's position is where **its ranks** are, not where the newest row says it is. Each rank's
-last reported step (and that row's ``t_end``) is kept; the job's *anchor* is the upper quartile of
+report (the step of its newest row in time, and that row's ``t_end``) is kept; the job's *anchor* is the upper quartile of
 its reporting ranks' last steps (``ANCHOR_Q``; the anchor time likewise). So:
 
 - a step row more than ``max_step_jump`` ahead of the anchor is deadlettered (naming the field and
-  the value); rows ahead of the anchor by more than half the alignment window (``window_steps // 2``)
+  the value), and only the rows taken become their ranks' reports; rows ahead of the anchor by more than half the alignment window (``window_steps // 2``)
   but within ``max_step_jump`` are stored and not aligned (the job's ranks have not got there);
 - a timestamp is bounded by ``max_future_skew_s`` ahead of the later of the receive time and the
   job's anchor time (a simulation replayed faster than real time moves its own anchor; one row
@@ -68,9 +68,12 @@ class JobAxis:
         """Ranks that reported a step."""
         return int((self.step >= 0).sum())
 
-    def seed(self, state) -> None:
-        """A job rebuilt from the store: its ranks' newest steps are what the replay left."""
+    def seed(self, state, min_t_end: int = 0) -> None:
+        """A job rebuilt from the store: its ranks' newest steps are what the replay left (unless
+        that history ends before ``min_t_end``: a job back after a long silence starts afresh)."""
         if len(self.step) or not len(state.last_step) or state.last_step.max() < 0:
+            return
+        if state.last_t_end.max() < min_t_end:
             return
         self.step = state.last_step.copy()
         self.t_end = state.last_t_end.copy()
@@ -78,10 +81,12 @@ class JobAxis:
         self.compute()
 
     def observe(self, rank: np.ndarray, step: np.ndarray, t_end: np.ndarray) -> None:
-        """Each rank's row with the highest step in this batch becomes its last report."""
+        """A rank's report is its newest row **in time** (highest ``t_end``, then step): rows that
+        arrive late or out of order (another producer, a spool replayed after an outage) do not
+        move it back; a rank restarted from a checkpoint (newer rows, lower steps) does."""
         if not len(rank):
             return
-        order = np.lexsort((step, rank))
+        order = np.lexsort((step, t_end, rank))
         r = rank[order]
         last = np.empty(len(r), dtype=bool)
         last[:-1] = r[1:] != r[:-1]
@@ -94,6 +99,11 @@ class JobAxis:
             t = np.zeros(top, np.int64)
             t[:len(self.t_end)] = self.t_end
             self.step, self.t_end = s, t
+        newer = (self.step[ur] < 0) | (ut > self.t_end[ur]) | ((ut == self.t_end[ur]) & (us > self.step[ur]))
+        if not newer.all():
+            ur, us, ut = ur[newer], us[newer], ut[newer]
+            if not len(ur):
+                return
         self.step[ur] = us
         self.t_end[ur] = ut
         lo, hi = int(us.min()), int(us.max())
@@ -137,28 +147,50 @@ def admit_steps(proc, rt, job: str, part: pa.Table) -> pa.Table:
     lim = proc.limits
     ax: JobAxis = rt.axis
     st = rt.state
-    ax.seed(st)
     step = part.column("step").to_numpy(zero_copy_only=False).astype(np.int64)
     rank = pc.fill_null(part.column("rank"), 0).to_numpy(zero_copy_only=False).astype(np.int64)
     t_end = part.column("t_end").cast(pa.int64()).to_numpy(zero_copy_only=False)
-    if st.topology_known:                       # ranks outside the topology are refused by the ring
-        ok = rank < st.expected
-        ax.observe(rank[ok], step[ok], t_end[ok])
-    else:
-        ax.observe(rank, step, t_end)
+    ax.seed(st, int(t_end.max()) - int(lim.job_idle_evict_s * 1e9) if len(t_end) else 0)
     lead = max(1, st.capacity // 2)
-    ax.refresh(lead, int(lim.max_future_skew_s * 1e9), st.max_step)
-    anchor = ax.anchor
-    bad = step > anchor + lim.max_step_jump
-    if bad.any():
-        n = int(bad.sum())
-        proc._dl.add(_steps_reason(job, step, bad, anchor, lim.max_step_jump), n=n, keep=lim.deadletter_reasons)
+    skew = int(lim.max_future_skew_s * 1e9)
+    if st.topology_known:                       # ranks outside the topology are refused by the ring
+        inside = rank < st.expected
+        rank, step, t_end = rank[inside], step[inside], t_end[inside]
+    else:
+        inside = None
+    # judge against where the ranks were; a job without reports against its first batch's own ranks
+    ax.refresh(lead, skew, st.max_step)
+    anchor = ax.anchor if ax.anchor is not None else _batch_anchor(rank, step)
+    bad_all = part.column("step").to_numpy(zero_copy_only=False).astype(np.int64) > anchor + lim.max_step_jump
+    if bad_all.any():
+        n = int(bad_all.sum())
+        proc._dl.add(_steps_reason(job, part.column("step").to_numpy(zero_copy_only=False), bad_all, anchor,
+                                   lim.max_step_jump), n=n, keep=lim.deadletter_reasons)
         proc.metrics.rows_rejected.labels("steps").inc(n)
-        part = part.filter(pa.array(~bad))
+        part = part.filter(pa.array(~bad_all))
+        ok = ~(bad_all[inside] if inside is not None else bad_all)
+        rank, step, t_end = rank[ok], step[ok], t_end[ok]
+    # then the rows taken are reports of their ranks, and the anchor follows
+    ax.observe(rank, step, t_end)
+    ax.refresh(lead, skew, st.max_step)
+    if ax.anchor is not None:
+        anchor = ax.anchor
     if st.max_step > anchor + lead:
         reanchor(proc, rt, job, anchor)
     st.ahead_limit = anchor + lead
     return part
+
+
+def _batch_anchor(rank: np.ndarray, step: np.ndarray) -> int:
+    """The anchor of a batch alone: the quantile over its ranks of each rank's highest step."""
+    if not len(step):
+        return 0
+    order = np.lexsort((step, rank))
+    r = rank[order]
+    last = np.empty(len(r), dtype=bool)
+    last[:-1] = r[1:] != r[:-1]
+    last[-1] = True
+    return _quantile(step[order][last])
 
 
 def reanchor(proc, rt, job: str, anchor: int) -> None:

@@ -306,6 +306,18 @@ def test_one_rank_cannot_walk_the_step_axis(kafka, tmp_path):
     assert int(st.last_step[3]) == 9
 
 
+def test_rows_arriving_out_of_order_do_not_move_the_step_axis_back(kafka, tmp_path):
+    """Steps 100-150 of every rank, then 0-99 (another producer, a spool replayed after an outage): a
+    rank's report is its newest row in time, so the late rows are stored and the window stays (no
+    re-anchor)."""
+    job = "late"
+    where = send(kafka, [topo(job, 4)] + good(job, 100, 51) + good(job, 0, 100))
+    proc = run(kafka, tmp_path, lambda p: stored(p) >= 604)
+    assert n_steps(connect(tmp_path), job) == 604 and not deadletters(connect(tmp_path)), where[:1]
+    assert proc.jobs[job].state.max_step == 150
+    assert proc.metrics.value(proc.metrics.step_axis, "reanchor") == 0
+
+
 def test_a_simulation_ahead_of_real_time_is_taken_but_one_far_future_row_is_not(kafka, tmp_path):
     """A job replayed 30 minutes ahead of real time (10 s steps, 4 steps a message) is stored whole:
     its own time moves. One row 20 minutes ahead of the job's own time is deadlettered naming the value.
