@@ -86,12 +86,15 @@ class JobAxis:
         move it back; a rank restarted from a checkpoint (newer rows, lower steps) does."""
         if not len(rank):
             return
-        order = np.lexsort((step, t_end, rank))
-        r = rank[order]
-        last = np.empty(len(r), dtype=bool)
-        last[:-1] = r[1:] != r[:-1]
-        last[-1] = True
-        ur, us, ut = r[last], step[order][last], t_end[order][last]
+        if len(rank) == 1 or bool((rank[1:] > rank[:-1]).all()):     # one row per rank, in order: no sort
+            ur, us, ut = rank, step, t_end
+        else:
+            order = np.lexsort((step, t_end, rank))
+            r = rank[order]
+            last = np.empty(len(r), dtype=bool)
+            last[:-1] = r[1:] != r[:-1]
+            last[-1] = True
+            ur, us, ut = r[last], step[order][last], t_end[order][last]
         top = int(ur[-1]) + 1
         if top > len(self.step):
             s = np.full(top, -1, np.int64)
