@@ -514,6 +514,10 @@ class Processor:
                                headers=h)
 
     # ------------------------------------------------------------------ jobs and detectors
+    def new_detectors(self, job: str) -> list[Detector]:
+        """A fresh set of the job's detectors (stream.stepaxis uses it when it re-anchors a job)."""
+        return _build_detectors(self.detector_settings, job)
+
     def _job(self, job: str) -> JobRuntime:
         self.job_seen[job] = time.monotonic()
         rt = self.jobs.get(job)

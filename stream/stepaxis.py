@@ -207,8 +207,7 @@ def reanchor(proc, rt, job: str, anchor: int) -> None:
     st.reset_steps(anchor + lead)
     rt.pending = [b for b in rt.pending if not len(b.steps) or int(b.steps.max()) <= anchor + lead]
     if fed:
-        from stepwatch.stream.processor import _build_detectors
-        rt.detectors = _build_detectors(proc.detector_settings, job)
+        rt.detectors = proc.new_detectors(job)
     purged = purge_buffered(proc, job, anchor + lim.max_step_jump)
     proc.metrics.step_axis.labels("reanchor").inc()
     proc.rlog.warning("job %s: alignment window at step %d re-anchored to its ranks' position (step %d); "
