@@ -62,13 +62,6 @@ HOG = ("import ctypes, os, sys, time\n"
        "    if rt:\n        time.sleep(0.006)\n")                  # ... of every 18 (real-time: see the docs)
 
 
-@pytest.fixture
-def socket_dir():
-    d = tempfile.mkdtemp(prefix="sw-", dir="/tmp")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
 def _realtime(pid: int, core: int | None = None, on: bool = True) -> bool:
     """Every thread of ``pid`` and of its descendants (only those pinned to ``core`` when given) to
     ``SCHED_RR`` priority 1, or back to ``SCHED_OTHER`` (threads they start later inherit it): the training
