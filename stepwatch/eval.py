@@ -385,7 +385,12 @@ def _localised(a, lab: dict) -> bool:
 def score(res: dict) -> dict:
     """Per-scenario results: faults found/missed, false alarms, localisation, cause, delays."""
     labels, emitted = res["labels"], res["emitted"]
-    firing = [e for e in emitted if e.alert.status == "firing"]
+    # an alert decided again once its host samples came (stream/hostwait.py) is sent again: counted once
+    firing, sent = [], set()
+    for e in emitted:
+        if e.alert.status == "firing" and e.alert.alert_id not in sent:
+            sent.add(e.alert.alert_id)
+            firing.append(e)
     starts, step_ms = res["step_starts"], res["step_ms"]
     faults = []
     matched_ids = set()
