@@ -394,6 +394,16 @@ def _refine_l2(z: np.ndarray, bkps: list[int], min_size: int, pen: float) -> lis
     return bk
 
 
+#: phases whose job-level value is the mean over the sampled ranks (see ``ChangePoint.update``)
+_MEAN_PHASES = ("gc_ms",)
+
+
+def _nanmean(a: np.ndarray, axis: int) -> np.ndarray:
+    with np.errstate(all="ignore"):
+        n = np.count_nonzero(~np.isnan(a), axis=axis)
+        return np.where(n > 0, np.nansum(a, axis=axis) / np.maximum(n, 1), np.nan)
+
+
 class ChangePoint(Detector):
     """Regressions and recoveries of the job's step time and of each of its phases (kinds
     ``regression`` / ``recovery``).
@@ -441,7 +451,8 @@ class ChangePoint(Detector):
 
     Settings (keyword arguments, defaults):
         window=200       steps kept (bounded memory: a few (window,) and (window, 7) arrays)
-        every=5          run the search when the step number enters a new multiple of ``every``
+        every=5          run the search when the step number enters a new multiple of ``every`` (and
+                         at the end of a block of several steps)
         min_size=5       minimum segment length in steps (also the reporting tolerance)
         min_effect=0.05  minimum relative change of the median step time
         min_t=5.0        minimum shift in units of its standard error
@@ -454,7 +465,8 @@ class ChangePoint(Detector):
         persist=0.8      share of each segment's steps that must lie on its side of the midpoint
         phases=True      also watch each phase's job-level series (see above)
         phase_min_effect=0.10  minimum relative change of a phase (against the lower of the two levels)
-        phase_min_share=0.01   minimum change of a phase as a share of the median step time
+        phase_min_share=0.002  minimum change of a phase as a share of the median step time (materiality:
+                         2 ms of a 1 s step; a phase is judged on its own effect, see phase_min_effect)
         min_steps=40     steps the window must hold before a change is judged (a noise estimate needs them)
     """
 
@@ -466,7 +478,7 @@ class ChangePoint(Detector):
                  min_t: float = 5.0, penalty_c: float = PENALTY_C, smooth: int = 5,
                  phase_sample: int = 256, critical_pct: float = 10.0, defer_stragglers: bool = True,
                  floor_share: float = 0.5, persist: float = 0.8, phases: bool = True,
-                 phase_min_effect: float = 0.10, phase_min_share: float = 0.01, min_steps: int = 40):
+                 phase_min_effect: float = 0.10, phase_min_share: float = 0.002, min_steps: int = 40):
         if window < 4 * min_size or min_size < 2:
             raise ValueError("changepoint: need min_size >= 2 and window >= 4 * min_size")
         if every < 1 or phase_sample < 1:
@@ -500,9 +512,13 @@ class ChangePoint(Detector):
         cols = np.arange(0, R, max(1, -(-R // self.phase_sample)))
         sub = StepBlock(block.steps, block.t_end, *(getattr(block, f)[:, cols] for f in self._FIELDS))
         ph = phase_arrays(sub)
-        phm = np.stack([nanmedian(ph[k], axis=1) for k in self._PH] + [self._busiest_stage(ctx, sub, cols, R)],
-                       axis=1)                                                   # (S, 7) O(S*256)
+        # a phase's job-level value: the median over the sampled ranks, except for sparse phases (GC: most
+        # rank-steps pause a few ms or not at all, a few pause long) where the mean is the time the job
+        # spends in it: more long pauses on a quarter of the ranks move the mean, not the median
+        phm = np.stack([(_nanmean if k in _MEAN_PHASES else nanmedian)(ph[k], axis=1) for k in self._PH]
+                       + [self._busiest_stage(ctx, sub, cols, R)], axis=1)       # (S, 7) O(S*256)
         alerts: list[Alert] = []
+        due = False                                     # steps pushed since the last search
         for s in range(S):
             if not np.isfinite(med[s]):
                 continue
@@ -510,10 +526,17 @@ class ChangePoint(Detector):
             self._val[i], self._step[i], self._t[i] = med[s], block.steps[s], block.t_end[s]
             self._ph[i] = phm[s]
             self._n += 1
+            due = True
             bucket = int(block.steps[s]) // self.every
             if bucket != self._last_bucket:
                 self._last_bucket = bucket
                 alerts.extend(self._search(ctx))
+                due = False
+        # a block of several steps is also searched once it is all in: steps delivered together (an
+        # agent batching 5 steps per message) are judged together, so a change at a block's first step
+        # is seen with the block's other steps after it, not a bucket later
+        if due and S > 1:
+            alerts.extend(self._search(ctx))
         return alerts
 
     @staticmethod
