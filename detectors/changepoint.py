@@ -501,6 +501,8 @@ class ChangePoint(Detector):
         self._n = 0                                     # steps pushed (ring position = _n % W)
         self._last_bucket: int | None = None
         self._reported: list[int] = []                  # step_first of reported changes still in view
+        self._regressions: list[dict] = []              # the last reported regressions (for transients)
+        self._deferred: set[int] = set()                # of those, step-time changes left to slow_rank
 
     # -- streaming ---------------------------------------------------------------------------
     def update(self, ctx: JobContext, block: StepBlock) -> list[Alert]:
@@ -569,6 +571,7 @@ class ChangePoint(Detector):
         # forget reported changes that left the window (they cannot be found again)
         lo = int(steps[0]) - self.min_size
         self._reported = [r for r in self._reported if r >= lo]
+        self._deferred = {r for r in self._deferred if r >= lo}
         known = np.searchsorted(steps, np.asarray(self._reported, dtype=np.int64))
         cands = self._candidates("step_ms", vals, steps, known, None)
         if self.phases:
@@ -595,8 +598,20 @@ class ChangePoint(Detector):
                 lead = max(cl, key=lambda c: abs(c["after"] - c["before"]))
             self._reported.append(lead["step_first"])
             alert = self._alert(ctx, lead, [c for c in cl if c is not lead], vals, ph, step_now, t_now, steps)
+            own = [c for c in cl if c["series"] not in ("step_ms", "comm_wait_ms")]
+            if alert is None and lead["series"] in ("step_ms", "comm_wait_ms") and own:
+                # the step time's change looked straggler-driven (the others wait longer, no stage's busy
+                # median moved), but a phase of the job as a whole moved with it (unsynchronised GC
+                # pauses or data stalls on many ranks: each step some rank is slow, none persistently):
+                # that phase is the change, not a straggler
+                lead = max(own, key=lambda c: abs(c["after"] - c["before"]))
+                alert = self._alert(ctx, lead, [c for c in cl if c is not lead], vals, ph, step_now, t_now,
+                                    steps)
             if alert is not None:
+                self._transient(alert, lead)
                 alerts.append(alert)
+            elif lead["series"] in ("step_ms", "comm_wait_ms"):
+                self._deferred.add(lead["step_first"])
         return alerts
 
     def _candidates(self, name: str, v: np.ndarray, steps: np.ndarray, known, step_level) -> list[dict]:
@@ -620,7 +635,11 @@ class ChangePoint(Detector):
         for j in range(1, len(edges) - 1):
             a, i, b = edges[j - 1], edges[j], edges[j + 1]
             step_first = int(steps[i])
-            if any(abs(step_first - r) <= self.min_size for r in self._reported):
+            # (a step-time change left to slow_rank does not hide a later-confirmed change of the job's
+            # own phases at the same place: that phase is then the change)
+            near = self._reported if name in ("step_ms", "comm_wait_ms") else \
+                [r for r in self._reported if r not in self._deferred]
+            if any(abs(step_first - r) <= self.min_size for r in near):
                 continue
             xb, xa = v[a:i][fin[a:i]], v[i:b][fin[i:b]]
             if len(xb) < self.min_size or len(xa) < self.min_size:
@@ -668,6 +687,27 @@ class ChangePoint(Detector):
             out.append({"series": name, "step_first": step_first, "seg": (a, i, b), "before": before,
                         "after": after, "effect": effect, "tstat": tstat, "sigma": sg})
         return out
+
+    def _transient(self, alert: Alert, lead: dict) -> None:
+        """A recovery that undoes a regression reported before on the same series (its level back within
+        a third of the regression's shift of where it was) marks both ends: ``evidence.transient`` =
+        the regression's first step and alert id, the recovery's first step and the length in steps.
+        Regressions are remembered (the last 8) for this."""
+        if alert.kind == "regression":
+            self._regressions = (self._regressions + [{"series": lead["series"], "step_first": lead["step_first"],
+                                                       "before": lead["before"], "after": lead["after"],
+                                                       "alert_id": alert.alert_id}])[-8:]
+            return
+        for r in reversed(self._regressions):
+            d = r["after"] - r["before"]
+            if r["series"] == lead["series"] and r["step_first"] < lead["step_first"] and d > 0 \
+                    and abs(lead["after"] - r["before"]) <= abs(d) / 3.0:
+                alert.evidence["transient"] = {"regression_step": int(r["step_first"]),
+                                               "regression_alert": r["alert_id"],
+                                               "recovery_step": int(lead["step_first"]),
+                                               "steps": int(lead["step_first"] - r["step_first"])}
+                self._regressions.remove(r)
+                return
 
     def _times(self) -> np.ndarray:
         n, W = self._n, self.window
