@@ -497,7 +497,8 @@ class ChangePoint(Detector):
         self._val = np.full(W, np.nan)                  # median step_ms per step
         self._step = np.zeros(W, dtype=np.int64)
         self._t = np.zeros(W, dtype=np.int64)
-        self._ph = np.full((W, len(self._PH) + 1), np.nan)  # sampled phase medians + busiest stage busy
+        # sampled phase medians, the busiest stage's median busy time, the job's median busy time
+        self._ph = np.full((W, len(self._PH) + 2), np.nan)
         self._n = 0                                     # steps pushed (ring position = _n % W)
         self._last_bucket: int | None = None
         self._reported: list[int] = []                  # step_first of reported changes still in view
@@ -518,7 +519,8 @@ class ChangePoint(Detector):
         # rank-steps pause a few ms or not at all, a few pause long) where the mean is the time the job
         # spends in it: more long pauses on a quarter of the ranks move the mean, not the median
         phm = np.stack([(_nanmean if k in _MEAN_PHASES else nanmedian)(ph[k], axis=1) for k in self._PH]
-                       + [self._busiest_stage(ctx, sub, cols, R)], axis=1)       # (S, 7) O(S*256)
+                       + [self._busiest_stage(ctx, sub, cols, R), nanmedian(sub.busy_ms, axis=1)],
+                       axis=1)                                                   # (S, 8) O(S*256)
         alerts: list[Alert] = []
         due = False                                     # steps pushed since the last search
         for s in range(S):
@@ -733,10 +735,15 @@ class ChangePoint(Detector):
             cause = PHASE_CAUSE[series]    # a phase's own change names its cause
         step_b, step_a = _median(vals[a:i]), _median(vals[i:b])
         d_step = step_a - step_b
-        d_hi = float(pa[-1] - pb[-1])          # change of the busiest stage's median busy time
+        d_hi = float(pa[-2] - pb[-2])          # change of the busiest stage's median busy time
+        # with pipeline stages, relative to the job's median busy time: a stage imbalance is the busiest
+        # stage moving against the rest, the job's own drift moves every stage alike (one stage: the job's
+        # median busy time moving, as a two-rank job's does when one of its ranks slows down)
+        stages = np.asarray(ctx.stage)
+        d_rel = d_hi - float(pa[-1] - pb[-1]) if stages.size and len(np.unique(stages)) > 1 else d_hi
         d_lead = after - before
         if (self.defer_stragglers and cause == "parallelism"
-                and not abs(d_hi) >= 0.5 * abs(d_lead)):
+                and not abs(d_rel) >= 0.5 * abs(d_lead)):
             return None                     # a few slow ranks: the slow-rank detector names them
         if series == "step_ms":
             cost = max(effect, 0.0) * 100.0
