@@ -444,7 +444,10 @@ class ChangePoint(Detector):
     Straggler-driven changes: in synchronous training one slow rank makes every step slower, so the
     job's step time shifts when a straggler appears or goes. Such a change shows as the median rank
     *waiting* longer (``comm_wait_ms`` grew most) while no pipeline stage's median busy time (over the
-    sampled ranks) moved by half the step-time change. With ``defer_stragglers`` (default) these changes
+    sampled ranks) moved by half the step-time change (with several stages: the busiest stage's, relative
+    to the job's median busy time, so the job's own drift is no stage imbalance). A job-wide phase that
+    changed in the same place (unsynchronised GC or data stalls on many ranks) is then reported instead.
+    A recovery that undoes an earlier regression of the same series carries ``evidence.transient``. With ``defer_stragglers`` (default) these changes
     are left to the slow-rank detector, which names the rank: they are remembered as reported but not
     alerted. A whole pipeline stage getting slower moves its stage median and is still reported, with
     cause ``parallelism`` (stage imbalance: the other stages wait for it).
