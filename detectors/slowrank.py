@@ -248,6 +248,10 @@ class SlowRank(Detector):
         ``c = k + big_span_z``."""
         sig = self._sig()                                    # the z scale is floored the same way
         k1 = np.maximum(self.ref_z, self.small_effect / sig)
+        # the phases' tests are there to confirm a straggler of min_effect sooner: their reference is at
+        # least half that shift (Page's choice k = delta / 2 for a design shift delta), so the small
+        # excursions that a phase's own noise makes now and then are left to the busy time's test
+        k1[1:] = np.maximum(k1[1:], 0.5 * self.min_effect / sig[1:])
         k2 = np.maximum(self.big_ref_z, 2.0 * k1)
         return k1, k1 + self._span[0], k2, k2 + self._span[1]
 
