@@ -9,7 +9,7 @@
 # injects the driver).
 
 FROM python:3.11-slim AS build
-# a C compiler for the probe's hot path (agents/_probefast.c); the runtime stage does not carry it
+# a C compiler for the probe's hot path (agents/probe/_probefast.c); the runtime stage does not carry it
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
@@ -21,7 +21,7 @@ COPY storage/ storage/
 COPY dashboards/ dashboards/
 RUN python -m venv /opt/stepwatch \
  && /opt/stepwatch/bin/pip install --no-cache-dir --upgrade pip \
- && /opt/stepwatch/bin/pip install --no-cache-dir . py-spy nvidia-ml-py
+ && /opt/stepwatch/bin/pip install --no-cache-dir ".[all]" py-spy nvidia-ml-py
 
 FROM python:3.11-slim
 ENV PATH=/opt/stepwatch/bin:$PATH \

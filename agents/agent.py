@@ -28,7 +28,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import re
 import socket
 import threading
 import time
@@ -38,20 +37,22 @@ from pathlib import Path
 import pyarrow as pa
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from stepwatch import __version__
+from stepwatch import __version__, catalog
 from stepwatch import schema as wire
 from stepwatch.agents import probe as wirep
+from stepwatch.agents import wirecols
 from stepwatch.agents.hostmetrics import PluginRunner, build_runners, sample
 from stepwatch.agents.inflight import Liveness, RateBound, row_from_probe
+from stepwatch.agents.profiling import safe_job   # one copy: the probe and the control channel use it too
 from stepwatch.agents.ingress import (IngressLimits, Peer, check_hello, enable_passcred, pid_alive, recv_with_peer,
                                       resolve_group)
 from stepwatch.agents.shipper import Shipper, Spool
-from stepwatch.stream.metrics import Metrics
+from stepwatch.metrics import Metrics
 
 log = logging.getLogger("stepwatch.agent")
 
 _FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
-KINDS = ("topology", "steps", "gc", "comm", "host", "profiles", "inflight")
+KINDS = catalog.INPUT_TOPICS
 ACTIVE_S = 60.0          # a probe heard from within this many seconds is a served rank
 PENDING_S = 30.0         # records of an unknown probe instance wait this long for its hello
 PENDING_MAX = 256        # ... and at most this many datagrams per instance
@@ -85,20 +86,6 @@ class AgentMetrics(Metrics):
                                    registry=r)
         self.plugin_seconds = Histogram("stepwatch_agent_plugin_seconds", "Host plug-in gather time", ["plugin"],
                                         buckets=_FAST, registry=r)
-
-
-_UNSAFE = re.compile(r"[^A-Za-z0-9._:@+-]")
-
-
-def safe_job(job: str | None, default: str = "default") -> str:
-    """A job id usable as a folder name (``stepwatch.schema.JOB_RE``): unsafe characters become '_'."""
-    j = (job or "").strip() or default
-    if wire.JOB_RE.match(j):
-        return j
-    j = _UNSAFE.sub("_", j)
-    if not j[:1].isalnum():
-        j = "j" + j
-    return j[:128]
 
 
 @dataclass
@@ -158,7 +145,8 @@ def _opt(v: int) -> int | None:
 
 def rows_from_batch(ident: Identity, body) -> tuple[dict | None, list[dict], list[dict]]:
     """(steps row or None, comm rows, gc rows) of one decoded batch datagram, in the wire's columns and
-    units (the datagram carries durations in ns; rows carry ms)."""
+    units (the datagram carries durations in ns; rows carry ms). The agent itself decodes into columns
+    (agents/wirecols.py); this row form is the reference tests/test_wirecols.py holds it to."""
     step, phases, comm, gcs = body
     base = {"job": ident.job, "node": ident.node, "rank": ident.rank}
     names = ident.names
@@ -222,6 +210,7 @@ class Agent:
         self.pending: dict[int, collections.deque] = {}
         self._topo_sent: dict[tuple[str, int], tuple] = {}
         self.rows: dict[str, dict[str, list]] = {k: collections.defaultdict(list) for k in KINDS}
+        self.batches = wirecols.BatchColumns()      # the probes' step/comm/gc frames, decoded into columns per tick
         self.stop_event = threading.Event()
         self._rx: threading.Thread | None = None
         self._t_host = -1e18
@@ -312,8 +301,10 @@ class Agent:
             self._refused("peer_not_allowed", f"uid {peer.uid} gid {peer.gid} is not allowed")
             return
         try:
-            frames = wirep.decode(data)
-            typ, inst, _, body = frames[0]
+            typ, inst, frames = wirecols.scan(data)   # batch frames: headers only, records read at the tick
+            if typ != wirep.T_BATCH:
+                frames = wirep.decode(data)
+                typ, inst, _, body = frames[0]
             if typ == wirep.T_HELLO:
                 self._hello(inst, body, now, peer)
                 return
@@ -360,19 +351,7 @@ class Agent:
             except ValueError as e:
                 self._bad(e)
             return
-        steps, comm, gcs = self.rows["steps"][ident.job], self.rows["comm"][ident.job], self.rows["gc"][ident.job]
-        n_s = n_c = n_g = 0
-        for _, _, _, body in frames:
-            srow, crows, grows = rows_from_batch(ident, body)
-            if srow is not None:
-                steps.append(srow)
-                n_s += 1
-            if crows:
-                comm.extend(crows)
-                n_c += len(crows)
-            if grows:
-                gcs.extend(grows)
-                n_g += len(grows)
+        n_s, n_c, n_g = self.batches.add(ident, data, frames)   # columns at the tick (agents/wirecols.py)
         if n_s:
             m.records_in.labels("steps").inc(n_s)
         if n_c:
@@ -489,6 +468,7 @@ class Agent:
             for r in self.control.take_rows():
                 self.rows["profiles"][r["job"]].append(r)
         items = []
+        cols = self.batches.take()                  # job -> (steps, comm, gc) tables of the probes' frames
         for kind in KINDS:
             per_job, self.rows[kind] = self.rows[kind], collections.defaultdict(list)
             for job, rows in per_job.items():
@@ -496,6 +476,9 @@ class Agent:
                     t = self._table(kind, job, rows)
                     if t is not None:
                         items.append((kind, job, t))
+            if kind in wirecols.KINDS:
+                items += [(kind, job, t[wirecols.KINDS.index(kind)]) for job, t in cols.items()
+                          if t[wirecols.KINDS.index(kind)] is not None]
         if self.shipper is not None:
             self.shipper.ship(items)
         self.ticks += 1

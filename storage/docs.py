@@ -3,8 +3,8 @@ schema is the schema (a test fails when the checked-in file differs; regenerate 
 ``python -m stepwatch.storage.docs > docs/tables.md``)."""
 from __future__ import annotations
 
-from stepwatch.schema import NATURAL_KEYS, SCHEMAS
-from stepwatch.storage.store import SORT_COLUMNS, TIME_COLUMN
+from stepwatch.catalog import NATURAL_KEYS, SORT_COLUMNS, TIME_COLUMN
+from stepwatch.schema import SCHEMAS
 from stepwatch.storage.views import view_sql
 
 ABOUT = {
@@ -59,7 +59,9 @@ VIEWS = {
 
 def tables_markdown() -> str:
     out = ["# Tables and views", "",
-           "Generated from the code by `python -m stepwatch.storage.docs`; do not edit by hand.", "",
+           "Generated from the code by `python -m stepwatch.storage.docs`; do not edit by hand. The tables, their",
+           "natural keys, time and sort columns are listed once, in `stepwatch/catalog.py`; their columns in",
+           "`stepwatch/schema.py`.", "",
            "The store keeps one folder per table: `<data-dir>/<table>/job=<job>/date=YYYY-MM-DD/*.parquet`",
            "(zstd, rows sorted within a file as listed). `stepwatch sql` and the Grafana datasource read them",
            "through DuckDB views of the same names. The views add the hive columns `job` and `date`, and show",

@@ -1,4 +1,4 @@
-"""The Parquet store: the system of record (DESIGN §7).
+"""The Parquet store: the system of record (docs/tables.md).
 
 Layout: ``<root>/<table>/job=<job>/date=YYYY-MM-DD/part-<flush>-<n>.parquet``, zstd, rows sorted
 by (time, rank) within a file so DuckDB can prune on row-group statistics.
@@ -35,20 +35,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from stepwatch import schema as wire
+from stepwatch.catalog import SORT_COLUMNS, TABLES, TIME_COLUMN  # noqa: F401 - the one table catalog
 
 log = logging.getLogger("stepwatch.store")
-
-#: The event-time column that gives each table's date partition and sort order.
-TIME_COLUMN = {"rank_minutes": "minute", "steps": "t_end", "host": "t", "gc": "t", "alerts": "t_detected",
-               "deadletter": "t_received", "topology": "_received", "comm": "_received", "efficiency": "t_end",
-               "comm_bw": "t_end", "profiles": "_received", "profile_diffs": "t",
-               "inflight": "t"}
-SORT_COLUMNS = {"rank_minutes": ["minute", "rank"], "steps": ["step", "rank"], "host": ["node", "t"], "gc": ["t"],
-                "comm": ["step", "rank"], "topology": ["rank"], "alerts": ["t_detected"], "deadletter": ["t_received"],
-                "efficiency": ["step"], "comm_bw": ["step_hi", "op", "group"], "profiles": ["cmd_id", "rank"],
-                "profile_diffs": ["cmd_id", "position"], "inflight": ["t", "rank"]}
-TABLES = ("steps", "topology", "host", "gc", "comm", "alerts", "deadletter", "rank_minutes", "efficiency", "comm_bw",
-          "profiles", "profile_diffs", "inflight")
 
 
 def rank_minutes(steps: pa.Table) -> pa.Table:

@@ -6,11 +6,11 @@ writes (``job=_seed``, zero rows) keep every glob non-empty; the views filter th
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import duckdb
 import pyarrow as pa
+import tenacity
 
 from stepwatch.schema import SCHEMAS
 
@@ -56,18 +56,19 @@ def connect(root: str | Path, threads: int | None = None) -> duckdb.DuckDBPyConn
     con = duckdb.connect(":memory:")
     if threads:
         con.execute(f"SET threads = {int(threads)}")
-    for attempt in range(RETRIES + 1):
-        try:                             # binding a view opens files: compaction may swap them meanwhile
-            con.execute(view_sql(root))
-            return con
-        except duckdb.Error as e:
-            if attempt == RETRIES or not _swapped(e, binding=True):
-                raise
-            time.sleep(BACKOFF_S * 2 ** attempt)
+    # binding a view opens files: compaction may swap them meanwhile
+    _retrying(RETRIES, binding=True)(con.execute, view_sql(root))
     return con
 
 
 RETRIES, BACKOFF_S = 5, 0.05     # waits 0.05 .. 0.8 s, 1.55 s in all: longer than a compaction fence stands
+
+
+def _retrying(retries: int, binding: bool = False) -> tenacity.Retrying:
+    """Retry up to ``retries`` times, waiting ``BACKOFF_S`` doubling, while the error is :func:`_swapped`."""
+    return tenacity.Retrying(retry=tenacity.retry_if_exception(lambda e: _swapped(e, binding)),
+                             stop=tenacity.stop_after_attempt(retries + 1),
+                             wait=tenacity.wait_exponential(multiplier=BACKOFF_S), reraise=True)
 
 
 def _swapped(e: Exception, binding: bool = False) -> bool:
@@ -76,6 +77,8 @@ def _swapped(e: Exception, binding: bool = False) -> bool:
     one for a fraction of a second; see :mod:`stepwatch.storage.compact`). Either way the same query
     a moment later reads a consistent set. ("Cannot open file" only while binding the views: that
     message once came with a read of a partial listing, before fences existed.)"""
+    if not isinstance(e, duckdb.Error):
+        return False
     msg = str(e)
     if "too small to be a Parquet file" in msg or "file size: 0" in msg:
         return True           # a fence: at listing, or when a file listed before the swap is re-opened
@@ -89,12 +92,8 @@ def query(con: duckdb.DuckDBPyConnection, sql: str, params=None, retries: int = 
     """Run a query and fetch all rows, retrying (with a growing wait) when compaction or retention
     changed the files under it: a file vanished between DuckDB listing the folder and opening it, or
     a compaction fence stood in for a merged file. Returns (columns, rows)."""
-    for attempt in range(retries + 1):
-        try:
-            cur = con.execute(sql, params) if params is not None else con.execute(sql)
-            cols = [d[0] for d in cur.description] if cur.description else []
-            return cols, (cur.fetchall() if cols else [])
-        except duckdb.Error as e:
-            if attempt == retries or not _swapped(e):
-                raise
-            time.sleep(BACKOFF_S * 2 ** attempt)
+    def once():
+        cur = con.execute(sql, params) if params is not None else con.execute(sql)
+        cols = [d[0] for d in cur.description] if cur.description else []
+        return cols, (cur.fetchall() if cols else [])
+    return _retrying(retries)(once)
