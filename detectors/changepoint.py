@@ -394,6 +394,16 @@ def _refine_l2(z: np.ndarray, bkps: list[int], min_size: int, pen: float) -> lis
     return bk
 
 
+#: phases whose job-level value is the mean over the sampled ranks (see ``ChangePoint.update``)
+_MEAN_PHASES = ("gc_ms",)
+
+
+def _nanmean(a: np.ndarray, axis: int) -> np.ndarray:
+    with np.errstate(all="ignore"):
+        n = np.count_nonzero(~np.isnan(a), axis=axis)
+        return np.where(n > 0, np.nansum(a, axis=axis) / np.maximum(n, 1), np.nan)
+
+
 class ChangePoint(Detector):
     """Regressions and recoveries of the job's step time and of each of its phases (kinds
     ``regression`` / ``recovery``).
@@ -434,14 +444,18 @@ class ChangePoint(Detector):
     Straggler-driven changes: in synchronous training one slow rank makes every step slower, so the
     job's step time shifts when a straggler appears or goes. Such a change shows as the median rank
     *waiting* longer (``comm_wait_ms`` grew most) while no pipeline stage's median busy time (over the
-    sampled ranks) moved by half the step-time change. With ``defer_stragglers`` (default) these changes
+    sampled ranks) moved by half the step-time change (with several stages: the busiest stage's, relative
+    to the job's median busy time, so the job's own drift is no stage imbalance). A job-wide phase that
+    changed in the same place (unsynchronised GC or data stalls on many ranks) is then reported instead.
+    A recovery that undoes an earlier regression of the same series carries ``evidence.transient``. With ``defer_stragglers`` (default) these changes
     are left to the slow-rank detector, which names the rank: they are remembered as reported but not
     alerted. A whole pipeline stage getting slower moves its stage median and is still reported, with
     cause ``parallelism`` (stage imbalance: the other stages wait for it).
 
     Settings (keyword arguments, defaults):
         window=200       steps kept (bounded memory: a few (window,) and (window, 7) arrays)
-        every=5          run the search when the step number enters a new multiple of ``every``
+        every=5          run the search when the step number enters a new multiple of ``every`` (and
+                         at the end of a block of several steps)
         min_size=5       minimum segment length in steps (also the reporting tolerance)
         min_effect=0.05  minimum relative change of the median step time
         min_t=5.0        minimum shift in units of its standard error
@@ -454,7 +468,8 @@ class ChangePoint(Detector):
         persist=0.8      share of each segment's steps that must lie on its side of the midpoint
         phases=True      also watch each phase's job-level series (see above)
         phase_min_effect=0.10  minimum relative change of a phase (against the lower of the two levels)
-        phase_min_share=0.01   minimum change of a phase as a share of the median step time
+        phase_min_share=0.002  minimum change of a phase as a share of the median step time (materiality:
+                         2 ms of a 1 s step; a phase is judged on its own effect, see phase_min_effect)
         min_steps=40     steps the window must hold before a change is judged (a noise estimate needs them)
         warmup=10        the job's first steps seen are left out of every series: allocator growth,
                          autotuning, compilation, DDP's bucket rebuild and a DataLoader filling its queue
@@ -469,7 +484,7 @@ class ChangePoint(Detector):
                  min_t: float = 5.0, penalty_c: float = PENALTY_C, smooth: int = 5,
                  phase_sample: int = 256, critical_pct: float = 10.0, defer_stragglers: bool = True,
                  floor_share: float = 0.5, persist: float = 0.8, phases: bool = True,
-                 phase_min_effect: float = 0.10, phase_min_share: float = 0.01, min_steps: int = 40,
+                 phase_min_effect: float = 0.10, phase_min_share: float = 0.002, min_steps: int = 40,
                  warmup: int = 10):
         if window < 4 * min_size or min_size < 2:
             raise ValueError("changepoint: need min_size >= 2 and window >= 4 * min_size")
@@ -490,10 +505,13 @@ class ChangePoint(Detector):
         self._val = np.full(W, np.nan)                  # median step_ms per step
         self._step = np.zeros(W, dtype=np.int64)
         self._t = np.zeros(W, dtype=np.int64)
-        self._ph = np.full((W, len(self._PH) + 1), np.nan)  # sampled phase medians + busiest stage busy
+        # sampled phase medians, the busiest stage's median busy time, the job's median busy time
+        self._ph = np.full((W, len(self._PH) + 2), np.nan)
         self._n = 0                                     # steps pushed (ring position = _n % W)
         self._last_bucket: int | None = None
         self._reported: list[int] = []                  # step_first of reported changes still in view
+        self._regressions: list[dict] = []              # the last reported regressions (for transients)
+        self._deferred: set[int] = set()                # of those, step-time changes left to slow_rank
 
     # -- streaming ---------------------------------------------------------------------------
     def update(self, ctx: JobContext, block: StepBlock) -> list[Alert]:
@@ -511,9 +529,14 @@ class ChangePoint(Detector):
         cols = np.arange(0, R, max(1, -(-R // self.phase_sample)))
         sub = StepBlock(block.steps, block.t_end, *(getattr(block, f)[:, cols] for f in self._FIELDS))
         ph = phase_arrays(sub)
-        phm = np.stack([nanmedian(ph[k], axis=1) for k in self._PH] + [self._busiest_stage(ctx, sub, cols, R)],
-                       axis=1)                                                   # (S, 7) O(S*256)
+        # a phase's job-level value: the median over the sampled ranks, except for sparse phases (GC: most
+        # rank-steps pause a few ms or not at all, a few pause long) where the mean is the time the job
+        # spends in it: more long pauses on a quarter of the ranks move the mean, not the median
+        phm = np.stack([(_nanmean if k in _MEAN_PHASES else nanmedian)(ph[k], axis=1) for k in self._PH]
+                       + [self._busiest_stage(ctx, sub, cols, R), nanmedian(sub.busy_ms, axis=1)],
+                       axis=1)                                                   # (S, 8) O(S*256)
         alerts: list[Alert] = []
+        due = False                                     # steps pushed since the last search
         for s in range(S):
             if not np.isfinite(med[s]):
                 continue
@@ -521,10 +544,17 @@ class ChangePoint(Detector):
             self._val[i], self._step[i], self._t[i] = med[s], block.steps[s], block.t_end[s]
             self._ph[i] = phm[s]
             self._n += 1
+            due = True
             bucket = int(block.steps[s]) // self.every
             if bucket != self._last_bucket:
                 self._last_bucket = bucket
                 alerts.extend(self._search(ctx))
+                due = False
+        # a block of several steps is also searched once it is all in: steps delivered together (an
+        # agent batching 5 steps per message) are judged together, so a change at a block's first step
+        # is seen with the block's other steps after it, not a bucket later
+        if due and S > 1:
+            alerts.extend(self._search(ctx))
         return alerts
 
     @staticmethod
@@ -557,6 +587,7 @@ class ChangePoint(Detector):
         # forget reported changes that left the window (they cannot be found again)
         lo = int(steps[0]) - self.min_size
         self._reported = [r for r in self._reported if r >= lo]
+        self._deferred = {r for r in self._deferred if r >= lo}
         known = np.searchsorted(steps, np.asarray(self._reported, dtype=np.int64))
         cands = self._candidates("step_ms", vals, steps, known, None)
         if self.phases:
@@ -583,8 +614,20 @@ class ChangePoint(Detector):
                 lead = max(cl, key=lambda c: abs(c["after"] - c["before"]))
             self._reported.append(lead["step_first"])
             alert = self._alert(ctx, lead, [c for c in cl if c is not lead], vals, ph, step_now, t_now, steps)
+            own = [c for c in cl if c["series"] not in ("step_ms", "comm_wait_ms")]
+            if alert is None and lead["series"] in ("step_ms", "comm_wait_ms") and own:
+                # the step time's change looked straggler-driven (the others wait longer, no stage's busy
+                # median moved), but a phase of the job as a whole moved with it (unsynchronised GC
+                # pauses or data stalls on many ranks: each step some rank is slow, none persistently):
+                # that phase is the change, not a straggler
+                lead = max(own, key=lambda c: abs(c["after"] - c["before"]))
+                alert = self._alert(ctx, lead, [c for c in cl if c is not lead], vals, ph, step_now, t_now,
+                                    steps)
             if alert is not None:
+                self._transient(alert, lead)
                 alerts.append(alert)
+            elif lead["series"] in ("step_ms", "comm_wait_ms"):
+                self._deferred.add(lead["step_first"])
         return alerts
 
     def _candidates(self, name: str, v: np.ndarray, steps: np.ndarray, known, step_level) -> list[dict]:
@@ -608,7 +651,11 @@ class ChangePoint(Detector):
         for j in range(1, len(edges) - 1):
             a, i, b = edges[j - 1], edges[j], edges[j + 1]
             step_first = int(steps[i])
-            if any(abs(step_first - r) <= self.min_size for r in self._reported):
+            # (a step-time change left to slow_rank does not hide a later-confirmed change of the job's
+            # own phases at the same place: that phase is then the change)
+            near = self._reported if name in ("step_ms", "comm_wait_ms") else \
+                [r for r in self._reported if r not in self._deferred]
+            if any(abs(step_first - r) <= self.min_size for r in near):
                 continue
             xb, xa = v[a:i][fin[a:i]], v[i:b][fin[i:b]]
             if len(xb) < self.min_size or len(xa) < self.min_size:
@@ -657,6 +704,27 @@ class ChangePoint(Detector):
                         "after": after, "effect": effect, "tstat": tstat, "sigma": sg})
         return out
 
+    def _transient(self, alert: Alert, lead: dict) -> None:
+        """A recovery that undoes a regression reported before on the same series (its level back within
+        a third of the regression's shift of where it was) marks both ends: ``evidence.transient`` =
+        the regression's first step and alert id, the recovery's first step and the length in steps.
+        Regressions are remembered (the last 8) for this."""
+        if alert.kind == "regression":
+            self._regressions = (self._regressions + [{"series": lead["series"], "step_first": lead["step_first"],
+                                                       "before": lead["before"], "after": lead["after"],
+                                                       "alert_id": alert.alert_id}])[-8:]
+            return
+        for r in reversed(self._regressions):
+            d = r["after"] - r["before"]
+            if r["series"] == lead["series"] and r["step_first"] < lead["step_first"] and d > 0 \
+                    and abs(lead["after"] - r["before"]) <= abs(d) / 3.0:
+                alert.evidence["transient"] = {"regression_step": int(r["step_first"]),
+                                               "regression_alert": r["alert_id"],
+                                               "recovery_step": int(lead["step_first"]),
+                                               "steps": int(lead["step_first"] - r["step_first"])}
+                self._regressions.remove(r)
+                return
+
     def _times(self) -> np.ndarray:
         n, W = self._n, self.window
         if n <= W:
@@ -681,10 +749,15 @@ class ChangePoint(Detector):
             cause = PHASE_CAUSE[series]    # a phase's own change names its cause
         step_b, step_a = _median(vals[a:i]), _median(vals[i:b])
         d_step = step_a - step_b
-        d_hi = float(pa[-1] - pb[-1])          # change of the busiest stage's median busy time
+        d_hi = float(pa[-2] - pb[-2])          # change of the busiest stage's median busy time
+        # with pipeline stages, relative to the job's median busy time: a stage imbalance is the busiest
+        # stage moving against the rest, the job's own drift moves every stage alike (one stage: the job's
+        # median busy time moving, as a two-rank job's does when one of its ranks slows down)
+        stages = np.asarray(ctx.stage)
+        d_rel = d_hi - float(pa[-1] - pb[-1]) if stages.size and len(np.unique(stages)) > 1 else d_hi
         d_lead = after - before
         if (self.defer_stragglers and cause == "parallelism"
-                and not abs(d_hi) >= 0.5 * abs(d_lead)):
+                and not abs(d_rel) >= 0.5 * abs(d_lead)):
             return None                     # a few slow ranks: the slow-rank detector names them
         if series == "step_ms":
             cost = max(effect, 0.0) * 100.0

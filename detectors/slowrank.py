@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 
@@ -22,6 +23,10 @@ _SMALL_DELAY = 16     # small stages: steps by which the learned pairwise baseli
 _SMALL_LEARN = 16     # small stages: learned steps before a rank is judged
 _HOST_SPAN_NS = 1_000_000_000   # least span of the host samples an alert's evidence reads
 _SMALL_HIST = 64      # small stages: learned steps whose median and MAD are a rank's baseline and noise
+#: the rank's own phases, each also tested on its own (besides the busy time): a straggler's excess is
+#: usually in one of them, and the other phases' noise then only hides it (see the class docs)
+OWN_PHASES = ("compute_ms", "data_ms", "host_gap_ms", "gc_ms")
+_P = 1 + len(OWN_PHASES)   # tested series per rank: busy time, then OWN_PHASES
 
 
 class SlowRank(Detector):
@@ -54,6 +59,20 @@ class SlowRank(Detector):
       an excess below ``small_effect`` is never accumulated) and ``c = k + span_z``; the large-effect
       test ``k = max(big_ref_z, 2 k_small)``, ``c = k + big_span_z``. The clip makes a heavy-tailed
       single step worth at most ``span``.
+
+      **Per phase.** The small-effect test runs on the busy time *and* on each of the rank's own phases
+      (OWN_PHASES: compute, data wait, host gap, GC), each a robust z against the same stage peers (its
+      own median and MAD across them, over an even sample of 2,048 ranks in a large stage; the MAD
+      floored at ``mad_floor`` of the stage's median *busy time*, so sub-millisecond wobbles of a small
+      phase are no straggler), with its own offsets, null law, theta and h; the large-effect test runs
+      on the busy time only (a large excess is large there whatever phase holds it). Why: the busy
+      time's noise is the sum of every phase's noise, and a straggler's excess is usually in one phase
+      (a slow device: compute; contention: host time; a slow disk: data wait). With the independent
+      family's noise (a gamma data wait of 25% sd beside t(3) compute noise of 1%) a 5% compute
+      straggler is 2.5 sd of the busy time but 4.4 sd of the compute time: confirmed in 4-9 steps (10
+      draws, one step per block) instead of 11-17. The series share the false-alarm budget: each gets
+      ``alpha / (series judged)``, so a rank still fires falsely at most ``alpha`` per step. Ranks of
+      small stages (below) are tested on their busy time only.
 
       False alarms, from the statistics: for i.i.d. increments ``x = min(u, c) - k`` (negative mean),
       Wald's / Lorden's inequality bounds the probability that an excursion of S reaches h by
@@ -161,17 +180,23 @@ class SlowRank(Detector):
         self._active = np.zeros(R, dtype=bool)
         self._mode = np.zeros(R, dtype=np.int8)                  # 1: fired by accumulation
         self._resolved_at = np.full(R, np.iinfo(np.int64).min, dtype=np.int64)   # step of last resolution
-        self._cs = np.zeros(R, dtype=np.float64)                 # CUSUM of the relative excess
-        self._cs_from = np.full(R, -1, dtype=np.int64)           # step where the current excursion began
-        self._sigma = math.nan                                   # EWMA of the relative noise
+        # sequential tests: one column per (series, rank), series-major (busy time, then OWN_PHASES):
+        # column p * R + r is series p of rank r
+        V = _P * R
+        self._cs = np.zeros(V, dtype=np.float64)                 # CUSUM of the relative excess
+        self._cs_from = np.full(V, -1, dtype=np.int64)           # step where the current excursion began
+        self._sigma = math.nan                                   # EWMA of the relative noise (busy time)
+        self._sigma_p = np.full(_P, np.nan)                      # ... of each series, relative to busy time
         # sequential test (CUSUM in robust z units, see the class docs)
-        self._off = np.zeros(R, dtype=np.float64)                # each rank's own offset (delayed EWMA of z)
-        self._off_n = np.zeros(R, dtype=np.int32)
-        self._off_hi = math.inf                                  # fleet spread of healthy offsets
-        self._zring = np.full((_DELAY, R), np.nan, dtype=np.float32)   # z of the last _DELAY steps
-        self._cols = np.arange(0, R, max(1, -(-R // _SAMPLE_COLS)))     # ranks sampled for the null law
+        self._off = np.zeros(V, dtype=np.float64)                # each rank's own offset (delayed EWMA of z)
+        self._off_n = np.zeros(V, dtype=np.int32)
+        self._off_hi = np.full(_P, math.inf)                     # fleet spread of healthy offsets, per series
+        self._zring = np.full((_DELAY, V), np.nan, dtype=np.float32)   # z of the last _DELAY steps
+        cols = np.arange(0, R, max(1, -(-R // _SAMPLE_COLS)))    # ranks sampled for the null law
+        self._ncols = len(cols)
+        self._cols = (np.arange(_P)[:, None] * R + cols[None, :]).ravel()   # ... in every series
         # the null law's sample ring: _EVERY steps, or enough steps for _NULL_MIN values on a small job
-        rows = max(_EVERY, -(-_NULL_MIN // max(len(self._cols), 1)))
+        rows = max(_EVERY, -(-_NULL_MIN // max(self._ncols, 1)))
         self._samp = np.full((rows, len(self._cols)), np.nan, dtype=np.float32)
         # small stages (2 .. min_peers - 1 ranks, see _small_z): each rank's learned relative differences
         # to its peers (their median: its baseline, their MAD: its noise), from _SMALL_DELAY steps ago
@@ -180,12 +205,13 @@ class SlowRank(Detector):
         self._sm_ring = np.full((_SMALL_DELAY, R), np.nan, dtype=np.float64)
         self._sm_pos = np.zeros(R, dtype=np.int64)
         self._age = 0                                            # steps judged (by the CUSUM)
-        self._h = np.full(2, np.nan)                             # thresholds (small, big) from the null law
-        self._theta = np.full(2, np.nan)
+        self._h = np.full((2, _P), np.nan)                       # thresholds (small, big) per series
+        self._theta = np.full((2, _P), np.nan)
         self._thetas: list[np.ndarray] = []                      # of the last calibrations (averaged)
-        self._phi = 0.0                                          # lag-1 autocorrelation of the ranks' z
-        self._csb = np.zeros(R, dtype=np.float64)                # the second CUSUM (large effects)
-        self._csb_from = np.full(R, -1, dtype=np.int64)
+        self._span = np.array([[self.span_z] * _P, [self.big_span_z] * _P])   # clips above k, per series
+        self._phi = np.zeros(_P)                                 # lag-1 autocorrelation of the ranks' z
+        self._csb = np.zeros(V, dtype=np.float64)                # the second CUSUM (large effects)
+        self._csb_from = np.full(V, -1, dtype=np.int64)
         self._cs_ready = False
         self._owner: dict[int, tuple] = {}                       # rank -> key of the alert covering it
         self._open: dict[tuple, dict] = {}                       # key -> {"alert", "members"}
@@ -214,15 +240,27 @@ class SlowRank(Detector):
                     self._small_rank[perm[sl]] = True
         return self._groups
 
-    def _refs(self) -> tuple[float, float, float, float]:
-        """(k, c) of the two CUSUMs in robust z units: small effects ``k = max(ref_z, small_effect /
-        sigma)`` (an excess below 2% is never accumulated, however quiet the job), ``c = k + span_z``;
-        large effects ``k = max(big_ref_z, 2 k_small)``, ``c = k + big_span_z``."""
-        sig = self._sigma if np.isfinite(self._sigma) else 0.0
-        sig = max(sig, _MAD_TO_SIGMA * self.mad_floor)       # the z scale is floored the same way
-        k1 = max(self.ref_z, self.small_effect / sig)
-        k2 = max(self.big_ref_z, 2.0 * k1)
-        return k1, k1 + self.span_z, k2, k2 + self.big_span_z
+    def _refs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(k, c) of the two CUSUMs in robust z units, per series (busy time, then OWN_PHASES): small
+        effects ``k = max(ref_z, small_effect / sigma)`` (sigma: the series' relative noise, as a share of
+        the busy time; an excess below 2% of the busy time is never accumulated, however quiet the job
+        or the phase), ``c = k + span_z``; large effects ``k = max(big_ref_z, 2 k_small)``,
+        ``c = k + big_span_z``."""
+        sig = self._sig()                                    # the z scale is floored the same way
+        k1 = np.maximum(self.ref_z, self.small_effect / sig)
+        # the phases' tests are there to confirm a straggler of min_effect sooner: their reference is at
+        # least half that shift (Page's choice k = delta / 2 for a design shift delta), so the small
+        # excursions that a phase's own noise makes now and then are left to the busy time's test
+        k1[1:] = np.maximum(k1[1:], 0.5 * self.min_effect / sig[1:])
+        k2 = np.maximum(self.big_ref_z, 2.0 * k1)
+        return k1, k1 + self._span[0], k2, k2 + self._span[1]
+
+    def _sig(self) -> np.ndarray:
+        """Each series' relative noise (busy time: its own; phases: as a share of the busy time), floored."""
+        sig = np.where(np.isfinite(self._sigma_p), self._sigma_p, 0.0)
+        if np.isfinite(self._sigma):
+            sig[0] = self._sigma
+        return np.maximum(sig, _MAD_TO_SIGMA * self.mad_floor)
 
     def _calibrate(self) -> None:
         """Every _EVERY steps: the thresholds h from the job's own null law and the fleet's offset spread.
@@ -236,22 +274,36 @@ class SlowRank(Detector):
         light tails lower it. h is at least three full increments (``3 * span``): no two steps fire.
         """
         k1, c1, k2, c2 = self._refs()
-        u = self._samp[np.isfinite(self._samp)].astype(np.float64)
-        if len(u) >= (_NULL_MIN if len(self._samp) == _EVERY else _NULL_FEW):
-            th = np.array([_cusum_theta(np.minimum(u, c1) - k1), _cusum_theta(np.minimum(u, c2) - k2)])
+        nc, R = self._ncols, self._R
+        th = np.full((2, _P), np.nan)
+        phi = np.zeros(_P)
+        for p in range(_P):                              # each series its own null law
+            samp = self._samp[:, p * nc:(p + 1) * nc]
+            u = samp[np.isfinite(samp)].astype(np.float64)
+            if len(u) < (_NULL_MIN if len(self._samp) == _EVERY else _NULL_FEW):
+                continue
+            th[:, p] = (_cusum_theta(np.minimum(u, c1[p]) - k1[p]), _cusum_theta(np.minimum(u, c2[p]) - k2[p]))
             # autocorrelated increments (a rank's busy time drifting): the bound holds for the long-run
             # variance, which AR(1) inflates by (1 + phi) / (1 - phi); theta scales inversely
-            phi = _pooled_phi(self._samp, c1)
-            th = th * (1.0 - phi) / (1.0 + phi)
+            phi[p] = _pooled_phi(samp, c1[p])
+            th[:, p] *= (1.0 - phi[p]) / (1.0 + phi[p])
+        if not np.isnan(th[:, 0]).any():                 # the busy time is judged: a calibration
             self._phi = phi
             self._thetas = (self._thetas + [th])[-4:]
-            self._theta = np.mean(np.stack(self._thetas), axis=0)
-            lg = math.log(1.0 / self.alpha)
-            self._h = np.maximum(lg / self._theta, 3.0 * np.array([self.span_z, self.big_span_z]))
-        seasoned = self._off[self._off_n >= 8]
-        if len(seasoned) >= self.min_peers:
-            med = float(np.median(seasoned))
-            self._off_hi = med + 5.0 * _MAD_TO_SIGMA * float(np.median(np.abs(seasoned - med)))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)              # series never judged: NaN
+                self._theta = np.nanmean(np.stack(self._thetas), axis=0)
+            # every series tested spends alpha / (series judged): at most alpha per rank and step in all
+            lg = math.log(max(int((~np.isnan(self._theta[0])).sum()), 1) / self.alpha)
+            with np.errstate(all="ignore"):
+                self._h = np.maximum(lg / self._theta, 3.0 * self._span)
+            self._h[np.isnan(self._theta)] = np.inf      # a series not (yet) judged never fires
+        for p in range(_P):
+            o, on = self._off[p * R:(p + 1) * R], self._off_n[p * R:(p + 1) * R]
+            seasoned = o[on >= 8]
+            if len(seasoned) >= self.min_peers:
+                med = float(np.median(seasoned))
+                self._off_hi[p] = med + 5.0 * _MAD_TO_SIGMA * float(np.median(np.abs(seasoned - med)))
 
     # -- streaming -------------------------------------------------------------------------------
     def update(self, ctx: JobContext, block: StepBlock) -> list[Alert]:
@@ -274,6 +326,7 @@ class SlowRank(Detector):
         z = np.empty((S, R))
         excess = np.empty((S, R))
         sig_parts = []
+        bmeds = {}                                                               # stage -> busy median
         for sl in self._slices:                                                  # few stages
             sub = b_sorted[:, sl]                                                # a view
             if 2 <= sub.shape[1] < self.min_peers:                               # a small stage
@@ -294,6 +347,7 @@ class SlowRank(Detector):
                 sig_parts.append((_MAD_TO_SIGMA * mad / med)[:, 0])
             enough = ((np.count_nonzero(~np.isnan(sub), axis=1) >= self.min_peers)[:, None]
                       & (med > 0))
+            bmeds[sl.start] = (med, enough)
             ff = (zz >= self.z_min) & (ee >= self.min_effect) & enough               # NaN -> False
             flags[:, sl], eff[:, sl], z[:, sl], excess[:, sl] = ff, ee, zz, dev
             judged[:, sl] = enough & ~np.isnan(sub)
@@ -304,6 +358,8 @@ class SlowRank(Detector):
                                              judged[:, inv])
         with np.errstate(all="ignore"):
             sig_step = nanmedian(np.stack(sig_parts, axis=1), axis=1) if sig_parts else np.full(S, np.nan)
+        phases = phase_arrays(block)
+        zv, jv, sig_ph = self._phase_z(phases, z, judged, bmeds)
         job_step = nanmedian(block.step_ms, axis=1)[:, None]
         with np.errstate(divide="ignore", invalid="ignore"):
             cost = np.maximum(excess, 0.0) / job_step * 100.0                    # NaN stays NaN
@@ -325,9 +381,12 @@ class SlowRank(Detector):
             # noise level, CUSUM
             if np.isfinite(sig_step[s]):
                 self._sigma = sig_step[s] if not np.isfinite(self._sigma) else 0.95 * self._sigma + 0.05 * sig_step[s]
+            fin = np.isfinite(sig_ph[s])
+            self._sigma_p = np.where(fin & ~np.isfinite(self._sigma_p), sig_ph[s],
+                                     np.where(fin, 0.95 * self._sigma_p + 0.05 * sig_ph[s], self._sigma_p))
             step = int(block.steps[s])
             if use_cs:
-                hot_c, fire_c = self._cusum_step(z[s], judged[s], step)
+                hot_c, fire_c = self._cusum_step(zv[s], jv[s], step)
             else:
                 hot_c = fire_c = np.zeros(R, dtype=bool)
             fl, vs = flags[s], valid[s]
@@ -349,7 +408,8 @@ class SlowRank(Detector):
                 # noise) would otherwise "recover" between flags and fire again within the same fault
                 clear = self._clean >= self.clear_steps
                 if use_cs and self._cs_ready:
-                    clear &= (self._cs < 0.5 * self._h[0]) & (self._csb < 0.5 * self._h[1])
+                    h1, h2 = self._hv()
+                    clear &= (self._cs < 0.5 * h1).reshape(_P, R).all(axis=0) & (self._csb[:R] < 0.5 * h2[:R])
                 gone = np.flatnonzero(clear & self._active)
             else:
                 gone = ()
@@ -380,10 +440,9 @@ class SlowRank(Detector):
         self._tend[slots] = block.t_end[S - m:]
         self._busy[slots], self._eff[slots] = busy[S - m:], eff[S - m:]
         self._z[slots], self._cost[slots] = z[S - m:], cost[S - m:]
-        tail = _Tail(block, S - m)
-        for ph, arr in phase_arrays(tail).items():
+        for ph, arr in phases.items():
             if ph in self._ph:
-                self._ph[ph][slots] = arr
+                self._ph[ph][slots] = arr[S - m:]
         self._pos += S
         return alerts
 
@@ -412,7 +471,7 @@ class SlowRank(Detector):
         floor = _MAD_TO_SIGMA * self.mad_floor
         hot = np.zeros(w, dtype=bool)
         if self._cs_ready:
-            hot = (self._cs[cols] >= 0.5 * self._h[0]) | (self._csb[cols] >= 0.5 * self._h[1])
+            hot = (self._cs[cols] >= 0.5 * self._h[0, 0]) | (self._csb[cols] >= 0.5 * self._h[1, 0])
         hist = self._sm_hist[:, cols]                                       # (_SMALL_HIST, w), a copy
         n = self._sm_n[cols].copy()
         with np.errstate(all="ignore"):
@@ -441,46 +500,116 @@ class SlowRank(Detector):
         self._sm_n[cols] = n
         return zz, ee, dev, sd_out, np.isfinite(zz) & (oth > 0)
 
+    def _hv(self) -> tuple[np.ndarray, np.ndarray]:
+        """The thresholds (small, big) of every column (series-major, see ``_reset``)."""
+        return np.repeat(self._h[0], self._R), np.repeat(self._h[1], self._R)
+
+    def _phase_z(self, phases: dict, z: np.ndarray, judged: np.ndarray, bmeds: dict):
+        """The tested series of a block: (S, _P * R) robust z-scores (series-major columns: the busy time's
+        ``z``, then each of OWN_PHASES against its stage peers), which of them are judged, and each
+        phase's relative noise per step (S, _P; column 0 unused). A phase's scale is its own MAD across
+        the stage's ranks, floored at ``mad_floor`` of the stage's median *busy time* (not of the phase:
+        a sub-millisecond wobble of a small phase is no straggler). Ranks of small stages (judged by
+        ``_small_z``) are tested on their busy time only."""
+        S, R = z.shape
+        zv = np.full((S, _P * R), np.nan)
+        jv = np.zeros((S, _P * R), dtype=bool)
+        zv[:, :R], jv[:, :R] = z, judged
+        sig = np.full((S, _P), np.nan)
+        perm = self._perm
+        for p, name in enumerate(OWN_PHASES, 1):
+            x = phases.get(name)
+            if x is None:
+                continue
+            xs = np.asarray(x, dtype=np.float64)
+            xs = xs if perm is None else xs[:, perm]
+            zp = np.full((S, R), np.nan)
+            jp = np.zeros((S, R), dtype=bool)
+            parts = []
+            for sl in self._slices:
+                got = bmeds.get(sl.start)
+                if got is None:                                          # a small stage
+                    continue
+                bmed, enough = got
+                sub = xs[:, sl]
+                # the phase's median and MAD over an even sample of a large stage (2,048 ranks place
+                # them within ~3% of the whole stage's; the busy time's own use every rank)
+                ss = sub[:, ::-(-sub.shape[1] // _SAMPLE_COLS)] if sub.shape[1] > 2 * _SAMPLE_COLS else sub
+                med = nanmedian(ss, axis=1)[:, None]
+                mad = nanmedian(np.abs(ss - med), axis=1)[:, None]
+                dev = sub - med
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    zp[:, sl] = dev / (_MAD_TO_SIGMA * np.maximum(mad, self.mad_floor * np.abs(bmed)))
+                    parts.append((_MAD_TO_SIGMA * mad / bmed)[:, 0])
+                jp[:, sl] = enough & ~np.isnan(sub)
+            if perm is not None:
+                inv = np.empty_like(perm)
+                inv[perm] = np.arange(R)
+                zp, jp = zp[:, inv], jp[:, inv]
+            zv[:, p * R:(p + 1) * R], jv[:, p * R:(p + 1) * R] = zp, jp & np.isfinite(zp)
+            if parts:
+                with np.errstate(all="ignore"):
+                    sig[:, p] = nanmedian(np.stack(parts, axis=1), axis=1)
+        return zv, jv, sig
+
     def _cusum_step(self, zs: np.ndarray, judged: np.ndarray, step: int):
-        """One step of the two sequential tests for every rank; returns (hot, fire) boolean vectors."""
+        """One step of the two sequential tests for every column (rank and series); returns (hot, fire)
+        boolean vectors per rank (any of its series). Works on (_P, R) views, per-series settings
+        broadcast down the columns."""
         R = self._R
-        k1, c1, k2, c2 = self._refs()
-        zz = np.where(judged, zs, np.nan)
-        off = np.clip(self._off, -self._off_hi, self._off_hi)
-        u = zz - off
+        col = lambda v: np.asarray(v, dtype=np.float64)[:, None]      # noqa: E731  (_P,) -> (_P, 1)
+        k1, c1, k2, c2 = (col(x) for x in self._refs())
+        u = np.where(judged, zs, np.nan).reshape(_P, R)
+        zz = u.copy()
+        hi = col(self._off_hi)
+        u -= np.maximum(np.minimum(self._off.reshape(_P, R), hi), -hi)
         miss = np.isnan(u)
         ready = self._cs_ready
-        h1, h2 = (self._h if ready else (math.inf, math.inf))
-        for attr, k, c, h in (("_cs", k1, c1, h1), ("_csb", k2, c2, h2)):
-            prev = getattr(self, attr)
-            # (a small stage's rank also clipped below: the other rank's burst is its negative outlier)
-            inc = np.where(miss, 0.0, np.minimum(np.where(self._small_rank, np.maximum(u, -c), u), c) - k)
-            new = np.minimum(np.maximum(prev + inc, 0.0), 1.5 * h)
-            frm = attr + "_from"
-            setattr(self, frm, np.where((prev <= 0) & (new > 0), step, getattr(self, frm)))
-            setattr(self, attr, new)
+        h1, h2 = (col(self._h[0]), col(self._h[1])) if ready else (math.inf, math.inf)
+        small = self._small_rank if self._small_rank.any() else None
+        active = self._active[None, :]
+        uc = np.where(miss, -np.inf, u)                   # a missing value adds nothing (clipped at 0)
+        # the small-effect test on every series; the large-effect one on the busy time only (a large
+        # excess is large in the busy time whatever phase it is in: the phases are there for small ones)
+        for attr, k, c, h, n_ser in (("_cs", k1, c1, h1, _P), ("_csb", k2, c2, h2, 1)):
+            prev = getattr(self, attr).reshape(_P, R)[:n_ser]
+            if not np.isscalar(h):
+                h = h[:n_ser]
+            inc = np.minimum(uc[:n_ser], c[:n_ser])
+            if small is not None:
+                # (a small stage's rank also clipped below: the other rank's burst is its negative outlier)
+                inc[0] = np.where(small & ~miss[0], np.maximum(inc[0], -c[0]), inc[0])
+            inc -= k[:n_ser]
+            new = prev + np.where(miss[:n_ser], 0.0, inc)
+            np.maximum(new, 0.0, out=new)
+            np.minimum(new, 1.5 * h, out=new)
+            frm = getattr(self, attr + "_from").reshape(_P, R)[:n_ser]
+            frm[(prev <= 0) & (new > 0)] = step
+            prev[...] = new
         # the null law's sample (ranks under an alert left out) and the delayed offset update
         # (ranks of a small stage also while their CUSUM is above h/2: there a suspect is a third or half of
         # the sample, and its excess would make the null law's tail, and h, its own)
-        out = self._active
-        if self._small_rank.any() and ready:
-            out = out | (self._small_rank & ((self._cs >= 0.5 * h1) | (self._csb >= 0.5 * h2)))
-        self._samp[self._age % len(self._samp)] = np.where(out[self._cols], np.nan, u[self._cols])
+        out = np.broadcast_to(active, (_P, R))
+        if small is not None and ready:
+            out = out.copy()
+            out[0] |= small & ((self._cs[:R] >= 0.5 * h1[0]) | (self._csb[:R] >= 0.5 * h2[0]))
+        uf = u.ravel()
+        self._samp[self._age % len(self._samp)] = np.where(out.ravel()[self._cols], np.nan, uf[self._cols])
         dslot = self._age % _DELAY
-        old = self._zring[dslot].astype(np.float64)
-        self._zring[dslot] = zz
+        old = self._zring[dslot].astype(np.float64).reshape(_P, R)
+        self._zring[dslot] = zz.ravel()
         if not self._cs_ready:
             old = zz                             # warm-up: learn the offsets from every step at once
-        ok = np.isfinite(old) & ~self._active
-        self._off_n += ok
-        rate = np.maximum(1.0 / np.maximum(self._off_n, 1), 1.0 / _OFFSET_STEPS)
-        self._off = np.where(ok, self._off + rate * (np.clip(np.where(ok, old, 0.0), -c1, c1) - self._off),
-                             self._off)
-        if judged.any():
+        ok = np.isfinite(old) & ~active
+        off, off_n = self._off.reshape(_P, R), self._off_n.reshape(_P, R)
+        off_n += ok
+        rate = np.maximum(1.0 / np.maximum(off_n, 1), 1.0 / _OFFSET_STEPS)
+        off += np.where(ok, rate * (np.maximum(np.minimum(np.where(ok, old, 0.0), c1), -c1) - off), 0.0)
+        if judged[:R].any():
             self._age += 1
             if self._age % _EVERY == 0:
                 self._calibrate()
-            if not self._cs_ready and self._age >= _WARMUP and np.isfinite(self._h).all():
+            if not self._cs_ready and self._age >= _WARMUP and np.isfinite(self._h[:, 0]).all():
                 self._cs_ready = True            # accumulate from here on, with offsets and h known
                 self._thetas = []                # calibrations of the warm-up (offsets unknown) do not count
                 self._calibrate()
@@ -491,8 +620,11 @@ class SlowRank(Detector):
         if not self._cs_ready:
             no = np.zeros(R, dtype=bool)
             return no, no
-        h1, h2 = self._h
-        return ((self._cs >= 0.5 * h1) | (self._csb >= 0.5 * h2)), ((self._cs >= h1) | (self._csb >= h2))
+        h1, h2 = self._h[0][:, None], self._h[1][:, None]
+        cs, csb = self._cs.reshape(_P, R), self._csb[:R]
+        hot = (cs >= 0.5 * h1).any(axis=0) | (csb >= 0.5 * h2[0])
+        fire = (cs >= h1).any(axis=0) | (csb >= h2[0])
+        return hot, fire
 
     # -- alerts ----------------------------------------------------------------------------------
     def _order(self) -> np.ndarray:
@@ -538,6 +670,7 @@ class SlowRank(Detector):
         since = self._resolved_at[M][None, :]
         flag = w["flag"] & (w["steps"][:, None] > since)                  # (n, m), after resolutions
         mine = flag[:, M.index(r)]
+        series = "busy_ms"
         if mode == 0 and mine.any():                     # persistence: from the rank's first flagged step
             step_first = int(w["steps"][np.flatnonzero(mine)[0]])
             if len(M) > 1:                               # a node / group: where half of them were flagged
@@ -546,7 +679,7 @@ class SlowRank(Detector):
                     step_first = int(w["steps"][half[0]])
             ev_rows = np.flatnonzero(flag.any(axis=1)) if len(M) > 1 else np.flatnonzero(mine)
         else:                                            # accumulation: from where the excursion began
-            cs_from = int(self._cs_from[r] if self._cs[r] > 0 else self._csb_from[r])
+            cs_from, series = self._fired_series(r)
             step_first = cs_from if cs_from >= 0 else step
             ev_rows = np.flatnonzero((w["steps"] >= step_first) & (w["steps"] > self._resolved_at[r]))
         step_first = min(step_first, step)
@@ -586,6 +719,7 @@ class SlowRank(Detector):
             "busy_ms": _r(busy), "peer_median_ms": _r(peer_med), "effect_pct": _r(eff * 100.0, 2),
             "z": _r(zz, 2), "flagged": f"{int(np.count_nonzero(mine))}/{self.n}",
             "fired_by": "accumulation" if mode == 1 else "persistence",
+            "tested_series": series,
             "stage": int(self._stage_key[r]), "phase": ph_ev["phase"], "phases": ph_ev["phases"],
             "phase_cause": phase_cause, "cause_reason": reason,
         }
@@ -617,6 +751,18 @@ class SlowRank(Detector):
             self._take(x, key, mode if x == r else 0)
         return a
 
+    def _fired_series(self, r: int) -> tuple[int, str]:
+        """The series of rank ``r`` whose test is furthest over its threshold: (where its excursion
+        began, its name)."""
+        cols = r + self._R * np.arange(_P)
+        h1, h2 = self._h
+        with np.errstate(all="ignore"):
+            ratio = np.fmax(self._cs[cols] / h1, self._csb[cols] / h2)
+        p = int(np.nanargmax(ratio)) if np.isfinite(ratio).any() else 0
+        c = cols[p]
+        frm = self._cs_from[c] if self._cs[c] / h1[p] >= self._csb[c] / h2[p] else self._csb_from[c]
+        return int(frm), (("busy_ms",) + OWN_PHASES)[p]
+
     def _take(self, r: int, key: tuple, mode: int) -> None:
         self._active[r] = True
         self._mode[r] = mode
@@ -627,8 +773,9 @@ class SlowRank(Detector):
         self._active[r] = False
         self._mode[r] = 0
         self._resolved_at[r] = step
-        self._cs[r] = self._csb[r] = 0.0
-        self._cs_from[r] = self._csb_from[r] = -1
+        cols = r + self._R * np.arange(_P)
+        self._cs[cols] = self._csb[cols] = 0.0
+        self._cs_from[cols] = self._csb_from[cols] = -1
         key = self._owner.pop(r, None)
         o = self._open.get(key)
         if o is None:

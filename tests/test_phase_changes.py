@@ -101,6 +101,10 @@ def test_comm_up_15pct_for_150_steps_then_back_gives_regression_and_recovery(see
     # ~(5 sigma / shift)^2 ~ 10-30 steps to reach t = 5
     assert reg.step_detected - 120 <= 40 and rec.step_detected - 270 <= 40
     assert rec.cost_pct == 0 and reg.alert_id != rec.alert_id
+    # up and back: the recovery names the regression it undoes (a transient of ~150 steps)
+    tr = rec.evidence["transient"]
+    assert tr["regression_alert"] == reg.alert_id and tr["regression_step"] == reg.step_first
+    assert abs(tr["steps"] - 150) <= 6 and "transient" not in reg.evidence
 
 
 @pytest.mark.parametrize("phase,base,new,cause", [("data", 5.0, 8.0, "io"), ("gc", 0.0, 2.5, "gc"),
@@ -114,6 +118,34 @@ def test_data_wait_gc_and_host_time_regressions_name_their_cause(phase, base, ne
     assert all(abs(a.step_first - s) <= 3 for a, s in zip(alerts, (100, 250)))
     series = {"data": "data_ms", "gc": "gc_ms", "gap": "host_gap_ms"}[phase]
     assert alerts[0].evidence["series"] == series and alerts[0].evidence["step_effect_pct"] < 5
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_gc_tripled_on_a_quarter_of_the_ranks_for_90_steps_is_a_gc_transient(seed):
+    """GC is sparse: most rank-steps pause 1-3 ms (or not at all), a few pause long. From step 100 to 189
+    a quarter of the ranks, each step a different quarter, pause ~12 ms more: the job's GC time triples
+    (the mean over ranks), the median over ranks barely moves, the step time moves ~1%. One gc regression
+    and one gc recovery that names it (a transient), nothing else; in 5-step blocks (an agent's batch)
+    the regression is confirmed within the batch after the one it starts in."""
+    rng = np.random.default_rng(70 + seed)
+    S, Rg = 300, 64
+    arr = job(S, seed=70 + seed, R=Rg)
+    base = np.where(rng.random((S, Rg)) < 0.7, rng.uniform(1.0, 3.0, (S, Rg)), 0.0)
+    extra = (rng.random((S, Rg)) < 0.25) * rng.uniform(8.0, 16.0, (S, Rg))
+    extra[:100] = 0.0
+    extra[190:] = 0.0
+    gc = base + extra
+    assert np.median(gc[100:190]) - np.median(gc[:100]) < 1.0 and gc[100:190].mean() > 2.5 * gc[:100].mean()
+    # the steps as the synchronous job sees them: the slowest rank (its GC included) ends the step
+    own = arr["data_ms"] + arr["compute_ms"] + arr["step_ms"] * 0 + gc
+    step = np.repeat(np.max(own + arr["comm_ms"], axis=1, keepdims=True), Rg, axis=1)
+    arr.update(gc_ms=gc, step_ms=step, comm_wait_ms=step - own - arr["comm_ms"])
+    alerts = feed(ChangePoint(), arr, block_size=5)
+    assert [(a.kind, a.cause, a.evidence["series"]) for a in alerts] == [
+        ("regression", "gc", "gc_ms"), ("recovery", "gc", "gc_ms")], [a.evidence for a in alerts]
+    reg, rec = alerts
+    assert abs(reg.step_first - 100) <= 2 and reg.step_detected <= 109
+    assert abs(rec.step_first - 190) <= 2 and rec.evidence["transient"]["regression_alert"] == reg.alert_id
 
 
 def test_a_big_phase_change_is_one_alert_led_by_the_step_time():

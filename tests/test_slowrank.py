@@ -325,7 +325,7 @@ def test_a_fleet_of_persistently_unequal_healthy_devices_is_not_a_set_of_straggl
     det = SlowRank()
     assert firing(run(det, make_ctx(R), comp, block_size=50)) == []
     # each rank's own offset is learned (in robust z units); the fleet's spread of them (~5 sd) bounds it
-    assert 3.0 < det._off_hi < 7.0
+    assert 3.0 < det._off_hi[0] < 7.0
     comp[80:, 40] *= 1.15
     assert [a.ranks for a in firing(run(SlowRank(), make_ctx(R), comp, block_size=50))] == [[40]]
 
@@ -352,7 +352,7 @@ def test_sequential_test_is_quiet_on_heavy_tailed_student_t_noise(seed):
     assert run(det, make_ctx(R), comp, block_size=20) == []
     gauss = SlowRank()
     run(gauss, make_ctx(R), noisy(rng, 60, R), block_size=20)
-    assert det._h[0] > gauss._h[0] and det._theta[0] < gauss._theta[0]
+    assert det._h[0, 0] > gauss._h[0, 0] and det._theta[0, 0] < gauss._theta[0, 0]
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -369,7 +369,7 @@ def test_sequential_test_is_quiet_on_ar1_rank_drift(seed):
     comp = 100.0 * (1.0 + static + _ar1_ranks(rng, S, R, 0.9, 0.007) + 0.01 * rng.standard_normal((S, R)))
     det = SlowRank()
     assert run(det, make_ctx(R), comp, block_size=25) == []
-    assert det._phi > 0.15                       # the autocorrelation was seen and raised h
+    assert det._phi[0] > 0.15                       # the autocorrelation was seen and raised h
 
 
 def _sim_like(rng, S, R, sd=0.011):
