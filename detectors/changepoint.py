@@ -468,7 +468,7 @@ class ChangePoint(Detector):
         persist=0.8      share of each segment's steps that must lie on its side of the midpoint
         phases=True      also watch each phase's job-level series (see above)
         phase_min_effect=0.10  minimum relative change of a phase (against the lower of the two levels)
-        phase_min_share=0.002  minimum change of a phase as a share of the median step time (materiality:
+        phase_min_share=0.01   minimum change of a phase as a share of the median step time (materiality:
                          2 ms of a 1 s step; a phase is judged on its own effect, see phase_min_effect)
         min_steps=40     steps the window must hold before a change is judged (a noise estimate needs them)
         warmup=10        the job's first steps seen are left out of every series: allocator growth,
@@ -484,7 +484,7 @@ class ChangePoint(Detector):
                  min_t: float = 5.0, penalty_c: float = PENALTY_C, smooth: int = 5,
                  phase_sample: int = 256, critical_pct: float = 10.0, defer_stragglers: bool = True,
                  floor_share: float = 0.5, persist: float = 0.8, phases: bool = True,
-                 phase_min_effect: float = 0.10, phase_min_share: float = 0.002, min_steps: int = 40,
+                 phase_min_effect: float = 0.10, phase_min_share: float = 0.01, min_steps: int = 40,
                  warmup: int = 10):
         if window < 4 * min_size or min_size < 2:
             raise ValueError("changepoint: need min_size >= 2 and window >= 4 * min_size")
