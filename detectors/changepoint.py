@@ -469,7 +469,7 @@ class ChangePoint(Detector):
         phases=True      also watch each phase's job-level series (see above)
         phase_min_effect=0.10  minimum relative change of a phase (against the lower of the two levels)
         phase_min_share=0.01   minimum change of a phase as a share of the median step time (materiality:
-                         2 ms of a 1 s step; a phase is judged on its own effect, see phase_min_effect)
+                         10 ms of a 1 s step; a phase is judged on its own effect, see phase_min_effect)
         min_steps=40     steps the window must hold before a change is judged (a noise estimate needs them)
         warmup=10        the job's first steps seen are left out of every series: allocator growth,
                          autotuning, compilation, DDP's bucket rebuild and a DataLoader filling its queue
