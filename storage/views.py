@@ -1,38 +1,27 @@
-"""The one source of truth for DuckDB view definitions over the Parquet store.
+"""The one source of truth for DuckDB view definitions over the lake.
 
-``view_sql(root)`` returns the ``CREATE VIEW`` statements used by ``stepwatch sql``, the demo's
-post-mortem, the tests and (as ``initSql``) the Grafana DuckDB datasource. The seed files the store
-writes (``job=_seed``, zero rows) keep every glob non-empty; the views filter them out.
+``view_sql(root)`` returns the statements used by ``stepwatch sql``, the demo's post-mortem, the
+tests and (as ``initSql``, with ``lockdown=True``) the Grafana DuckDB datasource: load the
+extensions, attach the lake **read-only** as ``lake``, and define one view per table (same names
+as the lake's tables, so ``SELECT … FROM steps`` reads ``lake.steps``) plus the summary views.
+A query sees one whole snapshot of the lake: compaction and writers never change what it reads.
 """
 from __future__ import annotations
 
-import time
-from pathlib import Path
-
 import duckdb
-import pyarrow as pa
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
-from stepwatch.schema import SCHEMAS
-
-from stepwatch.storage.store import SEED_JOB, TABLES
-
-
-def _lit(s: str) -> str:
-    return "'" + s.replace("'", "''") + "'"
+from stepwatch.storage.lake import lake_of
+from stepwatch.storage.store import OFFSETS, TABLES
 
 
-def view_sql(root: str | Path) -> str:
-    root = Path(root).absolute()
-    stmts = []
-    for t in TABLES:
-        glob = str(root / t / "*" / "*" / "*.parquet")
-        # Stored times are ns (Arrow timestamp[ns, UTC]); DuckDB's TIMESTAMPTZ_NS lacks interval
-        # arithmetic and most time functions, so the views expose microsecond TIMESTAMPTZ.
-        ts = [f.name for f in SCHEMAS[t] if pa.types.is_timestamp(f.type)]
-        sel = "*" if not ts else "* REPLACE (" + ", ".join(f"CAST({c} AS TIMESTAMPTZ) AS {c}" for c in ts) + ")"
-        stmts.append(
-            f"CREATE OR REPLACE VIEW {t} AS SELECT {sel} FROM read_parquet({_lit(glob)}, "
-            f"hive_partitioning = true, union_by_name = true) WHERE job <> {_lit(SEED_JOB)};")
+def view_sql(root, ext_dir=None, lockdown: bool = False, s3_keys_from_env: bool = False) -> str:
+    """``root``: a data dir, a :class:`~stepwatch.storage.lake.Lake` or a store. ``ext_dir``: the
+    extension folder as the reader sees it (default: this machine's, see :mod:`.extensions`)."""
+    lake = lake_of(root)
+    stmts = lake.attach_sql(read_only=True, ext_dir=ext_dir, lockdown=lockdown, s3_keys_from_env=s3_keys_from_env)
+    for t in TABLES + (OFFSETS,):
+        stmts.append(f"CREATE OR REPLACE VIEW {t} AS SELECT * FROM lake.main.{t};")
     # Per-step job summary: what most panels and the post-mortem start from.
     stmts.append("""CREATE OR REPLACE VIEW job_steps AS
 SELECT job, step, min(t_start) AS t_start, max(t_end) AS t_end, count(*) AS ranks_reported,
@@ -51,50 +40,33 @@ FROM steps GROUP BY job, rank;""")
     return "\n".join(stmts)
 
 
-def connect(root: str | Path, threads: int | None = None) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB connection with the views defined (reads only Parquet)."""
+def connect(root, threads: int | None = None) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection with the lake attached read-only and the views defined."""
     con = duckdb.connect(":memory:")
     if threads:
         con.execute(f"SET threads = {int(threads)}")
-    for attempt in range(RETRIES + 1):
-        try:                             # binding a view opens files: compaction may swap them meanwhile
+    con.execute("SET TimeZone = 'UTC'")
+    for attempt in _retrying():
+        with attempt:
             con.execute(view_sql(root))
-            return con
-        except duckdb.Error as e:
-            if attempt == RETRIES or not _swapped(e, binding=True):
-                raise
-            time.sleep(BACKOFF_S * 2 ** attempt)
     return con
 
 
-RETRIES, BACKOFF_S = 5, 0.05     # waits 0.05 .. 0.8 s, 1.55 s in all: longer than a compaction fence stands
+def _busy(e: BaseException) -> bool:
+    """A SQLite catalog busy for a moment (a writer checkpointing its WAL): the same query succeeds
+    a moment later. Nothing else is retried: a query reads one snapshot, compaction cannot change it."""
+    return isinstance(e, duckdb.Error) and ("database is locked" in str(e) or "database table is locked" in str(e))
 
 
-def _swapped(e: Exception, binding: bool = False) -> bool:
-    """The error a query gets when compaction or retention changed the files under it: a listed file
-    was gone when it was opened, or it was a compaction *fence* (an empty file standing for a merged
-    one for a fraction of a second; see :mod:`stepwatch.storage.compact`). Either way the same query
-    a moment later reads a consistent set. ("Cannot open file" only while binding the views: that
-    message once came with a read of a partial listing, before fences existed.)"""
-    msg = str(e)
-    if "too small to be a Parquet file" in msg or "file size: 0" in msg:
-        return True           # a fence: at listing, or when a file listed before the swap is re-opened
-    if not isinstance(e, duckdb.IOException):
-        return False
-    return ("No such file" in msg or "Could not open" in msg or "not found" in msg.lower()
-            or (binding and "Cannot open" in msg))
+def _retrying(attempts: int = 6) -> Retrying:
+    return Retrying(retry=retry_if_exception(_busy), stop=stop_after_attempt(attempts),
+                    wait=wait_random_exponential(multiplier=0.05, max=1.0), reraise=True)
 
 
-def query(con: duckdb.DuckDBPyConnection, sql: str, params=None, retries: int = RETRIES):
-    """Run a query and fetch all rows, retrying (with a growing wait) when compaction or retention
-    changed the files under it: a file vanished between DuckDB listing the folder and opening it, or
-    a compaction fence stood in for a merged file. Returns (columns, rows)."""
-    for attempt in range(retries + 1):
-        try:
+def query(con: duckdb.DuckDBPyConnection, sql: str, params=None, retries: int = 5):
+    """Run a query and fetch all rows. Returns (columns, rows)."""
+    for attempt in _retrying(retries + 1):
+        with attempt:
             cur = con.execute(sql, params) if params is not None else con.execute(sql)
             cols = [d[0] for d in cur.description] if cur.description else []
             return cols, (cur.fetchall() if cols else [])
-        except duckdb.Error as e:
-            if attempt == retries or not _swapped(e):
-                raise
-            time.sleep(BACKOFF_S * 2 ** attempt)
