@@ -1,12 +1,13 @@
-"""The stream processor: Kafka consumer group -> decode -> align -> detect -> Parquet, alerts.
+"""The stream processor: Kafka consumer group -> decode -> align -> detect -> DuckLake, alerts.
 
 Lifecycle of one message: poll -> skip if the store's marker lists it as done -> decode and validate
 (whole-message errors and bad rows go to the deadletter topic and table with a reason) -> buffer the
 valid rows per table; steps are also scattered into their job's alignment ring, which drops
 duplicates by natural key and closes steps for the detectors. Every ``flush_interval_s`` (or when
-``max_buffer_rows`` are buffered) the buffers are written to the store in one atomic flush, the
-partition markers advanced and only then the offsets committed to Kafka (at-least-once delivery,
-exactly-once in the store; see :mod:`stepwatch.storage.store`).
+``max_buffer_rows`` are buffered) the buffers and the consumed positions (with the consumer-group
+generation) are committed to the lake in one transaction, and only then the offsets committed to
+Kafka (at-least-once delivery, exactly-once in the store, older generations fenced; see
+:mod:`stepwatch.storage.store` and :mod:`stepwatch.stream.fencing`).
 
 A job's detector state is rebuilt from the store the first time this processor sees the job (after
 a restart or a partition move): its topology, the last window of steps and the alerts already
@@ -31,8 +32,9 @@ import pyarrow.compute as pc
 from stepwatch import schema as wire
 from stepwatch.detectors.base import Alert, Detector, JobContext, StepBlock
 from stepwatch.detectors.context import JobTelemetry
-from stepwatch.storage.store import Marker, ParquetStore
+from stepwatch.storage.store import Fenced, Marker, ParquetStore
 from stepwatch.storage.views import connect as views_connect
+from stepwatch.stream import fencing
 from stepwatch.stream.align import JobState
 from stepwatch.stream.kafkaio import KafkaSettings, ensure_topics, make_consumer, make_producer
 from stepwatch.stream.metrics import ProcessorMetrics
@@ -134,6 +136,9 @@ class Processor:
                 for tp in revoked:
                     proc.progress.pop((tp.topic, tp.partition), None)
 
+            def on_partitions_lost(self, lost):      # the group moved on: never commit these
+                fencing.lost(proc, lost)
+
             def on_partitions_assigned(self, assigned):
                 proc._assigned(assigned)
 
@@ -141,8 +146,14 @@ class Processor:
 
     def _assigned(self, assigned) -> None:
         self.store.recover()
+        try:        # take the partitions for our generation: older owners can no longer commit them
+            pos = self.store.claim([(tp.topic, tp.partition) for tp in assigned], fencing.generation(self.consumer))
+        except Fenced as e:
+            log.warning("%s: not consuming until the next assignment", e)
+            self.consumer.pause(*assigned)
+            return
         for tp in assigned:
-            m = self.store.load_marker(tp.topic, tp.partition)
+            m = pos.get((tp.topic, tp.partition))
             if m is not None:
                 self.consumer.seek(tp, m.next)
             self.progress[(tp.topic, tp.partition)] = PartitionProgress(m or Marker(-1))
@@ -505,7 +516,11 @@ class Processor:
         t0 = time.perf_counter()
         tables = dict(self.buffers)
         rows = {k: sum(t.num_rows for t in v) for k, v in tables.items()}
-        self.store.write_flush(tables, markers)
+        try:
+            self.store.write_flush(tables, markers, generation=fencing.generation(self.consumer))
+        except Fenced as e:
+            fencing.fenced(self, e)
+            return
         self.metrics.flush_seconds.observe(time.perf_counter() - t0)
         for k, n in rows.items():
             self.metrics.records_out.labels(k).inc(n)

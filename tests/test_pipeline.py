@@ -82,7 +82,7 @@ def _proc_cmd(kafka, data, group):
 
 
 def _count_files(data):
-    return len(list((data / "steps").glob("job=crash/*/part-*.parquet")))
+    return len(list((data / "lake" / "main" / "steps").glob("job=crash/*/*.parquet")))
 
 
 def test_sigkill_mid_stream_then_restart_loses_nothing_and_stores_nothing_twice(kafka, tmp_path):
@@ -94,7 +94,7 @@ def test_sigkill_mid_stream_then_restart_loses_nothing_and_stores_nothing_twice(
         sim, prod, kafka, chunk=1, rows_per_message=512, on_chunk=lambda *_: time.sleep(0.08))))
     th.start()
     kills = 0
-    for failpoint in (None, "after-intent"):
+    for failpoint in (None, "before-commit"):
         env = dict(os.environ)
         if failpoint:
             env["STEPWATCH_FAILPOINT"] = failpoint
