@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -143,28 +145,50 @@ class Lake:
     def prepare(self) -> None:
         """Before the first (writing) attach: the folders and a SQLite catalog in WAL mode (readers
         then never block the writer; WAL is a property of the file, so it is set once)."""
-        if self.sqlite_file:
+        if self.sqlite_file and not Path(self.sqlite_file).exists():
+            # Only a file nobody has open: closing a second SQLite library's handle on a file that
+            # DuckDB's SQLite holds would drop DuckDB's POSIX locks in this process.
             Path(self.sqlite_file).parent.mkdir(parents=True, exist_ok=True)
             c = sqlite3.connect(self.sqlite_file, timeout=30)
             try:
-                if c.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
-                    c.execute("PRAGMA journal_mode=WAL")
+                c.execute("PRAGMA journal_mode=WAL")
             finally:
                 c.close()
         if not self.data_path.startswith(("s3://", "gs://", "r2://", "az://", "abfss://")):
             Path(self.data_path).mkdir(parents=True, exist_ok=True)
 
     def connect(self, read_only: bool = False, threads: int | None = None) -> duckdb.DuckDBPyConnection:
-        """An in-memory DuckDB with the lake attached as ``lake`` (times shown in UTC)."""
-        if not read_only:
-            self.prepare()
-        con = duckdb.connect(":memory:")
+        """A DuckDB connection with the lake attached as ``lake`` (times shown in UTC). One DuckDB
+        instance per lake and mode is kept per process (loading the signed extensions costs a
+        fraction of a second each time); every call returns a new connection to it, with its own
+        transactions."""
+        key = (self, read_only)
+        with _INSTANCES_LOCK:
+            db = _INSTANCES.get(key)
+            if db is None:
+                if not read_only:
+                    self.prepare()
+                db = duckdb.connect(":memory:")
+                db.execute("SET GLOBAL TimeZone = 'UTC'")
+                for stmt in self.attach_sql(read_only=read_only):
+                    db.execute(stmt)
+                # DuckLake's own commit retry (1.4.4) re-checks conflicts against a stale view: two
+                # merges racing a writer both committed and doubled rows. Every conflict goes up to
+                # our retry instead, which runs the whole transaction again on a fresh snapshot.
+                db.execute("SET GLOBAL ducklake_max_retry_count = 0")
+                _INSTANCES[key] = db
+                while len(_INSTANCES) > 8:         # open connections keep an evicted instance alive
+                    _INSTANCES.popitem(last=False)
+            else:
+                _INSTANCES.move_to_end(key)
+            con = db.cursor()
         if threads:
             con.execute(f"SET threads = {int(threads)}")
-        con.execute("SET TimeZone = 'UTC'")
-        for stmt in self.attach_sql(read_only=read_only):
-            con.execute(stmt)
         return con
+
+
+_INSTANCES: "OrderedDict[tuple[Lake, bool], duckdb.DuckDBPyConnection]" = OrderedDict()
+_INSTANCES_LOCK = threading.Lock()
 
 
 def lake_of(x) -> Lake:

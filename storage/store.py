@@ -131,8 +131,7 @@ def is_conflict(e: BaseException) -> bool:
         return False
     m = str(e)
     return ("Transaction conflict" in m or "database is locked" in m or "database table is locked" in m
-            or "could not serialize" in m or "duplicate key value" in m or "Failed to commit DuckLake" in m
-            and "conflict" in m.lower())
+            or "could not serialize" in m or "duplicate key value" in m or "maximum retry count" in m)
 
 
 def retry_conflicts(attempts: int = 12, max_wait_s: float = 2.0) -> Retrying:

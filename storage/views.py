@@ -8,10 +8,13 @@ A query sees one whole snapshot of the lake: compaction and writers never change
 """
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+
 import duckdb
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
-from stepwatch.storage.lake import lake_of
+from stepwatch.storage.lake import Lake, lake_of
 from stepwatch.storage.store import OFFSETS, TABLES
 
 
@@ -40,15 +43,35 @@ FROM steps GROUP BY job, rank;""")
     return "\n".join(stmts)
 
 
+_DBS: "OrderedDict[Lake, duckdb.DuckDBPyConnection]" = OrderedDict()
+_DBS_LOCK = threading.Lock()
+_DBS_KEEP = 8
+
+
 def connect(root, threads: int | None = None) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB connection with the lake attached read-only and the views defined."""
-    con = duckdb.connect(":memory:")
+    """A DuckDB connection with the lake attached read-only and the views defined.
+
+    Loading the signed extensions costs a fraction of a second per DuckDB instance (the signature
+    covers the whole binary), so one in-memory instance per lake is kept per process and every
+    call returns a new connection to it (``cursor()``: its own transactions, so each query reads
+    the newest snapshot)."""
+    lake = lake_of(root)
+    with _DBS_LOCK:
+        db = _DBS.get(lake)
+        if db is None:
+            db = duckdb.connect(":memory:")
+            db.execute("SET GLOBAL TimeZone = 'UTC'")
+            for attempt in _retrying():
+                with attempt:
+                    db.execute(view_sql(lake))
+            _DBS[lake] = db
+            while len(_DBS) > _DBS_KEEP:      # open connections keep an evicted instance alive
+                _DBS.popitem(last=False)
+        else:
+            _DBS.move_to_end(lake)
+        con = db.cursor()
     if threads:
         con.execute(f"SET threads = {int(threads)}")
-    con.execute("SET TimeZone = 'UTC'")
-    for attempt in _retrying():
-        with attempt:
-            con.execute(view_sql(root))
     return con
 
 
