@@ -21,8 +21,11 @@ two passes at once merge each file once.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 from datetime import date, datetime, timedelta, timezone
+
+import duckdb
 
 from stepwatch.storage.lake import lake_of, lit
 from stepwatch.storage.store import OFFSETS, TABLES, retry_conflicts
@@ -45,10 +48,29 @@ class CompactResult:
     files_deleted: int = 0
 
 
-def _retry(con, sql: str, params=None):
+def _retry1(con, sql: str, params=None):
     for attempt in retry_conflicts(attempts=20, max_wait_s=5.0):
         with attempt:
             return con.execute(sql, params).fetchall() if params is not None else con.execute(sql).fetchall()
+
+
+def _retry(con, sql: str, params=None):
+    """Run one maintenance call in its own transaction, retried on conflicts. DuckLake deletes
+    replaced files, then commits; when that commit loses a race, the next try finds a file it
+    scheduled already gone and fails: such an entry is forgotten (its file is deleted, which was
+    the point) and the call runs again."""
+    for _ in range(100):
+        try:
+            return _retry1(con, sql, params)
+        except duckdb.IOException as e:
+            m = re.search(r'file "([^"]+)"', str(e))
+            if not m or "scheduled for deletion" not in str(e) or not re.search(
+                    r"No such file|404|Not Found|does not exist", str(e)):
+                raise
+            log.info("forgetting a file already deleted by an earlier try: %s", m.group(1))
+            _retry1(con, "DELETE FROM __ducklake_metadata_lake.ducklake_files_scheduled_for_deletion "
+                         "WHERE ends_with(?, path)", [m.group(1)])
+    return _retry1(con, sql, params)
 
 
 AUTHOR = "stepwatch compact"

@@ -321,16 +321,25 @@ class LakeStore:
         return {k: (Marker(int(rows[k][0]), rows[k][1]) if rows[k][0] >= 0 else None) for k in keys}
 
     # ------------------------------------------------------------------ writing
-    def _prepare(self, name: str, t: pa.Table, received_ns: int) -> tuple[pa.Table, str]:
-        """The batch in sort order and the SQL expression of its ``date`` column."""
+    def _prepare(self, name: str, t: pa.Table, received_ns: int) -> pa.Table:
+        """The batch as the lake stores it: in sort order, times in microseconds, plus its ``date``
+        column (UTC day of the event time; integer arithmetic here, a DuckDB cast costs 10x more)."""
         sort_cols = [c for c in SORT_COLUMNS[name] if c in t.column_names]
         if sort_cols and not _is_sorted(t, sort_cols):
             t = t.take(pc.sort_indices(t, [(c, "ascending") for c in sort_cols]))
         tcol = TIME_COLUMN[name]
+        day_ns = 86_400_000_000_000
         if tcol == "_received":
-            day = time.strftime("%Y-%m-%d", time.gmtime(received_ns // 1_000_000_000))
-            return t, f"DATE {lit(day)}"
-        return t, f"coalesce(CAST(\"{tcol}\" AS DATE), DATE '1970-01-01')"
+            day = pa.array(np.full(t.num_rows, received_ns // day_ns, dtype=np.int32)).cast(pa.date32())
+        else:
+            col = t.column(tcol)
+            ns = col.cast(pa.int64()).to_numpy(zero_copy_only=False)
+            if col.null_count:
+                ns = np.where(np.isnan(ns), 0, ns)
+            day = pa.array((ns.astype(np.int64) // day_ns).astype(np.int32)).cast(pa.date32())
+        cols = [c.cast(pa.timestamp("us", tz="UTC"), safe=False) if pa.types.is_timestamp(c.type) else c
+                for c in t.columns]
+        return pa.Table.from_arrays(cols + [day], names=t.column_names + ["date"])
 
     def write_flush(self, tables: dict[str, list[pa.Table]], markers: dict[tuple[str, int], Marker],
                     received_ns: int | None = None, generation: int | None = None) -> int:
@@ -348,7 +357,7 @@ class LakeStore:
             parts = [p for p in parts if p.num_rows]
             if parts:
                 t = pa.concat_tables(parts, promote_options="permissive") if len(parts) > 1 else parts[0]
-                batches.append((name, *self._prepare(name, t, received_ns)))
+                batches.append((name, self._prepare(name, t, received_ns)))
         if not batches and not markers:
             return 0
         con = self.connection()
@@ -359,9 +368,9 @@ class LakeStore:
                 try:
                     cur = self._offsets(con) if keys else {}
                     self._check(cur, keys, generation)
-                    for name, t, date_sql in batches:
+                    for name, t in batches:
                         con.register("_batch", t)
-                        con.execute(f"INSERT INTO lake.{name} BY NAME SELECT *, {date_sql} AS date FROM _batch")
+                        con.execute(f"INSERT INTO lake.{name} BY NAME SELECT * FROM _batch")
                         con.unregister("_batch")
                     if keys:
                         gen = {k: generation if generation is not None else (cur[k][2] if k in cur else -1)
@@ -373,7 +382,7 @@ class LakeStore:
                 except BaseException:
                     _rollback(con)
                     raise
-        return sum(t.num_rows for _, t, _ in batches)
+        return sum(t.num_rows for _, t in batches)
 
     def recover(self, *_a, **_kw) -> int:
         """Nothing to roll forward: a flush is one catalog transaction. (Parquet files of a killed,
