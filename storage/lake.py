@@ -51,12 +51,16 @@ class S3:
                    key_id=env.get("AWS_ACCESS_KEY_ID", ""), secret=env.get("AWS_SECRET_ACCESS_KEY", ""))
 
     def secret_sql(self, scope: str, from_env_placeholders: bool = False) -> str:
-        """``CREATE SECRET`` for httpfs. With ``from_env_placeholders`` the keys are written as
-        ``${AWS_ACCESS_KEY_ID}`` / ``${AWS_SECRET_ACCESS_KEY}``: Grafana expands them from its
-        environment when it reads a provisioning file, so no key is stored in the datasource."""
-        kid = "${AWS_ACCESS_KEY_ID}" if from_env_placeholders else self.key_id
-        sec = "${AWS_SECRET_ACCESS_KEY}" if from_env_placeholders else self.secret
-        parts = ["TYPE s3", f"KEY_ID {lit(kid)}", f"SECRET {lit(sec)}", f"REGION {lit(self.region)}",
+        """``CREATE SECRET`` for httpfs. With ``from_env_placeholders`` every value is written as
+        ``${AWS_ACCESS_KEY_ID}``, ``${AWS_SECRET_ACCESS_KEY}``, ``${STEPWATCH_S3_ENDPOINT|REGION|URL_STYLE|USE_SSL}``:
+        Grafana expands them from its environment when it reads a provisioning file, so no key is
+        stored in the datasource."""
+        if from_env_placeholders:
+            parts = ["TYPE s3", "KEY_ID '${AWS_ACCESS_KEY_ID}'", "SECRET '${AWS_SECRET_ACCESS_KEY}'",
+                     "REGION '${STEPWATCH_S3_REGION}'", f"SCOPE {lit(scope)}", "ENDPOINT '${STEPWATCH_S3_ENDPOINT}'",
+                     "URL_STYLE '${STEPWATCH_S3_URL_STYLE}'", "USE_SSL ${STEPWATCH_S3_USE_SSL}"]
+            return f"CREATE OR REPLACE SECRET stepwatch_lake_s3 ({', '.join(parts)});"
+        parts = ["TYPE s3", f"KEY_ID {lit(self.key_id)}", f"SECRET {lit(self.secret)}", f"REGION {lit(self.region)}",
                  f"SCOPE {lit(scope)}"]
         if self.endpoint:
             parts.append(f"ENDPOINT {lit(self.endpoint)}")

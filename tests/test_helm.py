@@ -163,7 +163,8 @@ def test_configmap_datasource_is_the_export_for_grafanas_data_root(name):
     assert cm["metadata"]["labels"]["grafana_datasource"] == "1"
     assert cm["data"] == {"stepwatch-datasource.yaml": helmfiles.expected_files(data_root)["datasources.yaml"]}
     ds = yaml.safe_load(cm["data"]["stepwatch-datasource.yaml"])["datasources"][0]
-    assert f"read_parquet('{data_root}/steps/" in ds["jsonData"]["initSql"]
+    assert f"ATTACH 'ducklake:sqlite:{data_root}/lake.sqlite' AS lake (DATA_PATH '{data_root}/lake/', READ_ONLY)" \
+        in ds["jsonData"]["initSql"]
 
 
 def test_alert_rules_configmap_is_opt_in_and_generated():
