@@ -10,6 +10,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -116,11 +117,8 @@ class MotoS3:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> "MotoS3":
-        exe = shutil.which("moto_server") or str(Path(os.sys.executable).parent / "moto_server")
-        if not os.path.exists(exe):
-            raise FileNotFoundError("moto_server not found: pip install 'moto[server]'")
-        self.proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(self.port)], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         import urllib.request
         deadline = time.monotonic() + 30
         while True:

@@ -1,0 +1,137 @@
+"""Several processors in one consumer group, one lake with a PostgreSQL catalog (data on a local
+folder, or on a local S3-compatible server): rebalances (a third processor joins, then leaves) and
+SIGKILLs while the producers send; afterwards every row is stored exactly once."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from stepwatch.agents.simsend import send_simulation
+from stepwatch.agents.simulate import Simulation
+from stepwatch.storage.lake import S3, Lake
+from stepwatch.storage.store import LakeStore
+from stepwatch.storage.views import connect
+from stepwatch.stream.kafkaio import KafkaSettings, ensure_topics, make_producer
+
+JOBS = 4
+
+
+def _env(lake: Lake) -> dict:
+    env = dict(os.environ, STEPWATCH_LAKE_CATALOG=lake.catalog, STEPWATCH_LAKE_DATA_PATH=lake.data_path)
+    if lake.s3 is not None:
+        env.update(STEPWATCH_S3_ENDPOINT=lake.s3.endpoint, STEPWATCH_S3_URL_STYLE=lake.s3.url_style,
+                   STEPWATCH_S3_USE_SSL="true" if lake.s3.use_ssl else "false", STEPWATCH_S3_REGION=lake.s3.region,
+                   AWS_ACCESS_KEY_ID=lake.s3.key_id, AWS_SECRET_ACCESS_KEY=lake.s3.secret)
+    return env
+
+
+def _start(kafka, lake, work, name, *extra):
+    d = work / name
+    d.mkdir(exist_ok=True)
+    cmd = [sys.executable, "-m", "stepwatch.cli", "process", "--bootstrap", kafka.bootstrap, "--topic-prefix",
+           kafka.prefix, "--data-dir", str(d), "--group", "g-scale", "-q", "--flush-interval", "0.3", *extra]
+    return subprocess.Popen(cmd, env=_env(lake), stdout=subprocess.DEVNULL, stderr=open(d / "log", "ab"))
+
+
+def _stored(lake) -> int:
+    try:
+        return connect(lake).execute("SELECT count(*) FROM steps").fetchone()[0]
+    except Exception:  # noqa: BLE001 - before the first commit
+        return 0
+
+
+def _wait_rows(lake, more_than: int, timeout: float = 90) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        n = _stored(lake)
+        if n > more_than:
+            return n
+        time.sleep(0.3)
+    raise AssertionError(f"no new rows stored in {timeout}s (still {more_than})")
+
+
+def _scenario(broker, lake: Lake, work):
+    kafka = KafkaSettings(bootstrap=broker.bootstrap, prefix=f"scale{time.monotonic_ns()}.", partitions=4)
+    ensure_topics(kafka)
+    LakeStore(lake).init()
+    sims = [Simulation(job=f"job{i}", ranks=64, steps=240, seed=20 + i) for i in range(JOBS)]
+    sent: dict[str, dict] = {}
+
+    def produce(sim):
+        prod = make_producer(kafka)
+        sent[sim.job] = send_simulation(sim, prod, kafka, chunk=2, rows_per_message=128,
+                                        on_chunk=lambda *_: time.sleep(0.4))
+        prod.close()
+    producers = [threading.Thread(target=produce, args=(s,)) for s in sims]
+    for t in producers:
+        t.start()
+    p1, p2 = _start(kafka, lake, work, "p1"), _start(kafka, lake, work, "p2")
+    n = _wait_rows(lake, 0)
+    p3 = _start(kafka, lake, work, "p3")                   # joins: rebalance
+    n = _wait_rows(lake, n + 2000)
+    p1.send_signal(signal.SIGKILL)                         # dies mid-flush or mid-poll
+    p1.wait(10)
+    mid_stream = any(t.is_alive() for t in producers)
+    n = _wait_rows(lake, n + 2000)
+    p3.send_signal(signal.SIGTERM)                         # leaves: rebalance
+    assert p3.wait(60) == 0
+    p1 = _start(kafka, lake, work, "p1b")                  # comes back
+    n = _wait_rows(lake, n + 2000)
+    p2.send_signal(signal.SIGKILL)
+    p2.wait(10)
+    for t in producers:
+        t.join(180)
+    assert mid_stream, "the rebalance and the first kill should happen while data flows"
+    p2 = _start(kafka, lake, work, "p2b")
+    total = {k: sum(s[k] for s in sent.values()) for k in ("steps", "host", "gc")}
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and _stored(lake) < total["steps"]:
+        time.sleep(0.5)
+    time.sleep(3)                                          # the last host/gc rows (and anything extra)
+    for p, name in ((p1, "p1b"), (p2, "p2b")):
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0, (work / name / "log").read_text()[-3000:]
+    con = connect(lake)
+    for table, key in (("steps", "(job, rank, step)"), ("host", "(job, node, t)"), ("gc", "(job, rank, t, generation)")):
+        got, uniq = con.execute(f"SELECT count(*), count(DISTINCT {key}) FROM {table}").fetchone()
+        assert got == uniq == total[table], (table, got, uniq, total[table])
+    # offsets: every partition's position is what was consumed, each written by the last generation
+    rows = con.execute("SELECT topic, \"partition\", next, generation FROM kafka_offsets WHERE \"partition\" >= 0"
+                       ).fetchall()
+    assert rows and all(r[3] >= 1 for r in rows)
+    return con
+
+
+def test_processors_over_a_postgres_catalog_store_every_row_once(broker, pg_lake, tmp_path):
+    _scenario(broker, pg_lake, tmp_path)
+
+
+@pytest.fixture
+def s3_lake(pg_lake):
+    import importlib.util
+
+    from lakeservers import MotoS3
+    if importlib.util.find_spec("moto") is None:
+        pytest.skip("moto (a local S3-compatible server) not installed: pip install 'moto[server]'")
+    server = MotoS3(bucket="lake").start()
+    s3 = S3(endpoint=server.endpoint, url_style="path", use_ssl=False, key_id="test", secret="test")
+    yield Lake.make(pg_lake.catalog, "s3://lake/stepwatch/", s3)
+    server.stop()
+
+
+def test_processors_with_data_on_s3_store_every_row_once(broker, s3_lake, tmp_path):
+    con = _scenario(broker, s3_lake, tmp_path)
+    files = [r[0] for r in con.execute("SELECT data_file FROM ducklake_list_files('lake', 'steps')").fetchall()]
+    assert files and all(f.startswith("s3://lake/stepwatch/main/steps/") for f in files)
+    # compaction and expiry work there too
+    from stepwatch.storage import compact
+    before = con.execute("SELECT count(*) FROM steps").fetchone()[0]
+    assert compact.run(s3_lake, grace_s=0).partitions >= 1
+    assert connect(s3_lake).execute("SELECT count(*), count(DISTINCT (job, rank, step)) FROM steps").fetchone() == (
+        before, before)
