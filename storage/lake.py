@@ -134,8 +134,7 @@ class Lake:
         load extensions, or undo these settings."""
         out = extensions.load_sql(self.extensions, ext_dir)
         if self.s3 is not None:
-            bucket = "s3://" + self.data_path[len("s3://"):].split("/", 1)[0]
-            out.append(self.s3.secret_sql(bucket, s3_keys_from_env))
+            out.append(self.s3.secret_sql(self.data_path.rstrip("/"), s3_keys_from_env))
         if lockdown:
             out.append(f"SET allowed_directories = [{lit(self.data_path)}];")
             if self.sqlite_file:

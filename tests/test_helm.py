@@ -134,7 +134,8 @@ def test_chart_grafana_files_are_what_grafana_export_writes_now(tmp_path):
     from stepwatch.cli import main
     assert main(["grafana", "export", "--out", str(tmp_path)]) == 0
     exported = {p.name: p.read_text(encoding="utf-8") for p in tmp_path.iterdir()}
-    embedded = {p.name: p.read_text(encoding="utf-8") for p in (CHART / "files" / "grafana").iterdir()}
+    embedded = {p.name: p.read_text(encoding="utf-8") for p in (CHART / "files" / "grafana").iterdir()
+                if not p.name.startswith("datasources-postgres")}     # the chart's variants (helmfiles)
     assert embedded == exported, ("helm/stepwatch/files/grafana is stale: run "
                                   "python -m stepwatch.dashboards.helmfiles")
     assert helmfiles.stale(CHART) == []
@@ -156,7 +157,7 @@ def test_configmap_dashboards_equal_the_generator(name):
         assert o["metadata"]["namespace"] == VALUE_SETS[name].get("grafana", {}).get("namespace", NAMESPACE)
 
 
-@pytest.mark.parametrize("name", ["defaults", "scale-out"])
+@pytest.mark.parametrize("name", ["defaults", "ascend-profiling"])
 def test_configmap_datasource_is_the_export_for_grafanas_data_root(name):
     data_root = VALUE_SETS[name].get("grafana", {}).get("dataRoot", DEFAULT_DATA_ROOT)
     cm = one(rendered(name), "ConfigMap", f"{FULL}-grafana-datasource")
@@ -165,6 +166,23 @@ def test_configmap_datasource_is_the_export_for_grafanas_data_root(name):
     ds = yaml.safe_load(cm["data"]["stepwatch-datasource.yaml"])["datasources"][0]
     assert f"ATTACH 'ducklake:sqlite:{data_root}/lake.sqlite' AS lake (DATA_PATH '{data_root}/lake/', READ_ONLY)" \
         in ds["jsonData"]["initSql"]
+
+
+@pytest.mark.parametrize("name", ["scale-out", "nvidia-sasl"])
+def test_configmap_datasource_with_a_postgres_catalog_is_the_export_for_grafanas_view(name):
+    """The datasource Grafana gets for a PostgreSQL catalog: its connection (a read-only role in
+    scale-out), the data path as it sees it, the same lockdown, S3 keys from Grafana's environment."""
+    from stepwatch.dashboards.datasource import init_sql
+    v = VALUE_SETS[name]
+    conn = v["grafana"].get("lake", {}).get("connection") or v["store"]["lake"]["postgres"]["connection"]
+    data_path = v["store"]["lake"].get("dataPath") or v["grafana"].get("dataRoot", DEFAULT_DATA_ROOT) + "/lake"
+    cm = one(rendered(name), "ConfigMap", f"{FULL}-grafana-datasource")
+    ds = yaml.safe_load(cm["data"]["stepwatch-datasource.yaml"])["datasources"][0]
+    assert ds["jsonData"]["initSql"] == init_sql("/var/lib/stepwatch/data", catalog=f"postgres:{conn}",
+                                                 data_path=data_path)
+    assert "__STEPWATCH" not in cm["data"]["stepwatch-datasource.yaml"]
+    if data_path.startswith("s3://"):
+        assert "KEY_ID '${AWS_ACCESS_KEY_ID}'" in ds["jsonData"]["initSql"]
 
 
 def test_alert_rules_configmap_is_opt_in_and_generated():
@@ -183,7 +201,7 @@ EXPECTED_KINDS = {
     "ascend-profiling": {"ServiceAccount", "PriorityClass", "DaemonSet", "Deployment", "Service",
                          "PodDisruptionBudget", "PersistentVolumeClaim", "ConfigMap"},
     "scale-out": {"ServiceAccount", "PriorityClass", "DaemonSet", "Deployment", "Service", "PodDisruptionBudget",
-                  "PersistentVolumeClaim", "CronJob", "ConfigMap", "ServiceMonitor"},
+                  "CronJob", "ConfigMap", "ServiceMonitor"},              # (data on S3: no volume)
 }
 
 
@@ -425,14 +443,24 @@ def test_processors_scaled_to_four_with_servicemonitors():
     assert c["resources"]["requests"] == {"cpu": "2", "memory": "4Gi"}
     anti = pod_spec(proc)["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
     assert anti["podAffinityTerm"]["labelSelector"]["matchLabels"] == proc["spec"]["selector"]["matchLabels"]
-    pvc = one(objs, "PersistentVolumeClaim", f"{FULL}-data")
-    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"] and pvc["spec"]["storageClassName"] == "nfs-client"
-    assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
-    assert volumes(proc)["data"]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
-    one(objs, "PodDisruptionBudget", f"{FULL}-processor")
+    # the lake: PostgreSQL catalog (password from a Secret), data on S3 (keys from a Secret), no volume
+    assert not find(objs, "PersistentVolumeClaim") and volumes(proc)["data"] == {"name": "data", "emptyDir": {}}
     cron = one(objs, "CronJob", f"{FULL}-compact")
+    for c in (container(proc, "processor"), container(cron, "compact")):
+        env = {e["name"]: e for e in c["env"]}
+        assert env["STEPWATCH_LAKE_CATALOG"]["value"] == \
+            "postgres:host=pg.db.svc port=5432 dbname=stepwatch user=stepwatch sslmode=require"
+        assert env["PGPASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "stepwatch-lake-pg", "key": "password"}
+        assert env["STEPWATCH_LAKE_DATA_PATH"]["value"] == "s3://ml-telemetry/stepwatch"
+        assert env["STEPWATCH_S3_ENDPOINT"]["value"] == "minio.storage.svc:9000"
+        assert env["STEPWATCH_S3_URL_STYLE"]["value"] == "path" and env["STEPWATCH_S3_USE_SSL"]["value"] == "false"
+        assert env["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"] == {"name": "stepwatch-lake-s3",
+                                                                        "key": "access-key-id"}
+        assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["key"] == "secret-access-key"
+        assert not any("PASSWORD" in e.get("value", "") or "password=" in e.get("value", "") for e in env.values())
+    one(objs, "PodDisruptionBudget", f"{FULL}-processor")
     assert cron["spec"]["concurrencyPolicy"] == "Forbid" and cron["spec"]["schedule"] == "*/30 * * * *"
-    assert "affinity" not in pod_spec(cron)                          # ReadWriteMany: runs anywhere
+    assert "affinity" not in pod_spec(cron)                          # no volume: runs anywhere
     assert container(cron, "compact")["args"][-2:] == ["--retention-days", "90"]
     sms = {o["metadata"]["name"]: o for o in find(objs, "ServiceMonitor")}
     assert set(sms) == {f"{FULL}-processor", f"{FULL}-agent"}
@@ -593,6 +621,11 @@ def test_helm_lint_passes_without_warnings(name):
 
 
 BAD_VALUES = [
+    (with_values(**{"store.lake": {"catalog": "postgres"}}), "at '/store/lake'"),
+    (with_values(**{"store.lake": {"catalog": "postgres", "postgres": {"connection": "host=pg password=x"}}}),
+     "at '/store/lake/postgres/connection'"),
+    (with_values(**{"store.lake": {"dataPath": "s3://bucket/prefix"}}), "at '/store/lake'"),
+    (with_values(**{"store.lake": {"catalog": "duckdb"}}), "at '/store/lake/catalog'"),
     ({}, "at '/kafka': missing property 'bootstrapServers'"),
     (with_values(**{"kafka.bootstrapServers": ""}), "at '/kafka/bootstrapServers': minLength: got 0, want 1"),
     (with_values(**{"kafka.bootstrapServers": "kafka without port"}), "at '/kafka/bootstrapServers'"),
@@ -620,12 +653,14 @@ def test_invalid_values_fail_with_the_schemas_message(values, message):
     assert any(message in err for err in r["errors"])
 
 
+PG = {"catalog": "postgres", "postgres": {"connection": "host=pg dbname=lake user=sw"}}
 BAD_COMBINATIONS = [
-    ({"processor.replicas": 4}, "processor.replicas=4 needs a volume every replica can mount"),
-    ({"processor.replicas": 2, "store.persistence": {"enabled": False}},
-     "processor.replicas=2 needs store.persistence.enabled"),
-    ({"processor.replicas": 2, "store.persistence": {"accessModes": ["ReadWriteMany"]}, "compaction.mode": "sidecar"},
-     "compaction.mode=sidecar runs one compactor per processor"),
+    ({"processor.replicas": 4}, "processor.replicas=4 needs store.lake.catalog=postgres"),
+    ({"processor.replicas": 4, "store.lake": PG}, "processor.replicas=4 needs data files every replica reaches"),
+    ({"processor.replicas": 2, "store.lake": PG, "store.persistence": {"enabled": False}},
+     "processor.replicas=2 with the data files on the store volume needs store.persistence.enabled"),
+    ({"processor.replicas": 2, "store.lake": PG, "store.persistence": {"accessModes": ["ReadWriteMany"]},
+      "compaction.mode": "sidecar"}, "compaction.mode=sidecar runs one compactor per processor"),
     ({"store.persistence": {"enabled": False}}, "compaction.mode=cronjob needs store.persistence.enabled"),
     ({"kafka.securityProtocol": "SASL_SSL", "kafka.sasl": {"mechanism": "PLAIN", "username": "u"}},
      "kafka.securityProtocol=SASL_SSL needs kafka.sasl.passwordSecret.name"),
