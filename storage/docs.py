@@ -4,7 +4,8 @@ schema is the schema (a test fails when the checked-in file differs; regenerate 
 from __future__ import annotations
 
 from stepwatch.schema import NATURAL_KEYS, SCHEMAS
-from stepwatch.storage.store import SORT_COLUMNS, TIME_COLUMN
+from stepwatch.storage.lake import Lake
+from stepwatch.storage.store import LAKE_OPTIONS, OFFSETS, SORT_COLUMNS, TIME_COLUMN
 from stepwatch.storage.views import view_sql
 
 ABOUT = {
@@ -42,6 +43,50 @@ ABOUT["comm_bw"] = ("Written by the processor's `comm_bw` detector: per job, win
                     "bandwidth (GB/s, nccl-tests factors) against the link's peak, wait share and the diagnosis "
                     "(`small-messages`, `slow-link`, `sync-bound`).")
 
+LAKE = f"""
+The store is a [DuckLake](https://ducklake.select) (format {"0.3"}, DuckDB 1.4 LTS): Parquet data files
+plus a SQL **catalog** in which every commit is a **snapshot**.
+
+| set-up | catalog | data files |
+|---|---|---|
+| embedded default (`--data-dir D`, `make demo`, one processor) | SQLite file `D/lake.sqlite` (WAL mode) | `D/lake/` |
+| several processors (the chart with `store.lake.catalog: postgres`) | PostgreSQL: `STEPWATCH_LAKE_CATALOG=postgres:<libpq connection string>`, password in `PGPASSWORD` | `STEPWATCH_LAKE_DATA_PATH`: a shared folder, or `s3://bucket/prefix/` (`STEPWATCH_S3_ENDPOINT`, `_REGION`, `_URL_STYLE`, `_USE_SSL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`) |
+
+Tested here: SQLite and PostgreSQL 15 (Debian's package, a cluster started by the tests) catalogs;
+data on a local folder and on moto's S3-compatible server (path-style URLs, no TLS) through DuckDB's
+`httpfs`. Not tested: AWS S3 itself, GCS/Azure, TLS to the S3 endpoint.
+
+Each table below is a lake table of the same name with one more column, `date` (UTC day of the event
+time given as "date partition from"), **partitioned by `(job, date)`**: its files are
+`<data path>/main/<table>/job=<job>/date=YYYY-MM-DD/ducklake-<uuid>.parquet` ({LAKE_OPTIONS["parquet_compression"]},
+Parquet v{LAKE_OPTIONS["parquet_version"]}, rows sorted within a file as listed). Event times are stored as `TIMESTAMPTZ` (microseconds).
+
+**Snapshots.** A processor's flush is one transaction: the rows of every table and the Kafka
+positions (`{OFFSETS}`) become visible together, in one new snapshot. A query reads one whole
+snapshot, never a half-written flush or half of a compaction. Older snapshots stay readable until
+expired: `SELECT * FROM lake.snapshots()`, `SELECT count(*) FROM lake.steps AT (VERSION => 42)`.
+
+**Compaction and retention** (`stepwatch compact`, the chart's CronJob): `ducklake_merge_adjacent_files`
+merges a partition's small files; `--retention-days N` deletes whole `(job, date)` partitions older than
+N days; then `ducklake_expire_snapshots` drops snapshots older than `--grace` seconds (default 300),
+`ducklake_cleanup_old_files` deletes the files only those snapshots used, and
+`ducklake_delete_orphaned_files` the files of flushes killed before their commit (after an hour). Each
+step is a transaction, retried when it loses a race with a writer or another compaction.
+
+**From a DuckDB shell** (DuckDB 1.4.x; `INSTALL ducklake; INSTALL sqlite;` once, or
+`LOAD '<dir>/v1.4.4/<platform>/ducklake.duckdb_extension'` from the `duckdb-ext-*` packages):
+
+```sql
+ATTACH 'ducklake:sqlite:/data/lake.sqlite' AS lake (READ_ONLY);   -- or 'ducklake:postgres:host=... dbname=...'
+SELECT job, count(*) FROM lake.steps GROUP BY job;
+SELECT snapshot_id, snapshot_time, changes FROM lake.snapshots() ORDER BY 1 DESC LIMIT 5;
+```
+
+or `stepwatch sql "..."`, which attaches the lake read-only and defines the views below (the same
+names as the tables, plus `job_steps` and `rank_busy`), as the Grafana datasource does after locking
+DuckDB down to the lake's files.
+"""
+
 VIEWS = {
     "job_steps": "One row per job and step: ranks reported, median/max step time, median busy time and phases, "
                  "samples and tokens.",
@@ -52,10 +97,7 @@ VIEWS = {
 def tables_markdown() -> str:
     out = ["# Tables and views", "",
            "Generated from the code by `python -m stepwatch.storage.docs`; do not edit by hand.", "",
-           "The store keeps one folder per table: `<data-dir>/<table>/job=<job>/date=YYYY-MM-DD/*.parquet`",
-           "(zstd, rows sorted within a file as listed). `stepwatch sql` and the Grafana datasource read them",
-           "through DuckDB views of the same names. The views add the hive columns `job` and `date`, and show",
-           "event times as `TIMESTAMPTZ` (microseconds).", "",
+           LAKE.strip(), "",
            "Times are UTC; durations are float64 milliseconds; sizes are bytes.", ""]
     for t, s in SCHEMAS.items():
         out += [f"## `{t}`", "", ABOUT.get(t, ""), ""]
@@ -75,8 +117,14 @@ def tables_markdown() -> str:
     out += ["## Views", ""]
     for v, about in VIEWS.items():
         out += [f"### `{v}`", "", about, ""]
-    out += ["## View definitions", "", "As `stepwatch sql --print-views` prints them (for a data dir `/data`):", "",
-            "```sql", view_sql("/data"), "```", ""]
+    out += [f"## `{OFFSETS}`", "", "The consumed Kafka positions, committed in the same transaction as the rows "
+            "they produced: per Kafka cluster, topic and partition the next offset (`-1`: claimed, nothing "
+            "consumed yet), the offsets done above it (`done`, JSON ranges), the consumer-group `generation` "
+            "and `member` that wrote it. A commit from an older generation is rejected (fencing). The row "
+            "with `partition` -1 is a sentinel that serializes the creation of a partition's first row.", ""]
+    out += ["## View definitions", "", "As `stepwatch sql --print-views` prints them for a data dir `/data` "
+            "(extensions in `/opt/stepwatch/duckdb-extensions`, as in the image):", "",
+            "```sql", view_sql(Lake.from_dir("/data", env={}), ext_dir="/opt/stepwatch/duckdb-extensions"), "```", ""]
     return "\n".join(out)
 
 
