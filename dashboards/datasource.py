@@ -42,13 +42,15 @@ DS_REF = {"type": PLUGIN_ID, "uid": DATASOURCE_UID}
 def grafana_lake(data_root: str, catalog: str | None = None, data_path: str | None = None) -> Lake:
     """The lake as Grafana sees it: by default the embedded layout under ``data_root`` (SQLite
     catalog ``lake.sqlite``, data ``lake/``); ``catalog`` (``postgres:...``, best a read-only role)
-    and ``data_path`` (``s3://...`` or a mount) for the other set-ups."""
+    and ``data_path`` (``s3://...`` or a mount) for the other set-ups (defaults:
+    ``$STEPWATCH_GRAFANA_LAKE_CATALOG``, ``$STEPWATCH_GRAFANA_LAKE_DATA_PATH``)."""
     root = str(data_root)
     if not PurePosixPath(root).is_absolute():
         raise ValueError(f"data root {root!r} must be an absolute path as seen by Grafana "
                          "(e.g. /var/lib/stepwatch/data)")
     base = Lake.from_dir(root, env={})
-    dp = data_path or base.data_path
+    catalog = catalog or os.environ.get("STEPWATCH_GRAFANA_LAKE_CATALOG")      # (the chart's provision Job)
+    dp = data_path or os.environ.get("STEPWATCH_GRAFANA_LAKE_DATA_PATH") or base.data_path
     s3 = S3.from_env({k: v for k, v in os.environ.items() if k.startswith("STEPWATCH_S3_")}) \
         if dp.startswith("s3://") else None
     return Lake.make(catalog or base.catalog, dp, s3)

@@ -491,6 +491,18 @@ def test_defaults_store_and_compaction_on_one_node():
     assert [c["name"] for c in pod_spec(proc)["containers"]] == ["processor"]
 
 
+def test_grafana_provision_job_tells_grafana_where_a_postgres_lake_is():
+    objs, _ = render(with_values(**{"grafana.url": "http://grafana:3000",
+                                    "grafana.tokenSecret": {"name": "grafana-sa", "key": "token"},
+                                    "grafana.provisionJob": {"enabled": True},
+                                    "grafana.lake": {"connection": "host=pg dbname=lake user=ro"},
+                                    "store.lake": {**PG, "dataPath": "s3://b/p",
+                                                   "s3": {"credentialsSecret": {"name": "s3"}}}}))
+    env = {e["name"]: e["value"] for e in container(one(objs, "Job", f"{FULL}-grafana-provision"), "provision")["env"]}
+    assert env == {"STEPWATCH_GRAFANA_LAKE_CATALOG": "postgres:host=pg dbname=lake user=ro",
+                   "STEPWATCH_GRAFANA_LAKE_DATA_PATH": "s3://b/p"}
+
+
 def test_grafana_provision_job_is_an_opt_in_post_install_hook():
     objs, text = render(with_values(**{"grafana.url": "http://grafana:3000",
                                        "grafana.tokenSecret": {"name": "grafana-sa", "key": "token"},
