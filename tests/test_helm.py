@@ -496,11 +496,11 @@ def test_grafana_provision_job_tells_grafana_where_a_postgres_lake_is():
                                     "grafana.tokenSecret": {"name": "grafana-sa", "key": "token"},
                                     "grafana.provisionJob": {"enabled": True},
                                     "grafana.lake": {"connection": "host=pg dbname=lake user=ro"},
-                                    "store.lake": {**PG, "dataPath": "s3://b/p",
+                                    "store.lake": {**PG, "dataPath": "s3://bkt/p",
                                                    "s3": {"credentialsSecret": {"name": "s3"}}}}))
     env = {e["name"]: e["value"] for e in container(one(objs, "Job", f"{FULL}-grafana-provision"), "provision")["env"]}
     assert env == {"STEPWATCH_GRAFANA_LAKE_CATALOG": "postgres:host=pg dbname=lake user=ro",
-                   "STEPWATCH_GRAFANA_LAKE_DATA_PATH": "s3://b/p"}
+                   "STEPWATCH_GRAFANA_LAKE_DATA_PATH": "s3://bkt/p"}
 
 
 def test_grafana_provision_job_is_an_opt_in_post_install_hook():
