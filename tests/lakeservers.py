@@ -95,6 +95,9 @@ class PostgresServer:
                 self.proc.kill()
                 self.proc.wait(10)
         self.proc = None
+        log = self.base / "server.log"
+        if log.exists() and ("terminated by signal" in log.read_text() or os.environ.get("STEPWATCH_KEEP_PG_LOG")):
+            shutil.copy(log, Path(tempfile.gettempdir()) / f"stepwatch-pg-{self.port}.log")
         shutil.rmtree(self.base, ignore_errors=True)
 
     def __enter__(self):

@@ -135,3 +135,37 @@ def test_processors_with_data_on_s3_store_every_row_once(broker, s3_lake, tmp_pa
     assert compact.run(s3_lake, grace_s=0).partitions >= 1
     assert connect(s3_lake).execute("SELECT count(*), count(DISTINCT (job, rank, step)) FROM steps").fetchone() == (
         before, before)
+
+
+def test_a_processor_paused_past_its_session_cannot_store_what_it_buffered(broker, pg_lake, tmp_path):
+    """A processor holding a buffer is SIGSTOPped past the session timeout; the group gives its
+    partitions to another processor (a newer generation), which claims them and stores everything.
+    Resumed, the old one must not commit its buffer: it is told its partitions were lost, or its
+    commit is fenced. Every row is stored once."""
+    kafka = KafkaSettings(bootstrap=broker.bootstrap, prefix=f"fence{time.monotonic_ns()}.", partitions=2)
+    ensure_topics(kafka)
+    LakeStore(pg_lake).init()
+    sim = Simulation(job="fence", ranks=64, steps=120, seed=4)
+    sent = {}
+    th = threading.Thread(target=lambda: sent.update(send_simulation(
+        sim, make_producer(kafka), kafka, chunk=2, rows_per_message=128, on_chunk=lambda *_: time.sleep(0.25))))
+    th.start()
+    old = _start(kafka, pg_lake, tmp_path, "old", "--flush-interval", "4")
+    n = _wait_rows(pg_lake, 0)
+    time.sleep(2.0)                                          # mid-way between two of its flushes
+    old.send_signal(signal.SIGSTOP)
+    new = _start(kafka, pg_lake, tmp_path, "new")
+    th.join(120)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and _stored(pg_lake) < sent["steps"]:
+        time.sleep(0.5)
+    assert _stored(pg_lake) > n
+    old.send_signal(signal.SIGCONT)                          # wakes up with a buffer of rows it no longer owns
+    time.sleep(8)
+    for p in (old, new):
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0
+    log = (tmp_path / "old" / "log").read_text()
+    assert "fenced" in log or "lost" in log, log[-3000:]
+    got, uniq = connect(pg_lake).execute("SELECT count(*), count(DISTINCT (rank, step)) FROM steps").fetchone()
+    assert got == uniq == sent["steps"]
