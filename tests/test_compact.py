@@ -100,7 +100,10 @@ def _race(lake, compactions: int, seconds: float = 10.0):
     def compactor():
         while not stop.is_set():
             try:
-                merges[0] += compact.run(lake, grace_s=5).partitions
+                # grace: how long a replaced snapshot stays readable. A query must read its snapshot's
+                # file list within it (production: 300 s); 30 s covers this test's slowest query on a
+                # loaded machine (at 5 s, 4 runs in 45 read an expired snapshot: 0 rows or "No snapshot found")
+                merges[0] += compact.run(lake, grace_s=30).partitions
             except Exception as e:  # noqa: BLE001
                 errors.append(f"compaction: {e!r}")
             time.sleep(0.2)
