@@ -71,7 +71,9 @@ merges a partition's small files; `--retention-days N` deletes whole `(job, date
 N days; then `ducklake_expire_snapshots` drops snapshots older than `--grace` seconds (default 300),
 `ducklake_cleanup_old_files` deletes the files only those snapshots used, and
 `ducklake_delete_orphaned_files` the files of flushes killed before their commit (after an hour). Each
-step is a transaction, retried when it loses a race with a writer or another compaction.
+step is a transaction, retried when it loses a race with a writer or another compaction. Keep
+`--grace` above the longest query: a query still planning on a snapshot expired under it fails
+("No snapshot found", retried by `stepwatch sql`) or can miss that snapshot's files.
 
 **From a DuckDB shell** (DuckDB 1.4.x; `INSTALL ducklake; INSTALL sqlite;` once, or
 `LOAD '<dir>/v1.4.4/<platform>/ducklake.duckdb_extension'` from the `duckdb-ext-*` packages):
