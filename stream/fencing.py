@@ -25,6 +25,12 @@ def generation(consumer) -> int | None:
     return int(g) if isinstance(g, int) else None
 
 
+def member(consumer) -> str:
+    """The consumer's member id in its group (recorded with the offsets it commits)."""
+    gen = getattr(getattr(consumer, "_coordinator", None), "_generation", None)
+    return str(getattr(gen, "member_id", "") or "")
+
+
 def drop_buffers(proc) -> None:
     proc.buffers = defaultdict(list)
     proc.buffered_rows = 0

@@ -146,6 +146,7 @@ class Processor:
 
     def _assigned(self, assigned) -> None:
         self.store.recover()
+        self.store.group, self.store.member = self.group, fencing.member(self.consumer)
         try:        # take the partitions for our generation: older owners can no longer commit them
             pos = self.store.claim([(tp.topic, tp.partition) for tp in assigned], fencing.generation(self.consumer))
         except Fenced as e:
