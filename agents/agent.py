@@ -13,7 +13,9 @@ in order when it returns. :meth:`Agent.close` does a last tick and removes the s
 Identity. A probe introduces itself with a *hello* datagram (job, rank, world size, device, the table of
 interned op/group/phase names) and repeats it every 10-20 s, so a restarted agent learns its ranks again.
 Records of a probe instance the agent has not heard a hello from yet are held (bounded, 30 s) and
-then dropped and counted. Rows carry the node name the probe gave (``STEPWATCH_NODE``), else the
+then dropped and counted. The socket is 0660 in the agent's group; each datagram carries its sender's
+pid/uid/gid (``SO_PASSCRED``), a hello is range-checked and binds its instance to that process, and
+another process cannot speak for it (:mod:`stepwatch.agents.ingress`, docs/limits.md). Rows carry the node name the probe gave (``STEPWATCH_NODE``), else the
 agent's ``--node`` (in Kubernetes: the node name from the downward API), and the job the probe gave,
 else the agent's ``--job``, else ``default``.
 
@@ -40,6 +42,8 @@ from stepwatch import __version__
 from stepwatch import schema as wire
 from stepwatch.agents import probe as wirep
 from stepwatch.agents.hostmetrics import PluginRunner, build_runners, sample
+from stepwatch.agents.ingress import (IngressLimits, Peer, check_hello, enable_passcred, pid_alive, recv_with_peer,
+                                      resolve_group)
 from stepwatch.agents.shipper import Shipper, Spool
 from stepwatch.stream.metrics import Metrics
 
@@ -108,6 +112,7 @@ class Identity:
     hello: dict
     t_seen: float = 0.0
     dropped: int = 0                  # the probe's own drop counter, from its last step record
+    peer: Peer | None = None          # the process whose hello this is (SCM_CREDENTIALS)
 
     def topology_row(self) -> dict:
         h = self.hello
@@ -132,16 +137,13 @@ class Identity:
         return tuple(sorted(r.items()))
 
 
-def identity_from_hello(hello: dict, node: str, default_job: str | None) -> Identity:
-    """Validate a hello; raises ValueError naming the bad field."""
-    rank, ws = hello.get("rank"), hello.get("world_size")
-    if not isinstance(rank, int) or rank < 0:
-        raise ValueError(f"hello: bad rank {rank!r}")
-    if not isinstance(ws, int) or ws <= rank:
-        raise ValueError(f"hello: bad world_size {ws!r} for rank {rank}")
-    names = hello.get("names") or {}
-    if not isinstance(names, dict):
-        raise ValueError("hello: names is not an object")
+def identity_from_hello(hello: dict, node: str, default_job: str | None,
+                        limits: IngressLimits | None = None) -> Identity:
+    """Validate a hello (:func:`stepwatch.agents.ingress.check_hello`); raises ValueError naming the bad
+    field."""
+    hello = check_hello(hello, limits or IngressLimits())
+    rank, ws = hello["rank"], hello["world_size"]
+    names = hello["names"]
     nd = hello.get("node") if isinstance(hello.get("node"), str) and hello.get("node") else node
     return Identity(job=safe_job(hello.get("job") if isinstance(hello.get("job"), str) else None,
                                  default_job or "default"),
@@ -161,14 +163,18 @@ def rows_from_batch(ident: Identity, body) -> tuple[dict | None, list[dict], lis
     names = ident.names
     srow = None
     if step is not None:
+        if len(step) == 14:                       # a version-1 record: no CPU fields
+            step = tuple(step) + (-1.0, -1.0)
         (n, t0, t1, step_ns, data_ns, compute_ns, comm_ns, wait_ns, gc_ns, gc_count, data_queue, samples, tokens,
-         dropped) = step
+         dropped, cpu_ns, cpu_wait_ns) = step
         ident.dropped = dropped
         srow = dict(base, step=n, t_start=t0, t_end=t1, step_ms=step_ns / 1e6, data_ms=data_ns / 1e6,
                     compute_ms=compute_ns / 1e6, comm_ms=comm_ns / 1e6, comm_wait_ms=wait_ns / 1e6,
                     gc_ms=gc_ns / 1e6, gc_count=gc_count,
                     samples=_opt(samples), tokens=_opt(tokens), data_queue=_opt(data_queue),
-                    phases=[(names.get(i, f"#{i}"), ns / 1e6) for i, ns in phases] or None)
+                    phases=[(names.get(i, f"#{i}"), ns / 1e6) for i, ns in phases] or None,
+                    cpu_ms=cpu_ns / 1e6 if cpu_ns >= 0 else None,
+                    cpu_wait_ms=cpu_wait_ns / 1e6 if cpu_wait_ns >= 0 else None)
     crows = []
     if comm and step is not None:
         sizes = ident.hello.get("group_sizes") if isinstance(ident.hello.get("group_sizes"), dict) else {}
@@ -189,8 +195,9 @@ class Agent:
     def __init__(self, kafka=None, socket_dir: str | None = None, node: str | None = None, job: str | None = None,
                  interval_s: float = 1.0, spool_dir: str | Path | None = None, spool_max_bytes: int = 256 << 20,
                  plugins: list[str] | None = None, host_plugins: dict | None = None,
-                 metrics: AgentMetrics | None = None, create_topics: bool = True, socket_mode: int = 0o666,
-                 send_timeout_s: float = 5.0, retry_s: float = 2.0, max_queue: int = 100_000):
+                 metrics: AgentMetrics | None = None, create_topics: bool = True, socket_mode: int = 0o660,
+                 send_timeout_s: float = 5.0, retry_s: float = 2.0, max_queue: int = 100_000,
+                 socket_group=None, limits: IngressLimits | None = None):
         self.socket_dir = socket_dir or wirep.default_socket_dir()
         self.path = os.path.join(self.socket_dir, wirep.SOCKET_NAME)
         self.node = node or os.environ.get("STEPWATCH_NODE") or os.environ.get("NODE_NAME") or socket.gethostname()
@@ -202,7 +209,12 @@ class Agent:
         self.shipper = Shipper(kafka, self.spool, self.metrics, send_timeout_s=send_timeout_s, retry_s=retry_s,
                                create_topics=create_topics) if kafka is not None else None
         self.socket_mode = socket_mode
+        self.socket_group = socket_group
+        self.limits = limits or IngressLimits()
         self.max_queue = max_queue
+        self._q_in = self._q_out = 0          # bytes queued by the receiver / taken by drain (one writer each)
+        self._pending_bytes = 0
+        self._n_refused = 0
         self.sock: socket.socket | None = None
         self.queue: collections.deque = collections.deque()
         self.idents: dict[int, Identity] = {}
@@ -235,6 +247,12 @@ class Agent:
             pass
         s.bind(self.path)
         os.chmod(self.path, self.socket_mode)
+        gid = resolve_group(self.socket_group)
+        if gid is not None:
+            os.chown(self.path, -1, gid)
+        if not enable_passcred(s):
+            log.warning("SO_PASSCRED unavailable: senders cannot be told apart by process")
+        _ensure_ctl_dir(self.socket_dir, gid)
         s.settimeout(0.25)
         self.sock = s
         self._rx = threading.Thread(target=self._receive, name="stepwatch-agent-rx", daemon=True)
@@ -253,9 +271,10 @@ class Agent:
 
     def _receive(self) -> None:
         sock, q, m = self.sock, self.queue, self.metrics
+        cap = self.limits.max_queue_bytes
         while not self.stop_event.is_set():
             try:
-                data = sock.recv(65536)
+                data, peer = recv_with_peer(sock, 65536)
             except (socket.timeout, BlockingIOError):
                 continue
             except OSError:
@@ -263,40 +282,69 @@ class Agent:
                     return
                 time.sleep(0.05)
                 continue
-            if len(q) >= self.max_queue:
+            if len(q) >= self.max_queue or self._q_in - self._q_out + len(data) > cap:
                 m.dropped.labels("queue_full").inc()
                 continue
-            q.append(data)
+            self._q_in += len(data)
+            q.append((data, peer))
 
     # ------------------------------------------------------------------ decode
-    def handle(self, data: bytes, now: float | None = None) -> None:
-        """Decode one datagram into rows; a bad one is counted and skipped."""
-        now = time.monotonic() if now is None else now
+    def handle(self, data: bytes, now: float | None = None, peer: Peer | None = None) -> None:
+        """Decode one datagram into rows; a bad one is counted and skipped, whatever it holds."""
+        try:
+            self._handle(data, time.monotonic() if now is None else now, peer)
+        except Exception as e:  # noqa: BLE001 - one sender's datagram never stops the others
+            self._bad(e)
+
+    def _refused(self, reason: str, what: str) -> None:
+        self.metrics.dropped.labels(reason).inc()
+        self._n_refused += 1
+        if self._n_refused <= 5 or self._n_refused % 1000 == 0:
+            log.warning("datagram refused (%s, #%d): %s", reason, self._n_refused, what)
+
+    def _handle(self, data: bytes, now: float, peer: Peer | None) -> None:
         m = self.metrics
         m.datagrams.inc()
+        if not self.limits.allowed(peer):
+            self._refused("peer_not_allowed", f"uid {peer.uid} gid {peer.gid} is not allowed")
+            return
         try:
             frames = wirep.decode(data)
             typ, inst, _, body = frames[0]
             if typ == wirep.T_HELLO:
-                self._hello(inst, body, now)
-                return
-            if typ == wirep.T_PROFILE:
-                if self.control is not None:
-                    self.control.on_result(self.idents.get(inst), body)
+                self._hello(inst, body, now, peer)
                 return
         except (wirep.BadDatagram, ValueError, TypeError) as e:
             self._bad(e)
             return
         ident = self.idents.get(inst)
+        if ident is not None and peer is not None and ident.peer is not None and peer != ident.peer:
+            self._refused("peer_mismatch", f"process {peer.pid} (uid {peer.uid}) sent frames of probe instance "
+                                           f"{inst}, which belongs to process {ident.peer.pid}")
+            return
+        if typ == wirep.T_PROFILE:
+            if self.control is not None:
+                self.control.on_result(ident, body)
+            return
         if ident is None or any(f[1] != inst for f in frames):
             if ident is not None:
                 self._bad(wirep.BadDatagram("frames of several probe instances in one datagram"))
                 return
-            pend = self.pending.setdefault(inst, collections.deque())
-            if len(pend) >= PENDING_MAX:
-                pend.popleft()
+            pend = self.pending.get(inst)
+            if pend is None:
+                if len(self.pending) >= self.limits.max_instances:
+                    m.dropped.labels("no_identity").inc()
+                    return
+                pend = self.pending[inst] = collections.deque()
+            while pend and (len(pend) >= PENDING_MAX
+                            or self._pending_bytes + len(data) > self.limits.max_pending_bytes):
+                self._pending_bytes -= len(pend.popleft()[1])
                 m.dropped.labels("no_identity").inc()
-            pend.append((now, data))
+            if self._pending_bytes + len(data) > self.limits.max_pending_bytes:
+                m.dropped.labels("no_identity").inc()
+                return
+            pend.append((now, data, peer))
+            self._pending_bytes += len(data)
             return
         ident.t_seen = now
         steps, comm, gcs = self.rows["steps"][ident.job], self.rows["comm"][ident.job], self.rows["gc"][ident.job]
@@ -326,9 +374,26 @@ class Agent:
         if self.bad <= 5 or self.bad % 1000 == 0:
             log.warning("bad datagram #%d skipped: %s", self.bad, e)
 
-    def _hello(self, inst: int, hello: dict, now: float) -> None:
-        ident = identity_from_hello(hello, self.node, self.job)
+    def _hello(self, inst: int, hello: dict, now: float, peer: Peer | None = None) -> None:
+        ident = identity_from_hello(hello, self.node, self.job, self.limits)
+        ident.peer = peer
         old = self.idents.get(inst)
+        if old is not None and peer is not None and old.peer is not None and old.peer != peer:
+            self._refused("peer_mismatch", f"process {peer.pid} sent a hello for probe instance {inst} of "
+                                           f"process {old.peer.pid}")
+            return
+        for oi, o in self.idents.items():
+            if (oi != inst and o.job == ident.job and o.rank == ident.rank and now - o.t_seen <= ACTIVE_S
+                    and peer is not None and o.peer is not None and o.peer.pid != peer.pid and pid_alive(o.peer.pid)):
+                self._refused("identity_conflict", f"process {peer.pid} claims rank {ident.rank} of job {ident.job}, "
+                                                   f"held by live process {o.peer.pid}")
+                return
+        if old is None and len(self.idents) >= self.limits.max_instances:
+            quiet = [k for k, i in self.idents.items() if now - i.t_seen > ACTIVE_S]
+            if not quiet:
+                self._refused("too_many_instances", f"{len(self.idents)} probe instances served already")
+                return
+            del self.idents[min(quiet, key=lambda k: self.idents[k].t_seen)]
         if old is not None:
             ident.dropped = old.dropped
         ident.t_seen = now
@@ -344,14 +409,18 @@ class Agent:
                          hello.get("device", "?"))
         waiting = self.pending.pop(inst, None)
         if waiting:
-            for _, data in waiting:
-                self.handle(data, now)
+            for _, data, p in waiting:
+                self._pending_bytes -= len(data)
+                if p == peer:
+                    self.handle(data, now, p)
+                else:
+                    self._refused("peer_mismatch", f"frames of probe instance {inst} from another process")
 
     def _expire_pending(self, now: float) -> None:
         for inst in list(self.pending):
             pend = self.pending[inst]
             while pend and now - pend[0][0] > PENDING_S:
-                pend.popleft()
+                self._pending_bytes -= len(pend.popleft()[1])
                 self.metrics.dropped.labels("no_identity").inc()
             if not pend:
                 del self.pending[inst]
@@ -360,7 +429,9 @@ class Agent:
         n = 0
         q = self.queue
         while q:
-            self.handle(q.popleft())
+            data, peer = q.popleft()
+            self._q_out += len(data)
+            self.handle(data, None, peer)
             n += 1
         return n
 
@@ -389,6 +460,9 @@ class Agent:
         m.probe_dropped.set(sum(i.dropped for i in active))
         for inst in [k for k, i in self.idents.items() if now - i.t_seen > 10 * ACTIVE_S]:
             del self.idents[inst]
+        if len(self._topo_sent) > 2 * self.limits.max_instances:     # bounded under a stream of made-up ranks
+            live = {(i.job, i.rank) for i in self.idents.values()}
+            self._topo_sent = {k: v for k, v in self._topo_sent.items() if k in live}
         if now - self._t_host >= self.interval_s * 0.5:
             self._t_host = now
             hrows = self.host_rows(now, time.time_ns())
@@ -401,16 +475,34 @@ class Agent:
                 self.rows["profiles"][r["job"]].append(r)
         items = []
         for kind in KINDS:
-            per_job = self.rows[kind]
+            per_job, self.rows[kind] = self.rows[kind], collections.defaultdict(list)
             for job, rows in per_job.items():
                 if rows:
-                    items.append((kind, job, pa.Table.from_pylist(rows, schema=wire.SCHEMAS[kind])))
-            self.rows[kind] = collections.defaultdict(list)
+                    t = self._table(kind, job, rows)
+                    if t is not None:
+                        items.append((kind, job, t))
         if self.shipper is not None:
             self.shipper.ship(items)
         self.ticks += 1
         m.tick_seconds.observe(time.perf_counter() - t0)
         return items
+
+    def _table(self, kind: str, job: str, rows: list[dict]) -> pa.Table | None:
+        """The Arrow table of one (kind, job); rows that cannot be encoded are found one by one (only
+        then), counted as ``unencodable`` and dropped: one bad row never holds back the others."""
+        schema = wire.SCHEMAS[kind]
+        try:
+            return pa.Table.from_pylist(rows, schema=schema)
+        except Exception:  # noqa: BLE001 - ArrowInvalid, TypeError, OverflowError ...
+            pass
+        good = []
+        for r in rows:
+            try:
+                pa.Table.from_pylist([r], schema=schema)
+                good.append(r)
+            except Exception as e:  # noqa: BLE001
+                self._refused("unencodable", f"{kind} row of job {job} dropped: {e!r}"[:300])
+        return pa.Table.from_pylist(good, schema=schema) if good else None
 
     def run(self, stop_event: threading.Event | None = None) -> None:
         """Serve until ``stop_event`` (or :attr:`stop_event`) is set; then a last tick and close."""
@@ -431,12 +523,13 @@ class Agent:
         finally:
             self.close()
 
-    def enable_profiling(self, key: bytes, profile_dir: str | None = None, **kw) -> "Agent":
-        """Accept signed profiling commands for this node (before :meth:`start`); ``kw`` goes to
-        :class:`~stepwatch.agents.control.AgentControl` (``cooldown_s``, ``max_steps`` ...)."""
+    def enable_profiling(self, public_keys: dict, profile_dir: str | None = None, **kw) -> "Agent":
+        """Accept signed profiling commands for this node (before :meth:`start`); ``public_keys`` from
+        :func:`stepwatch.agents.profiling.load_public_keys`; ``kw`` goes to
+        :class:`~stepwatch.agents.control.AgentControl` (``cooldown_s``, ``max_steps``, ``state_dir`` ...)."""
         from stepwatch.agents.control import AgentControl
         d = profile_dir or os.environ.get("STEPWATCH_PROFILE_DIR") or os.path.join(self.socket_dir, "profiles")
-        self.control = AgentControl(self, self.shipper.settings if self.shipper else None, key, d, **kw)
+        self.control = AgentControl(self, self.shipper.settings if self.shipper else None, public_keys, d, **kw)
         return self
 
     def close(self) -> None:
@@ -467,6 +560,22 @@ class Agent:
                 "dropped": m.value(m.dropped), "bad_datagrams": m.value(m.bad_datagrams),
                 "spool_files": len(self.spool), "ranks": len(self.idents),
                 "kafka_up": bool(self.shipper and self.shipper.online)}
+
+
+def _ensure_ctl_dir(socket_dir: str, gid: int | None = None) -> None:
+    """``<socket_dir>/ctl``, where probes bind their control sockets: setgid and sticky, writable by the
+    socket's group (3770), so probes of other uids in that group can bind there and not remove each
+    other's sockets. Left as it is when it exists (the chart's init container sets it up)."""
+    d = os.path.join(socket_dir, "ctl")
+    if os.path.isdir(d):
+        return
+    try:
+        os.mkdir(d)
+        if gid is not None:
+            os.chown(d, -1, gid)
+        os.chmod(d, 0o3770)
+    except OSError as e:
+        log.info("cannot create %s (%s): probes bind their control sockets in %s", d, e.strerror, socket_dir)
 
 
 def _max_dgram_qlen() -> int | None:

@@ -22,18 +22,28 @@ def cmd_agent(a) -> int:
     pa.set_memory_pool(pa.system_memory_pool())
     from stepwatch.stream.kafkaio import settings_from_args
     s = None if a.no_kafka else settings_from_args(a)
+    from stepwatch.agents.ingress import IngressLimits
+    try:
+        mode = int(a.socket_mode, 8)
+    except ValueError:
+        print(f"stepwatch agent: --socket-mode {a.socket_mode!r} is not an octal mode", file=sys.stderr)
+        return 2
+    limits = IngressLimits(max_world_size=a.max_world_size, max_queue_bytes=int(a.max_queue_mb * (1 << 20)),
+                           allow_uids=frozenset(a.allow_uid) if a.allow_uid else None,
+                           allow_gids=frozenset(a.allow_gid) if a.allow_gid else None)
     agent = Agent(s, socket_dir=a.socket_dir, node=a.node, job=a.job, interval_s=a.interval,
                   spool_dir=a.spool_dir, spool_max_bytes=int(a.spool_max_mb * (1 << 20)),
                   plugins=[p for p in a.plugins.split(",") if p] if a.plugins else None,
-                  create_topics=not a.no_create_topics)
-    from stepwatch.agents.profiling import KeyError_, load_key
+                  create_topics=not a.no_create_topics, socket_mode=mode, socket_group=a.socket_group,
+                  limits=limits)
+    from stepwatch.agents.profiling import KeyError_, load_public_keys
     try:
-        key = None if a.no_kafka or a.no_profiling else load_key()
+        keys = None if a.no_kafka or a.no_profiling else load_public_keys()
     except KeyError_ as e:
         print(f"stepwatch agent: {e}", file=sys.stderr)
         return 1
-    if key is not None:      # signed profiling commands for this node (DESIGN §9, docs/profiling.md)
-        agent.enable_profiling(key, a.profile_dir, cooldown_s=a.profile_cooldown, max_steps=a.profile_max_steps,
+    if keys is not None:     # signed profiling commands for this node (DESIGN §9, docs/profiling.md)
+        agent.enable_profiling(keys, a.profile_dir, cooldown_s=a.profile_cooldown, max_steps=a.profile_max_steps,
                                keep_mb=a.profile_keep_mb)
     try:
         agent.start()
@@ -77,9 +87,20 @@ def add_agent_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-addr", default="127.0.0.1")
     p.add_argument("--no-create-topics", action="store_true", help="do not create missing Kafka topics")
     p.add_argument("--no-kafka", action="store_true", help="receive, decode and count only; send nothing (tests, benchmarks)")
-    g = p.add_argument_group("targeted profiling (on when STEPWATCH_PROFILING_KEY[_FILE] holds the shared key)")
+    t = p.add_argument_group("who may send (docs/limits.md)")
+    t.add_argument("--socket-mode", default=os.environ.get("STEPWATCH_SOCKET_MODE", "0660"),
+                   help="mode of agent.sock (octal; default 0660: the agent's user and group)")
+    t.add_argument("--socket-group", default=os.environ.get("STEPWATCH_SOCKET_GROUP"),
+                   help="group (name or gid) of agent.sock and of the ctl directory; default the agent's group")
+    t.add_argument("--allow-uid", type=int, action="append", help="only these sender uids (repeat; root always)")
+    t.add_argument("--allow-gid", type=int, action="append", help="only these sender gids (repeat; root always)")
+    t.add_argument("--max-world-size", type=int, default=1 << 20, help="largest world size a hello may declare")
+    t.add_argument("--max-queue-mb", type=float, default=64.0,
+                   help="received datagrams waiting to be decoded, at most (beyond: dropped, counted)")
+    g = p.add_argument_group("targeted profiling (on when STEPWATCH_PROFILING_PUBLIC_KEY[_FILE] holds the public key)")
     g.add_argument("--profile-dir", default=os.environ.get("STEPWATCH_PROFILE_DIR"),
-                   help="where probes write traces (local path or shared volume; default <socket-dir>/profiles)")
+                   help="the trace directory the probes are configured with (their STEPWATCH_PROFILE_DIR), kept "
+                        "within --profile-keep-mb; default <socket-dir>/profiles")
     g.add_argument("--profile-cooldown", type=float, default=60.0,
                    help="seconds after an accepted command during which this node refuses new ones")
     g.add_argument("--profile-max-steps", type=int, default=200, help="longest profile accepted, in steps")

@@ -3,28 +3,35 @@
 Lifecycle: :meth:`AgentControl.start` opens a Kafka consumer with no group that is ``assign()``-ed only
 the partition of the ``control`` topic this node's key hashes to (kafka-python's default murmur2
 partitioner, the one producers use), positioned at its end: commands older than the agent are
-expired anyway. A thread polls it and handles each command at once (:meth:`handle_command`):
+expired anyway. A thread polls it and handles each message at once (:meth:`handle_message`); nothing a
+message holds can stop that thread (every message is handled inside its own ``try``):
 
-1. rows for other nodes (sharing the partition) are skipped;
-2. the HMAC-SHA256 signature is checked (``unsigned``, ``bad_signature`` -> ``rejected``);
-3. ``expires_at`` (``expired``), then the command id against the ids seen until their expiry
-   (``replay`` -> ``rejected``), the sanity limits (``steps`` at most ``max_steps``, a lifetime of at
-   most ``max_ttl_s``, not issued in the future) and the node's cooldown since the last accepted
-   command (``cooldown`` -> ``rejected``);
-4. each addressed rank: not served here -> ``failed``; already profiling -> ``busy``; else the command
-   goes to that probe's control socket (``ctl`` in its hello) with the trace directory and deadline.
+1. messages keyed for other nodes are skipped;
+2. the envelope is opened (:func:`stepwatch.agents.profiling.open_envelope`): size, magic, key id and
+   the Ed25519 signature are checked with this node's *public* keys **before** any of the body is
+   decoded (``too_large``, ``bad_envelope``, ``unknown_key``, ``bad_signature`` -> ``rejected``), then
+   every field of the body is checked (``bad_command``); commands for other nodes are skipped;
+3. ``expires_at`` (``expired``), then the command id against the ids accepted until their expiry,
+   kept in ``<state_dir>/control-seen.log`` (fsynced before the command is forwarded, read again at
+   start: a replay is refused after an agent restart too) (``replay`` -> ``rejected``), the sanity limits
+   (``steps`` at most ``max_steps``, a lifetime of at most ``max_ttl_s``, not issued in the future) and
+   the node's cooldown since the last accepted command (``cooldown`` -> ``rejected``);
+4. each addressed rank: not served here -> ``failed``; already profiling -> ``busy``; else the sealed
+   envelope itself, unchanged, goes to that probe's control socket (``ctl`` in its hello, which must lie
+   in the socket directory or its ``ctl`` sub-directory). The probe verifies it again with its own keys.
 
 Every outcome is a ``profiles`` row (one per addressed rank; ``rank`` null when the command named
 none), published by the agent's normal shipping at its next tick, keyed by job. Probes answer with
 ``T_PROFILE`` datagrams that :meth:`on_result` turns into the final rows (``ok`` with ``uri``,
-``bytes``, ``summary``; or ``failed``/``expired``/``busy``). A forwarded profile the probe never
-answers is reported ``expired`` a grace period after its deadline. Rejections of unsigned or forged
-commands are rate-limited (``reject_rows_per_min``) so a flood cannot turn into a flood of rows;
-they are always counted in the metrics.
+``bytes``, ``summary``; or ``failed``/``expired``/``busy``/``rejected``). A forwarded profile the probe
+never answers is reported ``expired`` a grace period after its deadline. Rejections of unverifiable
+commands are rate-limited (``reject_rows_per_min``) so a flood cannot turn into a flood of rows or log
+lines; they are always counted in the metrics.
 """
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import logging
 import os
@@ -32,10 +39,8 @@ import socket
 import threading
 import time
 
-import pyarrow as pa
 from prometheus_client import Counter
 
-from stepwatch import schema as wire
 from stepwatch.agents import profiling
 
 log = logging.getLogger("stepwatch.agent.control")
@@ -85,25 +90,106 @@ def node_partition(node: str, partitions: int) -> int:
     return (murmur2(node.encode()) & 0x7FFFFFFF) % partitions
 
 
-def decode_control(payload: bytes) -> list[dict]:
-    """Rows of one ``control`` message (Arrow IPC stream or JSON array), times as int ns."""
-    if payload[:1] in (b"[", b"{"):
-        rows = json.loads(payload.decode("utf-8"))
-        return rows if isinstance(rows, list) else [rows]
-    with pa.ipc.open_stream(pa.BufferReader(payload)) as r:
-        t = r.read_all()
-    t = wire.conform(t, wire.CONTROL)
-    cols = [c.cast(pa.int64()) if pa.types.is_timestamp(c.type) else c for c in t.columns]
-    return pa.Table.from_arrays(cols, names=t.column_names).to_pylist()
+CONTENT_TYPE = "application/vnd.stepwatch.control+ed25519"
 
 
-def encode_control(cmd: dict) -> bytes:
-    return wire.encode_arrow(pa.Table.from_pylist([{k: cmd.get(k) for k in wire.CONTROL.names}],
-                                                  schema=wire.CONTROL))
+def decode_control(payload: bytes, public_keys: dict) -> dict:
+    """The verified command of one ``control`` message (raises profiling.BadCommand)."""
+    return profiling.open_envelope(payload, public_keys)
+
+
+def encode_control(cmd: dict, private_key) -> bytes:
+    """The sealed envelope of ``cmd`` (the value of one ``control`` message)."""
+    return profiling.seal(cmd, private_key)
 
 
 def control_headers() -> list[tuple[str, bytes]]:
-    return [("content-type", wire.ARROW_CT.encode()), ("schema", b"control/1")]
+    return [("content-type", CONTENT_TYPE.encode()), ("schema", b"control/2")]
+
+
+class SeenStore:
+    """Command ids accepted, each until it expires, in memory and in an append-only file (one
+    ``<cmd_id> <expires_at>`` line each, fsynced) that is read back at start and compacted there and
+    whenever it grows past ``2 * max(1000, len)`` lines. :meth:`add` raises OSError when the id could
+    not be made durable (the caller then refuses the command: fail closed)."""
+
+    def __init__(self, path: str, now_ns: int | None = None):
+        self.path = path
+        self.ids: dict[str, int] = {}
+        self.bad_lines = 0
+        now = time.time_ns() if now_ns is None else now_ns
+        try:
+            with open(path, "rb") as f:
+                for line in f.read(64 << 20).splitlines():
+                    parts = line.split()
+                    try:
+                        cid, exp = parts[0].decode("ascii"), int(parts[1])
+                    except (IndexError, ValueError, UnicodeDecodeError):
+                        self.bad_lines += 1              # a torn last line after a crash
+                        continue
+                    if exp > now and profiling.CMD_ID_RE.match(cid):
+                        self.ids[cid] = max(exp, self.ids.get(cid, 0))
+        except FileNotFoundError:
+            pass
+        self._lines = len(self.ids)
+        self._f = None
+        self._compact()
+
+    def _compact(self) -> None:
+        tmp = self.path + ".tmp"
+        d = os.path.dirname(self.path) or "."
+        os.makedirs(d, exist_ok=True)
+        with open(tmp, "w") as f:
+            f.writelines(f"{k} {v}\n" for k, v in self.ids.items())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        _fsync_dir(d)
+        if self._f is not None:
+            self._f.close()
+        self._f = open(self.path, "a")
+        self._lines = len(self.ids)
+
+    def __contains__(self, cmd_id: str) -> bool:
+        return cmd_id in self.ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def expire(self, now_ns: int) -> None:
+        for k in [k for k, e in self.ids.items() if e <= now_ns]:
+            del self.ids[k]
+
+    def add(self, cmd_id: str, expires_at: int) -> None:
+        self.ids[cmd_id] = expires_at
+        try:
+            self._f.write(f"{cmd_id} {expires_at}\n")
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._lines += 1
+            if self._lines > 2 * max(1000, len(self.ids)):
+                self._compact()
+        except (OSError, ValueError):
+            del self.ids[cmd_id]
+            raise
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+def _fsync_dir(d: str) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 class ControlMetrics:
@@ -122,12 +208,15 @@ class ControlMetrics:
 
 
 class AgentControl:
-    def __init__(self, agent, kafka, key: bytes, profile_dir: str, cooldown_s: float = 60.0,
+    def __init__(self, agent, kafka, public_keys: dict, profile_dir: str, cooldown_s: float = 60.0,
                  max_steps: int = 200, max_ttl_s: float = 3600.0, skew_s: float = 60.0,
-                 reject_rows_per_min: int = 30, consume: bool = True, keep_mb: float = 0.0):
+                 reject_rows_per_min: int = 30, consume: bool = True, keep_mb: float = 0.0,
+                 state_dir: str | None = None):
+        if not public_keys or not isinstance(public_keys, dict):
+            raise ValueError("profiling needs the public key(s) that verify commands (a dict from load_public_keys)")
         self.agent = agent
         self.kafka = kafka
-        self._key = key
+        self._keys = public_keys
         self.profile_dir = profile_dir
         self.cooldown_s = cooldown_s
         self.max_steps = max_steps
@@ -139,17 +228,22 @@ class AgentControl:
         self._prune_due = self.keep_bytes > 0           # at start, then after each trace written
         self.metrics = ControlMetrics(agent.metrics.registry)
         self.lock = threading.Lock()
-        self.seen: dict[str, int] = {}                  # cmd_id -> expires_at (ns): replay protection
+        sd = state_dir or str(agent.spool.dir)
+        self.seen = SeenStore(os.path.join(sd, "control-seen.log"))    # replay protection across restarts
         self.active: dict[tuple[str, int], dict] = {}   # (job, rank) -> forwarded command (+ deadline)
         self.last_accept = -1e18                        # monotonic time of the last accepted command
         self.rows: list[dict] = []
         self._rej_window: collections.deque = collections.deque()
+        self._unsolicited: collections.deque = collections.deque()
+        self._n_logged = 0
         self.t_start_ns = time.time_ns()
         self.stop_event = threading.Event()
         self._thread: threading.Thread | None = None
         self.consumer = None
         self._out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._out.setblocking(False)
+        sd_real = os.path.realpath(agent.socket_dir)
+        self._ctl_dirs = {sd_real, os.path.join(sd_real, profiling.CTL_DIR)}
 
     # ------------------------------------------------------------------ kafka
     def start(self) -> "AgentControl":
@@ -162,7 +256,8 @@ class AgentControl:
         from kafka import KafkaConsumer, TopicPartition
         topic = self.kafka.topic("control")
         c = KafkaConsumer(**self.kafka.client_config(), group_id=None, enable_auto_commit=False,
-                          auto_offset_reset="latest", fetch_max_wait_ms=200)
+                          auto_offset_reset="latest", fetch_max_wait_ms=200,
+                          max_partition_fetch_bytes=1 << 20)
         parts = None
         deadline = time.monotonic() + 30
         while not parts and time.monotonic() < deadline and not self.stop_event.is_set():
@@ -197,7 +292,16 @@ class AgentControl:
                 continue
             for msgs in recs.values():
                 for m in msgs:
-                    self.handle_message(m.value, m.key)
+                    try:
+                        self.handle_message(m.value, m.key)
+                    except Exception:  # noqa: BLE001 - no message may stop this thread
+                        self.metrics.rejected.labels("internal_error").inc()
+                        if self._log_ok():
+                            log.exception("control message at offset %s not handled", m.offset)
+
+    def _log_ok(self) -> bool:
+        self._n_logged += 1
+        return self._n_logged <= 5 or self._n_logged % 1000 == 0
 
     def close(self) -> None:
         self.stop_event.set()
@@ -209,65 +313,103 @@ class AgentControl:
             except Exception:  # noqa: BLE001
                 pass
         self._out.close()
+        self.seen.close()
 
     # ------------------------------------------------------------------ commands
-    def handle_message(self, value: bytes, key: bytes | None = None) -> list[dict]:
-        if key is not None and key.decode("utf-8", "replace") != self.agent.node:
+    def handle_message(self, value, key: bytes | None = None, now_ns: int | None = None) -> list[dict]:
+        """One ``control`` message: verified before anything of its body is decoded, then handled."""
+        if key is not None and bytes(key).decode("utf-8", "replace") != self.agent.node:
             return []
+        now = time.time_ns() if now_ns is None else now_ns
         try:
-            cmds = decode_control(value)
-        except Exception as e:  # noqa: BLE001
-            self.metrics.rejected.labels("undecodable").inc()
-            log.warning("undecodable control message: %s", e)
+            cmd = profiling.open_envelope(value, self._keys)
+        except profiling.BadCommand as e:
+            with self.lock:
+                rows = self._refuse_unverified(e, value, now)
+                self.rows += rows
+            return rows
+        if cmd["node"] != self.agent.node:
+            self.metrics.rejected.labels("other_node").inc()
             return []
-        out = []
-        for c in cmds:
-            out += self.handle_command(c)
-        return out
+        return self.handle_command(cmd, bytes(value), now)
 
-    def handle_command(self, cmd: dict, now_ns: int | None = None) -> list[dict]:
-        """Check one command and forward it; returns the outcome rows it produced (also queued)."""
-        if not isinstance(cmd, dict) or cmd.get("node") != self.agent.node:
-            return []
+    def handle_command(self, cmd: dict, envelope: bytes, now_ns: int | None = None) -> list[dict]:
+        """Check one verified command and forward its envelope; returns the outcome rows (also queued)."""
         now = time.time_ns() if now_ns is None else now_ns
         self.metrics.received.inc()
         with self.lock:
-            rows = self._check_and_forward(cmd, now)
+            rows = self._check_and_forward(cmd, envelope, now)
             self.rows += rows
         return rows
 
+    def _job(self) -> str:
+        return _safe_job(self.agent.job)
+
+    def _refuse_unverified(self, e: "profiling.BadCommand", value, now: int) -> list[dict]:
+        """A message that is not a verified command: nothing of it is trusted, so the row carries only
+        a digest of the message (as ``cmd_id``) and the reason; rate-limited like every refusal."""
+        self.metrics.rejected.labels(e.reason).inc()
+        if self._log_ok():
+            log.warning("control message refused: %s", e)
+        if not self._window_ok(now):
+            return []
+        digest = hashlib.sha256(bytes(value) if isinstance(value, (bytes, bytearray, memoryview)) else b"").hexdigest()
+        return [{"cmd_id": "sha256:" + digest[:16], "job": self._job(), "node": self.agent.node, "rank": None,
+                 "status": "rejected", "kind": None, "reason": "", "role": None, "detail": f"{e.reason}: {e.detail}",
+                 "steps": None, "t": now}]
+
+    def _unsolicited_ok(self, now: int) -> bool:
+        """At most ``reject_rows_per_min`` rows a minute for probe answers to commands this agent did
+        not forward (a probe refusing an envelope sent to it directly, or a flood)."""
+        w = self._unsolicited
+        while w and now - w[0] > 60_000_000_000:
+            w.popleft()
+        if len(w) >= self.reject_rows_per_min:
+            return False
+        w.append(now)
+        return True
+
+    def _window_ok(self, now: int) -> bool:
+        w = self._rej_window
+        while w and now - w[0] > 60_000_000_000:
+            w.popleft()
+        if len(w) >= self.reject_rows_per_min:
+            return False
+        w.append(now)
+        return True
+
     def _row(self, cmd: dict, rank, status: str, detail: str, now: int, **kw) -> dict:
-        ref = set(int(r) for r in (cmd.get("reference") or []))
-        r = {"cmd_id": str(cmd.get("cmd_id") or "?")[:64], "job": _safe_job(cmd.get("job")), "node": self.agent.node,
-             "rank": rank, "status": status, "kind": cmd.get("kind"), "reason": cmd.get("reason") or "",
-             "role": None if rank is None else ("reference" if rank in ref else "suspect"), "detail": detail,
-             "steps": cmd.get("steps"), "t": now}
+        r = {"cmd_id": cmd["cmd_id"], "job": _safe_job(cmd["job"]), "node": self.agent.node,
+             "rank": rank, "status": status, "kind": cmd["kind"], "reason": cmd["reason"],
+             "role": None if rank is None else ("reference" if rank in cmd["reference"] else "suspect"),
+             "detail": detail, "steps": min(cmd["steps"], 2**31 - 1), "t": now}
         r.update(kw)
         return r
 
     def _refuse(self, cmd: dict, status: str, reason: str, detail: str, now: int, limited: bool) -> list[dict]:
         self.metrics.rejected.labels(reason).inc()
-        log.warning("profiling command %s refused: %s (%s)", cmd.get("cmd_id"), reason, detail)
-        if limited:
-            w = self._rej_window
-            while w and now - w[0] > 60_000_000_000:
-                w.popleft()
-            if len(w) >= self.reject_rows_per_min:
-                return []
-            w.append(now)
-        ranks = [int(r) for r in (cmd.get("ranks") or [])] or [None]
+        if self._log_ok():
+            log.warning("profiling command %s refused: %s (%s)", cmd["cmd_id"], reason, detail)
+        if limited and not self._window_ok(now):
+            return []
+        ranks = cmd["ranks"] or [None]
         return [self._row(cmd, r, status, f"{reason}: {detail}" if detail else reason, now) for r in ranks]
 
-    def _check_and_forward(self, cmd: dict, now: int) -> list[dict]:
-        why = profiling.verify(cmd, self._key)
-        if why is not None:
-            return self._refuse(cmd, "rejected", why, "unsigned command" if why == "unsigned"
-                                else "signature does not match (wrong key or altered command)", now, True)
-        cmd_id = str(cmd.get("cmd_id"))
-        exp = int(cmd.get("expires_at") or 0)
-        issued = int(cmd.get("issued_at") or 0)
-        for k in [k for k, e in self.seen.items() if e < now]:
-            del self.seen[k]
+    def _ctl_ok(self, path) -> bool:
+        """A probe's control socket must be a ``probe-*.sock`` in the socket directory or its ``ctl``
+        sub-directory: a hello cannot point the agent at any other socket."""
+        if not isinstance(path, str) or len(path) > 512:
+            return False
+        base = os.path.basename(path)
+        if not (base.startswith(profiling.CTL_PREFIX) and base.endswith(".sock")):
+            return False
+        return os.path.realpath(os.path.dirname(path)) in self._ctl_dirs
+
+    def _check_and_forward(self, cmd: dict, envelope: bytes, now: int) -> list[dict]:
+        cmd_id = cmd["cmd_id"]
+        exp, issued = cmd["expires_at"], cmd["issued_at"]
+        steps = cmd["steps"]
+        self.seen.expire(now)
         if exp <= now:
             if exp < self.t_start_ns:           # older than this agent: a backlog, not news
                 self.metrics.rejected.labels("stale").inc()
@@ -275,56 +417,55 @@ class AgentControl:
             return self._refuse(cmd, "expired", "expired", f"expired {(now - exp) / 1e9:.1f}s ago", now, False)
         if cmd_id in self.seen:
             return self._refuse(cmd, "rejected", "replay", f"command {cmd_id} was already received", now, True)
-        self.seen[cmd_id] = exp
         if issued > now + self.skew_s * 1e9:
             return self._refuse(cmd, "rejected", "future", "issued_at is in the future", now, False)
         if exp - issued > self.max_ttl_s * 1e9:
             return self._refuse(cmd, "rejected", "ttl", f"lifetime over {self.max_ttl_s:.0f}s", now, False)
-        steps = int(cmd.get("steps") or 0)
         if not 1 <= steps <= self.max_steps:
             return self._refuse(cmd, "rejected", "steps", f"steps must be 1..{self.max_steps}", now, False)
-        if cmd.get("kind") not in profiling.PROFILER_KINDS:
-            return self._refuse(cmd, "rejected", "kind", f"unknown kind {cmd.get('kind')!r}", now, False)
+        try:
+            self.seen.add(cmd_id, exp)           # durable before anything is forwarded (fail closed)
+        except (OSError, ValueError) as e:
+            return self._refuse(cmd, "rejected", "state", f"cannot record the command id ({e}); refusing it "
+                                                          f"since a replay could not be detected", now, False)
         mono = time.monotonic()
         if mono - self.last_accept < self.cooldown_s:
             return self._refuse(cmd, "rejected", "cooldown",
                                 f"node cooldown: last command {mono - self.last_accept:.0f}s ago "
                                 f"(cooldown {self.cooldown_s:.0f}s)", now, False)
-        job = _safe_job(cmd.get("job"))
+        job = _safe_job(cmd["job"])
         served = {(i.job, i.rank): i for i in list(self.agent.idents.values())}
         for k in [k for k, a in self.active.items() if a["deadline"] + GRACE_S * 1e9 < now]:
             a = self.active.pop(k)
             self.rows.append(self._row(a["cmd"], k[1], "expired", "no answer from the probe", now))
         out = []
         accepted = False
-        for rank in sorted(int(r) for r in (cmd.get("ranks") or [])):
+        digest = hashlib.sha256(envelope).hexdigest()[:16]
+        for rank in cmd["ranks"]:
             ident = served.get((job, rank))
             path = ident.hello.get("ctl") if ident is not None else None
             if ident is None:
                 self.metrics.rejected.labels("unknown_rank").inc()
                 out.append(self._row(cmd, rank, "failed", "rank not served by this agent", now))
                 continue
-            if not isinstance(path, str) or not os.path.basename(path).startswith(profiling.CTL_PREFIX):
+            if not self._ctl_ok(path):
                 self.metrics.rejected.labels("no_control").inc()
                 out.append(self._row(cmd, rank, "failed", "the probe of this rank takes no commands "
-                                                          "(old version or STEPWATCH_PROFILING=0)", now))
+                                                          "(old version, STEPWATCH_PROFILING=0, or its control "
+                                                          "socket is outside the socket directory)", now))
                 continue
             if (job, rank) in self.active:
                 self.metrics.rejected.labels("busy").inc()
                 out.append(self._row(cmd, rank, "busy", f"rank is profiling for command "
                                                         f"{self.active[(job, rank)]['cmd']['cmd_id']}", now))
                 continue
-            ref = set(int(r) for r in (cmd.get("reference") or []))
-            msg = {"cmd_id": cmd_id, "job": job, "rank": rank, "kind": cmd.get("kind"), "steps": steps,
-                   "deadline_ns": exp, "dir": self.profile_dir, "reason": cmd.get("reason") or "",
-                   "role": "reference" if rank in ref else "suspect"}
             try:
-                self._out.sendto(json.dumps(msg).encode(), path)
+                self._out.sendto(envelope, path)
             except OSError as e:
                 self.metrics.rejected.labels("unreachable").inc()
                 out.append(self._row(cmd, rank, "failed", f"probe control socket unreachable: {e.strerror}", now))
                 continue
-            self.active[(job, rank)] = {"cmd": cmd, "deadline": exp, "t": now}
+            self.active[(job, rank)] = {"cmd": cmd, "deadline": exp, "t": now, "digest": digest}
             self.metrics.forwarded.inc()
             accepted = True
         if accepted:
@@ -333,28 +474,42 @@ class AgentControl:
 
     # ------------------------------------------------------------------ results from probes
     def on_result(self, ident, body: dict, now_ns: int | None = None) -> dict | None:
-        """A ``T_PROFILE`` datagram of a served probe -> the final ``profiles`` row."""
-        if ident is None:
+        """A ``T_PROFILE`` datagram of a served probe -> the final ``profiles`` row (every field
+        type- and size-checked: the probe is a local sender, not a trusted one)."""
+        if ident is None or not isinstance(body, dict):
             return None
         now = time.time_ns() if now_ns is None else now_ns
         status = body.get("status") if body.get("status") in profiling.STATUSES else "failed"
         self.metrics.done.labels(status).inc()
         summ = body.get("summary")
+        summ = json.dumps(summ, sort_keys=True, default=str) if summ is not None else None
+        if summ is not None and len(summ) > 256 << 10:
+            summ = None
         with self.lock:
             a = self.active.get((ident.job, ident.rank))
-            if a is not None and a["cmd"].get("cmd_id") == body.get("cmd_id"):
+            cid = _s(body.get("cmd_id"), 64)
+            if a is not None and (a["cmd"]["cmd_id"] == cid or (cid is None and a["digest"] == body.get("envelope"))):
                 del self.active[(ident.job, ident.rank)]
+                cid = a["cmd"]["cmd_id"]
+            elif not self._unsolicited_ok(now):        # answers to nothing this agent forwarded: bounded
+                self.metrics.rejected.labels("unsolicited_result").inc()
+                return None
             if status == "ok" and self.keep_bytes > 0:
                 self._prune_due = True                   # pruned at the next tick, not on the receive thread
-            row = {"cmd_id": str(body.get("cmd_id"))[:64], "job": ident.job, "node": ident.node, "rank": ident.rank,
-                   "status": status, "uri": body.get("uri"), "bytes": body.get("bytes"),
-                   "summary": json.dumps(summ, sort_keys=True) if summ is not None else None,
-                   "started_at": body.get("started_at"), "finished_at": body.get("finished_at"),
-                   "kind": body.get("kind"), "role": body.get("role"), "reason": body.get("reason") or "",
-                   "detail": body.get("detail") or "", "steps": body.get("steps"), "t": now}
+            uri = _s(body.get("uri"), 4096)
+            row = {"cmd_id": cid or "?", "job": ident.job, "node": ident.node, "rank": ident.rank,
+                   "status": status, "uri": uri if uri and uri.startswith("file://") else None,
+                   "bytes": _i(body.get("bytes"), 0, 2**63 - 1), "summary": summ,
+                   "started_at": _i(body.get("started_at"), 0, 2**63 - 1),
+                   "finished_at": _i(body.get("finished_at"), 0, 2**63 - 1),
+                   "kind": body.get("kind") if body.get("kind") in profiling.PROFILER_KINDS else None,
+                   "role": body.get("role") if body.get("role") in ("suspect", "reference") else None,
+                   "reason": _s(body.get("reason"), 256) or "", "detail": _s(body.get("detail"), 1024) or "",
+                   "steps": _i(body.get("steps"), 0, 2**31 - 1), "t": now}
             self.rows.append(row)
-        log.info("profile %s of rank %d (%s): %s %s", row["cmd_id"], ident.rank, row["kind"], status, row["uri"] or
-                 row["detail"])
+        if self._log_ok() or status == "ok":
+            log.info("profile %s of rank %d (%s): %s %s", row["cmd_id"], ident.rank, row["kind"], status,
+                     row["uri"] or row["detail"])
         return row
 
     def take_rows(self) -> list[dict]:
@@ -365,7 +520,7 @@ class AgentControl:
                 self.rows.append(self._row(a["cmd"], k[1], "expired", "no answer from the probe", now))
             rows, self.rows = self.rows, []
             prune, self._prune_due = self._prune_due, False
-            protect = {profiling.trace_name(j, r, str(a["cmd"].get("cmd_id")), str(a["cmd"].get("kind")))
+            protect = {profiling.trace_name(j, r, a["cmd"]["cmd_id"], a["cmd"]["kind"])
                        for (j, r), a in self.active.items()}
         if prune:
             self.prune(protect)
@@ -383,6 +538,14 @@ class AgentControl:
             log.info("deleted %d old trace(s), %.1f MiB, to keep %s within %.0f MiB", n, freed / (1 << 20),
                      self.profile_dir, self.keep_bytes / (1 << 20))
         return n
+
+
+def _s(v, n: int) -> str | None:
+    return v[:n] if isinstance(v, str) else None
+
+
+def _i(v, lo: int, hi: int) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi else None
 
 
 def _safe_job(job) -> str:

@@ -52,11 +52,12 @@ Datagram layout (little-endian; the node agent decodes it with :func:`decode`). 
 alone, or one or more batch frames back to back; a frame is ``HDR`` followed by its records:
 
 ====================  =========================================================================
-``HDR``  16 bytes     magic ``0x5357``, version 1, type (1 batch frame, 2 hello), instance id
+``HDR``  16 bytes     magic ``0x5357``, version 2, type (1 batch frame, 2 hello), instance id
                       (int32, random per probe), rank (int32), n_step (0/1), n_comm, n_gc, n_phase
-``STEP`` 104 bytes    step, t_start ns, t_end ns, step/data/compute/comm/comm_wait/gc ns, gc_count,
+``STEP`` 120 bytes    step, t_start ns, t_end ns, step/data/compute/comm/comm_wait/gc ns, gc_count,
                       data_queue (-1 = null), samples, tokens (-1 = null), frames the probe
-                      dropped so far (uint32)
+                      dropped so far (uint32), the step-ending thread's CPU ns and
+                      run-queue wait ns (float64, -1 = null; version 1 frames end before them)
 ``PHASE`` 16 bytes    name id, ns   (``n_phase`` of them)
 ``COMM`` 40 bytes     op id, group id, calls, bytes, time ns, wait ns   (``n_comm``)
 ``GCREC`` 40 bytes    t_end ns, duration ns, generation, collected, uncollectable   (``n_gc``)
@@ -81,14 +82,16 @@ import threading
 import time
 
 MAGIC = 0x5357
-VERSION = 1
+VERSION = 2                           # 2: STEP carries the main thread's CPU time and run-queue wait
+VERSIONS = (1, 2)                     # what decode() reads (a version-1 STEP has neither: null)
 T_BATCH = 1
 T_HELLO = 2
 T_PROFILE = 3                         # probe -> agent: the outcome of a profiling command (HDR + JSON)
 
 HDR = struct.Struct("<HBBiiBBBB")
-STEP = struct.Struct("<qqqddddddiiqqI4x")
-HDR_STEP = struct.Struct("<HBBiiBBBB" + "qqqddddddiiqqI4x")     # both at once: one call per step
+STEP = struct.Struct("<qqqddddddiiqqI4xdd")
+STEP_V1 = struct.Struct("<qqqddddddiiqqI4x")                      # (version-1 probes: no CPU fields)
+HDR_STEP = struct.Struct("<HBBiiBBBB" + "qqqddddddiiqqI4xdd")   # both at once: one call per step
 PHASE = struct.Struct("<H6xd")
 COMM = struct.Struct("<HH4xqqdd")
 GCREC = struct.Struct("<qdB7xqq")
@@ -110,6 +113,9 @@ LOG_CAP = 1024                        # hot-path events held before a replay is 
 K_OPT_POST, K_DATA, K_COLL, K_GC, K_BEGIN, K_END, K_PHASE, K_COUNT = range(2, 10)
 # K_DCOLL: a synchronous collective on a device tensor; b = the token of its device events
 K_DCOLL = 10
+# K_BUCKET: one gradient bucket of a DDP reducer, from its all-reduce's launch (t0) to its completion (t1),
+# a = payload bytes (see Probe._ddp_hook)
+K_BUCKET = 12
 MAX_DEV_CALLS = 4096                  # device event pairs awaiting their replay (beyond: timed by the host)
 
 SOCKET_NAME = "agent.sock"
@@ -149,6 +155,44 @@ def _load_fast():
 
 _fast = _load_fast()
 FAST = _fast is not None             # which hot path runs (reported by stats() and the overhead bench)
+
+
+class _ThreadCpu:
+    """The calling thread's CPU time and run-queue wait, cumulative ns: ``read() -> (cpu, wait)``.
+
+    Both come from one ``pread`` of ``/proc/thread-self/schedstat`` (the scheduler's own accounting:
+    time on a CPU, and time *runnable but waiting for a CPU*, which is what a competing process on the
+    rank's core costs it). Where that file is missing (no ``CONFIG_SCHED_INFO``), the CPU time comes
+    from ``CLOCK_THREAD_CPUTIME_ID`` and the wait is -1 (unknown). The file is reopened when the
+    reading thread changes or after a fork. Read by :meth:`Probe._drain` (every ~500 ms), not per step."""
+
+    def __init__(self):
+        self.fd, self.tid, self.pid, self.proc = -1, 0, 0, True
+
+    def read(self) -> tuple[int, int]:
+        if self.proc:
+            tid = threading.get_native_id()
+            if tid != self.tid or self.fd < 0 or self.pid != os.getpid():
+                self._reopen(tid)
+            if self.fd >= 0:
+                try:
+                    f = os.pread(self.fd, 96, 0).split()
+                    return int(f[0]), int(f[1])
+                except (OSError, ValueError, IndexError):
+                    self.proc = False
+        return time.thread_time_ns(), -1
+
+    def _reopen(self, tid: int) -> None:
+        if self.fd >= 0 and self.pid == os.getpid():
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+        self.fd, self.tid, self.pid = -1, tid, os.getpid()
+        try:
+            self.fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self.proc = False
 
 
 class _PyLog:
@@ -360,8 +404,10 @@ _TRAFFIC = {
     "all_reduce_coalesced": lambda n: 2.0 * (n - 1) / n,
     "all_gather": lambda n: float(n - 1),
     "all_gather_into_tensor": lambda n: float(n - 1),
+    "all_gather_single": lambda n: float(n - 1),
     "reduce_scatter": lambda n: (n - 1) / n,
     "reduce_scatter_tensor": lambda n: (n - 1) / n,
+    "reduce_scatter_single": lambda n: (n - 1) / n,
     "all_to_all": lambda n: (n - 1) / n,
     "all_to_all_single": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0, "reduce": lambda n: 1.0, "gather": lambda n: 1.0,
@@ -544,6 +590,8 @@ class Probe:
         self._opt_slot: int | None = None
         self._gc_t0 = 0
         self._pid = os.getpid()
+        self._step_tid: int | None = None     # the thread that ends steps (its CPU clocks: _cpu_sample)
+        self._cpu_clock = _ThreadCpu()
         self._ctl = None                      # targeted profiling (stepwatch.agents.profiling.ProbeControl)
         self._ctl_active = False              # a profile needs step boundaries (every step end replays)
 
@@ -582,6 +630,9 @@ class Probe:
             self._ph_used = [False] * MAX_PHASES
             self._ph_touched: list[int] = []      # named phase slots (>= 2) used in this step
         self._calls: list[tuple] = []             # this step's collectives: (slot, count, bytes, ns, wait ns | None)
+        self._buckets: dict[int, list] = {}        # this step's DDP buckets per slot (see _bucket_calls)
+        self._cpu_rates = (-1.0, -1.0)             # CPU and run-queue wait per wall ns, this replay (see _cpu_sample)
+        self._cpu_prev = None                      # (perf ns, cpu ns, wait ns) at the last sample
         self._clear_step()
         self._n_gc = 0
 
@@ -712,6 +763,10 @@ class Probe:
             import torch.distributed as dist
             if dist.is_available():
                 self._patch_distributed(dist)
+                try:            # DDP's reducer all-reduces from C++: time them through a comm hook
+                    _sibling("ddp_hooks").patch(self, dist)
+                except Exception:  # noqa: BLE001 - no DDP timing, the rest goes on
+                    pass
         except ImportError:
             pass
         return True
@@ -776,6 +831,7 @@ class Probe:
         self._replaying = False
         self._dev_calls.clear()                       # (the parent's device events)
         self._primary_opt = None
+        self._step_tid = None
         self._gc_t0 = 0
         self._last_hello = 0
         self._need_hello = self._hello_dirty = True
@@ -850,6 +906,8 @@ class Probe:
         """Start a step (explicit mode); an open step is ended first. ``step`` sets the number."""
         t = _perf()
         log = self._log
+        if self._step_tid is None:
+            self._step_tid = threading.get_ident()
         log.add(K_BEGIN, 0, t, 0, int(step) if step is not None else -1, 0.0)
         log.dq_need = 1
         pc = self._pending_counts
@@ -878,6 +936,7 @@ class Probe:
         try:
             log = self._log
             log.last_drain = _perf()
+            self._cpu_sample(log.last_drain)
             if not log.dev_on:
                 log.dev_on = self._accelerator_in_use()
             events = log.drain()
@@ -893,6 +952,23 @@ class Probe:
         finally:
             self._replaying = False
 
+    def _cpu_sample(self, now: int) -> None:
+        """The step thread's CPU time and run-queue wait since the last replay, as rates per wall ns, which
+        the replay applies to each step it packs: one ``pread`` per replay (every ~500 ms, or every step
+        end where steps are longer or a profile runs), nothing on the step path. A replay run by another
+        thread (a collective's callback filling the log) samples nothing; its steps get null."""
+        self._cpu_rates = (-1.0, -1.0)
+        tid = self._step_tid
+        if tid is None or threading.get_ident() != tid:
+            return
+        c, w = self._cpu_clock.read()
+        prev = self._cpu_prev
+        self._cpu_prev = (now, c, w)
+        if prev is None or now <= prev[0] or c < prev[1]:
+            return
+        dt = now - prev[0]
+        self._cpu_rates = ((c - prev[1]) / dt, (w - prev[2]) / dt if w >= prev[2] >= 0 else -1.0)
+
     def _replay(self, events: list) -> None:
         """Apply the events, in order, to the step state: what the hooks would have done live. The
         state lives in locals while the batch is replayed (the loop runs once per event, a few
@@ -906,6 +982,8 @@ class Probe:
         ids, keys = self._phase_ids, self._comm_key
         traffic, nspb = self._c_traffic, self._ns_per_byte
         opt_slot = self._opt_slot
+        rate_c, rate_w = self._cpu_rates
+        buckets = self._buckets
         pack = _fast.pack_step if _fast is not None else None      # the frame in one C call
         for kind, slot, t0, t1, a, b in events:
             if kind == K_DATA:
@@ -930,6 +1008,24 @@ class Probe:
                     self._calls = calls
                     self._squash_calls()
                     calls = self._calls
+                continue
+            if kind == K_BUCKET:                        # a DDP bucket: summed per slot, see _bucket_calls
+                if not open_ and not explicit:
+                    open_, t0p, t0w = True, t0, t0 + off
+                    self._zero_phases()
+                    calls, gc_ns, gc_count, dq, samples, tokens = [], 0, 0, -1, -1, -1
+                if b >= 0:                              # timed on the device (see _dev_begin)
+                    t1 = t0 + self._dev_time(int(b), t1 - t0)
+                bk = buckets.get(slot)
+                if bk is None:
+                    buckets[slot] = [1, a, t0, t1, a]
+                else:
+                    bk[0] += 1
+                    bk[1] += a
+                    if t0 >= bk[2]:
+                        bk[2], bk[4] = t0, a
+                    if t1 > bk[3]:
+                        bk[3] = t1
                 continue
             if kind == K_OPT_POST:
                 if t0:                                  # the optimizer phase (any optimizer)
@@ -959,6 +1055,7 @@ class Probe:
                     open_, t0p, t0w = True, t0, t0 + off
                     self._zero_phases()
                     calls, gc_ns, gc_count, dq, samples, tokens = [], 0, 0, -1, -1, -1
+                    buckets.clear()
                     continue
                 reopen, number = True, a
             elif kind == K_GC:
@@ -981,6 +1078,11 @@ class Probe:
             # ---- the open step ends at t0: its frame is packed into the datagram buffer
             wall = t0 + off
             self.n_steps += 1
+            step_ns = t0 - t0p                          # its CPU time and run-queue wait: at this
+            cpu_ns = step_ns * rate_c if rate_c >= 0 else -1.0     # replay's rates (see _cpu_sample)
+            cw_ns = step_ns * rate_w if rate_w >= 0 else -1.0
+            if buckets:
+                self._bucket_calls(calls, buckets)
             if self._connected or t0 - self._t_connect >= self.reconnect_ns:
                 if not self._identity_ready:
                     self._resolve_identity()
@@ -993,10 +1095,10 @@ class Probe:
                     boff = pack(buf, boff, inst, self.rank, step, t0w, wall, t0 - t0p, ph[0],
                                 ph[1] if used[1] else -1, gc_ns, gc_count, dq, samples, tokens, self.dropped,
                                 touched, ph, ids, calls, traffic, nspb, keys,
-                                self._gcmv[16:16 + n_gc * GCREC.size] if n_gc else None)
+                                self._gcmv[16:16 + n_gc * GCREC.size] if n_gc else None, cpu_ns, cw_ns)
                 else:
                     boff = self._pack_py(boff, step, t0w, wall, t0 - t0p, gc_ns, gc_count, dq, samples, tokens,
-                                         calls, n_gc)
+                                         calls, n_gc, cpu_ns, cw_ns)
                 self._n_gc = 0
                 self._frames += 1
             else:                                        # nobody listens (a reconnect was tried < 1 s ago)
@@ -1026,8 +1128,22 @@ class Probe:
         self._gc_ns, self._gc_count, self._data_queue = gc_ns, gc_count, dq
         self._samples, self._tokens, self._step = samples, tokens, step
 
+    def _bucket_calls(self, calls: list, buckets: dict) -> None:
+        """The step's DDP buckets as one call per slot (and clear them). The reducer launches each
+        bucket's all-reduce while backward goes on, so most of their time overlaps computation; what held
+        the step is the tail from the last launch (the end of backward) to the last completion. That tail
+        is the call's time, split into transfer (the last bucket's payload at ``comm_gbps``) and waiting
+        for peers; count and bytes are all the buckets'."""
+        nspb, traffic = self._ns_per_byte, self._c_traffic
+        for s, (count, nbytes, last_launch, last_done, last_bytes) in buckets.items():
+            tail = last_done - last_launch if last_done > last_launch else 0
+            tr = last_bytes * traffic[s] * nspb
+            calls.append((s, count, nbytes, tail, float(tail - tr) if tail > tr else 0.0))
+        buckets.clear()
+
     def _pack_py(self, boff: int, step: int, t0w: int, wall: int, step_ns: int, gc_ns: int, gc_count: int,
-                 dq: int, samples: int, tokens: int, calls: list, n_gc: int) -> int:
+                 dq: int, samples: int, tokens: int, calls: list, n_gc: int, cpu_ns: float = -1.0,
+                 cw_ns: float = -1.0) -> int:
         """One step's frame at ``boff`` in the datagram buffer, in Python (``_probefast.pack_step`` does
         the same in C, byte for byte); returns the new offset."""
         buf, mv, inst = self._buf, self._mv, self.instance
@@ -1050,15 +1166,15 @@ class Probe:
             comms, comm_ns, wait_ns = self._sum_calls(calls)
         if used[1]:
             compute_ns = ph[1]
-        else:                                    # not given: the rest of the step
-            compute_ns = step_ns - data_ns - comm_ns - wait_ns - gc_ns
+        else:                                    # not given: the rest of the step, less the run-queue wait
+            compute_ns = step_ns - data_ns - comm_ns - wait_ns - gc_ns - (cw_ns if cw_ns > 0 else 0.0)
             if compute_ns < 0:
                 compute_ns = 0
         HDR_STEP.pack_into(buf, boff, MAGIC, VERSION, T_BATCH, inst, self.rank, 1,
                            len(comms) if comms else 1 if one else 0, n_gc, len(touched),
                            step, t0w, wall, step_ns, data_ns, compute_ns, comm_ns, wait_ns, gc_ns,
-                           gc_count, dq, samples, tokens, self.dropped & 0xFFFFFFFF)
-        boff += 120
+                           gc_count, dq, samples, tokens, self.dropped & 0xFFFFFFFF, cpu_ns, cw_ns)
+        boff += HDR_STEP.size
         for i in touched:
             PHASE.pack_into(buf, boff, ids[i], ph[i])
             boff += 16
@@ -1284,6 +1400,8 @@ class Probe:
         if self._primary_opt is None:
             self._primary_opt = id(opt)
             self._log.primary = id(opt)
+            if self._step_tid is None:
+                self._step_tid = threading.get_ident()          # whose CPU the steps report
             self._count_params(opt)
 
     def _gc_cb(self, phase: str, info: dict) -> None:
@@ -1425,7 +1543,8 @@ class Probe:
         except (TypeError, ValueError):
             return None
         payload = {"all_gather_into_tensor": "input_tensor", "reduce_scatter": "input_list",
-                   "reduce_scatter_tensor": "input", "all_to_all": "input_tensor_list",
+                   "reduce_scatter_tensor": "input", "all_gather_single": "input_tensor",
+                   "reduce_scatter_single": "input", "all_to_all": "input_tensor_list",
                    "all_to_all_single": "input", "all_reduce_coalesced": "tensors",
                    "barrier": None}.get(name, None if name.endswith(("_object", "_object_list")) else "tensor")
         p_idx = params.index(payload) if payload in params else -1
@@ -1518,7 +1637,7 @@ class Probe:
                      "reduce_scatter_tensor", "broadcast", "reduce", "barrier", "all_to_all",
                      "all_to_all_single", "gather", "scatter", "all_reduce_coalesced", "send", "recv",
                      "isend", "irecv", "all_gather_object", "broadcast_object_list", "gather_object",
-                     "scatter_object_list"):
+                     "scatter_object_list", "all_gather_single", "reduce_scatter_single"):
             fn = getattr(dist, name, None)
             if fn is None or getattr(fn, "_stepwatch", False):
                 continue
@@ -1611,19 +1730,23 @@ class Probe:
 
 
 def _profiling_module():
-    """``stepwatch.agents.profiling``, or the file next to this one when the probe was loaded on its
+    return _sibling("profiling")
+
+
+def _sibling(name: str):
+    """``stepwatch.agents.<name>``, or the file next to this one when the probe was loaded on its
     own (``STEPWATCH_PROBE_FILE``, where the package is not importable)."""
     try:
-        from stepwatch.agents import profiling
-        return profiling
+        import importlib
+        return importlib.import_module(f"stepwatch.agents.{name}")
     except ImportError:
-        mod = sys.modules.get("stepwatch_profiling")
+        mod = sys.modules.get(f"stepwatch_{name}")
         if mod is None:
             import importlib.util
             spec = importlib.util.spec_from_file_location(
-                "stepwatch_profiling", os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiling.py"))
+                f"stepwatch_{name}", os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py"))
             mod = importlib.util.module_from_spec(spec)
-            sys.modules["stepwatch_profiling"] = mod
+            sys.modules[f"stepwatch_{name}"] = mod
             spec.loader.exec_module(mod)
         return mod
 
@@ -1635,7 +1758,8 @@ class BadDatagram(ValueError):
 
 
 STEP_FIELDS = ("step", "t_start", "t_end", "step_ns", "data_ns", "compute_ns", "comm_ns", "comm_wait_ns",
-               "gc_ns", "gc_count", "data_queue", "samples", "tokens", "probe_dropped")
+               "gc_ns", "gc_count", "data_queue", "samples", "tokens", "probe_dropped", "cpu_ns", "cpu_wait_ns")
+_NO_CPU = (-1.0, -1.0)
 
 
 def decode(data: bytes) -> list[tuple[int, int, int, object]]:
@@ -1653,7 +1777,7 @@ def decode(data: bytes) -> list[tuple[int, int, int, object]]:
         magic, ver, typ, inst, rank, n_step, n_comm, n_gc, n_phase = HDR.unpack_from(data, off)
         if magic != MAGIC:
             raise BadDatagram(f"bad magic 0x{magic:04x}")
-        if ver != VERSION:
+        if ver not in VERSIONS:
             raise BadDatagram(f"unsupported version {ver}")
         if typ in (T_HELLO, T_PROFILE):                  # header + one JSON object, alone in its datagram
             what = "hello" if typ == T_HELLO else "profile result"
@@ -1671,14 +1795,17 @@ def decode(data: bytes) -> list[tuple[int, int, int, object]]:
         if n_step > 1 or n_phase > MAX_PHASES or n_comm > MAX_COMM or n_gc > MAX_GC:
             raise BadDatagram(f"record counts out of range (step {n_step}, phase {n_phase}, comm {n_comm}, "
                               f"gc {n_gc})")
-        size = HDR.size + n_step * STEP.size + n_phase * PHASE.size + n_comm * COMM.size + n_gc * GCREC.size
+        st = STEP if ver == VERSION else STEP_V1
+        size = HDR.size + n_step * st.size + n_phase * PHASE.size + n_comm * COMM.size + n_gc * GCREC.size
         if off + size > n:
             raise BadDatagram(f"frame {len(out)} needs {size} bytes, {n - off} left")
         p = off + HDR.size
         step = None
         if n_step:
-            step = STEP.unpack_from(data, p)
-            p += STEP.size
+            step = st.unpack_from(data, p)
+            if st is STEP_V1:
+                step += _NO_CPU
+            p += st.size
         phases = []
         for _ in range(n_phase):
             phases.append(PHASE.unpack_from(data, p))

@@ -1,10 +1,16 @@
 """Getting the node agent's batches to Kafka, or to a bounded local spool while Kafka is away.
 
 :class:`Spool` is a directory of Arrow IPC *files*, one per (kind, job) table, named
-``<seq:016d>-<kind>-<rows>.arrow`` (the job is in the schema metadata). Files are written under a
-temporary name and renamed into place, so a crash leaves no half file; the sequence continues across
-restarts, so an agent that comes back replays what its predecessor spooled. When the directory grows
-past ``max_bytes`` the oldest files are deleted and their rows counted as dropped.
+``<seq:016d>-<kind>-<rows>-<crc32:08x>.arrow`` (the job is in the schema metadata; the CRC-32 covers the
+file's bytes). Files are written under a temporary name, fsynced, renamed into place and the directory
+fsynced, so a crash leaves no half file and a spooled table survives a power loss; the sequence
+continues across restarts, so an agent that comes back replays what its predecessor spooled.
+
+Nothing is lost silently (docs/limits.md): every row the spool gives up is counted in
+``stepwatch_agent_records_dropped_total{reason}`` and logged once per reason and minute --
+``spool_full`` (past ``max_bytes`` the oldest files go), ``spool_unreadable`` (a file whose CRC or Arrow
+structure is damaged), ``spool_incomplete`` (a temporary file a crash left; its rows never reached the
+spool), ``disk_full`` (see below).
 
 :class:`Shipper` sends each tick's tables with :func:`~stepwatch.stream.kafkaio.send_table` (Arrow,
 keyed by job, ``schema`` headers) and waits for the acknowledgements. A send that fails or is not
@@ -12,15 +18,21 @@ acknowledged within ``send_timeout_s`` sends the unacknowledged tables to the sp
 producer (closed without waiting, so it cannot deliver them later behind the replay's back). While the
 spool holds anything, new tables go to the spool too, so Kafka sees every table in the order it was
 produced; every ``retry_s`` the shipper reconnects and replays the spool oldest first, deleting each
-file only once Kafka acknowledged it. A table whose acknowledgement was lost can be delivered twice;
+file only once Kafka acknowledged it. When the spool cannot be written (disk full, I/O error) tables are
+held in memory, in order behind the spool, up to ``held_max_bytes`` (64 MiB); they move to the spool
+as soon as it takes writes again, or go to Kafka once the spool before them is replayed; beyond the
+bound the oldest held table is dropped (``disk_full``, counted and logged once). A table whose acknowledgement was lost can be delivered twice;
 the processor drops duplicate step rows by their natural key (job, rank, step).
 """
 from __future__ import annotations
 
+import collections
+import errno
 import logging
 import os
 import re
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +40,33 @@ import pyarrow as pa
 
 log = logging.getLogger("stepwatch.agent.ship")
 
-_NAME = re.compile(r"^(\d{16})-([a-z]+)-(\d+)\.arrow$")
+_NAME = re.compile(r"^(\d{16})-([a-z]+)-(\d+)(?:-([0-9a-f]{8}))?\.arrow$")
+_TMP = re.compile(r"^\.tmp-\d{16}-[a-z]+-(\d+)(?:-[0-9a-f]{8})?\.arrow$")
+
+
+class DropLog:
+    """Counts what is dropped, by reason, and logs each reason once, then at most once a minute with
+    the rows dropped since (a full disk must not become a log line per tick)."""
+
+    def __init__(self, metrics=None, every_s: float = 60.0):
+        self.metrics = metrics
+        self.every_s = every_s
+        self.total: dict[str, int] = collections.Counter()
+        self._since: dict[str, int] = collections.Counter()
+        self._t: dict[str, float] = {}
+
+    def drop(self, reason: str, rows: int, what: str) -> None:
+        self.total[reason] += rows
+        self._since[reason] += rows
+        if self.metrics is not None:
+            self.metrics.dropped.labels(reason).inc(rows)
+        now = time.monotonic()
+        t = self._t.get(reason)
+        if t is None or now - t >= self.every_s:
+            self._t[reason] = now
+            first = "" if t is None else f" ({self._since[reason]} rows dropped for this reason since the last message)"
+            log.warning("%s rows dropped (%s): %s%s", rows, reason, what, first)
+            self._since[reason] = 0
 
 
 @dataclass(frozen=True)
@@ -38,6 +76,7 @@ class SpoolFile:
     kind: str
     rows: int
     size: int
+    crc: int | None = None
 
 
 class Spool:
@@ -46,7 +85,11 @@ class Spool:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.max_bytes = int(max_bytes)
         self.metrics = metrics
+        self.drops = DropLog(metrics)
         for p in self.dir.glob(".tmp-*"):
+            m = _TMP.match(p.name)
+            self.drops.drop("spool_incomplete", int(m.group(1)) if m else 0,
+                            f"{p.name}: a spool write interrupted by a crash (its rows never reached the spool)")
             p.unlink(missing_ok=True)
         self._files: list[SpoolFile] = sorted(
             (f for f in (self._parse(p) for p in self.dir.iterdir()) if f is not None), key=lambda f: f.seq)
@@ -64,7 +107,8 @@ class Spool:
             size = p.stat().st_size
         except OSError:
             return None
-        return SpoolFile(p, int(m.group(1)), m.group(2), int(m.group(3)), size)
+        return SpoolFile(p, int(m.group(1)), m.group(2), int(m.group(3)), size,
+                         int(m.group(4), 16) if m.group(4) else None)
 
     def __len__(self) -> int:
         return len(self._files)
@@ -74,19 +118,35 @@ class Spool:
         return list(self._files)
 
     def put(self, kind: str, job: str, table: pa.Table) -> SpoolFile:
-        """Write one table; then drop the oldest files while the spool is over its bound."""
+        """Write one table durably (fsync of the file and the directory); then drop the oldest files
+        while the spool is over its bound. Raises OSError (e.g. ENOSPC) with nothing left behind."""
         md = dict(table.schema.metadata or {})
         md.update({b"stepwatch.job": job.encode(), b"stepwatch.kind": kind.encode()})
         table = table.replace_schema_metadata(md)
-        name = f"{self._seq:016d}-{kind}-{table.num_rows}.arrow"
-        self._seq += 1
-        tmp = self.dir / f".tmp-{name}"
-        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(
-                sink, table.schema, options=pa.ipc.IpcWriteOptions(compression="lz4")) as w:
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_file(sink, table.schema, options=pa.ipc.IpcWriteOptions(compression="lz4")) as w:
             w.write_table(table)
+        data = sink.getvalue()
+        crc = zlib.crc32(data)
+        name = f"{self._seq:016d}-{kind}-{table.num_rows}-{crc:08x}.arrow"
+        tmp = self.dir / f".tmp-{name}"
         final = self.dir / name
-        os.replace(tmp, final)
-        f = SpoolFile(final, self._seq - 1, kind, table.num_rows, final.stat().st_size)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+            _fsync_dir(self.dir)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
+        self._seq += 1
+        f = SpoolFile(final, self._seq - 1, kind, table.num_rows, data.size, crc)
         self._files.append(f)
         self.bytes += f.size
         self._enforce()
@@ -99,16 +159,18 @@ class Spool:
             old.path.unlink(missing_ok=True)
             self.bytes -= old.size
             self.dropped_rows += old.rows
-            if self.metrics is not None:
-                self.metrics.dropped.labels("spool_full").inc(old.rows)
-            log.warning("spool over %d bytes: dropped %s (%d %s rows)", self.max_bytes, old.path.name, old.rows,
-                        old.kind)
+            self.drops.drop("spool_full", old.rows, f"spool over {self.max_bytes} bytes: the oldest file "
+                                                    f"{old.path.name} ({old.kind}) deleted")
 
     @staticmethod
     def read(f: SpoolFile) -> tuple[str, str, pa.Table]:
-        """(kind, job, table) of a spooled file."""
-        with pa.memory_map(str(f.path)) as src:
-            t = pa.ipc.open_file(src).read_all()
+        """(kind, job, table) of a spooled file; raises ValueError when its CRC does not match."""
+        with open(f.path, "rb") as fh:
+            data = fh.read()
+        if f.crc is not None and zlib.crc32(data) != f.crc:
+            raise ValueError(f"CRC-32 mismatch ({zlib.crc32(data):08x}, written {f.crc:08x})")
+        t = pa.ipc.open_file(pa.BufferReader(data)).read_all()
+        t.validate(full=True)
         md = t.schema.metadata or {}
         job = md.get(b"stepwatch.job", b"").decode()
         return f.kind, job, t.replace_schema_metadata(None)
@@ -125,13 +187,28 @@ class Spool:
             self.metrics.spool_files.set(len(self._files))
 
 
+def _fsync_dir(d) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 class Shipper:
     """Sends (kind, job, table) items; spools what Kafka did not take. Not thread-safe: one caller."""
 
     def __init__(self, settings, spool: Spool, metrics=None, send_timeout_s: float = 5.0, retry_s: float = 2.0,
-                 replay_files_per_call: int = 64, create_topics: bool = True):
+                 replay_files_per_call: int = 64, create_topics: bool = True, held_max_bytes: int = 64 << 20):
         self.settings = settings
         self.spool = spool
+        self.drops = spool.drops
+        self.held: collections.deque = collections.deque()   # (kind, job, table) the spool could not take
+        self.held_bytes = 0
+        self.held_max_bytes = held_max_bytes
+        self._spool_errors = 0
         self.metrics = metrics
         self.send_timeout_s = send_timeout_s
         self.retry_s = retry_s
@@ -221,15 +298,48 @@ class Shipper:
         if self.metrics is not None:
             self.metrics.records_out.labels(kind).inc(n)
 
-    def _spool(self, kind: str, job: str, table: pa.Table) -> None:
-        self.spool.put(kind, job, table)
+    def _put(self, kind: str, job: str, table: pa.Table) -> bool:
+        try:
+            self.spool.put(kind, job, table)
+        except OSError as e:
+            self._spool_errors += 1
+            if self._spool_errors == 1 or e.errno != errno.ENOSPC:
+                log.warning("cannot write the spool %s (%s): holding tables in memory, in order, up to %d MiB",
+                            self.spool.dir, e.strerror or e, self.held_max_bytes >> 20)
+            return False
         if self.metrics is not None:
             self.metrics.records_spooled.labels(kind).inc(table.num_rows)
+        return True
+
+    def _unhold(self) -> None:
+        """Held tables go to the spool (oldest first) as soon as it takes writes again."""
+        while self.held:
+            k, j, t = self.held[0]
+            if not self._put(k, j, t):
+                return
+            self.held.popleft()
+            self.held_bytes -= t.nbytes
+        self._spool_errors = 0
+
+    def _spool(self, kind: str, job: str, table: pa.Table) -> None:
+        """Behind everything that waits already: the spool, or memory while the spool cannot be written."""
+        if self.held:
+            self._unhold()
+        if not self.held and self._put(kind, job, table):
+            return
+        self.held.append((kind, job, table))
+        self.held_bytes += table.nbytes
+        while self.held_bytes > self.held_max_bytes and self.held:
+            k, j, t = self.held.popleft()
+            self.held_bytes -= t.nbytes
+            self.drops.drop("disk_full", t.num_rows, f"the spool cannot be written and {self.held_max_bytes >> 20} "
+                                                     f"MiB are held in memory already: the oldest {k} table of job "
+                                                     f"{j} dropped")
 
     def ship(self, items: list[tuple[str, str, pa.Table]]) -> None:
         """Send a tick's tables in order (to Kafka, or to the spool to keep the order)."""
         items = [it for it in items if it[2].num_rows]
-        if len(self.spool) or not self._connect():
+        if len(self.spool) or self.held or not self._connect():
             for kind, job, t in items:
                 self._spool(kind, job, t)
             self.replay()
@@ -248,25 +358,32 @@ class Shipper:
 
     def replay(self) -> int:
         """Send spooled files oldest first (at most ``replay_files_per_call``); returns files sent."""
-        if not len(self.spool) or not self._connect():
+        if not (len(self.spool) or self.held) or not self._connect():
             return 0
         sent = 0
         for f in self.spool.pending()[: self.replay_files_per_call]:
             try:
                 kind, job, t = Spool.read(f)
             except Exception as e:  # noqa: BLE001 - a damaged file must not block the rest
-                log.warning("unreadable spool file %s dropped: %r", f.path.name, e)
-                if self.metrics is not None:
-                    self.metrics.dropped.labels("spool_unreadable").inc(f.rows)
+                self.drops.drop("spool_unreadable", f.rows, f"damaged spool file {f.path.name} deleted: {e!r}"[:300])
                 self.spool.remove(f)
                 continue
             if self._send([(kind, job, t)]):
                 self._drop_producer(f"replay of {f.path.name} not acknowledged; will retry")
-                break
+                return sent
             self.spool.remove(f)
             self._count_out(kind, t.num_rows)
             sent += 1
-        if sent and not len(self.spool):
+        while not len(self.spool) and self.held and sent < self.replay_files_per_call:
+            kind, job, t = self.held[0]                 # after the spool: what memory held, in order
+            if self._send([(kind, job, t)]):
+                self._drop_producer("replay of a held table not acknowledged; will retry")
+                return sent
+            self.held.popleft()
+            self.held_bytes -= t.nbytes
+            self._count_out(kind, t.num_rows)
+            sent += 1
+        if sent and not len(self.spool) and not self.held:
             log.info("spool replayed; sending live again")
         return sent
 

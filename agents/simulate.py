@@ -697,6 +697,7 @@ class Simulation:
             pa.nulls(n, STEPS.field("phases").type),
             pa.array(queue.ravel()),
         ]
+        cols += [pa.nulls(n, f.type) for f in list(STEPS)[len(cols):]]    # (cpu_ms, cpu_wait_ms: not simulated)
         return pa.Table.from_arrays(cols, schema=STEPS)
 
     def _host_table(self, nm: dict, t_end: np.ndarray) -> pa.Table:

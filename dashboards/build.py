@@ -19,6 +19,10 @@ tagged ``stepwatch`` and linked to each other:
   cause, suggestion and cost; alerts over time; open alerts by cause. (There is no ``profiles``
   table in the store yet, so the profile-link column is not there: the panels read ``alerts`` only.)
 
+A fifth, **Cluster overview (Prometheus)** (``stepwatch-overview-prometheus``), is the Overview for
+teams without the DuckDB plugin: the same builder with PromQL over the processor's per-job metrics
+(:mod:`.promdash`); ``write``/``--check`` cover it too.
+
 Conventions: times are filtered with ``$__timeFilter(<time column>)`` and bucketed on
 ``$__interval_ms`` (:func:`.panels.bucket`); a single-valued ``job`` is written ``'${job}'`` and a
 multi-valued one ``IN (${job})`` (see :mod:`.macros` for how Grafana expands them). The "jitter
@@ -500,10 +504,16 @@ def render(dash: dict) -> str:
     return json.dumps(dash, indent=2, sort_keys=False, ensure_ascii=False) + "\n"
 
 
+def _all_json() -> dict[str, dict]:
+    """The DuckDB dashboards and the Prometheus-only Overview (:mod:`.promdash`), keyed by uid."""
+    from . import promdash
+    return {**build_all(), **promdash.build_all()}
+
+
 def write(out_dir: Path = JSON_DIR) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    for uid, dash in build_all().items():
+    for uid, dash in _all_json().items():
         p = out_dir / f"{uid}.json"
         p.write_text(render(dash), encoding="utf-8")
         paths.append(p)
@@ -513,7 +523,7 @@ def write(out_dir: Path = JSON_DIR) -> list[Path]:
 def stale(out_dir: Path = JSON_DIR) -> list[str]:
     """Names of checked-in JSON files that differ from (or are missing for) the generator's output,
     plus stray files the generator no longer produces."""
-    want = {f"{uid}.json": render(d) for uid, d in build_all().items()}
+    want = {f"{uid}.json": render(d) for uid, d in _all_json().items()}
     bad = [n for n, text in want.items()
            if not (out_dir / n).exists() or (out_dir / n).read_text(encoding="utf-8") != text]
     bad += sorted(p.name for p in out_dir.glob("*.json") if p.name not in want)

@@ -8,7 +8,8 @@ that path in the datasource). After changing the dashboards, the datasource or t
     python -m stepwatch.dashboards.helmfiles            # rewrites helm/stepwatch/files/grafana/
     python -m stepwatch.dashboards.helmfiles --check    # exit 1 if the chart's copies are stale
 
-``tests/test_helm.py`` runs the same comparison.
+``tests/test_helm.py`` runs the same comparison. The Prometheus-only Overview (:mod:`.promdash`) goes
+to ``files/grafana-prometheus/`` (a ConfigMap with ``grafana.prometheusDashboards.enabled``).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from .export import DEFAULT_DATA_ROOT, export
 #: the chart in a source checkout (``<repo>/helm/stepwatch``); pass ``--chart`` elsewhere
 CHART_DIR = Path(__file__).resolve().parent.parent / "helm" / "stepwatch"
 SUBDIR = Path("files") / "grafana"
+PROM_SUBDIR = Path("files") / "grafana-prometheus"
 
 
 #: placeholders of the chart's PostgreSQL-catalog datasources (the chart substitutes its values)
@@ -45,30 +47,45 @@ def expected_files(data_root: str = DEFAULT_DATA_ROOT) -> dict[str, str]:
     return files
 
 
+def expected_prometheus_files() -> dict[str, str]:
+    """File name -> text of the Prometheus-only dashboards (``files/grafana-prometheus/``)."""
+    from . import build, promdash
+    return {f"{uid}.json": build.render(d) for uid, d in promdash.build_all().items()}
+
+
+def _subdirs() -> list[tuple[Path, dict[str, str]]]:
+    return [(SUBDIR, expected_files()), (PROM_SUBDIR, expected_prometheus_files())]
+
+
 def stale(chart_dir: str | Path = CHART_DIR) -> list[str]:
-    """Names of the chart's Grafana files that are missing, differ from the export, or are extra."""
-    d = Path(chart_dir) / SUBDIR
-    want = expected_files()
-    have = {p.name: p.read_text(encoding="utf-8") for p in d.iterdir() if p.is_file()} if d.is_dir() else {}
-    return sorted(n for n in set(want) | set(have) if want.get(n) != have.get(n))
+    """Names of the chart's Grafana files that are missing, differ from the export, or are extra
+    (``grafana-prometheus/<name>`` for the Prometheus-only dashboards)."""
+    bad = []
+    for sub, want in _subdirs():
+        d = Path(chart_dir) / sub
+        have = {p.name: p.read_text(encoding="utf-8") for p in d.iterdir() if p.is_file()} if d.is_dir() else {}
+        pre = "" if sub == SUBDIR else f"{sub.name}/"
+        bad += sorted(pre + n for n in set(want) | set(have) if want.get(n) != have.get(n))
+    return bad
 
 
 def write(chart_dir: str | Path = CHART_DIR) -> list[Path]:
-    """(Re)write ``<chart>/files/grafana/`` from the export; removes files the export no longer makes."""
-    d = Path(chart_dir) / SUBDIR
-    d.mkdir(parents=True, exist_ok=True)
-    want = expected_files()
-    for p in d.iterdir():
-        if p.is_file() and p.name not in want:
-            p.unlink()
+    """(Re)write ``<chart>/files/grafana/`` from the export (and ``files/grafana-prometheus/``); removes
+    files the generators no longer make."""
     out = []
-    for name, text in sorted(want.items()):
-        p = d / name
-        if not p.exists() or p.read_text(encoding="utf-8") != text:
-            tmp = p.with_name(f".{name}.tmp")
-            tmp.write_text(text, encoding="utf-8")
-            tmp.replace(p)
-        out.append(p)
+    for sub, want in _subdirs():
+        d = Path(chart_dir) / sub
+        d.mkdir(parents=True, exist_ok=True)
+        for p in d.iterdir():
+            if p.is_file() and p.name not in want:
+                p.unlink()
+        for name, text in sorted(want.items()):
+            p = d / name
+            if not p.exists() or p.read_text(encoding="utf-8") != text:
+                tmp = p.with_name(f".{name}.tmp")
+                tmp.write_text(text, encoding="utf-8")
+                tmp.replace(p)
+            out.append(p)
     return out
 
 

@@ -47,7 +47,8 @@ class JobContext:
     backlog: bool = False        # the job's step rows are known to be behind (consumer lag > 0)
     #: job-level facts from the topology rows for the efficiency analyses: ``device_type``, ``dtype``,
     #: ``model_flops_per_token``, ``model_flops_per_sample``, ``model_params`` (mean over the ranks that
-    #: sent it: each rank's share), ``tp_size``, ``pp_size`` (1 when unknown); empty when unknown
+    #: sent it: each rank's share), ``tp_size``, ``pp_size`` (1 when unknown); empty when unknown;
+    #: ``cpu_wait_reported`` (True once step rows carry ``cpu_wait_ms``: see causes.decide)
     info: dict = field(default_factory=dict)
 
     def node_of(self, rank: int) -> str:
@@ -99,6 +100,10 @@ class StepBlock:
     samples: np.ndarray | None = None        # (S,) float64
     samples_ranks: np.ndarray | None = None  # (S,) int64
     data_queue: np.ndarray | None = None     # (S, R) float32, NaN = not reported
+    #: CPU starvation (probe): the step-ending thread's CPU time and its time runnable but waiting for a
+    #: CPU (run queue), (S, R) float32 ms, NaN = not reported; None when no rank sends them
+    cpu_ms: np.ndarray | None = None
+    cpu_wait_ms: np.ndarray | None = None
 
     @property
     def busy_ms(self) -> np.ndarray:

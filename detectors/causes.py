@@ -10,6 +10,11 @@ the derived host gap::
 
     host_gap_ms = step_ms - data_ms - compute_ms - comm_ms - comm_wait_ms - gc_ms   (clipped at 0)
 
+The stepwatch probe leaves the time its rank's thread was runnable but waiting for a CPU (``cpu_wait_ms``,
+the scheduler's run-queue wait) out of the compute time it derives, so CPU contention shows here as host
+gap (cause ``cpu``), and a rank that is slow on its own (its compute, or time off the CPU such as waiting
+for a device) shows as compute time (cause ``computation``).
+
 :func:`attribute` compares two sets of phase medians (before/after a change, or stage peers/suspect
 rank) and names the cause of the phase that grew most in absolute milliseconds.
 """
@@ -158,6 +163,8 @@ STALL_SUGGESTION = ("Stopped reporting while its peers go on: check that the tra
                     "stopped too, the node is down or unreachable.")
 
 FOREIGN_MIN_PCT = 50.0      # a process must use at least half a core to count as contention
+NEW_MIN_PCT = 20.0          # ... or a fifth of one when it was not among the node's top processes before
+BEFORE_NS = 120_000_000_000 # "before": host samples up to 2 min ahead of the evidence window
 FOREIGN_MAX_SHARE = 0.2     # ... and appear in the top processes of at most 20% of the other nodes
 CLOCK_DROP = 0.95           # accelerator clock at or below 95% of the fleet median: down-clocked
 TEMP_RISE_C = 10.0          # or this much hotter than the fleet median
@@ -178,10 +185,14 @@ def host_evidence(ctx, nodes, t_lo: int, t_hi: int) -> dict:
     """The suspect ``nodes``' host samples in ``[t_lo, t_hi]`` (ns) against the other nodes' samples.
 
     Returns ``{"samples", "cpu_util", "cpu_iowait", "load1", "rdma_retrans": {"suspect", "others"}
-    medians, "foreign": [{"node", "name", "pid", "cpu_pct", "seen_elsewhere"}] (processes that use
-    >= 50% of a core on a suspect node and appear among the top processes of <= 20% of the other nodes),
+    medians, "foreign": [{"node", "name", "pid", "cpu_pct", "seen_elsewhere", "new"}] (processes that use
+    >= 50% of a core on a suspect node, or >= 20% when they are ``new`` there and the ranks report their
+    run-queue wait (then a process only names the cause when the rank waited for its CPU), and appear among the top
+    processes of <= 20% of the other nodes; ``new``: not among that node's top processes at >= 20% in the
+    samples of the 2 minutes before the window (None without such samples); new ones first, then by CPU),
     "accel": {"node", "index", "clock_mhz", "temp_c", "fleet_clock_mhz", "fleet_temp_c", "down_clocked"}
-    (the suspect nodes' slowest accelerator against the fleet)}``; ``{}`` when there are no samples.
+    (the suspect nodes' slowest accelerator against the fleet), "cpu_wait_reported": True (when the
+    job's ranks report their run-queue wait, see :func:`decide`)}``; ``{}`` when there are no samples.
     """
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -201,11 +212,38 @@ def host_evidence(ctx, nodes, t_lo: int, t_hi: int) -> dict:
     for c in ("cpu_util", "cpu_iowait", "load1", "rdma_retrans"):
         v = _col(t, c)
         ev[c] = {"suspect": _med(v[sus]), "others": _med(v[~sus])}
-    ev["foreign"] = _foreign(t, sus)
+    measured = bool((getattr(ctx, "info", None) or {}).get("cpu_wait_reported"))
+    before = w.select(int(t_lo) - BEFORE_NS, int(t_lo) - 1_500_000_000)
+    ev["foreign"] = _foreign(t, sus, _seen(before, nodes), NEW_MIN_PCT if measured else FOREIGN_MIN_PCT)
     acc = _accel(t, sus)
     if acc:
         ev["accel"] = acc
+    if measured:
+        ev["cpu_wait_reported"] = True
     return ev
+
+
+def _seen(t, nodes) -> set | None:
+    """(node, process name) pairs at >= NEW_MIN_PCT among the top processes of ``t`` on ``nodes``; None
+    when ``t`` has no sample of those nodes."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if t is None or "node" not in t.column_names or "top_procs" not in t.column_names:
+        return None
+    t = t.filter(pc.is_in(t.column("node"), value_set=pa.array(nodes, type=t.column("node").type)))
+    if not t.num_rows:
+        return None
+    tp = t.column("top_procs").combine_chunks()
+    lens = pc.list_value_length(tp).fill_null(0).to_numpy(zero_copy_only=False)
+    flat = pc.list_flatten(tp)
+    if not len(flat):
+        return set()
+    node = np.repeat(np.asarray(t.column("node").to_pylist(), dtype=object), lens)
+    name = np.asarray(flat.field("name").fill_null("").to_pylist(), dtype=object)
+    cpu = flat.field("cpu_pct").to_numpy(zero_copy_only=False).astype(np.float64)
+    m = cpu >= NEW_MIN_PCT
+    return set(zip(node[m].tolist(), name[m].tolist()))
 
 
 def _codes(arr) -> tuple[np.ndarray, list]:
@@ -217,7 +255,7 @@ def _codes(arr) -> tuple[np.ndarray, list]:
     return d.indices.to_numpy(zero_copy_only=False).astype(np.int64), d.dictionary.to_pylist()
 
 
-def _foreign(t, sus: np.ndarray) -> list[dict]:
+def _foreign(t, sus: np.ndarray, seen: set | None = None, new_min: float = NEW_MIN_PCT) -> list[dict]:
     import pyarrow.compute as pc
 
     if "top_procs" not in t.column_names:
@@ -236,16 +274,21 @@ def _foreign(t, sus: np.ndarray) -> list[dict]:
     on_s = sus[row]
     others = np.unique(node[~on_s])
     out = []
-    for c in np.unique(name_c[on_s & (cpu >= FOREIGN_MIN_PCT)]).tolist():
+    for c in np.unique(name_c[on_s & (cpu >= (FOREIGN_MIN_PCT if seen is None else new_min))]).tolist():
         m = on_s & (name_c == c)
-        seen = len(np.unique(node[~on_s & (name_c == c)]))
-        share = seen / len(others) if len(others) else 0.0
+        k = int(np.argmax(np.where(m, cpu, -1)))
+        nd = str(node_names[node[k]])
+        new = None if seen is None else (nd, str(names[c])) not in seen
+        big = m & (cpu >= FOREIGN_MIN_PCT)
+        if not big.any() and not new:
+            continue
+        n_else = len(np.unique(node[~on_s & (name_c == c)]))
+        share = n_else / len(others) if len(others) else 0.0
         if share > FOREIGN_MAX_SHARE:
             continue
-        k = int(np.argmax(np.where(m, cpu, -1)))
-        out.append({"node": str(node_names[node[k]]), "name": str(names[c]), "pid": int(pid[k]),
-                    "cpu_pct": round(float(np.median(cpu[m])), 1), "seen_elsewhere": round(share, 3)})
-    out.sort(key=lambda d: -d["cpu_pct"])
+        out.append({"node": nd, "name": str(names[c]), "pid": int(pid[k]),
+                    "cpu_pct": round(float(np.median(cpu[m])), 1), "seen_elsewhere": round(share, 3), "new": new})
+    out.sort(key=lambda d: (not d["new"], -d["cpu_pct"]))
     return out[:3]
 
 
@@ -339,6 +382,10 @@ def decide(phase_cause: str, host: dict | None = None, gc: dict | None = None, c
     ``(cause, reason)``.
 
     - a down-clocked or hot accelerator on the suspect node -> ``computation``;
+    - else, when the ranks report their run-queue wait (``host["cpu_wait_reported"]``: the stepwatch
+      probe), contention is measured, not guessed: the host gap (``cpu``, where that wait goes) names
+      ``cpu``, with the node's foreign process as the reason when there is one; a foreign process beside
+      any other phase changes nothing (the rank got its CPU);
     - else a foreign process on the suspect node (:func:`host_evidence` ``foreign``) -> ``cpu``
       (contention slows dispatch and kernels launch late, so it can show as compute time too);
     - else GC records worth at least half the excess time per step -> ``gc`` (producers that send GC
@@ -354,10 +401,16 @@ def decide(phase_cause: str, host: dict | None = None, gc: dict | None = None, c
                                f"MHz / {acc.get('temp_c')} °C vs fleet {acc.get('fleet_clock_mhz')} MHz / "
                                f"{acc.get('fleet_temp_c')} °C")
     fr = host.get("foreign") or []
-    if fr and phase_cause in ("cpu", "computation", "io", "unknown", "parallelism"):
+    measured = bool(host.get("cpu_wait_reported"))
+    if fr and (phase_cause == "cpu" or (not measured and phase_cause in ("computation", "io", "unknown",
+                                                                         "parallelism"))):
         p = fr[0]
-        return "cpu", (f"foreign process {p['name']} (pid {p['pid']}) at {p['cpu_pct']:.0f}% CPU on {p['node']}, "
-                       f"absent from {100 * (1 - p['seen_elsewhere']):.0f}% of the other nodes")
+        return "cpu", (("waiting for a CPU (run queue); " if measured else "")
+                       + f"foreign process {p['name']} (pid {p['pid']}) at {p['cpu_pct']:.0f}% CPU on {p['node']}"
+                       + (", new there" if p.get("new") else "")
+                       + f", absent from {100 * (1 - p['seen_elsewhere']):.0f}% of the other nodes")
+    if measured and phase_cause == "cpu":
+        return "cpu", "waiting for a CPU (run queue); no foreign process in the host samples"
     if (excess_ms and gc.get("suspect_ms_per_step") is not None
             and gc["suspect_ms_per_step"] - (gc.get("others_ms_per_step") or 0.0) >= 0.5 * excess_ms
             and phase_cause != "gc"):

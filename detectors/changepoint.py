@@ -11,7 +11,8 @@ import numpy as np
 import ruptures as rpt
 
 from .base import Alert, Detector, JobContext, StepBlock
-from .causes import PHASES, SUGGESTIONS, attribute, confirm_shift, job_host_shift, nanmedian, phase_arrays
+from .causes import (PHASE_CAUSE, PHASES, SUGGESTIONS, attribute, confirm_shift, job_host_shift, nanmedian,
+                     phase_arrays)
 
 #: Default penalty constant: ``penalty = PENALTY_C * sigma**2 * log(n)`` (about 3x the BIC's 2 log n).
 #: Calibrated with the default 5-point median pre-filter on 2% Gaussian noise (+1% Student-t(3)) with
@@ -20,6 +21,15 @@ from .causes import PHASES, SUGGESTIONS, attribute, confirm_shift, job_host_shif
 #: (AR(1), 0.3) gives 2.5% false changes at n=200, which the streaming detector's effect-size check
 #: absorbs. Power: a 5-sigma mean shift with 5 points after it is found in 99% of series (all with 7).
 PENALTY_C = 6.0
+
+#: Half-width (points) of the local window on which :func:`find` confirms a change against a linear
+#: trend: a line is a local approximation of a drift or a slow curve, and 50 points on each side leave a
+#: slope well determined while a seasonal or curved series is still close to a line within it.
+LOCAL = 50
+
+#: Standard errors a jump needs in the local-trend confirmation of :func:`find` (as the streaming
+#: detector's ``min_t``).
+TREND_T = 5.0
 
 _SEARCH = {"bottomup": rpt.BottomUp, "binseg": rpt.Binseg, "pelt": rpt.Pelt}
 
@@ -48,6 +58,100 @@ def noise_sigma(values) -> float:
     return 1.4826 * _median(np.abs(d - _median(d))) / math.sqrt(2.0)
 
 
+#: Largest AR(1) coefficient :func:`noise_scales` reports. Above it the series is treated as nearly
+#: integrated (a smooth curve, a random walk): its long-run variance is then inflated (1 + r) / (1 - r)^2
+#: = 190-fold over the white estimate, which already makes any change that is not large against the
+#: curve's own wandering too expensive.
+RHO_MAX = 0.9
+
+
+def _mad_sd(d: np.ndarray) -> float:
+    return 1.4826 * _median(np.abs(d - _median(d))) if len(d) else 0.0
+
+
+def _wins_var(d: np.ndarray) -> float:
+    """Variance of ``d`` about its median with values beyond 4 robust sd (MAD) clipped: as efficient as
+    the sample variance on Gaussian data (the MAD alone needs ~2.7x the points for the same precision),
+    yet a few spikes or level shifts among the values barely move it."""
+    if not len(d):
+        return 0.0
+    m = _median(d)
+    s = _mad_sd(d)
+    w = np.clip(d - m, -4.0 * s, 4.0 * s)
+    return float(np.mean(w * w))
+
+
+def block_sigma(values, m: int) -> float:
+    """Long-run noise sd seen at the scale of ``m``-point means: ``sqrt(m / 2) * sd(D)`` with ``D`` the
+    differences between the means of adjacent ``m``-point blocks at every position (MAD: a spike moves
+    the 2m differences whose blocks hold it, so the estimate must tolerate a large share of outliers).
+    White noise gives its sd; autocorrelated noise of any form (not only AR(1): a mixture of slow and
+    fast wandering) gives what a comparison of ``m``-point means actually sees. NaNs are ignored."""
+    x = np.asarray(values, dtype=np.float64)
+    x = x[np.isfinite(x)]
+    m = int(m)
+    if m < 1 or len(x) < 2 * m + 2:
+        return 0.0
+    c = np.concatenate(([0.0], np.cumsum(x)))
+    mean = (c[m:] - c[:-m]) / m                  # mean of x[t:t+m] for t = 0 .. n-m
+    D = mean[m:] - mean[:-m]
+    return math.sqrt(m / 2.0) * _mad_sd(D)
+
+
+def noise_scales(values) -> tuple[float, float, float]:
+    """Robust noise of a series that may be autocorrelated: ``(sigma, rho, sigma_lr)``.
+
+    With AR(1) noise of coefficient r and marginal variance g, the first differences have variance
+    ``v1 = 2 g (1 - r)`` and the lag-2 differences ``v2 = 2 g (1 - r^2) = v1 (1 + r)``; both are taken
+    robustly (winsorized at 4 MAD-sd: level shifts and spikes touch few differences), so
+    ``r = v2 / v1 - 1`` (clipped to ``[0, RHO_MAX]``), the marginal sd ``sigma = sqrt(v1 / (2 (1 - r)))``
+    and the long-run sd (the sd of a segment mean times sqrt(its length), what a mean-shift test needs)
+    ``sigma_lr = sigma * sqrt((1 + r) / (1 - r))``. White noise: r ~ 0 and sigma_lr = sigma =
+    :func:`noise_sigma`. Smooth curves (trends, seasonality, random walks) have differences that are
+    themselves smooth: r reaches its cap and sigma_lr grows accordingly. NaNs are ignored; zeros for
+    fewer than 4 finite values.
+    """
+    x = np.asarray(values, dtype=np.float64)
+    x = x[np.isfinite(x)]
+    if len(x) < 4:
+        return 0.0, 0.0, 0.0
+    v1 = _wins_var(np.diff(x))
+    v2 = _wins_var(x[2:] - x[:-2])
+    if not v1 > 0:
+        return 0.0, 0.0, 0.0
+    r = min(max(v2 / v1 - 1.0, 0.0), RHO_MAX)
+    g = v1 / (2.0 * (1.0 - r))
+    return math.sqrt(g), r, math.sqrt(g * (1.0 + r) / (1.0 - r))
+
+
+def segment_noise(values, edges, m: int) -> float:
+    """Long-run noise sd of a series cut at ``edges`` (0, change points..., n), from within the segments
+    only: the larger of the AR(1) long-run sd of :func:`noise_scales` (differences inside segments) and
+    :func:`block_sigma` at scale ``m`` (block differences inside segments), pooled over the segments
+    (each contributes its differences). 0.0 when no segment is long enough."""
+    x = np.asarray(values, dtype=np.float64)
+    d1, d2, D = [], [], []
+    m = int(m)
+    for a, b in zip(edges[:-1], edges[1:]):
+        seg = x[a:b]
+        seg = seg[np.isfinite(seg)]
+        if len(seg) >= 4:
+            d1.append(np.diff(seg))
+            d2.append(seg[2:] - seg[:-2])
+        if m >= 1 and len(seg) >= 2 * m + 2:
+            c = np.concatenate(([0.0], np.cumsum(seg)))
+            mean = (c[m:] - c[:-m]) / m
+            D.append(mean[m:] - mean[:-m])
+    lr = 0.0
+    if d1:
+        v1, v2 = _wins_var(np.concatenate(d1)), _wins_var(np.concatenate(d2))
+        if v1 > 0:
+            r = min(max(v2 / v1 - 1.0, 0.0), RHO_MAX)
+            lr = math.sqrt(v1 / (2.0 * (1.0 - r)) * (1.0 + r) / (1.0 - r))
+    blk = math.sqrt(m / 2.0) * _mad_sd(np.concatenate(D)) if D else 0.0
+    return max(lr, blk)
+
+
 def median_filter(x: np.ndarray, width: int) -> np.ndarray:
     """Running median of odd ``width`` with symmetric edges (``d c b a | a b c d``), so a spike on
     the last point is still outvoted. ``width <= 1`` returns ``x`` unchanged."""
@@ -67,7 +171,8 @@ def median_filter(x: np.ndarray, width: int) -> np.ndarray:
 
 def find(values, *, model: str = "l2", min_size: int = 5, penalty: float | None = None,
          jump: int = 1, c: float = PENALTY_C, smooth: int = 5, search: str = "bottomup",
-         refine: bool = True, screen: bool = False, known=()) -> list[int]:
+         refine: bool = True, screen: bool = False, known=(), autocorr: bool = True,
+         trend: bool = True, local: int = LOCAL, trend_t: float | None = TREND_T) -> list[int]:
     """Indices where a new segment of ``values`` begins (0 and ``len(values)`` excluded).
 
     Parameters
@@ -78,8 +183,11 @@ def find(values, *, model: str = "l2", min_size: int = 5, penalty: float | None 
         any other model needs an explicit ``penalty``.
     min_size : minimum segment length (points); a change needs ``min_size`` points on both sides.
         Series shorter than ``2 * min_size`` give ``[]``.
-    penalty : cost per change point. Default (None): ``c * sigma**2 * log(n)`` with ``sigma`` from
-        :func:`noise_sigma` of the raw series (robust to spikes and the shifts themselves).
+    penalty : cost per change point. Default (None): ``c * sigma_lr**2 * log(n)`` with ``sigma_lr`` the
+        long-run noise sd of the raw series from :func:`noise_scales` (robust to spikes and the shifts
+        themselves; inflated for autocorrelated noise, so AR(1) noise, seasonality and smooth curves do
+        not pay for spurious changes). ``autocorr=False``: the white-noise ``sigma`` of :func:`noise_sigma`
+        (the behaviour before the long-run correction).
     jump : grid of candidate positions for the ruptures search (1 = every point). With ``refine`` the
         positions are re-optimised to the exact point afterwards, so ``jump > 1`` costs little accuracy.
     c : penalty constant (default :data:`PENALTY_C` = 6, about 3x the BIC's 2 log n: conservative for
@@ -100,6 +208,16 @@ def find(values, *, model: str = "l2", min_size: int = 5, penalty: float | None 
     known : with ``screen``: indices of change points already known (reported before); the screen then
         asks whether any segment *between* them could be split further, so a window holding an
         already-reported change does not pay for a full search on every call.
+    trend : for "l2": confirm every change against a local linear trend: on the points within ``local``
+        of it (and inside its neighbouring segments), fit level + slope + a jump at the change; the jump
+        must be at least ``trend_t`` standard errors, with the noise taken as the larger of ``sigma_lr``
+        and the robust sd of that fit's residuals (the series' own wandering around it: a seasonal
+        hump, a curve). A trend or a smooth curve cut into steps, which a piecewise-constant search
+        does, is dropped; an abrupt shift is kept. Weakest first, repeated.
+    local : half-width (points) of the local-trend confirmation (default :data:`LOCAL` = 50).
+    trend_t : standard errors the jump needs in that confirmation (default :data:`TREND_T` = 5, the
+        streaming detector's ``min_t``: one test at a known place, so no log n for the search; None:
+        the jump must pay the whole penalty).
 
     Constant series, all-NaN and very short series return ``[]``.
     """
@@ -115,7 +233,7 @@ def find(values, *, model: str = "l2", min_size: int = 5, penalty: float | None 
     if penalty is None:
         if model != "l2":
             raise ValueError(f"automatic penalty is calibrated for model='l2'; pass penalty for {model!r}")
-        sigma = noise_sigma(y)
+        sigma = noise_scales(y)[2] if autocorr else noise_sigma(y)
         # Floor: exactly piecewise-constant data has MAD 0; keep a penalty relative to the level.
         scale = _median(np.abs(y)) or float(np.max(np.abs(y)))
         sigma = max(sigma, 1e-4 * scale, 1e-12)
@@ -132,7 +250,45 @@ def find(values, *, model: str = "l2", min_size: int = 5, penalty: float | None 
         return []
     if refine and model == "l2" and bkps:
         bkps = _refine_l2(z, bkps, min_size, float(penalty))
+    if trend and model == "l2" and bkps:
+        slr = noise_scales(y)[2] if autocorr else noise_sigma(y)
+        need = float(penalty) if trend_t is None else trend_t * trend_t * max(slr, 1e-300) ** 2
+        bkps = _confirm_jumps(y, z, bkps, need, slr, int(local))
     return [int(keep[b]) for b in bkps]
+
+
+def _jump_gain(y: np.ndarray, z: np.ndarray, a: int, t: int, b: int, local: int, slr: float) -> float:
+    """The l2 gain of a jump at ``t`` once a local level and slope are allowed, in units of the penalty's
+    noise: ``jump^2 / var-factor * (slr / s)^2`` with s = max(slr, robust sd of the fit's residuals on the
+    raw values), on the points ``[max(a, t - local), min(b, t + local))`` of the filtered series."""
+    lo, hi = max(a, t - local), min(b, t + local)
+    if hi - lo < 4 or t - lo < 1 or hi - t < 1:
+        return math.inf
+    i = np.arange(lo, hi, dtype=np.float64)
+    X = np.stack((np.ones(hi - lo), (i - t) / (hi - lo), (i >= t).astype(np.float64)), axis=1)
+    try:
+        inv = np.linalg.inv(X.T @ X)
+    except np.linalg.LinAlgError:
+        return math.inf
+    beta = inv @ (X.T @ z[lo:hi])
+    res = y[lo:hi] - X @ beta
+    s = max(slr, _mad_sd(res), 1e-300)
+    return float(beta[2] ** 2 / inv[2, 2]) * (slr / s) ** 2 if slr > 0 else float(beta[2] ** 2 / inv[2, 2])
+
+
+def _confirm_jumps(y, z, bkps: list[int], pen: float, slr: float, local: int) -> list[int]:
+    """Drop, weakest first, the change points whose jump does not pay ``pen`` against a local trend
+    (:func:`_jump_gain` with the neighbouring change points as the window's limits)."""
+    n = len(z)
+    bk = list(bkps)
+    while bk:
+        e = [0] + bk + [n]
+        g = [_jump_gain(y, z, e[j - 1], e[j], e[j + 1], local, slr) for j in range(1, len(e) - 1)]
+        j = int(np.argmin(g))
+        if g[j] >= pen:
+            break
+        del bk[j]
+    return bk
 
 
 def _l2_cost(z: np.ndarray):
@@ -239,29 +395,41 @@ def _refine_l2(z: np.ndarray, bkps: list[int], min_size: int, pen: float) -> lis
 
 
 class ChangePoint(Detector):
-    """Regressions and recoveries of the job's step time (kinds ``regression`` / ``recovery``).
+    """Regressions and recoveries of the job's step time and of each of its phases (kinds
+    ``regression`` / ``recovery``).
 
     Per closed step the detector keeps the median step time over ranks (the only O(R) work per step)
-    and the medians of the phases over a fixed sample of at most ``phase_sample`` ranks, in ring
-    buffers of the last ``window`` steps. Every ``every`` steps (by step number) it runs :func:`find` on
-    the window. A candidate change at window index i is confirmed when
+    and the medians of the phases (data wait, compute, comm, comm wait, GC, host gap) over a fixed
+    sample of at most ``phase_sample`` ranks, in ring buffers of the last ``window`` steps. Every
+    ``every`` steps (by step number) it runs :func:`find` (``trend=False``) on the step-time series and,
+    with ``phases``, on each phase series. A candidate change at window index i of a series is
+    confirmed when (once the window holds ``min_steps`` steps)
 
     - at least ``min_size`` points follow it (the search guarantees it),
-    - the effect ``|median after - median before| / median before >= min_effect``, medians taken over
-      the segments around i on the raw (unfiltered) values, and
-    - the shift is large against the noise: ``|Δ| / (sigma * sqrt(1/n_before + 1/n_after)) >= min_t``
-      with ``sigma`` the robust noise level of the window, and
-    - the floor moved with it: the 25th percentile of the segments shifted in the same direction by at
-      least ``floor_share`` of the median's effect. A level shift moves every step; intermittent slow
-      steps (DataLoader stalls, unsynchronised GC, a straggler one step in three) raise only the upper
-      part of the distribution and are the jitter detector's.
+    - the shift is large against the series' own noise: ``|Δ| / (s sqrt(1/n_b + 1/n_a)) >= min_t``,
+      medians of the raw segments, ``s`` the long-run noise within the segments found
+      (:func:`segment_noise`), or within the two segments around the change, or within the regime since
+      the last reported change, when that is larger (a noisy regime after a quiet one: its wandering
+      is not a change),
+    - the effect is large enough: the step time by ``min_effect`` (relative), a phase by
+      ``phase_min_effect`` (relative to the lower level) and by ``phase_min_share`` of the median step
+      time,
+    - persistence: at least ``persist`` of each segment's steps lie on its own side of the midpoint
+      between the two medians (a level shift; not noise that takes turns, nor a few slow steps), and
+    - step time only: the floor moved with it (the 25th percentile of the segments shifted in the same
+      direction by at least ``floor_share`` of the median's effect; intermittent slow steps — DataLoader
+      stalls, unsynchronised GC, a straggler one step in three — raise only the upper part: jitter).
 
-    Each change is reported once: candidates within ``±min_size`` steps of an already reported change
-    are ignored, and reported changes are remembered until they leave the window. Alerts carry
-    ``step_first`` = the first step of the new segment, ``cost_pct`` = relative step-time increase in %
-    (0 for recoveries), ``cause`` from :func:`~stepwatch.detectors.causes.attribute` on the median
-    phases before vs after (phases also include ``comm_wait_ms`` → parallelism). Steps where every rank
-    is NaN are skipped. Alerts are ``firing`` only (a recovery is its own alert).
+    Each change is reported once: confirmed candidates of all series within ``min_size`` steps of each
+    other are one alert, led by the step time when it moved (the other series in ``also_changed``), else
+    by the phase that moved most (ms); candidates within ``±min_size`` steps of an already reported
+    change are ignored, and reported changes are remembered until they leave the window. Alerts carry
+    ``step_first`` = the first step of the new segment, ``evidence.series`` = the leading series,
+    ``cost_pct`` = relative step-time increase in % (a phase: its increase as % of the step time; 0 for
+    recoveries), ``cause``: a phase's own cause, or for the step time
+    :func:`~stepwatch.detectors.causes.attribute` on the median phases before vs after (phases also
+    include ``comm_wait_ms`` → parallelism), then confirmed with job-wide host evidence. Steps where
+    every rank is NaN are skipped. Alerts are ``firing`` only (a recovery is its own alert).
 
     Straggler-driven changes: in synchronous training one slow rank makes every step slower, so the
     job's step time shifts when a straggler appears or goes. Such a change shows as the median rank
@@ -283,6 +451,11 @@ class ChangePoint(Detector):
         critical_pct=10  regressions costing more than this (% step time) are ``critical``
         defer_stragglers=True  leave changes caused by a few slow ranks to ``slow_rank`` (see above)
         floor_share=0.5  the 25th percentile must move by this share of the median's effect (0: off)
+        persist=0.8      share of each segment's steps that must lie on its side of the midpoint
+        phases=True      also watch each phase's job-level series (see above)
+        phase_min_effect=0.10  minimum relative change of a phase (against the lower of the two levels)
+        phase_min_share=0.01   minimum change of a phase as a share of the median step time
+        min_steps=40     steps the window must hold before a change is judged (a noise estimate needs them)
     """
 
     name = "changepoint"
@@ -292,7 +465,8 @@ class ChangePoint(Detector):
     def __init__(self, *, window: int = 200, every: int = 5, min_size: int = 5, min_effect: float = 0.05,
                  min_t: float = 5.0, penalty_c: float = PENALTY_C, smooth: int = 5,
                  phase_sample: int = 256, critical_pct: float = 10.0, defer_stragglers: bool = True,
-                 floor_share: float = 0.5):
+                 floor_share: float = 0.5, persist: float = 0.8, phases: bool = True,
+                 phase_min_effect: float = 0.10, phase_min_share: float = 0.01, min_steps: int = 40):
         if window < 4 * min_size or min_size < 2:
             raise ValueError("changepoint: need min_size >= 2 and window >= 4 * min_size")
         if every < 1 or phase_sample < 1:
@@ -302,6 +476,11 @@ class ChangePoint(Detector):
         self.smooth, self.phase_sample, self.critical_pct = int(smooth), int(phase_sample), float(critical_pct)
         self.defer_stragglers = bool(defer_stragglers)
         self.floor_share = float(floor_share)
+        if not 0.5 <= persist <= 1.0:
+            raise ValueError("changepoint: persist must be in [0.5, 1]")
+        self.persist, self.phases = float(persist), bool(phases)
+        self.min_steps = int(min_steps)
+        self.phase_min_effect, self.phase_min_share = float(phase_min_effect), float(phase_min_share)
         W = self.window
         self._val = np.full(W, np.nan)                  # median step_ms per step
         self._step = np.zeros(W, dtype=np.int64)
@@ -368,41 +547,104 @@ class ChangePoint(Detector):
         lo = int(steps[0]) - self.min_size
         self._reported = [r for r in self._reported if r >= lo]
         known = np.searchsorted(steps, np.asarray(self._reported, dtype=np.int64))
-        bkps = find(vals, min_size=self.min_size, c=self.penalty_c, smooth=self.smooth, screen=True,
-                    known=known)
-        if not bkps:
+        cands = self._candidates("step_ms", vals, steps, known, None)
+        if self.phases:
+            step_level = _median(vals)
+            for j, name in enumerate(self._PH):
+                cands += self._candidates(name, ph[:, j], steps, known, step_level)
+        if not cands:
             return []
-        sigma = max(noise_sigma(vals), 1e-9)
-        edges = [0] + bkps + [n]
+        # one alert per change: candidates of all series within min_size steps of each other are one
+        # change; the step time leads when it moved, else the phase that moved most (in ms)
+        cands.sort(key=lambda c: c["step_first"])
+        clusters: list[list[dict]] = []
+        for c in cands:
+            if clusters and c["step_first"] - clusters[-1][0]["step_first"] <= self.min_size:
+                clusters[-1].append(c)
+            else:
+                clusters.append([c])
         alerts = []
         t_now = int(self._t[(self._n - 1) % self.window])
         step_now = int(steps[-1])
+        for cl in clusters:
+            lead = next((c for c in cl if c["series"] == "step_ms"), None)
+            if lead is None:
+                lead = max(cl, key=lambda c: abs(c["after"] - c["before"]))
+            self._reported.append(lead["step_first"])
+            alert = self._alert(ctx, lead, [c for c in cl if c is not lead], vals, ph, step_now, t_now, steps)
+            if alert is not None:
+                alerts.append(alert)
+        return alerts
+
+    def _candidates(self, name: str, v: np.ndarray, steps: np.ndarray, known, step_level) -> list[dict]:
+        """Confirmed changes of one series of the window (``step_level`` None: the step time, else a phase
+        and the window's median step time): the search, then effect size, significance against the
+        series' long-run noise, persistence of both segments and (step time) the floor check."""
+        fin = np.isfinite(v)
+        if np.count_nonzero(fin) < max(3 * self.min_size, self.min_steps):
+            return []
+        bkps = find(v, min_size=self.min_size, c=self.penalty_c, smooth=self.smooth, screen=True,
+                    known=known, trend=False)
+        if not bkps:
+            return []
+        n = len(v)
+        edges = [0] + bkps + [n]
+        # noise: within the segments found (the changes themselves do not count as noise), the larger of
+        # the AR(1) long-run sd and the sd seen by 2*min_size-point means (noise that wanders slowly, or
+        # a mixture of slow and fast wandering, which one AR(1) misses)
+        sigma = max(segment_noise(v, edges, 2 * self.min_size), 1e-9)
+        out = []
         for j in range(1, len(edges) - 1):
             a, i, b = edges[j - 1], edges[j], edges[j + 1]
             step_first = int(steps[i])
             if any(abs(step_first - r) <= self.min_size for r in self._reported):
                 continue
-            if b - i < self.min_size or i - a < self.min_size:
+            xb, xa = v[a:i][fin[a:i]], v[i:b][fin[i:b]]
+            if len(xb) < self.min_size or len(xa) < self.min_size:
                 continue
-            before, after = _median(vals[a:i]), _median(vals[i:b])
-            if not before > 0:
+            before, after = _median(xb), _median(xa)
+            d = after - before
+            # the noise around this change: the window's, or that of its two segments alone when they
+            # are noisier (a noisy regime after a quiet one: its wandering is not a change)
+            loc = segment_noise(np.concatenate((xb, xa)), [0, len(xb), len(xb) + len(xa)], 2 * self.min_size)
+            # ... and of the whole regime since the last reported change (short segments say little)
+            prior = [r for r in self._reported if r < step_first]
+            if prior:
+                r0 = min(int(np.searchsorted(steps, max(prior))), a)
+                reg = v[r0:b][fin[r0:b]]
+                cut = int(np.count_nonzero(fin[r0:i]))
+                if len(reg) >= 4 * self.min_size:
+                    loc = max(loc, segment_noise(reg, [0, cut, len(reg)], 2 * self.min_size))
+            sg = max(sigma, loc)
+            tstat = abs(d) / (sg * math.sqrt(1.0 / len(xb) + 1.0 / len(xa)))
+            if tstat < self.min_t or d == 0:
                 continue
-            effect = (after - before) / before
-            tstat = abs(after - before) / (sigma * math.sqrt(1.0 / (i - a) + 1.0 / (b - i)))
-            if abs(effect) < self.min_effect or tstat < self.min_t:
+            if step_level is None:
+                if not before > 0:
+                    continue
+                effect = d / before
+                if abs(effect) < self.min_effect:
+                    continue
+                # a level shift moves the floor of the step times too; intermittent slow steps (stalls,
+                # GC pauses, a straggler one step in three) only move the upper part: that is jitter
+                q_b, q_a = np.percentile(xb, 25), np.percentile(xa, 25)
+                floor = (q_a - q_b) / q_b if q_b > 0 else 0.0
+                if floor * np.sign(effect) < self.floor_share * abs(effect):
+                    continue
+            else:
+                low = min(abs(before), abs(after))
+                effect = d / low if low > 0 else math.copysign(math.inf, d)
+                if abs(effect) < self.phase_min_effect or not abs(d) >= self.phase_min_share * step_level:
+                    continue
+            # persistence: most steps of each segment lie on its own side of the midpoint (a level
+            # shift; noise that takes turns, or a few slow steps, does not)
+            mid = 0.5 * (before + after)
+            sgn = 1.0 if d > 0 else -1.0
+            if (np.mean(sgn * (xa - mid) > 0) < self.persist or np.mean(sgn * (mid - xb) > 0) < self.persist):
                 continue
-            # a level shift moves the floor of the step times too; intermittent slow steps (stalls,
-            # GC pauses, a straggler one step in three) only move the upper part: that is jitter
-            q_b, q_a = np.percentile(vals[a:i], 25), np.percentile(vals[i:b], 25)
-            floor = (q_a - q_b) / q_b if q_b > 0 else 0.0
-            if floor * np.sign(effect) < self.floor_share * abs(effect):
-                continue
-            self._reported.append(step_first)
-            alert = self._alert(ctx, effect, before, after, tstat, sigma, ph[a:i], ph[i:b],
-                                step_first, step_now, t_now, (a, i, b), steps)
-            if alert is not None:
-                alerts.append(alert)
-        return alerts
+            out.append({"series": name, "step_first": step_first, "seg": (a, i, b), "before": before,
+                        "after": after, "effect": effect, "tstat": tstat, "sigma": sg})
+        return out
 
     def _times(self) -> np.ndarray:
         n, W = self._n, self.window
@@ -411,39 +653,58 @@ class ChangePoint(Detector):
         i = n % W
         return np.concatenate((self._t[i:], self._t[:i]))
 
-    def _alert(self, ctx, effect, before, after, tstat, sigma, ph_before, ph_after, step_first,
-               step_now, t_now, seg, steps) -> Alert | None:
-        kind = "regression" if effect > 0 else "recovery"
-        pb = nanmedian(ph_before, axis=0)
-        pa = nanmedian(ph_after, axis=0)
+    def _alert(self, ctx, lead: dict, others: list[dict], vals, ph, step_now, t_now, steps) -> Alert | None:
+        a, i, b = lead["seg"]
+        series = lead["series"]
+        before, after, effect = lead["before"], lead["after"], lead["effect"]
+        up = after > before
+        kind = "regression" if up else "recovery"
+        pb = nanmedian(ph[a:i], axis=0)
+        pa = nanmedian(ph[i:b], axis=0)
         b_d = {k: float(pb[j]) for j, k in enumerate(self._PH)}
         a_d = {k: float(pa[j]) for j, k in enumerate(self._PH)}
         cause, phase_ev = attribute(b_d, a_d)
         if kind == "recovery":  # the cause that went away: the phase that shrank most
             cause = attribute(a_d, b_d)[0]
+        if series != "step_ms":
+            cause = PHASE_CAUSE[series]    # a phase's own change names its cause
+        step_b, step_a = _median(vals[a:i]), _median(vals[i:b])
+        d_step = step_a - step_b
         d_hi = float(pa[-1] - pb[-1])          # change of the busiest stage's median busy time
+        d_lead = after - before
         if (self.defer_stragglers and cause == "parallelism"
-                and not abs(d_hi) >= 0.5 * abs(after - before)):
+                and not abs(d_hi) >= 0.5 * abs(d_lead)):
             return None                     # a few slow ranks: the slow-rank detector names them
-        cost = max(effect, 0.0) * 100.0
-        a, i, b = seg
+        if series == "step_ms":
+            cost = max(effect, 0.0) * 100.0
+        else:
+            cost = max(d_lead, 0.0) / step_b * 100.0 if step_b > 0 else 0.0
         ts = self._times()
         host_ev = job_host_shift(ctx, (int(ts[a]), int(ts[i - 1])), (int(ts[i]), int(ts[b - 1])),
                                  (i - a, b - i)) if len(ts) == len(steps) else {}
         cause, reason = confirm_shift(cause, host_ev, kind)
         evidence = {
+            "series": series,
             "median_before_ms": round(before, 3), "median_after_ms": round(after, 3),
-            "effect_pct": round(effect * 100.0, 2), "t_stat": round(float(tstat), 2),
-            "noise_sigma_ms": round(float(sigma), 4),
+            "effect_pct": round(effect * 100.0, 2) if math.isfinite(effect) else None,
+            "t_stat": round(float(lead["tstat"]), 2),
+            "noise_sigma_ms": round(float(lead["sigma"]), 4),
             "segment_before": [int(steps[a]), int(steps[i - 1])],
             "segment_after": [int(steps[i]), int(steps[b - 1])],
-            "phase": phase_ev["phase"], "phases": phase_ev["phases"],
+            "phase": series if series != "step_ms" else phase_ev["phase"], "phases": phase_ev["phases"],
             "busiest_stage_busy_delta_ms": None if np.isnan(d_hi) else round(d_hi, 3),
             "cause_reason": reason,
         }
+        if series != "step_ms":
+            evidence["step_median_before_ms"] = round(step_b, 3)
+            evidence["step_median_after_ms"] = round(step_a, 3)
+            evidence["step_effect_pct"] = round(d_step / step_b * 100.0, 2) if step_b > 0 else None
+        if others:
+            evidence["also_changed"] = {c["series"]: {"before": round(c["before"], 3),
+                                                      "after": round(c["after"], 3)} for c in others}
         if host_ev:
             evidence["host"] = host_ev
-        return Alert(job=ctx.job, kind=kind, status="firing", step_first=step_first,
+        return Alert(job=ctx.job, kind=kind, status="firing", step_first=lead["step_first"],
                      step_detected=step_now, t_detected=t_now, ranks=[], nodes=[], cause=cause,
                      severity="critical" if cost > self.critical_pct else "warning",
                      evidence=evidence, cost_pct=round(cost, 3), suggestion=SUGGESTIONS[cause])

@@ -304,7 +304,8 @@ class Mfu(Detector):
         src = peak_tflops if peak_tflops is not None else os.environ.get("STEPWATCH_PEAK_TFLOPS")
         self.table = load_peak_table(src)
         self.baseline, self.slow, self.max_pending = int(baseline), float(slow), int(max_pending)
-        self._cp = ChangePoint(window=window, min_effect=min_effect, min_t=min_t, critical_pct=critical_pct)
+        self._cp = ChangePoint(window=window, min_effect=min_effect, min_t=min_t, critical_pct=critical_pct,
+                               phases=False)
         self._hist = np.full(self.baseline, np.nan)      # previous step medians (goodput baseline)
         self._nh = 0
         self._last_t = None

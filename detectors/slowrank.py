@@ -10,6 +10,11 @@ from .causes import (PHASES, SUGGESTIONS, attribute, comm_evidence, decide, gc_e
                      nanmedian, phase_arrays)
 
 _MAD_TO_SIGMA = 1.4826
+_DELAY = 8            # steps by which a rank's own offset lags its z (a new straggler is not absorbed)
+_OFFSET_STEPS = 64    # memory of the offset EWMA (steps)
+_EVERY = 16           # steps between calibrations of h and of the fleet's offset spread
+_SAMPLE_COLS = 2048   # ranks sampled for the null law
+_WARMUP = 20          # judged steps before the CUSUM may fire
 _KINDS = {"rank": "slow_rank", "node": "slow_node", "group": "slow_group"}
 
 
@@ -33,24 +38,41 @@ class SlowRank(Detector):
       healthy rank crossing both thresholds independently with probability p per step fires with
       probability ~C(13,5) p^5 = 1287 p^5 per step: heavy-tailed per-rank noise (the simulator's
       Student-t compute noise) gives p ~ 0.6%, ~1e-8 per rank-step.
-    - *accumulation* (CUSUM) for small persistent effects that rarely cross ``min_effect`` on a single
-      step: ``S = clip(S + min(effect, ref + cap) - ref, 0, 1.5 h)`` per rank, fire at ``S >= h``, with
-      ``ref = max(small_effect, 1.6 sigma, spread)``, ``h = max(small_h, 8 sigma)``, ``cap = max(0.015,
-      1.25 sigma)``, sigma the job's robust per-step relative noise (EWMA of 1.4826 MAD / median) and
-      spread = median + 5 robust sigmas of the ranks' ~20-step EWMA of their effect (healthy devices
-      that are persistently a few % apart raise the reference instead of firing; the accumulation
-      rule only fires once that spread is known, from the job's 20th judged step).
-      With the simulator's noise (sigma ~1.1%: ref 2%, h 10%, cap 1.5%) a rank whose busy time is 2.6%
-      higher (a "3%" slow-rank fault) fires after ~15 steps (median; some take 30+), 4.3% after ~7;
-      larger effects fire by persistence first. The capped increment makes heavy-tailed single-step
-      outliers harmless (seven near-maximal hits in a short run are needed), and ranks with a static
-      offset below ``ref`` drift back to 0: 0 false alarms in 15M clean rank-steps (3 x 16,384 ranks x
-      300 steps), also with h lowered to 7%.
+    - *accumulation*, a sequential test (two CUSUMs per rank) on the rank's robust z-score against its
+      stage peers, taken against the rank's **own offset** ``o`` (an EWMA of its z over ~64 steps,
+      lagging by 8 steps so a new straggler is not absorbed while it is being confirmed, and clipped to
+      the fleet's spread of offsets, median + 5 robust sd: healthy devices that are persistently a bit
+      apart, or drift slowly, are judged against themselves; a rank slower than the whole fleet's spread
+      is not). With ``u = z - o``: ``S = clip(S + min(u, c) - k, 0, 1.5 h)``, fire at ``S >= h``. The
+      small-effect test has ``k = max(ref_z, small_effect / sigma)`` (sigma: the job's relative noise;
+      an excess below ``small_effect`` is never accumulated) and ``c = k + span_z``; the large-effect
+      test ``k = max(big_ref_z, 2 k_small)``, ``c = k + big_span_z``. The clip makes a heavy-tailed
+      single step worth at most ``span``.
 
-    Resolution (hysteresis): ``clear_steps`` consecutive reported steps that are not flagged (an alert
-    that fired by accumulation also needs ``S < h/2`` on them); the rank's ``S`` restarts from 0 and
-    flags from before a resolution do not count towards the next firing. NaN (not reported) is neither
-    flagged nor clean.
+      False alarms, from the statistics: for i.i.d. increments ``x = min(u, c) - k`` (negative mean),
+      Wald's / Lorden's inequality bounds the probability that an excursion of S reaches h by
+      ``exp(-theta h)``, theta > 0 the root of ``E[exp(theta x)] = 1``. The detector solves theta every
+      16 steps on the pooled u of up to 2,048 sampled ranks (ranks under an alert left out; the mean of
+      the last four solutions), divides it by the autocorrelation's variance inflation ``(1 + phi) /
+      (1 - phi)`` (phi from the ratio of 16-step sums to single steps: drift left after the offsets,
+      which the CUSUM would accumulate) and sets ``h = max(log(1 / alpha) / theta, 3 span)``: at most
+      ``alpha`` false alarms per rank and step whatever the noise law. Heavy tails make theta small and
+      h large; light tails the reverse; no two steps, however wild, can fire (the bound rests on
+      theta, estimated from ~32k values, which sees a pair of 1e-4 tail events poorly). The tests
+      fire from the job's 20th judged step (offsets and h known).
+
+      Measured: with the simulator's noise (Student-t(3) clipped, sigma ~1.1%; theta ~2.2 / 1.9, h ~8 /
+      10) a 5% straggler (4.3% busy-time excess, ~3.9 sd) is confirmed in 5-8 steps (median 5.5 over 8
+      draws), 10% in 2-3; 0 false alarms in 2.4M clean rank-steps of the simulator, in 1.8M of
+      unclipped Student-t(3) noise and in 1.2M with AR(1) per-rank drift (0.9, 0.7%) on 1% noise.
+      A drift as large as the per-step noise (AR 0.95 at 1%) fires ~1 per 400k rank-steps. A 3%
+      straggler (2.3 sd) takes 11-24 steps, or is missed (3 of 8 draws of 70 steps).
+
+    Resolution (hysteresis): ``clear_steps`` consecutive reported steps that are not flagged and both
+    CUSUMs below ``h/2`` (a small straggler seldom crosses the per-step flag; without the CUSUM
+    condition it "recovered" between flags and fired again within the same fault); the rank's ``S``
+    restarts from 0 and flags from before a resolution do not count towards the next firing. NaN (not
+    reported) is neither flagged nor clean.
 
     Consolidation: when a rank fires and at least ``max(2, node_share * ranks on its node)`` ranks of its
     node are *hot* (>= 2 flags in the window, ``S >= h/2``, or already firing), one ``slow_node`` alert
@@ -80,8 +102,12 @@ class SlowRank(Detector):
         mad_floor=0.005  MAD floor as a fraction of the stage median
         min_peers=4      reporting ranks a stage needs on a step to be judged
         critical_pct=10  alerts whose cost exceeds this (% throughput) are ``critical``
-        small_effect=0.02  CUSUM reference (relative excess per step not counted); 0 disables CUSUM
-        small_h=0.10     CUSUM threshold (accumulated relative excess)
+        small_effect=0.02  least relative excess per step the CUSUMs count; 0 disables them
+        ref_z=1.5        reference k of the small-effect CUSUM (robust sd), at least small_effect/sigma
+        span_z=1.5       its clip above the reference (the most one step adds)
+        big_ref_z=3.0    reference of the large-effect CUSUM (at least twice the small one's)
+        big_span_z=4.0   its clip above the reference
+        alpha=1e-7       false-alarm bound per rank and step that sets h (Wald/Lorden, see above)
         node_share=0.5   share of a node's ranks that must be hot for one ``slow_node`` alert
         group_share=0.5  share of a data-parallel group that must be hot for one ``slow_group`` alert
     """
@@ -90,20 +116,24 @@ class SlowRank(Detector):
 
     def __init__(self, *, k: int = 5, n: int = 13, clear_steps: int = 10, z_min: float = 4.0,
                  min_effect: float = 0.05, mad_floor: float = 0.005, min_peers: int = 4,
-                 critical_pct: float = 10.0, small_effect: float = 0.02, small_h: float = 0.10,
-                 node_share: float = 0.5, group_share: float = 0.5):
+                 critical_pct: float = 10.0, small_effect: float = 0.02, ref_z: float = 1.5,
+                 span_z: float = 1.5, big_ref_z: float = 3.0, big_span_z: float = 4.0,
+                 alpha: float = 1e-7, node_share: float = 0.5, group_share: float = 0.5):
         if not (1 <= k <= n):
             raise ValueError(f"slow_rank: need 1 <= k <= n (k={k}, n={n})")
         if clear_steps < 1 or min_peers < 2:
             raise ValueError("slow_rank: clear_steps must be >= 1 and min_peers >= 2")
-        if small_effect < 0 or small_h <= 0:
-            raise ValueError("slow_rank: small_effect must be >= 0 and small_h > 0")
+        if (small_effect < 0 or min(ref_z, span_z, big_ref_z, big_span_z) <= 0 or big_ref_z < ref_z
+                or not 0 < alpha < 0.01):
+            raise ValueError("slow_rank: need small_effect >= 0, positive ref_z/span_z/big_ref_z/big_span_z, "
+                             "big_ref_z >= ref_z, 0 < alpha < 0.01")
         if not (0 < node_share <= 1 and 0 < group_share <= 1):
             raise ValueError("slow_rank: node_share and group_share must be in (0, 1]")
         self.k, self.n, self.clear_steps = int(k), int(n), int(clear_steps)
         self.z_min, self.min_effect, self.mad_floor = float(z_min), float(min_effect), float(mad_floor)
         self.min_peers, self.critical_pct = int(min_peers), float(critical_pct)
-        self.small_effect, self.small_h = float(small_effect), float(small_h)
+        self.small_effect, self.ref_z, self.span_z = float(small_effect), float(ref_z), float(span_z)
+        self.big_ref_z, self.big_span_z, self.alpha = float(big_ref_z), float(big_span_z), float(alpha)
         self.node_share, self.group_share = float(node_share), float(group_share)
         self._R = -1
         self._stage_key: np.ndarray | None = None
@@ -121,18 +151,27 @@ class SlowRank(Detector):
         self._tend = np.zeros(n, dtype=np.int64)
         self._flag = np.zeros((n, R), dtype=bool)
         self._clean = np.zeros(R, dtype=np.int32)                # consecutive clean reported steps
-        self._clean_c = np.zeros(R, dtype=np.int32)              # ... also below the CUSUM's h/2
         self._active = np.zeros(R, dtype=bool)
         self._mode = np.zeros(R, dtype=np.int8)                  # 1: fired by accumulation
         self._resolved_at = np.full(R, np.iinfo(np.int64).min, dtype=np.int64)   # step of last resolution
         self._cs = np.zeros(R, dtype=np.float64)                 # CUSUM of the relative excess
         self._cs_from = np.full(R, -1, dtype=np.int64)           # step where the current excursion began
         self._sigma = math.nan                                   # EWMA of the relative noise
-        self._lr = np.zeros(R, dtype=np.float64)                 # per-rank EWMA of the effect (~20 steps)
-        self._lr_n = np.zeros(R, dtype=np.int32)
-        self._lr_ref = 0.0                                       # fleet spread of persistent offsets
-        self._lr_age = 0
-        self._lr_ready = False
+        # sequential test (CUSUM in robust z units, see the class docs)
+        self._off = np.zeros(R, dtype=np.float64)                # each rank's own offset (delayed EWMA of z)
+        self._off_n = np.zeros(R, dtype=np.int32)
+        self._off_hi = math.inf                                  # fleet spread of healthy offsets
+        self._zring = np.full((_DELAY, R), np.nan, dtype=np.float32)   # z of the last _DELAY steps
+        self._cols = np.arange(0, R, max(1, -(-R // _SAMPLE_COLS)))     # ranks sampled for the null law
+        self._samp = np.full((_EVERY, len(self._cols)), np.nan, dtype=np.float32)
+        self._age = 0                                            # steps judged (by the CUSUM)
+        self._h = np.full(2, np.nan)                             # thresholds (small, big) from the null law
+        self._theta = np.full(2, np.nan)
+        self._thetas: list[np.ndarray] = []                      # of the last calibrations (averaged)
+        self._phi = 0.0                                          # lag-1 autocorrelation of the ranks' z
+        self._csb = np.zeros(R, dtype=np.float64)                # the second CUSUM (large effects)
+        self._csb_from = np.full(R, -1, dtype=np.int64)
+        self._cs_ready = False
         self._owner: dict[int, tuple] = {}                       # rank -> key of the alert covering it
         self._open: dict[tuple, dict] = {}                       # key -> {"alert", "members"}
         nanr = lambda: np.full((n, R), np.nan, dtype=np.float32)  # noqa: E731
@@ -156,12 +195,44 @@ class SlowRank(Detector):
             self._slices = [slice(a, b) for a, b in zip(np.r_[0, cuts], np.r_[cuts, R])]
         return self._groups
 
-    def _limits(self) -> tuple[float, float, float]:
-        """CUSUM reference, threshold and per-step clip for the current noise level."""
+    def _refs(self) -> tuple[float, float, float, float]:
+        """(k, c) of the two CUSUMs in robust z units: small effects ``k = max(ref_z, small_effect /
+        sigma)`` (an excess below 2% is never accumulated, however quiet the job), ``c = k + span_z``;
+        large effects ``k = max(big_ref_z, 2 k_small)``, ``c = k + big_span_z``."""
         sig = self._sigma if np.isfinite(self._sigma) else 0.0
-        ref = max(self.small_effect, 1.6 * sig, self._lr_ref)
-        h = max(self.small_h, 8.0 * sig)
-        return ref, h, ref + max(0.015, 1.25 * sig)
+        sig = max(sig, _MAD_TO_SIGMA * self.mad_floor)       # the z scale is floored the same way
+        k1 = max(self.ref_z, self.small_effect / sig)
+        k2 = max(self.big_ref_z, 2.0 * k1)
+        return k1, k1 + self.span_z, k2, k2 + self.big_span_z
+
+    def _calibrate(self) -> None:
+        """Every _EVERY steps: the thresholds h from the job's own null law and the fleet's offset spread.
+
+        The increments are ``x = min(u, c) - k`` with u the ranks' offset-corrected z. For a CUSUM with
+        i.i.d. increments, Wald's / Lorden's bound gives P(a false alarm in one excursion) <=
+        exp(-theta h), with theta > 0 the root of ``E[exp(theta x)] = 1``; so ``h = log(1/alpha) /
+        theta`` bounds the false-alarm rate by ``alpha`` per rank and step. theta is solved on the
+        pooled u of up to 2,048 sampled ranks over the last _EVERY steps (ranks under an alert left
+        out), averaged over the last four calibrations: heavy tails (which make theta small) raise h,
+        light tails lower it. h is at least three full increments (``3 * span``): no two steps fire.
+        """
+        k1, c1, k2, c2 = self._refs()
+        u = self._samp[np.isfinite(self._samp)].astype(np.float64)
+        if len(u) >= 256:
+            th = np.array([_cusum_theta(np.minimum(u, c1) - k1), _cusum_theta(np.minimum(u, c2) - k2)])
+            # autocorrelated increments (a rank's busy time drifting): the bound holds for the long-run
+            # variance, which AR(1) inflates by (1 + phi) / (1 - phi); theta scales inversely
+            phi = _pooled_phi(self._samp, c1)
+            th = th * (1.0 - phi) / (1.0 + phi)
+            self._phi = phi
+            self._thetas = (self._thetas + [th])[-4:]
+            self._theta = np.mean(np.stack(self._thetas), axis=0)
+            lg = math.log(1.0 / self.alpha)
+            self._h = np.maximum(lg / self._theta, 3.0 * np.array([self.span_z, self.big_span_z]))
+        seasoned = self._off[self._off_n >= 8]
+        if len(seasoned) >= self.min_peers:
+            med = float(np.median(seasoned))
+            self._off_hi = med + 5.0 * _MAD_TO_SIGMA * float(np.median(np.abs(seasoned - med)))
 
     # -- streaming -------------------------------------------------------------------------------
     def update(self, ctx: JobContext, block: StepBlock) -> list[Alert]:
@@ -219,7 +290,6 @@ class SlowRank(Detector):
         counts = csum[n:] - csum[:S]                 # flagged steps in the n steps ending at each step
         fire_k = flags & (counts >= k)
         hist_steps = np.concatenate((self._steps[order], block.steps))
-        eff_inc = np.where(judged, eff, np.nan)
 
         alerts: list[Alert] = []
         win = None
@@ -228,39 +298,13 @@ class SlowRank(Detector):
             # noise level, CUSUM
             if np.isfinite(sig_step[s]):
                 self._sigma = sig_step[s] if not np.isfinite(self._sigma) else 0.95 * self._sigma + 0.05 * sig_step[s]
-            ref, h, clip = self._limits()
             step = int(block.steps[s])
             if use_cs:
-                # healthy devices differ a little for good: the reference stays above the fleet's
-                # spread of persistent offsets (median + 5 robust sigmas of the per-rank EWMA)
-                e_s = eff_inc[s]
-                ok = ~np.isnan(e_s)
-                self._lr = np.where(ok, self._lr + 0.05 * (np.where(ok, e_s, 0.0) - self._lr), self._lr)
-                self._lr_n += ok
-                self._lr_age += 1
-                if self._lr_age >= 20 and (self._lr_age - 20) % 16 == 0:
-                    seasoned = self._lr[self._lr_n >= 20]
-                    if len(seasoned) >= self.min_peers:
-                        med = float(np.median(seasoned))
-                        self._lr_ref = med + 5.0 * _MAD_TO_SIGMA * float(np.median(np.abs(seasoned - med)))
-                        if not self._lr_ready:             # accumulate from here on the known spread
-                            self._lr_ready = True
-                            self._cs[:] = 0.0
-                            self._cs_from[:] = -1
-                        ref, h, clip = self._limits()
-                inc = np.minimum(eff_inc[s], clip) - ref
-                prev = self._cs
-                new = np.minimum(np.maximum(prev + np.where(np.isnan(inc), 0.0, inc), 0.0), 1.5 * h)
-                self._cs_from = np.where((prev <= 0) & (new > 0), step, self._cs_from)
-                self._cs = new
-                hot_c = new >= 0.5 * h
-                # no accumulation alarm before the fleet's spread is known (the first 20 steps)
-                fire_c = (new >= h) if self._lr_ready else np.zeros(R, dtype=bool)
+                hot_c, fire_c = self._cusum_step(z[s], judged[s], step)
             else:
                 hot_c = fire_c = np.zeros(R, dtype=bool)
             fl, vs = flags[s], valid[s]
             self._clean = np.where(fl, 0, self._clean + vs).astype(np.int32)
-            self._clean_c = np.where(fl | hot_c, 0, self._clean_c + vs).astype(np.int32)
             # fires (in rank order), then resolutions
             cand = np.flatnonzero((fire_k[s] | fire_c) & ~self._active)
             fired = []
@@ -271,11 +315,14 @@ class SlowRank(Detector):
                 if cnt >= k:
                     fired.append((r, 0))
                 elif fire_c[r]:
-                    # accumulation; a rank flagged on most of its steps is a plain straggler (mode 0:
-                    # resolved by flags), a small effect that rarely flags is resolved on the CUSUM too
-                    fired.append((r, 0 if cnt >= 3 else 1))
+                    fired.append((r, 1))             # accumulation (sequential test)
             if fired or self._active.any():
-                clear = np.where(self._mode == 1, self._clean_c, self._clean) >= self.clear_steps
+                # with the CUSUM on, every alert also needs the CUSUM back below h/2 after its clean steps:
+                # a straggler whose excess seldom crosses min_effect on one step (a 5% rank in 3%
+                # noise) would otherwise "recover" between flags and fire again within the same fault
+                clear = self._clean >= self.clear_steps
+                if use_cs and self._cs_ready:
+                    clear &= (self._cs < 0.5 * self._h[0]) & (self._csb < 0.5 * self._h[1])
                 gone = np.flatnonzero(clear & self._active)
             else:
                 gone = ()
@@ -312,6 +359,53 @@ class SlowRank(Detector):
                 self._ph[ph][slots] = arr
         self._pos += S
         return alerts
+
+    def _cusum_step(self, zs: np.ndarray, judged: np.ndarray, step: int):
+        """One step of the two sequential tests for every rank; returns (hot, fire) boolean vectors."""
+        R = self._R
+        k1, c1, k2, c2 = self._refs()
+        zz = np.where(judged, zs, np.nan)
+        off = np.clip(self._off, -self._off_hi, self._off_hi)
+        u = zz - off
+        miss = np.isnan(u)
+        ready = self._cs_ready
+        h1, h2 = (self._h if ready else (math.inf, math.inf))
+        for attr, k, c, h in (("_cs", k1, c1, h1), ("_csb", k2, c2, h2)):
+            prev = getattr(self, attr)
+            inc = np.where(miss, 0.0, np.minimum(u, c) - k)
+            new = np.minimum(np.maximum(prev + inc, 0.0), 1.5 * h)
+            frm = attr + "_from"
+            setattr(self, frm, np.where((prev <= 0) & (new > 0), step, getattr(self, frm)))
+            setattr(self, attr, new)
+        # the null law's sample (ranks under an alert left out) and the delayed offset update
+        self._samp[self._age % _EVERY] = np.where(self._active[self._cols], np.nan, u[self._cols])
+        dslot = self._age % _DELAY
+        old = self._zring[dslot].astype(np.float64)
+        self._zring[dslot] = zz
+        if not self._cs_ready:
+            old = zz                             # warm-up: learn the offsets from every step at once
+        ok = np.isfinite(old) & ~self._active
+        self._off_n += ok
+        rate = np.maximum(1.0 / np.maximum(self._off_n, 1), 1.0 / _OFFSET_STEPS)
+        self._off = np.where(ok, self._off + rate * (np.clip(np.where(ok, old, 0.0), -c1, c1) - self._off),
+                             self._off)
+        if judged.any():
+            self._age += 1
+            if self._age % _EVERY == 0:
+                self._calibrate()
+            if not self._cs_ready and self._age >= _WARMUP and np.isfinite(self._h).all():
+                self._cs_ready = True            # accumulate from here on, with offsets and h known
+                self._thetas = []                # calibrations of the warm-up (offsets unknown) do not count
+                self._calibrate()
+                self._cs[:] = 0.0
+                self._csb[:] = 0.0
+                self._cs_from[:] = -1
+                self._csb_from[:] = -1
+        if not self._cs_ready:
+            no = np.zeros(R, dtype=bool)
+            return no, no
+        h1, h2 = self._h
+        return ((self._cs >= 0.5 * h1) | (self._csb >= 0.5 * h2)), ((self._cs >= h1) | (self._csb >= h2))
 
     # -- alerts ----------------------------------------------------------------------------------
     def _order(self) -> np.ndarray:
@@ -365,7 +459,7 @@ class SlowRank(Detector):
                     step_first = int(w["steps"][half[0]])
             ev_rows = np.flatnonzero(flag.any(axis=1)) if len(M) > 1 else np.flatnonzero(mine)
         else:                                            # accumulation: from where the excursion began
-            cs_from = int(self._cs_from[r])
+            cs_from = int(self._cs_from[r] if self._cs[r] > 0 else self._csb_from[r])
             step_first = cs_from if cs_from >= 0 else step
             ev_rows = np.flatnonzero((w["steps"] >= step_first) & (w["steps"] > self._resolved_at[r]))
         step_first = min(step_first, step)
@@ -436,8 +530,8 @@ class SlowRank(Detector):
         self._active[r] = False
         self._mode[r] = 0
         self._resolved_at[r] = step
-        self._cs[r] = 0.0
-        self._cs_from[r] = -1
+        self._cs[r] = self._csb[r] = 0.0
+        self._cs_from[r] = self._csb_from[r] = -1
         key = self._owner.pop(r, None)
         o = self._open.get(key)
         if o is None:
@@ -452,6 +546,56 @@ class SlowRank(Detector):
                      step_detected=step, t_detected=t_end, ranks=list(a.ranks), nodes=list(a.nodes),
                      cause=a.cause, severity=a.severity, evidence=ev, cost_pct=a.cost_pct,
                      suggestion=a.suggestion, alert_id=a.alert_id)
+
+
+def _pooled_phi(samp: np.ndarray, c: float) -> float:
+    """The autocorrelation of the ranks' offset-corrected z over the sample ring (rows = consecutive
+    steps, oldest first; columns = ranks), as the AR(1) coefficient phi with the same long-run variance
+    ratio ``VR = mean over ranks of (sum over the T steps)^2 / (T mean z^2)`` (VR = (1 + phi) / (1 - phi)
+    for long blocks): values clipped to [-c, c] and centred on their overall median, not per rank
+    (what stays of a rank's drift, or of the error of its learned offset, is exactly what the CUSUM
+    accumulates). Clipped to [0, 0.9]."""
+    U = np.clip(samp.astype(np.float64), -c, c)
+    ok = np.isfinite(U).all(axis=0)
+    if ok.sum() < 16 or U.shape[0] < 4:
+        return 0.0
+    U = U[:, ok]
+    U = U - float(np.median(U))
+    den = float(np.mean(U * U)) * U.shape[0]
+    if not den > 0:
+        return 0.0
+    vr = float(np.mean(np.sum(U, axis=0) ** 2)) / den
+    return min(max((vr - 1.0) / (vr + 1.0), 0.0), 0.9)
+
+
+def _cusum_theta(x: np.ndarray) -> float:
+    """The root theta > 0 of ``mean(exp(theta x)) = 1`` (x: CUSUM increments with a negative mean and
+    some positive values); inf when no increment is positive (the test can never fire). Bisection on
+    log(theta) over a 512-bin histogram of x (bin centres weighted by counts, each bin under 1% of
+    the range wide), so each step of the search costs 512 exponentials, not len(x)."""
+    if not len(x) or not (x > 0).any():
+        return math.inf
+    if float(np.mean(x)) >= 0:
+        return 1e-3                                  # no drift down: the most conservative theta
+    cnt, edges = np.histogram(x, bins=512)
+    keep = cnt > 0
+    w = cnt[keep] / len(x)
+    v = 0.5 * (edges[:-1] + edges[1:])[keep]
+    v[-1] = float(np.max(x))                         # the top bin at its largest value (conservative)
+    vm = float(v[-1])
+
+    def f(th):                                       # log mean exp(th x), stably
+        return th * vm + math.log(float(np.dot(w, np.exp(th * (v - vm)))))
+    lo, hi = 1e-3, 50.0
+    if f(hi) < 0:
+        return hi
+    for _ in range(30):
+        mid = math.sqrt(lo * hi)
+        if f(mid) < 0:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _r(x, nd: int = 3):

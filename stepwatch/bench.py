@@ -242,3 +242,189 @@ def run_query_bench(a) -> int:
         print(f"  {name:<20} {rng:<12} {len(rows):>5} {times[0]:>8.2f} {times[1]:>8.2f}")
     print(f"\n  slowest query: {worst:.2f}s (target < 2 s); store {size / max(nrows, 1):.1f} B/step row (target < 40)")
     return 0
+
+
+# ------------------------------------------------------------------------------ change-point bench
+#: families of :func:`changepoint_series` (each drawn with and without mean shifts, except ``smooth``)
+CP_FAMILIES = ("steptime", "trend", "seasonal", "ar1", "smooth")
+
+
+def changepoint_series(per_family: int = 48, seed: int = 2024) -> list[dict]:
+    """Labelled series for judging offline change-point finders, written for this project (not taken
+    from any annotated benchmark). ``per_family`` series per family, half of them with mean shifts
+    (``smooth``: none); each item is ``{"name", "family", "y", "cps"}`` with ``cps`` the indices where
+    a new level begins. Shifts are clear (>= 3 noise sd, or >= 5% of a step time) and segments >= 25
+    points, so a human would mark them; nothing else is a change.
+
+    - ``steptime``: a step time of 80-300 ms, 1-3% Gaussian + Student-t(3) noise, single-step spikes
+      (+30-80%) on 1-3% of the steps, sometimes a checkpoint spike every 50 or 100 steps; shifts of
+      5-25% up or down.
+    - ``trend``: a linear or slowly curving drift (total 2-12 noise sd) over white noise; shifts 3-8 sd.
+    - ``seasonal``: a sine of period 12-90 points and amplitude 1-3 sd over white noise; shifts 3-8 sd.
+    - ``ar1``: AR(1) noise, coefficient 0.3-0.85 (unit marginal sd); shifts 3-6 marginal sd.
+    - ``smooth``: no change at all: growth curves (exponential, logistic) with 0.2-1% noise, and trend +
+      seasonal curves with small AR(1) noise (a population or a CO2 record has this shape).
+    """
+    rng = np.random.default_rng(seed)
+    out = []
+
+    def shifts(n, k, min_seg=25):
+        for _ in range(100):
+            c = np.sort(rng.choice(np.arange(min_seg, n - min_seg), size=k, replace=False))
+            if k == 0 or np.all(np.diff(np.r_[0, c, n]) >= min_seg):
+                return [int(x) for x in c]
+        return []
+
+    def levels(n, cps, size):
+        lv = np.zeros(n)
+        for c in cps:
+            lv[c:] += size() * rng.choice((-1.0, 1.0))
+        return lv
+
+    for fam in CP_FAMILIES:
+        for i in range(per_family):
+            n = int(rng.integers(100, 1001))
+            with_cp = fam != "smooth" and i % 2 == 1
+            k = int(rng.integers(1, 4)) if with_cp else 0
+            cps = shifts(n, k)
+            t = np.arange(n, dtype=np.float64)
+            if fam == "steptime":
+                base = float(rng.uniform(80, 300))
+                lv = np.ones(n)
+                for c in cps:
+                    lv[c:] *= 1.0 + float(rng.uniform(0.05, 0.25)) * rng.choice((-1.0, 1.0))
+                sd = float(rng.uniform(0.01, 0.03))
+                y = base * lv * (1.0 + sd * rng.standard_normal(n) + 0.3 * sd * rng.standard_t(3, n))
+                spk = rng.random(n) < rng.uniform(0.01, 0.03)
+                y[spk] *= 1.0 + rng.uniform(0.3, 0.8, spk.sum())
+                if rng.random() < 0.5:
+                    p = int(rng.choice((50, 100)))
+                    y[int(rng.integers(0, p))::p] *= 1.4
+            elif fam == "trend":
+                amp = float(rng.uniform(2, 12)) * rng.choice((-1.0, 1.0))
+                drift = amp * (t / n if rng.random() < 0.5 else (t / n) ** 2)
+                y = 10.0 + drift + levels(n, cps, lambda: rng.uniform(3, 8)) + rng.standard_normal(n)
+            elif fam == "seasonal":
+                per = float(rng.uniform(12, 90))
+                y = (float(rng.uniform(1, 3)) * np.sin(2 * np.pi * t / per + rng.uniform(0, 6.3))
+                     + levels(n, cps, lambda: rng.uniform(3, 8)) + rng.standard_normal(n))
+            elif fam == "ar1":
+                phi = float(rng.uniform(0.3, 0.85))
+                e = rng.standard_normal(n) * np.sqrt(1 - phi * phi)
+                u = np.empty(n)
+                u[0] = rng.standard_normal()
+                for j in range(1, n):
+                    u[j] = phi * u[j - 1] + e[j]
+                y = 5.0 + levels(n, cps, lambda: rng.uniform(3, 6)) + u
+            else:   # smooth
+                kind = i % 3
+                if kind == 0:
+                    y = 1000.0 * np.exp(float(rng.uniform(1, 3)) * t / n)
+                elif kind == 1:
+                    y = 1000.0 / (1.0 + np.exp(-(t - n * rng.uniform(0.3, 0.7)) / (n * rng.uniform(0.08, 0.2))))
+                    y += 50.0
+                else:
+                    phi = float(rng.uniform(0.3, 0.8))
+                    u = np.zeros(n)
+                    for j in range(1, n):
+                        u[j] = phi * u[j - 1] + rng.standard_normal()
+                    y = (300.0 + 0.02 * t + 0.00002 * t * t * rng.uniform(0, 2)
+                         + 3.0 * np.sin(2 * np.pi * t / 12) + 0.2 * u)
+                if kind < 2:
+                    y = y * (1.0 + float(rng.uniform(0.002, 0.01)) * rng.standard_normal(n))
+            out.append({"name": f"{fam}-{i:03d}", "family": fam, "y": np.asarray(y, dtype=np.float64),
+                        "cps": cps})
+    return out
+
+
+def cp_f1(true_cps, pred_cps, n: int, margin: int = 5) -> float:
+    """F1 of predicted change points against the true ones, a prediction within ``margin`` points of a
+    true change counting once. As in the usual benchmark convention, index 0 (the start of the series)
+    counts as a change in both sets, so a series without changes scored with no prediction gets 1."""
+    T = sorted({0, *[int(c) for c in true_cps if 0 < c < n]})
+    P = sorted({0, *[int(c) for c in pred_cps if 0 < c < n]})
+    used, tp = set(), 0
+    for t in T:
+        best = None
+        for j, p in enumerate(P):
+            if j not in used and abs(p - t) <= margin and (best is None or abs(p - t) < abs(P[best] - t)):
+                best = j
+        if best is not None:
+            used.add(best)
+            tp += 1
+    prec, rec = tp / len(P), tp / len(T)
+    return 0.0 if prec + rec == 0 else 2 * prec * rec / (prec + rec)
+
+
+def cp_cover(true_cps, pred_cps, n: int) -> float:
+    """Segmentation covering of the true segmentation by the predicted one: the sum over true segments
+    of their length times the best Jaccard index with a predicted segment, over ``n``."""
+    def segs(c):
+        e = [0, *sorted({int(x) for x in c if 0 < x < n}), n]
+        return list(zip(e[:-1], e[1:]))
+    S = segs(pred_cps)
+    total = 0.0
+    for a, b in segs(true_cps):
+        best = 0.0
+        for c, d in S:
+            inter = max(0, min(b, d) - max(a, c))
+            if inter:
+                best = max(best, inter / (max(b, d) - min(a, c)))
+        total += (b - a) * best
+    return total / n
+
+
+def cp_methods() -> dict:
+    """The finders compared by ``stepwatch bench changepoint``: ``find()`` with its defaults, ruptures'
+    binary segmentation and PELT with textbook settings (l2 cost, ruptures' default ``min_size=2`` and
+    ``jump=5``, the BIC penalty ``2 sigma^2 log n`` with sigma from the MAD of the first differences),
+    and predicting no change. ``find() white`` is ``find()`` with the defaults it had before issue 15 (a
+    white-noise penalty, no local-trend confirmation)."""
+    import ruptures as rpt
+
+    from stepwatch.detectors.changepoint import find, noise_sigma
+
+    def rpt_method(cls):
+        def f(y):
+            s = noise_sigma(y)
+            if not s > 0:
+                return []
+            pen = 2.0 * s * s * np.log(len(y))
+            return [int(b) for b in cls(model="l2").fit(y).predict(pen=pen)[:-1]]
+        return f
+
+    return {"find()": find,
+            "find() white": lambda y: find(y, autocorr=False, trend=False),
+            "binseg (BIC)": rpt_method(rpt.Binseg), "PELT (BIC)": rpt_method(rpt.Pelt),
+            "no change": lambda y: []}
+
+
+def run_changepoint_bench(a) -> int:
+    """``stepwatch bench changepoint``: F1 (5-point margin) and cover of the finders of :func:`cp_methods`
+    on the families of :func:`changepoint_series`, per family and overall."""
+    per = max(2, int(getattr(a, "cp_series", 0) or 48))
+    series = changepoint_series(per_family=per, seed=int(getattr(a, "cp_seed", 0) or 2024))
+    methods = cp_methods()
+    res = {m: {fam: [] for fam in CP_FAMILIES} for m in methods}
+    secs = {m: 0.0 for m in methods}
+    ncp = {m: 0 for m in methods}
+    for s in series:
+        n = len(s["y"])
+        for m, f in methods.items():
+            t = time.perf_counter()
+            pred = f(s["y"])
+            secs[m] += time.perf_counter() - t
+            ncp[m] += len(pred)
+            res[m][s["family"]].append((cp_f1(s["cps"], pred, n), cp_cover(s["cps"], pred, n)))
+    true_n = sum(len(s["cps"]) for s in series)
+    print(f"stepwatch bench changepoint: {len(series)} generated series ({per} per family: "
+          f"{', '.join(CP_FAMILIES)}), {true_n} true change points; F1 with a 5-point margin, cover")
+    head = f"  {'method':<14} {'F1':>6} {'cover':>6}  " + "  ".join(f"{fam:>13}" for fam in CP_FAMILIES)
+    print(head + f"  {'changes':>7} {'s':>6}")
+    for m in methods:
+        allv = np.array([v for fam in CP_FAMILIES for v in res[m][fam]])
+        fams = "  ".join(f"{np.mean([v[0] for v in res[m][fam]]):>6.2f}/{np.mean([v[1] for v in res[m][fam]]):<6.2f}"
+                         for fam in CP_FAMILIES)
+        print(f"  {m:<14} {allv[:, 0].mean():>6.3f} {allv[:, 1].mean():>6.3f}  {fams}  {ncp[m]:>7} {secs[m]:>6.2f}")
+    print("  (per family: F1/cover; 'changes': change points predicted in all series; s: seconds in all)")
+    return 0

@@ -5,8 +5,9 @@
     stepwatch simulate                 send a simulated cluster's telemetry to Kafka (faults + labels)
     stepwatch process                  the stream processor (consumer group -> Parquet, alerts)
     stepwatch sql "SELECT …"           DuckDB over the Parquet store
-    stepwatch bench ingest|query|overhead|detectors  throughput and lag into Parquet; canned-query
-                                       times at scale; probe and agent overhead; detector cost per step
+    stepwatch bench ingest|query|overhead|detectors|changepoint  throughput and lag into Parquet; canned-query
+                                       times at scale; probe and agent overhead; detector cost per step;
+                                       change-point finders on generated labelled series
     stepwatch eval                     the labelled scenario suite through the processor: recall, precision, delay
     stepwatch report --job J           HTML post-mortem; stepwatch compact: compaction and retention
     stepwatch grafana provision|export dashboards, DuckDB datasource, alert rules (idempotent)
@@ -87,19 +88,20 @@ def cmd_process(a) -> int:
     from stepwatch.stream.processor import Processor
     from stepwatch.dashboards.cli import annotation_sink_from_args
     from stepwatch.dashboards.grafana import GrafanaError
+    from stepwatch.dashboards.alertmanager import AlertmanagerError, sink_from_args as am_sink_from_args
+    from stepwatch.stream.alertfanout import attach
+    from stepwatch.stream.jobmetrics import configure_from_args
     s = settings_from_args(a)
     p = Processor(s, a.data_dir, group=a.group, flush_interval_s=a.flush_interval, lateness_s=a.lateness)
+    configure_from_args(p.job_metrics, a)
     try:
         sink = annotation_sink_from_args(a, registry=p.metrics.registry)   # None without --grafana-url
-    except GrafanaError as e:
+        am = am_sink_from_args(a, registry=p.metrics.registry)             # None without --alertmanager
+    except (GrafanaError, AlertmanagerError) as e:
         print(f"stepwatch process: {e}", file=sys.stderr)
         return 2
-
-    def on_alert(al):
-        print(al.line(), flush=True)
-        if sink:
-            sink.submit(al)          # never blocks; retries in the background
-    p.on_alert = on_alert
+    # every alert to the console, Grafana and Alertmanager (sinks never block; they retry in the background)
+    attach(p, [sink, am], echo=lambda al: print(al.line(), flush=True))
     if a.metrics_port:
         p.metrics.serve(a.metrics_port, a.metrics_addr)
     stop = threading.Event()
@@ -121,6 +123,8 @@ def cmd_process(a) -> int:
     finally:
         if sink:
             sink.close(10)
+        if am:
+            am.close(10)
     st = p.stats()
     if a.stats_json:
         import json
@@ -269,7 +273,8 @@ def cmd_bench(a) -> int:
     from stepwatch.agents.bench_overhead import run_overhead_bench
     from stepwatch.eval import run_detector_bench
     return {"ingest": bench.run_bench, "query": bench.run_query_bench, "overhead": run_overhead_bench,
-            "detectors": run_detector_bench, "profiling": _profiling_bench}[a.what](a)
+            "detectors": run_detector_bench, "profiling": _profiling_bench,
+            "changepoint": bench.run_changepoint_bench}[a.what](a)
 
 
 # ---------------------------------------------------------------------------- parser
@@ -334,6 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--stats-json", default=None, help="write final counters here on exit")
     from stepwatch.dashboards.cli import add_annotation_args, register as register_grafana
     add_annotation_args(pr)
+    from stepwatch.dashboards.alertmanager import add_args as add_alertmanager_args
+    from stepwatch.stream.jobmetrics import add_args as add_job_metrics_args
+    add_alertmanager_args(pr)
+    add_job_metrics_args(pr)
     register_grafana(sub)
     from stepwatch.agents.cli import register as register_agents
     register_agents(sub)
@@ -376,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=cmd_sql)
 
     be = sub.add_parser("bench", help="benchmarks that print figures")
-    be.add_argument("what", choices=["ingest", "query", "overhead", "detectors", "profiling"])
+    be.add_argument("what", choices=["ingest", "query", "overhead", "detectors", "profiling", "changepoint"])
     be.add_argument("--ranks", type=int, default=16384)
     be.add_argument("--steps", type=int, default=60, help="steps pre-produced for the throughput run")
     be.add_argument("--lag-seconds", type=int, default=30, help="length of the live (1 step/s) lag run")

@@ -40,6 +40,34 @@ def _png(fig) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+def label_rows(xs, span: float, rows: int = 4, gap: float = 0.12) -> list[int | None]:
+    """Rows (0 = top) for labels anchored at ``xs`` (sorted) on an axis ``span`` long, so that two labels
+    in the same row are at least ``gap * span`` apart; None: no room (the mark is drawn, unlabelled)."""
+    last = [-math.inf] * rows
+    out: list[int | None] = []
+    for x in xs:
+        for r in range(rows):
+            if x - last[r] >= gap * span:
+                last[r] = x
+                out.append(r)
+                break
+        else:
+            out.append(None)
+    return out
+
+
+def rank_axis(ax, n_bins: int, rbin: int) -> None:
+    """Integer rank ticks on a heatmap whose row i holds ranks ``[i * rbin, (i + 1) * rbin)`` (the image
+    drawn with ``extent`` y from ``n_bins * rbin - 0.5`` down to ``-0.5``)."""
+    from matplotlib.ticker import FixedLocator, MaxNLocator
+
+    if rbin == 1 and n_bins <= 16:
+        ax.yaxis.set_major_locator(FixedLocator(list(range(n_bins))))
+    else:
+        ax.yaxis.set_major_locator(MaxNLocator(nbins=8, integer=True))
+    ax.set_ylim(n_bins * rbin - 0.5, -0.5)
+
+
 def _range_sql(t_from, t_to) -> tuple[str, list]:
     cond, params = "", []
     if t_from:
@@ -91,11 +119,19 @@ def build(data_dir: str | Path, job: str, t_from: str | None = None, t_to: str |
     # 1. step time with change points
     fig, ax = plt.subplots(figsize=(11, 3.2))
     ax.plot(steps, step_ms, lw=1, color="#333")
-    for r in firing:
-        if r[1] in ("regression", "recovery"):
-            ax.axvline(r[3], color=KIND_COLORS[r[1]], ls="--", lw=1.2)
-            ax.annotate(f"{r[1]} ({r[7]})", (r[3], np.nanmax(step_ms)), fontsize=8, color=KIND_COLORS[r[1]],
-                        xytext=(3, -10), textcoords="offset points")
+    cps = sorted((r for r in firing if r[1] in ("regression", "recovery")), key=lambda r: r[3])
+    rows_ = label_rows([r[3] for r in cps], max(s_max - s_min, 1))
+    counts: dict[str, int] = {}
+    for r, row in zip(cps, rows_):
+        counts[r[1]] = counts.get(r[1], 0) + 1
+        ax.axvline(r[3], color=KIND_COLORS[r[1]], ls="--", lw=1.2)
+        if row is not None:                       # labels in up to 4 rows, never on top of each other
+            ax.annotate(f"{r[1]} ({r[7]})", (r[3], 1.0), xycoords=("data", "axes fraction"), fontsize=8,
+                        color=KIND_COLORS[r[1]], xytext=(3, -10 - 11 * row), textcoords="offset points")
+    if cps:                                       # how many of each, labelled or not
+        from matplotlib.lines import Line2D
+        ax.legend([Line2D([], [], color=KIND_COLORS[k], ls="--") for k in counts],
+                  [f"{k} ×{n}" for k, n in counts.items()], loc="lower right", fontsize=8)
     ax.set_xlabel("step")
     ax.set_ylabel("step time (ms, median over ranks)")
     ax.grid(alpha=0.3)
@@ -114,7 +150,8 @@ def build(data_dir: str | Path, job: str, t_from: str | None = None, t_to: str |
     fig, ax = plt.subplots(figsize=(11, 3.8))
     vmax = max(5.0, float(np.nanpercentile(np.abs(rel), 99.9)))
     im = ax.imshow(rel, aspect="auto", cmap="RdBu_r", vmin=-vmax, vmax=vmax, interpolation="nearest",
-                   extent=[s_min, s_max + 1, Rb * rbin, 0])
+                   extent=[s_min, s_max + 1, Rb * rbin - 0.5, -0.5])
+    rank_axis(ax, Rb, rbin)
     fig.colorbar(im, ax=ax, label="busy time vs step median (%)")
     ax.set_xlabel("step")
     ax.set_ylabel(f"rank{'' if rbin == 1 else f' (bins of {rbin})'}")

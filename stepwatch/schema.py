@@ -50,6 +50,9 @@ STEPS = pa.schema([
     pa.field("tokens", pa.int64()),
     pa.field("phases", pa.map_(pa.string(), F64)),
     pa.field("data_queue", pa.int32()),
+    # CPU starvation: the step-ending thread's CPU time, and its time runnable but waiting for a CPU
+    pa.field("cpu_ms", F64),
+    pa.field("cpu_wait_ms", F64),
 ])
 
 TOPOLOGY = pa.schema([
@@ -293,7 +296,7 @@ NATURAL_KEYS: dict[str, tuple[str, ...]] = {
 #: Columns that are durations (ms) or sizes: finite and >= 0 when present.
 NONNEGATIVE: dict[str, tuple[str, ...]] = {
     "steps": ("step_ms", "data_ms", "compute_ms", "comm_ms", "comm_wait_ms", "gc_ms", "gc_count",
-              "samples", "tokens", "rank", "step", "data_queue"),
+              "samples", "tokens", "rank", "step", "data_queue", "cpu_ms", "cpu_wait_ms"),
     "topology": ("rank", "world_size", "dp", "tp", "pp", "ep", "cp", "model_flops_per_token",
                  "model_params", "model_flops_per_sample"),
     "host": ("cpu_util", "cpu_iowait", "cpu_steal", "load1", "mem_used", "mem_available",

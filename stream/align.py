@@ -8,7 +8,8 @@ has moved ``lateness_ns`` past it, or when the ring needs the room; closed steps
 detectors in order as a :class:`~stepwatch.detectors.base.StepBlock`.
 
 Memory: 6 float64 planes + 1 bool plane + 1 float32 plane (DataLoader queue) x capacity x ranks, e.g. 16,384
-ranks x 128 steps ≈ 111 MB; tokens and samples are kept as per-step sums.
+ranks x 128 steps ≈ 111 MB; tokens and samples are kept as per-step sums. The CPU-starvation columns
+(``cpu_ms``, ``cpu_wait_ms``) get a float32 plane each once a producer sends them (+17 MB there).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from stepwatch.detectors.base import JobContext, StepBlock
 
 FIELDS = ("step_ms", "data_ms", "compute_ms", "comm_ms", "comm_wait_ms", "gc_ms")
 COUNTS = ("tokens", "samples")
+CPU = ("cpu_ms", "cpu_wait_ms")           # optional: float32 planes made when first reported
 INFO = ("device_type", "dtype", "model_flops_per_token", "model_flops_per_sample")
 COORDS = ("dp", "tp", "cp", "ep")
 
@@ -53,6 +55,7 @@ class JobState:
         self.sum_n = {c: np.zeros(capacity, dtype=np.int64) for c in COUNTS}
         self.queue = np.empty((capacity, 0), dtype=np.float32)
         self.queue_seen = False
+        self.cpu: dict[str, np.ndarray] = {}
         self.params = np.empty(0)                 # model_params per rank (NaN unknown)
         self.info: dict = {}
         self.filled = np.zeros((capacity, 0), dtype=bool)
@@ -81,6 +84,10 @@ class JobState:
         q = np.full((self.capacity, n), np.nan, dtype=np.float32)
         q[:, :old] = self.queue
         self.queue = q
+        for c, v in self.cpu.items():
+            q = np.full((self.capacity, n), np.nan, dtype=np.float32)
+            q[:, :old] = v
+            self.cpu[c] = q
         pr = np.full(n, np.nan)
         pr[:old] = self.params
         self.params = pr
@@ -136,6 +143,8 @@ class JobState:
         tp = self.coords.get("tp")
         info["tp_size"] = int(tp.max()) + 1 if tp is not None and len(tp) and tp.max() >= 0 else 1
         info["pp_size"] = int(self.stage.max()) + 1 if len(self.stage) else 1
+        if "cpu_wait_ms" in self.cpu:
+            info["cpu_wait_reported"] = True       # ranks measure their run-queue wait (causes.decide)
         return info
 
     def context(self) -> JobContext:
@@ -245,6 +254,12 @@ class JobState:
         if col is not None and col.null_count < len(col):
             self.queue_seen = True
             self.queue[slot, r] = col.to_numpy(zero_copy_only=False).astype(np.float32)[idx]
+        for c in CPU:
+            col = t.column(c) if c in t.column_names else None
+            if col is not None and col.null_count < len(col):
+                if c not in self.cpu:
+                    self.cpu[c] = np.full((self.capacity, self.world_size), np.nan, dtype=np.float32)
+                self.cpu[c][slot, r] = col.to_numpy(zero_copy_only=False).astype(np.float32)[idx]
         self.count += np.bincount(slot[open_], minlength=self.capacity)
         np.maximum.at(self.t_end, slot, t_end[idx])
         if len(s):
@@ -261,6 +276,8 @@ class JobState:
                 self.planes[f][sl].fill(np.nan)
             self.filled[sl].fill(False)
             self.queue[sl].fill(np.nan)
+            for v in self.cpu.values():
+                v[sl].fill(np.nan)
             for c in COUNTS:
                 self.sums[c][sl] = 0.0
                 self.sum_n[c][sl] = 0
@@ -282,7 +299,8 @@ class JobState:
         return StepBlock(steps=steps, t_end=self.t_end[slots].copy(), **p,
                          tokens=self.sums["tokens"][slots] if n_tok.any() else None, tokens_ranks=n_tok,
                          samples=self.sums["samples"][slots] if n_smp.any() else None, samples_ranks=n_smp,
-                         data_queue=self.queue[slots] if self.queue_seen else None)
+                         data_queue=self.queue[slots] if self.queue_seen else None,
+                         **{c: self.cpu[c][slots] if c in self.cpu else None for c in CPU})
 
     def _close_upto(self, b: int) -> list[StepBlock]:
         a = self.next_close

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 import subprocess
 import sys
@@ -60,7 +59,10 @@ def run_profiling_bench(a) -> int:
     base = Path(a.data_dir or tempfile.mkdtemp(prefix="stepwatch-bench-prof-"))
     base.mkdir(parents=True, exist_ok=True)
     sock = tempfile.mkdtemp(prefix="sw-bp-", dir="/tmp")
-    key = secrets.token_bytes(32)
+    from stepwatch.agents import profiling as prof
+    pem, pub = prof.keygen()                              # a fresh key pair: the processor signs, probes verify
+    key = prof.load_private_key(env={prof.ENV_PRIVATE: pem.decode()})
+    keys = prof.load_public_keys(env={prof.ENV_PUBLIC: pub})
     slow, n = 1, a.prof_steps
     print(f"stepwatch bench profiling: {a.prof_ranks} gloo ranks, step {a.prof_step_ms:.0f} ms, rank {slow} "
           f"+{a.prof_extra_ms:.0f} ms in slow_op; {n} steps of torch.profiler; {os.cpu_count()} CPUs; data in {base}")
@@ -69,7 +71,7 @@ def run_profiling_bench(a) -> int:
         s = KafkaSettings(bootstrap=broker.bootstrap, prefix="bprof.", partitions=2)
         ensure_topics(s)
         agent = Agent(s, socket_dir=sock, node="node-a", interval_s=0.3, spool_dir=base / "_spool",
-                      plugins=["cpu"]).enable_profiling(key, str(base / "traces"), cooldown_s=0.0).start()
+                      plugins=["cpu"]).enable_profiling(keys, str(base / "traces"), cooldown_s=0.0).start()
 
         def on_alert(al):
             if al.kind == "slow_rank" and al.status == "firing":
@@ -86,6 +88,8 @@ def run_profiling_bench(a) -> int:
         out = tempfile.mkdtemp(prefix="sw-bp-out-")
         stop_file = os.path.join(out, "STOP")
         env = wrap_env(job="bench-prof", socket_dir=sock)
+        env[prof.ENV_PUBLIC] = pub
+        env["STEPWATCH_PROFILE_DIR"] = str(base / "traces")
         env.update(SW_NPROC=str(a.prof_ranks), SW_STEP_MS=str(a.prof_step_ms), SW_SLOW_RANK=str(slow),
                    SW_SLOW_EXTRA_MS=str(a.prof_extra_ms), SW_SLOW_FROM=str(SLOW_FROM), SW_STOP=stop_file, SW_STEPS="100000", SW_OUT=out)
         p = subprocess.Popen([sys.executable, "-m", "stepwatch.agents.wrap", "--", sys.executable, str(train)],

@@ -36,6 +36,7 @@ from stepwatch.storage.store import Fenced, Marker, ParquetStore
 from stepwatch.storage.views import connect as views_connect
 from stepwatch.stream import fencing
 from stepwatch.stream.align import JobState
+from stepwatch.stream.jobmetrics import JobMetrics
 from stepwatch.stream.kafkaio import KafkaSettings, ensure_topics, make_consumer, make_producer
 from stepwatch.stream.metrics import ProcessorMetrics
 
@@ -91,7 +92,7 @@ class Processor:
         self.metrics = metrics or ProcessorMetrics()
         self.create_topics = create_topics
         self.idle_close_s = idle_close_s
-        if profiling == "env":                      # on when STEPWATCH_PROFILING_KEY[_FILE] holds a key
+        if profiling == "env":                      # on when STEPWATCH_PROFILING_PRIVATE_KEY[_FILE] holds a key
             from stepwatch.stream.profiling import settings_from_env
             profiling = settings_from_env()
         self.profiling_settings = profiling         # ProfilingSettings (stream.profiling); None: no commands
@@ -110,6 +111,9 @@ class Processor:
         self.t_last_flush: float | None = None      # wall time of the last flush that wrote rows
         self._topic_kind = {kafka.topic(k): k for k in INPUT_TOPICS}
         self._lag_by_tp: dict[tuple[str, int], int] = {}   # consumer lag per partition (last flush)
+        self.job_metrics = JobMetrics(self.metrics.registry)   # per-job Prometheus metrics (None: off)
+        # called with each alert still open in the store when a job is rebuilt (stream.alertfanout.attach)
+        self.on_alert_restored: Callable[[Alert], None] | None = self.job_metrics.on_alert
 
     # ------------------------------------------------------------------ kafka lifecycle
     def start(self) -> None:
@@ -317,6 +321,8 @@ class Processor:
     def _buffer(self, table: str, t: pa.Table) -> None:
         self.buffers[table].append(t)
         self.buffered_rows += t.num_rows
+        if self.job_metrics is not None:
+            self.job_metrics.on_rows(table, t)
 
     def _deadletter(self, msg, reason: str | None, rejected, rows: pa.Table | None) -> None:
         now = time.time_ns()
@@ -372,6 +378,10 @@ class Processor:
                 rt.state.set_topology(topo)
             for aid, status in con.execute("SELECT alert_id, status FROM alerts WHERE job = ?", [job]).fetchall():
                 rt.alerts_seen.add((aid, status))
+            if self.on_alert_restored is not None:     # sinks re-send them, job metrics count them
+                from stepwatch.stream.alertfanout import open_alerts
+                for a in open_alerts(con, job):
+                    self.on_alert_restored(a)
             top = con.execute("SELECT max(step) FROM steps WHERE job = ?", [job]).fetchall()[0][0]
             if top is not None:
                 lo = int(top) - self.replay_steps + 1
@@ -414,6 +424,8 @@ class Processor:
         ctx = self._ctx(rt)
         for blk in blocks:
             self.metrics.steps_closed.inc(len(blk))
+            if self.job_metrics is not None:
+                self.job_metrics.on_block(ctx, blk)
             for det in rt.detectors:
                 self._run_detector(rt, det, det.update, ctx, blk)
 
@@ -448,6 +460,8 @@ class Processor:
             a.evidence["t_first_ns"] = int(st.t_end[sl])    # lets Grafana draw the alert as a region
         self.alerts.append(a)
         self.metrics.alerts.labels(a.kind, a.status).inc()
+        if self.job_metrics is not None:
+            self.job_metrics.on_alert(a)
         row = pa.Table.from_pylist([a.row()], schema=wire.ALERTS)
         self._buffer("alerts", row)
         if self.producer is not None:

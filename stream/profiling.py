@@ -6,8 +6,9 @@ Lifecycle. When the processor emits a *firing* alert of a configured kind (defau
 at most ``max_suspects``; for a job-wide alert the rank with the highest busy time) and one healthy
 *reference* rank in the same role (same pipeline stage and tp/cp/ep coordinates when the topology
 has them; among those, the rank whose median busy time over the alignment window is closest to the
-median), maps ranks to nodes from the topology and publishes one signed command per node on
-``control`` (keyed by node). Before issuing it enforces the cap: ranks in flight (issued, not
+median), maps ranks to nodes from the topology and publishes one command per node on ``control``
+(keyed by node), sealed with the Ed25519 private key (:func:`stepwatch.agents.profiling.seal`; agents
+and probes verify with the public key only). Before issuing it enforces the cap: ranks in flight (issued, not
 answered, not expired) plus the new ones must not exceed ``max_in_flight``; otherwise it records
 ``rejected`` rows with detail ``cap`` in the ``profiles`` table instead.
 
@@ -50,7 +51,7 @@ class ProfilingSettings:
     (``torch`` | ``py-spy``); ``steps`` per profile; ``ttl_s`` a command's lifetime (the deadline of
     the profile too); ``max_in_flight`` the cap on ranks profiling at once."""
 
-    key: bytes
+    key: object                                  # Ed25519PrivateKey (profiling.load_private_key)
     alert_kinds: dict = field(default_factory=lambda: dict(DEFAULT_ALERT_KINDS))
     steps: int = 10
     ttl_s: float = 120.0
@@ -60,11 +61,11 @@ class ProfilingSettings:
 
     @classmethod
     def from_env(cls, env=None) -> "ProfilingSettings | None":
-        """From ``STEPWATCH_PROFILING_KEY[_FILE]`` (None without a key) and optionally
+        """From ``STEPWATCH_PROFILING_PRIVATE_KEY[_FILE]`` (None without a key) and optionally
         ``STEPWATCH_PROFILE_ON`` (``slow_rank=torch,regression=py-spy``), ``STEPWATCH_PROFILE_STEPS``,
         ``STEPWATCH_PROFILE_TTL_S``, ``STEPWATCH_PROFILE_MAX_IN_FLIGHT``."""
         env = os.environ if env is None else env
-        key = profiling.load_key(env=env)
+        key = profiling.load_private_key(env=env)
         if key is None:
             return None
         s = cls(key=key)
@@ -220,11 +221,14 @@ class Issuer:
         by_node: dict[str, list] = {}
         for r in ranks:
             by_node.setdefault(nodes[r], []).append(r)
-        for node, rs in by_node.items():
-            cmd = profiling.new_command(job, node, rs, steps, kind, reason, reference=[r for r in rs if r in reference],
-                                        ttl_s=ttl, key=self.settings.key, now_ns=now, cmd_id=cmd_id)
-            self.producer.send(self.kafka.topic("control"), encode_control(cmd), key=node.encode(),
-                               headers=control_headers())
+        try:                                     # every envelope first: a command is sent whole or not at all
+            sealed = [(node, encode_control(profiling.new_command(
+                job, node, rs, steps, kind, reason, reference=[r for r in rs if r in reference], ttl_s=ttl, now_ns=now,
+                cmd_id=cmd_id), self.settings.key)) for node, rs in by_node.items()]
+        except ValueError as e:                  # over the envelope's bounds (docs/limits.md)
+            return cmd_id, refused(f"command not sent: {e}")
+        for node, env in sealed:
+            self.producer.send(self.kafka.topic("control"), env, key=node.encode(), headers=control_headers())
         self.producer.flush(5)
         self.pending[cmd_id] = Pending(cmd_id, job, list(suspects), list(reference), now + int(ttl * 1e9), kind,
                                        alert=alert, t_issued=time.monotonic())

@@ -1,7 +1,7 @@
 """``stepwatch profile``: targeted profiling by hand, and the side-by-side diff of a command's results.
 
 ``stepwatch profile --job J --rank R --steps N [--kind torch|py-spy] [--reference R2]`` signs a
-``control`` command (key from ``STEPWATCH_PROFILING_KEY[_FILE]``) for the node(s) of those ranks (from
+``control`` command (private key from ``STEPWATCH_PROFILING_PRIVATE_KEY[_FILE]``) for the node(s) of those ranks (from
 ``--node``, else the ``topology`` table under ``--data-dir``), publishes it and waits for the
 ``profiles`` rows (``--no-wait``: print the command id and return).
 
@@ -28,6 +28,8 @@ def _nodes_from_store(data_dir: str, job: str, ranks: list[int]) -> dict[int, st
 
 def cmd_profile(a) -> int:
     if a.action:
+        if a.action[0] == "keygen":
+            return cmd_keygen(a.action[1:])
         if a.action[0] != "diff" or len(a.action) != 2:
             print("usage: stepwatch profile diff CMD_ID [--data-dir D]  |  stepwatch profile --job J --rank R ...",
                   file=sys.stderr)
@@ -40,12 +42,13 @@ def cmd_profile(a) -> int:
     from stepwatch.stream.kafkaio import make_producer, settings_from_args
     from stepwatch.stream.profiling import Issuer, ProfilingSettings
     try:
-        key = profiling.load_key()
+        key = profiling.load_private_key()
     except profiling.KeyError_ as e:
         print(f"stepwatch profile: {e}", file=sys.stderr)
         return 2
     if key is None:
-        print("stepwatch profile: no key: set STEPWATCH_PROFILING_KEY or STEPWATCH_PROFILING_KEY_FILE", file=sys.stderr)
+        print("stepwatch profile: no key: set STEPWATCH_PROFILING_PRIVATE_KEY_FILE (or STEPWATCH_PROFILING_PRIVATE_KEY); "
+              "'stepwatch profile keygen DIR' makes a key pair", file=sys.stderr)
         return 2
     ranks = list(a.rank)
     refs = list(a.reference or [])
@@ -97,6 +100,30 @@ def cmd_profile(a) -> int:
         print(f"\nsuspect rank {s_ok[0]} vs reference rank {r_ok[0]}:")
         print(format_diff(diff(json.loads(oks[s_ok[0]]["summary"]), json.loads(oks[r_ok[0]]["summary"]))))
     return 0 if want <= set(oks) else 1
+
+
+def cmd_keygen(args: list[str]) -> int:
+    """``stepwatch profile keygen DIR``: a new Ed25519 key pair: ``DIR/profiling-signing-key.pem``
+    (mode 0600: the processor's, never the nodes') and ``DIR/profiling-public-key.txt`` (base64: for
+    agents and training processes, STEPWATCH_PROFILING_PUBLIC_KEY). Prints the public key only."""
+    if len(args) != 1:
+        print("usage: stepwatch profile keygen DIR", file=sys.stderr)
+        return 2
+    from stepwatch.agents import profiling
+    d = args[0]
+    os.makedirs(d, exist_ok=True)
+    priv = os.path.join(d, "profiling-signing-key.pem")
+    if os.path.exists(priv):
+        print(f"stepwatch profile keygen: {priv} exists; not overwriting it", file=sys.stderr)
+        return 1
+    pem, pub = profiling.keygen()
+    fd = os.open(priv, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(pem)
+    with open(os.path.join(d, "profiling-public-key.txt"), "w") as f:
+        f.write(pub + "\n")
+    print(f"private key (processor only): {priv}\npublic key (agents, training pods): {pub}")
+    return 0
 
 
 def _watch(s):
@@ -160,7 +187,8 @@ def register(sub) -> None:
     """Add ``profile`` to a ``stepwatch`` subparsers object."""
     from stepwatch.stream.kafkaio import add_kafka_args
     p = sub.add_parser("profile", help="fine-grained profile of some ranks (signed command), or 'profile diff CMD_ID'")
-    p.add_argument("action", nargs="*", help="'diff CMD_ID' compares a command's suspect and reference profiles")
+    p.add_argument("action", nargs="*", help="'diff CMD_ID' compares a command's suspect and reference profiles; "
+                                               "'keygen DIR' makes the Ed25519 key pair that signs commands")
     p.add_argument("--job")
     p.add_argument("--rank", type=int, action="append", help="rank to profile (repeatable)")
     p.add_argument("--reference", type=int, action="append", help="healthy rank profiled alongside (repeatable)")

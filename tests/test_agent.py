@@ -227,10 +227,11 @@ def test_safe_job_and_identity_validation():
 def test_rows_from_batch_maps_names_and_nulls():
     ident = identity_from_hello({"job": "j", "rank": 1, "world_size": 2, "names": {"1": "all_reduce", "2": "dp0",
                                                                                   "3": "forward"}}, "n", None)
-    step = (7, 10, 20, 5e6, 1e6, 3e6, 0.5e6, 0.5e6, 0.0, 0, -1, 32, -1, 4)       # durations in ns
+    step = (7, 10, 20, 5e6, 1e6, 3e6, 0.5e6, 0.5e6, 0.0, 0, -1, 32, -1, 4, 2.5e6, -1.0)   # durations in ns
     s, c, g = rows_from_batch(ident, (step, [(3, 2.5e6)], [(1, 2, 3, 4096, 1e6, 0.8e6)], [(15, 2e6, 2, 10, 0)]))
     assert s["step"] == 7 and s["step_ms"] == 5.0 and s["phases"] == [("forward", 2.5)] and s["samples"] == 32
     assert s["tokens"] is None and s["data_queue"] is None and ident.dropped == 4
+    assert s["cpu_ms"] == 2.5 and s["cpu_wait_ms"] is None             # -1: not measured -> null
     assert c == [{"job": "j", "node": "n", "rank": 1, "step": 7, "op": "all_reduce", "group": "dp0", "count": 3,
                   "bytes": 4096, "time_ms": 1.0, "wait_ms": 0.8}]
     assert g[0]["generation"] == 2 and g[0]["t"] == 15 and g[0]["duration_ms"] == 2.0
@@ -265,8 +266,8 @@ def test_bad_datagrams_are_counted_never_fatal(sockdir):
 def test_records_before_hello_wait_for_it_and_topology_is_sent_once(sockdir):
     a = Agent(None, socket_dir=sockdir, node="n1", job="fallback", plugins=[])
     inst = 1234
-    hdr = P.HDR.pack(P.MAGIC, 1, P.T_BATCH, inst, 3, 1, 0, 0, 0)
-    batch = hdr + P.STEP.pack(5, 1, 2, 1.0, 0, 1.0, 0, 0, 0, 0, -1, -1, -1, 0)
+    hdr = P.HDR.pack(P.MAGIC, 1, P.T_BATCH, inst, 3, 1, 0, 0, 0)         # a version-1 probe (no CPU fields)
+    batch = hdr + P.STEP_V1.pack(5, 1, 2, 1.0, 0, 1.0, 0, 0, 0, 0, -1, -1, -1, 0)
     a.handle(batch)
     assert a.tick() == []                                  # held, not dropped
     hello = P.HDR.pack(P.MAGIC, 1, P.T_HELLO, inst, 3, 0, 0, 0, 0) + b'{"rank": 3, "world_size": 4}'

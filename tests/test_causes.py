@@ -95,3 +95,32 @@ def test_dp_groups_from_topology_coordinates():
     assert JobContext("j", R, np.array(["n"] * R, dtype=object), stage).dp_groups() is None
     no_tp = {"tp": np.full(R, -1, np.int32)}
     assert JobContext("j", R, np.array(["n"] * R, dtype=object), stage, coords=no_tp).dp_groups() is None
+
+
+def test_measured_run_queue_wait_decides_contention_and_the_new_process_comes_first():
+    """Where the ranks report cpu_wait_ms (the stepwatch probe), a busy process beside a rank whose compute
+    grew is not the cause; when the rank waited for its CPU (host gap), the process that was not on the
+    node before the window is named first, even below half a core."""
+    rows = []
+    for ti in range(1, 40):
+        procs = [{"pid": 11, "name": "pt_main_thread", "cpu_pct": 60.0},       # the job's own ranks
+                 {"pid": 12, "name": "pt_main_thread", "cpu_pct": 58.0}]
+        if ti >= 30:                                                           # from t=30 s on the same node
+            procs.append({"pid": 999, "name": "cpu-hog", "cpu_pct": 45.0})
+        rows.append({"job": "j", "node": "node-a", "t": ti * NS, "cpu_util": 80.0, "top_procs": procs})
+    ctx = ctx_with(wire.conform(pa.Table.from_pylist(rows), wire.HOST))
+    ctx.nodes = np.array(["node-a", "node-a"], dtype=object)
+    unmeasured = host_evidence(ctx, ["node-a"], 30 * NS, 39 * NS)
+    assert "cpu_wait_reported" not in unmeasured
+    assert [p["name"] for p in unmeasured["foreign"]] == ["pt_main_thread"]    # >= 50%: the old rule
+    assert decide("computation", unmeasured)[0] == "cpu"                       # inferred, as before
+    ctx.info["cpu_wait_reported"] = True
+    ev = host_evidence(ctx, ["node-a"], 30 * NS, 39 * NS)
+    assert ev["cpu_wait_reported"] is True
+    assert ev["foreign"][0] == {"node": "node-a", "name": "cpu-hog", "pid": 999, "cpu_pct": 45.0,
+                                "seen_elsewhere": 0.0, "new": True}
+    assert ev["foreign"][1]["name"] == "pt_main_thread" and ev["foreign"][1]["new"] is False
+    cause, why = decide("cpu", ev)
+    assert cause == "cpu" and "cpu-hog (pid 999)" in why and "waiting for a CPU" in why and "new there" in why
+    assert decide("computation", ev) == ("computation", "phase breakdown")    # it got its CPU: not contention
+    assert decide("cpu", {"cpu_wait_reported": True, "foreign": []})[0] == "cpu"

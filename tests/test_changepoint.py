@@ -262,3 +262,59 @@ def test_invalid_settings_rejected():
         ChangePoint(window=10, min_size=5)
     with pytest.raises(ValueError):
         ChangePoint(every=0)
+
+
+# -- find() defaults: long-run noise, local-trend confirmation ----------------------------------------
+def test_find_does_not_cut_smooth_curves_or_ar1_noise_into_steps():
+    rng = np.random.default_rng(30)
+    t = np.arange(816, dtype=float)
+    growth = 1000.0 * np.exp(2.0 * t / 816) * (1.0 + 0.003 * rng.standard_normal(816))   # a population curve
+    assert len(find(growth)) <= 1
+    assert len(find(growth, autocorr=False, trend=False)) > 20                   # what the old defaults did
+    t = np.arange(104, dtype=float)
+    co2 = 300 + 0.1 * t + 3.0 * np.sin(2 * np.pi * t / 12) + 0.2 * rng.standard_normal(104)
+    assert find(co2) == []
+    for phi in (0.5, 0.8):
+        for _ in range(10):
+            e = rng.standard_normal(600)
+            u = np.zeros(600)
+            for i in range(1, 600):
+                u[i] = phi * u[i - 1] + e[i]
+            assert find(u) == []
+
+
+def test_find_keeps_an_abrupt_shift_on_a_trend_and_in_ar1_noise():
+    rng = np.random.default_rng(31)
+    t = np.arange(500, dtype=float)
+    x = 0.02 * t + rng.standard_normal(500)
+    x[300:] += 5.0
+    assert near(find(x), [300])
+    e = rng.standard_normal(500)
+    u = np.zeros(500)
+    for i in range(1, 500):
+        u[i] = 0.6 * u[i - 1] + 0.8 * e[i]
+    u[200:] += 8.0                                # 4 long-run sd (sigma_lr = 0.8 / 0.4 = 2)
+    assert near(find(u), [200])
+
+
+def test_noise_scales_reads_ar1_coefficient():
+    from stepwatch.detectors.changepoint import noise_scales
+    rng = np.random.default_rng(32)
+    for phi in (0.0, 0.5, 0.8):
+        e = rng.standard_normal(20000)
+        u = np.zeros(20000)
+        for i in range(1, 20000):
+            u[i] = phi * u[i - 1] + e[i] * np.sqrt(1 - phi * phi)
+        sd, r, lr = noise_scales(u)
+        assert abs(r - phi) < 0.06 and abs(sd - 1.0) < 0.1
+        assert abs(lr - np.sqrt((1 + phi) / (1 - phi))) < 0.25
+
+
+def test_bench_scores():
+    from stepwatch.bench import changepoint_series, cp_cover, cp_f1
+    assert cp_f1([], [], 100) == 1.0 and cp_cover([], [], 100) == 1.0
+    assert cp_f1([50], [52], 100) == 1.0 and cp_f1([50], [], 100) == pytest.approx(2 / 3)
+    assert cp_cover([50], [], 100) == pytest.approx(0.5)
+    series = changepoint_series(per_family=4, seed=1)
+    assert len(series) == 20 and all(len(s["y"]) >= 100 for s in series)
+    assert {s["family"] for s in series if s["cps"]} == {"steptime", "trend", "seasonal", "ar1"}

@@ -12,6 +12,8 @@ import argparse
 import importlib.util
 import json
 import re
+import shutil
+import subprocess
 import uuid
 from pathlib import Path
 
@@ -37,8 +39,10 @@ VALUE_SETS = {
     "nvidia-sasl": yaml.safe_load((CHART / "ci" / "nvidia-sasl-values.yaml").read_text()),
     "ascend-profiling": yaml.safe_load((CHART / "ci" / "ascend-profiling-values.yaml").read_text()),
     "scale-out": yaml.safe_load((CHART / "ci" / "scale-out-values.yaml").read_text()),
+    "alerting": yaml.safe_load((CHART / "ci" / "alerting-values.yaml").read_text()),
 }
 MINIMAL = VALUE_SETS["defaults"]
+PUBLIC_KEY = VALUE_SETS["ascend-profiling"]["profiling"]["publicKey"]       # a real Ed25519 public key
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -202,6 +206,8 @@ EXPECTED_KINDS = {
                          "PodDisruptionBudget", "PersistentVolumeClaim", "ConfigMap"},
     "scale-out": {"ServiceAccount", "PriorityClass", "DaemonSet", "Deployment", "Service", "PodDisruptionBudget",
                   "CronJob", "ConfigMap", "ServiceMonitor"},              # (data on S3: no volume)
+    "alerting": {"ServiceAccount", "PriorityClass", "DaemonSet", "Deployment", "Service", "PodDisruptionBudget",
+                 "PersistentVolumeClaim", "CronJob", "ConfigMap", "ServiceMonitor", "PrometheusRule"},
 }
 
 
@@ -288,6 +294,7 @@ def test_agent_daemonsets_default():
         assert agent["command"] == ["stepwatch"] and agent["args"][0] == "agent"
         a = agent["args"]
         assert a[a.index("--socket-dir") + 1] == "/run/stepwatch"
+        assert a[a.index("--socket-mode") + 1] == "0660"                          # not 0666: the group only
         assert a[a.index("--metrics-addr") + 1] == "$(POD_IP)"
         assert not [x for x in a if x.startswith("--profile")]
         e = env(agent)
@@ -376,14 +383,21 @@ def test_ascend_nodes_with_profiling():
     assert not mounts(agent)["/data/stepwatch/traces"].get("readOnly")             # the agent deletes old traces
     init = container(d, "node-dirs")
     assert "/data/stepwatch/traces" in mounts(init)
-    assert "chown 10001:10001 /run/stepwatch /var/lib/stepwatch/spool /data/stepwatch/traces" in init["command"][-1]
-    assert "chmod 1777 /data/stepwatch/traces" in init["command"][-1]
+    script = init["command"][-1]
+    assert "chown 10001:10001 /run/stepwatch /run/stepwatch/ctl /var/lib/stepwatch/spool /data/stepwatch/traces" \
+        in script
+    assert "chmod 3770 /run/stepwatch/ctl" in script and "chmod 0750 /run/stepwatch" in script
+    assert "chmod 1770 /data/stepwatch/traces" in script and "1777" not in script
     proc = one(objs, "Deployment", f"{FULL}-processor")
-    for w, c in ((d, agent), (proc, container(proc, "processor"))):
-        assert env(c)["STEPWATCH_PROFILING_KEY_FILE"]["value"] == "/etc/stepwatch/profiling/hmac-key"
-        key = volumes(w)[mounts(c)["/etc/stepwatch/profiling"]["name"]]["secret"]
-        assert key == {"secretName": "stepwatch-profiling", "defaultMode": 0o440,
-                       "items": [{"key": "hmac-key", "path": "hmac-key"}]}
+    # the processors sign: only they get the private key; agents hold the public key only
+    pc = container(proc, "processor")
+    assert env(pc)["STEPWATCH_PROFILING_PRIVATE_KEY_FILE"]["value"] == "/etc/stepwatch/profiling/signing-key.pem"
+    key = volumes(proc)[mounts(pc)["/etc/stepwatch/profiling"]["name"]]["secret"]
+    assert key == {"secretName": "stepwatch-profiling", "defaultMode": 0o440,
+                   "items": [{"key": "signing-key.pem", "path": "signing-key.pem"}]}
+    assert env(agent)["STEPWATCH_PROFILING_PUBLIC_KEY"]["value"] == PUBLIC_KEY
+    assert "/etc/stepwatch/profiling" not in mounts(agent) and "profiling-key" not in volumes(d)
+    assert "STEPWATCH_PROFILING_PRIVATE_KEY_FILE" not in env(agent)
     assert env(container(proc, "processor"))["STEPWATCH_PROFILE_ON"]["value"].endswith("regression=py-spy")
     assert "trace-dir" not in volumes(proc)                                         # only the agents need it
     # compaction as a sidecar of the single processor, no CronJob
@@ -396,7 +410,7 @@ def test_ascend_nodes_with_profiling():
 
 def test_profiling_defaults_pass_the_trace_dir_and_limits():
     objs, text = render(with_values(**{"profiling.enabled": True,
-                                       "profiling.hmacKeySecret": {"name": "k", "key": "hmac-key"}}))
+                                       "profiling.signingKeySecret": {"name": "k", "key": "signing-key.pem"}, "profiling.publicKey": PUBLIC_KEY}))
     for d in find(objs, "DaemonSet"):
         agent = container(d, "agent")
         a = agent["args"]
@@ -414,7 +428,7 @@ def test_agent_stays_non_root_without_capabilities_with_profiling():
     """py-spy is started by the probe inside the training process against its own pid: the agent only
     verifies and forwards commands, so no value set (profiling on, py-spy chosen for an alert kind)
     gives it root, a capability, or SYS_PTRACE anywhere in the chart."""
-    on = {"profiling.enabled": True, "profiling.hmacKeySecret": {"name": "k", "key": "hmac-key"},
+    on = {"profiling.enabled": True, "profiling.signingKeySecret": {"name": "k", "key": "signing-key.pem"}, "profiling.publicKey": PUBLIC_KEY,
           "processor.extraEnv": [{"name": "STEPWATCH_PROFILE_ON", "value": "slow_rank=py-spy,regression=py-spy"}]}
     sets = [rendered(name) for name in VALUE_SETS] + [render(with_values(**on))[0]]
     for objs in sets:
@@ -624,6 +638,130 @@ def test_create_topics_script_against_the_broker(broker):
     assert mod.main(args + ["--partitions-by-topic", '{"stepz": 2}']) == 2
 
 
+# ------------------------------------------------------------------------- Prometheus and Alertmanager
+def test_alertmanager_urls_credentials_and_job_metrics_reach_the_processor():
+    from stepwatch.cli import build_parser
+    objs = rendered("alerting")
+    proc = one(objs, "Deployment", f"{FULL}-processor")
+    c = container(proc, "processor")
+    a = _parse(build_parser(), c["args"])
+    assert a.alertmanager == VALUE_SETS["alerting"]["alertmanager"]["urls"]            # the HA pair: both
+    assert (a.alertmanager_auth, a.alertmanager_credentials_file, a.alertmanager_resend) == \
+        ("basic", "/etc/stepwatch/alertmanager/credentials", 30.0)
+    assert a.grafana_link_url == "https://grafana.example.com" and a.grafana_url is None   # links only
+    assert (a.job_metrics_top_k, a.job_metrics_ttl) == (8, 600.0)
+    assert mounts(c)["/etc/stepwatch/alertmanager"]["readOnly"] is True
+    assert volumes(proc)["alertmanager-credentials"]["secret"] == {
+        "secretName": "stepwatch-alertmanager", "defaultMode": 0o440,
+        "items": [{"key": "credentials", "path": "credentials"}]}
+    plain = container(one(rendered("defaults"), "Deployment", f"{FULL}-processor"), "processor")
+    assert "--alertmanager" not in plain["args"] and "/etc/stepwatch/alertmanager" not in mounts(plain)
+    # the per-job metrics' `job` label (the training job) survives the scrape; the agents' is the scrape job
+    sms = {o["metadata"]["name"]: o["spec"]["endpoints"][0] for o in find(objs, "ServiceMonitor")}
+    assert sms[f"{FULL}-processor"]["honorLabels"] is True and "honorLabels" not in sms[f"{FULL}-agent"]
+
+
+def test_prometheus_only_overview_ships_alone_when_duckdb_is_off():
+    objs = rendered("alerting")
+    cms = [o for o in find(objs, "ConfigMap") if o["metadata"]["labels"].get("grafana_dashboard") == "1"]
+    assert [o["metadata"]["name"] for o in cms] == [f"{FULL}-dashboard-overview-prometheus"]
+    assert cms[0]["data"] == helmfiles.expected_prometheus_files()
+    dash = json.loads(cms[0]["data"]["stepwatch-overview-prometheus.json"])
+    assert {p["datasource"]["type"] for p in dash["panels"] if "datasource" in p} == {"prometheus"}
+    assert not [o for o in find(objs, "ConfigMap") if "grafana_datasource" in o["metadata"]["labels"]]
+    assert not [o for o in rendered("defaults") if o["metadata"]["name"].endswith("overview-prometheus")]
+
+
+RULES = {"StepwatchProcessorDown", "StepwatchProcessorAbsent", "StepwatchProcessorLagGrowing",
+         "StepwatchDeadletterRate", "StepwatchAgentKafkaUnreachable", "StepwatchAgentSpoolGrowing",
+         "StepwatchAlertDeliveryFailing"}
+
+
+def _rule_file(tmp_path) -> Path:
+    rule = one(rendered("alerting"), "PrometheusRule", FULL)
+    p = tmp_path / "rules.yaml"
+    p.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    return p
+
+
+def test_prometheus_rule_for_the_pipelines_health_has_runbooks_in_the_docs():
+    rule = one(rendered("alerting"), "PrometheusRule", FULL)
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    rules = [r for g in rule["spec"]["groups"] for r in g["rules"]]
+    assert {r["alert"] for r in rules} == RULES
+    base = VALUE_SETS["alerting"]["prometheusRule"]["runbookBaseUrl"]
+    doc = (ROOT / "docs" / "alerting.md").read_text()
+    for r in rules:
+        assert r["labels"]["severity"] in ("warning", "critical") and r["annotations"]["summary"]
+        assert r["annotations"]["runbook_url"] == f"{base}#{r['alert'].lower()}"
+        assert f"### {r['alert']}\n" in doc, f"docs/alerting.md has no runbook section for {r['alert']}"
+        assert f'job="{FULL}-processor",namespace="{NAMESPACE}"' in r["expr"] or \
+            f'job="{FULL}-agent",namespace="{NAMESPACE}"' in r["expr"]
+    assert not find(rendered("scale-out"), "PrometheusRule")                            # opt-in
+
+
+@pytest.mark.skipif(not shutil.which("promtool"), reason="Debian's prometheus package (promtool) is not installed")
+def test_promtool_checks_the_rendered_rules_and_they_fire_on_a_broken_pipeline(tmp_path):
+    rules = _rule_file(tmp_path)
+    r = subprocess.run(["promtool", "check", "rules", str(rules)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"SUCCESS: {len(RULES)} rules found" in r.stdout
+    # promtool's rule unit tests: series of a broken pipeline -> the alerts that must fire. promtool compares
+    # annotations too: they are checked (templated) on StepwatchProcessorDown, left out of the others
+    groups = yaml.safe_load(rules.read_text())["groups"]
+    for g in groups:
+        for rule in g["rules"]:
+            if rule["alert"] != "StepwatchProcessorDown":
+                rule.pop("annotations")
+    rules.write_text(yaml.safe_dump({"groups": groups}))
+    proc = f'job="{FULL}-processor",namespace="{NAMESPACE}",pod="p0"'
+    agent = f'job="{FULL}-agent",namespace="{NAMESPACE}",pod="a0",node="n7"'
+    tests = {"rule_files": [str(rules)], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m",
+        "input_series": [
+            {"series": f"up{{{proc}}}", "values": "1 1 0x10"},
+            {"series": f"stepwatch_processor_lag_messages{{{proc},topic=\"stepwatch.steps\",partition=\"0\"}}",
+             "values": "0+2000x40"},
+            {"series": f"stepwatch_processor_records_in_total{{{proc},kind=\"steps\"}}", "values": "0+1000x40"},
+            {"series": f"stepwatch_processor_records_dropped_total{{{proc},reason=\"deadletter\"}}",
+             "values": "0+50x40"},
+            {"series": f"stepwatch_agent_kafka_up{{{agent}}}", "values": "1 0x10"},
+            {"series": f"stepwatch_agent_spool_bytes{{{agent}}}", "values": "0+1000000x40"},
+            {"series": f"stepwatch_alertmanager_alerts_failed_total{{{proc},url=\"http://am:9093\"}}",
+             "values": "0 0 3x10"},
+        ],
+        "alert_rule_test": [
+            {"eval_time": "9m", "alertname": "StepwatchProcessorDown", "exp_alerts": [{"exp_labels": {
+                "severity": "warning", "job": f"{FULL}-processor", "namespace": NAMESPACE, "pod": "p0"},
+                "exp_annotations": {
+                    "summary": "A stepwatch processor cannot be scraped.",
+                    "description": f"Processor {NAMESPACE}/p0 has been down for 5 minutes: the jobs on its Kafka "
+                                   "partitions move to the other processors of the group, or wait.",
+                    "runbook_url": VALUE_SETS["alerting"]["prometheusRule"]["runbookBaseUrl"]
+                    + "#stepwatchprocessordown"}}]},
+            {"eval_time": "14m", "alertname": "StepwatchProcessorAbsent", "exp_alerts": [{"exp_labels": {
+                "severity": "critical"}}]},
+            {"eval_time": "30m", "alertname": "StepwatchProcessorLagGrowing", "exp_alerts": [{"exp_labels": {
+                "severity": "warning", "namespace": NAMESPACE, "pod": "p0"}}]},
+            {"eval_time": "20m", "alertname": "StepwatchDeadletterRate", "exp_alerts": [{"exp_labels": {
+                "severity": "warning", "namespace": NAMESPACE, "pod": "p0"}}]},
+            {"eval_time": "8m", "alertname": "StepwatchAgentKafkaUnreachable", "exp_alerts": [{"exp_labels": {
+                "severity": "warning", "job": f"{FULL}-agent", "namespace": NAMESPACE, "pod": "a0",
+                "node": "n7"}}]},
+            {"eval_time": "30m", "alertname": "StepwatchAgentSpoolGrowing", "exp_alerts": [{"exp_labels": {
+                "severity": "warning", "job": f"{FULL}-agent", "namespace": NAMESPACE, "pod": "a0",
+                "node": "n7"}}]},
+            {"eval_time": "5m", "alertname": "StepwatchAlertDeliveryFailing", "exp_alerts": [{"exp_labels": {
+                "severity": "warning", "namespace": NAMESPACE, "pod": "p0"}}]},
+            {"eval_time": "3m", "alertname": "StepwatchAgentSpoolGrowing", "exp_alerts": []},
+        ]}]}
+    tf = tmp_path / "rules_test.yaml"
+    tf.write_text(yaml.safe_dump(tests))
+    r = subprocess.run(["promtool", "test", "rules", str(tf)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 # ------------------------------------------------------------------------------------ lint, schema
 @pytest.mark.parametrize("name", list(VALUE_SETS))
 def test_helm_lint_passes_without_warnings(name):
@@ -651,6 +789,9 @@ BAD_VALUES = [
     (with_values(**{"grafana.dataRoot": "data"}), "at '/grafana/dataRoot'"),
     (with_values(**{"kafka.topics.partitionsByTopic": {"stepz": 3}}),
      "at '/kafka/topics/partitionsByTopic': additional properties 'stepz' not allowed"),
+    (with_values(**{"alertmanager.urls": ["alertmanager:9093"]}), "at '/alertmanager/urls/0'"),
+    (with_values(**{"alertmanager.authType": "token"}), "at '/alertmanager/authType'"),
+    (with_values(**{"prometheusRule.deadletterRatio": 5}), "at '/prometheusRule/deadletterRatio'"),
 ]
 
 
@@ -679,17 +820,22 @@ BAD_COMBINATIONS = [
     ({"kafka.securityProtocol": "SASL_PLAINTEXT"}, "kafka.securityProtocol=SASL_PLAINTEXT needs kafka.sasl.mechanism"),
     ({"kafka.tls": {"secret": "ca"}}, "kafka.tls.secret is set but kafka.securityProtocol is PLAINTEXT"),
     ({"profiling.pySpy": {"enabled": True}}, "profiling.pySpy was removed: the agent never runs py-spy"),
-    ({"profiling.enabled": True, "profiling.hmacKeySecret": {"name": "k", "key": "hmac-key"},
+    ({"profiling.enabled": True, "profiling.signingKeySecret": {"name": "k", "key": "signing-key.pem"}, "profiling.publicKey": PUBLIC_KEY,
       "profiling.traceDir": {"hostPath": "/run/stepwatch/traces", "keepMB": 0}},
      "profiling.traceDir.hostPath=/run/stepwatch/traces collides with /run/stepwatch"),
-    ({"profiling.enabled": True, "profiling.hmacKeySecret": {"name": "k", "key": "hmac-key"},
+    ({"profiling.enabled": True, "profiling.signingKeySecret": {"name": "k", "key": "signing-key.pem"}, "profiling.publicKey": PUBLIC_KEY,
       "profiling.traceDir": {"hostPath": "/var/lib/stepwatch", "keepMB": 0}},
      "profiling.traceDir.hostPath=/var/lib/stepwatch collides with /var/lib/stepwatch/spool"),
-    ({"profiling.enabled": True}, "profiling.enabled needs profiling.hmacKeySecret.name"),
+    ({"profiling.enabled": True}, "profiling.enabled needs profiling.signingKeySecret.name"),
+    ({"profiling.enabled": True, "profiling.signingKeySecret": {"name": "k", "key": "signing-key.pem"}},
+     "profiling.enabled needs profiling.publicKey"),
+    ({"profiling.hmacKeySecret": {"name": "k", "key": "hmac-key"}}, "profiling.hmacKeySecret was removed"),
     ({"processor.grafanaAnnotations": True}, "processor.grafanaAnnotations needs grafana.url"),
     ({"grafana.provisionJob": {"enabled": True}}, "grafana.provisionJob.enabled needs grafana.url"),
     ({"agent.nodeGroups": {"nvidia": {"enabled": False}, "ascend": {"enabled": False}}},
      "no agent.nodeGroups entry is enabled"),
+    ({"alertmanager.credentialsSecret": {"name": "am", "key": "credentials"}},
+     "alertmanager.credentialsSecret.name is set but alertmanager.urls is empty"),
 ]
 
 
@@ -714,9 +860,11 @@ def test_manifest_validates_against_the_kubernetes_schema(obj):
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
     except kubernetes_validate.SchemaNotFoundError as e:
         assert obj["apiVersion"] == "monitoring.coreos.com/v1", e.message
+        by = {"PrometheusRule": "test_prometheus_rule_for_the_pipelines_health_has_runbooks_in_the_docs and "
+                                "promtool (test_promtool_checks_the_rendered_rules_and_they_fire_on_a_broken_pipeline)"}
         pytest.skip(f"{obj['kind']} is a prometheus-operator CRD: kubernetes-validate bundles only the core "
                     f"Kubernetes {K8S_VERSION} schemas, so its fields are checked by "
-                    "test_processors_scaled_to_four_with_servicemonitors instead")
+                    f"{by.get(obj['kind'], 'test_processors_scaled_to_four_with_servicemonitors')} instead")
     except kubernetes_validate.ValidationError as e:
         pytest.fail(f"{obj['kind']} {obj['metadata']['name']} is not a valid Kubernetes {K8S_VERSION} object: "
                     f"{'.'.join(map(str, e.path))}: {e.message}")
@@ -731,6 +879,13 @@ def test_notes_tell_how_a_training_pod_reaches_the_agent():
     prof = notes("ascend-profiling")
     assert "as uid 10001 without capabilities" in prof
     assert "mountPath: /data/stepwatch/traces" in prof and "path: /data/stepwatch/traces" in prof
+    # what profiling needs in a training pod (issue 16): the agent's group, the socket directory
+    # read-only, ctl/ writable, the public key and the probe's own trace directory
+    assert "supplementalGroups: [10001]" in prof and "readOnly: true" in prof
+    assert "mountPath: /run/stepwatch/ctl" in prof and "path: /run/stepwatch/ctl" in prof
+    assert f'STEPWATCH_PROFILING_PUBLIC_KEY' in prof and PUBLIC_KEY in prof
+    assert "STEPWATCH_PROFILE_DIR" in prof and "value: /data/stepwatch/traces" in prof
+    assert "supplementalGroups: [10001]" in text and "stepwatch-ctl" not in text
     assert "SYS_PTRACE" in prof and "never gets SYS_PTRACE" in prof
 
 

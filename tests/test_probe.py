@@ -2,6 +2,7 @@
 fork, and zero-code mode (``stepwatch wrap``). A bound Unix socket stands in for the node agent."""
 from __future__ import annotations
 
+import copy
 import gc
 import os
 import shutil
@@ -112,6 +113,9 @@ def split(msgs):
             d = dict(zip(P.STEP_FIELDS, st))
             for k in ("step", "data", "compute", "comm", "comm_wait", "gc"):
                 d[k + "_ms"] = d.pop(k + "_ns") / 1e6           # the datagram carries ns
+            for k in ("cpu", "cpu_wait"):                       # -1: not measured
+                v = d.pop(k + "_ns")
+                d[k + "_ms"] = v / 1e6 if v >= 0 else None
             d["phases"] = [(i, ns / 1e6) for i, ns in phases]
             d["rank"] = rank
             steps.append(d)
@@ -124,21 +128,28 @@ def split(msgs):
 # --------------------------------------------------------------------------- layout
 
 def test_struct_sizes_are_fixed_and_documented():
-    assert (P.HDR.size, P.STEP.size, P.PHASE.size, P.COMM.size, P.GCREC.size) == (16, 104, 16, 40, 40)
+    assert (P.HDR.size, P.STEP.size, P.PHASE.size, P.COMM.size, P.GCREC.size) == (16, 120, 16, 40, 40)
+    assert P.STEP_V1.size == 104 and P.STEP.format.startswith(P.STEP_V1.format)    # v2 = v1 + 2 doubles
     assert P.HDR_STEP.size == P.HDR.size + P.STEP.size
-    assert P.MAX_FRAME == 16 + 104 + 8 * 16 + 16 * 40 + 16 * 40
+    assert P.MAX_FRAME == 16 + 120 + 8 * 16 + 16 * 40 + 16 * 40
     assert P.MAX_DATAGRAM >= 10 * P.MAX_FRAME
 
 
 def test_decode_rejects_malformed_datagrams():
-    good = P.HDR.pack(P.MAGIC, 1, P.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(P.STEP.size)
+    good = P.HDR.pack(P.MAGIC, 2, P.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(P.STEP.size)
     assert decode(good)[0][3][0][0] == 0
     assert len(decode(good + good)) == 2                                       # frames back to back
+    # a version-1 frame (probes before the CPU fields): read, with the CPU fields null (-1)
+    v1 = P.HDR.pack(P.MAGIC, 1, P.T_BATCH, 1, 0, 1, 0, 0, 0) + P.STEP_V1.pack(*range(1, 14), 0)
+    (_, _, _, (st, _, _, _)), = decode(v1)
+    assert len(st) == len(P.STEP_FIELDS) and st[:3] == (1, 2, 3) and st[-2:] == (-1.0, -1.0)
+    assert len(decode(v1 + good)) == 2
     bad = [b"", b"xx", good[:-1], good + b"\0",
            struct.pack("<H", 0x1234) + good[2:],                               # magic
            P.HDR.pack(P.MAGIC, 9, P.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(P.STEP.size),   # version
            P.HDR.pack(P.MAGIC, 1, 7, 1, 0, 0, 0, 0, 0),                         # type
-           P.HDR.pack(P.MAGIC, 1, P.T_BATCH, 1, 0, 2, 0, 0, 0) + bytes(2 * P.STEP.size),  # two steps
+           P.HDR.pack(P.MAGIC, 2, P.T_BATCH, 1, 0, 2, 0, 0, 0) + bytes(2 * P.STEP.size),  # two steps
+           P.HDR.pack(P.MAGIC, 2, P.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(P.STEP_V1.size),    # v2 needs 120 bytes
            P.HDR.pack(P.MAGIC, 1, P.T_BATCH, 1, 0, 0, 99, 0, 0),                 # counts out of range
            P.HDR.pack(P.MAGIC, 1, P.T_HELLO, 1, 0, 0, 0, 0, 0) + b"{not json",
            P.HDR.pack(P.MAGIC, 1, P.T_HELLO, 1, 0, 0, 0, 0, 0) + b"[1, 2]",
@@ -186,8 +197,10 @@ def test_explicit_steps_phases_and_counts(probe, rx, sockdir):
         assert s["rank"] == 3 and s["samples"] == 32 and s["tokens"] == 4096
         assert s["data_ms"] >= 2 and ph["forward"] >= 3 and ph["backward"] >= 1
         assert s["step_ms"] >= s["data_ms"] + ph["forward"] + ph["backward"] - 0.01
-        # compute is derived: step - data - comm - wait - gc
-        assert s["compute_ms"] == pytest.approx(s["step_ms"] - s["data_ms"] - s["gc_ms"], abs=1e-6)
+        # compute is derived: step - data - comm - wait - gc - run-queue wait (CPU contention)
+        assert s["cpu_ms"] is not None and 0 <= s["cpu_ms"] < s["step_ms"]
+        assert s["compute_ms"] == pytest.approx(s["step_ms"] - s["data_ms"] - s["gc_ms"] - (s["cpu_wait_ms"] or 0),
+                                                abs=1e-6)
         assert s["t_end"] - s["t_start"] == pytest.approx(s["step_ms"] * 1e6, rel=0.05, abs=2e6)
         assert s["data_queue"] == -1
     assert {names[i]: ms for i, ms in steps[3]["phases"]} == {"optimizer": 1.5}
@@ -651,7 +664,8 @@ def test_c_and_python_pack_the_same_bytes(sockdir):
              [fwd], False, 2),
             ([(s1, 1, 1 << 30, 10, None)], [], False, 1),         # the model says more than the wall time
         ]
-        for calls, touched, compute, n_gc in cases:
+        for ci, (calls, touched, compute, n_gc) in enumerate(cases):
+            cpu = (-1.0, -1.0) if ci == 0 else (41_000_000.0, -1.0) if ci == 1 else (12_345_678.0, 3_456_789.0)
             ph, used = p._ph_ns, p._ph_used
             for i in range(P.MAX_PHASES):
                 ph[i], used[i] = 0, False
@@ -665,16 +679,110 @@ def test_c_and_python_pack_the_same_bytes(sockdir):
                 P.GCREC.pack_into(p._gcbuf, P.HDR.size + j * P.GCREC.size, 10**18 + j, 5e5, 2, 100 + j, 0)
             args = (7, 10**18, 10**18 + 50_000_000, 50_000_000, 800_000 if n_gc else 0, n_gc, 3, 32, -1)
             p._buf[:] = bytes(len(p._buf))
-            end_py = p._pack_py(0, *args, list(calls), n_gc)
+            end_py = p._pack_py(0, *args, list(calls), n_gc, *cpu)
             py = bytes(p._buf[:end_py])
             p._buf[:] = bytes(len(p._buf))
             end_c = P._fast.pack_step(p._buf, 0, p.instance, p.rank, *args[:4], ph[0], ph[1] if used[1] else -1,
                                       *args[4:], p.dropped, p._ph_touched, ph, p._phase_ids, list(calls),
                                       p._c_traffic, p._ns_per_byte, p._comm_key,
-                                      p._gcmv[16:16 + n_gc * P.GCREC.size] if n_gc else None)
+                                      p._gcmv[16:16 + n_gc * P.GCREC.size] if n_gc else None, *cpu)
             assert end_c == end_py and bytes(p._buf[:end_c]) == py, (calls, touched, compute, n_gc)
             (typ, inst, rank, (st, phases, comm, gcs)), = decode(py)
-            assert rank == 3 and st[0] == 7 and st[-1] == 5 and len(comm) == len({c[0] for c in calls})
+            assert rank == 3 and st[0] == 7 and st[13] == 5 and len(comm) == len({c[0] for c in calls})
+            assert st[14:] == cpu
             assert len(phases) == len(touched) and len(gcs) == n_gc
     finally:
         p.shutdown()
+
+
+# --------------------------------------------------------------------------- DDP (issue 15)
+
+def _ddp_steps(ddp, opt, n, x, y):
+    import torch.nn.functional as F
+    for _ in range(n):
+        opt.zero_grad()
+        F.mse_loss(ddp(x), y).backward()
+        opt.step()
+
+
+def test_ddp_bucket_all_reduces_are_timed_through_a_comm_hook(probe, rx, sockdir, gloo):
+    """DDP's reducer all-reduces from C++; the probe's comm hook keeps the default reduction (same
+    gradients as without the probe) and reports one all_reduce per step with the buckets' bytes."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from stepwatch.agents import ddp_hooks
+    assert ddp_hooks.K_BUCKET == P.K_BUCKET
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
+                              torch.nn.ReLU(), torch.nn.Linear(1024, 8))
+    x, y = torch.randn(32, 64), torch.randn(32, 8)
+    plain = DDP(copy.deepcopy(ref))                          # before init: DDP's own reduction
+    opt_p = torch.optim.SGD(plain.parameters(), lr=0.1)
+    _ddp_steps(plain, opt_p, 3, x, y)
+    probe.init(job="ddp", socket_dir=sockdir, flush_ms=0)
+    ddp = DDP(copy.deepcopy(ref), bucket_cap_mb=1)           # 4.5 MB of gradients: 2 buckets from step 1
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    _ddp_steps(ddp, opt, 3, x, y)
+    assert ddp._stepwatch_timer.registered and ddp.logger is not None
+    for a, b in zip(plain.parameters(), ddp.parameters()):    # the same training
+        assert torch.equal(a, b)
+    hello, names, steps, comm, gcs = split(rx.read())
+    assert len(steps) == 3
+    n_bytes = 4 * sum(p.numel() for p in ref.parameters())
+    for s in steps[1:]:
+        rows = [c for c in comm if c[0] == s["step"]]
+        assert [(names[c[1]], names[c[2]]) for c in rows] == [("all_reduce", "world")], rows
+        _, _, _, cnt, nbytes, t_ms, w_ms = rows[0]
+        assert cnt >= 2 and nbytes == n_bytes                  # every bucket, counted and summed
+        assert 0 <= w_ms <= t_ms and 0 < t_ms < s["step_ms"]   # the tail after backward, not the buckets' sum
+        assert s["comm_ms"] + s["comm_wait_ms"] == pytest.approx(t_ms, rel=1e-6)
+        assert s["cpu_ms"] is not None and s["cpu_ms"] > 0
+    probe.shutdown()
+    assert DDP.__init__ is not ddp_hooks.patch and not getattr(DDP.__init__, "_stepwatch", False)
+
+
+def test_ddp_user_comm_hook_runs_inside_the_probes_and_is_timed(probe, rx, sockdir, gloo):
+    """A hook the user registers (before the first forward, or after it: the probe's hook is then already
+    in the reducer, which takes one hook only) is the one that runs, timed; a built-in one after the
+    probe's is run as its Python equivalent."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    calls = []
+
+    def my_hook(state, bucket):
+        calls.append(bucket.index())
+        return default_hooks.allreduce_hook(state, bucket)
+
+    probe.init(job="ddp-hook", socket_dir=sockdir, flush_ms=0)
+    x, y = torch.randn(16, 32), torch.randn(16, 4)
+    early, late = DDP(torch.nn.Linear(32, 4)), DDP(torch.nn.Linear(32, 4))
+    opt = torch.optim.SGD(list(early.parameters()) + list(late.parameters()), lr=0.1)   # one optimizer: one step each
+    early.register_comm_hook(None, my_hook)                   # before the first forward
+    _ddp_steps(early, opt, 2, x, y)
+    assert len(calls) == 2 and early._stepwatch_timer.user is my_hook
+    _ddp_steps(late, opt, 1, x, y)                            # the probe's own hook is registered here
+    late.register_comm_hook(None, my_hook)                    # DDP alone would accept this too
+    _ddp_steps(late, opt, 1, x, y)
+    assert len(calls) == 3
+    late._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+    _ddp_steps(late, opt, 1, x, y)
+    assert len(calls) == 3 and late._stepwatch_timer.user is None
+    hello, names, steps, comm, gcs = split(rx.read())
+    assert all(names[c[1]] == "all_reduce" and c[3] == 1 for c in comm)   # one bucket per step, every step timed
+    assert len({c[0] for c in comm}) == len(steps) == 5
+
+
+def test_bucket_tail_is_the_exposed_part_split_by_the_bandwidth_model(probe, sockdir):
+    """Replay: the step's buckets become one call whose time is from the last launch to the last
+    completion; the transfer part is the last bucket's payload at comm_gbps, the rest is wait."""
+    probe.init(job="tail", rank=0, world_size=2, socket_dir=sockdir, auto=False, comm_gbps=1.0)
+    s = probe._comm_slot_for("all_reduce", probe._intern("all_reduce"), probe._intern("world"), 2)
+    calls = []
+    buckets = {s: [3, 3000, 2_000_000, 9_000_000, 1000]}      # last launch at 2 ms, last done at 9 ms
+    probe._bucket_calls(calls, buckets)
+    assert buckets == {}
+    (slot, cnt, nbytes, t, w), = calls
+    tr = 1000 * 1.0 * 1.0                                     # all_reduce over 2 ranks: 1 byte on the wire per byte; 1 B/ns
+    assert (slot, cnt, nbytes, t) == (s, 3, 3000, 7_000_000) and w == pytest.approx(7_000_000 - tr)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from stepwatch.agents import profiling as prof
 from stepwatch.agents.agent import Agent
 from stepwatch.agents.wrap import wrap_env
 from stepwatch.storage.views import connect
@@ -30,7 +31,9 @@ from stepwatch.stream.profiling import ProfilingSettings
 pytest.importorskip("torch", reason="the end-to-end test trains a real PyTorch model (pip install torch==2.13.0)")
 
 TRAIN = Path(__file__).with_name("profile_train.py")
-KEY = b"e2e-test-key-0123456789abcdef"
+PEM, PUB = prof.keygen()
+KEY = prof.load_private_key(env={prof.ENV_PRIVATE: PEM.decode()})       # the processor signs
+KEYS = prof.load_public_keys(env={prof.ENV_PUBLIC: PUB})                 # agents and probes verify
 
 
 @pytest.fixture
@@ -43,6 +46,7 @@ def socket_dir():
 def launch(socket_dir: str, job: str, env: dict, out: str) -> subprocess.Popen:
     full = wrap_env(job=job, socket_dir=socket_dir)
     full.update({k: str(v) for k, v in env.items()}, SW_OUT=out)
+    full[prof.ENV_PUBLIC] = PUB
     cmd = [sys.executable, "-m", "stepwatch.agents.wrap", "--", sys.executable, str(TRAIN)]
     return subprocess.Popen(cmd, env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -53,7 +57,7 @@ def test_slow_rank_alert_triggers_profiles_of_suspect_and_reference_and_the_diff
     traces = tmp_path / "traces"
     alerts, t_alert = [], {}
     agent = Agent(kafka, socket_dir=socket_dir, node="node-a", interval_s=0.3, spool_dir=tmp_path / "_spool",
-                  plugins=["cpu"]).enable_profiling(KEY, str(traces), cooldown_s=0.0).start()
+                  plugins=["cpu"]).enable_profiling(KEYS, str(traces), cooldown_s=0.0).start()
 
     def on_alert(a):
         alerts.append(a)
@@ -68,7 +72,7 @@ def test_slow_rank_alert_triggers_profiles_of_suspect_and_reference_and_the_diff
     tp.start()
     out = tempfile.mkdtemp(prefix="sw-pe-out-")
     stop_file = os.path.join(out, "STOP")
-    p = launch(socket_dir, job, {"SW_NPROC": 4, "SW_STEP_MS": 50, "SW_SLOW_RANK": slow, "SW_SLOW_EXTRA_MS": 30,
+    p = launch(socket_dir, job, {"STEPWATCH_PROFILE_DIR": traces, "SW_NPROC": 4, "SW_STEP_MS": 50, "SW_SLOW_RANK": slow, "SW_SLOW_EXTRA_MS": 30,
                                  "SW_STOP": stop_file, "SW_STEPS": 3000}, out)
     t0 = time.monotonic()
     try:

@@ -54,3 +54,40 @@ def test_report_renders_in_headless_chromium(report, tmp_path):
                          capture_output=True, text=True, timeout=120).stdout
     assert 'id="summary"' in dom and "slowest rank" in dom
     # a page of text alone screenshots to a few KB; >50 KB shows the embedded plots were painted
+
+
+def test_change_point_labels_never_pile_up():
+    """16 change points of one noisy fault within a few steps: labels get rows where they do not overlap,
+    and the rest stay unlabelled (their lines are drawn and counted in the legend)."""
+    from stepwatch.report import label_rows
+    xs = [22 + 40 * i for i in range(16)]                     # 16 change points over 655 steps
+    rows = label_rows(xs, span=655, rows=4, gap=0.12)
+    placed = [(x, r) for x, r in zip(xs, rows) if r is not None]
+    assert len(placed) >= 8 and rows[0] == 0
+    for r in range(4):
+        on = [x for x, rr in placed if rr == r]
+        assert all(b - a >= 0.12 * 655 for a, b in zip(on, on[1:])), (r, on)
+    assert label_rows([5, 6, 7, 8, 9], span=100) == [0, 1, 2, 3, None]
+
+
+def test_heatmap_rank_axis_shows_integer_ranks():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from stepwatch.report import rank_axis
+    for n_bins, rbin, want in ((2, 1, ["0", "1"]), (16, 1, [str(i) for i in range(16)])):
+        fig, ax = plt.subplots()
+        ax.imshow(np.zeros((n_bins, 10)), aspect="auto", extent=[0, 10, n_bins * rbin - 0.5, -0.5])
+        rank_axis(ax, n_bins, rbin)
+        fig.canvas.draw()
+        assert [t.get_text() for t in ax.get_yticklabels()] == want
+        plt.close(fig)
+    fig, ax = plt.subplots()                                  # 4,096 ranks in bins of 16
+    ax.imshow(np.zeros((256, 10)), aspect="auto", extent=[0, 10, 256 * 16 - 0.5, -0.5])
+    rank_axis(ax, 256, 16)
+    fig.canvas.draw()
+    ticks = [t for t in ax.get_yticks() if -0.5 <= t <= 4095.5]
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    plt.close(fig)

@@ -230,10 +230,19 @@ capabilities:
 {{- end -}}
 
 {{/* ------------------------------------------------------------------ other secrets */}}
+{{- /* The processor signs profiling commands: only it gets the private key. */}}
 {{- define "stepwatch.profilingEnv" -}}
 {{- if .Values.profiling.enabled }}
-- name: STEPWATCH_PROFILING_KEY_FILE
-  value: /etc/stepwatch/profiling/hmac-key
+- name: STEPWATCH_PROFILING_PRIVATE_KEY_FILE
+  value: /etc/stepwatch/profiling/signing-key.pem
+{{- end }}
+{{- end -}}
+
+{{- /* Agents (and training pods, see NOTES) verify with the public key only. */}}
+{{- define "stepwatch.profilingPublicEnv" -}}
+{{- if .Values.profiling.enabled }}
+- name: STEPWATCH_PROFILING_PUBLIC_KEY
+  value: {{ .Values.profiling.publicKey | quote }}
 {{- end }}
 {{- end -}}
 
@@ -249,11 +258,11 @@ capabilities:
 {{- if .Values.profiling.enabled }}
 - name: profiling-key
   secret:
-    secretName: {{ .Values.profiling.hmacKeySecret.name }}
+    secretName: {{ .Values.profiling.signingKeySecret.name }}
     defaultMode: 0440
     items:
-      - key: {{ .Values.profiling.hmacKeySecret.key }}
-        path: hmac-key
+      - key: {{ .Values.profiling.signingKeySecret.key }}
+        path: signing-key.pem
 {{- end }}
 {{- end -}}
 
@@ -265,6 +274,29 @@ capabilities:
     items:
       - key: {{ .Values.grafana.tokenSecret.key }}
         path: token
+{{- end -}}
+
+{{/* the processor's Alertmanager flags (stepwatch process --alertmanager ...) */}}
+{{- define "stepwatch.alertmanagerArgs" -}}
+{{- $am := .Values.alertmanager -}}
+{{- range $am.urls }}
+- --alertmanager
+- {{ . | quote }}
+{{- end }}
+{{- if $am.urls }}
+- --alertmanager-resend
+- {{ $am.resendInterval | quote }}
+{{- if $am.credentialsSecret.name }}
+- --alertmanager-credentials-file
+- /etc/stepwatch/alertmanager/credentials
+- --alertmanager-auth
+- {{ $am.authType }}
+{{- end }}
+{{- if .Values.grafana.url }}
+- --grafana-link-url
+- {{ .Values.grafana.url | quote }}
+{{- end }}
+{{- end }}
 {{- end -}}
 
 {{/* ------------------------------------------------------------------ checks across values */}}
@@ -287,8 +319,14 @@ capabilities:
 {{- if and $v.kafka.tls.secret (ne (empty $v.kafka.tls.certKey) (empty $v.kafka.tls.keyKey)) -}}
 {{- fail "kafka.tls.certKey and kafka.tls.keyKey go together (mutual TLS needs both the client certificate and its key)" -}}
 {{- end -}}
-{{- if and $v.profiling.enabled (not $v.profiling.hmacKeySecret.name) -}}
-{{- fail "profiling.enabled needs profiling.hmacKeySecret.name: an existing Secret with the shared HMAC-SHA256 key that signs profiling commands" -}}
+{{- if hasKey $v.profiling "hmacKeySecret" -}}
+{{- fail "profiling.hmacKeySecret was removed: commands are signed with Ed25519 now (the processors hold the private key, nodes and training pods only the public one). Run 'stepwatch profile keygen DIR', create a Secret from DIR/profiling-signing-key.pem and set profiling.signingKeySecret.name and profiling.publicKey (docs/profiling.md)" -}}
+{{- end -}}
+{{- if and $v.profiling.enabled (not $v.profiling.signingKeySecret.name) -}}
+{{- fail "profiling.enabled needs profiling.signingKeySecret.name: an existing Secret with the Ed25519 private key (PEM) that signs profiling commands ('stepwatch profile keygen DIR' makes one)" -}}
+{{- end -}}
+{{- if and $v.profiling.enabled (not $v.profiling.publicKey) -}}
+{{- fail "profiling.enabled needs profiling.publicKey: the base64 Ed25519 public key agents and training pods verify commands with ('stepwatch profile keygen DIR' prints it)" -}}
 {{- end -}}
 {{- if hasKey $v.profiling "pySpy" -}}
 {{- fail "profiling.pySpy was removed: the agent never runs py-spy nor needs ptrace (it stays non-root without capabilities); the probe in the training process starts py-spy against itself, so the TRAINING container needs the permission (docs/profiling.md, \"py-spy permissions\"). Choose the profiler per alert kind with STEPWATCH_PROFILE_ON in processor.extraEnv" -}}
@@ -329,6 +367,9 @@ capabilities:
 {{- end -}}
 {{- if and $v.grafana.provisionJob.enabled (or (not $v.grafana.url) (not $v.grafana.tokenSecret.name)) -}}
 {{- fail "grafana.provisionJob.enabled needs grafana.url and grafana.tokenSecret.name (an existing Secret with a Grafana service-account token; Editor for dashboards and rules, Admin for the datasource)" -}}
+{{- end -}}
+{{- if and $v.alertmanager.credentialsSecret.name (not $v.alertmanager.urls) -}}
+{{- fail "alertmanager.credentialsSecret.name is set but alertmanager.urls is empty: list the Alertmanager URL(s) the processor posts alerts to" -}}
 {{- end -}}
 {{- if and $v.agent.enabled (not (include "stepwatch.agentGroups" .)) -}}
 {{- fail "agent.enabled but no agent.nodeGroups entry is enabled: enable one (nvidia, ascend) or add your own" -}}

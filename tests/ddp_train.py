@@ -1,0 +1,138 @@
+"""A standard DistributedDataParallel training script (gloo, CPU) for the tests of issue 15: it knows
+nothing of stepwatch and runs unchanged under ``stepwatch wrap``.
+
+``python ddp_train.py`` forks ``SW_NPROC`` (2) ranks that rendezvous over 127.0.0.1 on a free port (what
+torchrun would do, without importing torch once per rank). Each rank pins itself to its own core
+(``os.sched_setaffinity``: rank r on the r-th core this process may use) and uses one intra-op thread,
+wraps an MLP in ``DistributedDataParallel`` and trains it with SGD on random data from a ``DataLoader``.
+Unless ``SW_PAD_MS`` is set, nothing pads the steps: the step time is the rank's real compute and the
+all-reduce.
+
+Settings (environment):
+
+- ``SW_STEPS`` (300) steps; ``SW_WIDTH`` (384) hidden width; ``SW_BATCH`` (64);
+- ``SW_PAD_MS`` (0): every forward pass also sleeps this long (time on a device, as the host sees it:
+  the rank's thread waits off the CPU);
+- ``SW_SLEEP_RANK`` / ``SW_SLEEP_MS`` / ``SW_SLEEP_FROM``: that rank's forward pass sleeps that long
+  from that step on (a slow accelerator, as the host sees it: the rank waits off the CPU);
+- ``SW_MODE`` ``ddp`` (default), ``fsdp`` (FSDP1 ``FullyShardedDataParallel``), ``fsdp2``
+  (``fully_shard``) or ``manual`` (no wrapper, no DataLoader: batches made by hand and gradients
+  all-reduced by a loop over the parameters);
+- ``SW_PROGRESS``: a file where rank 1 writes its step number every step (the tests start a foreign
+  process from a given step);
+- ``SW_OUT``: where each rank writes ``rank<r>.json`` (its step end times and, when a probe is loaded,
+  its counters).
+"""
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class SleepyForward(torch.nn.Module):
+    """The model; its forward sleeps ``sleep_ms`` once ``armed`` (the injected fault)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(128, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
+                                       torch.nn.ReLU(), torch.nn.Linear(width, 10))
+        self.sleep_ms = 0.0
+
+    def forward(self, x):
+        if self.sleep_ms > 0:
+            time.sleep(self.sleep_ms / 1e3)
+        return self.net(x)
+
+
+def train() -> None:
+    steps = int(os.environ.get("SW_STEPS", "300"))
+    width = int(os.environ.get("SW_WIDTH", "384"))
+    batch = int(os.environ.get("SW_BATCH", "64"))
+    sleep_rank = int(os.environ.get("SW_SLEEP_RANK", "-1"))
+    sleep_ms = float(os.environ.get("SW_SLEEP_MS", "0"))
+    sleep_from = int(os.environ.get("SW_SLEEP_FROM", "0"))
+    pad_ms = float(os.environ.get("SW_PAD_MS", "0"))
+    mode = os.environ.get("SW_MODE", "ddp")
+    progress = os.environ.get("SW_PROGRESS")
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[rank % len(cores)]})
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = SleepyForward(width)
+    model.sleep_ms = pad_ms
+    if mode == "ddp":
+        net = torch.nn.parallel.DistributedDataParallel(model)
+    elif mode == "fsdp":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        net = FullyShardedDataParallel(model, device_id=None)
+    elif mode == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+        fully_shard(model)
+        net = model
+    else:
+        net = model
+        for p in model.parameters():
+            dist.broadcast(p.data, 0)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(rank)
+    if mode == "manual":
+        loader = None
+        xs = torch.randn(steps * batch, 128, generator=g)
+        ys = torch.randint(0, 10, (steps * batch,), generator=g)
+    else:
+        data = TensorDataset(torch.randn(steps * batch, 128, generator=g),
+                             torch.randint(0, 10, (steps * batch,), generator=g))
+        loader = iter(DataLoader(data, batch_size=batch))
+    ends = []
+    for i in range(steps):
+        if rank == sleep_rank and i == sleep_from:
+            model.sleep_ms = pad_ms + sleep_ms
+        if loader is not None:
+            x, y = next(loader)
+        else:
+            x, y = xs[i * batch:(i + 1) * batch], ys[i * batch:(i + 1) * batch]
+        loss = F.cross_entropy(net(x), y)
+        opt.zero_grad()
+        loss.backward()
+        if mode == "manual":
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= world
+        opt.step()
+        ends.append(time.time())
+        if progress and rank == 1:
+            with open(progress + ".tmp", "w") as f:
+                f.write(str(i))
+            os.replace(progress + ".tmp", progress)
+    dist.barrier()
+    mod = sys.modules.get("stepwatch.agents.probe") or sys.modules.get("stepwatch_probe")
+    report = {"rank": rank, "ends": ends, "probe": {"rank": rank, **mod.stats()} if mod is not None else None}
+    out = os.environ.get("SW_OUT")
+    if out:
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(report, f)
+    dist.destroy_process_group()
+
+
+def _worker(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    train()
+
+
+if __name__ == "__main__":
+    import socket
+
+    import torch.multiprocessing as mp
+    world = int(os.environ.get("SW_NPROC", "2"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_worker, args=(world, port), nprocs=world, start_method="fork")

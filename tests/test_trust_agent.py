@@ -1,0 +1,224 @@
+"""Issue 16, the agent's ingress: through the real ``agent.sock``, a hostile sender cannot stop the node,
+speak for another process's rank, get past the socket's mode and group, or grow the agent's memory.
+Senders of other uids run as real child processes (``setpriv``; the tests run as root)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import pytest
+
+from stepwatch.agents.agent import Agent
+from stepwatch.agents.probe import HDR, HDR_STEP, MAGIC, T_BATCH, T_HELLO, VERSION, Probe
+
+UID, GID = 20002, 20002          # a training user that is not in the socket's group
+
+
+@pytest.fixture
+def socket_dir():
+    d = tempfile.mkdtemp(prefix="sw-ta-", dir="/tmp")
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def hello(inst: int, **fields) -> bytes:
+    return HDR.pack(MAGIC, VERSION, T_HELLO, inst, 0, 0, 0, 0, 0) + json.dumps(fields).encode()
+
+
+def step_frame(inst: int, rank: int, step: int) -> bytes:
+    t = time.time_ns()
+    return HDR_STEP.pack(MAGIC, VERSION, T_BATCH, inst, rank, 1, 0, 0, 0,
+                         step, t - 10_000_000, t, 10e6, 0.0, 10e6, 0.0, 0.0, 0.0, 0, -1, -1, -1, 0,
+                         -1.0, -1.0)                    # CPU time and run-queue wait: not measured
+
+
+def steps_of(items, job):
+    return [r for kind, j, t in items if kind == "steps" and j == job for r in t.column("step").to_pylist()]
+
+
+def run_good(p: Probe, n: int) -> None:
+    for _ in range(n):
+        p.begin_step()
+        p.end_step()
+
+
+def send_as(path: str, payloads: list[bytes], uid: int | None = None, groups: str = "", expect_ok=True) -> str:
+    """Send datagrams from a child process (as ``uid`` with supplementary ``groups`` when given);
+    returns its output: 'sent N' or the error."""
+    code = textwrap.dedent(f"""
+        import socket, sys, json
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        n = 0
+        try:
+            for p in json.loads(sys.stdin.read()):
+                s.sendto(bytes.fromhex(p), {path!r})
+                n += 1
+            print("sent", n)
+        except OSError as e:
+            print("error", e.errno)
+    """)
+    argv = [sys.executable, "-c", code]
+    if uid is not None:
+        argv = ["setpriv", f"--reuid={uid}", f"--regid={uid}"] + (
+            [f"--groups={groups}"] if groups else ["--clear-groups"]) + [
+            "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search"] + argv
+    r = subprocess.run(argv, input=json.dumps([p.hex() for p in payloads]), capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+def test_a_hello_out_of_range_cannot_stop_the_node_and_is_counted(socket_dir):
+    """Today: one hello with rank 2^31 makes every later tick raise (int32 overflow building the
+    topology table) and the node ships nothing again."""
+    agent = Agent(None, socket_dir=socket_dir, node="n1", interval_s=0.2, plugins=[]).start()
+    good = Probe().init(job="good", rank=0, world_size=2, socket_dir=socket_dir, auto=False, flush_ms=0)
+    try:
+        run_good(good, 3)
+        bad = [hello(1001, job="evil", rank=2**31, world_size=2**31 + 1), step_frame(1001, 0, 1),
+               hello(1002, job="evil", rank=0, world_size=4, dp=2**40),            # int32 overflow in topology
+               hello(1003, job="evil", rank=5, world_size=4),                     # rank >= world size
+               hello(1004, job="x" * 5000, rank=0, world_size=1),                 # a job name of 5,000 chars
+               hello(1005, job="evil", rank=0, world_size=4, node="../../etc"),  # not a host name
+               hello(1006, job="evil", rank=0, world_size=4, names={"1": {"nested": 1}}),
+               HDR.pack(MAGIC, VERSION, T_HELLO, 1007, 0, 0, 0, 0, 0) + b"[" * 60000]   # deeply nested JSON
+        assert send_as(agent.path, bad).startswith("sent")
+        got = []
+        for i in range(4):
+            run_good(good, 5)
+            time.sleep(0.25)
+            got += steps_of(agent.tick(), "good")              # must not raise
+        assert sorted(got) == list(range(23)), got                # the good rank's every step, in 4 ticks
+        assert {i.job for i in agent.idents.values()} == {"good"}
+        m = agent.metrics
+        assert m.value(m.bad_datagrams) == 7                     # each hostile hello counted once
+    finally:
+        good.shutdown()
+        agent.close()
+
+
+def test_socket_mode_and_group_let_in_only_the_group(socket_dir):
+    """Today agent.sock is 0666: any local user (any pod that mounts the directory) can send."""
+    agent = Agent(None, socket_dir=socket_dir, node="n1", interval_s=0.2, plugins=[], socket_group=10001).start()
+    try:
+        st = os.stat(agent.path)
+        assert st.st_mode & 0o777 == 0o660 and st.st_gid == 10001
+        h = hello(2001, job="other", rank=0, world_size=1)
+        assert send_as(agent.path, [h], uid=UID) == "error 13"                  # EACCES: not in the group
+        assert send_as(agent.path, [h], uid=UID, groups="10001") == "sent 1"    # a member of the group
+        time.sleep(0.2)
+        agent.drain()
+        (ident,) = agent.idents.values()
+        assert ident.job == "other" and ident.peer.uid == UID and ident.peer.pid > 0
+    finally:
+        agent.close()
+
+
+def test_allow_uid_refuses_other_senders(socket_dir):
+    from stepwatch.agents.ingress import IngressLimits
+    agent = Agent(None, socket_dir=socket_dir, node="n1", interval_s=0.2, plugins=[], socket_mode=0o666,
+                  limits=IngressLimits(allow_uids=frozenset({30003}))).start()
+    try:
+        assert send_as(agent.path, [hello(2101, job="j", rank=0, world_size=1)], uid=UID) == "sent 1"
+        time.sleep(0.2)
+        agent.drain()
+        assert not agent.idents and agent.metrics.value(agent.metrics.dropped, "peer_not_allowed") == 1
+    finally:
+        agent.close()
+
+
+def test_a_sender_cannot_speak_for_another_process_rank(socket_dir):
+    """Today any process that can reach the socket can send frames with another probe's instance id,
+    or a hello for a rank a live probe holds, and its rows are stored as that job's rank."""
+    agent = Agent(None, socket_dir=socket_dir, node="n1", interval_s=0.2, plugins=[]).start()
+    good = Probe().init(job="victim", rank=3, world_size=8, socket_dir=socket_dir, auto=False, flush_ms=0)
+    try:
+        run_good(good, 2)
+        time.sleep(0.25)
+        assert steps_of(agent.tick(), "victim") == [0, 1]
+        inst = good.instance
+        forged = [step_frame(inst, 3, 1000 + i) for i in range(5)]                          # frames as the victim
+        claim = [hello(3001, job="victim", rank=3, world_size=8), step_frame(3001, 3, 2000)]  # a new claim of rank 3
+        retake = [hello(inst, job="victim", rank=3, world_size=8, node="elsewhere")]          # the victim's own id
+        assert send_as(agent.path, forged + claim + retake).startswith("sent")
+        run_good(good, 2)
+        time.sleep(0.25)
+        got = steps_of(agent.tick(), "victim")
+        assert got == [2, 3], got                          # nothing of the forger's
+        m = agent.metrics
+        assert m.value(m.dropped, "peer_mismatch") >= 6 and m.value(m.dropped, "identity_conflict") == 1
+        assert agent.idents[inst].node == "n1" and agent.idents[inst].peer.pid == os.getpid()
+    finally:
+        good.shutdown()
+        agent.close()
+
+
+def test_a_rank_restarted_in_a_new_process_is_served_again(socket_dir):
+    """The binding does not lock out a legitimate restart: once the old process is gone, its rank may
+    be claimed by a new one."""
+    agent = Agent(None, socket_dir=socket_dir, node="n1", interval_s=0.2, plugins=[]).start()
+    try:
+        assert send_as(agent.path, [hello(4001, job="r", rank=0, world_size=1), step_frame(4001, 0, 0)]) == "sent 2"
+        assert send_as(agent.path, [hello(4002, job="r", rank=0, world_size=1), step_frame(4002, 0, 1)]) == "sent 2"
+        time.sleep(0.25)
+        assert steps_of(agent.tick(), "r") == [0, 1]
+        assert agent.metrics.value(agent.metrics.dropped, "identity_conflict") == 0
+    finally:
+        agent.close()
+
+
+def test_the_receive_queue_is_bounded_in_bytes_and_drops_are_counted(socket_dir):
+    from stepwatch.agents.ingress import IngressLimits
+    agent = Agent(None, socket_dir=socket_dir, node="n1", interval_s=0.2, plugins=[],
+                  limits=IngressLimits(max_queue_bytes=256 << 10)).start()
+    try:
+        big = [hello(5000 + i, job="flood", rank=0, world_size=1, pad="x" * 16000) for i in range(100)]
+        assert send_as(agent.path, big) == "sent 100"
+        time.sleep(0.5)
+        queued = sum(len(d) for d, _ in agent.queue)
+        assert queued <= 256 << 10
+        assert agent.metrics.value(agent.metrics.dropped, "queue_full") == 100 - len(agent.queue) > 0
+        agent.tick()
+        assert agent._q_in - agent._q_out == 0                   # the bound is free again once decoded
+    finally:
+        agent.close()
+
+
+def test_datagrams_of_unknown_instances_are_bounded(socket_dir):
+    """Frames of instances that never say hello wait (bounded in bytes and instances), then go, counted."""
+    from stepwatch.agents.ingress import IngressLimits
+    agent = Agent(None, socket_dir=socket_dir, node="n1", interval_s=0.2, plugins=[],
+                  limits=IngressLimits(max_pending_bytes=4096, max_instances=8)).start()
+    try:
+        assert send_as(agent.path, [step_frame(6000 + i, 0, i) for i in range(50)]) == "sent 50"
+        time.sleep(0.3)
+        agent.tick()
+        assert len(agent.pending) <= 8 and agent._pending_bytes <= 4096
+        held = sum(len(p) for p in agent.pending.values())
+        assert agent.metrics.value(agent.metrics.dropped, "no_identity") == 50 - held
+    finally:
+        agent.close()
+
+
+def test_a_flood_of_made_up_instances_is_bounded(socket_dir):
+    from stepwatch.agents.ingress import IngressLimits
+    agent = Agent(None, socket_dir=socket_dir, node="n1", interval_s=0.2, plugins=[],
+                  limits=IngressLimits(max_instances=16)).start()
+    try:
+        flood = [hello(7000 + i, job=f"made-up-{i}", rank=0, world_size=1) for i in range(200)]
+        assert send_as(agent.path, flood) == "sent 200"
+        time.sleep(0.3)
+        items = agent.tick()
+        assert len(agent.idents) == 16 and len(agent._topo_sent) == 16
+        assert agent.metrics.value(agent.metrics.dropped, "too_many_instances") == 184
+        assert len({j for k, j, _ in items if k == "topology"}) == 16
+    finally:
+        agent.close()
