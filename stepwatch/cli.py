@@ -8,6 +8,7 @@
     stepwatch bench ingest|query|overhead|detectors|changepoint  throughput and lag into Parquet; canned-query
                                        times at scale; probe and agent overhead; detector cost per step;
                                        change-point finders on generated labelled series
+    stepwatch bench fuzz|hostile       100,000 fuzzed inputs per boundary; 10,000 hostile Kafka messages
     stepwatch eval                     the labelled scenario suite through the processor: recall, precision, delay
     stepwatch report --job J           HTML post-mortem; stepwatch compact: compaction and retention
     stepwatch grafana provision|export dashboards, DuckDB datasource, alert rules (idempotent)
@@ -92,7 +93,14 @@ def cmd_process(a) -> int:
     from stepwatch.stream.alertfanout import attach
     from stepwatch.stream.jobmetrics import configure_from_args
     s = settings_from_args(a)
-    p = Processor(s, a.data_dir, group=a.group, flush_interval_s=a.flush_interval, lateness_s=a.lateness)
+    from stepwatch.stream.ingress import limits_from_pairs
+    try:
+        limits = limits_from_pairs(a.limit)
+    except ValueError as e:
+        print(f"stepwatch process: {e}", file=sys.stderr)
+        return 2
+    p = Processor(s, a.data_dir, group=a.group, flush_interval_s=a.flush_interval, lateness_s=a.lateness,
+                  limits=limits)
     configure_from_args(p.job_metrics, a)
     try:
         sink = annotation_sink_from_args(a, registry=p.metrics.registry)   # None without --grafana-url
@@ -272,9 +280,11 @@ def cmd_bench(a) -> int:
     from stepwatch import bench
     from stepwatch.agents.bench_overhead import run_overhead_bench
     from stepwatch.eval import run_detector_bench
+    from stepwatch.fuzz import run_fuzz
+    from stepwatch.hostile import run_hostile_bench
     return {"ingest": bench.run_bench, "query": bench.run_query_bench, "overhead": run_overhead_bench,
             "detectors": run_detector_bench, "profiling": _profiling_bench,
-            "changepoint": bench.run_changepoint_bench}[a.what](a)
+            "changepoint": bench.run_changepoint_bench, "fuzz": run_fuzz, "hostile": run_hostile_bench}[a.what](a)
 
 
 # ---------------------------------------------------------------------------- parser
@@ -337,6 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--idle-exit", type=float, default=None, help="exit after this many idle seconds")
     pr.add_argument("-q", "--quiet", action="store_true")
     pr.add_argument("--stats-json", default=None, help="write final counters here on exit")
+    pr.add_argument("--limit", action="append", default=[], metavar="NAME=VALUE",
+                    help="an ingress bound, repeatable, e.g. max_ranks=262144 (docs/limits.md lists them)")
     from stepwatch.dashboards.cli import add_annotation_args, register as register_grafana
     add_annotation_args(pr)
     from stepwatch.dashboards.alertmanager import add_args as add_alertmanager_args
@@ -385,7 +397,12 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=cmd_sql)
 
     be = sub.add_parser("bench", help="benchmarks that print figures")
-    be.add_argument("what", choices=["ingest", "query", "overhead", "detectors", "profiling", "changepoint"])
+    be.add_argument("what", choices=["ingest", "query", "overhead", "detectors", "profiling", "changepoint",
+                                     "fuzz", "hostile"])
+    be.add_argument("--inputs", type=int, default=100_000, help="fuzz: inputs per boundary")
+    be.add_argument("--seed", type=int, default=0, help="fuzz: hypothesis seed")
+    be.add_argument("--boundary", default=None, help="fuzz: only this boundary (stepwatch.fuzz.BOUNDARIES)")
+    be.add_argument("--messages", type=int, default=10_000, help="hostile: malformed/hostile messages to send")
     be.add_argument("--ranks", type=int, default=16384)
     be.add_argument("--steps", type=int, default=60, help="steps pre-produced for the throughput run")
     be.add_argument("--lag-seconds", type=int, default=30, help="length of the live (1 step/s) lag run")

@@ -19,8 +19,10 @@ ABOUT = {
     "comm": "One row per rank per step per collective kind and group (wire `comm/1`).",
     "alerts": "One row per alert state change (`firing`, then `resolved`) written by the processor. "
               "`alert_id` is stable for the same finding; `evidence` is JSON text.",
-    "deadletter": "Rejected input: whole messages (`row` null, raw bytes in `payload`) or single rows "
-                  "(`row` = index in the message, the row as JSON in `payload`), with the `reason`.",
+    "deadletter": "Rejected input: ONE row per source message (Kafka topic, partition, offset), whether the "
+                  "whole message was refused (`row` null) or some of its rows (`row` = index of the first bad "
+                  "row; `reason` = how many rows and the first distinct reasons). `payload` is the raw message "
+                  "(cut at 1 MiB). See docs/limits.md.",
     "rank_minutes": "Derived by the store from every batch of step rows it writes: per (job, rank, minute of "
                     "`t_end`) partial sums (`steps` = rows summed). One (job, rank, minute) may have several "
                     "rows (one per flush): always aggregate with `sum`. Per-rank questions over hours read "

@@ -41,7 +41,8 @@ class JobState:
         self.capacity = capacity
         self.lateness_ns = lateness_ns
         self.topology_known = False
-        self.world_size = 0
+        self.world_size = 0       # ranks with state (columns of the ring): the highest rank seen + 1
+        self.expected = 0         # world size the topology declares (a step is complete with this many)
         self.nodes = np.empty(0, dtype=object)
         self.stage = np.empty(0, dtype=np.int32)
         # other parallel coordinates (-1 unknown) and, per rank, the newest step reported and its t_end
@@ -110,11 +111,16 @@ class JobState:
         self.world_size = n
 
     def set_topology(self, topo: pa.Table) -> None:
-        """Apply topology rows (job, rank, node, world_size, pp …) of this job."""
+        """Apply topology rows (job, rank, node, world_size, pp …) of this job.
+
+        Memory follows the ranks the rows name, not the declared world size: a row declaring
+        100,000 ranks sent by rank 0 alone allocates one rank of state."""
         ws = int(np.max(topo.column("world_size").to_numpy(zero_copy_only=False)))
-        self._resize(ws)
+        self.expected = max(self.expected, ws)
         ranks = topo.column("rank").to_numpy(zero_copy_only=False).astype(np.int64)
-        ok = (ranks >= 0) & (ranks < self.world_size)
+        ok = (ranks >= 0) & (ranks < self.expected)
+        if ok.any():
+            self._resize(int(ranks[ok].max()) + 1)
         ranks = ranks[ok]
         self.nodes[ranks] = np.asarray(topo.column("node").to_pylist(), dtype=object)[ok]
         pp = topo.column("pp").to_numpy(zero_copy_only=False)
@@ -165,10 +171,10 @@ class JobState:
             if hi - lo >= span:
                 keep = np.zeros(t.num_rows, dtype=bool)
                 bad, dups, late, blocks = [], 0, 0, []
-                for a in range(lo, hi + 1, span):
-                    idx = np.flatnonzero((step >= a) & (step < a + span))
-                    if not len(idx):
-                        continue
+                # only the slices that hold rows: steps 0 and 10**12 are two slices, not 10**10
+                chunk = (step.astype(np.int64) - lo) // span
+                for c in np.unique(chunk):
+                    idx = np.flatnonzero(chunk == c)
                     res, b = self._ingest(t.take(pa.array(idx)))
                     keep[idx] = res.keep
                     bad.append(idx[res.bad_rank])
@@ -187,8 +193,12 @@ class JobState:
         if n == 0:
             return IngestResult(keep, 0, np.empty(0, np.int64), 0), blocks
         if self.topology_known:
-            bad = np.flatnonzero(rank >= self.world_size)
+            bad = np.flatnonzero(rank >= self.expected)
             keep[bad] = False
+            if keep.any():
+                top_rank = int(rank[keep].max())
+                if top_rank >= self.world_size:
+                    self._resize(top_rank + 1)
         else:
             bad = np.empty(0, np.int64)
             self._resize(int(rank.max()) + 1)
@@ -320,7 +330,7 @@ class JobState:
         steps = np.arange(s, end, dtype=np.int64)
         slots = steps % self.capacity
         cnt = self.count[slots]
-        complete = cnt >= self.world_size
+        complete = cnt >= max(self.world_size, self.expected)
         if force:
             closable = np.ones(len(steps), dtype=bool)
         else:
@@ -337,5 +347,9 @@ class JobState:
         return self._close_upto(s + k)
 
     # ------------------------------------------------------------------ state
+    def state_bytes(self) -> int:
+        """Bytes of the per-rank ring (what grows with the ranks that report)."""
+        return sum(p.nbytes for p in self.planes.values()) + self.filled.nbytes + self.queue.nbytes
+
     def open_steps(self) -> int:
         return 0 if self.lo is None else max(0, self.max_step + 1 - self.next_close)

@@ -58,4 +58,19 @@ class ProcessorMetrics(Metrics):
                          registry=r)
         self.last_flush = Gauge("stepwatch_processor_last_flush_timestamp_seconds", "Time of the last flush",
                                 registry=r)
+        # ingress bounds (stream.ingress, docs/limits.md)
+        self.undecodable = Counter("stepwatch_processor_undecodable_records",
+                                   "Kafka records the client could not decode (skipped, deadlettered)", registry=r)
+        self.columns_dropped = Counter("stepwatch_processor_columns_dropped",
+                                       "Unknown extra columns dropped (type, name, conflict, too many)", ["reason"],
+                                       registry=r)
+        self.rows_rejected = Counter("stepwatch_processor_rows_rejected", "Rows outside the ingress bounds",
+                                     ["kind"], registry=r)
+        self.flush_isolations = Counter("stepwatch_processor_flush_isolations",
+                                        "Flushes that failed and were bisected by source message", registry=r)
+        self.jobs_evicted = Counter("stepwatch_processor_jobs_evicted", "Jobs evicted from memory (idle, budget)",
+                                    registry=r)
+        self.rebuilds = Counter("stepwatch_processor_job_rebuilds",
+                                "New jobs by how their state began (store, none: no history, rate_limited)",
+                                ["how"], registry=r)
         self.total_lag = 0

@@ -34,8 +34,9 @@ from stepwatch.detectors.base import Alert, Detector, JobContext, StepBlock
 from stepwatch.detectors.context import JobTelemetry
 from stepwatch.storage.store import Fenced, Marker, ParquetStore
 from stepwatch.storage.views import connect as views_connect
-from stepwatch.stream import fencing
+from stepwatch.stream import fencing, ingress
 from stepwatch.stream.align import JobState
+from stepwatch.stream.ingress import IngressLimits
 from stepwatch.stream.jobmetrics import JobMetrics
 from stepwatch.stream.kafkaio import KafkaSettings, ensure_topics, make_consumer, make_producer
 from stepwatch.stream.metrics import ProcessorMetrics
@@ -78,8 +79,16 @@ class Processor:
                  lateness_s: float = 10.0, window_steps: int = 128, replay_steps: int = 256,
                  detector_settings: dict | None = None,
                  on_alert: Callable[[Alert], None] | None = None, metrics: ProcessorMetrics | None = None,
-                 create_topics: bool = True, idle_close_s: float = 5.0, profiling="env"):
+                 create_topics: bool = True, idle_close_s: float = 5.0, profiling="env",
+                 limits: IngressLimits | None = None):
         self.kafka = kafka
+        self.limits = limits or IngressLimits()      # the Kafka boundary's bounds (stream.ingress, docs/limits.md)
+        self.extras = ingress.ExtraColumns(self.limits)
+        self.rlog = ingress.RateLimitedLog(log, self.limits.log_per_s)
+        self.rebuild_bucket = ingress.TokenBucket(self.limits.rebuilds_per_s, self.limits.rebuild_burst)
+        self._dl: ingress.MessageDeadletter | None = None   # what went wrong with the message in hand
+        self._src = None                                     # (topic, partition, offset) of that message
+        self.job_seen: dict[str, float] = {}                 # job -> monotonic time of its last message
         self.store = ParquetStore(data_dir).init()
         self.group = group
         self.flush_interval_s = flush_interval_s
@@ -99,6 +108,7 @@ class Processor:
         self.profiling = None                       # its Issuer, once the producer exists
         self.jobs: dict[str, JobRuntime] = {}
         self.buffers: dict[str, list[pa.Table]] = defaultdict(list)
+        self.buffer_src: dict[str, list] = defaultdict(list)   # source message of each buffered piece
         self.buffered_rows = 0
         self.progress: dict[tuple[str, int], PartitionProgress] = {}
         self.last_flush = time.monotonic()
@@ -196,7 +206,12 @@ class Processor:
             self.close()
 
     def poll_once(self, timeout_ms: int = 200) -> int:
-        records = self.consumer.poll(timeout_ms=timeout_ms, max_records=2000)
+        try:
+            records = self.consumer.poll(timeout_ms=timeout_ms, max_records=2000)
+        except Exception as e:  # noqa: BLE001 - a batch the client cannot decode (codec, corruption)
+            if not self._skip_undecodable(e):
+                raise
+            records = {}
         n = 0
         # topology first so steps in the same poll find their job's world size
         for tp in sorted(records, key=lambda tp: self._topic_kind.get(tp.topic) != "topology"):
@@ -208,14 +223,7 @@ class Processor:
                         self.metrics.skipped.inc()
                         continue
                     prog.consumed.append(msg.offset)
-                try:
-                    self._handle(msg)
-                except Exception as e:  # noqa: BLE001 - one message must never stop the processor
-                    log.exception("failed to handle %s@%d/%d", msg.topic, msg.partition, msg.offset)
-                    try:
-                        self._deadletter(msg, f"internal error while processing: {e!r}", None, None)
-                    except Exception:  # noqa: BLE001
-                        log.exception("could not deadletter %s@%d/%d", msg.topic, msg.partition, msg.offset)
+                self.process_message(msg)
         if n:
             self.last_data = time.monotonic()
             if self.t_first_data is None:
@@ -223,18 +231,40 @@ class Processor:
         now = time.monotonic()
         if self.buffered_rows >= self.max_buffer_rows or now - self.last_flush >= self.flush_interval_s:
             self._close_idle_jobs()
+            self._evict_jobs()
             self._flush()
             self._update_lag()
         return n
 
     # ------------------------------------------------------------------ messages
+    def process_message(self, msg) -> None:
+        """One Kafka record: decode, bound, route, buffer; at most one deadletter record for it.
+        Never raises (the fuzz harness, :mod:`stepwatch.fuzz`, drives this same entry point)."""
+        self._dl, self._src = ingress.MessageDeadletter(), (msg.topic, msg.partition, msg.offset)
+        try:
+            self._handle(msg)
+        except Exception as e:  # noqa: BLE001 - one message must never stop the processor
+            log.exception("failed to handle %s@%d/%d", msg.topic, msg.partition, msg.offset)
+            self._dl.add(f"internal error while processing: {e!r}"[:2000])
+        try:
+            self._finish_deadletter(msg)
+        except Exception:  # noqa: BLE001
+            log.exception("could not deadletter %s@%d/%d", msg.topic, msg.partition, msg.offset)
+        self._dl = self._src = None
+
     def _handle(self, msg) -> None:
+        if self._dl is None:          # called directly (eval, tests): the same path as poll_once
+            self.process_message(msg)
+            return
         hdr = {k: v for k, v in (msg.headers or [])}
         kind = self._topic_kind.get(msg.topic, "?")
         self.metrics.messages_in.labels(kind).inc()
         t0 = time.perf_counter()
+        lim = self.limits
         try:
-            d = wire.decode(msg.value, hdr.get("content-type"), hdr.get("schema"))
+            ingress.check_size(msg.value, hdr.get("content-type"), lim)
+            d = wire.decode(msg.value, hdr.get("content-type"), hdr.get("schema"),
+                            check_arrow=lambda p: ingress.check_arrow_sizes(p, lim), prepare=self._prepare)
             if d.kind != kind:
                 raise wire.WireError(f"schema header {d.kind!r} does not match topic {msg.topic!r}")
         except wire.WireError as e:
@@ -247,8 +277,16 @@ class Processor:
         finally:
             self.metrics.decode_seconds.observe(time.perf_counter() - t0)
         self.metrics.records_in.labels(kind).inc(d.table.num_rows + len(d.rejected))
+        self._dl.total_rows = d.table.num_rows + len(d.rejected)
         if d.rejected:
             self._deadletter(msg, None, d.rejected, d.rejected_rows)
+        checks = ingress.row_bounds(kind, d.table, lim, time.time_ns())
+        if checks:
+            table, reasons, nbad = ingress.split(d.table, checks)
+            self.metrics.rows_rejected.labels(kind).inc(nbad)
+            for r in reasons:
+                self._dl.add(r, n=nbad if r is reasons[0] else 0, keep=lim.deadletter_reasons)
+            d.table = table
         if d.table.num_rows:
             self._route(kind, d.table, msg)
 
@@ -270,6 +308,14 @@ class Processor:
         for job in jobs.to_pylist():
             part = t if len(jobs) == 1 else t.filter(pc.equal(t.column("job"), job))
             rt = self._job(job)
+            jump = ingress.step_jump_mask(part.column("step").to_numpy(), rt.state.max_step, self.limits)
+            if jump is not None:
+                self._dl.add(f"field 'step': more than max_step_jump={self.limits.max_step_jump:,} steps ahead "
+                             f"of job {job!r}'s newest step", n=int(jump.sum()), keep=self.limits.deadletter_reasons)
+                self.metrics.rows_rejected.labels(kind).inc(int(jump.sum()))
+                part = part.filter(pa.array(~jump))
+                if not part.num_rows:
+                    continue
             t0 = time.perf_counter()
             res, blocks = rt.state.ingest(part)
             self.metrics.align_seconds.observe(time.perf_counter() - t0)
@@ -277,7 +323,7 @@ class Processor:
                 self.metrics.dropped.labels("duplicate").inc(res.duplicates)
             if len(res.bad_rank):
                 bad = part.take(pa.array(res.bad_rank))
-                ws = rt.state.world_size
+                ws = rt.state.expected or rt.state.world_size
                 reasons = [(int(i), f"field 'rank': {r} is outside world_size {ws} of job {job!r}")
                            for i, r in zip(res.bad_rank, bad.column("rank").to_pylist())]
                 self._deadletter(msg, None, reasons, bad)
@@ -320,52 +366,154 @@ class Processor:
 
     def _buffer(self, table: str, t: pa.Table) -> None:
         self.buffers[table].append(t)
+        self.buffer_src[table].append(self._src)
         self.buffered_rows += t.num_rows
         if self.job_metrics is not None:
             self.job_metrics.on_rows(table, t)
 
+    def _prepare(self, kind: str, raw: pa.Table) -> pa.Table:
+        """Ingress hook of :func:`wire.decode`: expansion bounds, then extra columns."""
+        ingress.check_expansion(raw, self.limits)
+        before = dict(self.extras.dropped)
+        t = self.extras.apply(kind, raw)
+        for why, k in self.extras.dropped.items():
+            if k != before.get(why, 0):
+                self.metrics.columns_dropped.labels(why).inc(k - before.get(why, 0))
+        return t
+
+    def _skip_undecodable(self, e: Exception) -> bool:
+        """``consumer.poll`` raised on a batch it cannot decode: deadletter the record at the
+        partition's position and seek past it (records of a bad batch go one at a time), so the
+        processor never restarts into the same offsets. False if no partition can be blamed."""
+        tp = getattr(getattr(getattr(self.consumer, "_fetcher", None), "_next_partition_records", None),
+                     "topic_partition", None)
+        cands = [tp] if tp is not None else sorted(self.consumer.assignment())
+        for tp in cands:
+            try:
+                off = self.consumer.position(tp)
+            except Exception:  # noqa: BLE001
+                continue
+            if off is None:
+                continue
+            if tp is not cands[0] or len(cands) > 1:
+                # no partition named by the client: probe each alone
+                others = [x for x in self.consumer.assignment() if x != tp]
+                self.consumer.pause(*others)
+                try:
+                    self.consumer.poll(timeout_ms=200, max_records=1, update_offsets=False)
+                    self.consumer.seek(tp, off)
+                    continue
+                except Exception:  # noqa: BLE001 - this is the one
+                    pass
+                finally:
+                    self.consumer.resume(*others)
+            self.metrics.undecodable.inc()
+            from types import SimpleNamespace
+            msg = SimpleNamespace(topic=tp.topic, partition=tp.partition, offset=off, key=None, value=b"",
+                                  headers=[])
+            prog = self.progress.get((tp.topic, tp.partition))
+            if prog is not None:
+                prog.consumed.append(off)
+            self._dl, self._src = ingress.MessageDeadletter(), (tp.topic, tp.partition, off)
+            self._dl.add(f"Kafka client cannot decode the record batch: {type(e).__name__}: {e}"[:2000])
+            try:
+                self._finish_deadletter(msg)
+            finally:
+                self._dl = self._src = None
+            self.consumer.seek(tp, off + 1)
+            return True
+        log.error("consumer.poll failed and no partition could be blamed: %r", e)
+        time.sleep(0.5)
+        return True
     def _deadletter(self, msg, reason: str | None, rejected, rows: pa.Table | None) -> None:
-        now = time.time_ns()
-        key_job = None
-        if msg.key:
-            k = msg.key.decode("utf-8", "replace")
-            key_job = k if wire.JOB_RE.match(k) else None
-        hdr = {k: v for k, v in (msg.headers or [])}
-        schema_h = hdr.get("schema")
-        schema_s = schema_h.decode("utf-8", "replace") if isinstance(schema_h, bytes) else schema_h
-        recs = []
-        if reason is not None:
-            recs.append({"job": key_job or "_unknown", "t_received": now, "source_topic": msg.topic,
-                         "source_partition": msg.partition, "source_offset": msg.offset, "schema": schema_s, "row": None,
-                         "reason": reason, "payload": msg.value if msg.value is not None else b""})
-            log.warning("deadletter %s@%d/%d: %s", msg.topic, msg.partition, msg.offset, reason)
-        else:
-            pyrows = _plain(rows).to_pylist() if rows is not None else []
-            for (i, why), r in zip(rejected, pyrows):
-                job = r.get("job") if isinstance(r.get("job"), str) and wire.JOB_RE.match(r.get("job") or "") else key_job
-                recs.append({"job": job or "_unknown", "t_received": now, "source_topic": msg.topic,
-                             "source_partition": msg.partition, "source_offset": msg.offset, "schema": schema_s, "row": i,
-                             "reason": why, "payload": json.dumps(r, default=str).encode()})
-            log.warning("deadletter %d row(s) of %s@%d/%d, first: %s", len(recs), msg.topic, msg.partition,
-                        msg.offset, rejected[0][1] if rejected else "")
-        if not recs:
+        """Note what is wrong with the message in hand; :meth:`_finish_deadletter` writes ONE record
+        per source message (a summary of its bad rows, the raw value capped, headers stripped)."""
+        if self._dl is None:          # outside a message's handling: a record of its own
+            self._dl = ingress.MessageDeadletter()
+            try:
+                self._dl.add(reason, rejected, rows, keep=self.limits.deadletter_reasons)
+                self._finish_deadletter(msg)
+            finally:
+                self._dl = None
             return
-        self.metrics.dropped.labels("deadletter").inc(len(recs))
-        self._buffer("deadletter", pa.Table.from_pylist(recs, schema=wire.DEADLETTER))
-        for r in recs:
-            h = list(msg.headers or []) + [("error", r["reason"].encode()),
-                                           ("source", f"{msg.topic}/{msg.partition}/{msg.offset}".encode())]
-            self.producer.send(self.kafka.topic("deadletter"), r["payload"], key=msg.key, headers=h)
+        self._dl.add(reason, rejected, rows, keep=self.limits.deadletter_reasons)
+
+    def _finish_deadletter(self, msg) -> None:
+        dl = self._dl
+        if not dl:
+            return
+        rec = dl.record(msg, ingress.key_job(msg), getattr(dl, "total_rows", None), self.limits, time.time_ns())
+        self.rlog.warning("deadletter %s@%d/%d: %s", msg.topic, msg.partition, msg.offset, rec["reason"][:300])
+        self.metrics.dropped.labels("deadletter").inc()
+        self._buffer("deadletter", pa.Table.from_pylist([rec], schema=wire.DEADLETTER))
+        if self.producer is not None:
+            h = [("error", rec["reason"][:1000].encode()),
+                 ("source", f"{msg.topic}/{msg.partition}/{msg.offset}".encode())]
+            self.producer.send(self.kafka.topic("deadletter"), rec["payload"], key=msg.key if msg.key and len(msg.key) <= 256 else None,
+                               headers=h)
 
     # ------------------------------------------------------------------ jobs and detectors
     def _job(self, job: str) -> JobRuntime:
+        self.job_seen[job] = time.monotonic()
         rt = self.jobs.get(job)
         if rt is None:
+            if len(self.jobs) >= self.limits.max_jobs:
+                self._evict_jobs(room=1)
             rt = JobRuntime(JobState(job, capacity=self.window_steps, lateness_ns=self.lateness_ns),
                             _build_detectors(self.detector_settings))
             self.jobs[job] = rt
-            self._rebuild(rt)
+            # a burst of made-up job ids must not stall ingest: only jobs with stored history are
+            # rebuilt from the store, at a bounded rate
+            if not self._has_history(job):
+                self.metrics.rebuilds.labels("none").inc()
+            elif self.rebuild_bucket.take():
+                self.metrics.rebuilds.labels("store").inc()
+                self._rebuild(rt)
+            else:
+                self.metrics.rebuilds.labels("rate_limited").inc()
+                self.rlog.warning("job %s starts cold: over rebuilds_per_s=%g", job, self.limits.rebuilds_per_s)
         return rt
+
+    def _has_history(self, job: str) -> bool:
+        """Whether the store may hold rows of ``job`` (its partition folders exist)."""
+        root = Path(self.store.root)
+        if not (root / "steps").is_dir():
+            return True       # a store without per-job folders: ask it
+        return any((root / t / f"job={job}").is_dir() for t in ("steps", "topology", "alerts"))
+
+    def _evict_jobs(self, room: int = 0) -> None:
+        """Close and forget jobs idle for ``job_idle_evict_s``, and the least recently active ones
+        while more than ``max_jobs - room`` jobs or ``max_state_bytes`` of rings are held."""
+        if not self.jobs:
+            return
+        lim = self.limits
+        now = time.monotonic()
+        idle = [j for j in self.jobs if now - self.job_seen.get(j, now) > lim.job_idle_evict_s]
+        over = len(self.jobs) - len(idle) + room - lim.max_jobs
+        size = 0
+        if over <= 0 and len(self.jobs) > 1:
+            size = sum(rt.state.state_bytes() for rt in self.jobs.values())
+        if over > 0 or size > lim.max_state_bytes:
+            rest = sorted((j for j in self.jobs if j not in set(idle)), key=lambda j: self.job_seen.get(j, 0))
+            k = max(over, 0)
+            extra = rest[:k]
+            if size > lim.max_state_bytes:
+                freed = sum(self.jobs[j].state.state_bytes() for j in extra)
+                for j in rest[k:-1]:
+                    if size - freed <= lim.max_state_bytes:
+                        break
+                    extra.append(j)
+                    freed += self.jobs[j].state.state_bytes()
+            idle += extra
+        for j in idle:
+            rt = self.jobs.pop(j)
+            self.job_seen.pop(j, None)
+            try:
+                if rt.state.open_steps():
+                    self._detect(rt, rt.state.close_ready(force=True))
+            except Exception:  # noqa: BLE001 - eviction never stops the processor
+                log.exception("closing evicted job %s", j)
+            self.metrics.jobs_evicted.inc()
 
     def _rebuild(self, rt: JobRuntime) -> None:
         """Warm a job's state from the store: topology, last window of steps, stored alerts."""
@@ -530,16 +678,24 @@ class Processor:
             return
         t0 = time.perf_counter()
         tables = dict(self.buffers)
-        rows = {k: sum(t.num_rows for t in v) for k, v in tables.items()}
+        gen = fencing.generation(self.consumer)
         try:
-            self.store.write_flush(tables, markers, generation=fencing.generation(self.consumer))
-        except Fenced as e:
+            try:
+                self.store.write_flush(tables, markers, generation=gen)
+            except Fenced:
+                raise
+            except Exception as e:  # noqa: BLE001 - find the message(s) that break it; store the rest
+                tables = self._isolate(e)
+                self.store.write_flush(tables, markers, generation=gen)
+        except Fenced as e:         # another processor owns a partition now: store nothing
             fencing.fenced(self, e)
             return
+        rows = {k: sum(t.num_rows for t in v) for k, v in tables.items()}
         self.metrics.flush_seconds.observe(time.perf_counter() - t0)
         for k, n in rows.items():
             self.metrics.records_out.labels(k).inc(n)
         self.buffers = defaultdict(list)
+        self.buffer_src = defaultdict(list)
         self.buffered_rows = 0
         from kafka.structs import OffsetAndMetadata, TopicPartition
         for (topic, part), m in markers.items():
@@ -554,6 +710,31 @@ class Processor:
                 log.warning("offset commit failed (store markers stay authoritative): %s", e)
         self.t_last_flush = time.time()
         self.metrics.last_flush.set(self.t_last_flush)
+
+    def _isolate(self, err: Exception) -> dict[str, list[pa.Table]]:
+        """A flush failed: bisect its pieces by source message against a scratch store; the pieces
+        of the messages that break it are replaced by one deadletter record each."""
+        self.metrics.flush_isolations.inc()
+        log.warning("flush failed (%r); isolating the message(s) that cause it", err)
+        pieces = [(name, t, src) for name, ts in self.buffers.items() for t, src in zip(ts, self.buffer_src[name])]
+        good, bad = ingress.isolate_failing_sources(pieces, ingress.scratch_writer(type(self.store)))
+        tables: dict[str, list[pa.Table]] = defaultdict(list)
+        for name, t, _ in good:
+            tables[name].append(t)
+        from types import SimpleNamespace
+        for src, e in bad.items():
+            if src is None:
+                log.error("rows the processor derived could not be stored and are dropped: %r", e)
+                continue
+            topic, part, off = src
+            msg = SimpleNamespace(topic=topic, partition=part, offset=off, key=None, value=b"", headers=[])
+            rec = ingress.MessageDeadletter()
+            rec.add(f"rows could not be stored: {e!r}"[:2000])
+            r = rec.record(msg, None, None, self.limits, time.time_ns())
+            tables["deadletter"].append(pa.Table.from_pylist([r], schema=wire.DEADLETTER))
+            self.metrics.dropped.labels("deadletter").inc()
+            self.rlog.warning("deadletter %s@%d/%d: %s", topic, part, off, r["reason"][:300])
+        return tables
 
     def _update_lag(self) -> None:
         if self.consumer is None:
