@@ -370,6 +370,7 @@ class LakeStore:
                     self._check(cur, keys, generation)
                     for name, t in batches:
                         con.register("_batch", t)
+                        self._add_columns(con, name, t.column_names)
                         con.execute(f"INSERT INTO lake.{name} BY NAME SELECT * FROM _batch")
                         con.unregister("_batch")
                     if keys:
@@ -383,6 +384,34 @@ class LakeStore:
                     _rollback(con)
                     raise
         return sum(t.num_rows for _, t in batches)
+
+    def _add_columns(self, con, name: str, names: list[str]) -> None:
+        """Columns a batch has beyond the table's (extra producer columns the ingress kept) are added
+        to the lake table in the same transaction (DuckLake schema evolution; older rows read NULL)."""
+        cols = self._columns.get(name)
+        if cols is not None and set(names) <= set(cols):
+            return
+        have = set(con.execute("SELECT list(column_name) FROM duckdb_columns() WHERE database_name = 'lake' "
+                               "AND schema_name = 'main' AND table_name = ?", [name]).fetchone()[0])
+        added = False
+        for c, typ in con.execute("SELECT column_name, column_type FROM (DESCRIBE SELECT * FROM _batch)").fetchall():
+            if c not in have:
+                con.execute(f'ALTER TABLE lake.{name} ADD COLUMN "{c}" {typ}')
+                added = True
+        if added:
+            self._columns.pop(name, None)     # re-read next time (a rolled-back transaction drops them)
+        else:
+            self._columns[name] = sorted(have)
+
+    def has_history(self, job: str) -> bool:
+        """Whether the lake may hold rows of ``job``: a cheap look at the partition folders of a
+        local data path (``main/<table>/job=<job>``); True where it cannot tell (S3, no folders yet)."""
+        if "://" in self.lake.data_path:
+            return True
+        base = Path(self.lake.data_path) / "main"
+        if not (base / "steps").is_dir():
+            return True
+        return any((base / t / f"job={job}").is_dir() for t in ("steps", "topology", "alerts"))
 
     def recover(self, *_a, **_kw) -> int:
         """Nothing to roll forward: a flush is one catalog transaction. (Parquet files of a killed,

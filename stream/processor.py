@@ -476,10 +476,7 @@ class Processor:
 
     def _has_history(self, job: str) -> bool:
         """Whether the store may hold rows of ``job`` (its partition folders exist)."""
-        root = Path(self.store.root)
-        if not (root / "steps").is_dir():
-            return True       # a store without per-job folders: ask it
-        return any((root / t / f"job={job}").is_dir() for t in ("steps", "topology", "alerts"))
+        return self.store.has_history(job)
 
     def _evict_jobs(self, room: int = 0) -> None:
         """Close and forget jobs idle for ``job_idle_evict_s``, and the least recently active ones
