@@ -57,7 +57,7 @@ typedef struct {
     PyObject_HEAD
     Ev *ev;
     Py_ssize_t n, cap, high;
-    long long last_drain, drain_ns, primary, lost, comm_keys_dropped, pre_t;
+    long long last_drain, drain_ns, primary, lost, comm_keys_dropped, pre_t, coll_t0;
     int eager, dq_need, in_coll, draining, dev_on;
     PyObject *on_drain, *on_first_opt;
 } Log;
@@ -186,6 +186,26 @@ static PyObject *Log_drain(Log *L, PyObject *unused)
     return out;
 }
 
+/* the events waiting, as drain() gives them, without emptying the log (the watchdog thread's view) */
+static PyObject *Log_peek(Log *L, PyObject *unused)
+{
+    Py_ssize_t n = L->n;
+    PyObject *out = PyList_New(n);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Ev *e = &L->ev[i];
+        PyObject *t = Py_BuildValue("(iiLLLd)", e->kind, e->slot, (long long)e->t0, (long long)e->t1,
+                                    (long long)e->a, e->b);
+        if (t == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, t);
+    }
+    return out;
+}
+
 static PyObject *Log_clear_events(Log *L, PyObject *unused)
 {
     L->n = 0;
@@ -222,6 +242,7 @@ static PyMethodDef Log_methods[] = {
     {"add", (PyCFunction)(void (*)(void))Log_add, METH_FASTCALL, "add(kind, slot, t0, t1, a, b)"},
     {"drain", (PyCFunction)Log_drain, METH_NOARGS, "the events as 6-tuples; the log is emptied"},
     {"clear", (PyCFunction)Log_clear_events, METH_NOARGS, "forget the events"},
+    {"peek", (PyCFunction)Log_peek, METH_NOARGS, "the events as 6-tuples; the log is kept"},
     {"opt_pre", (PyCFunction)(void (*)(void))Log_opt_pre, METH_FASTCALL, "optimizer step pre-hook"},
     {"opt_post", (PyCFunction)(void (*)(void))Log_opt_post, METH_FASTCALL, "optimizer step post-hook"},
     {NULL}};
@@ -238,6 +259,7 @@ static PyMemberDef Log_members[] = {
     {"eager", T_INT, offsetof(Log, eager), 0, "drain at every step end"},
     {"dq_need", T_INT, offsetof(Log, dq_need), 0, "the next DataLoader call reads the queue depth"},
     {"in_coll", T_INT, offsetof(Log, in_coll), 0, "inside a wrapped collective"},
+    {"coll_t0", T_LONGLONG, offsetof(Log, coll_t0), 0, "perf ns when the running collective started"},
     {"dev_on", T_INT, offsetof(Log, dev_on), 0, "an accelerator is in use: look at the payload's device"},
     {NULL}};
 
@@ -541,6 +563,7 @@ static PyObject *CollWrap_vc(PyObject *o, PyObject *const *args, size_t nargsf, 
     L->in_coll = 1;
     long long token = coll_dev_begin(w, args, nargsf, kwnames);
     int64_t t0 = now_ns();
+    L->coll_t0 = t0;
     PyObject *r = PyObject_Vectorcall(w->fn, args, nargsf, kwnames);
     int64_t t1 = now_ns();
     L->in_coll = 0;

@@ -42,6 +42,7 @@ from stepwatch import __version__
 from stepwatch import schema as wire
 from stepwatch.agents import probe as wirep
 from stepwatch.agents.hostmetrics import PluginRunner, build_runners, sample
+from stepwatch.agents.inflight import Liveness, RateBound, row_from_probe
 from stepwatch.agents.ingress import (IngressLimits, Peer, check_hello, enable_passcred, pid_alive, recv_with_peer,
                                       resolve_group)
 from stepwatch.agents.shipper import Shipper, Spool
@@ -50,7 +51,7 @@ from stepwatch.stream.metrics import Metrics
 log = logging.getLogger("stepwatch.agent")
 
 _FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
-KINDS = ("topology", "steps", "gc", "comm", "host", "profiles")
+KINDS = ("topology", "steps", "gc", "comm", "host", "profiles", "inflight")
 ACTIVE_S = 60.0          # a probe heard from within this many seconds is a served rank
 PENDING_S = 30.0         # records of an unknown probe instance wait this long for its hello
 PENDING_MAX = 256        # ... and at most this many datagrams per instance
@@ -227,6 +228,8 @@ class Agent:
         self.ticks = 0
         self.bad = 0
         self.control = None                 # targeted profiling (stepwatch.agents.control), see enable_profiling
+        self.liveness = Liveness()          # stopped / gone / silent ranks (agents.inflight)
+        self._inflight_rate = RateBound()   # in-flight rows per probe instance (agents.inflight)
 
     # ------------------------------------------------------------------ socket
     def start(self) -> "Agent":
@@ -347,6 +350,16 @@ class Agent:
             self._pending_bytes += len(data)
             return
         ident.t_seen = now
+        if typ == wirep.T_INFLIGHT:                  # a probe's watchdog: an overlong step (agents.inflight)
+            if not self._inflight_rate.allow(inst, now):
+                m.dropped.labels("inflight_rate").inc()
+                return
+            try:
+                self.rows["inflight"][ident.job].append(row_from_probe(ident, body))
+                m.records_in.labels("inflight").inc()
+            except ValueError as e:
+                self._bad(e)
+            return
         steps, comm, gcs = self.rows["steps"][ident.job], self.rows["comm"][ident.job], self.rows["gc"][ident.job]
         n_s = n_c = n_g = 0
         for _, _, _, body in frames:
@@ -470,6 +483,8 @@ class Agent:
                 self.rows["host"][r["job"]].append(r)
             if hrows:
                 m.records_in.labels("host").inc(len(hrows))
+        for r in self.liveness.rows(self.idents, self.node, now, time.time_ns()):
+            self.rows["inflight"][r["job"]].append(r)
         if self.control is not None:
             for r in self.control.take_rows():
                 self.rows["profiles"][r["job"]].append(r)

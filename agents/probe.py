@@ -87,6 +87,7 @@ VERSIONS = (1, 2)                     # what decode() reads (a version-1 STEP ha
 T_BATCH = 1
 T_HELLO = 2
 T_PROFILE = 3                         # probe -> agent: the outcome of a profiling command (HDR + JSON)
+T_INFLIGHT = 4                        # probe -> agent: the watchdog's in-flight state of an overlong step (HDR + JSON)
 
 HDR = struct.Struct("<HBBiiBBBB")
 STEP = struct.Struct("<qqqddddddiiqqI4xdd")
@@ -113,6 +114,10 @@ LOG_CAP = 1024                        # hot-path events held before a replay is 
 K_OPT_POST, K_DATA, K_COLL, K_GC, K_BEGIN, K_END, K_PHASE, K_COUNT = range(2, 10)
 # K_DCOLL: a synchronous collective on a device tensor; b = the token of its device events
 K_DCOLL = 10
+# K_MARK: the step has a kind (evaluation, checkpoint, ...): slot = the kind's phase slot, t0 = when it was seen
+K_MARK = 11
+#: step kinds the probe marks, as entries of the step's ``phases`` map (ms): name in the map -> kind
+KIND_PHASES = {"first_step": "first", "eval": "eval", "checkpoint": "checkpoint"}
 # K_BUCKET: one gradient bucket of a DDP reducer, from its all-reduce's launch (t0) to its completion (t1),
 # a = payload bytes (see Probe._ddp_hook)
 K_BUCKET = 12
@@ -214,6 +219,7 @@ class _PyLog:
         self.primary = 0                   # id of the primary optimizer (0: none stepped yet)
         self.lost = self.comm_keys_dropped = self.pre_t = 0
         self.eager = self.in_coll = self.dev_on = 0
+        self.coll_t0 = 0                   # perf ns when the running collective started (the watchdog reads it)
         self.dq_need = 1                   # the next DataLoader call reads the prefetch queue depth
         self._on_drain, self._on_first_opt = on_drain, on_first_opt
         self._draining = False
@@ -250,6 +256,10 @@ class _PyLog:
 
     def clear(self) -> None:
         self.ev.clear()
+
+    def peek(self) -> list[tuple]:
+        """A copy of the events waiting (the watchdog's view; nothing is drained)."""
+        return self.ev[:]
 
     def opt_pre(self, opt, args, kwargs) -> None:
         self.pre_t = _perf()              # sent with the post-hook's event: one event per optimizer step
@@ -327,7 +337,7 @@ def _py_coll_wrap(log: _PyLog, fn, p_idx: int, g_idx: int, a_idx: int, payload, 
                     tok = dev_begin(x)
             except Exception:  # noqa: BLE001 - a list payload, or no device events: host time
                 tok = -1
-        t0 = _perf()
+        t0 = log.coll_t0 = _perf()
         try:
             return fn(*args, **kwargs)
         finally:
@@ -594,6 +604,10 @@ class Probe:
         self._cpu_clock = _ThreadCpu()
         self._ctl = None                      # targeted profiling (stepwatch.agents.profiling.ProbeControl)
         self._ctl_active = False              # a profile needs step boundaries (every step end replays)
+        self._seq = [0] * MAX_COMM            # collectives replayed per comm slot (per-group sequence numbers)
+        self._wait_slot = -1                  # the slot of Work.wait() (no collective of its own)
+        self._marks: dict[int, int] = {}      # kind phase slot -> perf ns it was marked in the open step
+        self._wd = None                       # the watchdog (stepwatch.agents.watchdog), after the first step
 
     @property
     def _ctl_active(self) -> bool:
@@ -734,6 +748,8 @@ class Probe:
                 self._on = True
         if auto:
             self.install_torch()
+        if self._wd is None and self.rank is not None and _is_rank_process():
+            self._start_watchdog()                # (its first step may hang too: in-flight kind "first")
         return self
 
     def install_torch(self) -> bool:
@@ -769,6 +785,10 @@ class Probe:
                     pass
         except ImportError:
             pass
+        try:
+            self._patch_eval_save(sys.modules["torch"])
+        except Exception:  # noqa: BLE001 - step kinds are optional
+            pass
         return True
 
     def shutdown(self) -> None:
@@ -799,6 +819,9 @@ class Probe:
             self._log.clear()
             self._open = False
             self._ctl_close(unlink=True)
+            if self._wd is not None:
+                self._wd.close()
+                self._wd = None
 
     def _after_fork(self) -> None:
         """In a forked child: a new probe instance with its own socket and counters. Identity fields
@@ -842,6 +865,9 @@ class Probe:
         self._identity_ready = self.rank is not None and self.world_size is not None
         self._pid = os.getpid()
         self._ctl_close(unlink=False)                 # the parent's control socket stays the parent's
+        self._wd = None                               # (its thread did not survive the fork)
+        self._seq = [0] * MAX_COMM
+        self._marks = {}
 
     def _mp_child(self) -> None:
         import multiprocessing.util as mpu
@@ -944,6 +970,8 @@ class Probe:
                 return
             n0 = self.n_steps
             self._replay(events)
+            if self._wd is None and self.n_steps:
+                self._start_watchdog()
             if self._ctl_on and self.n_steps != n0:
                 last = events[-1]             # a profile starts and stops at live step boundaries only
                 if last[0] == K_END or last[0] == K_BEGIN or (
@@ -982,6 +1010,7 @@ class Probe:
         ids, keys = self._phase_ids, self._comm_key
         traffic, nspb = self._c_traffic, self._ns_per_byte
         opt_slot = self._opt_slot
+        seqs, marks = self._seq, self._marks
         rate_c, rate_w = self._cpu_rates
         buckets = self._buckets
         pack = _fast.pack_step if _fast is not None else None      # the frame in one C call
@@ -1000,6 +1029,7 @@ class Probe:
                     open_, t0p, t0w = True, t0, t0 + off
                     self._zero_phases()
                     calls, gc_ns, gc_count, dq, samples, tokens = [], 0, 0, -1, -1, -1
+                seqs[slot] += 1
                 if kind == K_COLL:
                     calls.append((slot, 1, a, t1 - t0, None if b < 0 else b))
                 else:                                   # timed on the device (see _dev_begin)
@@ -1010,6 +1040,7 @@ class Probe:
                     calls = self._calls
                 continue
             if kind == K_BUCKET:                        # a DDP bucket: summed per slot, see _bucket_calls
+                seqs[slot] += 1                         # (a collective of the group: its sequence number)
                 if not open_ and not explicit:
                     open_, t0p, t0w = True, t0, t0 + off
                     self._zero_phases()
@@ -1067,6 +1098,10 @@ class Probe:
             elif kind == K_PHASE:
                 self._add_phase(slot, a)
                 continue
+            elif kind == K_MARK:
+                if slot >= 0 and slot not in marks:
+                    marks[slot] = t0
+                continue
             elif kind == K_COUNT:
                 if a >= 0:
                     samples = (samples if samples > 0 else 0) + a
@@ -1077,6 +1112,8 @@ class Probe:
                 continue
             # ---- the open step ends at t0: its frame is packed into the datagram buffer
             wall = t0 + off
+            if marks or not self.n_steps:               # step kinds: phases eval/checkpoint/first_step (ms)
+                self._kind_phases(t0, t0p)
             self.n_steps += 1
             step_ns = t0 - t0p                          # its CPU time and run-queue wait: at this
             cpu_ns = step_ns * rate_c if rate_c >= 0 else -1.0     # replay's rates (see _cpu_sample)
@@ -1193,6 +1230,84 @@ class Probe:
             mv[boff:boff + k] = self._gcmv[16:16 + k]
             boff += k
         return boff
+
+    # ------------------------------------------------------------------ step kinds and the watchdog
+    def _kind_phases(self, t_end: int, t_start: int) -> None:
+        """Replay, at a step end: the kinds marked in the step become phases (ms from the mark to the
+        step end; ``checkpoint`` also gets the time inside the save calls), and the first step of the
+        process gets ``first_step`` (its length)."""
+        marks = self._marks
+        if marks:
+            for s, tm in marks.items():
+                self._add_phase(s, max(t_end - tm, 0) if not self._ph_used[s] else 0)
+            marks.clear()
+        if not self.n_steps:
+            self._add_phase(self._slot_for_phase("first_step"), t_end - t_start)
+
+    def _kind_slots(self) -> dict[int, str]:
+        """Phase slot -> step kind, for the kinds that have a slot."""
+        return {s: KIND_PHASES[n] for n, s in self._phase_slot.items() if n in KIND_PHASES}
+
+    def mark_step_kind(self, kind: str) -> None:
+        """Mark the step in progress as ``kind`` (``eval``, ``checkpoint`` or a name of your own): it is
+        sent as the phase of that name (ms from the mark to the step end), and the processor's hang and
+        stall thresholds for that kind apply to it (see docs/configuration.md)."""
+        name = {"first": "first_step"}.get(kind, str(kind))
+        self._log.add(K_MARK, self._slot_for_phase(name), _perf(), 0, 0, 0.0)
+
+    def _start_watchdog(self) -> None:
+        """Once: at ``init`` in a rank process, else after the process's first step (launchers and
+        DataLoader workers never start one)."""
+        self._wd = False                              # (not again, whatever happens)
+        if os.environ.get("STEPWATCH_WATCHDOG", "1") == "0":
+            return
+        try:
+            self._patch_dcp()
+            self._wd = _watchdog_module().Watchdog(self, sys.modules[__name__]).start()
+        except Exception:  # noqa: BLE001 - no watchdog, telemetry goes on
+            self._wd = False
+
+    def _patch_eval_save(self, torch) -> None:
+        """``Module.eval()`` marks the step ``eval``; ``torch.save`` counts as ``checkpoint`` time. Both are
+        called a few times per evaluation or checkpoint, never per step."""
+        probe_ = self
+        mod = getattr(getattr(torch, "nn", None), "Module", None)
+        if mod is not None and not getattr(mod.eval, "_stepwatch", False):
+            orig_eval = mod.eval
+
+            def eval(module):
+                probe_._log.add(K_MARK, probe_._slot_for_phase("eval"), _perf(), 0, 0, 0.0)
+                return orig_eval(module)
+            eval._stepwatch = True
+            eval.__wrapped__ = orig_eval
+            self._patch(mod, "eval", eval)
+        save = getattr(torch, "save", None)
+        if save is not None and not getattr(save, "_stepwatch", False):
+            self._patch(torch, "save", self._timed_save(save))
+
+    def _timed_save(self, fn):
+        probe_ = self
+
+        def save(*args, **kwargs):
+            t0 = _perf()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                probe_._log.add(K_PHASE, probe_._slot_for_phase("checkpoint"), 0, 0, _perf() - t0, 0.0)
+        save._stepwatch = True
+        save.__wrapped__ = fn
+        return save
+
+    def _patch_dcp(self) -> None:
+        """``torch.distributed.checkpoint.save`` (and ``async_save``, ``save_state_dict``) count as
+        checkpoint time, when the program imported it by its first step."""
+        dcp = sys.modules.get("torch.distributed.checkpoint")
+        if dcp is None:
+            return
+        for name in ("save", "async_save", "save_state_dict"):
+            fn = getattr(dcp, name, None)
+            if fn is not None and not getattr(fn, "_stepwatch", False):
+                self._patch(dcp, name, self._timed_save(fn))
 
     # ------------------------------------------------------------------ step end: pack and send
     def _resolve_identity(self) -> None:
@@ -1661,6 +1776,7 @@ class Probe:
             orig_wait = work.wait
             log = self._log
             slot = self._comm_slot_for("wait", self._intern("wait"), self._intern("async"), 1)
+            self._wait_slot = slot
 
             def wait(w, *args, **kwargs):
                 if log.in_coll or slot < 0:
@@ -1729,6 +1845,33 @@ class Probe:
                 "rank": self.rank, "job": self.job}
 
 
+def _is_rank_process() -> bool:
+    """A process started as a rank (torchrun, a scheduler), not a multiprocessing child (DataLoader
+    workers, ranks forked by ``mp.spawn``: their watchdog starts after their first step)."""
+    try:
+        import multiprocessing
+        return multiprocessing.parent_process() is None
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _watchdog_module():
+    """``stepwatch.agents.watchdog``, or the file next to this one (see :func:`_profiling_module`)."""
+    try:
+        from stepwatch.agents import watchdog
+        return watchdog
+    except ImportError:
+        mod = sys.modules.get("stepwatch_watchdog")
+        if mod is None:
+            import importlib.util
+            spec = importlib.util.spec_from_file_location(
+                "stepwatch_watchdog", os.path.join(os.path.dirname(os.path.abspath(__file__)), "watchdog.py"))
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules["stepwatch_watchdog"] = mod
+            spec.loader.exec_module(mod)
+        return mod
+
+
 def _profiling_module():
     return _sibling("profiling")
 
@@ -1779,8 +1922,8 @@ def decode(data: bytes) -> list[tuple[int, int, int, object]]:
             raise BadDatagram(f"bad magic 0x{magic:04x}")
         if ver not in VERSIONS:
             raise BadDatagram(f"unsupported version {ver}")
-        if typ in (T_HELLO, T_PROFILE):                  # header + one JSON object, alone in its datagram
-            what = "hello" if typ == T_HELLO else "profile result"
+        if typ in (T_HELLO, T_PROFILE, T_INFLIGHT):      # header + one JSON object, alone in its datagram
+            what = {T_HELLO: "hello", T_PROFILE: "profile result"}.get(typ, "in-flight state")
             if off:
                 raise BadDatagram(f"{what} after a batch frame")
             try:
@@ -1858,6 +2001,11 @@ def count(samples: int | None = None, tokens: int | None = None) -> None:
 
 def stats() -> dict:
     return _probe.stats()
+
+
+def mark_step_kind(kind: str) -> None:
+    """Mark the step in progress as ``kind`` (``eval``, ``checkpoint``, ...); see :meth:`Probe.mark_step_kind`."""
+    _probe.mark_step_kind(kind)
 
 
 def flush() -> None:

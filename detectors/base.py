@@ -38,6 +38,7 @@ class JobContext:
     host: object = None          # host samples, keyed by event time t (ns)
     gc: object = None            # GC records, keyed by t (ns)
     comm: object = None          # comm records, keyed by step
+    inflight: object = None      # in-flight states of ranks in an overlong step (probe watchdog, agent), keyed by t
     #: (R,) newest step each rank reported so far (-1: none yet) and its t_end (ns); None if unknown
     last_step: np.ndarray | None = None
     last_t_end: np.ndarray | None = None

@@ -23,6 +23,8 @@ HOST_COLUMNS = ("node", "t", "cpu_util", "cpu_iowait", "cpu_steal", "load1", "rd
                 "top_procs", "accel")
 GC_COLUMNS = ("node", "rank", "t", "generation", "duration_ms")
 COMM_COLUMNS = ("node", "rank", "step", "op", "group", "time_ms", "wait_ms", "bytes", "count", "group_size")
+INFLIGHT_COLUMNS = ("node", "rank", "t", "source", "state", "step", "step_kind", "elapsed_ms", "since", "op",
+                    "group", "seq", "group_size", "stack", "pid")
 
 
 def _as_int(col) -> np.ndarray:
@@ -88,19 +90,22 @@ class JobTelemetry:
         self.host = Window("t", ns, max_rows, HOST_COLUMNS)
         self.gc = Window("t", ns, max_rows, GC_COLUMNS)
         self.comm = Window("step", comm_steps, comm_rows, COMM_COLUMNS)
+        # in-flight states of ranks in an overlong step (detectors.hang): the last 10 minutes
+        self.inflight = Window("t", ns, 4 * max_rows, INFLIGHT_COLUMNS)
 
     @property
     def host_event_ns(self) -> int:
         return max(int(self.host.newest), 0)
 
     def add(self, kind: str, t: pa.Table) -> None:
-        w = {"host": self.host, "gc": self.gc, "comm": self.comm}.get(kind)
+        w = {"host": self.host, "gc": self.gc, "comm": self.comm, "inflight": self.inflight}.get(kind)
         if w is not None:
             w.add(t)
 
     def attach(self, ctx) -> None:
         """Put the windows and the host event time on a :class:`~stepwatch.detectors.base.JobContext`."""
         ctx.host, ctx.gc, ctx.comm = self.host, self.gc, self.comm
+        ctx.inflight = self.inflight
         ctx.host_event_ns = self.host_event_ns
 
 

@@ -467,6 +467,12 @@ def comm_analysis(t: pa.Table, nodes: np.ndarray | None, family: str | None, ste
     rw = np.bincount(rank, weights=wait_ms)
     seen = np.bincount(rank) > 0
     out["rank_wait"] = (np.flatnonzero(seen), rw[seen] / n_steps)
+    # each step's least per-rank wait: what every rank waited (the collective's own latency), no peer
+    su, si = np.unique(steps, return_inverse=True)
+    ru, ri = np.unique(rank, return_inverse=True)
+    cell = np.bincount(si * len(ru) + ri, weights=wait_ms, minlength=len(su) * len(ru)).reshape(len(su), len(ru))
+    hit = np.bincount(si * len(ru) + ri, minlength=len(su) * len(ru)).reshape(len(su), len(ru)) > 0
+    out["floor_wait"] = float(np.where(hit, cell, np.inf).min(axis=1).sum()) / n_steps
     op = pc.fill_null(cols["op"], "?")
     grp = pc.fill_null(cols["group"], "") if "group" in cols else pa.array([""] * n)
     payload = pc.invert(pc.is_in(op, value_set=pa.array(["barrier", "wait"]))).to_numpy(zero_copy_only=False)
@@ -845,6 +851,9 @@ class _CommAggregate:
                "steps": n_steps, "ranks": n_ranks}
         rk = np.flatnonzero(seen)
         out["rank_wait"] = (rk, rwait[rk] / n_steps)
+        # each step's least per-rank wait (what every rank waited: the collective's own latency)
+        out["floor_wait"] = sum(float(self.rw[i][self.rs[i]].min()) if self.rs[i].any() else 0.0
+                                for i in rows_sl) / n_steps
         K = self.K
         krows = self.krows[sl, :K]
         P = krows > 0
@@ -941,10 +950,14 @@ class CommBandwidth(Detector):
     * ``comm_slow_link`` (group): a group's bus bandwidth below ``slow_ratio`` x the median of its peers
       (same op, group size and link, payload per call within 2x; at least ``min_peers`` peers) → names the
       group, its ranks and nodes, "check the link/NIC".
-    * ``comm_sync_bound`` (job, cause ``parallelism``): the wait is at least ``sync_share`` of the time in
+    * ``comm_sync_bound`` (job, cause ``parallelism``): the wait for peers (each rank's wait above the
+      least wait of any rank on that step: what all ranks wait is the collective's latency) is at least
+      ``sync_share`` of the time in
       collectives and collectives take at least ``min_comm_share`` of the step, and the wait is not
       explained by a few stragglers (ranks waiting less than a quarter of the median wait are at most
-      ``straggler_share`` of the ranks: those the slow-rank detector names) → look for the straggler;
+      ``straggler_share`` of the ranks: those the slow-rank detector names; in a job where that share is
+      less than one rank, the least-waiting rank waiting less than half the median of the others) → look
+      for the straggler;
       the evidence lists the ranks that wait least.
 
     Settings (keyword arguments, defaults):
@@ -1099,11 +1112,27 @@ class CommBandwidth(Detector):
                             ctx, t, res, g, j, ref, step_ms, step_first, step_now, t_now))
         # sync-bound (job-wide), unless a few stragglers explain it (slow_rank names them)
         ws = res.get("wait_share")
+        if ws is not None and len(res["rank_wait"][1]):
+            # only the wait above each step's least one is waiting for a peer: what every rank waits on
+            # a step is the collective's own latency (a clean 2-rank gloo job on a busy host: ~7 ms on
+            # both ranks, every step), which a sync-bound diagnosis must not count
+            mw = float(np.mean(res["rank_wait"][1]))
+            ws = ws * max(0.0, 1.0 - res.get("floor_wait", 0.0) / mw) if mw > 0 else ws
         if ws is not None and ws >= self.sync_share and comm_share >= self.min_comm_share:
             ranks, wait = res["rank_wait"]
             medw = float(np.median(wait)) if len(wait) else 0.0
             few = (wait < 0.25 * medw).sum() if medw > 0 else 0
-            if not (0 < few <= self.straggler_share * len(wait)):
+            explained = 0 < few <= self.straggler_share * len(wait)
+            if not explained and 2 <= len(wait) and self.straggler_share * len(wait) < 1:
+                # a small job (10% of it is less than one rank): one straggler, the rank that waits least,
+                # compared with the median of the *other* ranks (the median of all would hold the straggler
+                # itself: of 2 ranks it is their mean). Where nobody straggles, who arrives last changes
+                # from step to step and the ranks' waits are alike; under half the others' is one rank last
+                # on most steps, and the others' wait is its doing (slow_rank's small-stage test names it)
+                lo = int(np.argmin(wait))
+                rest = float(np.median(np.delete(wait, lo)))
+                explained = rest > 0 and float(wait[lo]) < 0.5 * rest
+            if not explained:
                 if g:
                     diag[np.asarray(g["wait_share"]) >= self.sync_share] = "sync-bound"
                 present.add("sync")

@@ -16,6 +16,12 @@ _EVERY = 16           # steps between calibrations of h and of the fleet's offse
 _SAMPLE_COLS = 2048   # ranks sampled for the null law
 _WARMUP = 20          # judged steps before the CUSUM may fire
 _KINDS = {"rank": "slow_rank", "node": "slow_node", "group": "slow_group"}
+_NULL_MIN = 256       # pooled null values a calibration wants (small jobs: over more steps, at least _NULL_FEW)
+_NULL_FEW = 64
+_SMALL_DELAY = 16     # small stages: steps by which the learned pairwise baseline and noise lag
+_SMALL_LEARN = 16     # small stages: learned steps before a rank is judged
+_HOST_SPAN_NS = 1_000_000_000   # least span of the host samples an alert's evidence reads
+_SMALL_HIST = 64      # small stages: learned steps whose median and MAD are a rank's baseline and noise
 
 
 class SlowRank(Detector):
@@ -140,6 +146,7 @@ class SlowRank(Detector):
         self._groups: list[np.ndarray | None] = []
         self._group_of = np.zeros(0, dtype=np.int32)
         self._perm: np.ndarray | None = None
+        self._small_rank = np.zeros(0, dtype=bool)
         self._slices: list[slice] = []
 
     # -- state -----------------------------------------------------------------------------------
@@ -163,7 +170,15 @@ class SlowRank(Detector):
         self._off_hi = math.inf                                  # fleet spread of healthy offsets
         self._zring = np.full((_DELAY, R), np.nan, dtype=np.float32)   # z of the last _DELAY steps
         self._cols = np.arange(0, R, max(1, -(-R // _SAMPLE_COLS)))     # ranks sampled for the null law
-        self._samp = np.full((_EVERY, len(self._cols)), np.nan, dtype=np.float32)
+        # the null law's sample ring: _EVERY steps, or enough steps for _NULL_MIN values on a small job
+        rows = max(_EVERY, -(-_NULL_MIN // max(len(self._cols), 1)))
+        self._samp = np.full((rows, len(self._cols)), np.nan, dtype=np.float32)
+        # small stages (2 .. min_peers - 1 ranks, see _small_z): each rank's learned relative differences
+        # to its peers (their median: its baseline, their MAD: its noise), from _SMALL_DELAY steps ago
+        self._sm_hist = np.full((_SMALL_HIST, R), np.nan, dtype=np.float64)   # learned values (ring)
+        self._sm_n = np.zeros(R, dtype=np.int64)
+        self._sm_ring = np.full((_SMALL_DELAY, R), np.nan, dtype=np.float64)
+        self._sm_pos = np.zeros(R, dtype=np.int64)
         self._age = 0                                            # steps judged (by the CUSUM)
         self._h = np.full(2, np.nan)                             # thresholds (small, big) from the null law
         self._theta = np.full(2, np.nan)
@@ -193,6 +208,10 @@ class SlowRank(Detector):
             self._perm = None if np.array_equal(perm, np.arange(R)) else perm
             cuts = np.flatnonzero(np.diff(inv[perm])) + 1
             self._slices = [slice(a, b) for a, b in zip(np.r_[0, cuts], np.r_[cuts, R])]
+            self._small_rank = np.zeros(R, dtype=bool)                  # ranks of stages judged by _small_z
+            for sl in self._slices:
+                if 2 <= sl.stop - sl.start < self.min_peers:
+                    self._small_rank[perm[sl]] = True
         return self._groups
 
     def _refs(self) -> tuple[float, float, float, float]:
@@ -218,7 +237,7 @@ class SlowRank(Detector):
         """
         k1, c1, k2, c2 = self._refs()
         u = self._samp[np.isfinite(self._samp)].astype(np.float64)
-        if len(u) >= 256:
+        if len(u) >= (_NULL_MIN if len(self._samp) == _EVERY else _NULL_FEW):
             th = np.array([_cusum_theta(np.minimum(u, c1) - k1), _cusum_theta(np.minimum(u, c2) - k2)])
             # autocorrelated increments (a rank's busy time drifting): the bound holds for the long-run
             # variance, which AR(1) inflates by (1 + phi) / (1 - phi); theta scales inversely
@@ -257,6 +276,14 @@ class SlowRank(Detector):
         sig_parts = []
         for sl in self._slices:                                                  # few stages
             sub = b_sorted[:, sl]                                                # a view
+            if 2 <= sub.shape[1] < self.min_peers:                               # a small stage
+                cols = np.arange(R)[sl] if perm is None else perm[sl]
+                zz, ee, dev, sd, enough = self._small_z(sub, cols)
+                flags[:, sl] = (zz >= self.z_min) & (ee >= self.min_effect) & enough
+                eff[:, sl], z[:, sl], excess[:, sl] = ee, zz, dev
+                judged[:, sl] = enough & ~np.isnan(zz)
+                sig_parts.append(sd)
+                continue
             med = nanmedian(sub, axis=1)[:, None]                                 # (S, 1)
             dev = sub - med
             mad = nanmedian(np.abs(dev), axis=1)[:, None]
@@ -360,6 +387,60 @@ class SlowRank(Detector):
         self._pos += S
         return alerts
 
+    def _small_z(self, sub: np.ndarray, cols: np.ndarray):
+        """A stage of 2 .. min_peers - 1 ranks (``sub``: (S, w) busy times, ``cols``: their ranks), where a
+        median and MAD across peers mean nothing. In synchronous training the straggler is the rank that
+        waits least, so its busy time exceeds the others': each rank is judged on its relative difference
+        to the median of the *other* ranks of the stage, ``e = (x - m_others) / m_others``, against that
+        difference's own history: ``z = (e - b) / s``, ``b`` the median of the rank's last _SMALL_HIST
+        learned values (its baseline offset: a pair that is permanently a bit asymmetric is judged
+        against itself), ``s`` 1.4826 x their MAD (floored at ``1.4826 mad_floor``; a median and a MAD,
+        so bursts in the history do not inflate it). The values are learned _SMALL_DELAY steps late, and
+        not while the rank is under an alert or its CUSUM is above h/2: a new straggler is not absorbed
+        while it is being confirmed. A rank is judged once _SMALL_LEARN values were learned; its z then
+        feeds the same flags, persistence and sequential test as a large stage's. Returns (z, e, excess
+        ms, relative noise per step, judged)."""
+        S, w = sub.shape
+        oth = np.empty_like(sub)
+        for j in range(w):                                                  # w <= 3
+            oth[:, j] = nanmedian(np.delete(sub, j, axis=1), axis=1)
+        dev = sub - oth
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ee = np.where(oth > 0, dev / oth, np.nan)
+        zz = np.full((S, w), np.nan)
+        sd_out = np.full(S, np.nan)
+        floor = _MAD_TO_SIGMA * self.mad_floor
+        hot = np.zeros(w, dtype=bool)
+        if self._cs_ready:
+            hot = (self._cs[cols] >= 0.5 * self._h[0]) | (self._csb[cols] >= 0.5 * self._h[1])
+        hist = self._sm_hist[:, cols]                                       # (_SMALL_HIST, w), a copy
+        n = self._sm_n[cols].copy()
+        with np.errstate(all="ignore"):
+            b = nanmedian(hist, axis=0)
+            sd = np.maximum(_MAD_TO_SIGMA * nanmedian(np.abs(hist - b), axis=0), floor)
+        for s in range(S):                                                  # a small stage: w values
+            ready = n >= _SMALL_LEARN
+            zz[s] = np.where(ready, (ee[s] - b) / sd, np.nan)
+            if ready.any():
+                sd_out[s] = float(np.median(sd[ready]))
+            # learn the value of _SMALL_DELAY steps ago
+            slot = self._sm_pos[cols] % _SMALL_DELAY
+            old = self._sm_ring[slot, cols]
+            self._sm_ring[slot, cols] = ee[s]
+            self._sm_pos[cols] += 1
+            ok = np.isfinite(old) & ~self._active[cols] & ~hot
+            if not ok.any():
+                continue
+            j = np.flatnonzero(ok)
+            hist[n[j] % _SMALL_HIST, j] = old[j]
+            n[j] += 1
+            with np.errstate(all="ignore"):
+                b[j] = nanmedian(hist[:, j], axis=0)
+                sd[j] = np.maximum(_MAD_TO_SIGMA * nanmedian(np.abs(hist[:, j] - b[j]), axis=0), floor)
+        self._sm_hist[:, cols] = hist
+        self._sm_n[cols] = n
+        return zz, ee, dev, sd_out, np.isfinite(zz) & (oth > 0)
+
     def _cusum_step(self, zs: np.ndarray, judged: np.ndarray, step: int):
         """One step of the two sequential tests for every rank; returns (hot, fire) boolean vectors."""
         R = self._R
@@ -372,13 +453,19 @@ class SlowRank(Detector):
         h1, h2 = (self._h if ready else (math.inf, math.inf))
         for attr, k, c, h in (("_cs", k1, c1, h1), ("_csb", k2, c2, h2)):
             prev = getattr(self, attr)
-            inc = np.where(miss, 0.0, np.minimum(u, c) - k)
+            # (a small stage's rank also clipped below: the other rank's burst is its negative outlier)
+            inc = np.where(miss, 0.0, np.minimum(np.where(self._small_rank, np.maximum(u, -c), u), c) - k)
             new = np.minimum(np.maximum(prev + inc, 0.0), 1.5 * h)
             frm = attr + "_from"
             setattr(self, frm, np.where((prev <= 0) & (new > 0), step, getattr(self, frm)))
             setattr(self, attr, new)
         # the null law's sample (ranks under an alert left out) and the delayed offset update
-        self._samp[self._age % _EVERY] = np.where(self._active[self._cols], np.nan, u[self._cols])
+        # (ranks of a small stage also while their CUSUM is above h/2: there a suspect is a third or half of
+        # the sample, and its excess would make the null law's tail, and h, its own)
+        out = self._active
+        if self._small_rank.any() and ready:
+            out = out | (self._small_rank & ((self._cs >= 0.5 * h1) | (self._csb >= 0.5 * h2)))
+        self._samp[self._age % len(self._samp)] = np.where(out[self._cols], np.nan, u[self._cols])
         dslot = self._age % _DELAY
         old = self._zring[dslot].astype(np.float64)
         self._zring[dslot] = zz
@@ -483,8 +570,11 @@ class SlowRank(Detector):
         tt = w["t_end"][w["t_end"] > 0]
         dt = int(np.median(np.diff(tt))) if len(tt) > 1 else 0
         t_lo, t_hi = int(w["t_end"][ev_rows[0]]) - dt, t_end
+        # a host sample at t averages the node's CPU over the agent's interval before t (1 s by default):
+        # a quick confirmation of fast steps (5 steps of 50 ms) may hold none, so the host window spans at
+        # least that, and takes the samples that have already arrived whose interval overlaps the steps
         node_names = sorted({ctx.node_of(x) for x in M} - {""})
-        host = host_evidence(ctx, node_names, t_lo, t_hi)
+        host = host_evidence(ctx, node_names, min(t_lo, t_hi - _HOST_SPAN_NS), t_hi + _HOST_SPAN_NS)
         gce = gc_evidence(ctx, M, t_lo, t_hi, steps=len(run))
         comm = comm_evidence(ctx, M, int(w["steps"][ev_rows[0]]), step)
         excess_ms = busy - peer_med if np.isfinite(peer_med) else None
@@ -556,8 +646,9 @@ def _pooled_phi(samp: np.ndarray, c: float) -> float:
     (what stays of a rank's drift, or of the error of its learned offset, is exactly what the CUSUM
     accumulates). Clipped to [0, 0.9]."""
     U = np.clip(samp.astype(np.float64), -c, c)
+    U = U[np.isfinite(U).any(axis=1)]               # rows of a long (small-job) ring not yet written
     ok = np.isfinite(U).all(axis=0)
-    if ok.sum() < 16 or U.shape[0] < 4:
+    if ok.sum() < 16 and ok.sum() * U.shape[0] < _NULL_MIN or U.shape[0] < 4:
         return 0.0
     U = U[:, ok]
     U = U - float(np.median(U))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import hang
 from .base import Alert, Detector, JobContext, StepBlock, stable_id
 from .causes import HANG_SUGGESTION, STALL_SUGGESTION, nanmedian
 
@@ -46,15 +47,25 @@ class Stall(Detector):
         hang_s=30.0        job hang: seconds of host event time without a new step, at least ...
         hang_steps=10      ... this many median step times
         max_alerts=8       more newly stalled ranks/nodes than this at one step give one alert
+        hang_first_s=1800.0  job hang: seconds at least while the step in progress is a process's first
+        hang_eval_s=1800.0   ... while it contains evaluation
+        hang_checkpoint_s=1800.0  ... while it contains a checkpoint save
+                           (the step's kinds come from the ranks' in-flight states; see detectors.hang, which
+                           also names the ranks the job waits for)
     """
 
     name = "stall"
 
     def __init__(self, *, k: int = 3, min_reporting: float = 0.5, hang_s: float = 30.0, hang_steps: int = 10,
-                 max_alerts: int = 8):
+                 max_alerts: int = 8, hang_first_s: float = 1800.0, hang_eval_s: float = 1800.0,
+                 hang_checkpoint_s: float = 1800.0):
         if k < 1 or not 0 < min_reporting <= 1 or hang_s <= 0 or hang_steps < 1 or max_alerts < 1:
             raise ValueError("stall: need k >= 1, 0 < min_reporting <= 1, hang_s > 0, hang_steps >= 1, "
                              "max_alerts >= 1")
+        if min(hang_first_s, hang_eval_s, hang_checkpoint_s) <= 0:
+            raise ValueError("stall: need hang_first_s, hang_eval_s, hang_checkpoint_s > 0")
+        self.hang_kind_s = {"first": float(hang_first_s), "eval": float(hang_eval_s),
+                            "checkpoint": float(hang_checkpoint_s)}
         self.k, self.min_reporting = int(k), float(min_reporting)
         self.hang_s, self.hang_steps, self.max_alerts = float(hang_s), int(hang_steps), int(max_alerts)
         self._R = -1
@@ -218,6 +229,10 @@ class Stall(Detector):
         thr = self.threshold_ns()
         if silent - usual < thr:
             return []
+        kinds = hang.kinds_in_progress(ctx, steps_t)       # a long step by design: its kind's threshold
+        thr = max([thr] + [int(self.hang_kind_s[k] * 1e9) for k in kinds if k in self.hang_kind_s])
+        if silent - usual < thr:
+            return []
         last = ctx.last_step if ctx.last_step is not None else np.zeros(0, np.int64)
         seen = np.flatnonzero(last >= 0)
         ev = {"silent_s": round(silent / 1e9, 1), "threshold_s": round(thr / 1e9, 1),
@@ -242,6 +257,12 @@ class Stall(Detector):
             else:
                 ev["stopped_first"] = []
                 ev["all_stopped_at_step"] = hi
+        loc = hang.locate(ctx, steps_t, self.max_alerts, now_ns=host)   # the ranks' in-flight states
+        if kinds:
+            ev["step_kinds"] = sorted(kinds)
+        if loc is not None:
+            ev.update(loc["evidence"])
+            culprit = loc["ranks"] or culprit
         nodes_ = sorted({ctx.node_of(r) for r in culprit} - {""})
         if nodes_:
             ev["host_samples"] = _node_host_state(ctx, nodes_, host)
@@ -249,7 +270,7 @@ class Stall(Detector):
                   step_detected=max(top, step_first),
                   t_detected=host, ranks=culprit, nodes=[ctx.node_of(r) for r in culprit],
                   cause="communication", severity="critical", evidence=ev, cost_pct=100.0,
-                  suggestion=HANG_SUGGESTION,
+                  suggestion=(loc or {}).get("suggestion") or HANG_SUGGESTION,
                   alert_id=stable_id(ctx.job, "job_hang", culprit, step_first))
         self._hang, self._hang_top = a, top
         return [a]

@@ -89,6 +89,7 @@ def cmd_process(a) -> int:
     from stepwatch.stream.processor import Processor
     from stepwatch.dashboards.cli import annotation_sink_from_args
     from stepwatch.dashboards.grafana import GrafanaError
+    from stepwatch import config as swconfig
     from stepwatch.dashboards.alertmanager import AlertmanagerError, sink_from_args as am_sink_from_args
     from stepwatch.stream.alertfanout import attach
     from stepwatch.stream.jobmetrics import configure_from_args
@@ -99,8 +100,16 @@ def cmd_process(a) -> int:
     except ValueError as e:
         print(f"stepwatch process: {e}", file=sys.stderr)
         return 2
-    p = Processor(s, a.data_dir, group=a.group, flush_interval_s=a.flush_interval, lateness_s=a.lateness,
-                  limits=limits)
+    cfg_path = a.config or os.environ.get("STEPWATCH_CONFIG") or None
+    try:
+        cfg = swconfig.load(cfg_path) if cfg_path else None
+    except swconfig.ConfigError as e:
+        print(f"stepwatch process: {e}", file=sys.stderr)
+        return 2
+    from stepwatch.stream.profiling import settings_from_env
+    p = Processor(s, a.data_dir, group=a.group, detector_settings=cfg, limits=limits,
+                  profiling=cfg.profiling_settings(settings_from_env()) if cfg else "env",
+                  **{"flush_interval_s": 1.0, "lateness_s": 10.0, **swconfig.processor_kwargs(cfg, a)})
     configure_from_args(p.job_metrics, a)
     try:
         sink = annotation_sink_from_args(a, registry=p.metrics.registry)   # None without --grafana-url
@@ -116,8 +125,15 @@ def cmd_process(a) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     last = [0.0]
+    hup = threading.Event()
+    watch = swconfig.FileWatch(cfg_path) if cfg_path else None
+    if cfg_path:                      # SIGHUP or a changed file: reload between messages (stepwatch.config)
+        signal.signal(signal.SIGHUP, lambda *_: hup.set())
 
     def tick(proc):
+        if hup.is_set() or (watch is not None and watch.changed()):
+            hup.clear()
+            swconfig.reload(proc, cfg_path)
         if a.quiet or time.monotonic() - last[0] < 5:
             return
         last[0] = time.monotonic()
@@ -340,8 +356,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_kafka_args(pr)
     pr.add_argument("--data-dir", default=DEFAULT_DATA)
     pr.add_argument("--group", default="stepwatch-processor")
-    pr.add_argument("--flush-interval", type=float, default=1.0, help="seconds between store flushes")
-    pr.add_argument("--lateness", type=float, default=10.0, help="seconds of event time before an incomplete step closes")
+    pr.add_argument("--flush-interval", type=float, default=None, help="seconds between store flushes (1)")
+    pr.add_argument("--lateness", type=float, default=None,
+                    help="seconds of event time before an incomplete step closes (10)")
+    pr.add_argument("--config", default=None, help="configuration file (TOML; default $STEPWATCH_CONFIG): detector "
+                    "settings, limits, profiling policy; reloaded on SIGHUP (docs/configuration.md)")
     pr.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     pr.add_argument("--metrics-addr", default="127.0.0.1")
     pr.add_argument("--idle-exit", type=float, default=None, help="exit after this many idle seconds")
@@ -362,6 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     register_eval(sub)
     from stepwatch.stream.profiling_cli import register as register_profile
     register_profile(sub)
+    from stepwatch.config import register as register_config
+    register_config(sub)
     pr.set_defaults(func=cmd_process)
 
     q = sub.add_parser("sql", help="run SQL over the Parquet store (DuckDB views)")

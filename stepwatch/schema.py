@@ -123,6 +123,27 @@ COMM = pa.schema([
     pa.field("group_size", pa.int32()),
 ])
 
+#: What a rank is doing while its step runs far longer than usual (the probe's watchdog), or what its node
+#: agent sees of a rank that went quiet (``source`` "agent": the process stopped, exited, or sends nothing).
+INFLIGHT = pa.schema([
+    pa.field("job", pa.string(), nullable=False),
+    pa.field("node", pa.string(), nullable=False),
+    pa.field("rank", pa.int32(), nullable=False),
+    pa.field("t", TS, nullable=False),                    # when it was observed
+    pa.field("source", pa.string(), nullable=False),      # probe | agent
+    pa.field("state", pa.string(), nullable=False),       # collective | data | compute | done | stopped | gone | silent
+    pa.field("step", pa.int64()),                         # the step in progress
+    pa.field("step_kind", pa.string()),                   # first, eval, checkpoint (comma-separated) or null
+    pa.field("elapsed_ms", F64),                          # how long the step has run (done: its length)
+    pa.field("since", TS),                                # when the rank entered this state
+    pa.field("op", pa.string()),                          # collective: its op, process group and sequence number
+    pa.field("group", pa.string()),
+    pa.field("seq", pa.int64()),                          # per process group, 1 = the group's first collective
+    pa.field("group_size", pa.int32()),
+    pa.field("stack", pa.string()),                       # the main thread's Python stack, innermost frame last
+    pa.field("pid", pa.int64()),
+])
+
 ALERTS = pa.schema([
     pa.field("alert_id", pa.string(), nullable=False),
     pa.field("job", pa.string(), nullable=False),
@@ -275,9 +296,10 @@ SCHEMAS: dict[str, pa.Schema] = {
     "efficiency": EFFICIENCY, "comm_bw": COMM_BW,
     "profiles": PROFILES,               # targeted profiling results (agents publish, the processor stores)
     "profile_diffs": PROFILE_DIFFS,     # suspect vs reference, per operator (the processor computes them)
+    "inflight": INFLIGHT,               # in-flight state of ranks in an overlong step (probe watchdog, agent)
 }
 #: Kinds a producer may send (telemetry); alerts/deadletter are written by the processor.
-TELEMETRY = ("steps", "topology", "host", "gc", "comm")
+TELEMETRY = ("steps", "topology", "host", "gc", "comm", "inflight")
 
 #: Natural key of each table: a row with the same key is the same fact (deduplicated).
 NATURAL_KEYS: dict[str, tuple[str, ...]] = {
@@ -291,6 +313,7 @@ NATURAL_KEYS: dict[str, tuple[str, ...]] = {
     "profile_diffs": ("cmd_id", "name"),
     "efficiency": ("job", "step"),
     "comm_bw": ("job", "step_hi", "op", "group"),
+    "inflight": ("job", "rank", "t", "source"),
 }
 
 #: Columns that are durations (ms) or sizes: finite and >= 0 when present.
@@ -303,6 +326,7 @@ NONNEGATIVE: dict[str, tuple[str, ...]] = {
              "disk_read_bps", "disk_write_bps", "net_rx_bps", "net_tx_bps", "rdma_retrans"),
     "gc": ("rank", "duration_ms", "collected", "uncollectable", "generation"),
     "comm": ("rank", "step", "count", "bytes", "time_ms", "wait_ms", "group_size"),
+    "inflight": ("rank", "step", "elapsed_ms", "seq", "group_size", "pid"),
 }
 
 #: Job ids become directory names (``job=<id>``): keep them to a safe alphabet.

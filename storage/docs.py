@@ -37,6 +37,11 @@ ABOUT = {
                      "less. `alert_id` links it to the alert; `stepwatch profile diff CMD_ID` prints the same.",
 }
 
+ABOUT["inflight"] = ("What ranks were doing while a step ran far longer than usual (wire `inflight/1`): one row per "
+                     "rank every few seconds from the probe's watchdog (`source` = `probe`: `state` collective with "
+                     "`op`/`group`/`seq`, data or compute, the main thread's `stack`; `done` when the step ended), and "
+                     "rows from the node agent for a rank that cannot speak (`source` = `agent`: `stopped`, `gone`, "
+                     "`silent`). The `job_hang` alert names the ranks from these (docs/detectors.md).")
 ABOUT["efficiency"] = ("Written by the processor's `mfu` detector: one row per job and closed step. `mfu` = "
                        "`model_flops` / (`step_ms`/1000 x `devices` x `peak_tflops` x 1e12); goodput over a window "
                        "= sum(`productive_ms`) / sum(`wall_ms`). Definitions and the peak table: docs/detectors.md.")

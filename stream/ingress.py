@@ -445,7 +445,7 @@ class ExtraColumns:
 
 
 # ------------------------------------------------------------------------------ row bounds
-_RANKED = ("steps", "gc", "comm", "topology", "profiles")
+_RANKED = ("steps", "gc", "comm", "topology", "profiles", "inflight")
 
 
 def time_columns(kind: str) -> list[str]:

@@ -14,7 +14,7 @@ import pyarrow as pa
 
 from stepwatch import schema as wire
 
-TOPIC_NAMES = ("steps", "host", "gc", "comm", "topology", "control", "profiles", "alerts", "deadletter")
+TOPIC_NAMES = ("steps", "host", "gc", "comm", "topology", "control", "profiles", "alerts", "deadletter", "inflight")
 
 
 @dataclass

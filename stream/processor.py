@@ -43,11 +43,13 @@ from stepwatch.stream.metrics import ProcessorMetrics
 
 log = logging.getLogger("stepwatch.processor")
 
-INPUT_TOPICS = ("topology", "steps", "host", "gc", "comm", "profiles")
+INPUT_TOPICS = ("topology", "steps", "host", "gc", "comm", "profiles", "inflight")
 
 
-def _build_detectors(settings):
+def _build_detectors(settings, job: str | None = None):
     from stepwatch.detectors.registry import build
+    if hasattr(settings, "detector_settings"):      # a stepwatch.config.Config: per-job overrides
+        settings = settings.detector_settings(job)
     return build(settings)
 
 
@@ -301,7 +303,7 @@ class Processor:
             self._buffer(kind, t)
             if kind == "profiles" and self.profiling is not None:
                 self._profile_results(t)
-            if kind in ("host", "gc", "comm"):
+            if kind in ("host", "gc", "comm", "inflight"):
                 self._context(kind, t)
             return
         jobs = pc.unique(t.column("job"))
@@ -460,7 +462,7 @@ class Processor:
             if len(self.jobs) >= self.limits.max_jobs:
                 self._evict_jobs(room=1)
             rt = JobRuntime(JobState(job, capacity=self.window_steps, lateness_ns=self.lateness_ns),
-                            _build_detectors(self.detector_settings))
+                            _build_detectors(self.detector_settings, job))
             self.jobs[job] = rt
             # a burst of made-up job ids must not stall ingest: only jobs with stored history are
             # rebuilt from the store, at a bounded rate

@@ -84,8 +84,9 @@ def _train(socket_dir: str, job: str, env: dict, hog_from: int | None = None, ti
                 step = -1
             if step >= hog_from:
                 core = sorted(os.sched_getaffinity(0))[1 % len(os.sched_getaffinity(0))]   # as ddp_train.py
+                # pinned from its start (its interpreter's start-up must not run on rank 0's core)
                 hog = subprocess.Popen([sys.executable, "-c", HOG, str(core)], start_new_session=True,
-                                       preexec_fn=_own_group)
+                                       preexec_fn=lambda c=core: (os.sched_setaffinity(0, {c}), _own_group()))
                 t_hog = time.time()
             time.sleep(0.01)
         _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))

@@ -487,8 +487,9 @@ def test_processors_scaled_to_four_with_servicemonitors():
         assert sm["spec"]["endpoints"][0]["port"] == svc["spec"]["ports"][0]["name"] == "metrics"
         assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
     assert one(objs, "Service", f"{FULL}-agent")["spec"]["clusterIP"] == "None"
-    for o in find(objs, "ConfigMap"):
-        assert o["metadata"]["namespace"] == "monitoring"
+    for o in find(objs, "ConfigMap"):                                # Grafana's (the processor's is mounted)
+        assert o["metadata"]["namespace"] == (NAMESPACE if o["metadata"]["name"] == f"{FULL}-processor-config"
+                                              else "monitoring")
     dash = [o for o in find(objs, "ConfigMap") if "grafana_dashboard" in o["metadata"]["labels"]]
     assert all(o["metadata"]["annotations"] == {"grafana_folder": "stepwatch"} for o in dash)
 
@@ -530,7 +531,7 @@ def test_grafana_provision_job_is_an_opt_in_post_install_hook():
     assert c["args"][c["args"].index("--token-file") + 1] == "/etc/stepwatch/grafana/token"
     assert c["args"][c["args"].index("--data-root") + 1] == DEFAULT_DATA_ROOT
     assert volumes(job)["grafana-token"]["secret"]["secretName"] == "grafana-sa"
-    assert not [o for o in objs if o["kind"] == "ConfigMap"]
+    assert [o["metadata"]["name"] for o in objs if o["kind"] == "ConfigMap"] == [f"{FULL}-processor-config"]
     assert "grafana-provision Job provisions" in text
 
 
@@ -616,7 +617,7 @@ def test_rendered_commands_parse_with_the_real_clis(name):
 
 
 def test_create_topics_script_against_the_broker(broker):
-    """The hook Job's script, run for real: creates the nine topics with the configured partitions,
+    """The hook Job's script, run for real: creates the ten topics with the configured partitions,
     then finds them all there on the next run (pre-upgrade)."""
     from kafka import KafkaConsumer
     spec = importlib.util.spec_from_file_location("create_topics", CHART / "files" / "create-topics.py")
@@ -629,7 +630,7 @@ def test_create_topics_script_against_the_broker(broker):
     c = KafkaConsumer(bootstrap_servers=broker.bootstrap)
     try:
         topics = {t for t in c.topics() if t.startswith(prefix)}
-        assert len(topics) == 9
+        assert len(topics) == 10                                      # (inflight: issue 18)
         assert len(c.partitions_for_topic(prefix + "steps")) == 5
         assert len(c.partitions_for_topic(prefix + "alerts")) == 3
     finally:
@@ -911,3 +912,30 @@ def test_readme_documents_every_value():
     assert not missing, f"helm/stepwatch/README.md lacks rows for {missing}"
     for group in values["agent"]["nodeGroups"]:
         assert f"`agent.nodeGroups.{group}" in readme
+
+
+def test_processor_config_is_rendered_into_a_configmap_the_processor_reads():
+    """processor.config -> TOML in a ConfigMap mounted where --config points; it validates as stepwatch.config."""
+    import tomllib
+
+    from stepwatch import config as swconfig
+    cfg = {"processor": {"flush_interval_s": 2.0}, "detectors": {"stall": {"hang_s": 120, "k": 4},
+                                                                 "jitter": {"enabled": False}},
+           "jobs": [{"match": "llama-*", "detectors": {"slow_rank": {"k": 3, "n": 8}}}]}
+    objs, _ = render(with_values(**{"processor.config": cfg}))
+    cm = next(o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"] == f"{FULL}-processor-config")
+    c = swconfig.parse(tomllib.loads(cm["data"]["config.toml"]))
+    assert c.detector_settings("llama-7b") == {"stall": {"hang_s": 120, "k": 4}, "jitter": {"enabled": False},
+                                               "slow_rank": {"k": 3, "n": 8}}
+    assert c.processor["flush_interval_s"] == 2.0
+    dep = next(o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == f"{FULL}-processor")
+    ctr = dep["spec"]["template"]["spec"]["containers"][0]
+    path = ctr["args"][ctr["args"].index("--config") + 1]
+    mount = next(m for m in ctr["volumeMounts"] if m["name"] == "config")
+    assert path == mount["mountPath"] + "/config.toml"
+    vol = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "config")
+    assert vol["configMap"]["name"] == cm["metadata"]["name"]
+    # the defaults: an empty (comment-only) file, valid
+    objs, _ = render(MINIMAL)
+    cm = next(o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"] == f"{FULL}-processor-config")
+    assert swconfig.parse(tomllib.loads(cm["data"]["config.toml"])).detectors == {}

@@ -199,8 +199,10 @@ def test_explicit_steps_phases_and_counts(probe, rx, sockdir):
         assert s["step_ms"] >= s["data_ms"] + ph["forward"] + ph["backward"] - 0.01
         # compute is derived: step - data - comm - wait - gc - run-queue wait (CPU contention)
         assert s["cpu_ms"] is not None and 0 <= s["cpu_ms"] < s["step_ms"]
-        assert s["compute_ms"] == pytest.approx(s["step_ms"] - s["data_ms"] - s["gc_ms"] - (s["cpu_wait_ms"] or 0),
-                                                abs=1e-6)
+        # (never below 0: on a loaded machine the run-queue wait, spread over the steps of a replay as a rate,
+        # can exceed a short step's remainder)
+        assert s["compute_ms"] == pytest.approx(
+            max(0.0, s["step_ms"] - s["data_ms"] - s["gc_ms"] - (s["cpu_wait_ms"] or 0)), abs=1e-6)
         assert s["t_end"] - s["t_start"] == pytest.approx(s["step_ms"] * 1e6, rel=0.05, abs=2e6)
         assert s["data_queue"] == -1
     assert {names[i]: ms for i, ms in steps[3]["phases"]} == {"optimizer": 1.5}

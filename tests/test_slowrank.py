@@ -408,3 +408,40 @@ def test_a_small_straggler_does_not_resolve_and_fire_again_within_one_fault():
         alerts = run(SlowRank(), make_ctx(R), comp, block_size=5)
         assert [(a.status, a.ranks) for a in alerts] == [("firing", [77]), ("resolved", [77])]
         assert 260 <= alerts[1].step_detected <= 290
+
+
+# -- small stages (2-3 ranks): each rank against the others, on its learned baseline and noise ---------
+def _small_job(rng, S, R, sd=0.015, asym=0.03, burst=0.02):
+    """Compute times of a 2-3 rank job on shared cores: Student-t(3) noise (clipped at 10 sd), rank 1
+    permanently ``asym`` slower, and bursts: on ``burst`` of the rank-steps a rank is 5-30% slower."""
+    t = np.clip(rng.standard_t(3, (S, R)), -10, 10) * sd / np.sqrt(3)
+    comp = 100.0 * (1.0 + t)
+    comp[:, 1] *= 1.0 + asym
+    b = rng.random((S, R)) < burst
+    comp[b] *= 1.0 + rng.uniform(0.05, 0.3, int(b.sum()))
+    return comp
+
+
+@pytest.mark.parametrize("R", [2, 3])
+def test_small_stage_clean_bursty_heavy_tailed_noise_gives_no_alert(R):
+    for seed in range(3):
+        rng = np.random.default_rng(100 + seed)
+        comp = _small_job(rng, 3000, R, asym=0.03 if seed else 0.12)     # seed 0: a permanently unequal pair
+        alerts = run(SlowRank(), make_ctx(R), comp)
+        assert not alerts, (seed, [(a.ranks, a.step_detected, a.evidence["fired_by"]) for a in alerts])
+
+
+@pytest.mark.parametrize("R", [2, 3])
+def test_small_stage_10pct_straggler_fires_within_10_steps_naming_it(R):
+    for seed in range(4):
+        rng = np.random.default_rng(200 + seed)
+        comp = _small_job(rng, 300, R)
+        comp[150:, 1] *= 1.10
+        # a rank per node (with 3 ranks on one node, a burst of a second rank while rank 1 is confirmed makes
+        # 2 of the node's 3 ranks hot: one slow_node alert, as designed)
+        fired = firing(run(SlowRank(), make_ctx(R, per_node=1), comp))
+        assert len(fired) == 1, (seed, [(a.ranks, a.step_detected) for a in fired])
+        a = fired[0]
+        assert a.kind == "slow_rank" and a.ranks == [1] and a.cause == "computation", a
+        assert 150 <= a.step_detected <= 160, (seed, a.step_detected)
+        assert a.evidence["effect_pct"] > 5.0
