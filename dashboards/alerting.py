@@ -15,7 +15,10 @@ recovery is reported once) count as open while they were detected inside the rul
 window (:data:`WINDOW_S`); the others stay open until the detector resolves them (bounded by the
 same look-back, so an alert from a long-dead job does not fire forever). Every rule carries the static
 labels ``source=stepwatch`` and ``kind=<kind>``; a maintainer routes on ``kind``, ``cause``,
-``severity`` or ``job`` in a notification policy.
+``severity`` or ``job`` in a notification policy. Each instance also has the label ``incident`` (the
+alert's ``incident_id``, see ``detectors/incidents.py``; its alert id when it has none): a notification
+policy with ``group_by: [incident]`` sends one notification per fault, however many rules (the straggler,
+the regression and jitter it caused) its alerts fire.
 """
 from __future__ import annotations
 
@@ -51,7 +54,7 @@ def open_alerts_sql(where: str) -> str:
     Grafana macros): the latest row of each ``alert_id`` detected up to ``$__timeTo()``, kept if it
     is ``firing`` and, for point kinds, was detected inside the time range."""
     return f"""SELECT alert_id, job, kind, severity, status, t_detected, step_first, step_detected, ranks, nodes,
-         cause, evidence, cost_pct, suggestion
+         cause, evidence, cost_pct, suggestion, coalesce(incident_id, alert_id) AS incident
   FROM (SELECT *, row_number() OVER (PARTITION BY alert_id
                                      ORDER BY CASE status WHEN 'resolved' THEN 0 ELSE 1 END, t_detected DESC) AS rn
         FROM alerts WHERE ({where}) AND t_detected <= $__timeTo())
@@ -61,7 +64,7 @@ def open_alerts_sql(where: str) -> str:
 def rule_sql(kind: str) -> str:
     return f"""WITH open_alerts AS (
   {open_alerts_sql(f"kind = {_lit(kind)}")})
-SELECT job, coalesce(cause, 'unknown') AS cause,
+SELECT job, incident, coalesce(cause, 'unknown') AS cause,
        array_to_string(ranks, ',') AS ranks, array_to_string(nodes, ',') AS nodes,
        coalesce(severity, 'warning') AS severity, coalesce(suggestion, '') AS suggestion,
        count(*)::DOUBLE AS firing

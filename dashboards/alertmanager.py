@@ -13,7 +13,9 @@ What is sent, per alert (:func:`postable_alert`):
   change between firing, re-sends and resolved, nor across processor restarts): ``alertname`` = the
   alert kind (``slow_rank``, ``regression``, ...), ``job`` (the training job), ``severity``, ``cause``,
   ``alert_id`` (the store's stable id: the same finding is the same Alertmanager alert), ``source`` =
-  ``stepwatch``, and ``ranks`` / ``nodes`` (comma-separated) when there are at most :data:`MAX_LABELLED`;
+  ``stepwatch``, ``incident`` (the alert's incident id, ``detectors/incidents.py``: a route with
+  ``group_by: [incident]`` notifies once per fault — the straggler, the regression and jitter it caused,
+  its re-fires), and ``ranks`` / ``nodes`` (comma-separated) when there are at most :data:`MAX_LABELLED`;
 * **annotations** (the newest wins): ``summary`` (the alert's readable line), ``description``,
   ``suggestion``, ``evidence`` (JSON, cut to :data:`MAX_EVIDENCE` characters), ``cost`` (estimated
   throughput lost, %), ``ranks`` / ``nodes`` (the first 64), ``step_first``, ``step_detected``,
@@ -137,6 +139,8 @@ def postable_alert(alert: Alert, *, now_ns: int, resolve_after_s: float, point_h
     nodes = list(dict.fromkeys(str(n) for n in alert.nodes))
     labels = {"alertname": alert.kind, "job": alert.job, "severity": alert.severity or "warning",
               "cause": alert.cause or "unknown", "alert_id": alert.alert_id, "source": "stepwatch"}
+    if getattr(alert, "incident_id", ""):          # fixed for the alert's life: route with group_by [incident]
+        labels["incident"] = alert.incident_id
     if ranks and len(ranks) <= MAX_LABELLED:
         labels["ranks"] = ",".join(map(str, ranks))
     if nodes and len(nodes) <= MAX_LABELLED:

@@ -16,6 +16,11 @@ thread turns each alert into an annotation (``POST /api/annotations``) and deliv
   other 4xx answers (a bad token, a bad request) are not retried and count as *failed*;
 * while Grafana is away, alerts wait in the queue (``maxsize``); when it is full, new alerts are
   **dropped** and counted — the only way an alert is lost while the sink is open;
+* **one annotation per incident** (``alert.incident_id``, see ``detectors/incidents.py``): the first alert
+  of an incident posts it (tag ``incident:<id>``); its later alerts — consequences, re-fires, the
+  resolution — PATCH it (a line more of text, the ``status:`` tag replaced, ``kind:`` tags added, the
+  region stretched to the newest alert), so Grafana shows one thing per fault. Alerts without an
+  incident id (and profile-diff re-sends) keep the rule below;
 * **one annotation per (alert_id, status)**: the processor calls its callback again for an alert it
   already emitted, same id and status, when a targeted profile's diff arrives
   (``evidence.profile_diff``, see ``stream/processor.py`` ``_profile_results``). The sink remembers the
@@ -79,6 +84,8 @@ def annotation_payload(alert: Alert, t_first_ns: int | None = None, dashboard_ui
             f"status:{alert.status}", f"severity:{alert.severity}"]
     tags += [f"rank:{int(r)}" for r in list(alert.ranks)[:MAX_TAGGED]]
     tags += [f"node:{n}" for n in list(dict.fromkeys(alert.nodes))[:MAX_TAGGED]]
+    if getattr(alert, "incident_id", ""):
+        tags.append(f"incident:{alert.incident_id}")
     text = alert.line()
     diff = (alert.evidence or {}).get("profile_diff")
     if isinstance(diff, dict):
@@ -214,11 +221,54 @@ class AnnotationSink:
                 if self._q.empty():
                     self._idle.set()
 
+    def _incident(self, alert: Alert, t_first: int | None) -> bool:
+        """One annotation per incident: the first alert of an incident posts it, later ones (its
+        consequences, re-fires, status changes) PATCH it: a line more of text, the status and kind tags,
+        the region stretched to the newest alert. False when the caller should post instead."""
+        key = ("incident", alert.incident_id)
+        known = self._posted.get(key)
+        if known is None:
+            return False
+        self._posted.move_to_end(key)
+        line = alert.line()
+        if line in known["text"].split("\n"):
+            self.metrics.duplicates.inc()
+            return True
+        tags = [t for t in known["tags"] if not t.startswith("status:")] + [f"status:{alert.status}"]
+        for t in (f"kind:{alert.kind}",):
+            if t not in tags:
+                tags.append(t)
+        text = known["text"] + "\n" + line
+        body = {"text": text, "tags": tags, "timeEnd": max(known["end"], int(alert.t_detected) // 1_000_000)}
+        ok, status = self._deliver("PATCH", f"/annotations/{known['id']}", body, quiet={404})
+        if ok:
+            self.metrics.updated.inc()
+            known.update(text=text, tags=tags, end=body["timeEnd"])
+            return True
+        del self._posted[key]
+        return status != 404                                 # gone: post the incident again
+
     def _handle(self, alert: Alert, t_first: int | None) -> None:
-        """Post the alert's annotation, or update the one already posted for its (alert_id, status)."""
+        """Post the alert's annotation, or update the one already posted for its incident (or, without
+        one, its (alert_id, status))."""
+        diff = (alert.evidence or {}).get("profile_diff")
+        inc = getattr(alert, "incident_id", "") or ""
+        if inc and not isinstance(diff, dict):
+            if self._incident(alert, t_first):
+                return
+            body = annotation_payload(alert, t_first, self.dashboard_uid)
+            ok, resp = self._deliver("POST", "/annotations", body)
+            if ok:
+                self.metrics.sent.inc()
+                ann_id = resp.get("id") if isinstance(resp, dict) else None
+                if isinstance(ann_id, int):
+                    self._posted[("incident", inc)] = {"id": ann_id, "text": body["text"], "tags": body["tags"],
+                                                       "end": body["timeEnd"], "cmds": set()}
+                    while len(self._posted) > self.remember:
+                        self._posted.popitem(last=False)
+            return
         key = (alert.alert_id, alert.status)
         known = self._posted.get(key)
-        diff = (alert.evidence or {}).get("profile_diff")
         if known is not None:
             self._posted.move_to_end(key)
             cmd = diff.get("cmd_id") if isinstance(diff, dict) else None

@@ -46,6 +46,12 @@ class JobContext:
     steps_event_ns: int = 0      # newest t_end of any step row of the job (event time of the steps)
     host_event_ns: int = 0       # newest host sample time of the job (event time that goes on in a hang)
     backlog: bool = False        # the job's step rows are known to be behind (consumer lag > 0)
+    #: newest host sample time per node (ns): one event-time watermark per source (job-hang judgement)
+    host_node_ns: dict | None = None
+    #: ``caught_up()`` -> whether the job's steps source has been read to its end (the consumer's
+    #: position on its partition has reached the broker's end offset); None: unknown, taken as yes (the
+    #: rows were handed over in order, e.g. a test or a replay)
+    caught_up: object = None
     #: job-level facts from the topology rows for the efficiency analyses: ``device_type``, ``dtype``,
     #: ``model_flops_per_token``, ``model_flops_per_sample``, ``model_params`` (mean over the ranks that
     #: sent it: each rank's share), ``tp_size``, ``pp_size`` (1 when unknown); empty when unknown;
@@ -138,6 +144,7 @@ class Alert:
     cost_pct: float = 0.0
     suggestion: str = ""
     alert_id: str = ""
+    incident_id: str = ""        # the incident it belongs to (detectors/incidents.py); set by the processor
 
     def __post_init__(self):
         if not self.alert_id:
@@ -151,6 +158,7 @@ class Alert:
             "nodes": [str(n) for n in self.nodes], "cause": self.cause,
             "evidence": json.dumps(self.evidence, default=float, sort_keys=True),
             "cost_pct": float(self.cost_pct), "suggestion": self.suggestion,
+            "incident_id": self.incident_id or None,
         }
 
     def line(self) -> str:

@@ -90,6 +90,7 @@ class JobTelemetry:
         self.host = Window("t", ns, max_rows, HOST_COLUMNS)
         self.gc = Window("t", ns, max_rows, GC_COLUMNS)
         self.comm = Window("step", comm_steps, comm_rows, COMM_COLUMNS)
+        self.host_node_ns: dict[str, int] = {}      # newest host sample per node: a watermark per source
         # in-flight states of ranks in an overlong step (detectors.hang): the last 10 minutes
         self.inflight = Window("t", ns, 4 * max_rows, INFLIGHT_COLUMNS)
 
@@ -101,12 +102,27 @@ class JobTelemetry:
         w = {"host": self.host, "gc": self.gc, "comm": self.comm, "inflight": self.inflight}.get(kind)
         if w is not None:
             w.add(t)
+        if kind == "host" and t.num_rows and "node" in t.column_names and "t" in t.column_names:
+            tv = _as_int(t.column("t"))
+            nd = pc.dictionary_encode(t.column("node").combine_chunks())
+            names = nd.dictionary.to_pylist()
+            if len(names) == 1:
+                top = [int(tv.max())]
+            else:
+                top = np.full(len(names), np.iinfo(np.int64).min, dtype=np.int64)
+                np.maximum.at(top, nd.indices.to_numpy(zero_copy_only=False).astype(np.int64), tv)
+                top = top.tolist()
+            wm = self.host_node_ns
+            for n, v in zip(names, top):
+                if n is not None and v > wm.get(n, 0):
+                    wm[n] = int(v)
 
     def attach(self, ctx) -> None:
         """Put the windows and the host event time on a :class:`~stepwatch.detectors.base.JobContext`."""
         ctx.host, ctx.gc, ctx.comm = self.host, self.gc, self.comm
         ctx.inflight = self.inflight
         ctx.host_event_ns = self.host_event_ns
+        ctx.host_node_ns = self.host_node_ns
 
 
 def filter_in(t: pa.Table, column: str, values) -> pa.Table:

@@ -23,22 +23,25 @@ class Stall(Detector):
     ``evidence.stopped_first``, the rank(s) whose last reported step is the oldest (ties: the earliest
     last step end). It resolves when all its ranks report again.
 
-    *Job hang* is judged in :meth:`tick`, on every host batch: the job's event time from host samples
-    has moved more than ``max(hang_s, hang_steps * median step time)`` past its newest step end (no
-    rank finished a step for that long while the node agents keep sampling), beyond the usual lead of
-    host time over step time (the median of that lead measured while steps still advanced, so a host
-    clock running ahead, or a host topic read ahead of the steps topic in a replay, is not a hang; a
-    processor that has not yet seen steps advance, e.g. just after a restart, takes the first lead it
-    sees as the usual one, so a hang already in progress is reported a threshold later).
-    Host samples and steps are both event time, so a replay at any speed or a stream delayed as a whole
-    is judged the same. When the consumer is known to lag on the job's steps partition
-    (``ctx.backlog``), the judgement waits. The alert names the rank(s) whose last
-    step is older than the rest (the rank that stopped first, the others then blocked in the collective
-    waiting for it) when they are fewer than half of the ranks; it resolves when a newer step arrives.
+    *Job hang* is judged in :meth:`tick`, on every host batch, with one watermark per source: per node,
+    the newest host sample and the newest step end of the node's ranks (the agent and its ranks share
+    the node's clock, so clock offsets between nodes cancel). The job is silent for as long as its least
+    silent node whose host samples still arrive (within the threshold of the median node); it hangs when that
+    silence exceeds ``max(hang_s, hang_steps * median step time)``. Event time alone cannot tell a hang
+    from a steps topic read behind the host topic (Kafka orders nothing across topics and partitions), so
+    the alert is raised only once the job's steps source is known to be read to its end
+    (``ctx.caught_up()``: the processor compares the consumer's position on the job's steps partition with
+    the broker's end offset) and, cheaply before that, not while ``ctx.backlog`` says the consumer lags on
+    it. Any interleaving a consumer group can produce thus delays a hang alert but never makes one; a hang
+    in progress when a processor restarts is reported as soon as the threshold is passed. The alert names
+    the rank(s) whose last step is older than the rest (the rank that stopped first, the others then
+    blocked in the collective waiting for it) when they are fewer than half of the ranks; it resolves
+    when a newer step arrives.
     Cause: ``communication`` (ranks blocked in a collective); a rank/node stall has no cause in the
     taxonomy (``unknown``) and suggests what to check.
 
-    Cost: O(R) per closed step (a few vector updates); :meth:`tick` is O(1) unless it fires (O(R)).
+    Cost: O(R) per closed step (a few vector updates); :meth:`tick` is O(1) unless the job's host time has
+    run a threshold past its steps (then O(R) per host batch, and one broker round trip to confirm).
     State: (R,) vectors, a ring of the last 64 step times and the open alerts.
 
     Settings (keyword arguments, defaults):
@@ -72,11 +75,8 @@ class Stall(Detector):
         self._ms = np.full(64, np.nan)          # median step time of recent steps (ring)
         self._ms_n = 0
         self._hang: Alert | None = None
+        self._node_key, self._node_grp = None, None   # ranks grouped by node (job-hang watermarks)
         self._hang_top = -1                      # newest step when the hang fired
-        self._lead = np.zeros(32, dtype=np.int64)   # host time - step time while steps still moved
-        self._lead_n = 0
-        self._lead_top = -1
-        self._first_lead = 0
 
     def _reset(self, R: int) -> None:
         self._R = R
@@ -199,6 +199,42 @@ class Stall(Detector):
         step_ms = float(np.median(ms)) if len(ms) else 0.0
         return int(max(self.hang_s * 1e9, self.hang_steps * step_ms * 1e6))
 
+    def _silence(self, ctx: JobContext, thr: int) -> tuple[int, dict]:
+        """How long the job's steps have been silent in event time, judged per source: per node, the
+        newest host sample minus the newest step end of the node's ranks (one clock: a node's agent and
+        its ranks share it, so clock offsets between nodes cancel). Only nodes whose host samples still
+        arrive (within ``thr`` of the median node's newest sample) count, and the job is silent only as long as its *least*
+        silent node is. Without per-node watermarks: the job's newest host sample minus its newest step
+        end."""
+        host, steps_t = int(ctx.host_event_ns), int(ctx.steps_event_ns)
+        glob = host - steps_t
+        hn = getattr(ctx, "host_node_ns", None)
+        lt, nodes = ctx.last_t_end, np.asarray(ctx.nodes)
+        if not hn or lt is None or len(lt) != len(nodes) or len(nodes) == 0:
+            return glob, {"judged": "job"}
+        if not (lt > 0).any():
+            return glob, {"judged": "job"}
+        key = (id(ctx.nodes), len(nodes))
+        if self._node_key != key:                          # ranks grouped by node, once per topology
+            names, inv = np.unique(nodes.astype(str), return_inverse=True)
+            order = np.argsort(inv, kind="stable")
+            starts = np.flatnonzero(np.r_[True, np.diff(inv[order]) != 0])
+            self._node_key, self._node_grp = key, (names, order, starts)
+        names, order, starts = self._node_grp
+        smax = np.maximum.reduceat(lt[order].astype(np.int64), starts)
+        has = smax > 0                                     # nodes with a rank that reported
+        names, smax = names[has], smax[has]
+        hv = np.array([hn.get(str(n), 0) for n in names], dtype=np.int64)
+        # still sampling: within the threshold of the median node (a few nodes with clocks ahead or
+        # behind move the median by nothing; a node whose agent stopped falls out)
+        live = (hv > 0) & (hv >= int(np.median(hv[hv > 0])) - thr) if (hv > 0).any() else hv > 0
+        if not live.any():
+            return glob, {"judged": "job"}
+        per = hv[live] - smax[live]
+        i = int(np.argmin(per))
+        return int(per[i]), {"judged": "per_node", "nodes_judged": int(live.sum()),
+                             "least_silent_node": str(names[live][i])}
+
     def tick(self, ctx: JobContext, now_ns: int) -> list[Alert]:
         top = int(ctx.max_step)
         if top < 0:
@@ -216,28 +252,25 @@ class Stall(Detector):
         steps_t = int(ctx.steps_event_ns)
         if host <= 0 or steps_t <= 0 or ctx.backlog:
             return []
-        if self._lead_top < 0:                             # first look (a new job, or after a restart):
-            self._first_lead = host - steps_t              # take the lead seen as the usual one
-            self._lead_top = top
-        elif top != self._lead_top:                        # steps moved: how far ahead host time runs
-            self._lead[self._lead_n % len(self._lead)] = host - steps_t
-            self._lead_n += 1
-            self._lead_top = top
-        lead = self._lead[:min(self._lead_n, len(self._lead))]
-        usual = max(float(np.median(lead)) if len(lead) else float(self._first_lead), 0.0)
-        silent = host - steps_t
         thr = self.threshold_ns()
-        if silent - usual < thr:
+        if host - steps_t < thr:                           # necessary for every node to be silent: O(1)
+            return []
+        silent, how = self._silence(ctx, thr)
+        if silent < thr:
+            return []
+        # event time says the steps stopped; that holds only if the steps source has been read to its end
+        # (Kafka orders nothing across topics: host samples may be read far ahead of the steps)
+        caught_up = getattr(ctx, "caught_up", None)
+        if caught_up is not None and not caught_up():
             return []
         kinds = hang.kinds_in_progress(ctx, steps_t)       # a long step by design: its kind's threshold
         thr = max([thr] + [int(self.hang_kind_s[k] * 1e9) for k in kinds if k in self.hang_kind_s])
-        if silent - usual < thr:
+        if silent < thr:
             return []
         last = ctx.last_step if ctx.last_step is not None else np.zeros(0, np.int64)
         seen = np.flatnonzero(last >= 0)
-        ev = {"silent_s": round(silent / 1e9, 1), "threshold_s": round(thr / 1e9, 1),
-              "usual_host_lead_s": round(usual / 1e9, 1), "newest_step": top,
-              "ranks_reporting_before": int(len(seen))}
+        ev = {"silent_s": round(silent / 1e9, 1), "threshold_s": round(thr / 1e9, 1), "newest_step": top,
+              "ranks_reporting_before": int(len(seen)), "steps_read_to_end": caught_up is not None, **how}
         culprit: list[int] = []
         step_first = top + 1
         if len(seen):

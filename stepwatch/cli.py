@@ -43,7 +43,11 @@ def cmd_broker(a) -> int:
     print(f"broker ready: bootstrap {b.bootstrap} (cluster id {b.cluster_id}, pid {b.proc.pid}); Ctrl-C stops it",
           flush=True)
     stop = threading.Event()
+    # Ctrl-C and SIGTERM stop it even where the parent left SIGINT ignored or blocked (a shell's background
+    # job, a supervisor, a test runner): a handler of its own overrides an inherited SIG_IGN
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
         while not stop.is_set() and b.alive():
             stop.wait(0.5)
@@ -51,7 +55,7 @@ def cmd_broker(a) -> int:
         pass
     finally:
         b.stop()
-    print("broker stopped")
+    print("broker stopped", flush=True)
     return 0
 
 

@@ -159,6 +159,7 @@ ALERTS = pa.schema([
     pa.field("evidence", pa.string()),
     pa.field("cost_pct", F64),
     pa.field("suggestion", pa.string()),
+    pa.field("incident_id", pa.string()),   # one id per fault: its alerts, cause and consequences (nullable)
 ])
 
 DEADLETTER = pa.schema([

@@ -18,7 +18,8 @@ ABOUT = {
     "gc": "One row per Python garbage collection in a training process (wire `gc/1`).",
     "comm": "One row per rank per step per collective kind and group (wire `comm/1`).",
     "alerts": "One row per alert state change (`firing`, then `resolved`) written by the processor. "
-              "`alert_id` is stable for the same finding; `evidence` is JSON text.",
+              "`alert_id` is stable for the same finding; `evidence` is JSON text; `incident_id` groups the "
+              "alerts of one fault (cause, consequences, re-fires; null in rows written before incidents).",
     "deadletter": "Rejected input: ONE row per source message (Kafka topic, partition, offset), whether the "
                   "whole message was refused (`row` null) or some of its rows (`row` = index of the first bad "
                   "row; `reason` = how many rows and the first distinct reasons). `payload` is the raw message "

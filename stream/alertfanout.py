@@ -46,7 +46,8 @@ def open_alerts(con, job: str) -> list[Alert]:
                          nodes=list(r["nodes"] or []), cause=r["cause"] or "unknown",
                          severity=r["severity"] or "warning", evidence=ev if isinstance(ev, dict) else {},
                          cost_pct=float(r["cost_pct"] or 0.0), suggestion=r["suggestion"] or "",
-                         alert_id=r["alert_id"]))
+                         alert_id=r["alert_id"],
+                         incident_id=str(((ev if isinstance(ev, dict) else {}).get("incident") or {}).get("id") or "")))
     return out
 
 

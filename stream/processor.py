@@ -32,6 +32,7 @@ import pyarrow.compute as pc
 from stepwatch import schema as wire
 from stepwatch.detectors.base import Alert, Detector, JobContext, StepBlock
 from stepwatch.detectors.context import JobTelemetry
+from stepwatch.detectors.incidents import Incidents
 from stepwatch.storage.store import Fenced, Marker, ParquetStore
 from stepwatch.storage.views import connect as views_connect
 from stepwatch.stream import fencing, ingress
@@ -61,6 +62,8 @@ class JobRuntime:
     replaying: bool = False
     telemetry: JobTelemetry = field(default_factory=JobTelemetry)   # bounded host/gc/comm windows
     steps_partition: int | None = None                # partition the job's step rows arrive on
+    pending: list = field(default_factory=list)       # closed steps held until the topology is read
+    incidents: Incidents = field(default_factory=Incidents)   # alerts grouped per fault
 
 
 @dataclass
@@ -123,6 +126,10 @@ class Processor:
         self.t_last_flush: float | None = None      # wall time of the last flush that wrote rows
         self._topic_kind = {kafka.topic(k): k for k in INPUT_TOPICS}
         self._lag_by_tp: dict[tuple[str, int], int] = {}   # consumer lag per partition (last flush)
+        #: (topic, partition) -> whether it is read to its end; None: ask the consumer (see _caught_up)
+        self.caught_up_hook: Callable[[str, int], bool] | None = None
+        self._caught_up_cache: dict[tuple[str, int], tuple[float, float]] = {}
+        self._read_to: dict[tuple[str, int], int] = {}     # next offset after the last message handled
         self.job_metrics = JobMetrics(self.metrics.registry)   # per-job Prometheus metrics (None: off)
         # called with each alert still open in the store when a job is rebuilt (stream.alertfanout.attach)
         self.on_alert_restored: Callable[[Alert], None] | None = self.job_metrics.on_alert
@@ -215,11 +222,14 @@ class Processor:
                 raise
             records = {}
         n = 0
-        # topology first so steps in the same poll find their job's world size
-        for tp in sorted(records, key=lambda tp: self._topic_kind.get(tp.topic) != "topology"):
+        # topology first so steps in the same poll find their job's world size; then steps, so a host
+        # sample is never judged against steps already fetched but not yet handled (job-hang proof)
+        order = {"topology": 0, "steps": 1}
+        for tp in sorted(records, key=lambda tp: order.get(self._topic_kind.get(tp.topic), 2)):
             prog = self.progress.get((tp.topic, tp.partition))
             for msg in records[tp]:
                 n += 1
+                self._read_to[(tp.topic, tp.partition)] = msg.offset + 1   # handled up to here (_caught_up)
                 if prog is not None:
                     if prog.marker.is_done(msg.offset):
                         self.metrics.skipped.inc()
@@ -296,7 +306,10 @@ class Processor:
         if kind == "topology":
             for job in pc.unique(t.column("job")).to_pylist():
                 part = t.filter(pc.equal(t.column("job"), job))
-                self._job(job).state.set_topology(part)
+                rt = self._job(job)
+                rt.state.set_topology(part)
+                if rt.pending:                              # steps held for it: detect them now
+                    self._detect(rt, [])
             self._buffer("topology", t)
             return
         if kind != "steps":
@@ -353,7 +366,63 @@ class Processor:
         rt.telemetry.attach(ctx)
         if rt.steps_partition is not None:
             ctx.backlog = self._lag_by_tp.get((self.kafka.topic("steps"), rt.steps_partition), 0) > 0
+        ctx.caught_up = lambda: self._caught_up(rt)
         return ctx
+
+    def _caught_up(self, rt: JobRuntime) -> bool:
+        """The job's steps read to their end (:meth:`_steps_caught_up`) and the in-flight states too: a
+        step that is long by design (evaluation, checkpoint) is known so only from them."""
+        if not self._steps_caught_up(rt):
+            return False
+        topic = self.kafka.topic("inflight")
+        if self.caught_up_hook is not None:
+            return bool(self.caught_up_hook(topic, None))
+        # with a real consumer the in-flight partitions are not required read to the end: during a hang
+        # the watchdogs write them continuously, so a prefetched record would always be pending
+        return True
+
+    def _steps_caught_up(self, rt: JobRuntime) -> bool:
+        """Whether the job's steps partition has been read to its end: it is assigned and not paused, and
+        the messages handled reach the broker's end offset (asked at most every 0.5 s per partition) and
+        the high watermark of the last fetch. The proof a silence judged on event time needs
+        (docs/detectors.md, stall). Without a consumer (rows handed over in order) it is taken as yes. A job
+        whose steps this processor has not read since it started (rebuilt from the store) needs every steps
+        partition it is assigned read to its end."""
+        topic, part = self.kafka.topic("steps"), rt.steps_partition
+        if part is None:
+            if self.consumer is None:
+                return self.caught_up_hook is None or all(
+                    self.caught_up_hook(topic, p) for (t, p) in list(self._read_to) if t == topic)
+            try:
+                parts = [tp.partition for tp in self.consumer.assignment() if tp.topic == topic]
+            except Exception:  # noqa: BLE001
+                return False
+            return bool(parts) and all(self._tp_caught_up(topic, p) for p in parts)
+        if self.caught_up_hook is not None:
+            return bool(self.caught_up_hook(topic, part))
+        if self.consumer is None:
+            return True
+        return self._tp_caught_up(topic, part)
+
+    def _tp_caught_up(self, topic: str, part: int) -> bool:
+        from kafka.structs import TopicPartition
+        tp = TopicPartition(topic, part)
+        try:
+            if tp in self.consumer.paused() or tp not in self.consumer.assignment():
+                return False                               # not being read: no proof
+            # what was handled (the consumer's position runs ahead by the records of the current poll)
+            pos = self._read_to.get((topic, part))
+            if pos is None:
+                pos = self.consumer.position(tp)
+            now = time.monotonic()
+            hit = self._caught_up_cache.get((topic, part))
+            if hit is None or now - hit[0] >= 0.5:         # the broker's end offset, at most every 0.5 s
+                hit = (now, self.consumer.end_offsets([tp])[tp])
+                self._caught_up_cache[(topic, part)] = hit
+            # the high watermark of the last fetch too (some brokers answer ListOffsets with less)
+            return pos >= max(hit[1], self.consumer.highwater(tp) or 0)
+        except Exception:  # noqa: BLE001 - unknown (e.g. the partition is not ours): no proof
+            return False
 
     def _tick(self, rt: JobRuntime) -> None:
         """Tell the detectors the job's event time (newest step end or host sample) moved."""
@@ -525,6 +594,11 @@ class Processor:
                 rt.state.set_topology(topo)
             for aid, status in con.execute("SELECT alert_id, status FROM alerts WHERE job = ?", [job]).fetchall():
                 rt.alerts_seen.add((aid, status))
+            try:                                           # incidents keep their ids across restarts
+                rt.incidents.seed(con.sql("SELECT * FROM alerts WHERE job = ? AND incident_id IS NOT NULL "
+                                          "ORDER BY t_detected", params=[job]).to_arrow_table().to_pylist())
+            except Exception:  # noqa: BLE001 - a store written before incidents existed
+                log.info("no incidents to warm for job %s", job, exc_info=True)
             if self.on_alert_restored is not None:     # sinks re-send them, job metrics count them
                 from stepwatch.stream.alertfanout import open_alerts
                 for a in open_alerts(con, job):
@@ -565,7 +639,16 @@ class Processor:
         except Exception:  # noqa: BLE001 - evidence is optional; the steps replay is what matters
             log.info("could not warm the host/gc context of job %s from the store", rt.state.job, exc_info=True)
 
-    def _detect(self, rt: JobRuntime, blocks: list[StepBlock]) -> None:
+    def _detect(self, rt: JobRuntime, blocks: list[StepBlock], force: bool = False) -> None:
+        # a job's topology (pipeline stages: which ranks are peers) may be read after its first steps
+        # (Kafka orders nothing across topics): hold its closed steps, bounded, until it comes
+        if not rt.state.topology_known and not rt.replaying and not force:
+            rt.pending += blocks
+            held = sum(len(b) for b in rt.pending)
+            if held < max(8, min(128, 4_000_000 // max(rt.state.world_size, 1))):
+                return
+        if rt.pending:
+            blocks, rt.pending = rt.pending + list(blocks), []
         if not blocks:
             return
         ctx = self._ctx(rt)
@@ -599,8 +682,11 @@ class Processor:
     def _emit(self, rt: JobRuntime, a: Alert) -> None:
         key = (a.alert_id, a.status)
         if key in rt.alerts_seen:
+            if not a.incident_id:                           # replayed: its incident is known (seeded)
+                a.incident_id = rt.incidents.by_alert.get(a.alert_id, "")
             return
         rt.alerts_seen.add(key)
+        rt.incidents.assign(a)                               # one incident per fault (detectors/incidents.py)
         st = rt.state
         sl = a.step_first % st.capacity
         if "t_first_ns" not in a.evidence and st.slot_step[sl] == a.step_first and st.t_end[sl]:
@@ -658,8 +744,8 @@ class Processor:
         if time.monotonic() - self.last_data < self.idle_close_s:
             return
         for rt in self.jobs.values():
-            if rt.state.open_steps():
-                self._detect(rt, rt.state.close_ready(force=True))
+            if rt.state.open_steps() or rt.pending:
+                self._detect(rt, rt.state.close_ready(force=True), force=True)
 
     # ------------------------------------------------------------------ flush
     def _flush(self) -> None:

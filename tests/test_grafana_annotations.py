@@ -244,3 +244,29 @@ def test_the_window_is_bounded_and_a_lost_annotation_is_posted_again(grafana):
     assert "profile 3f2a9c0e1b7d4a55" in grafana.annotations[-1]["text"]
     assert sink.stats()["failed"] == 0
     assert grafana.violations == []
+
+
+def test_one_annotation_per_incident_patched_by_its_later_alerts(grafana):
+    """Alerts of one incident (the straggler, the job-wide slowdown it caused, its resolution) are one
+    annotation: posted once, then patched (text, status tag, kinds, the region's end)."""
+    from stepwatch.detectors.base import Alert
+    sink = AnnotationSink(grafana.url, grafana.token)
+    a1 = alert("firing")
+    a1.incident_id = "inc-0123456789abcdef"
+    reg = Alert(job="j1", kind="regression", status="firing", step_first=a1.step_first, step_detected=200,
+                t_detected=T_DET + 5 * 10**9, cause="communication", incident_id=a1.incident_id)
+    res = alert("resolved")
+    res.incident_id, res.t_detected = a1.incident_id, T_DET + 9 * 10**9
+    other = alert("firing")
+    other.alert_id, other.incident_id = "ffff000011112222", "inc-fedcba9876543210"
+    for x in (a1, reg, reg, res, other):
+        sink.submit(x, t_first_ns=T_FIRST)
+    assert sink.close(5)
+    assert [r.method for r in grafana.writes()] == ["POST", "PATCH", "PATCH", "POST"]
+    one, two = grafana.annotations
+    assert one["text"].split("\n") == [a1.line(), reg.line(), res.line()]
+    assert "incident:inc-0123456789abcdef" in one["tags"] and "status:resolved" in one["tags"]
+    assert "status:firing" not in one["tags"] and {"kind:slow_rank", "kind:regression"} <= set(one["tags"])
+    assert one["time"] == T_FIRST // 10**6 and one["timeEnd"] == (T_DET + 9 * 10**9) // 10**6
+    assert "incident:inc-fedcba9876543210" in two["tags"]
+    assert sink.stats()["duplicates"] == 1 and grafana.violations == []

@@ -220,7 +220,7 @@ def test_alert_rule_sql_returns_open_alerts_with_labels(store):
     window = (T0, T0 + 600 * S)
     for kind in ALERT_KINDS:
         cols, rows = run(store, macros.expand(rule_sql(kind), *window, 1000))
-        assert cols == ["job", "cause", "ranks", "nodes", "severity", "suggestion", "firing"]
+        assert cols == ["job", "incident", "cause", "ranks", "nodes", "severity", "suggestion", "firing"]
         if kind == "jitter":
             assert rows == []            # resolved
         else:

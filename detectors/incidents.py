@@ -1,0 +1,213 @@
+"""Incidents: the alerts of one fault grouped into one thing, with one stable id, evidence and a timeline.
+
+A fault is usually seen by several detectors and more than once: a straggler fires ``slow_rank``, the
+job's step time rises with it (``regression``, often cause ``communication``: the other ranks wait
+longer), its step time jitters (``jitter``), and the straggler may resolve and fire again a few steps
+later. An operator wants one incident per fault: the cause, with its consequences inside it.
+
+:class:`Incidents` (one per job, called by the processor for every alert it emits) puts each alert into an
+incident by these rules, in order:
+
+1. **The same alert again** (a status change: resolved, or a re-send) goes where it went before.
+2. **Same place**: an alert naming ranks joins the incident that names an overlapping rank set (or the
+   same node), if that incident is still firing or went quiet less than ``cooldown_steps`` steps before
+   the alert's first step: a straggler that resolves and fires again, a rank stall after a slow rank,
+   a jitter alert naming the intermittent straggler.
+3. **Consequence of a localised cause**: a job-wide alert (no ranks: ``regression``, ``recovery``,
+   ``jitter``, ``mfu_regression``, …) joins the newest firing (or quiet for less than the cool-down)
+   rank/node/group incident when its cause is one a slow rank produces on the whole job
+   (``communication``: the others wait; ``computation``; ``unknown``) or the incident's own cause, and it
+   began no more than ``lead_steps`` steps before that incident. A job-wide data-wait or GC regression
+   beside a compute straggler stays its own incident: two faults.
+   The other way round too: a localised alert that comes after the job-wide one it explains (began
+   within ``lead_steps`` of it, the job-wide incident still firing, a cause as above) joins that incident
+   as its cause (the incident then reports that alert's kind and cause; its id stays).
+4. **The same job-wide change**: a job-wide alert joins the newest job-wide incident with the same cause
+   whose newest alert is less than the cool-down old; a ``recovery`` joins the newest job-wide incident
+   not yet recovered, whatever its cause (the change it undoes), and closes it.
+5. Otherwise the alert opens a new incident. Its id is derived from the alert that opened it
+   (``inc-`` + 16 hex of SHA-1 of job and that alert's stable id), so a processor that rebuilds the job
+   from the store (:meth:`Incidents.seed` with the stored alerts) or replays the same steps gets the
+   same id.
+
+An incident naming ranks is *firing* while one of its rank-naming alerts is firing and was not resolved
+(the job-wide consequences, whose ``regression`` alerts never resolve, do not hold it open); a job-wide
+incident is firing until a ``recovery`` closes it; otherwise *resolved*. Each alert is stamped with ``incident_id`` and
+``evidence["incident"]``: the incident's id, status, role of this alert (``root`` | ``consequence`` |
+``refire`` | ``update``), root alert id, cause, ranks/nodes, and a timeline of its last
+``timeline_max`` events (step, kind, status, alert id). Cost: O(open incidents) per alert; state: the
+incidents of the last ``keep`` alerts' worth (bounded).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+#: causes a slow rank/node/group produces on the job as a whole (the others wait in collectives)
+CONSEQUENCE_CAUSES = {"communication", "computation", "unknown", "parallelism"}
+#: localised kinds whose incident can hold job-wide consequences
+LOCAL_KINDS = {"slow_rank", "slow_node", "slow_group", "rank_stall", "node_stall", "comm_slow_link", "jitter",
+               "job_hang"}
+
+
+def incident_id(job: str, root_alert_id: str) -> str:
+    return "inc-" + hashlib.sha1(f"{job}|{root_alert_id}".encode()).hexdigest()[:16]
+
+
+@dataclass
+class Incident:
+    id: str
+    job: str
+    root: str                       # alert id that opened it
+    kind: str                       # the root alert's kind
+    cause: str
+    ranks: set = field(default_factory=set)
+    nodes: set = field(default_factory=set)
+    local: bool = False             # names ranks (a rank/node/group fault)
+    step_first: int = 0
+    step_last: int = 0              # newest step_detected of its alerts
+    firing: dict = field(default_factory=dict)    # alert_id -> still firing
+    closed: bool = False            # a recovery closed it (job-wide change undone)
+    timeline: list = field(default_factory=list)
+    members: int = 0
+
+    local_ids: set = field(default_factory=set)   # its alerts that name ranks
+
+    @property
+    def status(self) -> str:
+        """A localised incident fires while one of its rank-naming alerts does (its job-wide consequences,
+        whose regression alerts never resolve, do not hold it open); a job-wide one until recovered."""
+        if self.closed:
+            return "resolved"
+        if self.local and self.local_ids:
+            return "firing" if any(self.firing.get(i) for i in self.local_ids) else "resolved"
+        return "firing" if any(self.firing.values()) else "resolved"
+
+    def active_at(self, step: int, cooldown: int) -> bool:
+        """A localised incident is active while firing and ``cooldown`` steps after; a job-wide one (whose
+        regression alerts never resolve) for ``cooldown`` steps after its newest alert."""
+        if self.local and self.status == "firing":
+            return True
+        return step - self.step_last <= cooldown
+
+
+class Incidents:
+    """Groups one job's alerts into incidents (see the module docs)."""
+
+    def __init__(self, cooldown_steps: int = 50, lead_steps: int = 20, timeline_max: int = 24,
+                 keep: int = 256):
+        self.cooldown, self.lead, self.timeline_max, self.keep = int(cooldown_steps), int(lead_steps), \
+            int(timeline_max), int(keep)
+        self.by_alert: dict[str, str] = {}
+        self.incidents: dict[str, Incident] = {}
+
+    # -- assignment ----------------------------------------------------------------------------------
+    def _find(self, a) -> tuple[Incident | None, str]:
+        iid = self.by_alert.get(a.alert_id)
+        if iid is not None and iid in self.incidents:
+            return self.incidents[iid], "update"
+        step = int(a.step_first)
+        newest = sorted(self.incidents.values(), key=lambda i: i.step_last, reverse=True)
+        ranks, nodes = set(int(r) for r in a.ranks), set(a.nodes)
+        if ranks:
+            for inc in newest:
+                if inc.local and inc.active_at(step, self.cooldown) and (
+                        ranks & inc.ranks or (len(nodes) == 1 and nodes <= inc.nodes and len(inc.nodes) == 1)):
+                    return inc, "refire" if inc.kind == a.kind else "consequence"
+            for inc in newest:                               # the job-wide effect was seen first: its cause
+                if not inc.local and inc.status == "firing" and inc.active_at(step, self.cooldown) and \
+                        abs(inc.step_first - step) <= self.lead and (
+                            inc.cause in CONSEQUENCE_CAUSES or inc.cause == a.cause):
+                    inc.local = True
+                    return inc, "cause"
+            return None, "root"
+        for inc in newest:                                   # job-wide: a consequence of a local fault?
+            if inc.local and inc.active_at(step, self.cooldown) and step >= inc.step_first - self.lead and (
+                    a.cause in CONSEQUENCE_CAUSES or a.cause == inc.cause):
+                return inc, "consequence"
+        for inc in newest:                                   # the same job-wide change
+            if inc.local:
+                continue
+            if a.kind == "recovery" and not inc.closed:      # undoes the newest change still open
+                return inc, "recovery"
+            if a.cause == inc.cause and step - inc.step_last <= self.cooldown:
+                return inc, "consequence" if a.kind != inc.kind else "refire"
+        return None, "root"
+
+    def assign(self, a) -> Incident:
+        """Put alert ``a`` into its incident; stamps ``a.incident_id`` and ``a.evidence["incident"]``."""
+        inc, role = self._find(a)
+        if inc is None:
+            inc = Incident(id=incident_id(a.job, a.alert_id), job=a.job, root=a.alert_id, kind=a.kind,
+                           cause=a.cause, local=bool(a.ranks), step_first=int(a.step_first),
+                           step_last=int(a.step_detected))
+            self.incidents[inc.id] = inc
+            self._bound()
+        if role == "cause":                                  # the localised cause names the incident
+            inc.kind, inc.cause = a.kind, a.cause
+        self._add(inc, a)
+        a.incident_id = inc.id
+        a.evidence = dict(a.evidence)                        # resolved alerts share the firing one's dict
+        a.evidence["incident"] = self.summary(inc, role)
+        return inc
+
+    def _add(self, inc: Incident, a) -> None:
+        if a.alert_id not in self.by_alert:
+            inc.members += 1
+        self.by_alert[a.alert_id] = inc.id
+        if a.ranks:
+            inc.local_ids.add(a.alert_id)
+        inc.ranks |= set(int(r) for r in a.ranks)
+        inc.nodes |= set(str(n) for n in a.nodes)
+        inc.step_first = min(inc.step_first, int(a.step_first))
+        inc.step_last = max(inc.step_last, int(a.step_detected))
+        if a.kind == "recovery" and not inc.local:
+            inc.closed = True
+        elif a.status == "firing" and a.kind != "recovery":
+            inc.firing[a.alert_id] = True
+            if not inc.local and a.kind == "regression":
+                inc.closed = False                           # a new regression reopens a recovered change
+        elif a.status == "resolved":
+            inc.firing[a.alert_id] = False
+        inc.timeline.append([int(a.step_detected), a.kind, a.status, a.alert_id])
+        del inc.timeline[:-self.timeline_max]
+
+    def summary(self, inc: Incident, role: str) -> dict:
+        return {"id": inc.id, "status": inc.status, "role": role, "root": inc.root, "kind": inc.kind,
+                "cause": inc.cause, "ranks": sorted(inc.ranks)[:16], "nodes": sorted(inc.nodes)[:8],
+                "alerts": inc.members, "step_first": inc.step_first, "timeline": [list(x) for x in inc.timeline]}
+
+    def _bound(self) -> None:
+        if len(self.incidents) <= self.keep:
+            return
+        old = sorted(self.incidents.values(), key=lambda i: i.step_last)[:len(self.incidents) - self.keep]
+        for inc in old:
+            del self.incidents[inc.id]
+        live = set(self.incidents)
+        self.by_alert = {k: v for k, v in self.by_alert.items() if v in live}
+
+    # -- rebuild -------------------------------------------------------------------------------------
+    def seed(self, rows) -> None:
+        """Warm from stored alert rows (dicts or objects with the alert columns and ``incident_id``), in
+        detection order: the incidents they were put in come back with their ids."""
+        for r in rows:
+            g = (lambda k, d=None: r.get(k, d)) if isinstance(r, dict) else (lambda k, d=None: getattr(r, k, d))
+            iid = g("incident_id")
+            if not iid:
+                continue
+            inc = self.incidents.get(iid)
+            ranks = [int(x) for x in (g("ranks") or [])]
+            if inc is None:
+                inc = Incident(id=iid, job=g("job"), root=g("alert_id"), kind=g("kind"), cause=g("cause") or "unknown",
+                               local=bool(ranks), step_first=int(g("step_first") or 0),
+                               step_last=int(g("step_detected") or 0))
+                self.incidents[iid] = inc
+
+            class _A:                                        # the fields _add reads
+                pass
+            a = _A()
+            a.alert_id, a.kind, a.status, a.ranks, a.nodes = g("alert_id"), g("kind"), g("status"), ranks, \
+                list(g("nodes") or [])
+            a.step_first, a.step_detected = int(g("step_first") or 0), int(g("step_detected") or 0)
+            self._add(inc, a)
+        self._bound()

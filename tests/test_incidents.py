@@ -1,0 +1,93 @@
+"""Incidents: one fault's alerts (cause and consequences, re-fires) are one incident with a stable id,
+kept across a processor restart through the store."""
+from __future__ import annotations
+
+import json
+
+from stepwatch.detectors.base import Alert
+from stepwatch.detectors.incidents import Incidents, incident_id
+
+J = "job-i"
+
+
+def al(kind, status="firing", ranks=(), step_first=100, step=105, cause="computation", node=None, aid=""):
+    ranks = list(ranks)
+    nodes = [node or f"n{r // 8}" for r in ranks]
+    return Alert(job=J, kind=kind, status=status, step_first=step_first, step_detected=step,
+                 t_detected=step * 10**9, ranks=ranks, nodes=nodes, cause=cause, alert_id=aid)
+
+
+def test_a_straggler_its_consequences_and_its_refire_are_one_incident():
+    inc = Incidents()
+    s = al("slow_rank", ranks=[13])
+    inc.assign(s)
+    assert s.incident_id == incident_id(J, s.alert_id) and s.evidence["incident"]["role"] == "root"
+    reg = al("regression", step_first=98, step=110, cause="communication")    # the others wait longer
+    jit = al("jitter", step_first=90, step=112, cause="computation")
+    for a in (reg, jit):
+        inc.assign(a)
+        assert a.incident_id == s.incident_id and a.evidence["incident"]["role"] == "consequence"
+    res = al("slow_rank", "resolved", ranks=[13], step=150, aid=s.alert_id)
+    inc.assign(res)
+    assert res.incident_id == s.incident_id and res.evidence["incident"]["status"] == "resolved"
+    again = al("slow_rank", ranks=[13], step_first=170, step=175)             # re-fires within the cool-down
+    inc.assign(again)
+    assert again.incident_id == s.incident_id and again.evidence["incident"]["role"] == "refire"
+    tl = again.evidence["incident"]["timeline"]
+    assert [x[1:3] for x in tl] == [["slow_rank", "firing"], ["regression", "firing"], ["jitter", "firing"],
+                                    ["slow_rank", "resolved"], ["slow_rank", "firing"]]
+    done = al("slow_rank", "resolved", ranks=[13], step_first=170, step=200, aid=again.alert_id)
+    inc.assign(done)
+    assert done.evidence["incident"]["status"] == "resolved"     # the consequence regression holds nothing
+    later = al("slow_rank", ranks=[13], step_first=400, step=405)            # long after: a new fault
+    inc.assign(later)
+    assert later.incident_id != s.incident_id
+    json.dumps(later.row())
+
+
+def test_unrelated_faults_stay_apart_and_a_recovery_closes_its_regression():
+    inc = Incidents()
+    s = al("slow_rank", ranks=[5], cause="computation")
+    io = al("regression", step_first=102, step=108, cause="io")                # data wait up on every rank
+    other = al("slow_rank", ranks=[77], step_first=101, step=107)
+    for a in (s, io, other):
+        inc.assign(a)
+    assert len({s.incident_id, io.incident_id, other.incident_id}) == 3
+    rec = al("recovery", step_first=180, step=190, cause="io")
+    inc.assign(rec)
+    assert rec.incident_id == io.incident_id and rec.evidence["incident"]["status"] == "resolved"
+    # a local alert arriving after the job-wide change it explains becomes that incident's cause
+    inc2 = Incidents()
+    r = al("regression", step_first=60, step=64, cause="communication")
+    s2 = al("slow_node", ranks=list(range(8, 16)), step_first=58, step=66, cause="cpu")
+    inc2.assign(r)
+    inc2.assign(s2)
+    assert s2.incident_id == r.incident_id and s2.evidence["incident"]["role"] == "cause"
+    assert s2.evidence["incident"]["ranks"] == list(range(8, 16))
+    assert (s2.evidence["incident"]["kind"], s2.evidence["incident"]["cause"]) == ("slow_node", "cpu")
+
+
+def test_the_incident_id_survives_a_processor_restart(tmp_path):
+    from stepwatch.stream.kafkaio import KafkaSettings
+    from stepwatch.stream.processor import Processor
+
+    p1 = Processor(KafkaSettings(), tmp_path, on_alert=lambda a: None, profiling=None)
+    rt = p1._job(J)
+    s = al("slow_rank", ranks=[13])
+    p1._emit(rt, s)
+    p1._flush()
+    p2 = Processor(KafkaSettings(), tmp_path, on_alert=lambda a: None, profiling=None)   # a restart
+    rt2 = p2._job(J)
+    reg = al("regression", step_first=99, step=110, cause="communication")
+    res = al("slow_rank", "resolved", ranks=[13], step=150, aid=s.alert_id)
+    p2._emit(rt2, reg)
+    p2._emit(rt2, res)
+    assert reg.incident_id == res.incident_id == s.incident_id
+    p2._flush()
+    from stepwatch.storage.views import connect
+    con = connect(tmp_path)
+    rows = con.execute(f"SELECT kind, status, incident_id FROM alerts WHERE job = '{J}' "
+                       "ORDER BY t_detected").fetchall()
+    con.close()
+    assert rows == [("slow_rank", "firing", s.incident_id), ("regression", "firing", s.incident_id),
+                    ("slow_rank", "resolved", s.incident_id)]
