@@ -15,10 +15,12 @@ A DuckLake is a SQL *catalog* (every commit a snapshot) plus Parquet files under
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import sqlite3
 import threading
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -27,6 +29,7 @@ import duckdb
 from stepwatch.storage import extensions
 
 ALIAS = "lake"
+RETRIES = 100          # DuckLake commit retries on a PostgreSQL catalog (see Lake.connect)
 
 
 def lit(s) -> str:
@@ -160,6 +163,25 @@ class Lake:
         if not self.data_path.startswith(("s3://", "gs://", "r2://", "az://", "abfss://")):
             Path(self.data_path).mkdir(parents=True, exist_ok=True)
 
+    @contextmanager
+    def write_lock(self):
+        """Held around every writing transaction (a flush, a claim, a compaction step) on a SQLite
+        catalog; a no-op on PostgreSQL. A DuckLake transaction reads the catalog when it begins and
+        writes it when it commits; SQLite (WAL) refuses the write ("database is locked", whatever
+        the transaction touched) once another connection committed in between. Without this lock a
+        compaction step, which takes longer than the gap between two flushes, would never commit.
+        Readers take no lock. (An ``flock`` on ``<catalog>.lock``: one machine, as a SQLite catalog is;
+        released when its process dies.)"""
+        if not self.sqlite_file:
+            yield
+            return
+        fd = os.open(self.sqlite_file + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
     def connect(self, read_only: bool = False, threads: int | None = None) -> duckdb.DuckDBPyConnection:
         """A DuckDB connection with the lake attached as ``lake`` (times shown in UTC). One DuckDB
         instance per lake and mode is kept per process (loading the signed extensions costs a
@@ -175,10 +197,11 @@ class Lake:
                 db.execute("SET GLOBAL TimeZone = 'UTC'")
                 for stmt in self.attach_sql(read_only=read_only):
                     db.execute(stmt)
-                # DuckLake's own commit retry (1.4.4) re-checks conflicts against a stale view: two
-                # merges racing a writer both committed and doubled rows. Every conflict goes up to
-                # our retry instead, which runs the whole transaction again on a fresh snapshot.
-                db.execute("SET GLOBAL ducklake_max_retry_count = 0")
+                # DuckLake's own commit retry redoes only the catalog write, on a fresh snapshot, after
+                # another commit took the ids this transaction allocated (PostgreSQL). Without it a
+                # transaction longer than the gap between two flushes (a compaction step) never
+                # commits. On SQLite the writers take turns (write_lock) and it is not needed.
+                db.execute(f"SET GLOBAL ducklake_max_retry_count = {RETRIES if self.kind == 'postgres' else 0}")
                 _INSTANCES[key] = db
                 while len(_INSTANCES) > 8:         # open connections keep an evicted instance alive
                     _INSTANCES.popitem(last=False)

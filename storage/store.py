@@ -206,7 +206,7 @@ class LakeStore:
         processors start at once (a losing CREATE is a conflict, retried)."""
         con = self.connection()
         for attempt in retry_conflicts():
-            with attempt:
+            with attempt, self.lake.write_lock():
                 self._init(con)
         return self
 
@@ -306,7 +306,7 @@ class LakeStore:
             return {k: self.load_marker(*k) for k in keys} if cur else {k: None for k in keys}
         con = self.connection()
         for attempt in retry_conflicts():
-            with attempt:
+            with attempt, self.lake.write_lock():
                 con.execute("BEGIN")
                 try:
                     cur = self._offsets(con)
@@ -364,7 +364,7 @@ class LakeStore:
         con = self.connection()
         keys = list(markers)
         for attempt in retry_conflicts():
-            with attempt:
+            with attempt, self.lake.write_lock():
                 con.execute("BEGIN")
                 try:
                     cur = self._offsets(con) if keys else {}
