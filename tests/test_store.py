@@ -76,8 +76,12 @@ def test_marker_done_ranges():
     assert json.loads(json.dumps(m.to_json())) == {"next": 10, "done": [[12, 14], [20, 20]]}
 
 
-def test_a_commit_from_an_older_generation_is_rejected(tmp_path):
-    a, b = LakeStore(tmp_path).init(), LakeStore(tmp_path).init()
+@pytest.mark.parametrize("catalog", ["sqlite", "postgres"])
+def test_a_commit_from_an_older_generation_is_rejected(tmp_path, catalog, request):
+    """Fencing, directly: a processor whose partition went to a newer generation cannot commit
+    (nor claim it back); nothing of its flush is stored."""
+    lake = request.getfixturevalue("pg_lake") if catalog == "postgres" else tmp_path
+    a, b = LakeStore(lake).init(), LakeStore(lake).init()
     a.cluster = b.cluster = "c1"
     assert a.claim([("t.steps", 0), ("t.steps", 1)], generation=5) == {("t.steps", 0): None, ("t.steps", 1): None}
     a.write_flush({"steps": [steps("j", 0, 1)]}, {("t.steps", 0): Marker(10), ("t.steps", 1): Marker(3)}, generation=5)
@@ -89,12 +93,12 @@ def test_a_commit_from_an_older_generation_is_rejected(tmp_path):
     assert e.value.partitions == {("t.steps", 0): 6}
     with pytest.raises(Fenced):                          # nor can it claim the partition back
         a.claim([("t.steps", 0)], generation=5)
-    con = connect(tmp_path)
+    con = connect(lake)
     assert con.execute("SELECT count(*), max(step) FROM steps").fetchone() == (4, 0)     # nothing of the fenced flush
     assert a.load_marker("t.steps", 1).next == 3
     b.write_flush({"steps": [steps("j", 1, 1)]}, {("t.steps", 0): Marker(11)}, generation=6)
     a.write_flush({}, {("t.steps", 1): Marker(4)}, generation=6)    # a rejoined in generation 6, owns partition 1
-    assert connect(tmp_path).execute(
+    assert connect(lake).execute(
         "SELECT topic, \"partition\", next, generation FROM kafka_offsets WHERE cluster = 'c1' ORDER BY 2").fetchall() == [
         ("t.steps", 0, 11, 6), ("t.steps", 1, 4, 6)]
 
