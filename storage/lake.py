@@ -4,8 +4,10 @@ A DuckLake is a SQL *catalog* (every commit a snapshot) plus Parquet files under
 
 * embedded default (``--data-dir DIR``): SQLite catalog ``DIR/lake.sqlite`` (WAL mode, so readers
   never block the writer), data under ``DIR/lake/``;
-* several processors: ``STEPWATCH_LAKE_CATALOG=postgres:<libpq connection string>`` (password from
-  ``PGPASSWORD`` or a ``password=`` field) and a data path every processor reaches:
+* several processors: ``STEPWATCH_LAKE_CATALOG=postgres:<libpq connection string>`` without the
+  password, which comes from the environment (``PGPASSWORD``, read by libpq) or a file
+  (``STEPWATCH_LAKE_PASSWORD_FILE``, e.g. a mounted Secret; see :func:`password_from_file`), and is
+  never part of a string stepwatch prints or logs; and a data path every processor reaches:
   ``STEPWATCH_LAKE_DATA_PATH`` = a shared folder (no rename semantics needed) or ``s3://bucket/prefix/``
   (``httpfs``; endpoint/region/URL style from ``STEPWATCH_S3_*``, keys from ``AWS_ACCESS_KEY_ID`` /
   ``AWS_SECRET_ACCESS_KEY``).
@@ -89,6 +91,8 @@ class Lake:
             return data_dir
         d = Path(data_dir).absolute()
         catalog = env.get("STEPWATCH_LAKE_CATALOG") or f"sqlite:{d / 'lake.sqlite'}"
+        if catalog.startswith("postgres:"):
+            password_from_file(env)
         data = env.get("STEPWATCH_LAKE_DATA_PATH") or str(d / "lake")
         return cls.make(catalog, data, S3.from_env(env) if data.startswith("s3://") else None, d)
 
@@ -215,6 +219,22 @@ class Lake:
 
 _INSTANCES: "OrderedDict[tuple[Lake, bool], duckdb.DuckDBPyConnection]" = OrderedDict()
 _INSTANCES_LOCK = threading.Lock()
+
+
+def password_from_file(env=os.environ) -> None:
+    """The catalog's password from the file ``STEPWATCH_LAKE_PASSWORD_FILE`` names (a Kubernetes
+    Secret mounted as a file), handed to libpq as ``PGPASSWORD`` in this process's environment, so
+    it never appears in a connection string (which errors and logs may show). A ``PGPASSWORD``
+    already set wins. The file's content is not logged, not even on error."""
+    path = env.get("STEPWATCH_LAKE_PASSWORD_FILE")
+    if not path or os.environ.get("PGPASSWORD"):
+        return
+    try:
+        pw = Path(path).read_text().rstrip("\r\n")
+    except OSError as e:
+        raise RuntimeError(f"STEPWATCH_LAKE_PASSWORD_FILE={path}: cannot read it ({e.strerror})") from None
+    if pw:
+        os.environ["PGPASSWORD"] = pw
 
 
 def lake_of(x) -> Lake:

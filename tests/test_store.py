@@ -146,3 +146,34 @@ def test_docs_tables_md_matches_the_code():
     doc = Path(__file__).resolve().parents[1] / "docs" / "tables.md"
     assert doc.read_text() == tables_markdown(), \
         "docs/tables.md is stale: python -m stepwatch.storage.docs > docs/tables.md"
+
+
+def test_postgres_password_from_a_file_is_used_and_never_printed(postgres, tmp_path):
+    """The chart mounts the catalog's password Secret as a file: STEPWATCH_LAKE_PASSWORD_FILE. A
+    role that needs a password (scram) connects with it; neither a good nor a bad password shows in
+    what the process prints."""
+    import os
+    import subprocess
+    import sys
+    psql = [str(postgres.bin / "psql"), "-h", "127.0.0.1", "-p", str(postgres.port), "-U", postgres.user,
+            "-d", "postgres", "-v", "ON_ERROR_STOP=1"]
+    subprocess.run(psql + ["-c", "CREATE ROLE pwuser LOGIN PASSWORD 'S3kr3t-pw'"], check=True, capture_output=True)
+    subprocess.run(psql + ["-c", "CREATE DATABASE pwlake OWNER pwuser"], check=True, capture_output=True)
+    hba = postgres.base / "data" / "pg_hba.conf"
+    hba.write_text("host all pwuser 127.0.0.1/32 scram-sha-256\n" + hba.read_text())
+    subprocess.run(psql + ["-c", "SELECT pg_reload_conf()"], check=True, capture_output=True)
+    code = ("import sys; sys.path.insert(0, 'tests'); from test_store import steps\n"
+            "from stepwatch.storage.lake import Lake; from stepwatch.storage.store import LakeStore\n"
+            "lake = Lake.from_dir(sys.argv[1]); print(lake.describe())\n"
+            "st = LakeStore(lake).init(); st.write_flush({'steps': [steps('j', 0, 1)]}, {}); print('stored')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+    env.update(STEPWATCH_LAKE_CATALOG=f"postgres:host=127.0.0.1 port={postgres.port} user=pwuser dbname=pwlake",
+               STEPWATCH_LAKE_DATA_PATH=str(tmp_path / "data"))
+    for pw, ok in (("wrong-pw-123", False), ("S3kr3t-pw", True)):
+        (tmp_path / "pw").write_text(pw + "\n")
+        r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                           env=dict(env, STEPWATCH_LAKE_PASSWORD_FILE=str(tmp_path / "pw")))
+        assert (r.returncode == 0 and "stored" in r.stdout) == ok, (r.stdout[-2000:], r.stderr[-2000:])
+        assert pw not in r.stdout + r.stderr
+        if not ok:
+            assert "password authentication failed" in r.stderr
