@@ -12,7 +12,7 @@
 # (docs/helm.md, "Grafana"), so the datasource names no platform.
 
 FROM python:3.11-slim AS build
-# a C compiler for the probe's hot path (agents/_probefast.c); the runtime stage does not carry it
+# a C compiler for the probe's hot path (agents/probe/_probefast.c); the runtime stage does not carry it
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
@@ -24,7 +24,7 @@ COPY storage/ storage/
 COPY dashboards/ dashboards/
 RUN python -m venv /opt/stepwatch \
  && /opt/stepwatch/bin/pip install --no-cache-dir --upgrade pip \
- && /opt/stepwatch/bin/pip install --no-cache-dir . py-spy nvidia-ml-py \
+ && /opt/stepwatch/bin/pip install --no-cache-dir ".[all]" py-spy nvidia-ml-py \
  && /opt/stepwatch/bin/python -m stepwatch.storage.extensions copy /opt/stepwatch/duckdb-extensions
 
 FROM python:3.11-slim
