@@ -42,6 +42,18 @@ def _start(kafka, lake, work, name, *extra):
 _LAST_ERROR: list = [None]
 
 
+def _ready(work, name, timeout: float = 120) -> None:
+    """Until the processor ``name`` is running (its SIGTERM handler is installed before it prints
+    "processing"): a SIGTERM earlier, while it still loads, would kill it rather than stop it."""
+    log = work / name / "log"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if log.exists() and "processing " in log.read_text(errors="replace"):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{name} did not start in {timeout}s: {log.read_text()[-2000:] if log.exists() else ''}")
+
+
 def _stored(lake) -> int:
     try:
         return connect(lake).execute("SELECT count(*) FROM steps").fetchone()[0]
@@ -78,6 +90,7 @@ def _scenario(broker, lake: Lake, work):
     p1, p2 = _start(kafka, lake, work, "p1"), _start(kafka, lake, work, "p2")
     n = _wait_rows(lake, 0)
     p3 = _start(kafka, lake, work, "p3")                   # joins: rebalance
+    _ready(work, "p3")
     n = _wait_rows(lake, n + 2000)
     p1.send_signal(signal.SIGKILL)                         # dies mid-flush or mid-poll
     p1.wait(10)
@@ -99,6 +112,7 @@ def _scenario(broker, lake: Lake, work):
         time.sleep(0.5)
     time.sleep(3)                                          # the last host/gc rows (and anything extra)
     for p, name in ((p1, "p1b"), (p2, "p2b")):
+        _ready(work, name)
         p.send_signal(signal.SIGTERM)
         assert p.wait(60) == 0, (work / name / "log").read_text()[-3000:]
     con = connect(lake)
@@ -175,6 +189,7 @@ def test_a_processor_paused_past_its_session_cannot_store_what_it_buffered(broke
     assert _stored(pg_lake) > n
     old.send_signal(signal.SIGCONT)                          # wakes up with a buffer of rows it no longer owns
     time.sleep(8)
+    _ready(tmp_path, "new")
     for p in (old, new):
         p.send_signal(signal.SIGTERM)
         assert p.wait(60) == 0
