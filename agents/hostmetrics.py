@@ -8,7 +8,7 @@ this machine (no ``/sys/class/infiniband``, no ``npu-smi``, no NVIDIA driver) ra
 from :meth:`Plugin.setup`; the runner logs that once and leaves it alone, so an absent tool is a line
 in the log, never an error per second.
 
-The fields a plug-in returns are columns of the ``host/1`` row (DESIGN §4): ``cpu_util, cpu_iowait,
+The fields a plug-in returns are columns of the ``host/1`` row (docs/tables.md, ``host``): ``cpu_util, cpu_iowait,
 cpu_steal`` (percent of all CPUs), ``load1``, ``mem_used, mem_available`` (bytes),
 ``disk_read_bps, disk_write_bps, net_rx_bps, net_tx_bps`` (bytes/s), ``rdma_retrans`` (counter delta
 over the sample), ``top_procs`` (list of ``{pid, name, cpu_pct}``, cpu_pct in percent of one core)
@@ -80,28 +80,35 @@ def rate(prev: float | None, cur: float | None, dt: float) -> float | None:
     return (cur - prev) / dt
 
 
-def parse_pid_stat(data: bytes | str) -> tuple[int, bytes, int]:
-    """``/proc/<pid>/stat`` -> (pid, comm as bytes, utime + stime in clock ticks). The command name
-    may hold spaces and parentheses: it is everything between the first '(' and the last ')'. The
-    name stays bytes: only the top few are ever decoded."""
+def parse_pid_stat(data: bytes | str, start: bool = False) -> tuple:
+    """``/proc/<pid>/stat`` -> (pid, comm as bytes, utime + stime in clock ticks), with ``start`` also
+    the process's start time (clock ticks after boot, field 22). The command name may hold spaces and
+    parentheses: it is everything between the first '(' and the last ')'. The name stays bytes: only
+    the top few are ever decoded."""
     if isinstance(data, str):
         data = data.encode()
     lp, rp = data.index(b"("), data.rindex(b")")
-    rest = data[rp + 2:].split(None, 14)
-    # rest[0] is field 3 (state); utime and stime are fields 14 and 15
-    return int(data[:lp]), data[lp + 1:rp], int(rest[11]) + int(rest[12])
+    rest = data[rp + 2:].split(None, 20 if start else 14)
+    # rest[0] is field 3 (state); utime and stime are fields 14 and 15, starttime field 22
+    out = int(data[:lp]), data[lp + 1:rp], int(rest[11]) + int(rest[12])
+    return out + (int(rest[19]),) if start else out
 
 
-def top_procs(prev: dict[int, int], cur: dict[int, tuple[str | bytes, int]], dt: float, hz: float,
-              n: int = 5) -> list[dict]:
+def top_procs(prev: dict[int, int], cur: dict[int, tuple], dt: float, hz: float,
+              n: int = 5, born_after: float | None = None) -> list[dict]:
     """The ``n`` processes that used most CPU between two scans: ``{pid, name, cpu_pct}`` with cpu_pct
-    in percent of one core (as ``top`` shows it). Processes new in ``cur`` are left out (no baseline),
-    and so is a pid whose counter went down (the pid was reused)."""
+    in percent of one core (as ``top`` shows it). A process new in ``cur`` counts from 0 when its start
+    time (a third item of its ``cur`` entry, clock ticks after boot) is after ``born_after`` (the
+    previous scan, seconds after boot): it did not exist then, so a foreign process that starts between
+    two samples is in the very next one. Other new pids are left out (no baseline), and so is a pid
+    whose counter went down (the pid was reused)."""
     if dt <= 0 or hz <= 0:
         return []
     out = []
-    for pid, (name, ticks) in cur.items():
+    for pid, (name, ticks, *start) in cur.items():
         p = prev.get(pid)
+        if p is None and born_after is not None and start and start[0] / hz >= born_after:
+            p = 0
         if p is None or ticks < p:
             continue
         d = ticks - p
@@ -303,12 +310,21 @@ class TopProcsPlugin(Plugin):
         if not os.path.isdir(os.path.join(self.proc, "self")):
             raise Absent(f"{self.proc} is not a procfs")
         self.hz = float(os.sysconf("SC_CLK_TCK"))
-        self.prev = {pid: t for pid, (_, t) in self.scan().items()}
-        self.t_prev = time.monotonic()
+        self.prev = {pid: t for pid, (_, t, _) in self.scan().items()}
+        self.t_prev, self.up_prev = time.monotonic(), self.up_scan
 
-    def scan(self) -> dict[int, tuple[bytes, int]]:
-        """pid -> (comm, CPU ticks) of every process: one open/read/close per process, relative to an
-        open ``/proc`` (about 18 µs per process here, half of what ``open()`` costs)."""
+    def _uptime(self) -> float | None:
+        try:
+            with open(os.path.join(self.proc, "uptime"), "rb") as f:
+                return float(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def scan(self) -> dict[int, tuple[bytes, int, int]]:
+        """pid -> (comm, CPU ticks, start time in ticks after boot) of every process: one open/read/close
+        per process, relative to an open ``/proc`` (about 18 µs per process here, half of what ``open()``
+        costs). Notes the time after boot at which the scan began (``up_scan``)."""
+        self.up_scan = self._uptime()
         out = {}
         dfd = os.open(self.proc, os.O_RDONLY | os.O_DIRECTORY)
         try:
@@ -321,19 +337,20 @@ class TopProcsPlugin(Plugin):
                         data = os.read(fd, 4096)
                     finally:
                         os.close(fd)
-                    pid, comm, ticks = parse_pid_stat(data)
+                    pid, comm, ticks, start = parse_pid_stat(data, start=True)
                 except (OSError, ValueError, IndexError):
                     continue                  # the process exited, or a kernel we do not parse
-                out[pid] = (comm, ticks)
+                out[pid] = (comm, ticks, start)
         finally:
             os.close(dfd)
         return out
 
     def gather(self, now: float) -> dict:
+        born_after = self.up_prev             # processes started after the previous scan began count from 0
         cur, t = self.scan(), time.monotonic()
-        top = top_procs(self.prev, cur, t - self.t_prev, self.hz, self.n)
-        self.prev = {pid: ticks for pid, (_, ticks) in cur.items()}
-        self.t_prev = t
+        top = top_procs(self.prev, cur, t - self.t_prev, self.hz, self.n, born_after=born_after)
+        self.prev = {pid: ticks for pid, (_, ticks, _) in cur.items()}
+        self.t_prev, self.up_prev = t, self.up_scan
         return {"top_procs": top}
 
 

@@ -125,10 +125,16 @@ class StepBlock:
     def __len__(self) -> int:
         return len(self.steps)
 
+    def tail(self, k: int) -> "StepBlock":
+        """The block without its first ``k`` steps (views)."""
+        import dataclasses
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name)[k:] for f in dataclasses.fields(self)
+                                            if getattr(self, f.name) is not None})
+
 
 @dataclass
 class Alert:
-    """One alert (DESIGN §4 ``alerts`` columns). ``alert_id`` is stable for the same finding."""
+    """One alert (the ``alerts`` table's columns, docs/tables.md). ``alert_id`` is stable for the same finding."""
 
     job: str
     kind: str
@@ -145,6 +151,10 @@ class Alert:
     suggestion: str = ""
     alert_id: str = ""
     incident_id: str = ""        # the incident it belongs to (detectors/incidents.py); set by the processor
+    #: what its host evidence was read from (nodes, time span, the other evidence its cause was decided on):
+    #: the processor reads it again when the host samples covering the alert's steps arrive later
+    #: (stream/hostwait.py); not stored
+    host_query: dict | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         if not self.alert_id:

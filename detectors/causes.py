@@ -1,9 +1,9 @@
-"""Cause taxonomy (DESIGN §6) and phase-based attribution shared by the detectors.
+"""Cause taxonomy (docs/detectors.md, 'Cause taxonomy and remedies') and phase-based attribution shared by the detectors.
 
 The taxonomy is the field's: ``io`` (data wait), ``cpu`` (host-side gap: dispatch, contention,
 environment), ``gc`` (Python GC pauses), ``communication`` (collective time), ``computation``
 (accelerator time), ``parallelism`` (imbalance / poor overlap). :data:`SUGGESTIONS` holds the remedies
-of the DESIGN case table for each cause.
+of each cause (the case table of that docs section).
 
 Attribution works on *phase medians* in milliseconds. The phases are the step record's columns plus
 the derived host gap::
@@ -26,7 +26,7 @@ import numpy as np
 
 CAUSES: tuple[str, ...] = ("io", "cpu", "gc", "communication", "computation", "parallelism")
 
-#: Remedies per cause, from the DESIGN §6 case table (GC is the table's CPU row "GC" entry).
+#: Remedies per cause, from the case table of docs/detectors.md (GC is the table's CPU row "GC" entry).
 SUGGESTIONS: dict[str, str] = {
     "io": ("I/O bound: add I/O bandwidth or use local storage; more DataLoader workers; avoid "
            "compressed formats; no taskset binding; enable pin_memory and prefetch."),
@@ -153,7 +153,7 @@ def _num(x: float):
 # function returns a JSON-safe dict (empty when the window is missing or holds nothing in range), so an
 # alert carries the evidence its cause was decided on.
 
-#: remedies of the stall / hang kinds (no row of the DESIGN case table covers a silent rank)
+#: remedies of the stall / hang kinds (no row of the case table covers a silent rank)
 HANG_SUGGESTION = ("Hang: dump the stacks of the rank that stopped first (py-spy dump --pid, or the "
                    "framework's flight recorder / NCCL_DEBUG=INFO, TORCH_NCCL_ASYNC_ERROR_HANDLING=1); the "
                    "other ranks are blocked in a collective waiting for it. Check its node (dmesg, "
@@ -221,6 +221,19 @@ def host_evidence(ctx, nodes, t_lo: int, t_hi: int) -> dict:
     if measured:
         ev["cpu_wait_reported"] = True
     return ev
+
+
+def recheck_host(window, q: dict) -> tuple[dict, str, str]:
+    """A localised alert's host evidence and cause read again from the job's host ``window`` with the query
+    it was built with (:attr:`~stepwatch.detectors.base.Alert.host_query`: nodes, time span, phase cause,
+    GC / comm evidence, excess ms): the host samples that cover its steps may be read after it was built
+    (see :mod:`stepwatch.stream.hostwait`). Returns ``(host evidence, cause, reason)``."""
+    from types import SimpleNamespace
+    ctx = SimpleNamespace(host=window, info={"cpu_wait_reported": bool(q.get("measured"))})
+    host = host_evidence(ctx, q["nodes"], q["t_lo"], q["t_hi"])
+    cause, reason = decide(q["phase_cause"], host, q.get("gc"), q.get("comm"), q.get("excess_ms"),
+                           q.get("wait_rise_ms"))
+    return host, cause, reason
 
 
 def _seen(t, nodes) -> set | None:
@@ -377,15 +390,18 @@ def comm_evidence(ctx, ranks, step_lo: int, step_hi: int) -> dict:
 
 
 def decide(phase_cause: str, host: dict | None = None, gc: dict | None = None, comm: dict | None = None,
-           excess_ms: float | None = None) -> tuple[str, str]:
+           excess_ms: float | None = None, wait_rise_ms: float | None = None) -> tuple[str, str]:
     """Final cause from the phase comparison and the host / GC / comm evidence; returns
     ``(cause, reason)``.
 
     - a down-clocked or hot accelerator on the suspect node -> ``computation``;
     - else, when the ranks report their run-queue wait (``host["cpu_wait_reported"]``: the stepwatch
       probe), contention is measured, not guessed: the host gap (``cpu``, where that wait goes) names
-      ``cpu``, with the node's foreign process as the reason when there is one; a foreign process beside
-      any other phase changes nothing (the rank got its CPU);
+      ``cpu``, with the node's foreign process as the reason when there is one; so does a process *new*
+      on the node beside a rank whose run-queue wait rose too (``wait_rise_ms``, its host gap over its
+      peers', >= 1 ms and >= 10% of ``excess_ms``) whatever phase grew most (its helper threads' wait
+      for the CPU is its main thread's compute, and the probe reads the wait every few steps); a
+      foreign process beside any other phase, the wait unchanged, changes nothing (the rank got its CPU);
     - else a foreign process on the suspect node (:func:`host_evidence` ``foreign``) -> ``cpu``
       (contention slows dispatch and kernels launch late, so it can show as compute time too);
     - else GC records worth at least half the excess time per step -> ``gc`` (producers that send GC
@@ -402,6 +418,11 @@ def decide(phase_cause: str, host: dict | None = None, gc: dict | None = None, c
                                f"{acc.get('fleet_temp_c')} °C")
     fr = host.get("foreign") or []
     measured = bool(host.get("cpu_wait_reported"))
+    waited = (measured and wait_rise_ms is not None and excess_ms is not None and wait_rise_ms >= 1.0
+              and wait_rise_ms >= 0.1 * excess_ms and phase_cause in ("computation", "unknown", "parallelism"))
+    if waited and any(p.get("new") for p in fr):
+        fr = [p for p in fr if p.get("new")]
+        phase_cause = "cpu"
     if fr and (phase_cause == "cpu" or (not measured and phase_cause in ("computation", "io", "unknown",
                                                                          "parallelism"))):
         p = fr[0]

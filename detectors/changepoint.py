@@ -456,6 +456,9 @@ class ChangePoint(Detector):
         phase_min_effect=0.10  minimum relative change of a phase (against the lower of the two levels)
         phase_min_share=0.01   minimum change of a phase as a share of the median step time
         min_steps=40     steps the window must hold before a change is judged (a noise estimate needs them)
+        warmup=10        the job's first steps seen are left out of every series: allocator growth,
+                         autotuning, compilation, DDP's bucket rebuild and a DataLoader filling its queue
+                         make them no steady state (not a "before" to compare with)
     """
 
     name = "changepoint"
@@ -466,7 +469,8 @@ class ChangePoint(Detector):
                  min_t: float = 5.0, penalty_c: float = PENALTY_C, smooth: int = 5,
                  phase_sample: int = 256, critical_pct: float = 10.0, defer_stragglers: bool = True,
                  floor_share: float = 0.5, persist: float = 0.8, phases: bool = True,
-                 phase_min_effect: float = 0.10, phase_min_share: float = 0.01, min_steps: int = 40):
+                 phase_min_effect: float = 0.10, phase_min_share: float = 0.01, min_steps: int = 40,
+                 warmup: int = 10):
         if window < 4 * min_size or min_size < 2:
             raise ValueError("changepoint: need min_size >= 2 and window >= 4 * min_size")
         if every < 1 or phase_sample < 1:
@@ -480,6 +484,7 @@ class ChangePoint(Detector):
             raise ValueError("changepoint: persist must be in [0.5, 1]")
         self.persist, self.phases = float(persist), bool(phases)
         self.min_steps = int(min_steps)
+        self.warmup, self._seen = max(0, int(warmup)), 0
         self.phase_min_effect, self.phase_min_share = float(phase_min_effect), float(phase_min_share)
         W = self.window
         self._val = np.full(W, np.nan)                  # median step_ms per step
@@ -495,6 +500,12 @@ class ChangePoint(Detector):
         S = len(block)
         if S == 0 or block.step_ms.ndim != 2 or block.step_ms.shape[1] == 0:
             return []
+        if self._seen < self.warmup:                                             # the job's warm-up steps
+            skip = min(self.warmup - self._seen, S)
+            self._seen += skip
+            if skip == S:
+                return []
+            block, S = block.tail(skip), S - skip
         R = block.step_ms.shape[1]
         med = nanmedian(block.step_ms, axis=1)                                   # (S,) O(S*R)
         cols = np.arange(0, R, max(1, -(-R // self.phase_sample)))

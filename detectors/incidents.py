@@ -45,6 +45,12 @@ from dataclasses import dataclass, field
 
 #: causes a slow rank/node/group produces on the job as a whole (the others wait in collectives)
 CONSEQUENCE_CAUSES = {"communication", "computation", "unknown", "parallelism"}
+#: causes a straggler's job-wide consequence can never be attributed to (phases it does not move)
+OWN_CAUSES = {"io", "gc"}
+#: kinds that name a localised cause (a jitter alert naming its gating rank is a symptom of one)
+CAUSE_KINDS = {"slow_rank", "slow_node", "slow_group", "rank_stall", "node_stall", "comm_slow_link", "job_hang"}
+#: a job-wide step-time shift up to this multiple of a straggler's excess busy time is its consequence
+EXPLAINS = 1.5
 #: localised kinds whose incident can hold job-wide consequences
 LOCAL_KINDS = {"slow_rank", "slow_node", "slow_group", "rank_stall", "node_stall", "comm_slow_link", "jitter",
                "job_hang"}
@@ -52,6 +58,32 @@ LOCAL_KINDS = {"slow_rank", "slow_node", "slow_group", "rank_stall", "node_stall
 
 def incident_id(job: str, root_alert_id: str) -> str:
     return "inc-" + hashlib.sha1(f"{job}|{root_alert_id}".encode()).hexdigest()[:16]
+
+
+def _excess_ms(a) -> float | None:
+    """A localised alert's excess busy time per step over its peers (ms), from its evidence."""
+    ev = getattr(a, "evidence", None) or {}
+    b, p = ev.get("busy_ms"), ev.get("peer_median_ms")
+    return float(b) - float(p) if isinstance(b, (int, float)) and isinstance(p, (int, float)) else None
+
+
+def _shift_ms(a) -> float | None:
+    """A job-wide change's shift of the job's step time (ms), from its evidence."""
+    ev = getattr(a, "evidence", None) or {}
+    keys = ("median_before_ms", "median_after_ms") if ev.get("series") == "step_ms" else \
+        ("step_median_before_ms", "step_median_after_ms")
+    b, x = ev.get(keys[0]), ev.get(keys[1])
+    return float(x) - float(b) if isinstance(b, (int, float)) and isinstance(x, (int, float)) else None
+
+
+def explains(excess_ms: float | None, shift_ms: float | None, cause: str) -> bool:
+    """Whether a straggler of ``excess_ms`` per step explains a job-wide slowdown of ``shift_ms`` whatever
+    cause the job-wide change was given: in synchronous training every step waits for the slowest rank,
+    so the job's step time rises by about the straggler's excess (the phase that grew on the median rank,
+    and host evidence of the single node, say little then). Not for data wait or GC: a straggler does
+    not move them on the other ranks."""
+    return (cause not in OWN_CAUSES and excess_ms is not None and shift_ms is not None and excess_ms > 0
+            and 0 < shift_ms <= EXPLAINS * excess_ms)
 
 
 @dataclass
@@ -72,6 +104,10 @@ class Incident:
     members: int = 0
 
     local_ids: set = field(default_factory=set)   # its alerts that name ranks
+    named_by: str = ""                            # the alert whose kind and cause the incident reports
+    excess_ms: float | None = None                # localised: largest excess busy time per step of its alerts
+    shift_ms: float | None = None                 # job-wide: step-time shift of the alert that opened it
+
 
     @property
     def status(self) -> str:
@@ -113,17 +149,22 @@ class Incidents:
             for inc in newest:
                 if inc.local and inc.active_at(step, self.cooldown) and (
                         ranks & inc.ranks or (len(nodes) == 1 and nodes <= inc.nodes and len(inc.nodes) == 1)):
+                    if a.kind in CAUSE_KINDS and inc.kind not in CAUSE_KINDS:
+                        return inc, "cause"                  # the straggler behind a jitter on its rank
                     return inc, "refire" if inc.kind == a.kind else "consequence"
             for inc in newest:                               # the job-wide effect was seen first: its cause
                 if not inc.local and inc.status == "firing" and inc.active_at(step, self.cooldown) and \
                         abs(inc.step_first - step) <= self.lead and (
-                            inc.cause in CONSEQUENCE_CAUSES or inc.cause == a.cause):
+                            inc.cause in CONSEQUENCE_CAUSES or inc.cause == a.cause
+                            or (inc.kind == "regression" and explains(_excess_ms(a), inc.shift_ms, inc.cause))):
                     inc.local = True
                     return inc, "cause"
             return None, "root"
         for inc in newest:                                   # job-wide: a consequence of a local fault?
             if inc.local and inc.active_at(step, self.cooldown) and step >= inc.step_first - self.lead and (
-                    a.cause in CONSEQUENCE_CAUSES or a.cause == inc.cause):
+                    a.cause in CONSEQUENCE_CAUSES or a.cause == inc.cause or (
+                        a.kind == "regression" and abs(step - inc.step_first) <= self.lead
+                        and explains(inc.excess_ms, _shift_ms(a), a.cause))):
                 return inc, "consequence"
         for inc in newest:                                   # the same job-wide change
             if inc.local:
@@ -141,15 +182,28 @@ class Incidents:
             inc = Incident(id=incident_id(a.job, a.alert_id), job=a.job, root=a.alert_id, kind=a.kind,
                            cause=a.cause, local=bool(a.ranks), step_first=int(a.step_first),
                            step_last=int(a.step_detected))
+            inc.named_by, inc.shift_ms = a.alert_id, _shift_ms(a)
             self.incidents[inc.id] = inc
             self._bound()
         if role == "cause":                                  # the localised cause names the incident
-            inc.kind, inc.cause = a.kind, a.cause
+            inc.kind, inc.cause, inc.named_by = a.kind, a.cause, a.alert_id
         self._add(inc, a)
         a.incident_id = inc.id
         a.evidence = dict(a.evidence)                        # resolved alerts share the firing one's dict
         a.evidence["incident"] = self.summary(inc, role)
         return inc
+
+    def refresh(self, a) -> None:
+        """Alert ``a`` was decided again in place (its host evidence came after it was emitted,
+        stream/hostwait.py): its incident takes the new cause when ``a`` names it, and ``a``'s incident
+        summary is stamped again (no new timeline event: the same alert, the same status)."""
+        inc = self.incidents.get(self.by_alert.get(a.alert_id, ""))
+        if inc is None:
+            return
+        if inc.named_by == a.alert_id:
+            inc.cause = a.cause
+        a.evidence = dict(a.evidence)
+        a.evidence["incident"] = self.summary(inc, (a.evidence.get("incident") or {}).get("role", "update"))
 
     def _add(self, inc: Incident, a) -> None:
         if a.alert_id not in self.by_alert:
@@ -157,6 +211,9 @@ class Incidents:
         self.by_alert[a.alert_id] = inc.id
         if a.ranks:
             inc.local_ids.add(a.alert_id)
+            x = _excess_ms(a)
+            if x is not None and (inc.excess_ms is None or x > inc.excess_ms):
+                inc.excess_ms = x
         inc.ranks |= set(int(r) for r in a.ranks)
         inc.nodes |= set(str(n) for n in a.nodes)
         inc.step_first = min(inc.step_first, int(a.step_first))
@@ -200,7 +257,7 @@ class Incidents:
             if inc is None:
                 inc = Incident(id=iid, job=g("job"), root=g("alert_id"), kind=g("kind"), cause=g("cause") or "unknown",
                                local=bool(ranks), step_first=int(g("step_first") or 0),
-                               step_last=int(g("step_detected") or 0))
+                               step_last=int(g("step_detected") or 0), named_by=g("alert_id"))
                 self.incidents[iid] = inc
 
             class _A:                                        # the fields _add reads

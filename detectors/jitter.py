@@ -64,13 +64,15 @@ class Jitter(Detector):
         min_every=5            shortest checkpoint period (steps) recognised
         alarm_checkpoints=False  count checkpoint steps as slow steps
         history=256            steps kept for evidence and the long-run ratio
+        warmup=20              the job's first steps seen are not judged nor a baseline: allocator growth,
+                               autotuning, compilation and DDP's bucket rebuild make them no steady state
     """
 
     name = "jitter"
 
     def __init__(self, *, threshold: float = 1.1, window: int = 20, ratio: float = 0.2, clear_window: int = 40,
                  baseline: int = 21, spike: float = 1.3, min_periods: int = 4, min_every: int = 5,
-                 alarm_checkpoints: bool = False, history: int = 256):
+                 alarm_checkpoints: bool = False, history: int = 256, warmup: int = 20):
         if threshold <= 1 or not 0 < ratio <= 1 or window < 2 or baseline < 3 or min_periods < 2:
             raise ValueError("jitter: need threshold > 1, 0 < ratio <= 1, window >= 2, baseline >= 3, "
                              "min_periods >= 2")
@@ -80,6 +82,7 @@ class Jitter(Detector):
         self.clear_window, self.baseline, self.spike = int(clear_window), int(baseline), float(spike)
         self.min_periods, self.alarm_checkpoints, self.history = int(min_periods), bool(alarm_checkpoints), int(history)
         self.min_every = max(2, int(min_every))
+        self.warmup, self._seen = max(0, int(warmup)), 0
         H = self.history
         self._n = 0
         self._step = np.full(H, -1, dtype=np.int64)
@@ -116,6 +119,13 @@ class Jitter(Detector):
         S = len(block)
         if S == 0 or block.step_ms.ndim != 2 or block.step_ms.shape[1] == 0:
             return []
+        if self._seen < self.warmup:                  # the job's warm-up steps
+            skip = min(self.warmup - self._seen, S)
+            self._seen += skip
+            if skip == S:
+                return []
+            block = block.tail(skip)
+            S = len(block)
         R = block.step_ms.shape[1]
         cols = np.arange(0, R, max(1, -(-R // 256)))
         v = nanmedian(block.step_ms[:, cols], axis=1)                              # (S,)

@@ -561,6 +561,8 @@ class SlowRank(Detector):
             busy = float(nanmedian(w["busy"][ev_rows]))
             eff = float(nanmedian(w["eff"][ev_rows]))
             zz = float(nanmedian(w["z"][ev_rows]))
+        if np.isfinite(eff) and eff <= 0:   # over its evidence steps no slower than its peers: no straggler
+            return None                     # (a 2-rank stage's healthy rank, judged against the offset it took)
         peer_med = busy / (1.0 + eff) if np.isfinite(eff) and eff > -1 else float("nan")
         peers_by_slot = win.stage_phases(s, int(self._group_of[r]), M)
         peers = {ph: float(nanmedian(peers_by_slot[ph][ev_rows])) for ph in PHASES}
@@ -578,7 +580,8 @@ class SlowRank(Detector):
         gce = gc_evidence(ctx, M, t_lo, t_hi, steps=len(run))
         comm = comm_evidence(ctx, M, int(w["steps"][ev_rows[0]]), step)
         excess_ms = busy - peer_med if np.isfinite(peer_med) else None
-        cause, reason = decide(phase_cause, host, gce, comm, excess_ms)
+        wait_rise = ph_ev["phases"].get("host_gap_ms", {}).get("delta")
+        cause, reason = decide(phase_cause, host, gce, comm, excess_ms, wait_rise)
         evidence = {
             "busy_ms": _r(busy), "peer_median_ms": _r(peer_med), "effect_pct": _r(eff * 100.0, 2),
             "z": _r(zz, 2), "flagged": f"{int(np.count_nonzero(mine))}/{self.n}",
@@ -601,6 +604,10 @@ class SlowRank(Detector):
                   step_detected=step, t_detected=t_end, ranks=M, nodes=[ctx.node_of(x) for x in M],
                   cause=cause, severity="critical" if cost > self.critical_pct else "warning",
                   evidence=evidence, cost_pct=round(cost, 3), suggestion=SUGGESTIONS[cause])
+        a.host_query = {"nodes": node_names, "t_lo": min(t_lo, t_hi - _HOST_SPAN_NS), "t_hi": t_hi + _HOST_SPAN_NS,
+                        "t_end": t_end, "phase_cause": phase_cause, "gc": gce, "comm": comm, "excess_ms": excess_ms,
+                        "wait_rise_ms": wait_rise,
+                        "measured": bool((getattr(ctx, "info", None) or {}).get("cpu_wait_reported"))}
         key = (scope, sid if scope != "rank" else r, step_first)
         grp = None
         if scope == "group":

@@ -39,21 +39,11 @@ import pyarrow.compute as pc
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
 from stepwatch import schema as wire
+from stepwatch.catalog import SORT_COLUMNS, TABLES, TIME_COLUMN  # noqa: F401 - the one table catalog
 from stepwatch.storage.lake import Lake, lake_of, lit
 
 log = logging.getLogger("stepwatch.store")
 
-#: The event-time column that gives each table's date partition and sort order.
-TIME_COLUMN = {"rank_minutes": "minute", "steps": "t_end", "host": "t", "gc": "t", "alerts": "t_detected",
-               "deadletter": "t_received", "topology": "_received", "comm": "_received", "efficiency": "t_end",
-               "comm_bw": "t_end", "profiles": "_received", "profile_diffs": "t",
-               "inflight": "t"}
-SORT_COLUMNS = {"rank_minutes": ["minute", "rank"], "steps": ["step", "rank"], "host": ["node", "t"], "gc": ["t"],
-                "comm": ["step", "rank"], "topology": ["rank"], "alerts": ["t_detected"], "deadletter": ["t_received"],
-                "efficiency": ["step"], "comm_bw": ["step_hi", "op", "group"], "profiles": ["cmd_id", "rank"],
-                "profile_diffs": ["cmd_id", "position"], "inflight": ["t", "rank"]}
-TABLES = ("steps", "topology", "host", "gc", "comm", "alerts", "deadletter", "rank_minutes", "efficiency", "comm_bw",
-          "profiles", "profile_diffs", "inflight")
 OFFSETS = "kafka_offsets"
 OFFSETS_DDL = (f"CREATE TABLE IF NOT EXISTS lake.{OFFSETS} (cluster VARCHAR, topic VARCHAR, \"partition\" INTEGER, "
                "next BIGINT, done VARCHAR, generation BIGINT, member VARCHAR, group_id VARCHAR, committed_at TIMESTAMPTZ)")

@@ -33,10 +33,13 @@ from stepwatch import schema as wire
 from stepwatch.detectors.base import Alert, Detector, JobContext, StepBlock
 from stepwatch.detectors.context import JobTelemetry
 from stepwatch.detectors.incidents import Incidents
+from stepwatch import catalog
 from stepwatch.storage.store import Fenced, Marker, ParquetStore
 from stepwatch.storage.views import connect as views_connect
-from stepwatch.stream import fencing, ingress
+from stepwatch.stream import fencing, ingress, stepaxis
 from stepwatch.stream.align import JobState
+from stepwatch.stream.hostwait import HostWait
+from stepwatch.stream.stepaxis import JobAxis
 from stepwatch.stream.ingress import IngressLimits
 from stepwatch.stream.jobmetrics import JobMetrics
 from stepwatch.stream.kafkaio import KafkaSettings, ensure_topics, make_consumer, make_producer
@@ -44,7 +47,7 @@ from stepwatch.stream.metrics import ProcessorMetrics
 
 log = logging.getLogger("stepwatch.processor")
 
-INPUT_TOPICS = ("topology", "steps", "host", "gc", "comm", "profiles", "inflight")
+INPUT_TOPICS = catalog.INPUT_TOPICS
 
 
 def _build_detectors(settings, job: str | None = None):
@@ -64,6 +67,9 @@ class JobRuntime:
     steps_partition: int | None = None                # partition the job's step rows arrive on
     pending: list = field(default_factory=list)       # closed steps held until the topology is read
     incidents: Incidents = field(default_factory=Incidents)   # alerts grouped per fault
+    hostwait: HostWait = field(default_factory=HostWait)      # alert rows waiting for their host samples
+    host_partition: int | None = None                 # partition the job's host rows arrive on
+    axis: JobAxis = field(default_factory=JobAxis)    # where its ranks are (stream.stepaxis)
 
 
 @dataclass
@@ -186,6 +192,8 @@ class Processor:
 
     def close(self) -> None:
         try:
+            for rt in self.jobs.values():
+                self._host_settled(rt, force=True)
             self._flush()
         finally:
             if self.consumer is not None:
@@ -244,6 +252,8 @@ class Processor:
         if self.buffered_rows >= self.max_buffer_rows or now - self.last_flush >= self.flush_interval_s:
             self._close_idle_jobs()
             self._evict_jobs()
+            for rt in self.jobs.values():
+                self._host_settled(rt)
             self._flush()
             self._update_lag()
         return n
@@ -292,7 +302,7 @@ class Processor:
         self._dl.total_rows = d.table.num_rows + len(d.rejected)
         if d.rejected:
             self._deadletter(msg, None, d.rejected, d.rejected_rows)
-        checks = ingress.row_bounds(kind, d.table, lim, time.time_ns())
+        checks = ingress.row_bounds(kind, d.table, lim, time.time_ns(), stepaxis.time_base(self.jobs, d.table, lim))
         if checks:
             table, reasons, nbad = ingress.split(d.table, checks)
             self.metrics.rows_rejected.labels(kind).inc(nbad)
@@ -307,7 +317,9 @@ class Processor:
             for job in pc.unique(t.column("job")).to_pylist():
                 part = t.filter(pc.equal(t.column("job"), job))
                 rt = self._job(job)
+                w0 = rt.state.world_size
                 rt.state.set_topology(part)
+                stepaxis.check_budget(self, rt, w0)
                 if rt.pending:                              # steps held for it: detect them now
                     self._detect(rt, [])
             self._buffer("topology", t)
@@ -323,17 +335,13 @@ class Processor:
         for job in jobs.to_pylist():
             part = t if len(jobs) == 1 else t.filter(pc.equal(t.column("job"), job))
             rt = self._job(job)
-            jump = ingress.step_jump_mask(part.column("step").to_numpy(), rt.state.max_step, self.limits)
-            if jump is not None:
-                self._dl.add(f"field 'step': more than max_step_jump={self.limits.max_step_jump:,} steps ahead "
-                             f"of job {job!r}'s newest step", n=int(jump.sum()), keep=self.limits.deadletter_reasons)
-                self.metrics.rows_rejected.labels(kind).inc(int(jump.sum()))
-                part = part.filter(pa.array(~jump))
-                if not part.num_rows:
-                    continue
-            t0 = time.perf_counter()
+            part = stepaxis.admit_steps(self, rt, job, part)    # bounds to where the job's ranks are
+            if not part.num_rows:
+                continue
+            t0, w0 = time.perf_counter(), rt.state.world_size
             res, blocks = rt.state.ingest(part)
             self.metrics.align_seconds.observe(time.perf_counter() - t0)
+            stepaxis.check_budget(self, rt, w0)
             if res.duplicates:
                 self.metrics.dropped.labels("duplicate").inc(res.duplicates)
             if len(res.bad_rank):
@@ -349,6 +357,7 @@ class Processor:
             rt.steps_partition = getattr(msg, "partition", None)
             self._detect(rt, blocks)
             self._tick(rt)
+            self._host_settled(rt)
 
     def _context(self, kind: str, t: pa.Table) -> None:
         """Keep host/gc/comm rows in their job's bounded windows (detector evidence); host samples
@@ -359,7 +368,9 @@ class Processor:
             rt = self._job(job)
             rt.telemetry.add(kind, part)
             if kind == "host":
+                rt.host_partition = self._src[1] if self._src else rt.host_partition
                 self._tick(rt)
+                self._host_settled(rt)
 
     def _ctx(self, rt: JobRuntime) -> JobContext:
         ctx = rt.state.context()
@@ -423,6 +434,22 @@ class Processor:
             return pos >= max(hit[1], self.consumer.highwater(tp) or 0)
         except Exception:  # noqa: BLE001 - unknown (e.g. the partition is not ours): no proof
             return False
+
+    def _host_caught_up(self, rt: JobRuntime) -> bool:
+        """Whether the job's host partition (or, before its first host row, every host partition this
+        processor reads) is read to its end (stream/hostwait.py). Without a consumer: yes."""
+        topic = self.kafka.topic("host")
+        if self.caught_up_hook is not None:
+            return bool(self.caught_up_hook(topic, rt.host_partition))
+        if self.consumer is None:
+            return True
+        if rt.host_partition is not None:
+            return self._tp_caught_up(topic, rt.host_partition)
+        try:
+            parts = [tp.partition for tp in self.consumer.assignment() if tp.topic == topic]
+        except Exception:  # noqa: BLE001
+            return False
+        return bool(parts) and all(self._tp_caught_up(topic, p) for p in parts)
 
     def _tick(self, rt: JobRuntime) -> None:
         """Tell the detectors the job's event time (newest step end or host sample) moved."""
@@ -524,6 +551,10 @@ class Processor:
                                headers=h)
 
     # ------------------------------------------------------------------ jobs and detectors
+    def new_detectors(self, job: str) -> list[Detector]:
+        """A fresh set of the job's detectors (stream.stepaxis uses it when it re-anchors a job)."""
+        return _build_detectors(self.detector_settings, job)
+
     def _job(self, job: str) -> JobRuntime:
         self.job_seen[job] = time.monotonic()
         rt = self.jobs.get(job)
@@ -562,7 +593,9 @@ class Processor:
         if over <= 0 and len(self.jobs) > 1:
             size = sum(rt.state.state_bytes() for rt in self.jobs.values())
         if over > 0 or size > lim.max_state_bytes:
-            rest = sorted((j for j in self.jobs if j not in set(idle)), key=lambda j: self.job_seen.get(j, 0))
+            # sparse rings first (a row at a high rank of a made-up job), then the least recently active
+            rest = sorted((j for j in self.jobs if j not in set(idle)),
+                          key=lambda j: (not stepaxis.sparse(self.jobs[j]), self.job_seen.get(j, 0)))
             k = max(over, 0)
             extra = rest[:k]
             if size > lim.max_state_bytes:
@@ -579,6 +612,7 @@ class Processor:
             try:
                 if rt.state.open_steps():
                     self._detect(rt, rt.state.close_ready(force=True))
+                self._host_settled(rt, force=True)
             except Exception:  # noqa: BLE001 - eviction never stops the processor
                 log.exception("closing evicted job %s", j)
             self.metrics.jobs_evicted.inc()
@@ -603,11 +637,13 @@ class Processor:
                 from stepwatch.stream.alertfanout import open_alerts
                 for a in open_alerts(con, job):
                     self.on_alert_restored(a)
-            top = con.execute("SELECT max(step) FROM steps WHERE job = ?", [job]).fetchall()[0][0]
+            # the job's position: where its ranks' newest steps are (stream.stepaxis; one bad row cannot place it)
+            top = con.execute("SELECT quantile_disc(m, 0.75) FROM (SELECT max(step) AS m FROM steps WHERE job = ? "
+                              "GROUP BY rank)", [job]).fetchall()[0][0]
             if top is not None:
                 lo = int(top) - self.replay_steps + 1
-                hist = con.sql("SELECT * FROM steps WHERE job = ? AND step >= ? ORDER BY step, rank",
-                               params=[job, lo]).to_arrow_table()
+                hist = con.sql("SELECT * FROM steps WHERE job = ? AND step BETWEEN ? AND ? ORDER BY step, rank",
+                               params=[job, lo, int(top) + self.window_steps // 2]).to_arrow_table()
                 if hist.num_rows:
                     self._rebuild_context(con, rt, hist)
                     hist = wire.conform(hist.drop_columns([c for c in ("date",) if c in hist.column_names]),
@@ -696,7 +732,13 @@ class Processor:
         if self.job_metrics is not None:
             self.job_metrics.on_alert(a)
         row = pa.Table.from_pylist([a.row()], schema=wire.ALERTS)
-        self._buffer("alerts", row)
+        if rt.replaying or not rt.hostwait.hold(a, rt.telemetry):
+            self._buffer("alerts", row)                      # else when its host samples came (_host_settled)
+        self._notify(a, row)
+        if self.profiling is not None and a.status == "firing" and not rt.replaying:
+            self._profile_alert(rt, a)
+
+    def _notify(self, a: Alert, row: pa.Table) -> None:
         if self.producer is not None:
             self.producer.send(self.kafka.topic("alerts"), wire.encode_arrow(row), key=a.job.encode(),
                                headers=[("content-type", wire.ARROW_CT.encode()), ("schema", b"alerts/1")])
@@ -704,8 +746,20 @@ class Processor:
             self.on_alert(a)
         else:
             log.warning("%s", a.line())
-        if self.profiling is not None and a.status == "firing" and not rt.replaying:
-            self._profile_alert(rt, a)
+
+    def _host_settled(self, rt: JobRuntime, force: bool = False) -> None:
+        """Alerts whose row waited for the host samples of their steps (stream/hostwait.py): decided again,
+        stored, and sent again (same alert id) when their cause or foreign process changed."""
+        if not len(rt.hostwait):
+            return
+        for a, changed in rt.hostwait.due(rt.telemetry, rt.state.max_t_end, force=force,
+                                          caught_up=self._host_caught_up(rt)):
+            if changed:
+                rt.incidents.refresh(a)
+            row = pa.Table.from_pylist([a.row()], schema=wire.ALERTS)
+            self._buffer("alerts", row)
+            if changed:
+                self._notify(a, row)
 
     # ------------------------------------------------------------------ targeted profiling (stream.profiling)
     def _profile_alert(self, rt: JobRuntime, a: Alert) -> None:

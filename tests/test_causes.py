@@ -123,4 +123,12 @@ def test_measured_run_queue_wait_decides_contention_and_the_new_process_comes_fi
     cause, why = decide("cpu", ev)
     assert cause == "cpu" and "cpu-hog (pid 999)" in why and "waiting for a CPU" in why and "new there" in why
     assert decide("computation", ev) == ("computation", "phase breakdown")    # it got its CPU: not contention
+    # compute grew most, but the rank's run-queue wait rose too while a process new on its node ran: its
+    # helper threads waited for the CPU as well (the main thread's compute), contention all the same
+    cause, why = decide("computation", ev, excess_ms=14.0, wait_rise_ms=2.0)
+    assert cause == "cpu" and "cpu-hog (pid 999)" in why
+    assert decide("computation", ev, excess_ms=14.0, wait_rise_ms=0.5)[0] == "computation"   # wait unchanged
+    assert decide("computation", ev, excess_ms=40.0, wait_rise_ms=2.0)[0] == "computation"   # < 10% of it
+    old = dict(ev, foreign=[p for p in ev["foreign"] if not p["new"]])       # only the job's own processes
+    assert decide("computation", old, excess_ms=14.0, wait_rise_ms=2.0)[0] == "computation"
     assert decide("cpu", {"cpu_wait_reported": True, "foreign": []})[0] == "cpu"

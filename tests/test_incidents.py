@@ -91,3 +91,55 @@ def test_the_incident_id_survives_a_processor_restart(tmp_path):
     con.close()
     assert rows == [("slow_rank", "firing", s.incident_id), ("regression", "firing", s.incident_id),
                     ("slow_rank", "resolved", s.incident_id)]
+
+
+def test_a_job_slowdown_a_straggler_explains_is_its_consequence_whatever_cause_it_was_given():
+    """In synchronous training the job's step time rises by about a straggler's excess busy time; the
+    job-wide change's own cause (the median rank's phases, the single node's host samples) says little
+    then. Explained by magnitude and coinciding with the straggler's onset, it joins the straggler's
+    incident, before or after it; a slowdown far larger than the excess, or a data-wait one, stays apart."""
+    def strag(step_first, step, busy=60.0, peer=45.0, cause="computation"):
+        a = al("slow_rank", ranks=[1], step_first=step_first, step=step, cause=cause, node="node-a")
+        a.evidence = {"busy_ms": busy, "peer_median_ms": peer}
+        return a
+
+    def reg(step_first, step, before, after, cause="cpu", series="step_ms"):
+        a = al("regression", step_first=step_first, step=step, cause=cause)
+        a.evidence = {"series": series, "median_before_ms": before, "median_after_ms": after} if series == "step_ms" \
+            else {"series": series, "step_median_before_ms": before, "step_median_after_ms": after}
+        return a
+
+    inc = Incidents()
+    s, r = strag(100, 104), reg(100, 105, 48.0, 59.0)            # +11 ms of a 15 ms straggler
+    inc.assign(s)
+    inc.assign(r)
+    assert r.incident_id == s.incident_id and r.evidence["incident"]["role"] == "consequence"
+    p = reg(101, 110, 47.0, 56.0, series="host_gap_ms")          # a phase change: its step-time shift counts
+    inc.assign(p)
+    assert p.incident_id == s.incident_id
+    inc = Incidents()                                            # the job-wide change seen first
+    r, s = reg(99, 105, 46.0, 63.0), strag(102, 106, busy=60.0, peer=42.0, cause="cpu")
+    inc.assign(r)
+    inc.assign(s)
+    assert s.incident_id == r.incident_id and s.evidence["incident"]["role"] == "cause"
+    assert s.evidence["incident"]["kind"] == "slow_rank" and s.evidence["incident"]["cause"] == "cpu"
+    inc = Incidents()
+    s, big, io = strag(100, 104), reg(100, 105, 48.0, 90.0), reg(101, 106, 48.0, 55.0, cause="io")
+    for a in (s, big, io):
+        inc.assign(a)
+    assert len({s.incident_id, big.incident_id, io.incident_id}) == 3
+    inc = Incidents()                                            # long before the straggler: another change
+    early, s = reg(40, 50, 48.0, 55.0), strag(100, 104)
+    inc.assign(early)
+    inc.assign(s)
+    assert early.incident_id != s.incident_id
+
+
+def test_a_straggler_names_the_incident_of_the_jitter_on_its_rank():
+    inc = Incidents()
+    j = al("jitter", ranks=[1], step_first=90, step=107, node="node-a")
+    s = al("slow_rank", ranks=[1], step_first=106, step=112, cause="cpu", node="node-a")
+    inc.assign(j)
+    inc.assign(s)
+    assert s.incident_id == j.incident_id and s.evidence["incident"]["role"] == "cause"
+    assert (s.evidence["incident"]["kind"], s.evidence["incident"]["cause"]) == ("slow_rank", "cpu")

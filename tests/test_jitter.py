@@ -145,3 +145,18 @@ def test_block_sizes_give_the_same_alerts():
     arr, _ = job(220, seed=10, gc_pause=(60, 0.35, 25.0), ckpt_every=25)
     rows = [[a.row() for a in feed(Jitter(), arr, size=n)] for n in (1, 7, 220)]
     assert rows[0] == rows[1] == rows[2] and rows[0]
+
+
+def test_the_warm_up_steps_are_neither_judged_nor_a_baseline():
+    """A job's first steps (allocator growth, autotuning, compilation, DDP's bucket rebuild) jitter by
+    nature: slow steps among the first 20 make no alert, the same slow steps after them do."""
+    for start, fires in ((0, False), (25, True)):
+        arr, _ = job(120, seed=7)
+        slow = np.arange(start + 1, start + 20, 3)           # 7 slow steps in 20, +30%
+        arr["step_ms"][slow] *= 1.3
+        arr["compute_ms"][slow] += 0.3 * arr["step_ms"][slow] / 1.3
+        fired = firing(feed(Jitter(), arr, size=7))
+        assert bool(fired) is fires, (start, [(a.step_first, a.step_detected) for a in fired])
+    arr, _ = job(120, seed=7)
+    arr["step_ms"][np.arange(1, 20, 3)] *= 1.3
+    assert firing(feed(Jitter(warmup=0), arr, size=7))    # without the warm-up: an alert on the job's start

@@ -180,3 +180,13 @@ def test_two_rank_job_on_shared_cores_does_not_flap(seed):
 def test_persist_setting_is_validated():
     with pytest.raises(ValueError):
         ChangePoint(persist=0.3)
+
+
+def test_the_warm_up_steps_are_no_before_to_compare_with():
+    """A DataLoader filling its queue makes the first steps' data wait 5x: with the job's first 10 steps left
+    out, no recovery is reported; judged from step 0, one is."""
+    data = np.full(200, 5.0)
+    data[:8] = 25.0
+    kinds = lambda det: [(a.kind, a.evidence["series"]) for a in feed(det, job(200, seed=3, data=data))]  # noqa: E731
+    assert kinds(ChangePoint()) == []
+    assert [k for k, _ in kinds(ChangePoint(warmup=0))] == ["recovery"]     # led by the step time it moved
