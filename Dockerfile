@@ -6,7 +6,10 @@
 # Runs as the unprivileged user 10001 (the chart's runAsUser). The image also carries py-spy (the
 # agent never runs it: the probe in a training image with stepwatch[profiling] does, see
 # docs/profiling.md) and nvidia-ml-py (NVML, for GPU metrics when the NVIDIA container runtime
-# injects the driver).
+# injects the driver). DuckDB's lake extensions (ducklake, sqlite, postgres, httpfs: the signed binaries
+# of the duckdb-ext-* packages pip installs, for this image's platform) are also copied flat into
+# /opt/stepwatch/duckdb-extensions; the Grafana pod copies them from there with an init container
+# (docs/helm.md, "Grafana"), so the datasource names no platform.
 
 FROM python:3.11-slim AS build
 # a C compiler for the probe's hot path (agents/probe/_probefast.c); the runtime stage does not carry it
@@ -21,7 +24,8 @@ COPY storage/ storage/
 COPY dashboards/ dashboards/
 RUN python -m venv /opt/stepwatch \
  && /opt/stepwatch/bin/pip install --no-cache-dir --upgrade pip \
- && /opt/stepwatch/bin/pip install --no-cache-dir ".[all]" py-spy nvidia-ml-py
+ && /opt/stepwatch/bin/pip install --no-cache-dir ".[all]" py-spy nvidia-ml-py \
+ && /opt/stepwatch/bin/python -m stepwatch.storage.extensions copy /opt/stepwatch/duckdb-extensions
 
 FROM python:3.11-slim
 ENV PATH=/opt/stepwatch/bin:$PATH \

@@ -1,10 +1,19 @@
 """The Grafana datasource stepwatch's dashboards and alert rules read from.
 
 One DuckDB datasource of the ``motherduck-duckdb-datasource`` plugin, in memory (``jsonData.path``
-empty), whose ``initSql`` is :func:`stepwatch.storage.views.view_sql` over the Parquet root *as
-Grafana sees it* (the path inside the Grafana container or host, which may differ from the
-processor's). The plugin runs ``initSql`` when it opens its in-memory database, so every panel sees
-the same views as ``stepwatch sql``. The views read Parquet only; nothing holds a DuckDB file open.
+empty), whose ``initSql`` is :func:`stepwatch.storage.views.view_sql` over the lake *as Grafana sees
+it* (paths inside the Grafana container, which may differ from the processor's), locked down:
+
+1. load the extensions from ``ext_dir`` (in the chart: copied from the stepwatch image by an init
+   container into ``/var/lib/stepwatch/duckdb-extensions``);
+2. ``allowed_directories`` = the lake's data path, ``allowed_paths`` = its SQLite catalog,
+   ``enable_external_access = false``, extension auto-install/auto-load off, ``lock_configuration = true``;
+3. only then attach the lake READ_ONLY and define the views.
+
+So a Grafana editor's SQL sees the same views as ``stepwatch sql`` and nothing else: no other file
+read or written (``read_text('/etc/passwd')`` fails), no extension loaded, no setting undone. With
+data on S3 the secret's keys are ``${AWS_ACCESS_KEY_ID}`` / ``${AWS_SECRET_ACCESS_KEY}``, which
+Grafana expands from its environment when it reads a provisioning file.
 
 Two ways to install it, with the same content: :func:`datasource_model` is the body for
 ``POST /api/datasources`` / ``PUT /api/datasources/uid/{uid}`` (see :mod:`.grafana`), and
@@ -13,11 +22,16 @@ or a ConfigMap picked up by the Grafana Helm chart's sidecar).
 """
 from __future__ import annotations
 
+import os
 from pathlib import PurePosixPath
 
+from stepwatch.storage.lake import S3, Lake
 from stepwatch.storage.views import view_sql
 
 from . import yamlout
+
+#: where the Grafana pod finds the DuckDB extensions (``<dir>/v<version>/<platform>/*.duckdb_extension``)
+GRAFANA_EXT_DIR = os.environ.get("STEPWATCH_GRAFANA_EXTENSIONS", "/var/lib/stepwatch/duckdb-extensions")
 
 PLUGIN_ID = "motherduck-duckdb-datasource"
 DATASOURCE_UID = "stepwatch-duckdb"
@@ -25,16 +39,31 @@ DATASOURCE_NAME = "stepwatch"
 DS_REF = {"type": PLUGIN_ID, "uid": DATASOURCE_UID}
 
 
-def init_sql(data_root: str) -> str:
-    """The datasource's initSql: the view definitions over ``data_root`` (as Grafana sees it)."""
+def grafana_lake(data_root: str, catalog: str | None = None, data_path: str | None = None) -> Lake:
+    """The lake as Grafana sees it: by default the embedded layout under ``data_root`` (SQLite
+    catalog ``lake.sqlite``, data ``lake/``); ``catalog`` (``postgres:...``, best a read-only role)
+    and ``data_path`` (``s3://...`` or a mount) for the other set-ups (defaults:
+    ``$STEPWATCH_GRAFANA_LAKE_CATALOG``, ``$STEPWATCH_GRAFANA_LAKE_DATA_PATH``)."""
     root = str(data_root)
     if not PurePosixPath(root).is_absolute():
         raise ValueError(f"data root {root!r} must be an absolute path as seen by Grafana "
                          "(e.g. /var/lib/stepwatch/data)")
-    return view_sql(root)
+    base = Lake.from_dir(root, env={})
+    catalog = catalog or os.environ.get("STEPWATCH_GRAFANA_LAKE_CATALOG")      # (the chart's provision Job)
+    dp = data_path or os.environ.get("STEPWATCH_GRAFANA_LAKE_DATA_PATH") or base.data_path
+    s3 = S3.from_env({k: v for k, v in os.environ.items() if k.startswith("STEPWATCH_S3_")}) \
+        if dp.startswith("s3://") else None
+    return Lake.make(catalog or base.catalog, dp, s3)
 
 
-def datasource_model(data_root: str, *, uid: str = DATASOURCE_UID, name: str = DATASOURCE_NAME) -> dict:
+def init_sql(data_root: str, *, catalog: str | None = None, data_path: str | None = None,
+             ext_dir: str | None = GRAFANA_EXT_DIR) -> str:
+    """The datasource's initSql: lockdown, then the view definitions over the lake (as Grafana sees it)."""
+    return view_sql(grafana_lake(data_root, catalog, data_path), ext_dir=ext_dir, lockdown=True,
+                    s3_keys_from_env=True)
+
+
+def datasource_model(data_root: str, *, uid: str = DATASOURCE_UID, name: str = DATASOURCE_NAME, **lake) -> dict:
     """The datasource as the HTTP API takes it (``AddDataSourceCommand``)."""
     return {
         "uid": uid,
@@ -43,13 +72,13 @@ def datasource_model(data_root: str, *, uid: str = DATASOURCE_UID, name: str = D
         "access": "proxy",
         "url": "",
         "isDefault": False,
-        "jsonData": {"path": "", "initSql": init_sql(data_root)},
+        "jsonData": {"path": "", "initSql": init_sql(data_root, **lake)},
     }
 
 
 def provisioning_doc(data_root: str, *, uid: str = DATASOURCE_UID, name: str = DATASOURCE_NAME,
-                     org_id: int = 1) -> dict:
-    m = datasource_model(data_root, uid=uid, name=name)
+                     org_id: int = 1, **lake) -> dict:
+    m = datasource_model(data_root, uid=uid, name=name, **lake)
     entry = {"name": m["name"], "uid": m["uid"], "type": m["type"], "access": m["access"], "orgId": org_id,
              "isDefault": False, "editable": False, "jsonData": m["jsonData"]}
     return {"apiVersion": 1, "datasources": [entry]}
@@ -59,5 +88,6 @@ def provisioning_file(data_root: str, **kw) -> str:
     """Grafana datasource provisioning YAML for the stepwatch datasource."""
     return yamlout.dumps(provisioning_doc(data_root, **kw), header=(
         "stepwatch DuckDB datasource (generated by `stepwatch grafana export`; do not edit).\n"
-        "Needs the motherduck-duckdb-datasource plugin; initSql = stepwatch.storage.views.view_sql("
-        f"{data_root!r})."))
+        "Needs the motherduck-duckdb-datasource plugin (DuckDB 1.4) and the DuckDB extensions under\n"
+        f"{GRAFANA_EXT_DIR}; initSql = stepwatch.dashboards.datasource.init_sql({data_root!r}"
+        + "".join(f", {k}={v!r}" for k, v in kw.items() if k in ("catalog", "data_path")) + ")."))

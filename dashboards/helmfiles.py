@@ -18,6 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from . import datasource
 from .build import check_or_write
 from .export import DEFAULT_DATA_ROOT, export
 
@@ -27,10 +28,24 @@ SUBDIR = Path("files") / "grafana"
 PROM_SUBDIR = Path("files") / "grafana-prometheus"
 
 
+#: placeholders of the chart's PostgreSQL-catalog datasources (the chart substitutes its values)
+CATALOG_PLACEHOLDER = "__STEPWATCH_LAKE_CATALOG__"
+DATA_PATH_PLACEHOLDER = "/__STEPWATCH_LAKE_DATA_PATH__"
+S3_PATH_PLACEHOLDER = "__STEPWATCH_LAKE_S3_PATH__"
+
+
 def expected_files(data_root: str = DEFAULT_DATA_ROOT) -> dict[str, str]:
-    """File name -> text, as ``stepwatch grafana export --data-root DATA_ROOT`` writes them."""
+    """File name -> text, as ``stepwatch grafana export --data-root DATA_ROOT`` writes them, plus the
+    datasource for a PostgreSQL catalog with data on a shared volume (``datasources-postgres.yaml``)
+    or on S3 (``datasources-postgres-s3.yaml``), with placeholders the chart fills in."""
     with tempfile.TemporaryDirectory() as tmp:
-        return {p.name: p.read_text(encoding="utf-8") for p in export(tmp, data_root)}
+        files = {p.name: p.read_text(encoding="utf-8") for p in export(tmp, data_root)}
+    cat = f"postgres:{CATALOG_PLACEHOLDER}"
+    files["datasources-postgres.yaml"] = datasource.provisioning_file(
+        data_root, catalog=cat, data_path=DATA_PATH_PLACEHOLDER)
+    files["datasources-postgres-s3.yaml"] = datasource.provisioning_file(
+        data_root, catalog=cat, data_path=f"s3://{S3_PATH_PLACEHOLDER}")
+    return files
 
 
 def expected_prometheus_files() -> dict[str, str]:

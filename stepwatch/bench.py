@@ -90,13 +90,13 @@ def run_bench(a) -> int:
         stop = threading.Event()
 
         def watch():
-            import duckdb
-            con = duckdb.connect()
-            glob = str(d2 / "steps" / "job=bench-lag" / "*" / "*.parquet")
+            from stepwatch.storage.views import connect
+            con = None
             while not stop.is_set():
-                try:
-                    m = con.execute(f"SELECT max(step) FROM read_parquet('{glob}')").fetchall()[0][0]
-                except Exception:  # noqa: BLE001 - no file yet
+                try:        # every query reads the lake's newest snapshot
+                    con = con or connect(d2)
+                    m = con.execute("SELECT max(step) FROM steps WHERE job = 'bench-lag'").fetchall()[0][0]
+                except Exception:  # noqa: BLE001 - no lake yet
                     m = None
                 now = time.time()
                 if m is not None:
@@ -201,7 +201,8 @@ def run_query_bench(a) -> int:
     base = Path(a.data_dir or tempfile.mkdtemp(prefix="stepwatch-qbench-"))
     seconds = a.seconds
     print(f"stepwatch bench query: {a.ranks:,} ranks x {seconds:,} steps (1 step/s) -> {base}")
-    if (base / "steps").exists() and any((base / "steps").glob("job=bench-hour/*/*.parquet")):
+    if (base / "lake.sqlite").exists() and connect(base).execute(
+            "SELECT count(*) FROM steps WHERE job = 'bench-hour'").fetchall()[0][0]:
         print("  reusing the store already there (delete it to regenerate)")
         counts = None
     else:
@@ -210,8 +211,10 @@ def run_query_bench(a) -> int:
         print(f"  wrote {counts} in {time.perf_counter() - t:.0f}s")
     con = connect(base)
     nrows = con.execute("SELECT count(*) FROM steps WHERE job = 'bench-hour'").fetchall()[0][0]
-    size = sum(f.stat().st_size for f in (base / "steps").glob("job=bench-hour/*/*.parquet"))
-    total = sum(f.stat().st_size for f in base.rglob("*.parquet"))
+    info = dict(con.execute("SELECT table_name, file_size_bytes + delete_file_size_bytes "
+                            "FROM ducklake_table_info('lake')").fetchall())
+    size = info.get("steps", 0)                    # (one job in this lake)
+    total = sum(info.values())
     print(f"  steps: {nrows:,} rows, {size / 1e9:.2f} GB => {size / max(nrows, 1):.1f} bytes per step row "
           f"(whole store {total / 1e9:.2f} GB, {total / max(nrows, 1):.1f} B per step row incl. host/gc/comm)")
     alert = con.execute("SELECT step_first FROM alerts WHERE job='bench-hour' AND kind='regression' "

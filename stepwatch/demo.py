@@ -105,8 +105,8 @@ def run_demo(ranks: int = 1024, steps: int = 300, data_dir: str = "./stepwatch-d
             stored = proc.metrics.value(proc.metrics.records_out, "steps")
             bar.show(f"  processing: stored {stored:,.0f}/{sent['steps']:,} step rows  alerts {st['alerts']}")
             rt = proc.jobs.get(job)
-            if stored >= sent["steps"] and rt is not None and rt.state.open_steps() == 0:
-                break
+            if stored >= sent["steps"] and rt is not None and rt.state.open_steps() == 0 and not st["lag"]:
+                break                   # (lag 0: the host/gc messages are in too)
             time.sleep(0.25)
         time.sleep(0.6)   # one more flush so the alerts of the last steps are stored
         stop.set()
@@ -173,7 +173,7 @@ def _post_mortem(root: Path, job: str, sim, sent: dict, t_begin: float) -> bool:
         _say(f"\nreport: {(root / 'report.html').absolute()}  (open it in a browser)")
     except Exception as e:  # noqa: BLE001 - the report is a bonus; the demo's result stands without it
         _say(f"\n(report not written: {e})")
-    _say(f"data: {root.absolute()}  (Parquet, one folder per table; labels.json is the ground truth)")
+    _say(f"data: {root.absolute()}  (a DuckLake: catalog lake.sqlite, Parquet under lake/; labels.json is the ground truth)")
     _say(f"try:  stepwatch sql --data-dir {root} \"SELECT step, step_ms, data_ms FROM job_steps "
          f"WHERE job = '{job}' ORDER BY step DESC LIMIT 5\"")
     _say(f"demo finished in {time.monotonic() - t_begin:.0f} s")

@@ -1,256 +1,246 @@
-"""Compaction of small files and retention by age, safe while readers query and writers write.
+"""Compaction and retention of the lake, safe while processors write, readers query, and another
+pass runs.
 
-The streaming writer leaves one file per table, job and flush (one a second). Compaction merges the
-small files of a partition (``<table>/job=J/date=D``) into one file sorted for pruning, and
-retention removes whole date partitions older than the retention window.
+One pass (``stepwatch compact``, the chart's CronJob):
 
-Safety:
+1. **retention**: ``DELETE`` of whole ``(job, date)`` partitions older than the window (DuckLake
+   ends the files in the next snapshot; no delete files);
+2. **compaction**: each partition's small files are rewritten in groups of up to ``target_mb``, one
+   DuckLake transaction per group: ``INSERT INTO t SELECT * FROM t WHERE filename IN (group) ORDER BY
+   <sort columns>`` then ``DELETE FROM t WHERE filename IN (group)``, which *ends* the old files (their
+   ``end_snapshot`` is set); ``kafka_offsets``, whose rows every flush replaces, the same way;
+3. **expiry**: ``ducklake_expire_snapshots`` of every snapshot a newer one replaced more than
+   ``grace_s`` ago, then ``ducklake_cleanup_old_files`` (files scheduled for deletion more than
+   ``grace_s`` ago) and ``ducklake_delete_orphaned_files`` (files of flushes killed before their
+   commit, after an hour).
 
-* **Writers**: the store's writer holds the partition's lock (``_state/locks/…``, ``flock``) from
-  its first temporary file to its rename; compaction takes the same lock only for its final swap,
-  and hard-links into the new set any file that arrived meanwhile. A partition holding a
-  temporary file under the lock (a writer died mid-flush) is left alone until recovery.
-* **Readers**: the new set of files is built in a staging folder and *exchanged* with the
-  partition folder in one atomic ``renameat2(RENAME_EXCHANGE)``: a query sees either the old files
-  or the compacted one, never both. The old set is kept for a grace period (queries that already
-  opened files keep reading them); a query that listed the folder before the swap and opens a file
-  after it gets "file not found" and is retried by :func:`stepwatch.storage.views.query`.
-* **Fences**: DuckDB lists a folder through its handle but then ``stat``-s each entry *by path*
-  and silently skips an entry that is gone. A query whose listing straddles the swap would read the
-  old names in the new folder, find the merged ones missing, skip them and return too few rows
-  without an error. So the new folder also holds, under each merged file's name, an empty file
-  (a *fence*): DuckDB stats it, opens it and fails with "too small to be a Parquet file", which
-  :func:`~stepwatch.storage.views.query` retries after a short wait. The fences are removed
-  ``fence_s`` (0.25 s) after the swap; queries on that table in that window are retried (a Grafana
-  panel refreshed then shows the error once). A pass removes fences a crashed pass left behind.
+Why not DuckLake's ``ducklake_merge_adjacent_files``: it writes one file for all the snapshots of the
+files it merges and *removes* their catalog rows. DuckDB 1.4.4's ``sqlite`` extension scans the
+tables of a read-only transaction through a new SQLite connection per scan, limited to the rowid
+range read when the query was planned (``SELECT ... WHERE ROWID BETWEEN ? AND ?``), so a reader's
+catalog reads are not one SQLite snapshot: a merge committing between them had removed the old
+files' rows while the merged file's row lay beyond the range, and the query returned 0 rows with no
+error (``tests/test_compact.py``, 4 runs in 7). With rows only ever added (beyond the range, and
+after the reader's snapshot anyway) or ended in place, every catalog row a reader's snapshot needs is
+in its range and unchanged. (A PostgreSQL reader reads the catalog in one ``REPEATABLE READ``
+transaction; the rewrite is used there too, so both catalogs run the code that was tested.)
+
+Expiry also removes catalog rows, but only rows no live snapshot needs, and a snapshot is expired
+only ``grace_s`` after a newer one replaced it (not ``grace_s`` after it was made: in a lake idle for
+longer the newest snapshot is old, and a query that starts on it just before a write must still
+find it). So a query has ``grace_s`` to read its snapshot's file list, and the files stay on disk
+``grace_s`` longer. Keep ``grace_s`` above the longest query (default 300 s).
+
+Every step is one catalog transaction: a reader sees the snapshot before or after it, never a mix.
+Two passes at once rewrite each file once: on PostgreSQL the second ``DELETE`` of the same files is a
+DuckLake conflict and that group is done again from a fresh snapshot (it then moves no rows); on
+SQLite writers take turns (:meth:`~stepwatch.storage.lake.Lake.write_lock`), so the second pass lists
+the files after the first committed. Other conflicts and a busy catalog are retried with
+:func:`~stepwatch.storage.store.retry_conflicts`.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
-import shutil
-import time
-import uuid
+import re
 from dataclasses import dataclass, field
 from datetime import date, datetime, timedelta, timezone
-from pathlib import Path
+from urllib.parse import unquote
 
-import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
+import duckdb
 
-from stepwatch.storage.store import SEED_JOB, SORT_COLUMNS, TABLES, _is_sorted, _write_options, partition_lock
+from stepwatch.storage.lake import lake_of, lit
+from stepwatch.storage.store import OFFSETS, SORT_COLUMNS, TABLES, retry_conflicts
 
 log = logging.getLogger("stepwatch.compact")
-
-_AT_FDCWD = -100
-_RENAME_EXCHANGE = 2
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def exchange(a: Path, b: Path) -> None:
-    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE)."""
-    if not hasattr(_libc, "renameat2"):
-        raise OSError("renameat2 is not available: compaction needs Linux >= 3.15 with glibc >= 2.28")
-    if _libc.renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"renameat2({a}, {b}, RENAME_EXCHANGE): {os.strerror(e)}")
+ORPHAN_AGE_S = 3600.0
+AUTHOR = "stepwatch compact"
 
 
 @dataclass
 class CompactResult:
-    partitions: int = 0
-    files_in: int = 0
-    files_out: int = 0
-    rows: int = 0
+    partitions: int = 0          # tables whose files this pass merged
+    files_in: int = 0            # data files of the tables merged, before the pass (writers may add some meanwhile)
+    files_out: int = 0           # ... after it
+    rows: int = 0                # rows in the tables merged
     bytes_in: int = 0
     bytes_out: int = 0
-    expired: list[str] = field(default_factory=list)
+    expired: list[str] = field(default_factory=list)       # table/job=J/date=D removed by retention
     skipped: list[str] = field(default_factory=list)
-    fences: int = 0
+    snapshots_expired: int = 0
+    files_deleted: int = 0
 
 
-def _partitions(root: Path, tables=TABLES):
-    for t in tables:
-        for jd in sorted((root / t).glob("job=*")):
-            if jd.name == f"job={SEED_JOB}":
-                continue
-            for dd in sorted(jd.glob("date=*")):
-                if dd.is_dir():
-                    yield t, dd
-
-
-FENCE_S = 0.25      # how long the fences stand after a swap: far longer than a DuckDB listing takes
-
-
-def compact_partition(root: Path, table: str, part: Path, target_bytes: int = 256 << 20,
-                      min_age_s: float = 30.0, min_files: int = 2, res: CompactResult | None = None,
-                      fences: list[Path] | None = None, fence_s: float = FENCE_S) -> bool:
-    """Merge the small, settled files of one partition. Returns True when it swapped.
-
-    The fences (see the module doc) are appended to ``fences`` for the caller to remove
-    ``fence_s`` after the swap (:func:`run` waits once for a whole pass); without a list they are
-    removed here, after waiting."""
-    res = res or CompactResult()
-    now = time.time()
-    files = sorted(f for f in part.glob("*.parquet"))
-    small = []
-    for f in files:
-        st = f.stat()
-        if 0 < st.st_size < target_bytes and now - st.st_mtime >= min_age_s:     # (size 0: a fence)
-            small.append(f)
-    if len(small) < min_files:
-        return False
-    # merge in batches so one output file stays near target_bytes
-    groups, cur, size = [], [], 0
-    for f in small:
-        cur.append(f)
-        size += f.stat().st_size
-        if size >= target_bytes:
-            groups.append(cur)
-            cur, size = [], 0
-    if cur:
-        groups.append(cur)
-    groups = [g for g in groups if len(g) >= min_files] or []
-    if not groups:
-        return False
-    stage = root / "_state" / "compact" / uuid.uuid4().hex
-    stage.mkdir(parents=True)
-    merged: set[str] = set()
-    sort_cols = SORT_COLUMNS[table]
+def _rollback(con) -> None:
     try:
-        for i, g in enumerate(groups):
-            t = pa.concat_tables([pq.read_table(f) for f in g], promote_options="permissive")
-            # hive columns are in the path, not in the files; keep files self-contained as written
-            cols = [c for c in sort_cols if c in t.column_names]
-            if cols and not _is_sorted(t, cols):
-                t = t.take(pc.sort_indices(t, [(c, "ascending") for c in cols]))
-            out = stage / f"compact-{int(now)}-{uuid.uuid4().hex[:8]}-{i}.parquet"
-            pq.write_table(t, out, **{"compression": "zstd", "row_group_size": 1 << 20,
-                                      **_write_options(table, t.schema)})
-            res.rows += t.num_rows
-            res.files_out += 1
-            res.bytes_out += out.stat().st_size
-            merged.update(f.name for f in g)
-            res.files_in += len(g)
-            res.bytes_in += sum(f.stat().st_size for f in g)
-        with partition_lock(root, part):
-            if any(part.glob(".part-*.tmp")):
-                res.skipped.append(f"{part} (a flush is unfinished: run recovery first)")
-                shutil.rmtree(stage)
-                return False
-            for f in part.glob("*.parquet"):
-                if f.name not in merged:
-                    os.link(f, stage / f.name)      # arrived after we listed, or not merged
-            for name in merged:                     # fences: see the module doc
-                (stage / name).touch()
-            exchange(stage, part)
-        swapped_at = time.monotonic()
-        new_fences = [part / name for name in sorted(merged)]
-        # `stage` now holds the old files: keep them for the grace period (see purge_trash)
-        trash = root / "_state" / "trash" / f"{int(time.time())}-{uuid.uuid4().hex[:8]}"
-        trash.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(stage, trash)
-        res.partitions += 1
-        if fences is not None:
-            fences.extend(new_fences)
-        else:
-            time.sleep(max(0.0, swapped_at + fence_s - time.monotonic()))
-            remove_fences(new_fences)
-        return True
-    except BaseException:
-        if stage.exists() and not any(stage.glob("*.tmp")):
-            shutil.rmtree(stage, ignore_errors=True)
-        raise
+        con.execute("ROLLBACK")
+    except duckdb.Error:
+        pass
 
 
-def remove_fences(fences) -> int:
-    """Unlink fences by path (a later swap may have linked one into a newer folder: same path)."""
-    n = 0
-    for f in fences:
+def _retry1(lake, con, sql: str, params=None):
+    for attempt in retry_conflicts(attempts=20, max_wait_s=5.0):
+        with attempt, lake.write_lock():
+            return con.execute(sql, params).fetchall() if params is not None else con.execute(sql).fetchall()
+
+
+def _retry(lake, con, sql: str, params=None):
+    """Run one maintenance call in its own transaction, retried on conflicts. DuckLake deletes
+    replaced files, then commits; when that commit loses a race, the next try finds a file it
+    scheduled already gone and fails: such an entry is forgotten (its file is deleted, which was
+    the point) and the call runs again."""
+    for _ in range(100):
         try:
-            if os.stat(f).st_size == 0:
-                os.unlink(f)
-                n += 1
-        except FileNotFoundError:
-            pass
-    return n
+            return _retry1(lake, con, sql, params)
+        except duckdb.IOException as e:
+            m = re.search(r'file "([^"]+)"', str(e))
+            if not m or "scheduled for deletion" not in str(e) or not re.search(
+                    r"No such file|404|Not Found|does not exist", str(e)):
+                raise
+            log.info("forgetting a file already deleted by an earlier try: %s", m.group(1))
+            _retry1(lake, con, "DELETE FROM __ducklake_metadata_lake.ducklake_files_scheduled_for_deletion "
+                         "WHERE ends_with(?, path)", [m.group(1)])
+    return _retry1(lake, con, sql, params)
 
 
-def stale_fences(root: Path, older_than_s: float, tables=TABLES) -> list[Path]:
-    """Fences a crashed pass left behind (empty ``*.parquet`` files older than ``older_than_s``):
-    every query of their table would fail until they are gone."""
-    now = time.time()
-    out = []
-    for _, part in _partitions(Path(root), tables):
-        for f in part.glob("*.parquet"):
+def _transaction(lake, con, fn, label: str):
+    """``fn(con)`` in one transaction labelled ``label`` (snapshots show who did what), retried on
+    conflicts from scratch."""
+    for attempt in retry_conflicts(attempts=20, max_wait_s=5.0):
+        with attempt, lake.write_lock():
+            con.execute("BEGIN")
             try:
-                st = f.stat()
-            except FileNotFoundError:
-                continue
-            if st.st_size == 0 and now - st.st_mtime >= older_than_s:
-                out.append(f)
+                con.execute(f"CALL lake.set_commit_message({lit(AUTHOR)}, {lit(label)})")
+                out = fn(con)
+                con.execute("COMMIT")
+            except BaseException:
+                _rollback(con)
+                raise
+            return out
+
+
+# ------------------------------------------------------------------ rewriting groups of files
+def _partition_filter(path: str) -> tuple[str, list]:
+    """``job = ? AND date = ?`` from a data file's path (DuckLake's hive folders, values URL-encoded),
+    so a rewrite reads only that partition's files."""
+    parts = dict(p.split("=", 1) for p in path.split("/")[-3:-1] if "=" in p)
+    if set(parts) != {"job", "date"}:
+        return "", []
+    return " AND job = ? AND date = CAST(? AS DATE)", [unquote(parts["job"]), unquote(parts["date"])]
+
+
+def _groups(con, table: str, target: int) -> list[list[str]]:
+    """Groups of one partition's small files (each up to ``target`` bytes together) worth rewriting:
+    at least two files, or one with deleted rows."""
+    rows = con.execute("SELECT data_file, data_file_size_bytes, delete_file FROM ducklake_list_files('lake', ?)",
+                       [table]).fetchall()
+    by_dir: dict[str, list] = {}
+    for path, size, delete in rows:
+        if size < target:
+            by_dir.setdefault(path.rsplit("/", 1)[0], []).append((path, int(size), delete is not None))
+    out = []
+    for files in by_dir.values():
+        group, total = [], 0
+        for f in files + [None]:
+            if f is None or (group and total + f[1] > target):
+                if len(group) > 1 or (group and group[0][2]):
+                    out.append([g[0] for g in group])
+                group, total = [], 0
+            if f is not None:
+                group.append(f)
+                total += f[1]
     return out
 
 
-def purge_trash(root: Path, grace_s: float = 300.0) -> int:
-    n = 0
-    tdir = Path(root) / "_state" / "trash"
-    for d in tdir.glob("*") if tdir.exists() else ():
-        try:
-            stamp = int(d.name.split("-", 1)[0])
-        except ValueError:
-            continue
-        if time.time() - stamp >= grace_s:
-            shutil.rmtree(d, ignore_errors=True)
-            n += 1
-    return n
+def _rewrite_group(con, table: str, files: list[str]) -> int:
+    """Copy the rows of ``files`` into one new file and delete them from ``files`` (which ends those
+    files); returns the rows moved (0 when another pass rewrote them since they were listed)."""
+    where, params = _partition_filter(files[0])
+    order = ", ".join(f'"{c}"' for c in SORT_COLUMNS.get(table, ()))     # the flush's sort order, across files
+    n_in = con.execute(f"INSERT INTO lake.{table} SELECT * FROM lake.{table} WHERE list_contains(?, filename){where}"
+                       + (f" ORDER BY {order}" if order else ""), [files] + params).fetchone()[0]
+    n_out = con.execute(f"DELETE FROM lake.{table} WHERE list_contains(?, filename){where}",
+                        [files] + params).fetchone()[0]
+    if n_in != n_out:      # (a file outside the partition filter: never commit a changed row count)
+        raise RuntimeError(f"rewrite of {table}: copied {n_in} rows but deleted {n_out}; nothing committed")
+    return n_in
 
 
-def expire(root: Path, retention_days: float, today: date | None = None, res: CompactResult | None = None) -> list[str]:
-    """Remove date partitions strictly older than the retention window (whole days, UTC).
+def _rewrite_table(lake, con, table: str, target: int) -> bool:
+    """Rewrite ``table``'s groups of small files, one transaction each; True when any rows moved.
+    (A group another pass rewrote meanwhile moves 0 rows: its files are no longer in the snapshot.)"""
+    moved = 0
+    for files in _groups(con, table, target):
+        moved += _transaction(lake, con, lambda c, f=files: _rewrite_group(c, table, f), f"merge {table}")
+    return moved > 0
 
-    A partition ``date=D`` is removed when every row in it is older than ``retention_days``:
-    ``D + 1 day <= today - retention_days``. Removal swaps the folder out under the partition lock,
-    so writers never write into a folder being removed."""
+
+def _info(con) -> dict[str, tuple[int, int]]:
+    return {r[0]: (int(r[1]), int(r[2])) for r in con.execute(
+        "SELECT table_name, file_count, file_size_bytes FROM ducklake_table_info('lake')").fetchall()}
+
+
+def expire(root, retention_days: float, today: date | None = None, res: CompactResult | None = None,
+           con=None) -> list[str]:
+    """Remove date partitions strictly older than the retention window (whole days, UTC): a
+    partition ``date=D`` goes when ``D + 1 day <= today - retention_days``."""
     res = res or CompactResult()
+    lake = lake_of(root)
+    con = con or lake.connect()
     today = today or datetime.now(timezone.utc).date()
     cutoff = datetime.combine(today, datetime.min.time(), tzinfo=timezone.utc) - timedelta(days=retention_days)
-    for table, part in list(_partitions(Path(root))):
-        try:
-            d = date.fromisoformat(part.name.split("=", 1)[1])
-        except ValueError:
-            continue
-        end = datetime.combine(d + timedelta(days=1), datetime.min.time(), tzinfo=timezone.utc)
-        if end <= cutoff:
-            trash = Path(root) / "_state" / "trash" / f"{int(time.time())}-{uuid.uuid4().hex[:8]}"
-            trash.parent.mkdir(parents=True, exist_ok=True)
-            with partition_lock(Path(root), part):
-                os.replace(part, trash)
-            res.expired.append(str(part.relative_to(root)))
+    last = cutoff.date() - timedelta(days=1)          # the newest day removed
+
+    def delete(c, t):
+        parts = c.execute(f"SELECT DISTINCT job, date FROM lake.{t} WHERE date <= ? ORDER BY 1, 2", [last]).fetchall()
+        if parts:
+            c.execute(f"DELETE FROM lake.{t} WHERE date <= ?", [last])
+        return parts
+    for t in TABLES:
+        parts = _transaction(lake, con, lambda c, t=t: delete(c, t), f"retention {t}")
+        res.expired += [f"{t}/job={j}/date={d}" for j, d in parts]
     return res.expired
 
 
-def run(root: str | Path, target_mb: float = 256, min_age_s: float = 30.0, retention_days: float | None = None,
-        grace_s: float = 300.0, tables=TABLES, fence_s: float = FENCE_S) -> CompactResult:
-    """One maintenance pass: retention, then compaction of every partition, then (``fence_s``
-    after the last swap) removal of the pass's fences, then trash purge."""
-    root = Path(root)
+def expirable(con, grace_s: float) -> list[int]:
+    """Snapshots a newer one replaced more than ``grace_s`` ago (never the newest)."""
+    return [r[0] for r in con.execute(
+        "SELECT snapshot_id FROM (SELECT snapshot_id, lead(snapshot_time) OVER (ORDER BY snapshot_id) AS replaced "
+        "FROM lake.snapshots()) WHERE replaced < now() - to_microseconds(?) ORDER BY 1",
+        [int(grace_s * 1e6)]).fetchall()]
+
+
+def run(root, target_mb: float = 256, min_age_s: float = 30.0, retention_days: float | None = None,
+        grace_s: float = 300.0, tables=TABLES) -> CompactResult:
+    """One maintenance pass (see the module doc). ``min_age_s`` is accepted for compatibility:
+    files are merged under a snapshot, so young files need no waiting."""
+    lake = lake_of(root)
+    con = lake.connect()
     res = CompactResult()
-    left = stale_fences(root, max(fence_s, 1.0) * 4, tables)
-    if left:
-        log.warning("removing %d fences a crashed compaction left (queries of their tables failed)", len(left))
-        remove_fences(left)
     if retention_days is not None:
-        expire(root, retention_days, res=res)
-    fences: list[Path] = []
-    last_swap = 0.0
-    for table, part in list(_partitions(root, tables)):
-        if compact_partition(root, table, part, int(target_mb * (1 << 20)), min_age_s, res=res, fences=fences):
-            last_swap = time.monotonic()
-    if fences:
-        time.sleep(max(0.0, last_swap + fence_s - time.monotonic()))
-        res.fences = remove_fences(fences)
-    purge_trash(root, grace_s)
+        expire(lake, retention_days, res=res, con=con)
+    before = _info(con)
+    target = int(target_mb * (1 << 20))
+    merged = {t for t in tables if _rewrite_table(lake, con, t, target)}
+    _rewrite_table(lake, con, OFFSETS, target)
+    after = _info(con)
+    for t in tables:
+        b, a = before.get(t, (0, 0)), after.get(t, (0, 0))
+        if t in merged:
+            res.partitions += 1
+            res.files_in += b[0]
+            res.files_out += a[0]
+            res.bytes_in += b[1]
+            res.bytes_out += a[1]
+            res.rows += con.execute(f"SELECT count(*) FROM lake.{t}").fetchone()[0]
+    versions = expirable(con, grace_s)
+    for i in range(0, len(versions), 2000):
+        chunk = ", ".join(str(v) for v in versions[i:i + 2000])
+        res.snapshots_expired += len(_retry(lake, con, f"CALL ducklake_expire_snapshots('lake', versions => [{chunk}])"))
+    older = f"now() - to_microseconds({int(grace_s * 1e6)})"
+    res.files_deleted = len(_retry(lake, con, f"CALL ducklake_cleanup_old_files('lake', older_than => {older})"))
+    # an orphan is a file no commit references: a writer killed mid-flush, or one still writing now,
+    # so only files far older than any flush
+    orphan = f"now() - to_microseconds({int(max(grace_s, ORPHAN_AGE_S) * 1e6)})"
+    res.files_deleted += len(_retry(lake, con, f"CALL ducklake_delete_orphaned_files('lake', older_than => {orphan})"))
+    con.close()
     return res

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from stepwatch.catalog import NATURAL_KEYS, SORT_COLUMNS, TIME_COLUMN
 from stepwatch.schema import SCHEMAS
+from stepwatch.storage.lake import Lake
+from stepwatch.storage.store import LAKE_OPTIONS, OFFSETS
 from stepwatch.storage.views import view_sql
 
 ABOUT = {
@@ -50,6 +52,77 @@ ABOUT["comm_bw"] = ("Written by the processor's `comm_bw` detector: per job, win
                     "bandwidth (GB/s, nccl-tests factors) against the link's peak, wait share and the diagnosis "
                     "(`small-messages`, `slow-link`, `sync-bound`).")
 
+LAKE = f"""
+The store is a [DuckLake](https://ducklake.select) (format {"0.3"}, DuckDB 1.4 LTS): Parquet data files
+plus a SQL **catalog** in which every commit is a **snapshot**.
+
+| set-up | catalog | data files |
+|---|---|---|
+| embedded default (`--data-dir D`, `make demo`, one processor) | SQLite file `D/lake.sqlite` (WAL mode) | `D/lake/` |
+| several processors (the chart with `store.lake.catalog: postgres`) | PostgreSQL: `STEPWATCH_LAKE_CATALOG=postgres:<libpq connection string>` without the password, which comes from `PGPASSWORD` or the file `STEPWATCH_LAKE_PASSWORD_FILE` names (the chart mounts a Secret there) | `STEPWATCH_LAKE_DATA_PATH`: a shared folder (any filesystem: nothing is renamed), or `s3://bucket/prefix/` (`STEPWATCH_S3_ENDPOINT`, `_REGION`, `_URL_STYLE`, `_USE_SSL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`) |
+
+A SQLite catalog serves the processes of one machine: one processor, `stepwatch compact`, any
+number of readers (`stepwatch sql`, reports, Grafana). Its writers take turns on an `flock` of
+`lake.sqlite.lock` for the length of a transaction (SQLite refuses a commit once another writer
+committed after the transaction began); readers take no lock. PostgreSQL serves processors on many
+machines; DuckLake detects conflicting commits there (and redoes only the catalog write when
+another commit merely took the same new ids).
+
+Tested here: SQLite and PostgreSQL 15 (Debian's package, a cluster started by the tests) catalogs;
+data on a local folder and on moto's S3-compatible server (path-style URLs, no TLS) through DuckDB's
+`httpfs`. Not tested: AWS S3 itself, GCS/Azure, TLS to the S3 endpoint.
+
+Each table below is a lake table of the same name with one more column, `date` (UTC day of the event
+time given as "date partition from"), **partitioned by `(job, date)`**: its files are
+`<data path>/main/<table>/job=<job>/date=YYYY-MM-DD/ducklake-<uuid>.parquet` (job URL-encoded; {LAKE_OPTIONS["parquet_compression"]},
+Parquet v{LAKE_OPTIONS["parquet_version"]}, rows sorted within a file as listed). Event times are stored as `TIMESTAMPTZ` (microseconds).
+
+**Snapshots.** A processor's flush is one transaction: the rows of every table and the Kafka
+positions (`{OFFSETS}`) become visible together, in one new snapshot. A query reads one whole
+snapshot, never a half-written flush or half of a compaction. Older snapshots stay readable until
+expired: `SELECT * FROM lake.snapshots()`, `SELECT count(*) FROM lake.steps AT (VERSION => 42)`.
+
+**Compaction and retention** (`stepwatch compact`, the chart's CronJob; `storage/compact.py`):
+
+1. `--retention-days N` deletes whole `(job, date)` partitions older than N days (the files leave the
+   next snapshot);
+2. each partition's small files are rewritten in groups of up to `--target-mb` (256), one transaction
+   per group: `INSERT INTO t SELECT * FROM t WHERE filename IN (group) ORDER BY <sort columns>`, then
+   `DELETE FROM t WHERE filename IN (group)`, which ends the old files; `{OFFSETS}` the same way;
+3. `ducklake_expire_snapshots` expires each snapshot a newer one replaced more than `--grace`
+   seconds ago (default 300), `ducklake_cleanup_old_files` deletes the files scheduled for deletion
+   more than `--grace` ago, and `ducklake_delete_orphaned_files` the files of flushes killed before
+   their commit (after an hour).
+
+DuckLake's `ducklake_merge_adjacent_files` is not used: it removes the merged files' catalog rows,
+and DuckDB 1.4.4's `sqlite` extension reads a read-only transaction's catalog tables through separate
+connections bounded by the rowids seen when the query was planned, so a query during a merge could
+read no files at all (0 rows, no error). The rewrite only adds catalog rows or ends them in place.
+Two passes at once rewrite each file once (tested: two `stepwatch compact` processes during writes and
+queries, every query saw each row once). Keep `--grace` above the longest query: a query has that
+long to read its snapshot's file list.
+
+**From a DuckDB shell** (DuckDB 1.4.4): load the extensions, then attach the lake read-only. The
+`duckdb-ext-*` packages (`pip install duckdb-ext-ducklake duckdb-ext-sqlite duckdb-ext-postgres
+duckdb-ext-httpfs`) put DuckDB's signed binaries under `<site-packages>/duckdb_ext/extensions/v1.4.4/<platform>/`
+(`python -m stepwatch.storage.extensions copy DIR` copies them flat into `DIR`; the image has them in
+`/opt/stepwatch/duckdb-extensions`); with network access `INSTALL ducklake; INSTALL sqlite;` does
+instead.
+
+```sql
+LOAD '/opt/stepwatch/duckdb-extensions/ducklake.duckdb_extension';
+LOAD '/opt/stepwatch/duckdb-extensions/sqlite_scanner.duckdb_extension';   -- postgres_scanner, httpfs as needed
+ATTACH 'ducklake:sqlite:/data/lake.sqlite' AS lake (READ_ONLY, DATA_PATH '/data/lake/');
+--  or 'ducklake:postgres:host=... dbname=... user=...' (password from PGPASSWORD), DATA_PATH 's3://bucket/prefix/'
+SELECT job, count(*) FROM lake.steps GROUP BY job;
+SELECT snapshot_id, snapshot_time, changes FROM lake.snapshots() ORDER BY 1 DESC LIMIT 5;
+```
+
+or `stepwatch sql "..."`, which attaches the lake read-only and defines the views below (the same
+names as the tables, plus `job_steps` and `rank_busy`), as the Grafana datasource does after locking
+DuckDB down to the lake's files.
+"""
+
 VIEWS = {
     "job_steps": "One row per job and step: ranks reported, median/max step time, median busy time and phases, "
                  "samples and tokens.",
@@ -62,10 +135,7 @@ def tables_markdown() -> str:
            "Generated from the code by `python -m stepwatch.storage.docs`; do not edit by hand. The tables, their",
            "natural keys, time and sort columns are listed once, in `stepwatch/catalog.py`; their columns in",
            "`stepwatch/schema.py`.", "",
-           "The store keeps one folder per table: `<data-dir>/<table>/job=<job>/date=YYYY-MM-DD/*.parquet`",
-           "(zstd, rows sorted within a file as listed). `stepwatch sql` and the Grafana datasource read them",
-           "through DuckDB views of the same names. The views add the hive columns `job` and `date`, and show",
-           "event times as `TIMESTAMPTZ` (microseconds).", "",
+           LAKE.strip(), "",
            "Times are UTC; durations are float64 milliseconds; sizes are bytes.", ""]
     for t, s in SCHEMAS.items():
         out += [f"## `{t}`", "", ABOUT.get(t, ""), ""]
@@ -85,8 +155,14 @@ def tables_markdown() -> str:
     out += ["## Views", ""]
     for v, about in VIEWS.items():
         out += [f"### `{v}`", "", about, ""]
-    out += ["## View definitions", "", "As `stepwatch sql --print-views` prints them (for a data dir `/data`):", "",
-            "```sql", view_sql("/data"), "```", ""]
+    out += [f"## `{OFFSETS}`", "", "The consumed Kafka positions, committed in the same transaction as the rows "
+            "they produced: per Kafka cluster, topic and partition the next offset (`-1`: claimed, nothing "
+            "consumed yet), the offsets done above it (`done`, JSON ranges), the consumer-group `generation` "
+            "and `member` that wrote it. A commit from an older generation is rejected (fencing). The row "
+            "with `partition` -1 is a sentinel that serializes the creation of a partition's first row.", ""]
+    out += ["## View definitions", "", "As `stepwatch sql --print-views` prints them for a data dir `/data` "
+            "(extensions in the flat folder `/opt/stepwatch/duckdb-extensions`, as in the image):", "",
+            "```sql", view_sql(Lake.from_dir("/data", env={}), ext_dir="/opt/stepwatch/duckdb-extensions"), "```", ""]
     return "\n".join(out)
 
 

@@ -1,38 +1,30 @@
-"""The one source of truth for DuckDB view definitions over the Parquet store.
+"""The one source of truth for DuckDB view definitions over the lake.
 
-``view_sql(root)`` returns the ``CREATE VIEW`` statements used by ``stepwatch sql``, the demo's
-post-mortem, the tests and (as ``initSql``) the Grafana DuckDB datasource. The seed files the store
-writes (``job=_seed``, zero rows) keep every glob non-empty; the views filter them out.
+``view_sql(root)`` returns the statements used by ``stepwatch sql``, the demo's post-mortem, the
+tests and (as ``initSql``, with ``lockdown=True``) the Grafana DuckDB datasource: load the
+extensions, attach the lake **read-only** as ``lake``, and define one view per table (same names
+as the lake's tables, so ``SELECT … FROM steps`` reads ``lake.steps``) plus the summary views.
+A query sees one whole snapshot of the lake: compaction and writers never change what it reads.
 """
 from __future__ import annotations
 
-from pathlib import Path
+import threading
+from collections import OrderedDict
 
 import duckdb
-import pyarrow as pa
-import tenacity
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
-from stepwatch.schema import SCHEMAS
-
-from stepwatch.storage.store import SEED_JOB, TABLES
+from stepwatch.storage.lake import Lake, lake_of
+from stepwatch.storage.store import OFFSETS, TABLES
 
 
-def _lit(s: str) -> str:
-    return "'" + s.replace("'", "''") + "'"
-
-
-def view_sql(root: str | Path) -> str:
-    root = Path(root).absolute()
-    stmts = []
-    for t in TABLES:
-        glob = str(root / t / "*" / "*" / "*.parquet")
-        # Stored times are ns (Arrow timestamp[ns, UTC]); DuckDB's TIMESTAMPTZ_NS lacks interval
-        # arithmetic and most time functions, so the views expose microsecond TIMESTAMPTZ.
-        ts = [f.name for f in SCHEMAS[t] if pa.types.is_timestamp(f.type)]
-        sel = "*" if not ts else "* REPLACE (" + ", ".join(f"CAST({c} AS TIMESTAMPTZ) AS {c}" for c in ts) + ")"
-        stmts.append(
-            f"CREATE OR REPLACE VIEW {t} AS SELECT {sel} FROM read_parquet({_lit(glob)}, "
-            f"hive_partitioning = true, union_by_name = true) WHERE job <> {_lit(SEED_JOB)};")
+def view_sql(root, ext_dir=None, lockdown: bool = False, s3_keys_from_env: bool = False) -> str:
+    """``root``: a data dir, a :class:`~stepwatch.storage.lake.Lake` or a store. ``ext_dir``: the
+    extension folder as the reader sees it (default: this machine's, see :mod:`.extensions`)."""
+    lake = lake_of(root)
+    stmts = lake.attach_sql(read_only=True, ext_dir=ext_dir, lockdown=lockdown, s3_keys_from_env=s3_keys_from_env)
+    for t in TABLES + (OFFSETS,):
+        stmts.append(f"CREATE OR REPLACE VIEW {t} AS SELECT * FROM lake.main.{t};")
     # Per-step job summary: what most panels and the post-mortem start from.
     stmts.append("""CREATE OR REPLACE VIEW job_steps AS
 SELECT job, step, min(t_start) AS t_start, max(t_end) AS t_end, count(*) AS ranks_reported,
@@ -51,49 +43,57 @@ FROM steps GROUP BY job, rank;""")
     return "\n".join(stmts)
 
 
-def connect(root: str | Path, threads: int | None = None) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB connection with the views defined (reads only Parquet)."""
-    con = duckdb.connect(":memory:")
+_DBS: "OrderedDict[Lake, duckdb.DuckDBPyConnection]" = OrderedDict()
+_DBS_LOCK = threading.Lock()
+_DBS_KEEP = 8
+
+
+def connect(root, threads: int | None = None) -> duckdb.DuckDBPyConnection:
+    """A DuckDB connection with the lake attached read-only and the views defined.
+
+    Loading the signed extensions costs a fraction of a second per DuckDB instance (the signature
+    covers the whole binary), so one in-memory instance per lake is kept per process and every
+    call returns a new connection to it (``cursor()``: its own transactions, so each query reads
+    the newest snapshot)."""
+    lake = lake_of(root)
+    with _DBS_LOCK:
+        db = _DBS.get(lake)
+        if db is None:
+            db = duckdb.connect(":memory:")
+            db.execute("SET GLOBAL TimeZone = 'UTC'")
+            for attempt in _retrying():
+                with attempt:
+                    db.execute(view_sql(lake))
+            _DBS[lake] = db
+            while len(_DBS) > _DBS_KEEP:      # open connections keep an evicted instance alive
+                _DBS.popitem(last=False)
+        else:
+            _DBS.move_to_end(lake)
+        con = db.cursor()
     if threads:
         con.execute(f"SET threads = {int(threads)}")
-    # binding a view opens files: compaction may swap them meanwhile
-    _retrying(RETRIES, binding=True)(con.execute, view_sql(root))
     return con
 
 
-RETRIES, BACKOFF_S = 5, 0.05     # waits 0.05 .. 0.8 s, 1.55 s in all: longer than a compaction fence stands
+def _busy(e: BaseException) -> bool:
+    """A SQLite catalog busy for a moment (a writer checkpointing its WAL), or a query that took
+    longer than compaction's grace period and found its snapshot expired: the same query succeeds a
+    moment later on the newest snapshot. (Compaction never removes a catalog row a live snapshot
+    needs, and expires a snapshot only ``--grace`` after a newer one replaced it: see
+    :mod:`stepwatch.storage.compact` for why that matters to readers of a SQLite catalog.)"""
+    return isinstance(e, duckdb.Error) and ("database is locked" in str(e) or "database table is locked" in str(e)
+                                            or "No snapshot found" in str(e))
 
 
-def _retrying(retries: int, binding: bool = False) -> tenacity.Retrying:
-    """Retry up to ``retries`` times, waiting ``BACKOFF_S`` doubling, while the error is :func:`_swapped`."""
-    return tenacity.Retrying(retry=tenacity.retry_if_exception(lambda e: _swapped(e, binding)),
-                             stop=tenacity.stop_after_attempt(retries + 1),
-                             wait=tenacity.wait_exponential(multiplier=BACKOFF_S), reraise=True)
+def _retrying(attempts: int = 6) -> Retrying:
+    return Retrying(retry=retry_if_exception(_busy), stop=stop_after_attempt(attempts),
+                    wait=wait_random_exponential(multiplier=0.05, max=1.0), reraise=True)
 
 
-def _swapped(e: Exception, binding: bool = False) -> bool:
-    """The error a query gets when compaction or retention changed the files under it: a listed file
-    was gone when it was opened, or it was a compaction *fence* (an empty file standing for a merged
-    one for a fraction of a second; see :mod:`stepwatch.storage.compact`). Either way the same query
-    a moment later reads a consistent set. ("Cannot open file" only while binding the views: that
-    message once came with a read of a partial listing, before fences existed.)"""
-    if not isinstance(e, duckdb.Error):
-        return False
-    msg = str(e)
-    if "too small to be a Parquet file" in msg or "file size: 0" in msg:
-        return True           # a fence: at listing, or when a file listed before the swap is re-opened
-    if not isinstance(e, duckdb.IOException):
-        return False
-    return ("No such file" in msg or "Could not open" in msg or "not found" in msg.lower()
-            or (binding and "Cannot open" in msg))
-
-
-def query(con: duckdb.DuckDBPyConnection, sql: str, params=None, retries: int = RETRIES):
-    """Run a query and fetch all rows, retrying (with a growing wait) when compaction or retention
-    changed the files under it: a file vanished between DuckDB listing the folder and opening it, or
-    a compaction fence stood in for a merged file. Returns (columns, rows)."""
-    def once():
-        cur = con.execute(sql, params) if params is not None else con.execute(sql)
-        cols = [d[0] for d in cur.description] if cur.description else []
-        return cols, (cur.fetchall() if cols else [])
-    return _retrying(retries)(once)
+def query(con: duckdb.DuckDBPyConnection, sql: str, params=None, retries: int = 5):
+    """Run a query and fetch all rows. Returns (columns, rows)."""
+    for attempt in _retrying(retries + 1):
+        with attempt:
+            cur = con.execute(sql, params) if params is not None else con.execute(sql)
+            cols = [d[0] for d in cur.description] if cur.description else []
+            return cols, (cur.fetchall() if cols else [])

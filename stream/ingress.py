@@ -643,7 +643,8 @@ def scratch_writer(store_cls):
             tables.setdefault(name, []).append(t)
         d = tempfile.mkdtemp(prefix="stepwatch-isolate-")
         try:
-            store_cls(d, fsync=False).init().write_flush(tables, {})
+            from stepwatch.storage.lake import Lake      # a local scratch lake, never the configured one
+            store_cls(Lake.make(f"sqlite:{d}/lake.sqlite", f"{d}/lake"), fsync=False).init().write_flush(tables, {})
         finally:
             shutil.rmtree(d, ignore_errors=True)
     return try_write

@@ -1,12 +1,13 @@
-"""The stream processor: Kafka consumer group -> decode -> align -> detect -> Parquet, alerts.
+"""The stream processor: Kafka consumer group -> decode -> align -> detect -> DuckLake, alerts.
 
 Lifecycle of one message: poll -> skip if the store's marker lists it as done -> decode and validate
 (whole-message errors and bad rows go to the deadletter topic and table with a reason) -> buffer the
 valid rows per table; steps are also scattered into their job's alignment ring, which drops
 duplicates by natural key and closes steps for the detectors. Every ``flush_interval_s`` (or when
-``max_buffer_rows`` are buffered) the buffers are written to the store in one atomic flush, the
-partition markers advanced and only then the offsets committed to Kafka (at-least-once delivery,
-exactly-once in the store; see :mod:`stepwatch.storage.store`).
+``max_buffer_rows`` are buffered) the buffers and the consumed positions (with the consumer-group
+generation) are committed to the lake in one transaction, and only then the offsets committed to
+Kafka (at-least-once delivery, exactly-once in the store, older generations fenced; see
+:mod:`stepwatch.storage.store` and :mod:`stepwatch.stream.fencing`).
 
 A job's detector state is rebuilt from the store the first time this processor sees the job (after
 a restart or a partition move): its topology, the last window of steps and the alerts already
@@ -33,9 +34,9 @@ from stepwatch.detectors.base import Alert, Detector, JobContext, StepBlock
 from stepwatch.detectors.context import JobTelemetry
 from stepwatch.detectors.incidents import Incidents
 from stepwatch import catalog
-from stepwatch.storage.store import Marker, ParquetStore
+from stepwatch.storage.store import Fenced, Marker, ParquetStore
 from stepwatch.storage.views import connect as views_connect
-from stepwatch.stream import ingress, stepaxis
+from stepwatch.stream import fencing, ingress, stepaxis
 from stepwatch.stream.align import JobState
 from stepwatch.stream.hostwait import HostWait
 from stepwatch.stream.stepaxis import JobAxis
@@ -164,6 +165,9 @@ class Processor:
                 for tp in revoked:
                     proc.progress.pop((tp.topic, tp.partition), None)
 
+            def on_partitions_lost(self, lost):      # the group moved on: never commit these
+                fencing.lost(proc, lost)
+
             def on_partitions_assigned(self, assigned):
                 proc._assigned(assigned)
 
@@ -171,8 +175,15 @@ class Processor:
 
     def _assigned(self, assigned) -> None:
         self.store.recover()
+        self.store.group, self.store.member = self.group, fencing.member(self.consumer)
+        try:        # take the partitions for our generation: older owners can no longer commit them
+            pos = self.store.claim([(tp.topic, tp.partition) for tp in assigned], fencing.generation(self.consumer))
+        except Fenced as e:
+            log.warning("%s: not consuming until the next assignment", e)
+            self.consumer.pause(*assigned)
+            return
         for tp in assigned:
-            m = self.store.load_marker(tp.topic, tp.partition)
+            m = pos.get((tp.topic, tp.partition))
             if m is not None:
                 self.consumer.seek(tp, m.next)
             self.progress[(tp.topic, tp.partition)] = PartitionProgress(m or Marker(-1))
@@ -567,10 +578,7 @@ class Processor:
 
     def _has_history(self, job: str) -> bool:
         """Whether the store may hold rows of ``job`` (its partition folders exist)."""
-        root = Path(self.store.root)
-        if not (root / "steps").is_dir():
-            return True       # a store without per-job folders: ask it
-        return any((root / t / f"job={job}").is_dir() for t in ("steps", "topology", "alerts"))
+        return self.store.has_history(job)
 
     def _evict_jobs(self, room: int = 0) -> None:
         """Close and forget jobs idle for ``job_idle_evict_s``, and the least recently active ones
@@ -809,11 +817,18 @@ class Processor:
             return
         t0 = time.perf_counter()
         tables = dict(self.buffers)
+        gen = fencing.generation(self.consumer)
         try:
-            self.store.write_flush(tables, markers)
-        except Exception as e:  # noqa: BLE001 - find the message(s) that break it; store the rest
-            tables = self._isolate(e)
-            self.store.write_flush(tables, markers)
+            try:
+                self.store.write_flush(tables, markers, generation=gen)
+            except Fenced:
+                raise
+            except Exception as e:  # noqa: BLE001 - find the message(s) that break it; store the rest
+                tables = self._isolate(e)
+                self.store.write_flush(tables, markers, generation=gen)
+        except Fenced as e:         # another processor owns a partition now: store nothing
+            fencing.fenced(self, e)
+            return
         rows = {k: sum(t.num_rows for t in v) for k, v in tables.items()}
         self.metrics.flush_seconds.observe(time.perf_counter() - t0)
         for k, n in rows.items():

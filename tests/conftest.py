@@ -48,3 +48,28 @@ def kafka(broker, request):
     s = KafkaSettings(bootstrap=broker.bootstrap, prefix=f"t{_n[0]}.", partitions=2)
     ensure_topics(s)
     return s
+
+
+@pytest.fixture(scope="session")
+def postgres(tmp_path_factory):
+    """A real PostgreSQL server (Debian's postgresql package) for DuckLake catalogs, on a free
+    loopback port; skipped only where the server binaries are not installed."""
+    from lakeservers import PostgresServer, pg_bin
+    if pg_bin() is None:
+        pytest.skip("PostgreSQL server binaries (initdb) not installed: apt-get install postgresql")
+    with PostgresServer() as pg:
+        yield pg
+
+
+@pytest.fixture
+def pg_lake(postgres, tmp_path):
+    """A fresh DuckLake on the session's PostgreSQL server (one database per test), data under tmp_path."""
+    import subprocess
+
+    from stepwatch.storage.lake import Lake
+    _n[0] += 1
+    db = f"lake{_n[0]}"
+    subprocess.run([str(postgres.bin / "psql"), "-h", "127.0.0.1", "-p", str(postgres.port), "-U", postgres.user,
+                    "-d", "postgres", "-c", f"CREATE DATABASE {db}"], check=True, capture_output=True)
+    return Lake.make(f"postgres:host=127.0.0.1 port={postgres.port} user={postgres.user} dbname={db}",
+                     str(tmp_path / "lakedata"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from datetime import datetime, timezone
 
+import duckdb
 import pyarrow as pa
 import pytest
 
@@ -13,10 +14,10 @@ from stepwatch import schema
 from stepwatch.agents.simulate import Simulation
 from stepwatch.dashboards import build, macros
 from stepwatch.dashboards.alerting import ALERT_KINDS, POINT_KINDS, alert_rules, rule_sql
-from stepwatch.dashboards.datasource import DATASOURCE_UID, PLUGIN_ID
+from stepwatch.dashboards.datasource import DATASOURCE_UID, PLUGIN_ID, init_sql
 from stepwatch.detectors.base import Alert
 from stepwatch.storage.store import ParquetStore
-from stepwatch.storage.views import connect
+from stepwatch.storage import extensions
 
 T0 = 1_735_689_600 * 10**9          # 2025-01-01T00:00:00Z, step 0 starts here
 STEPS, RANKS = 120, 64
@@ -64,9 +65,27 @@ def store(tmp_path_factory):
     eff = efficiency_tables(sim.topology(), steps, g["comm"])     # what the processor's efficiency detectors write
     st.write_flush({"topology": [sim.topology()], "steps": [steps], "host": [g["host"]], "gc": [g["gc"]],
                     "alerts": [alerts], "comm": [g["comm"]], **{k: [v] for k, v in eff.items()}}, {})
-    con = connect(root)
+    # every panel's SQL below runs through the datasource's own initSql: locked down, lake read-only
+    # ... with the extensions in a flat folder, as the Grafana pod's init container copies them
+    ext = extensions.copy_to(tmp_path_factory.mktemp("grafana-ext"))[0].parent
+    con = duckdb.connect()
+    con.execute(init_sql(str(root), ext_dir=ext))
     yield con
     con.close()
+
+
+def test_the_datasource_cannot_touch_files_outside_the_lake(store, tmp_path):
+    """What a Grafana editor could type into a panel: every file outside the lake is out of reach,
+    the lake is read-only, and the lockdown cannot be undone."""
+    for sql in ["SELECT * FROM read_text('/etc/passwd')", "SELECT * FROM read_csv('/etc/passwd')",
+                "SELECT * FROM glob('/etc/*')", f"COPY (SELECT 1) TO '{tmp_path}/x.csv'",
+                f"ATTACH '{tmp_path}/other.duckdb' AS other", "INSTALL httpfs", "LOAD httpfs",
+                "SET enable_external_access = true", "SET allowed_directories = ['/']",
+                "RESET lock_configuration", "INSERT INTO lake.alerts (job) VALUES ('x')", "DELETE FROM lake.steps"]:
+        with pytest.raises(duckdb.Error):
+            store.execute(sql).fetchall()
+    assert not (tmp_path / "x.csv").exists() and not (tmp_path / "other.duckdb").exists()
+    assert store.execute("SELECT count(*) > 0 FROM steps").fetchone() == (True,)
 
 
 RANGE = (datetime(2024, 12, 31, 23, 59, tzinfo=timezone.utc), datetime(2025, 1, 1, 0, 10, tzinfo=timezone.utc))

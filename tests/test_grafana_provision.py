@@ -20,7 +20,7 @@ from stepwatch.dashboards.datasource import DATASOURCE_UID, PLUGIN_ID, provision
 from stepwatch.dashboards.export import export
 from stepwatch.dashboards.grafana import (GrafanaAuthError, GrafanaConflictError, GrafanaError, TOKEN_ENV,
                                           TOKEN_FILE_ENV, contains, provision, read_token)
-from stepwatch.storage.views import view_sql
+from stepwatch.dashboards.datasource import init_sql
 
 ROOT = "/var/lib/stepwatch/data"
 N_OBJECTS = 1 + 1 + len(build.BUILDERS) + len(alerting.ALERT_KINDS)
@@ -36,7 +36,7 @@ def test_provision_creates_everything_then_changes_nothing(grafana):
     assert set(grafana.dashboards) == set(build.build_all())
     assert set(grafana.rules) == {alerting.rule_uid(k) for k in alerting.ALERT_KINDS}
     ds = grafana.datasources[DATASOURCE_UID]
-    assert ds["type"] == PLUGIN_ID and ds["jsonData"] == {"path": "", "initSql": view_sql(ROOT)}
+    assert ds["type"] == PLUGIN_ID and ds["jsonData"] == {"path": "", "initSql": init_sql(ROOT)}
     for d in grafana.dashboards.values():
         assert d["folderUid"] == "stepwatch"
     for r in grafana.rules.values():

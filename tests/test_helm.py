@@ -138,7 +138,8 @@ def test_chart_grafana_files_are_what_grafana_export_writes_now(tmp_path):
     from stepwatch.cli import main
     assert main(["grafana", "export", "--out", str(tmp_path)]) == 0
     exported = {p.name: p.read_text(encoding="utf-8") for p in tmp_path.iterdir()}
-    embedded = {p.name: p.read_text(encoding="utf-8") for p in (CHART / "files" / "grafana").iterdir()}
+    embedded = {p.name: p.read_text(encoding="utf-8") for p in (CHART / "files" / "grafana").iterdir()
+                if not p.name.startswith("datasources-postgres")}     # the chart's variants (helmfiles)
     assert embedded == exported, ("helm/stepwatch/files/grafana is stale: run "
                                   "python -m stepwatch.dashboards.helmfiles")
     assert helmfiles.stale(CHART) == []
@@ -160,14 +161,32 @@ def test_configmap_dashboards_equal_the_generator(name):
         assert o["metadata"]["namespace"] == VALUE_SETS[name].get("grafana", {}).get("namespace", NAMESPACE)
 
 
-@pytest.mark.parametrize("name", ["defaults", "scale-out"])
+@pytest.mark.parametrize("name", ["defaults", "ascend-profiling"])
 def test_configmap_datasource_is_the_export_for_grafanas_data_root(name):
     data_root = VALUE_SETS[name].get("grafana", {}).get("dataRoot", DEFAULT_DATA_ROOT)
     cm = one(rendered(name), "ConfigMap", f"{FULL}-grafana-datasource")
     assert cm["metadata"]["labels"]["grafana_datasource"] == "1"
     assert cm["data"] == {"stepwatch-datasource.yaml": helmfiles.expected_files(data_root)["datasources.yaml"]}
     ds = yaml.safe_load(cm["data"]["stepwatch-datasource.yaml"])["datasources"][0]
-    assert f"read_parquet('{data_root}/steps/" in ds["jsonData"]["initSql"]
+    assert f"ATTACH 'ducklake:sqlite:{data_root}/lake.sqlite' AS lake (DATA_PATH '{data_root}/lake/', READ_ONLY)" \
+        in ds["jsonData"]["initSql"]
+
+
+@pytest.mark.parametrize("name", ["scale-out", "nvidia-sasl"])
+def test_configmap_datasource_with_a_postgres_catalog_is_the_export_for_grafanas_view(name):
+    """The datasource Grafana gets for a PostgreSQL catalog: its connection (a read-only role in
+    scale-out), the data path as it sees it, the same lockdown, S3 keys from Grafana's environment."""
+    from stepwatch.dashboards.datasource import init_sql
+    v = VALUE_SETS[name]
+    conn = v["grafana"].get("lake", {}).get("connection") or v["store"]["lake"]["postgres"]["connection"]
+    data_path = v["store"]["lake"].get("dataPath") or v["grafana"].get("dataRoot", DEFAULT_DATA_ROOT) + "/lake"
+    cm = one(rendered(name), "ConfigMap", f"{FULL}-grafana-datasource")
+    ds = yaml.safe_load(cm["data"]["stepwatch-datasource.yaml"])["datasources"][0]
+    assert ds["jsonData"]["initSql"] == init_sql("/var/lib/stepwatch/data", catalog=f"postgres:{conn}",
+                                                 data_path=data_path)
+    assert "__STEPWATCH" not in cm["data"]["stepwatch-datasource.yaml"]
+    if data_path.startswith("s3://"):
+        assert "KEY_ID '${AWS_ACCESS_KEY_ID}'" in ds["jsonData"]["initSql"]
 
 
 def test_alert_rules_configmap_is_opt_in_and_generated():
@@ -186,7 +205,7 @@ EXPECTED_KINDS = {
     "ascend-profiling": {"ServiceAccount", "PriorityClass", "DaemonSet", "Deployment", "Service",
                          "PodDisruptionBudget", "PersistentVolumeClaim", "ConfigMap"},
     "scale-out": {"ServiceAccount", "PriorityClass", "DaemonSet", "Deployment", "Service", "PodDisruptionBudget",
-                  "PersistentVolumeClaim", "CronJob", "ConfigMap", "ServiceMonitor"},
+                  "CronJob", "ConfigMap", "ServiceMonitor"},              # (data on S3: no volume)
     "alerting": {"ServiceAccount", "PriorityClass", "DaemonSet", "Deployment", "Service", "PodDisruptionBudget",
                  "PersistentVolumeClaim", "CronJob", "ConfigMap", "ServiceMonitor", "PrometheusRule"},
 }
@@ -438,14 +457,30 @@ def test_processors_scaled_to_four_with_servicemonitors():
     assert c["resources"]["requests"] == {"cpu": "2", "memory": "4Gi"}
     anti = pod_spec(proc)["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
     assert anti["podAffinityTerm"]["labelSelector"]["matchLabels"] == proc["spec"]["selector"]["matchLabels"]
-    pvc = one(objs, "PersistentVolumeClaim", f"{FULL}-data")
-    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"] and pvc["spec"]["storageClassName"] == "nfs-client"
-    assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
-    assert volumes(proc)["data"]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
-    one(objs, "PodDisruptionBudget", f"{FULL}-processor")
+    # the lake: PostgreSQL catalog (password from a Secret), data on S3 (keys from a Secret), no volume
+    assert not find(objs, "PersistentVolumeClaim") and volumes(proc)["data"] == {"name": "data", "emptyDir": {}}
     cron = one(objs, "CronJob", f"{FULL}-compact")
+    for pod, c in ((proc, container(proc, "processor")), (cron, container(cron, "compact"))):
+        env = {e["name"]: e for e in c["env"]}
+        assert env["STEPWATCH_LAKE_CATALOG"]["value"] == \
+            "postgres:host=pg.db.svc port=5432 dbname=stepwatch user=stepwatch sslmode=require"
+        # the catalog's password: the Secret mounted as a file the process reads (storage/lake.py)
+        assert env["STEPWATCH_LAKE_PASSWORD_FILE"]["value"] == "/etc/stepwatch/lake-catalog/password"
+        assert "PGPASSWORD" not in env
+        assert {"name": "lake-catalog-password", "mountPath": "/etc/stepwatch/lake-catalog",
+                "readOnly": True} in c["volumeMounts"]
+        assert volumes(pod)["lake-catalog-password"]["secret"] == {
+            "secretName": "stepwatch-lake-pg", "defaultMode": 0o440, "items": [{"key": "password", "path": "password"}]}
+        assert env["STEPWATCH_LAKE_DATA_PATH"]["value"] == "s3://ml-telemetry/stepwatch"
+        assert env["STEPWATCH_S3_ENDPOINT"]["value"] == "minio.storage.svc:9000"
+        assert env["STEPWATCH_S3_URL_STYLE"]["value"] == "path" and env["STEPWATCH_S3_USE_SSL"]["value"] == "false"
+        assert env["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"] == {"name": "stepwatch-lake-s3",
+                                                                        "key": "access-key-id"}
+        assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["key"] == "secret-access-key"
+        assert not any("PASSWORD" in e.get("value", "") or "password=" in e.get("value", "") for e in env.values())
+    one(objs, "PodDisruptionBudget", f"{FULL}-processor")
     assert cron["spec"]["concurrencyPolicy"] == "Forbid" and cron["spec"]["schedule"] == "*/30 * * * *"
-    assert "affinity" not in pod_spec(cron)                          # ReadWriteMany: runs anywhere
+    assert "affinity" not in pod_spec(cron)                          # no volume: runs anywhere
     assert container(cron, "compact")["args"][-2:] == ["--retention-days", "90"]
     sms = {o["metadata"]["name"]: o for o in find(objs, "ServiceMonitor")}
     assert set(sms) == {f"{FULL}-processor", f"{FULL}-agent"}
@@ -475,6 +510,18 @@ def test_defaults_store_and_compaction_on_one_node():
     assert term["labelSelector"]["matchLabels"] == proc["spec"]["selector"]["matchLabels"]   # RWO: same node
     assert not find(objs, "ServiceMonitor") and not find(objs, "Job")
     assert [c["name"] for c in pod_spec(proc)["containers"]] == ["processor"]
+
+
+def test_grafana_provision_job_tells_grafana_where_a_postgres_lake_is():
+    objs, _ = render(with_values(**{"grafana.url": "http://grafana:3000",
+                                    "grafana.tokenSecret": {"name": "grafana-sa", "key": "token"},
+                                    "grafana.provisionJob": {"enabled": True},
+                                    "grafana.lake": {"connection": "host=pg dbname=lake user=ro"},
+                                    "store.lake": {**PG, "dataPath": "s3://bkt/p",
+                                                   "s3": {"credentialsSecret": {"name": "s3"}}}}))
+    env = {e["name"]: e["value"] for e in container(one(objs, "Job", f"{FULL}-grafana-provision"), "provision")["env"]}
+    assert env == {"STEPWATCH_GRAFANA_LAKE_CATALOG": "postgres:host=pg dbname=lake user=ro",
+                   "STEPWATCH_GRAFANA_LAKE_DATA_PATH": "s3://bkt/p"}
 
 
 def test_grafana_provision_job_is_an_opt_in_post_install_hook():
@@ -731,6 +778,15 @@ def test_helm_lint_passes_without_warnings(name):
 
 
 BAD_VALUES = [
+    (with_values(**{"store.lake": {"catalog": "postgres"}}), "at '/store/lake'"),
+    (with_values(**{"store.lake": {"catalog": "postgres", "postgres": {"connection": "host=pg password=x"}}}),
+     "at '/store/lake/postgres/connection'"),
+    (with_values(**{"store.lake": {"dataPath": "s3://bucket/prefix"}}), "at '/store/lake'"),
+    (with_values(**{"store.lake": {"catalog": "duckdb"}}), "at '/store/lake/catalog'"),
+    # a SQLite catalog keeps its data on the store volume; several processors need PostgreSQL
+    (with_values(**{"store.lake": {"dataPath": "s3://bucket/prefix", "s3": {"credentialsSecret": {"name": "s3"}}}}),
+     "at '/store/lake/dataPath'"),
+    (with_values(**{"processor.replicas": 4}), "at '/store/lake/catalog'"),
     ({}, "at '/kafka': missing property 'bootstrapServers'"),
     (with_values(**{"kafka.bootstrapServers": ""}), "at '/kafka/bootstrapServers': minLength: got 0, want 1"),
     (with_values(**{"kafka.bootstrapServers": "kafka without port"}), "at '/kafka/bootstrapServers'"),
@@ -761,12 +817,13 @@ def test_invalid_values_fail_with_the_schemas_message(values, message):
     assert any(message in err for err in r["errors"])
 
 
+PG = {"catalog": "postgres", "postgres": {"connection": "host=pg dbname=lake user=sw"}}
 BAD_COMBINATIONS = [
-    ({"processor.replicas": 4}, "processor.replicas=4 needs a volume every replica can mount"),
-    ({"processor.replicas": 2, "store.persistence": {"enabled": False}},
-     "processor.replicas=2 needs store.persistence.enabled"),
-    ({"processor.replicas": 2, "store.persistence": {"accessModes": ["ReadWriteMany"]}, "compaction.mode": "sidecar"},
-     "compaction.mode=sidecar runs one compactor per processor"),
+    ({"processor.replicas": 4, "store.lake": PG}, "processor.replicas=4 needs data files every replica reaches"),
+    ({"processor.replicas": 2, "store.lake": PG, "store.persistence": {"enabled": False}},
+     "processor.replicas=2 with the data files on the store volume needs store.persistence.enabled"),
+    ({"processor.replicas": 2, "store.lake": PG, "store.persistence": {"accessModes": ["ReadWriteMany"]},
+      "compaction.mode": "sidecar"}, "compaction.mode=sidecar runs one compactor per processor"),
     ({"store.persistence": {"enabled": False}}, "compaction.mode=cronjob needs store.persistence.enabled"),
     ({"kafka.securityProtocol": "SASL_SSL", "kafka.sasl": {"mechanism": "PLAIN", "username": "u"}},
      "kafka.securityProtocol=SASL_SSL needs kafka.sasl.passwordSecret.name"),

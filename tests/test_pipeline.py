@@ -82,19 +82,19 @@ def _proc_cmd(kafka, data, group):
 
 
 def _count_files(data):
-    return len(list((data / "steps").glob("job=crash/*/part-*.parquet")))
+    return len(list((data / "lake" / "main" / "steps").glob("job=crash/*/*.parquet")))
 
 
 def test_sigkill_mid_stream_then_restart_loses_nothing_and_stores_nothing_twice(kafka, tmp_path):
     sim = Simulation(job="crash", ranks=512, steps=300, seed=5, faults=["slow-rank:rank=100,pct=30,start=40"])
     prod = make_producer(kafka)
-    # the producer keeps sending (~10 steps/s, ~30 s) while processors are killed and restarted
+    # the producer keeps sending (~6 steps/s, ~50 s) while processors are killed and restarted
     sent = {}
     th = threading.Thread(target=lambda: sent.update(send_simulation(
-        sim, prod, kafka, chunk=1, rows_per_message=512, on_chunk=lambda *_: time.sleep(0.08))))
+        sim, prod, kafka, chunk=1, rows_per_message=512, on_chunk=lambda *_: time.sleep(0.15))))
     th.start()
     kills = 0
-    for failpoint in (None, "after-intent"):
+    for failpoint in (None, "before-commit"):
         env = dict(os.environ)
         if failpoint:
             env["STEPWATCH_FAILPOINT"] = failpoint

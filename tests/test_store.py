@@ -2,11 +2,13 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pyarrow as pa
+import pytest
 
 from stepwatch import schema as wire
-from stepwatch.storage.store import Marker, ParquetStore, ranges
+from stepwatch.storage.store import Fenced, LakeStore, Marker, ranges
 from stepwatch.storage.views import connect
 
 
@@ -20,44 +22,51 @@ def steps(job, step0, n, ranks=4):
     return wire.conform(t, wire.STEPS)
 
 
-def test_flush_writes_partitions_markers_and_views(tmp_path):
-    st = ParquetStore(tmp_path).init()
+def test_flush_writes_rows_and_offsets_in_one_snapshot(tmp_path):
+    st = LakeStore(tmp_path).init()
     st.cluster = "c1"
-    files = st.write_flush({"steps": [steps("a", 0, 3), steps("b", 0, 2)]}, {("t.steps", 0): Marker(42)})
-    steps_files = [f for f in files if f.parts[-4] == "steps"]
-    assert len(steps_files) == 2 and all(f.exists() for f in files)
-    assert {f.parent.parent.name for f in steps_files} == {"job=a", "job=b"}
-    # the per-rank minute summary is derived from the same rows in the same flush
-    assert {f.parts[-4] for f in files} == {"steps", "rank_minutes"}
-    assert st.load_marker("t.steps", 0).next == 42
+    con = connect(tmp_path)
+    snap0 = con.execute("SELECT max(snapshot_id) FROM lake.snapshots()").fetchone()[0]
+    assert st.write_flush({"steps": [steps("a", 0, 3), steps("b", 0, 2)]}, {("t.steps", 0): Marker(42)}) >= 20
+    assert st.load_marker("t.steps", 0) == Marker(42, [])
     con = connect(tmp_path)
     assert con.execute("SELECT job, count(*) FROM steps GROUP BY job ORDER BY job").fetchall() == [("a", 12), ("b", 8)]
-    assert con.execute("SELECT count(*) FROM alerts").fetchone() == (0,)       # seed keeps empty tables readable
-    assert not list(tmp_path.rglob("*.tmp"))
+    # the per-rank minute summary is derived from the same rows in the same flush
+    assert con.execute("SELECT sum(steps) FROM rank_minutes").fetchone() == (20,)
+    assert con.execute("SELECT count(*) FROM alerts").fetchone() == (0,)
+    # one commit = one snapshot, holding the rows of both tables and the offsets
+    snaps = con.execute("SELECT snapshot_id, changes FROM lake.snapshots() WHERE snapshot_id > ?", [snap0]).fetchall()
+    assert len(snaps) == 1, snaps
+    # partitioned by job and date; times stored as TIMESTAMPTZ, the date column from t_end (UTC)
+    files = [r[0] for r in con.execute("SELECT data_file FROM ducklake_list_files('lake', 'steps')").fetchall()]
+    assert sorted(f.split("/steps/")[1].rsplit("/", 1)[0] for f in files) == ["job=a/date=2026-11-18",
+                                                                            "job=b/date=2026-11-18"]
+    assert con.execute("SELECT any_value(typeof(t_end)), min(date)::VARCHAR FROM steps").fetchone() == (
+        "TIMESTAMP WITH TIME ZONE", "2026-11-18")
 
 
-def test_crash_after_intent_is_rolled_forward(tmp_path):
-    """A writer killed between its intent and the renames: recovery completes the flush."""
+def test_a_writer_killed_before_commit_leaves_nothing_visible(tmp_path):
+    """Killed after writing its Parquet files, before the catalog commit: neither rows nor offsets
+    are visible; the next flush of the same messages stores them once."""
     code = f"""
 import sys; sys.path.insert(0, {str(os.path.dirname(__file__))!r})
 from test_store import steps
-from stepwatch.storage.store import ParquetStore, Marker
-st = ParquetStore({str(tmp_path)!r}).init(); st.cluster = "c1"
+from stepwatch.storage.store import LakeStore, Marker
+st = LakeStore({str(tmp_path)!r}).init(); st.cluster = "c1"
 st.write_flush({{"steps": [steps("a", 0, 5)]}}, {{("t.steps", 1): Marker(7)}})
 """
-    env = dict(os.environ, STEPWATCH_FAILPOINT="after-intent")
+    env = dict(os.environ, STEPWATCH_FAILPOINT="before-commit")
     rc = subprocess.run([sys.executable, "-c", code], env=env).returncode
     assert rc == 137
-    st = ParquetStore(tmp_path)
+    st = LakeStore(tmp_path).init()
     st.cluster = "c1"
-    assert st.load_marker("t.steps", 1) is None                    # nothing visible yet
-    assert len(list((tmp_path / "steps").rglob(".part-*.tmp"))) == 1
-    assert st.recover() == 1
-    assert st.load_marker("t.steps", 1).next == 7
+    assert st.load_marker("t.steps", 1) is None
+    assert connect(tmp_path).execute("SELECT count(*) FROM steps").fetchone() == (0,)
+    assert st.recover() == 0
+    st.write_flush({"steps": [steps("a", 0, 5)]}, {("t.steps", 1): Marker(7)})
     con = connect(tmp_path)
-    assert con.execute("SELECT count(*) FROM steps").fetchone() == (20,)
-    assert con.execute("SELECT sum(steps) FROM rank_minutes").fetchone() == (20,)
-    assert not list((tmp_path / "_state" / "intents").iterdir())
+    assert con.execute("SELECT count(*), count(DISTINCT (rank, step)) FROM steps").fetchone() == (20, 20)
+    assert st.load_marker("t.steps", 1).next == 7
 
 
 def test_marker_done_ranges():
@@ -67,6 +76,69 @@ def test_marker_done_ranges():
     assert json.loads(json.dumps(m.to_json())) == {"next": 10, "done": [[12, 14], [20, 20]]}
 
 
+@pytest.mark.parametrize("catalog", ["sqlite", "postgres"])
+def test_a_commit_from_an_older_generation_is_rejected(tmp_path, catalog, request):
+    """Fencing, directly: a processor whose partition went to a newer generation cannot commit
+    (nor claim it back); nothing of its flush is stored."""
+    lake = request.getfixturevalue("pg_lake") if catalog == "postgres" else tmp_path
+    a, b = LakeStore(lake).init(), LakeStore(lake).init()
+    a.cluster = b.cluster = "c1"
+    assert a.claim([("t.steps", 0), ("t.steps", 1)], generation=5) == {("t.steps", 0): None, ("t.steps", 1): None}
+    a.write_flush({"steps": [steps("j", 0, 1)]}, {("t.steps", 0): Marker(10), ("t.steps", 1): Marker(3)}, generation=5)
+    # a rebalance: generation 6 gives partition 0 to b
+    assert b.claim([("t.steps", 0)], generation=6) == {("t.steps", 0): Marker(10, [])}
+    with pytest.raises(Fenced) as e:                     # a still thinks it owns both
+        a.write_flush({"steps": [steps("j", 1, 1)]}, {("t.steps", 0): Marker(11), ("t.steps", 1): Marker(4)},
+                      generation=5)
+    assert e.value.partitions == {("t.steps", 0): 6}
+    with pytest.raises(Fenced):                          # nor can it claim the partition back
+        a.claim([("t.steps", 0)], generation=5)
+    con = connect(lake)
+    assert con.execute("SELECT count(*), max(step) FROM steps").fetchone() == (4, 0)     # nothing of the fenced flush
+    assert a.load_marker("t.steps", 1).next == 3
+    b.write_flush({"steps": [steps("j", 1, 1)]}, {("t.steps", 0): Marker(11)}, generation=6)
+    a.write_flush({}, {("t.steps", 1): Marker(4)}, generation=6)    # a rejoined in generation 6, owns partition 1
+    assert connect(lake).execute(
+        "SELECT topic, \"partition\", next, generation FROM kafka_offsets WHERE cluster = 'c1' ORDER BY 2").fetchall() == [
+        ("t.steps", 0, 11, 6), ("t.steps", 1, 4, 6)]
+
+
+@pytest.mark.parametrize("catalog", ["sqlite", "postgres"])
+def test_a_claim_racing_an_old_owners_commits_sees_every_commit_that_landed(tmp_path, catalog, request):
+    """The old owner (generation 1) commits flush after flush while the new owner claims the
+    partition (generation 2). Whatever interleaving, the claim's position counts exactly the
+    flushes stored, and every commit after the claim is rejected."""
+    lake = tmp_path
+    if catalog == "postgres":
+        lake = request.getfixturevalue("pg_lake")
+    old, new = LakeStore(lake).init(), LakeStore(lake).init()
+    old.claim([("t.steps", 0)], generation=1)
+    claimed = threading.Event()
+    fenced, committed = [], [0]
+
+    def old_owner():
+        k = 0
+        while k < 400:
+            try:
+                old.write_flush({"steps": [steps("j", k, 1)]}, {("t.steps", 0): Marker(k + 1)}, generation=1)
+            except Fenced:
+                fenced.append(k)
+                if claimed.is_set():
+                    return
+                continue
+            committed[0] = k = k + 1
+    th = threading.Thread(target=old_owner)
+    th.start()
+    while committed[0] < 5:
+        threading.Event().wait(0.01)
+    m = new.claim([("t.steps", 0)], generation=2)[("t.steps", 0)]
+    claimed.set()
+    th.join(60)
+    assert fenced, "the old owner was never fenced"
+    n = connect(lake).execute("SELECT count(*), count(DISTINCT step), max(step) FROM steps").fetchone()
+    assert n == (m.next * 4, m.next, m.next - 1)
+
+
 def test_docs_tables_md_matches_the_code():
     from pathlib import Path
 
@@ -74,3 +146,34 @@ def test_docs_tables_md_matches_the_code():
     doc = Path(__file__).resolve().parents[1] / "docs" / "tables.md"
     assert doc.read_text() == tables_markdown(), \
         "docs/tables.md is stale: python -m stepwatch.storage.docs > docs/tables.md"
+
+
+def test_postgres_password_from_a_file_is_used_and_never_printed(postgres, tmp_path):
+    """The chart mounts the catalog's password Secret as a file: STEPWATCH_LAKE_PASSWORD_FILE. A
+    role that needs a password (scram) connects with it; neither a good nor a bad password shows in
+    what the process prints."""
+    import os
+    import subprocess
+    import sys
+    psql = [str(postgres.bin / "psql"), "-h", "127.0.0.1", "-p", str(postgres.port), "-U", postgres.user,
+            "-d", "postgres", "-v", "ON_ERROR_STOP=1"]
+    subprocess.run(psql + ["-c", "CREATE ROLE pwuser LOGIN PASSWORD 'S3kr3t-pw'"], check=True, capture_output=True)
+    subprocess.run(psql + ["-c", "CREATE DATABASE pwlake OWNER pwuser"], check=True, capture_output=True)
+    hba = postgres.base / "data" / "pg_hba.conf"
+    hba.write_text("host all pwuser 127.0.0.1/32 scram-sha-256\n" + hba.read_text())
+    subprocess.run(psql + ["-c", "SELECT pg_reload_conf()"], check=True, capture_output=True)
+    code = ("import sys; sys.path.insert(0, 'tests'); from test_store import steps\n"
+            "from stepwatch.storage.lake import Lake; from stepwatch.storage.store import LakeStore\n"
+            "lake = Lake.from_dir(sys.argv[1]); print(lake.describe())\n"
+            "st = LakeStore(lake).init(); st.write_flush({'steps': [steps('j', 0, 1)]}, {}); print('stored')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+    env.update(STEPWATCH_LAKE_CATALOG=f"postgres:host=127.0.0.1 port={postgres.port} user=pwuser dbname=pwlake",
+               STEPWATCH_LAKE_DATA_PATH=str(tmp_path / "data"))
+    for pw, ok in (("wrong-pw-123", False), ("S3kr3t-pw", True)):
+        (tmp_path / "pw").write_text(pw + "\n")
+        r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                           env=dict(env, STEPWATCH_LAKE_PASSWORD_FILE=str(tmp_path / "pw")))
+        assert (r.returncode == 0 and "stored" in r.stdout) == ok, (r.stdout[-2000:], r.stderr[-2000:])
+        assert pw not in r.stdout + r.stderr
+        if not ok:
+            assert "password authentication failed" in r.stderr

@@ -71,6 +71,80 @@ app.kubernetes.io/part-of: stepwatch
 {{- if and .Values.store.persistence.enabled (has "ReadWriteMany" .Values.store.persistence.accessModes) -}}true{{- end -}}
 {{- end -}}
 
+{{/* the lake's data files are on S3 ("true") */}}
+{{- define "stepwatch.lakeS3" -}}
+{{- if hasPrefix "s3://" .Values.store.lake.dataPath -}}true{{- end -}}
+{{- end -}}
+
+{{/* the pods need the store volume: a SQLite catalog or data files on it ("true") */}}
+{{- define "stepwatch.lakeVolume" -}}
+{{- if or (eq .Values.store.lake.catalog "sqlite") (not (include "stepwatch.lakeS3" .)) -}}true{{- end -}}
+{{- end -}}
+
+{{/* processors may run side by side (rolling updates, replicas): nothing ReadWriteOnce between them */}}
+{{- define "stepwatch.multiWriter" -}}
+{{- if and (eq .Values.store.lake.catalog "postgres") (or (include "stepwatch.lakeS3" .) (include "stepwatch.storeShared" .)) -}}true{{- end -}}
+{{- end -}}
+
+{{/* environment of processor and compaction: where the lake is (storage/lake.py) */}}
+{{- define "stepwatch.lakeEnv" -}}
+{{- $l := .Values.store.lake -}}
+{{- if eq $l.catalog "postgres" }}
+- name: STEPWATCH_LAKE_CATALOG
+  value: {{ printf "postgres:%s" $l.postgres.connection | quote }}
+{{- if $l.postgres.passwordSecret.name }}
+- name: STEPWATCH_LAKE_PASSWORD_FILE
+  value: /etc/stepwatch/lake-catalog/password
+{{- end }}
+{{- end }}
+{{- if $l.dataPath }}
+- name: STEPWATCH_LAKE_DATA_PATH
+  value: {{ $l.dataPath | quote }}
+{{- end }}
+{{- if include "stepwatch.lakeS3" . }}
+- name: STEPWATCH_S3_ENDPOINT
+  value: {{ $l.s3.endpoint | quote }}
+- name: STEPWATCH_S3_REGION
+  value: {{ $l.s3.region | quote }}
+- name: STEPWATCH_S3_URL_STYLE
+  value: {{ $l.s3.urlStyle | quote }}
+- name: STEPWATCH_S3_USE_SSL
+  value: {{ $l.s3.useSSL | quote }}
+- name: AWS_ACCESS_KEY_ID
+  valueFrom:
+    secretKeyRef:
+      name: {{ $l.s3.credentialsSecret.name }}
+      key: {{ $l.s3.credentialsSecret.accessKeyIdKey }}
+- name: AWS_SECRET_ACCESS_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ $l.s3.credentialsSecret.name }}
+      key: {{ $l.s3.credentialsSecret.secretAccessKeyKey }}
+{{- end }}
+{{- end -}}
+
+{{/* the catalog's password Secret as a file (STEPWATCH_LAKE_PASSWORD_FILE; never an env value) */}}
+{{- define "stepwatch.lakeVolumeMounts" -}}
+{{- if and (eq .Values.store.lake.catalog "postgres") .Values.store.lake.postgres.passwordSecret.name }}
+- name: lake-catalog-password
+  mountPath: /etc/stepwatch/lake-catalog
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "stepwatch.lakeVolumes" -}}
+{{- $s := .Values.store.lake.postgres.passwordSecret -}}
+{{- if and (eq .Values.store.lake.catalog "postgres") $s.name }}
+- name: lake-catalog-password
+  secret:
+    secretName: {{ $s.name }}
+    defaultMode: 0440
+    items:
+      - key: {{ $s.key }}
+        path: password
+{{- end }}
+{{- end -}}
+
 {{/* ------------------------------------------------------------------ security contexts */}}
 {{- define "stepwatch.podSecurityContext" -}}
 runAsNonRoot: true
@@ -286,17 +360,22 @@ capabilities:
 {{- end -}}
 {{- end -}}
 {{- if and $v.processor.enabled (gt (int $v.processor.replicas) 1) -}}
+{{- if ne $v.store.lake.catalog "postgres" -}}
+{{- fail (printf "processor.replicas=%d needs store.lake.catalog=postgres (with store.lake.postgres.connection): a SQLite catalog serves one processor" (int $v.processor.replicas)) -}}
+{{- end -}}
+{{- if not (include "stepwatch.lakeS3" .) -}}
 {{- if not $v.store.persistence.enabled -}}
-{{- fail (printf "processor.replicas=%d needs store.persistence.enabled: the replicas must share one Parquet store" (int $v.processor.replicas)) -}}
+{{- fail (printf "processor.replicas=%d with the data files on the store volume needs store.persistence.enabled (or store.lake.dataPath=s3://...)" (int $v.processor.replicas)) -}}
 {{- end -}}
 {{- if not (include "stepwatch.storeShared" .) -}}
-{{- fail (printf "processor.replicas=%d needs a volume every replica can mount: set store.persistence.accessModes to [ReadWriteMany] (CephFS, NFS, Lustre, ...), describing store.persistence.existingClaim if you use one" (int $v.processor.replicas)) -}}
+{{- fail (printf "processor.replicas=%d needs data files every replica reaches: store.lake.dataPath=s3://bucket/prefix, or store.persistence.accessModes [ReadWriteMany] (any shared filesystem; describing store.persistence.existingClaim if you use one)" (int $v.processor.replicas)) -}}
+{{- end -}}
 {{- end -}}
 {{- if and $v.compaction.enabled (eq $v.compaction.mode "sidecar") -}}
 {{- fail (printf "compaction.mode=sidecar runs one compactor per processor: with processor.replicas=%d use compaction.mode=cronjob" (int $v.processor.replicas)) -}}
 {{- end -}}
 {{- end -}}
-{{- if and $v.compaction.enabled (eq $v.compaction.mode "cronjob") (not $v.store.persistence.enabled) -}}
+{{- if and $v.compaction.enabled (eq $v.compaction.mode "cronjob") (not $v.store.persistence.enabled) (include "stepwatch.lakeVolume" .) -}}
 {{- fail "compaction.mode=cronjob needs store.persistence.enabled (a CronJob cannot reach the processor's emptyDir): enable persistence or use compaction.mode=sidecar" -}}
 {{- end -}}
 {{- if and $v.compaction.enabled (eq $v.compaction.mode "sidecar") (not $v.processor.enabled) -}}

@@ -1,0 +1,246 @@
+"""Where the lake is and how to attach it: catalog, data path, S3 credentials (DESIGN §7).
+
+A DuckLake is a SQL *catalog* (every commit a snapshot) plus Parquet files under a *data path*:
+
+* embedded default (``--data-dir DIR``): SQLite catalog ``DIR/lake.sqlite`` (WAL mode, so readers
+  never block the writer), data under ``DIR/lake/``;
+* several processors: ``STEPWATCH_LAKE_CATALOG=postgres:<libpq connection string>`` without the
+  password, which comes from the environment (``PGPASSWORD``, read by libpq) or a file
+  (``STEPWATCH_LAKE_PASSWORD_FILE``, e.g. a mounted Secret; see :func:`password_from_file`), and is
+  never part of a string stepwatch prints or logs; and a data path every processor reaches:
+  ``STEPWATCH_LAKE_DATA_PATH`` = a shared folder (no rename semantics needed) or ``s3://bucket/prefix/``
+  (``httpfs``; endpoint/region/URL style from ``STEPWATCH_S3_*``, keys from ``AWS_ACCESS_KEY_ID`` /
+  ``AWS_SECRET_ACCESS_KEY``).
+
+:func:`Lake.attach_sql` is the one statement list every reader and writer runs (the store, the views,
+``stepwatch sql``, the Grafana datasource's initSql).
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import sqlite3
+import threading
+from collections import OrderedDict
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import duckdb
+
+from stepwatch.storage import extensions
+
+ALIAS = "lake"
+RETRIES = 100          # DuckLake commit retries on a PostgreSQL catalog (see Lake.connect)
+
+
+def lit(s) -> str:
+    return "'" + str(s).replace("'", "''") + "'"
+
+
+@dataclass(frozen=True)
+class S3:
+    endpoint: str = ""            # host:port of an S3-compatible server; empty: AWS
+    region: str = "us-east-1"
+    url_style: str = ""           # "path" for most S3-compatible servers; empty: DuckDB's default (vhost)
+    use_ssl: bool = True
+    key_id: str = ""
+    secret: str = ""
+
+    @classmethod
+    def from_env(cls, env=os.environ) -> "S3":
+        return cls(endpoint=env.get("STEPWATCH_S3_ENDPOINT", ""),
+                   region=env.get("STEPWATCH_S3_REGION") or env.get("AWS_REGION") or "us-east-1",
+                   url_style=env.get("STEPWATCH_S3_URL_STYLE", ""),
+                   use_ssl=env.get("STEPWATCH_S3_USE_SSL", "true").lower() not in ("0", "false", "no"),
+                   key_id=env.get("AWS_ACCESS_KEY_ID", ""), secret=env.get("AWS_SECRET_ACCESS_KEY", ""))
+
+    def secret_sql(self, scope: str, from_env_placeholders: bool = False) -> str:
+        """``CREATE SECRET`` for httpfs. With ``from_env_placeholders`` every value is written as
+        ``${AWS_ACCESS_KEY_ID}``, ``${AWS_SECRET_ACCESS_KEY}``, ``${STEPWATCH_S3_ENDPOINT|REGION|URL_STYLE|USE_SSL}``:
+        Grafana expands them from its environment when it reads a provisioning file, so no key is
+        stored in the datasource."""
+        if from_env_placeholders:
+            parts = ["TYPE s3", "KEY_ID '${AWS_ACCESS_KEY_ID}'", "SECRET '${AWS_SECRET_ACCESS_KEY}'",
+                     "REGION '${STEPWATCH_S3_REGION}'", f"SCOPE {lit(scope)}", "ENDPOINT '${STEPWATCH_S3_ENDPOINT}'",
+                     "URL_STYLE '${STEPWATCH_S3_URL_STYLE}'", "USE_SSL ${STEPWATCH_S3_USE_SSL}"]
+            return f"CREATE OR REPLACE SECRET stepwatch_lake_s3 ({', '.join(parts)});"
+        parts = ["TYPE s3", f"KEY_ID {lit(self.key_id)}", f"SECRET {lit(self.secret)}", f"REGION {lit(self.region)}",
+                 f"SCOPE {lit(scope)}"]
+        if self.endpoint:
+            parts.append(f"ENDPOINT {lit(self.endpoint)}")
+        if self.url_style:
+            parts.append(f"URL_STYLE {lit(self.url_style)}")
+        parts.append(f"USE_SSL {'true' if self.use_ssl else 'false'}")
+        return f"CREATE OR REPLACE SECRET stepwatch_lake_s3 ({', '.join(parts)});"
+
+
+@dataclass(frozen=True)
+class Lake:
+    catalog: str                  # "sqlite:/abs/lake.sqlite" | "postgres:<libpq connection string>"
+    data_path: str                # "/abs/folder/" | "s3://bucket/prefix/"
+    s3: S3 | None = None
+    dir: Path | None = None       # the local data dir it was made from (reports, bench scratch files)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_dir(cls, data_dir: str | Path | "Lake", env=os.environ) -> "Lake":
+        """The lake of ``--data-dir``: SQLite + local files there, unless ``STEPWATCH_LAKE_CATALOG`` /
+        ``STEPWATCH_LAKE_DATA_PATH`` say otherwise."""
+        if isinstance(data_dir, Lake):
+            return data_dir
+        d = Path(data_dir).absolute()
+        catalog = env.get("STEPWATCH_LAKE_CATALOG") or f"sqlite:{d / 'lake.sqlite'}"
+        if catalog.startswith("postgres:"):
+            password_from_file(env)
+        data = env.get("STEPWATCH_LAKE_DATA_PATH") or str(d / "lake")
+        return cls.make(catalog, data, S3.from_env(env) if data.startswith("s3://") else None, d)
+
+    @classmethod
+    def make(cls, catalog: str, data_path: str, s3: S3 | None = None, dir: str | Path | None = None) -> "Lake":
+        if not catalog.startswith(("sqlite:", "postgres:")):
+            raise ValueError(f"lake catalog {catalog!r}: give sqlite:<file> or postgres:<connection string>")
+        if not data_path.endswith("/"):
+            data_path += "/"
+        if data_path.startswith("s3://") and s3 is None:
+            s3 = S3()
+        return cls(catalog, data_path, s3, Path(dir) if dir else None)
+
+    def at(self, data_path: str | None = None, catalog: str | None = None) -> "Lake":
+        """The same lake as another machine sees it (Grafana's mount points)."""
+        return replace(self, data_path=data_path or self.data_path, catalog=catalog or self.catalog)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def kind(self) -> str:
+        return self.catalog.split(":", 1)[0]
+
+    @property
+    def sqlite_file(self) -> str | None:
+        return self.catalog.split(":", 1)[1] if self.kind == "sqlite" else None
+
+    @property
+    def extensions(self) -> list[str]:
+        return ["ducklake", self.kind] + (["httpfs"] if self.s3 is not None else [])
+
+    def describe(self) -> str:
+        cat = self.catalog
+        if self.kind == "postgres":     # never print a password
+            cat = " ".join(p if not p.startswith("password=") else "password=***" for p in cat.split(" "))
+        return f"DuckLake catalog {cat}, data {self.data_path}"
+
+    # ------------------------------------------------------------------ SQL
+    def attach_sql(self, read_only: bool = False, ext_dir: str | Path | None = None, lockdown: bool = False,
+                   s3_keys_from_env: bool = False, alias: str = ALIAS) -> list[str]:
+        """Statements that load the extensions, [lock DuckDB down,] and attach the lake as ``alias``.
+
+        ``lockdown`` (the Grafana datasource): after the extensions are loaded and before the lake is
+        attached, file access is limited to the lake (its data path and catalog file),
+        ``enable_external_access = false``, extension auto-install/auto-load off, then the
+        configuration is locked, so SQL typed into a panel can neither read nor write other files,
+        load extensions, or undo these settings."""
+        out = extensions.load_sql(self.extensions, ext_dir)
+        if self.s3 is not None:
+            out.append(self.s3.secret_sql(self.data_path.rstrip("/"), s3_keys_from_env))
+        if lockdown:
+            out.append(f"SET allowed_directories = [{lit(self.data_path)}];")
+            if self.sqlite_file:
+                out.append(f"SET allowed_paths = [{lit(self.sqlite_file)}];")
+            out += ["SET enable_external_access = false;", "SET autoinstall_known_extensions = false;",
+                    "SET autoload_known_extensions = false;", "SET lock_configuration = true;"]
+        opts = [f"DATA_PATH {lit(self.data_path)}"] + (["READ_ONLY"] if read_only else [])
+        out.append(f"ATTACH {lit('ducklake:' + self.catalog)} AS {alias} ({', '.join(opts)});")
+        return out
+
+    def prepare(self) -> None:
+        """Before the first (writing) attach: the folders and a SQLite catalog in WAL mode (readers
+        then never block the writer; WAL is a property of the file, so it is set once)."""
+        if self.sqlite_file and not Path(self.sqlite_file).exists():
+            # Only a file nobody has open: closing a second SQLite library's handle on a file that
+            # DuckDB's SQLite holds would drop DuckDB's POSIX locks in this process.
+            Path(self.sqlite_file).parent.mkdir(parents=True, exist_ok=True)
+            c = sqlite3.connect(self.sqlite_file, timeout=30)
+            try:
+                c.execute("PRAGMA journal_mode=WAL")
+            finally:
+                c.close()
+        if not self.data_path.startswith(("s3://", "gs://", "r2://", "az://", "abfss://")):
+            Path(self.data_path).mkdir(parents=True, exist_ok=True)
+
+    @contextmanager
+    def write_lock(self):
+        """Held around every writing transaction (a flush, a claim, a compaction step) on a SQLite
+        catalog; a no-op on PostgreSQL. A DuckLake transaction reads the catalog when it begins and
+        writes it when it commits; SQLite (WAL) refuses the write ("database is locked", whatever
+        the transaction touched) once another connection committed in between. Without this lock a
+        compaction step, which takes longer than the gap between two flushes, would never commit.
+        Readers take no lock. (An ``flock`` on ``<catalog>.lock``: one machine, as a SQLite catalog is;
+        released when its process dies.)"""
+        if not self.sqlite_file:
+            yield
+            return
+        fd = os.open(self.sqlite_file + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def connect(self, read_only: bool = False, threads: int | None = None) -> duckdb.DuckDBPyConnection:
+        """A DuckDB connection with the lake attached as ``lake`` (times shown in UTC). One DuckDB
+        instance per lake and mode is kept per process (loading the signed extensions costs a
+        fraction of a second each time); every call returns a new connection to it, with its own
+        transactions."""
+        key = (self, read_only)
+        with _INSTANCES_LOCK:
+            db = _INSTANCES.get(key)
+            if db is None:
+                if not read_only:
+                    self.prepare()
+                db = duckdb.connect(":memory:")
+                db.execute("SET GLOBAL TimeZone = 'UTC'")
+                for stmt in self.attach_sql(read_only=read_only):
+                    db.execute(stmt)
+                # DuckLake's own commit retry redoes only the catalog write, on a fresh snapshot, after
+                # another commit took the ids this transaction allocated (PostgreSQL). Without it a
+                # transaction longer than the gap between two flushes (a compaction step) never
+                # commits. On SQLite the writers take turns (write_lock) and it is not needed.
+                db.execute(f"SET GLOBAL ducklake_max_retry_count = {RETRIES if self.kind == 'postgres' else 0}")
+                _INSTANCES[key] = db
+                while len(_INSTANCES) > 8:         # open connections keep an evicted instance alive
+                    _INSTANCES.popitem(last=False)
+            else:
+                _INSTANCES.move_to_end(key)
+            con = db.cursor()
+        if threads:
+            con.execute(f"SET threads = {int(threads)}")
+        return con
+
+
+_INSTANCES: "OrderedDict[tuple[Lake, bool], duckdb.DuckDBPyConnection]" = OrderedDict()
+_INSTANCES_LOCK = threading.Lock()
+
+
+def password_from_file(env=os.environ) -> None:
+    """The catalog's password from the file ``STEPWATCH_LAKE_PASSWORD_FILE`` names (a Kubernetes
+    Secret mounted as a file), handed to libpq as ``PGPASSWORD`` in this process's environment, so
+    it never appears in a connection string (which errors and logs may show). A ``PGPASSWORD``
+    already set wins. The file's content is not logged, not even on error."""
+    path = env.get("STEPWATCH_LAKE_PASSWORD_FILE")
+    if not path or os.environ.get("PGPASSWORD"):
+        return
+    try:
+        pw = Path(path).read_text().rstrip("\r\n")
+    except OSError as e:
+        raise RuntimeError(f"STEPWATCH_LAKE_PASSWORD_FILE={path}: cannot read it ({e.strerror})") from None
+    if pw:
+        os.environ["PGPASSWORD"] = pw
+
+
+def lake_of(x) -> Lake:
+    """A :class:`Lake` from a Lake, a data dir, or anything with a ``lake`` attribute (a store)."""
+    if isinstance(x, Lake):
+        return x
+    if hasattr(x, "lake"):
+        return x.lake
+    return Lake.from_dir(x)
