@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from stepwatch.schema import NATURAL_KEYS, SCHEMAS
 from stepwatch.storage.lake import Lake
-from stepwatch.storage.store import LAKE_OPTIONS, OFFSETS, SORT_COLUMNS, TIME_COLUMN
+from stepwatch.storage.store import JOBS, LAKE_OPTIONS, OFFSETS, SORT_COLUMNS, TIME_COLUMN
 from stepwatch.storage.views import view_sql
 
 ABOUT = {
@@ -65,9 +65,13 @@ data on a local folder and on moto's S3-compatible server (path-style URLs, no T
 `httpfs`. Not tested: AWS S3 itself, GCS/Azure, TLS to the S3 endpoint.
 
 Each table below is a lake table of the same name with one more column, `date` (UTC day of the event
-time given as "date partition from"), **partitioned by `(job, date)`**: its files are
-`<data path>/main/<table>/job=<job>/date=YYYY-MM-DD/ducklake-<uuid>.parquet` ({LAKE_OPTIONS["parquet_compression"]},
-Parquet v{LAKE_OPTIONS["parquet_version"]}, rows sorted within a file as listed). Event times are stored as `TIMESTAMPTZ` (microseconds).
+time given as "date partition from"), **partitioned by `date`** only: its files are
+`<data path>/main/<table>/date=YYYY-MM-DD/ducklake-<uuid>.parquet` ({LAKE_OPTIONS["parquet_compression"]},
+Parquet v{LAKE_OPTIONS["parquet_version"]}, rows sorted within a file as listed: job first). A flush writes one
+file per table (per day it spans) however many jobs it holds; a query for one job and time range opens
+only the files whose `job` and time range, as the catalog's per-file min/max statistics say, can hold
+such rows, and within a file only the row groups that can. Event times are stored as `TIMESTAMPTZ`
+(microseconds). The table `{JOBS}` names every job stored (a row per job and writer start).
 
 **Snapshots.** A processor's flush is one transaction: the rows of every table and the Kafka
 positions (`{OFFSETS}`) become visible together, in one new snapshot. A query reads one whole
@@ -75,7 +79,7 @@ snapshot, never a half-written flush or half of a compaction. Older snapshots st
 expired: `SELECT * FROM lake.snapshots()`, `SELECT count(*) FROM lake.steps AT (VERSION => 42)`.
 
 **Compaction and retention** (`stepwatch compact`, the chart's CronJob): `ducklake_merge_adjacent_files`
-merges a partition's small files; `--retention-days N` deletes whole `(job, date)` partitions older than
+merges a partition's small files; `--retention-days N` deletes whole `date` partitions older than
 N days; then `ducklake_expire_snapshots` drops snapshots older than `--grace` seconds (default 300),
 `ducklake_cleanup_old_files` deletes the files only those snapshots used, and
 `ducklake_delete_orphaned_files` the files of flushes killed before their commit (after an hour). Each
@@ -132,6 +136,9 @@ def tables_markdown() -> str:
             "consumed yet), the offsets done above it (`done`, JSON ranges), the consumer-group `generation` "
             "and `member` that wrote it. A commit from an older generation is rejected (fencing). The row "
             "with `partition` -1 is a sentinel that serializes the creation of a partition's first row.", ""]
+    out += [f"## `{JOBS}`", "", "Every job the lake holds rows of: `job`, `first_stored` (when a writer first "
+            "stored it; a row per job per writer start, written in the transaction of the rows). A processor "
+            "reads it to decide whether a job it meets has history to rebuild its state from.", ""]
     out += ["## View definitions", "", "As `stepwatch sql --print-views` prints them for a data dir `/data` "
             "(extensions in `/opt/stepwatch/duckdb-extensions`, as in the image):", "",
             "```sql", view_sql(Lake.from_dir("/data", env={}), ext_dir="/opt/stepwatch/duckdb-extensions"), "```", ""]

@@ -37,10 +37,15 @@ def test_flush_writes_rows_and_offsets_in_one_snapshot(tmp_path):
     # one commit = one snapshot, holding the rows of both tables and the offsets
     snaps = con.execute("SELECT snapshot_id, changes FROM lake.snapshots() WHERE snapshot_id > ?", [snap0]).fetchall()
     assert len(snaps) == 1, snaps
-    # partitioned by job and date; times stored as TIMESTAMPTZ, the date column from t_end (UTC)
+    # partitioned by date only: one data file for both jobs, rows sorted by job, then step and rank;
+    # times stored as TIMESTAMPTZ, the date column from t_end (UTC)
     files = [r[0] for r in con.execute("SELECT data_file FROM ducklake_list_files('lake', 'steps')").fetchall()]
-    assert sorted(f.split("/steps/")[1].rsplit("/", 1)[0] for f in files) == ["job=a/date=2026-11-18",
-                                                                            "job=b/date=2026-11-18"]
+    assert [f.split("/steps/")[1].rsplit("/", 1)[0] for f in files] == ["date=2026-11-18"]
+    assert con.execute(f"SELECT list(job || ':' || step || ':' || rank) FROM read_parquet('{files[0]}')").fetchone()[0] \
+        == [f"{j}:{s}:{r}" for j, n in (("a", 3), ("b", 2)) for s in range(n) for r in range(4)]
+    # the jobs table names both (has_history reads it)
+    assert sorted(r[0] for r in con.execute("SELECT job FROM jobs").fetchall()) == ["a", "b"]
+    assert st.has_history("a") and st.has_history("b") and not st.has_history("c")
     assert con.execute("SELECT any_value(typeof(t_end)), min(date)::VARCHAR FROM steps").fetchone() == (
         "TIMESTAMP WITH TIME ZONE", "2026-11-18")
 
