@@ -240,7 +240,7 @@ def run_query_bench(a) -> int:
         worst = max(worst, max(times))
         rng = "30 min" if "t_from" in extra else ("±30 steps" if name == "before_after" else "whole hour")
         print(f"  {name:<20} {rng:<12} {len(rows):>5} {times[0]:>8.2f} {times[1]:>8.2f}")
-    print(f"\n  slowest query: {worst:.2f}s (target < 2 s); store {size / max(nrows, 1):.1f} B/step row (target < 40)")
+    print(f"\n  slowest query: {worst:.2f}s (target < 2 s); store {size / max(nrows, 1):.1f} B/step row (target < 30)")
     return 0
 
 

@@ -28,6 +28,10 @@ ABOUT = {
                     "`t_end`) partial sums (`steps` = rows summed). One (job, rank, minute) may have several "
                     "rows (one per flush): always aggregate with `sum`. Per-rank questions over hours read "
                     "this instead of `steps` (about 60x fewer rows).",
+    "step_summary": "Derived by the store from every batch of step rows it writes: per (job, step) the ranks "
+                    "reported (`ranks`), first start, last end, min/max/sum of `step_ms` over them. A step whose "
+                    "rows came in several flushes has several rows: aggregate with `sum`/`min`/`max`. Per-step "
+                    "questions over hours read this instead of `steps` (one row per step instead of per rank).",
     "profiles": "Targeted profiling (wire `profiles/1`, see docs/profiling.md): one row per command, rank and "
                 "outcome (`ok`, `failed`, `rejected`, `expired`, `busy`). `reason` is the alert id that asked for "
                 "it, `role` says suspect or reference, `summary` is JSON (top operators or Python functions by "

@@ -46,13 +46,13 @@ from stepwatch.storage.lake import Lake, lake_of, lit
 log = logging.getLogger("stepwatch.store")
 
 #: The event-time column that gives each table's date partition and sort order.
-TIME_COLUMN = {"rank_minutes": "minute", "steps": "t_end", "host": "t", "gc": "t", "alerts": "t_detected",
+TIME_COLUMN = {"rank_minutes": "minute", "step_summary": "t_end", "steps": "t_end", "host": "t", "gc": "t", "alerts": "t_detected",
                "deadletter": "t_received", "topology": "_received", "comm": "_received", "efficiency": "t_end",
                "comm_bw": "t_end", "profiles": "_received", "profile_diffs": "t",
                "inflight": "t"}
 #: Row order within a data file: the job first (a file holds every job of a flush; a job's rows are
 #: contiguous, so row-group statistics skip other jobs), then the event order.
-SORT_COLUMNS = {"rank_minutes": ["job", "minute", "rank"], "steps": ["job", "step", "rank"], "host": ["job", "node", "t"],
+SORT_COLUMNS = {"rank_minutes": ["job", "minute", "rank"], "step_summary": ["job", "step"], "steps": ["job", "step", "rank"], "host": ["job", "node", "t"],
                 "gc": ["job", "t"], "comm": ["job", "step", "rank"], "topology": ["job", "rank"],
                 "alerts": ["job", "t_detected"], "deadletter": ["job", "t_received"], "efficiency": ["job", "step"],
                 "comm_bw": ["job", "step_hi", "op", "group"], "profiles": ["job", "cmd_id", "rank"],
@@ -63,7 +63,7 @@ SORT_COLUMNS = {"rank_minutes": ["job", "minute", "rank"], "steps": ["job", "ste
 #: wrote a file per job per table per flush: a flush of 1,000 new jobs took 95 s.)
 PARTITION_BY = ("date",)
 TABLES = ("steps", "topology", "host", "gc", "comm", "alerts", "deadletter", "rank_minutes", "efficiency", "comm_bw",
-          "profiles", "profile_diffs", "inflight")
+          "profiles", "profile_diffs", "inflight", "step_summary")
 OFFSETS = "kafka_offsets"
 OFFSETS_DDL = (f"CREATE TABLE IF NOT EXISTS lake.{OFFSETS} (cluster VARCHAR, topic VARCHAR, \"partition\" INTEGER, "
                "next BIGINT, done VARCHAR, generation BIGINT, member VARCHAR, group_id VARCHAR, committed_at TIMESTAMPTZ)")
@@ -97,6 +97,18 @@ def rank_minutes(steps: pa.Table) -> pa.Table:
     out = pa.table(cols)
     return pa.Table.from_arrays([out.column(f.name).cast(f.type) for f in wire.RANK_MINUTES],
                                 schema=wire.RANK_MINUTES)
+
+
+def step_summary(steps: pa.Table) -> pa.Table:
+    """Per (job, step) aggregates over the ranks of a batch of step rows (Arrow's hash aggregation)."""
+    g = steps.group_by(["job", "step"]).aggregate(
+        [("rank", "count"), ("t_start", "min"), ("t_end", "max"), ("step_ms", "min_max"), ("step_ms", "sum")])
+    mm = g.column("step_ms_min_max")
+    out = {"job": g.column("job"), "step": g.column("step"), "ranks": g.column("rank_count"),
+           "t_start": g.column("t_start_min"), "t_end": g.column("t_end_max"),
+           "step_ms_min": pc.struct_field(mm, "min"), "step_ms_max": pc.struct_field(mm, "max"),
+           "step_ms_sum": g.column("step_ms_sum")}
+    return pa.Table.from_arrays([out[f.name].cast(f.type) for f in wire.STEP_SUMMARY], schema=wire.STEP_SUMMARY)
 
 
 @dataclass
@@ -374,9 +386,12 @@ class LakeStore:
         received_ns = received_ns or time.time_ns()
         tables = dict(tables)
         steps = [p for p in tables.get("steps", ()) if p.num_rows]
-        if steps and "rank_minutes" not in tables:
-            tables["rank_minutes"] = [rank_minutes(pa.concat_tables(steps, promote_options="permissive")
-                                                   if len(steps) > 1 else steps[0])]
+        if steps and ("rank_minutes" not in tables or "step_summary" not in tables):
+            all_steps = pa.concat_tables(steps, promote_options="permissive") if len(steps) > 1 else steps[0]
+            if "rank_minutes" not in tables:
+                tables["rank_minutes"] = [rank_minutes(all_steps)]
+            if "step_summary" not in tables:
+                tables["step_summary"] = [step_summary(all_steps)]
         batches = []
         for name, parts in tables.items():
             parts = [p for p in parts if p.num_rows]

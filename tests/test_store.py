@@ -5,6 +5,7 @@ import sys
 import threading
 
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401 - pa.compute
 import pytest
 
 from stepwatch import schema as wire
@@ -147,3 +148,18 @@ def test_docs_tables_md_matches_the_code():
     doc = Path(__file__).resolve().parents[1] / "docs" / "tables.md"
     assert doc.read_text() == tables_markdown(), \
         "docs/tables.md is stale: python -m stepwatch.storage.docs > docs/tables.md"
+
+
+def test_step_summary_adds_up_to_the_step_rows_across_flushes(tmp_path):
+    """A step whose ranks arrive in two flushes has two summary rows; aggregated they equal the rows."""
+    st = LakeStore(tmp_path).init()
+    a, b = steps("s", 0, 4, ranks=8), steps("s", 2, 3, ranks=8)
+    st.write_flush({"steps": [a.filter(pa.compute.less(a.column("rank"), 5))]}, {})
+    st.write_flush({"steps": [a.filter(pa.compute.greater_equal(a.column("rank"), 5)), b]}, {})
+    con = connect(tmp_path)
+    want = con.execute("SELECT step, count(*), max(t_end), max(step_ms), sum(step_ms) FROM steps GROUP BY step "
+                       "ORDER BY step").fetchall()
+    got = con.execute("SELECT step, sum(ranks), max(t_end), max(step_ms_max), sum(step_ms_sum) FROM step_summary "
+                      "GROUP BY step ORDER BY step").fetchall()
+    assert got == want and len(want) == 5
+    assert con.execute("SELECT count(*) FROM step_summary WHERE step = 1").fetchone() == (2,)
