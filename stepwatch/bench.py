@@ -72,6 +72,11 @@ def run_bench(a) -> int:
         print(f"  first message -> last flush  {span:.2f}s  => {rows / span:,.0f} step rows/s "
               f"({st['rows_out'] / span:,.0f} rows/s all tables)")
         print(f"  incl. process start + group join {total:.2f}s => {rows / total:,.0f} step rows/s")
+        if st.get("cpu_last_flush") is not None and st.get("cpu_first_data") is not None:
+            cpu = st["cpu_last_flush"] - st["cpu_first_data"]
+            print(f"  processor CPU over that span {cpu:.2f}s => {rows / cpu:,.0f} step rows per CPU-second "
+                  f"(on a shared machine the wall figure above is lower); in the store's flushes {st['flush_s']:.2f}s "
+                  f"wall ({st['flush_s'] / span:.0%} of the span)")
         if rows != sent["steps"]:
             print(f"  WARNING: stored {rows} != sent {sent['steps']}")
 
