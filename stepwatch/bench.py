@@ -197,6 +197,19 @@ def build_query_store(root: Path, ranks: int, seconds: int, chunk: int = 60, see
     return counts
 
 
+_NEW_PROCESS_QUERY = """
+import json, sys, time
+from stepwatch.storage import queries
+from stepwatch.storage.views import connect
+a = json.loads(sys.argv[1])
+t0 = time.perf_counter()
+con = connect(a["base"])
+t1 = time.perf_counter()
+queries.run(con, a["name"], job="bench-hour", **a["extra"])
+print(json.dumps([t1 - t0, time.perf_counter() - t1]))
+"""
+
+
 def run_query_bench(a) -> int:
     import duckdb
 
@@ -232,10 +245,17 @@ def run_query_bench(a) -> int:
         ("change_points", {}), ("jitter_per_hour", {}), ("host_contention", {}),
         ("gc_share_per_rank", {}), ("card_hours_lost", {}), ("before_after", {"step": step}),
     ]
-    print(f"\n  {'query':<20} {'range':<12} {'rows':>5} {'cold s':>8} {'warm s':>8}")
-    worst = 0.0
+    print(f"\n  {'query':<20} {'range':<12} {'rows':>5} {'new proc s':>10} {'cold s':>8} {'warm s':>8}")
+    worst, attach = 0.0, []
     for name, extra in runs:
-        times = []
+        # new process: a DuckDB that never saw the lake (attach timed apart); cold: the first run on a
+        # fresh connection of this process; warm: the same query again
+        out = subprocess.run([sys.executable, "-c", _NEW_PROCESS_QUERY, json.dumps(
+            {"base": str(base), "name": name, "extra": {k: v if isinstance(v, (int, float)) else str(v) for k, v in extra.items()}})],
+            capture_output=True, text=True, check=True).stdout
+        t_attach, t_new = json.loads(out.strip().splitlines()[-1])
+        attach.append(t_attach)
+        times = [t_new]
         for _ in range(2):
             c = connect(base)          # a fresh connection each time: no cached metadata
             t = time.perf_counter()
@@ -244,7 +264,9 @@ def run_query_bench(a) -> int:
             c.close()
         worst = max(worst, max(times))
         rng = "30 min" if "t_from" in extra else ("±30 steps" if name == "before_after" else "whole hour")
-        print(f"  {name:<20} {rng:<12} {len(rows):>5} {times[0]:>8.2f} {times[1]:>8.2f}")
+        print(f"  {name:<20} {rng:<12} {len(rows):>5} {times[0]:>10.2f} {times[1]:>8.2f} {times[2]:>8.2f}")
+    print(f"  (a new process first loads the extensions and attaches the lake: median {np.median(attach):.2f}s, "
+          f"not included above)")
     print(f"\n  slowest query: {worst:.2f}s (target < 2 s); store {size / max(nrows, 1):.1f} B/step row (target < 30)")
     return 0
 
