@@ -43,8 +43,8 @@ def test_compaction_merges_small_files_and_keeps_every_row(tmp_path):
     con = connect(tmp_path)
     before = con.execute("SELECT count(*), sum(step), sum(comm_wait_ms) FROM steps").fetchall()
     res = compact.run(tmp_path, grace_s=0)
-    # steps and the derived rank_minutes summary: 40 files each -> 1 each
-    assert res.partitions == 2 and res.files_in == 80 and res.files_out == 2, res
+    # steps and the derived rank_minutes and step_summary tables: 40 files each -> 1 each
+    assert res.partitions == 3 and res.files_in == 120 and res.files_out == 3, res
     assert len(files(tmp_path)) == 1
     con = connect(tmp_path)
     assert con.execute("SELECT count(*), sum(step), sum(comm_wait_ms) FROM steps").fetchall() == before
