@@ -4,8 +4,10 @@ A DuckLake is a SQL *catalog* (every commit a snapshot) plus Parquet files under
 
 * embedded default (``--data-dir DIR``): SQLite catalog ``DIR/lake.sqlite`` (WAL mode, so readers
   never block the writer), data under ``DIR/lake/``;
-* several processors: ``STEPWATCH_LAKE_CATALOG=postgres:<libpq connection string>`` (password from
-  ``PGPASSWORD`` or a ``password=`` field) and a data path every processor reaches:
+* several processors: ``STEPWATCH_LAKE_CATALOG=postgres:<libpq connection string>`` without the
+  password, which comes from the environment (``PGPASSWORD``, read by libpq) or a file
+  (``STEPWATCH_LAKE_PASSWORD_FILE``, e.g. a mounted Secret; see :func:`password_from_file`), and is
+  never part of a string stepwatch prints or logs; and a data path every processor reaches:
   ``STEPWATCH_LAKE_DATA_PATH`` = a shared folder (no rename semantics needed) or ``s3://bucket/prefix/``
   (``httpfs``; endpoint/region/URL style from ``STEPWATCH_S3_*``, keys from ``AWS_ACCESS_KEY_ID`` /
   ``AWS_SECRET_ACCESS_KEY``).
@@ -15,10 +17,12 @@ A DuckLake is a SQL *catalog* (every commit a snapshot) plus Parquet files under
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import sqlite3
 import threading
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -27,6 +31,7 @@ import duckdb
 from stepwatch.storage import extensions
 
 ALIAS = "lake"
+RETRIES = 100          # DuckLake commit retries on a PostgreSQL catalog (see Lake.connect)
 
 
 def lit(s) -> str:
@@ -86,6 +91,8 @@ class Lake:
             return data_dir
         d = Path(data_dir).absolute()
         catalog = env.get("STEPWATCH_LAKE_CATALOG") or f"sqlite:{d / 'lake.sqlite'}"
+        if catalog.startswith("postgres:"):
+            password_from_file(env)
         data = env.get("STEPWATCH_LAKE_DATA_PATH") or str(d / "lake")
         return cls.make(catalog, data, S3.from_env(env) if data.startswith("s3://") else None, d)
 
@@ -160,6 +167,25 @@ class Lake:
         if not self.data_path.startswith(("s3://", "gs://", "r2://", "az://", "abfss://")):
             Path(self.data_path).mkdir(parents=True, exist_ok=True)
 
+    @contextmanager
+    def write_lock(self):
+        """Held around every writing transaction (a flush, a claim, a compaction step) on a SQLite
+        catalog; a no-op on PostgreSQL. A DuckLake transaction reads the catalog when it begins and
+        writes it when it commits; SQLite (WAL) refuses the write ("database is locked", whatever
+        the transaction touched) once another connection committed in between. Without this lock a
+        compaction step, which takes longer than the gap between two flushes, would never commit.
+        Readers take no lock. (An ``flock`` on ``<catalog>.lock``: one machine, as a SQLite catalog is;
+        released when its process dies.)"""
+        if not self.sqlite_file:
+            yield
+            return
+        fd = os.open(self.sqlite_file + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
     def connect(self, read_only: bool = False, threads: int | None = None) -> duckdb.DuckDBPyConnection:
         """A DuckDB connection with the lake attached as ``lake`` (times shown in UTC). One DuckDB
         instance per lake and mode is kept per process (loading the signed extensions costs a
@@ -175,10 +201,11 @@ class Lake:
                 db.execute("SET GLOBAL TimeZone = 'UTC'")
                 for stmt in self.attach_sql(read_only=read_only):
                     db.execute(stmt)
-                # DuckLake's own commit retry (1.4.4) re-checks conflicts against a stale view: two
-                # merges racing a writer both committed and doubled rows. Every conflict goes up to
-                # our retry instead, which runs the whole transaction again on a fresh snapshot.
-                db.execute("SET GLOBAL ducklake_max_retry_count = 0")
+                # DuckLake's own commit retry redoes only the catalog write, on a fresh snapshot, after
+                # another commit took the ids this transaction allocated (PostgreSQL). Without it a
+                # transaction longer than the gap between two flushes (a compaction step) never
+                # commits. On SQLite the writers take turns (write_lock) and it is not needed.
+                db.execute(f"SET GLOBAL ducklake_max_retry_count = {RETRIES if self.kind == 'postgres' else 0}")
                 _INSTANCES[key] = db
                 while len(_INSTANCES) > 8:         # open connections keep an evicted instance alive
                     _INSTANCES.popitem(last=False)
@@ -192,6 +219,22 @@ class Lake:
 
 _INSTANCES: "OrderedDict[tuple[Lake, bool], duckdb.DuckDBPyConnection]" = OrderedDict()
 _INSTANCES_LOCK = threading.Lock()
+
+
+def password_from_file(env=os.environ) -> None:
+    """The catalog's password from the file ``STEPWATCH_LAKE_PASSWORD_FILE`` names (a Kubernetes
+    Secret mounted as a file), handed to libpq as ``PGPASSWORD`` in this process's environment, so
+    it never appears in a connection string (which errors and logs may show). A ``PGPASSWORD``
+    already set wins. The file's content is not logged, not even on error."""
+    path = env.get("STEPWATCH_LAKE_PASSWORD_FILE")
+    if not path or os.environ.get("PGPASSWORD"):
+        return
+    try:
+        pw = Path(path).read_text().rstrip("\r\n")
+    except OSError as e:
+        raise RuntimeError(f"STEPWATCH_LAKE_PASSWORD_FILE={path}: cannot read it ({e.strerror})") from None
+    if pw:
+        os.environ["PGPASSWORD"] = pw
 
 
 def lake_of(x) -> Lake:

@@ -252,7 +252,7 @@ class LakeStore:
         processors start at once (a losing CREATE is a conflict, retried)."""
         con = self.connection()
         for attempt in retry_conflicts():
-            with attempt:
+            with attempt, self.lake.write_lock():
                 self._init(con)
         return self
 
@@ -354,7 +354,7 @@ class LakeStore:
             return {k: self.load_marker(*k) for k in keys} if cur else {k: None for k in keys}
         con = self.connection()
         for attempt in retry_conflicts():
-            with attempt:
+            with attempt, self.lake.write_lock():
                 con.execute("BEGIN")
                 try:
                     cur = self._offsets(con)
@@ -423,7 +423,7 @@ class LakeStore:
                 jobs.update(j for j in pc.unique(t.column("job")).to_pylist() if j is not None)
         new_jobs: set[str] = set()
         for attempt in retry_conflicts():
-            with attempt:
+            with attempt, self.lake.write_lock():
                 con.execute("BEGIN")
                 try:
                     cur = self._offsets(con) if keys else {}

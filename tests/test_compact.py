@@ -2,6 +2,11 @@
 second compaction."""
 from __future__ import annotations
 
+import os
+import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 from datetime import date, datetime, timedelta, timezone
@@ -13,6 +18,7 @@ import pytest
 
 from stepwatch import schema as wire
 from stepwatch.storage import compact
+from stepwatch.storage.lake import Lake
 from stepwatch.storage.store import LakeStore
 from stepwatch.storage.views import connect, query
 
@@ -57,8 +63,23 @@ def test_compaction_merges_small_files_and_keeps_every_row(tmp_path):
     assert compact.run(tmp_path, grace_s=0).partitions == 0
 
 
-def _race(lake, compactions: int, seconds: float = 10.0):
-    """A writer flushing, a reader counting, ``compactions`` compaction loops at once. Returns
+def _compactor(lake, out):
+    """``stepwatch compact --every 0.2`` in its own process (as the CronJob and a manual run would be)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if isinstance(lake, Lake) and lake.kind == "postgres":
+        env.update(STEPWATCH_LAKE_CATALOG=lake.catalog, STEPWATCH_LAKE_DATA_PATH=lake.data_path)
+        data_dir = out.parent
+    else:
+        data_dir = lake
+    # grace: how long a replaced snapshot stays readable. A query must read its snapshot's file list
+    # within it (production: 300 s); 30 s covers this test's slowest query on a loaded machine.
+    return subprocess.Popen([sys.executable, "-m", "stepwatch.cli", "compact", "--data-dir", str(data_dir),
+                             "--every", "0.2", "--grace", "30"], env=env, stdout=open(out, "w"),
+                            stderr=subprocess.STDOUT)
+
+
+def _race(lake, work, compactions: int, seconds: float = 10.0):
+    """A writer flushing, a reader counting, ``compactions`` compaction processes at once. Returns
     (errors, observations, merges)."""
     st = LakeStore(lake).init()
     per_flush = 5 * RANKS
@@ -67,7 +88,7 @@ def _race(lake, compactions: int, seconds: float = 10.0):
     written = [20]     # flushes committed
     started = [20]     # flushes begun (a reader may already see the one being committed)
     stop = threading.Event()
-    errors, observed, merges = [], [], [0]
+    errors, observed = [], []
 
     def writer():
         k = 20
@@ -97,46 +118,49 @@ def _race(lake, compactions: int, seconds: float = 10.0):
             if n != uniq or n % per_flush or not (lo * per_flush <= n <= hi * per_flush):
                 errors.append(f"inconsistent read: {n} rows, {uniq} distinct, flushes written {lo}..{hi}")
 
-    def compactor():
-        while not stop.is_set():
-            try:
-                # grace: how long a replaced snapshot stays readable. A query must read its snapshot's
-                # file list within it (production: 300 s); 30 s covers this test's slowest query on a
-                # loaded machine (at 5 s, 4 runs in 45 read an expired snapshot: 0 rows or "No snapshot found")
-                merges[0] += compact.run(lake, grace_s=30).partitions
-            except Exception as e:  # noqa: BLE001
-                errors.append(f"compaction: {e!r}")
-            time.sleep(0.2)
-
+    logs = [work / f"compact{i}.log" for i in range(compactions)]
+    procs = [_compactor(lake, log) for log in logs]
     threads = [threading.Thread(target=writer), threading.Thread(target=reader)]
-    threads += [threading.Thread(target=compactor) for _ in range(compactions)]
     for t in threads:
         t.start()
+
+    def merges() -> int:
+        return sum(int(m) for log in logs for m in re.findall(r"^compacted (\d+) partitions", log.read_text(), re.M))
     deadline, cap = time.monotonic() + seconds, time.monotonic() + 6 * seconds
-    while threads[0].is_alive() and time.monotonic() < cap and (time.monotonic() < deadline or len(observed) < 3):
-        time.sleep(0.1)          # (on a loaded machine the reader may need longer for its first reads)
+    while threads[0].is_alive() and time.monotonic() < cap and (
+            time.monotonic() < deadline or len(observed) < 3 or merges() < 2 * compactions):
+        time.sleep(0.1)          # (on a loaded machine the first reads and merges may need longer)
     stop.set()
     for t in threads:
         t.join(60)
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+        p.wait(60)
+    for log in logs:
+        text = log.read_text()
+        if "Traceback" in text:
+            errors.append(f"compaction: {text[-2000:]}")
     con = connect(lake)
     n, uniq = con.execute("SELECT count(*), count(DISTINCT (rank, step)) FROM steps").fetchall()[0]
     if not n == uniq == written[0] * per_flush:
         errors.append(f"final: {n} rows, {uniq} distinct, {written[0]} flushes")
-    return errors, observed, merges[0]
+    return errors, observed, merges()
 
 
 def test_queries_during_compaction_and_writes_see_each_row_exactly_once(tmp_path):
-    errors, observed, merges = _race(tmp_path, compactions=1)
+    errors, observed, merges = _race(tmp_path, tmp_path, compactions=1)
     assert not errors, errors[:5]
     assert merges >= 2 and len(observed) >= 3      # (2 tables per pass that merged: steps, rank_minutes)
 
 
 @pytest.mark.parametrize("catalog", ["sqlite", "postgres"])
 def test_two_compactions_at_once_during_writes_and_queries_see_each_row_exactly_once(tmp_path, catalog, request):
+    """Two ``stepwatch compact`` processes (a manual run during the CronJob's) while a processor
+    writes and a reader queries: every query sees each row once, and so does the lake after."""
     lake = request.getfixturevalue("pg_lake") if catalog == "postgres" else tmp_path
-    errors, observed, merges = _race(lake, compactions=2)
+    errors, observed, merges = _race(lake, tmp_path, compactions=2)
     assert not errors, errors[:5]
-    assert merges >= 2 and len(observed) >= 3      # (2 tables per pass that merged: steps, rank_minutes)
+    assert merges >= 4 and len(observed) >= 3
 
 
 def test_retention_removes_only_partitions_wholly_outside_the_window(tmp_path):

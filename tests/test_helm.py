@@ -460,11 +460,17 @@ def test_processors_scaled_to_four_with_servicemonitors():
     # the lake: PostgreSQL catalog (password from a Secret), data on S3 (keys from a Secret), no volume
     assert not find(objs, "PersistentVolumeClaim") and volumes(proc)["data"] == {"name": "data", "emptyDir": {}}
     cron = one(objs, "CronJob", f"{FULL}-compact")
-    for c in (container(proc, "processor"), container(cron, "compact")):
+    for pod, c in ((proc, container(proc, "processor")), (cron, container(cron, "compact"))):
         env = {e["name"]: e for e in c["env"]}
         assert env["STEPWATCH_LAKE_CATALOG"]["value"] == \
             "postgres:host=pg.db.svc port=5432 dbname=stepwatch user=stepwatch sslmode=require"
-        assert env["PGPASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "stepwatch-lake-pg", "key": "password"}
+        # the catalog's password: the Secret mounted as a file the process reads (storage/lake.py)
+        assert env["STEPWATCH_LAKE_PASSWORD_FILE"]["value"] == "/etc/stepwatch/lake-catalog/password"
+        assert "PGPASSWORD" not in env
+        assert {"name": "lake-catalog-password", "mountPath": "/etc/stepwatch/lake-catalog",
+                "readOnly": True} in c["volumeMounts"]
+        assert volumes(pod)["lake-catalog-password"]["secret"] == {
+            "secretName": "stepwatch-lake-pg", "defaultMode": 0o440, "items": [{"key": "password", "path": "password"}]}
         assert env["STEPWATCH_LAKE_DATA_PATH"]["value"] == "s3://ml-telemetry/stepwatch"
         assert env["STEPWATCH_S3_ENDPOINT"]["value"] == "minio.storage.svc:9000"
         assert env["STEPWATCH_S3_URL_STYLE"]["value"] == "path" and env["STEPWATCH_S3_USE_SSL"]["value"] == "false"

@@ -39,10 +39,14 @@ def _start(kafka, lake, work, name, *extra):
     return subprocess.Popen(cmd, env=_env(lake), stdout=subprocess.DEVNULL, stderr=open(d / "log", "ab"))
 
 
+_LAST_ERROR: list = [None]
+
+
 def _stored(lake) -> int:
     try:
         return connect(lake).execute("SELECT count(*) FROM steps").fetchone()[0]
-    except Exception:  # noqa: BLE001 - before the first commit
+    except Exception as e:  # noqa: BLE001 - e.g. a busy catalog: the next look counts
+        _LAST_ERROR[0] = repr(e)
         return 0
 
 
@@ -53,7 +57,7 @@ def _wait_rows(lake, more_than: int, timeout: float = 90) -> int:
         if n > more_than:
             return n
         time.sleep(0.3)
-    raise AssertionError(f"no new rows stored in {timeout}s (still {more_than})")
+    raise AssertionError(f"no new rows stored in {timeout}s (still {more_than}; last read error: {_LAST_ERROR[0]})")
 
 
 def _scenario(broker, lake: Lake, work):

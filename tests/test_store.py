@@ -82,8 +82,12 @@ def test_marker_done_ranges():
     assert json.loads(json.dumps(m.to_json())) == {"next": 10, "done": [[12, 14], [20, 20]]}
 
 
-def test_a_commit_from_an_older_generation_is_rejected(tmp_path):
-    a, b = LakeStore(tmp_path).init(), LakeStore(tmp_path).init()
+@pytest.mark.parametrize("catalog", ["sqlite", "postgres"])
+def test_a_commit_from_an_older_generation_is_rejected(tmp_path, catalog, request):
+    """Fencing, directly: a processor whose partition went to a newer generation cannot commit
+    (nor claim it back); nothing of its flush is stored."""
+    lake = request.getfixturevalue("pg_lake") if catalog == "postgres" else tmp_path
+    a, b = LakeStore(lake).init(), LakeStore(lake).init()
     a.cluster = b.cluster = "c1"
     assert a.claim([("t.steps", 0), ("t.steps", 1)], generation=5) == {("t.steps", 0): None, ("t.steps", 1): None}
     a.write_flush({"steps": [steps("j", 0, 1)]}, {("t.steps", 0): Marker(10), ("t.steps", 1): Marker(3)}, generation=5)
@@ -95,12 +99,12 @@ def test_a_commit_from_an_older_generation_is_rejected(tmp_path):
     assert e.value.partitions == {("t.steps", 0): 6}
     with pytest.raises(Fenced):                          # nor can it claim the partition back
         a.claim([("t.steps", 0)], generation=5)
-    con = connect(tmp_path)
+    con = connect(lake)
     assert con.execute("SELECT count(*), max(step) FROM steps").fetchone() == (4, 0)     # nothing of the fenced flush
     assert a.load_marker("t.steps", 1).next == 3
     b.write_flush({"steps": [steps("j", 1, 1)]}, {("t.steps", 0): Marker(11)}, generation=6)
     a.write_flush({}, {("t.steps", 1): Marker(4)}, generation=6)    # a rejoined in generation 6, owns partition 1
-    assert connect(tmp_path).execute(
+    assert connect(lake).execute(
         "SELECT topic, \"partition\", next, generation FROM kafka_offsets WHERE cluster = 'c1' ORDER BY 2").fetchall() == [
         ("t.steps", 0, 11, 6), ("t.steps", 1, 4, 6)]
 
@@ -163,3 +167,34 @@ def test_step_summary_adds_up_to_the_step_rows_across_flushes(tmp_path):
                       "GROUP BY step ORDER BY step").fetchall()
     assert got == want and len(want) == 5
     assert con.execute("SELECT count(*) FROM step_summary WHERE step = 1").fetchone() == (2,)
+
+
+def test_postgres_password_from_a_file_is_used_and_never_printed(postgres, tmp_path):
+    """The chart mounts the catalog's password Secret as a file: STEPWATCH_LAKE_PASSWORD_FILE. A
+    role that needs a password (scram) connects with it; neither a good nor a bad password shows in
+    what the process prints."""
+    import os
+    import subprocess
+    import sys
+    psql = [str(postgres.bin / "psql"), "-h", "127.0.0.1", "-p", str(postgres.port), "-U", postgres.user,
+            "-d", "postgres", "-v", "ON_ERROR_STOP=1"]
+    subprocess.run(psql + ["-c", "CREATE ROLE pwuser LOGIN PASSWORD 'S3kr3t-pw'"], check=True, capture_output=True)
+    subprocess.run(psql + ["-c", "CREATE DATABASE pwlake OWNER pwuser"], check=True, capture_output=True)
+    hba = postgres.base / "data" / "pg_hba.conf"
+    hba.write_text("host all pwuser 127.0.0.1/32 scram-sha-256\n" + hba.read_text())
+    subprocess.run(psql + ["-c", "SELECT pg_reload_conf()"], check=True, capture_output=True)
+    code = ("import sys; sys.path.insert(0, 'tests'); from test_store import steps\n"
+            "from stepwatch.storage.lake import Lake; from stepwatch.storage.store import LakeStore\n"
+            "lake = Lake.from_dir(sys.argv[1]); print(lake.describe())\n"
+            "st = LakeStore(lake).init(); st.write_flush({'steps': [steps('j', 0, 1)]}, {}); print('stored')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+    env.update(STEPWATCH_LAKE_CATALOG=f"postgres:host=127.0.0.1 port={postgres.port} user=pwuser dbname=pwlake",
+               STEPWATCH_LAKE_DATA_PATH=str(tmp_path / "data"))
+    for pw, ok in (("wrong-pw-123", False), ("S3kr3t-pw", True)):
+        (tmp_path / "pw").write_text(pw + "\n")
+        r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                           env=dict(env, STEPWATCH_LAKE_PASSWORD_FILE=str(tmp_path / "pw")))
+        assert (r.returncode == 0 and "stored" in r.stdout) == ok, (r.stdout[-2000:], r.stderr[-2000:])
+        assert pw not in r.stdout + r.stderr
+        if not ok:
+            assert "password authentication failed" in r.stderr

@@ -93,11 +93,8 @@ app.kubernetes.io/part-of: stepwatch
 - name: STEPWATCH_LAKE_CATALOG
   value: {{ printf "postgres:%s" $l.postgres.connection | quote }}
 {{- if $l.postgres.passwordSecret.name }}
-- name: PGPASSWORD
-  valueFrom:
-    secretKeyRef:
-      name: {{ $l.postgres.passwordSecret.name }}
-      key: {{ $l.postgres.passwordSecret.key }}
+- name: STEPWATCH_LAKE_PASSWORD_FILE
+  value: /etc/stepwatch/lake-catalog/password
 {{- end }}
 {{- end }}
 {{- if $l.dataPath }}
@@ -123,6 +120,28 @@ app.kubernetes.io/part-of: stepwatch
     secretKeyRef:
       name: {{ $l.s3.credentialsSecret.name }}
       key: {{ $l.s3.credentialsSecret.secretAccessKeyKey }}
+{{- end }}
+{{- end -}}
+
+{{/* the catalog's password Secret as a file (STEPWATCH_LAKE_PASSWORD_FILE; never an env value) */}}
+{{- define "stepwatch.lakeVolumeMounts" -}}
+{{- if and (eq .Values.store.lake.catalog "postgres") .Values.store.lake.postgres.passwordSecret.name }}
+- name: lake-catalog-password
+  mountPath: /etc/stepwatch/lake-catalog
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "stepwatch.lakeVolumes" -}}
+{{- $s := .Values.store.lake.postgres.passwordSecret -}}
+{{- if and (eq .Values.store.lake.catalog "postgres") $s.name }}
+- name: lake-catalog-password
+  secret:
+    secretName: {{ $s.name }}
+    defaultMode: 0440
+    items:
+      - key: {{ $s.key }}
+        path: password
 {{- end }}
 {{- end -}}
 
