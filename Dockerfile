@@ -11,7 +11,7 @@
 # copies them from this image with an init container (docs/helm.md, "Grafana").
 
 FROM python:3.11-slim AS build
-# a C compiler for the probe's hot path (agents/_probefast.c); the runtime stage does not carry it
+# a C compiler for the probe's hot path (agents/probe/_probefast.c); the runtime stage does not carry it
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
@@ -23,7 +23,7 @@ COPY storage/ storage/
 COPY dashboards/ dashboards/
 RUN python -m venv /opt/stepwatch \
  && /opt/stepwatch/bin/pip install --no-cache-dir --upgrade pip \
- && /opt/stepwatch/bin/pip install --no-cache-dir . py-spy nvidia-ml-py \
+ && /opt/stepwatch/bin/pip install --no-cache-dir ".[all]" py-spy nvidia-ml-py \
  && ln -s "$(/opt/stepwatch/bin/python -c 'from stepwatch.storage import extensions; print(extensions.package_dir())')" \
       /opt/stepwatch/duckdb-extensions
 

@@ -6,10 +6,10 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test install clean bench
 
-$(STAMP): pyproject.toml setup.py agents/_probefast.c
+$(STAMP): pyproject.toml setup.py $(wildcard agents/probe/_probefast*)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[all,test]'    # (plain `pip install .` is the probe alone)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -18,6 +18,7 @@ demo: $(STAMP)
 	$(BIN)/stepwatch demo
 
 test: $(STAMP)
+	BIN=$(BIN) .ci/lint-imports    # the layers (import-linter contracts in pyproject.toml)
 	$(BIN)/python -m pytest -q tests
 
 bench: $(STAMP)

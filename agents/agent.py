@@ -41,6 +41,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from stepwatch import __version__
 from stepwatch import schema as wire
 from stepwatch.agents import probe as wirep
+from stepwatch.agents import wirecols
 from stepwatch.agents.hostmetrics import PluginRunner, build_runners, sample
 from stepwatch.agents.inflight import Liveness, RateBound, row_from_probe
 from stepwatch.agents.ingress import (IngressLimits, Peer, check_hello, enable_passcred, pid_alive, recv_with_peer,
@@ -158,7 +159,8 @@ def _opt(v: int) -> int | None:
 
 def rows_from_batch(ident: Identity, body) -> tuple[dict | None, list[dict], list[dict]]:
     """(steps row or None, comm rows, gc rows) of one decoded batch datagram, in the wire's columns and
-    units (the datagram carries durations in ns; rows carry ms)."""
+    units (the datagram carries durations in ns; rows carry ms). The agent itself decodes into columns
+    (agents/wirecols.py); this row form is the reference tests/test_wirecols.py holds it to."""
     step, phases, comm, gcs = body
     base = {"job": ident.job, "node": ident.node, "rank": ident.rank}
     names = ident.names
@@ -222,6 +224,7 @@ class Agent:
         self.pending: dict[int, collections.deque] = {}
         self._topo_sent: dict[tuple[str, int], tuple] = {}
         self.rows: dict[str, dict[str, list]] = {k: collections.defaultdict(list) for k in KINDS}
+        self.batches = wirecols.BatchColumns()      # the probes' step/comm/gc frames, decoded into columns per tick
         self.stop_event = threading.Event()
         self._rx: threading.Thread | None = None
         self._t_host = -1e18
@@ -312,8 +315,10 @@ class Agent:
             self._refused("peer_not_allowed", f"uid {peer.uid} gid {peer.gid} is not allowed")
             return
         try:
-            frames = wirep.decode(data)
-            typ, inst, _, body = frames[0]
+            typ, inst, frames = wirecols.scan(data)   # batch frames: headers only, records read at the tick
+            if typ != wirep.T_BATCH:
+                frames = wirep.decode(data)
+                typ, inst, _, body = frames[0]
             if typ == wirep.T_HELLO:
                 self._hello(inst, body, now, peer)
                 return
@@ -360,19 +365,7 @@ class Agent:
             except ValueError as e:
                 self._bad(e)
             return
-        steps, comm, gcs = self.rows["steps"][ident.job], self.rows["comm"][ident.job], self.rows["gc"][ident.job]
-        n_s = n_c = n_g = 0
-        for _, _, _, body in frames:
-            srow, crows, grows = rows_from_batch(ident, body)
-            if srow is not None:
-                steps.append(srow)
-                n_s += 1
-            if crows:
-                comm.extend(crows)
-                n_c += len(crows)
-            if grows:
-                gcs.extend(grows)
-                n_g += len(grows)
+        n_s, n_c, n_g = self.batches.add(ident, data, frames)   # columns at the tick (agents/wirecols.py)
         if n_s:
             m.records_in.labels("steps").inc(n_s)
         if n_c:
@@ -489,6 +482,7 @@ class Agent:
             for r in self.control.take_rows():
                 self.rows["profiles"][r["job"]].append(r)
         items = []
+        cols = self.batches.take()                  # job -> (steps, comm, gc) tables of the probes' frames
         for kind in KINDS:
             per_job, self.rows[kind] = self.rows[kind], collections.defaultdict(list)
             for job, rows in per_job.items():
@@ -496,6 +490,9 @@ class Agent:
                     t = self._table(kind, job, rows)
                     if t is not None:
                         items.append((kind, job, t))
+            if kind in wirecols.KINDS:
+                items += [(kind, job, t[wirecols.KINDS.index(kind)]) for job, t in cols.items()
+                          if t[wirecols.KINDS.index(kind)] is not None]
         if self.shipper is not None:
             self.shipper.ship(items)
         self.ticks += 1

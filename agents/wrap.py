@@ -7,7 +7,7 @@ The command runs (``exec``, so signals and the exit code are the command's own) 
   ``$XDG_CACHE_HOME/stepwatch`` or ``~/.cache/stepwatch``), which Python imports at start-up;
 - ``STEPWATCH_WRAP=1`` (the ``sitecustomize`` does nothing without it), ``STEPWATCH_JOB`` from
   ``--job``, ``STEPWATCH_SOCKET_DIR`` from ``--socket-dir``, and ``STEPWATCH_PROBE_FILE`` naming the
-  probe's source for interpreters where the ``stepwatch`` package is not installed.
+  probe package's ``__init__.py`` for interpreters where the ``stepwatch`` package is not installed.
 
 The ``sitecustomize`` adds a finder to ``sys.meta_path`` that waits for ``import torch``: a process
 that never imports torch pays one string comparison per top-level import. When torch has finished
@@ -40,7 +40,8 @@ def _stepwatch_instrument():
             if not _f:
                 raise
             import importlib.util as _u
-            _spec = _u.spec_from_file_location("stepwatch_probe", _f)
+            _spec = _u.spec_from_file_location("stepwatch_probe", _f,  # the package, by its directory
+                                               submodule_search_locations=[_os.path.dirname(_f)])
             _probe = _u.module_from_spec(_spec)
             _sys.modules["stepwatch_probe"] = _probe
             _spec.loader.exec_module(_probe)
@@ -140,7 +141,7 @@ def wrap_env(env: dict | None = None, job: str | None = None, socket_dir: str | 
     pp = env.get("PYTHONPATH")
     env["PYTHONPATH"] = d + (os.pathsep + pp if pp else "")
     env["STEPWATCH_WRAP"] = "1"
-    env["STEPWATCH_PROBE_FILE"] = str(Path(__file__).with_name("probe.py"))
+    env["STEPWATCH_PROBE_FILE"] = str(Path(__file__).with_name("probe") / "__init__.py")
     if job:
         env["STEPWATCH_JOB"] = job
     if socket_dir:

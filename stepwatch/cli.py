@@ -443,7 +443,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = build_parser()
+    from stepwatch import extras             # (a command whose extra is not installed: say which one)
+    try:
+        p = build_parser()
+    except ModuleNotFoundError as e:
+        if not extras.is_missing_extra(e):
+            raise
+        return extras.without_parser(e, argv)
     a = p.parse_args(argv)
     _setup_logging(a.verbose)
     if not getattr(a, "func", None):
@@ -453,6 +459,11 @@ def main(argv: list[str] | None = None) -> int:
         return a.func(a) or 0
     except KeyboardInterrupt:
         return 130
+    except ModuleNotFoundError as e:
+        if not extras.is_missing_extra(e):
+            raise
+        print(extras.message(a.cmd, e), file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -94,7 +94,7 @@ def probe(request, monkeypatch):
         assert P._fast is not None, ("the C hot path (stepwatch.agents._probefast) was not built: "
                                      "pip install needs a C compiler and the Python headers (README)")
     else:
-        monkeypatch.setattr(P, "_fast", None)
+        monkeypatch.setattr(P.eventlog, "_fast", None)     # (the hot path new probes take)
     p = Probe()
     yield p
     p.shutdown()

@@ -1,0 +1,136 @@
+"""The in-process probe: per-step telemetry of one training rank, handed to the node agent.
+
+Two lines instrument a PyTorch script::
+
+    from stepwatch import probe
+    probe.init()                 # job/rank/world size from STEPWATCH_JOB, RANK, WORLD_SIZE, LOCAL_RANK
+
+``init`` installs the automatic hooks (``auto=True``):
+
+- **step boundaries**: a global ``torch.optim`` step post-hook. A step ends when the first optimizer
+  that ever stepped (the "primary" one) finishes ``step()``; the next step starts at that instant.
+  Time inside any optimizer's ``step()`` is reported as the ``optimizer`` phase.
+- **data wait**: ``DataLoader`` iterators' ``__next__`` is timed (``data_ms``); the number of ready
+  batches in a multi-process loader's queue is read at the first ``__next__`` of a step
+  (``data_queue``; 0 for single-process loaders, which prefetch nothing).
+- **GC**: ``gc.callbacks`` time every collection (``gc_ms``, ``gc_count`` of the step); collections
+  lasting at least ``gc_row_min_ms`` (default 0: all) are also sent as ``gc`` rows.
+- **collectives**: the ``torch.distributed`` functions (all_reduce, all_gather[_into_tensor],
+  reduce_scatter[_tensor], broadcast, reduce, barrier, all_to_all[_single], gather, scatter, send,
+  recv, ...) are wrapped: wall time, calls and payload bytes per (op, process group) and step, and
+  the time blocked in ``Work.wait()`` of asynchronous ones (op ``wait``). A synchronous collective
+  on a CUDA/NPU tensor is timed by device events on the current stream (the host only launches it),
+  read without synchronising when the steps are replayed. See :func:`transfer_ms` for how the time
+  blocked waiting for peers (``comm_wait_ms``) is separated from transfer time.
+
+Or explicitly (any framework)::
+
+    probe.init(job="llama", auto=False)
+    for batch in loader:
+        with probe.step(samples=len(batch)):
+            with probe.phase("data"): ...
+            with probe.phase("forward"): ...
+
+``begin_step()/end_step()`` do the same without a ``with``. Phase ``data`` feeds ``data_ms``,
+``compute`` feeds ``compute_ms`` (otherwise compute is derived: step - data - comm - comm wait - gc,
+floored at 0), any other name goes to the ``phases`` map (at most 8 names per step).
+
+Cost and safety. Inside a step every hook only reads the clock and appends one fixed-size event to
+a preallocated log (:mod:`.eventlog`; in C, ``_probefast.Log``, built from ``agents/probe/_probefast.c``
+where a compiler exists). Every few hundred events (or ``flush_ms``, 500 ms) the replay
+(:mod:`.replay`) turns them into steps, warm, and packs each finished step as a fixed-size *frame*
+(:mod:`.wire`) into one preallocated buffer. Frames are sent together as one datagram on a
+non-blocking ``AF_UNIX``/``SOCK_DGRAM`` socket connected to ``<socket_dir>/agent.sock``
+(:mod:`.transport`): a 100 ms step pays a system call every fifth step, a 1 s step every step. When the
+agent is absent, or its queue stays full past a small backlog, frames are dropped and counted
+(:func:`stats`); training never blocks on telemetry. Events and steps still waiting are sent by
+``shutdown`` (also at exit, at ``destroy_process_group`` and in the finalizers of multiprocessing
+children).
+
+This package imports only the standard library (torch is touched only when the program imports it;
+``lint-imports`` checks it), so ``pip install stepwatch`` (no extras) installs the probe alone and
+``stepwatch wrap`` can load it into any Python process, even by its directory
+(``STEPWATCH_PROBE_FILE``). Modules: :mod:`.core` (``Probe``), :mod:`.hooks`, :mod:`.eventlog`,
+:mod:`.replay`, :mod:`.transport`, :mod:`.timing`, :mod:`.collectives`, :mod:`.wire` (the datagram and its
+decoder), :mod:`.watchdog` (in-flight state of an overlong step), :mod:`.ddp_hooks` (DDP buckets).
+"""
+from __future__ import annotations
+
+from . import eventlog  # noqa: F401 - (``eventlog._fast``: which hot path new probes use)
+from .collectives import DEFAULT_COMM_GBPS, _TRAFFIC, traffic_factor, transfer_ms  # noqa: F401
+from .core import Probe, _Phase, _SLOT_COMPUTE, _SLOT_DATA, _StepCtx, _env_int, _is_rank_process  # noqa: F401
+from .eventlog import (  # noqa: F401
+    FAST, K_BEGIN, K_BUCKET, K_COLL, K_COUNT, K_DATA, K_DCOLL, K_END, K_GC, K_MARK, K_OPT_POST, K_PHASE,
+    KIND_PHASES, LOG_CAP, _fast, _nbytes, _perf, _py_coll_wrap, _py_data_wrap, _PyLog, _queue_depth, _wall,
+)
+from .hooks import _TorchImportHook  # noqa: F401
+from .timing import MAX_DEV_CALLS, _ThreadCpu  # noqa: F401
+from .transport import HELLO_EVERY_NS, _new_instance  # noqa: F401
+from .wire import (  # noqa: F401
+    COMM, DEFAULT_FLUSH_MS, GCREC, HDR, HDR_STEP, MAGIC, MAX_BACKLOG, MAX_CALLS, MAX_COMM, MAX_DATAGRAM,
+    MAX_FRAME, MAX_GC, MAX_NAMES, MAX_PENDING, MAX_PHASES, PHASE, SOCKET_NAME, STEP, STEP_FIELDS, STEP_V1,
+    T_BATCH, T_HELLO, T_INFLIGHT, T_PROFILE, VERSION, VERSIONS, BadDatagram, decode, default_socket_dir,
+)
+
+__all__ = ["Probe", "init", "step", "begin_step", "end_step", "phase", "add_phase", "count", "stats", "flush",
+           "shutdown", "get", "auto_install", "mark_step_kind", "decode", "BadDatagram", "default_socket_dir",
+           "transfer_ms"]
+
+_probe = Probe()
+
+
+def init(**kw) -> Probe:
+    return _probe.init(**kw)
+
+
+def step(samples: int | None = None, tokens: int | None = None) -> _StepCtx:
+    return _probe.step(samples, tokens)
+
+
+def begin_step(step: int | None = None) -> None:
+    _probe.begin_step(step)
+
+
+def end_step() -> None:
+    _probe.end_step()
+
+
+def phase(name: str) -> _Phase:
+    return _probe.phase(name)
+
+
+def add_phase(name: str, ms: float) -> None:
+    _probe.add_phase(name, ms)
+
+
+def count(samples: int | None = None, tokens: int | None = None) -> None:
+    _probe.count(samples, tokens)
+
+
+def stats() -> dict:
+    return _probe.stats()
+
+
+def mark_step_kind(kind: str) -> None:
+    """Mark the step in progress as ``kind`` (``eval``, ``checkpoint``, ...); see :meth:`Probe.mark_step_kind`."""
+    _probe.mark_step_kind(kind)
+
+
+def flush() -> None:
+    _probe.flush()
+
+
+def shutdown() -> None:
+    _probe.shutdown()
+
+
+def get() -> Probe:
+    """The process-wide probe."""
+    return _probe
+
+
+def auto_install() -> None:
+    """Zero-code mode (``stepwatch wrap``): init from the environment with the automatic hooks."""
+    if not _probe._on:
+        _probe.init(auto=True)
+

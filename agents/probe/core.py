@@ -1,0 +1,535 @@
+"""The probe itself: :class:`Probe`, its set-up (``init``, fork, ``shutdown``), the explicit step API, the
+watchdog and profiling control, and its counters. Its parts live beside it: :mod:`.hooks` (torch patching),
+:mod:`.eventlog` (the hot path), :mod:`.replay` (events -> frames), :mod:`.transport` (hello, socket),
+:mod:`.timing` (thread CPU, device events)."""
+from __future__ import annotations
+
+import collections
+import gc
+import os
+import socket
+import sys
+import threading
+
+from . import eventlog as _ev
+from .collectives import DEFAULT_COMM_GBPS
+from .eventlog import K_BEGIN, K_COUNT, K_END, K_MARK, K_PHASE, KIND_PHASES, LOG_CAP, _PyLog, _perf, _wall
+from .hooks import Hooks, _TorchImportHook
+from .replay import Replay
+from .timing import DeviceTiming, _ThreadCpu
+from .transport import HELLO_EVERY_NS, Transport, _new_instance
+from .wire import (DEFAULT_FLUSH_MS, GCREC, HDR, MAGIC, MAX_COMM, MAX_DATAGRAM, MAX_GC, MAX_NAMES, MAX_PHASES,
+                   SOCKET_NAME, T_PROFILE, VERSION, default_socket_dir)
+
+
+def _env_int(name: str) -> int | None:
+    v = os.environ.get(name)
+    try:
+        return int(v) if v not in (None, "") else None
+    except ValueError:
+        return None
+
+
+class _Phase:
+    """Context manager timing one named phase; one cached instance per name (no per-use allocation)."""
+
+    __slots__ = ("probe", "slot", "t0", "depth")
+
+    def __init__(self, probe: "Probe", slot: int):
+        self.probe, self.slot, self.t0, self.depth = probe, slot, 0, 0
+
+    def __enter__(self):
+        self.depth += 1
+        if self.depth == 1:
+            self.t0 = _perf()
+        return self
+
+    def __exit__(self, *exc):
+        self.depth -= 1
+        if self.depth == 0:
+            self.probe._log.add(K_PHASE, self.slot, 0, 0, _perf() - self.t0, 0.0)
+        return False
+
+
+class _StepCtx:
+    __slots__ = ("probe",)
+
+    def __init__(self, probe: "Probe"):
+        self.probe = probe
+
+    def __enter__(self):
+        self.probe.begin_step()
+        return self.probe
+
+    def __exit__(self, *exc):
+        self.probe.end_step()
+        return False
+
+
+# phase slots with a fixed meaning; named phases get slots from 2 on
+_SLOT_DATA, _SLOT_COMPUTE = 0, 1
+
+
+class Probe(Hooks, Replay, Transport, DeviceTiming):
+    """One per process (the module-level functions use a singleton). Lifecycle: ``init`` ->
+    steps -> ``shutdown`` (also at interpreter exit)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._on = False
+        self._installed = False
+        self._hooks: list = []
+        self._patches: list[tuple[object, str, object]] = []
+        self._sock: socket.socket | None = None
+        self._path = ""
+        self._connected = False
+        self._t_connect = -(1 << 62)
+        self.reconnect_ns = 1_000_000_000
+        self._hello_bytes = b""
+        self._hello_dirty = True
+        self._backlog: collections.deque = collections.deque()
+        self._buf = bytearray(MAX_DATAGRAM)
+        self._mv = memoryview(self._buf)
+        self._off = self._frames = 0                   # bytes and frames (finished steps) packed in _buf
+        self._last_flush = 0
+        self.flush_ns = int(DEFAULT_FLUSH_MS * 1e6)
+        self._gcbuf = bytearray(HDR.size + MAX_GC * GCREC.size)   # header room: sent alone when full
+        self._gcmv = memoryview(self._gcbuf)
+        self.instance = _new_instance()
+        # periodic hello every 10-20 s, spread per instance so ranks started together do not burst
+        self._hello_every = HELLO_EVERY_NS + (self.instance % 10_000) * 1_000_000
+        # identity (None = resolved lazily at the first step)
+        self.job: str | None = None
+        self.rank: int | None = None
+        self.world_size: int | None = None
+        self.local_rank: int | None = None
+        self.node: str | None = None
+        self.extra: dict = {}
+        self._identity_ready = False
+        self._rank_given = self._world_given = False
+        # names (ops, groups, phases) -> small ids shared with the agent through the hello
+        self._names: dict[str, int] = {}
+        self._phase_ids = [0] * MAX_PHASES       # slot -> name id
+        self._phase_slot: dict[str, int] = {}
+        self._phase_ctx: dict[str, _Phase] = {}
+        self._comm_slot: dict[tuple[int, int], int] = {}
+        self._comm_key = [(0, 0)] * MAX_COMM
+        self._groups: dict[int, tuple[int, int]] = {}     # id(group) -> (name id, size)
+        self._group_sizes: dict[str, int] = {}             # group name -> ranks (sent in the hello)
+        self._group_refs: list = []
+        self._c_traffic = [1.0] * MAX_COMM                 # bytes on the wire per payload byte, per slot
+        self._ns_per_byte = 1.0 / DEFAULT_COMM_GBPS
+        # the hot path: hooks append events here, _replay makes steps of them (C when built, else Python)
+        fast = _ev._fast
+        self._log = (fast.Log if fast is not None else _PyLog)(LOG_CAP, self._drain, self._first_opt)
+        self._replaying = False
+        # device timing of collectives (CUDA/NPU events), see _dev_begin
+        self._dev_mods: dict = {}                          # device type -> torch.cuda / torch.npu (False: none)
+        self._dev_pool: dict = {}                          # device type -> free events
+        self._dev_calls: dict = {}                         # token -> (device type, start event, end event)
+        self._dev_next = 0
+        self.dev_timed = self.dev_unready = 0
+        self._step_ctx = _StepCtx(self)
+        self._reset_counters()
+        self._reset_step_state()
+        self._need_hello = True
+        self._last_hello = 0
+        self._wall_off = _wall() - _perf()           # wall ns = perf ns + offset (re-anchored per hello)
+        self.comm_gbps = DEFAULT_COMM_GBPS
+        self.gc_row_min_ns = 0
+        self._explicit = False
+        self._pending_counts: tuple | None = None
+        self._primary_opt: int | None = None
+        self._opt_slot: int | None = None
+        self._gc_t0 = 0
+        self._pid = os.getpid()
+        self._step_tid: int | None = None     # the thread that ends steps (its CPU clocks: _cpu_sample)
+        self._cpu_clock = _ThreadCpu()
+        self._ctl = None                      # targeted profiling (stepwatch.agents.profiling.ProbeControl)
+        self._ctl_active = False              # a profile needs step boundaries (every step end replays)
+        self._seq = [0] * MAX_COMM            # collectives replayed per comm slot (per-group sequence numbers)
+        self._wait_slot = -1                  # the slot of Work.wait() (no collective of its own)
+        self._marks: dict[int, int] = {}      # kind phase slot -> perf ns it was marked in the open step
+        self._wd = None                       # the watchdog (stepwatch.agents.watchdog), after the first step
+
+    @property
+    def _ctl_active(self) -> bool:
+        return self._ctl_on
+
+    @_ctl_active.setter
+    def _ctl_active(self, on: bool) -> None:
+        self._ctl_on = bool(on)
+        self._log.eager = 1 if on else 0
+
+    def _reset_counters(self) -> None:
+        self.n_steps = 0
+        self.sent = 0                    # frames (step records, GC bursts) delivered to the agent
+        self.datagrams = 0
+        self.dropped_full = 0
+        self.dropped_no_agent = 0
+        self.dropped_error = 0
+        self.dropped = 0                 # frames lost: sum of the three above (carried in every step record)
+        self.deferred = 0                # datagrams that waited in the backlog (sent later or dropped)
+        self.gc_rows_dropped = 0
+        self.comm_keys_dropped = 0
+        self.phases_dropped = 0
+        self.hellos = 0
+
+    def _reset_step_state(self) -> None:
+        """All per-step state; the phase lists are allocated here once and only zeroed afterwards."""
+        self._open = False
+        self._step = 0
+        self._t0_perf = 0
+        self._t0_wall = 0
+        if not hasattr(self, "_ph_ns"):
+            self._ph_ns = [0] * MAX_PHASES
+            self._ph_used = [False] * MAX_PHASES
+            self._ph_touched: list[int] = []      # named phase slots (>= 2) used in this step
+        self._calls: list[tuple] = []             # this step's collectives: (slot, count, bytes, ns, wait ns | None)
+        self._buckets: dict[int, list] = {}        # this step's DDP buckets per slot (see _bucket_calls)
+        self._cpu_rates = (-1.0, -1.0)             # CPU and run-queue wait per wall ns, this replay (see _cpu_sample)
+        self._cpu_prev = None                      # (perf ns, cpu ns, wait ns) at the last sample
+        self._clear_step()
+        self._n_gc = 0
+
+    def _clear_step(self) -> None:
+        """Zero what the last step used (O(phases and collective kinds used), no allocation)."""
+        self._zero_phases()
+        if self._calls:
+            self._calls = []
+        self._gc_ns = self._gc_count = 0
+        self._data_queue = self._samples = self._tokens = -1
+
+    def init(self, job: str | None = None, rank: int | None = None, world_size: int | None = None,
+             node: str | None = None, socket_dir: str | None = None, local_rank: int | None = None,
+             auto: bool = True, start_step: int = 0, comm_gbps: float | None = None,
+             gc_row_min_ms: float | None = None, flush_ms: float | None = None, **topology) -> "Probe":
+        """Configure the probe and (``auto``) install the PyTorch hooks. Safe to call again.
+
+        Identity defaults: ``job`` from ``STEPWATCH_JOB`` (else ``TORCHELASTIC_RUN_ID``; else the
+        agent's ``--job``), ``rank``/``world_size``/``local_rank`` from ``RANK``/``WORLD_SIZE``/
+        ``LOCAL_RANK`` (else from ``torch.distributed`` at the first step, else 0/1), ``node`` from
+        ``STEPWATCH_NODE`` (else the agent's node name). ``topology`` may hold ``dp, tp, pp, ep, cp,
+        device, device_type, dtype, model_flops_per_token, model_params`` (also read from ``STEPWATCH_DP``
+        ...; ``model_params`` is otherwise counted from the primary optimizer at its first step).
+        ``comm_gbps`` (``STEPWATCH_COMM_GBPS``, default 25) is the link bandwidth of the transfer
+        estimate; ``gc_row_min_ms`` (``STEPWATCH_GC_ROW_MIN_MS``, default 0) the shortest collection
+        sent as a ``gc`` row (every collection is counted in the step either way); ``flush_ms``
+        (``STEPWATCH_FLUSH_MS``, default 500) how long finished steps may wait to share a datagram
+        (0: one datagram per step).
+        """
+        with self._lock:
+            self.job = job or os.environ.get("STEPWATCH_JOB") or os.environ.get("TORCHELASTIC_RUN_ID") or None
+            self.rank = rank if rank is not None else _env_int("RANK")
+            self.world_size = world_size if world_size is not None else _env_int("WORLD_SIZE")
+            self._rank_given, self._world_given = self.rank is not None, self.world_size is not None
+            self.local_rank = local_rank if local_rank is not None else _env_int("LOCAL_RANK")
+            self.node = node or os.environ.get("STEPWATCH_NODE") or None
+            extra = {}
+            for k in ("dp", "tp", "pp", "ep", "cp"):
+                v = topology.pop(k, None)
+                v = v if v is not None else _env_int(f"STEPWATCH_{k.upper()}")
+                if v is not None:
+                    extra[k] = int(v)
+            for k in ("device", "device_type", "dtype", "model_flops_per_token", "model_params"):
+                v = topology.pop(k, None) or os.environ.get(f"STEPWATCH_{k.upper()}")
+                if v is not None:
+                    extra[k] = (float(v) if k == "model_flops_per_token" else int(float(v)) if k == "model_params"
+                                else str(v))
+            if topology:
+                raise TypeError(f"probe.init: unknown argument(s) {', '.join(sorted(topology))}")
+            self.extra = extra
+            g = comm_gbps if comm_gbps is not None else os.environ.get("STEPWATCH_COMM_GBPS")
+            self.comm_gbps = float(g) if g not in (None, "") else DEFAULT_COMM_GBPS
+            self._ns_per_byte = 1.0 / self.comm_gbps if self.comm_gbps > 0 else 0.0   # GB/s = bytes/ns
+            m = gc_row_min_ms if gc_row_min_ms is not None else os.environ.get("STEPWATCH_GC_ROW_MIN_MS")
+            self.gc_row_min_ns = int(float(m) * 1e6) if m not in (None, "") else 0
+            f = flush_ms if flush_ms is not None else os.environ.get("STEPWATCH_FLUSH_MS")
+            self.flush_ns = int(float(f) * 1e6) if f not in (None, "") else int(DEFAULT_FLUSH_MS * 1e6)
+            self._log.drain_ns = self.flush_ns
+            self._log.last_drain = self._last_flush = 0     # the first step end is sent at once, with the hello
+            self._identity_ready = self.rank is not None and self.world_size is not None
+            path = os.path.join(socket_dir or default_socket_dir(), SOCKET_NAME)
+            if path != self._path:
+                self._connected = False
+                self._t_connect = -(1 << 62)
+                if self._sock is not None:           # a connected datagram socket cannot be re-pointed
+                    self._sock.close()
+                    self._sock = None
+            self._path = path
+            if self._sock is None:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                s.setblocking(False)
+                self._sock = s
+            self._step = int(start_step)
+            self._need_hello = self._hello_dirty = True
+            self._pid = os.getpid()
+            if not self._on:
+                gc.callbacks.append(self._gc_cb)
+                if not self._installed:
+                    os.register_at_fork(after_in_child=self._after_fork)
+                    import atexit
+                    atexit.register(self.shutdown)
+                    try:        # children of multiprocessing end with os._exit(): flush in its finalizers
+                        import multiprocessing.util as mpu
+                        mpu.register_after_fork(self, Probe._mp_child)
+                    except ImportError:
+                        pass
+                self._installed = True
+                self._on = True
+        if auto:
+            self.install_torch()
+        if self._wd is None and self.rank is not None and _is_rank_process():
+            self._start_watchdog()                # (its first step may hang too: in-flight kind "first")
+        return self
+
+    def shutdown(self) -> None:
+        """Send what waits, remove every hook and patch and close the socket (the probe can be
+        ``init``-ed again)."""
+        if self._on:
+            self.flush()
+        with self._lock:
+            self._on = False
+            try:
+                gc.callbacks.remove(self._gc_cb)
+            except ValueError:
+                pass
+            for h in self._hooks:
+                h.remove()
+            self._hooks.clear()
+            for obj, name, orig in reversed(self._patches):
+                setattr(obj, name, orig)
+            self._patches.clear()
+            for f in [f for f in sys.meta_path if isinstance(f, _TorchImportHook) and f.probe is self]:
+                sys.meta_path.remove(f)
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+            self._connected = False
+            self._t_connect = -(1 << 62)
+            self._backlog.clear()
+            self._log.clear()
+            self._open = False
+            self._ctl_close(unlink=True)
+            if self._wd is not None:
+                self._wd.close()
+                self._wd = None
+
+    def _after_fork(self) -> None:
+        """In a forked child: a new probe instance with its own socket and counters. Identity fields
+        that were resolved lazily are resolved again (a launcher that forks its ranks); a child that
+        never completes a step (a DataLoader worker) never sends anything."""
+        self.instance = _new_instance()
+        self._hello_every = HELLO_EVERY_NS + (self.instance % 10_000) * 1_000_000
+        self._backlog.clear()
+        old, self._sock = self._sock, None
+        self._connected = False
+        self._t_connect = -(1 << 62)
+        if old is not None:
+            try:
+                old.close()
+            except OSError:
+                pass
+        if self._on:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            s.setblocking(False)
+            self._sock = s
+        self._reset_counters()
+        self._reset_step_state()
+        self._n_gc = 0
+        self._off = self._frames = 0                  # the parent's pending steps are the parent's
+        self._last_flush = 0
+        log = self._log                               # ... and so are its events
+        log.clear()
+        log.primary = log.last_drain = log.in_coll = log.pre_t = 0
+        log.dq_need = 1
+        self._replaying = False
+        self._dev_calls.clear()                       # (the parent's device events)
+        self._primary_opt = None
+        self._step_tid = None
+        self._gc_t0 = 0
+        self._last_hello = 0
+        self._need_hello = self._hello_dirty = True
+        if not self._rank_given:
+            self.rank = None
+        if not self._world_given:
+            self.world_size = None
+        self._identity_ready = self.rank is not None and self.world_size is not None
+        self._pid = os.getpid()
+        self._ctl_close(unlink=False)                 # the parent's control socket stays the parent's
+        self._wd = None                               # (its thread did not survive the fork)
+        self._seq = [0] * MAX_COMM
+        self._marks = {}
+
+    def _mp_child(self) -> None:
+        import multiprocessing.util as mpu
+        mpu.Finalize(self, self.flush, exitpriority=100)
+
+    def _intern(self, name: str) -> int:
+        i = self._names.get(name)
+        if i is None:
+            if len(self._names) >= MAX_NAMES:
+                return self._intern("other") if name != "other" else 0
+            i = self._names[name] = len(self._names) + 1
+            self._need_hello = self._hello_dirty = True
+        return i
+
+    def _slot_for_phase(self, name: str) -> int:
+        if name == "data":
+            return _SLOT_DATA
+        if name == "compute":
+            return _SLOT_COMPUTE
+        s = self._phase_slot.get(name)
+        if s is None:
+            if len(self._phase_slot) >= MAX_PHASES - 2:
+                return -1
+            s = self._phase_slot[name] = len(self._phase_slot) + 2
+            self._phase_ids[s] = self._intern(name)
+        return s
+
+    def phase(self, name: str) -> _Phase:
+        ctx = self._phase_ctx.get(name)
+        if ctx is None:
+            ctx = self._phase_ctx[name] = _Phase(self, self._slot_for_phase(name))
+        return ctx
+
+    def add_phase(self, name: str, ms: float) -> None:
+        """Add ``ms`` to a phase of the current step (for times measured elsewhere)."""
+        self._log.add(K_PHASE, self._slot_for_phase(name), 0, 0, int(ms * 1e6), 0.0)
+
+    def count(self, samples: int | None = None, tokens: int | None = None) -> None:
+        """Add samples/tokens to the current step."""
+        if samples is not None or tokens is not None:
+            self._log.add(K_COUNT, 0, int(tokens) if tokens is not None else -1, 0,
+                          int(samples) if samples is not None else -1, 0.0)
+
+    def step(self, samples: int | None = None, tokens: int | None = None) -> _StepCtx:
+        """``with probe.step():`` one training step (explicit mode)."""
+        self._pending_counts = (samples, tokens)
+        return self._step_ctx
+
+    def begin_step(self, step: int | None = None) -> None:
+        """Start a step (explicit mode); an open step is ended first. ``step`` sets the number."""
+        t = _perf()
+        log = self._log
+        if self._step_tid is None:
+            self._step_tid = threading.get_ident()
+        log.add(K_BEGIN, 0, t, 0, int(step) if step is not None else -1, 0.0)
+        log.dq_need = 1
+        pc = self._pending_counts
+        if pc is not None:
+            self._pending_counts = None
+            self.count(*pc)
+        if log.eager or log.n >= log.high or t - log.last_drain >= log.drain_ns:
+            self._drain()
+
+    def end_step(self) -> None:
+        t = _perf()
+        log = self._log
+        log.add(K_END, 0, t, 0, 0, 0.0)
+        log.dq_need = 1
+        if log.eager or log.n >= log.high or t - log.last_drain >= log.drain_ns:
+            self._drain()
+
+    def _kind_slots(self) -> dict[int, str]:
+        """Phase slot -> step kind, for the kinds that have a slot."""
+        return {s: KIND_PHASES[n] for n, s in self._phase_slot.items() if n in KIND_PHASES}
+
+    def mark_step_kind(self, kind: str) -> None:
+        """Mark the step in progress as ``kind`` (``eval``, ``checkpoint`` or a name of your own): it is
+        sent as the phase of that name (ms from the mark to the step end), and the processor's hang and
+        stall thresholds for that kind apply to it (see docs/configuration.md)."""
+        name = {"first": "first_step"}.get(kind, str(kind))
+        self._log.add(K_MARK, self._slot_for_phase(name), _perf(), 0, 0, 0.0)
+
+    def _start_watchdog(self) -> None:
+        """Once: at ``init`` in a rank process, else after the process's first step (launchers and
+        DataLoader workers never start one)."""
+        self._wd = False                              # (not again, whatever happens)
+        if os.environ.get("STEPWATCH_WATCHDOG", "1") == "0":
+            return
+        try:
+            self._patch_dcp()
+            from . import watchdog                 # (given the package: the event kinds and the header)
+            self._wd = watchdog.Watchdog(self, sys.modules[__package__]).start()
+        except Exception:  # noqa: BLE001 - no watchdog, telemetry goes on
+            self._wd = False
+
+    def _ctl_path(self) -> str:
+        """The control socket announced in the hello (bound on first use; '' when profiling is off:
+        ``STEPWATCH_PROFILING=0``). Commands and their handling: :mod:`stepwatch.agents.profiling`."""
+        if self._ctl is None:
+            if os.environ.get("STEPWATCH_PROFILING", "1") == "0" or not self._path:
+                return ""
+            try:
+                mod = _profiling_module()
+            except Exception:  # noqa: BLE001 - no profiling, telemetry goes on
+                return ""
+            self._ctl = mod.ProbeControl(self, lambda inst, rank: HDR.pack(MAGIC, VERSION, T_PROFILE, inst, rank,
+                                                                          0, 0, 0, 0))
+        return self._ctl.ensure_bound(os.path.dirname(self._path))
+
+    def _ctl_poll(self) -> None:
+        try:
+            self._ctl.poll()
+        except Exception:  # noqa: BLE001 - profiling never fails training
+            self._ctl_active = False
+
+    def _ctl_close(self, unlink: bool) -> None:
+        c, self._ctl = self._ctl, None
+        self._ctl_active = False
+        if c is not None:
+            c.close(unlink=unlink)
+
+    def stats(self) -> dict:
+        """Counters since ``init`` (or the fork that made this process). ``steps`` ended; of their
+        frames, ``sent`` reached the agent's socket, ``pending`` wait in the buffer, ``backlog_frames``
+        wait in the retry backlog and ``dropped`` (= ``dropped_full + dropped_no_agent +
+        dropped_error``) were lost; ``datagrams`` and ``hellos`` sent; ``gc_rows_dropped`` (before
+        the first step), ``comm_keys_dropped`` and ``phases_dropped`` (over the fixed capacity);
+        ``events_lost`` hot-path events dropped (none unless a replay re-entered with a full log);
+        ``fast``: whether the C hot path runs; ``dev_timed``/``dev_unready`` collectives timed by
+        device events / by the host because their end event had not completed at the replay.
+        Replays the waiting events first."""
+        self._drain()
+        log = self._log
+        return {"fast": _ev.FAST, "events_lost": log.lost, "dev_timed": self.dev_timed, "dev_unready": self.dev_unready, "steps": self.n_steps, "sent": self.sent, "dropped": self.dropped, "deferred": self.deferred,
+                "backlog": len(self._backlog), "backlog_frames": sum(f for _, _, f in self._backlog),
+                "datagrams": self.datagrams, "pending": self._frames,
+                "dropped_full": self.dropped_full, "dropped_no_agent": self.dropped_no_agent,
+                "dropped_error": self.dropped_error, "gc_rows_dropped": self.gc_rows_dropped,
+                "comm_keys_dropped": self.comm_keys_dropped + log.comm_keys_dropped, "phases_dropped": self.phases_dropped,
+                "hellos": self.hellos, "socket": self._path, "instance": self.instance,
+                "rank": self.rank, "job": self.job}
+
+
+def _is_rank_process() -> bool:
+    """A process started as a rank (torchrun, a scheduler), not a multiprocessing child (DataLoader
+    workers, ranks forked by ``mp.spawn``: their watchdog starts after their first step)."""
+    try:
+        import multiprocessing
+        return multiprocessing.parent_process() is None
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _profiling_module():
+    return _sibling("profiling")
+
+
+def _sibling(name: str):
+    """``stepwatch.agents.<name>``, or the file in the directory above this package when the probe was
+    loaded on its own (``stepwatch wrap``'s ``STEPWATCH_PROBE_FILE``, where ``stepwatch`` is not importable)."""
+    try:
+        import importlib
+        return importlib.import_module(f"stepwatch.agents.{name}")
+    except ImportError:
+        mod = sys.modules.get(f"stepwatch_{name}")
+        if mod is None:
+            import importlib.util
+            here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            spec = importlib.util.spec_from_file_location(f"stepwatch_{name}", os.path.join(here, f"{name}.py"))
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[f"stepwatch_{name}"] = mod
+            spec.loader.exec_module(mod)
+        return mod

@@ -1,0 +1,310 @@
+"""Torch patching: the probe's automatic hooks (optimizer step hooks, DataLoader iterators,
+``torch.distributed`` collectives and ``Work.wait``, DDP buckets through :mod:`.ddp_hooks`, ``Module.eval``
+and checkpoint saves) and the GC callback. Nothing here imports torch: the hooks are installed once the
+program has imported it (:class:`_TorchImportHook`). :class:`Hooks` is a part of :class:`~.core.Probe`.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+
+from . import eventlog as _ev
+from .collectives import traffic_factor
+from .eventlog import K_COLL, K_GC, K_MARK, K_PHASE, _nbytes, _perf, _py_coll_wrap, _py_data_wrap, _queue_depth
+from .wire import MAX_COMM
+
+
+class _TorchImportHook:
+    """A ``sys.meta_path`` finder that finds nothing itself: on ``import torch`` it wraps torch's
+    loader so that the probe's hooks are installed once torch has finished importing."""
+
+    def __init__(self, probe: "Probe"):
+        self.probe = probe
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch":
+            return None
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:
+            pass
+        import importlib.util
+        spec = importlib.util.find_spec(name)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        orig, probe = loader.exec_module, self.probe
+
+        def exec_module(module):
+            orig(module)
+            if probe._on:
+                try:
+                    probe.install_torch()
+                except Exception as e:  # noqa: BLE001 - never break the user's import
+                    sys.stderr.write(f"stepwatch probe: PyTorch hooks not installed: {e!r}\n")
+
+        loader.exec_module = exec_module
+        return spec
+
+
+class Hooks:
+    """The automatic hooks (methods of :class:`~.core.Probe`)."""
+
+    def install_torch(self) -> bool:
+        """Install the optimizer, DataLoader and torch.distributed hooks (once). When torch is not
+        imported yet, nothing is imported here: a finder on ``sys.meta_path`` installs the hooks right
+        after the program imports torch itself (so ``init()`` may come first, and a program that never
+        uses torch never loads it). torch_npu needs nothing more: it runs through the same hooks.
+        Returns True when the hooks are in place."""
+        if self._hooks:
+            return True
+        if "torch" not in sys.modules:
+            if not any(isinstance(f, _TorchImportHook) for f in sys.meta_path):
+                sys.meta_path.insert(0, _TorchImportHook(self))
+            return False
+        try:
+            from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+        except ImportError:
+            return False
+        self._hooks.append(register_optimizer_step_pre_hook(self._log.opt_pre))
+        self._hooks.append(register_optimizer_step_post_hook(self._log.opt_post))
+        try:
+            from torch.utils.data import dataloader as dl
+            self._patch_dataloader(dl._BaseDataLoaderIter)
+        except (ImportError, AttributeError):
+            pass
+        try:
+            import torch.distributed as dist
+            if dist.is_available():
+                self._patch_distributed(dist)
+                try:            # DDP's reducer all-reduces from C++: time them through a comm hook
+                    from . import ddp_hooks
+                    ddp_hooks.patch(self, dist)
+                except Exception:  # noqa: BLE001 - no DDP timing, the rest goes on
+                    pass
+        except ImportError:
+            pass
+        try:
+            self._patch_eval_save(sys.modules["torch"])
+        except Exception:  # noqa: BLE001 - step kinds are optional
+            pass
+        return True
+
+    def _patch(self, obj, name: str, new) -> None:
+        self._patches.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, new)
+
+    def _patch_dataloader(self, cls) -> None:
+        orig = cls.__next__
+        fast = _ev._fast
+        w = (fast.DataWrap(self._log, orig, _queue_depth) if fast is not None
+             else _py_data_wrap(self._log, orig, _queue_depth))
+        self._patch(cls, "__next__", w)
+
+    def _first_opt(self, opt) -> None:
+        """Live, once: the first optimizer that finishes a step is the primary one (its step ends
+        training steps)."""
+        if self._primary_opt is None:
+            self._primary_opt = id(opt)
+            self._log.primary = id(opt)
+            if self._step_tid is None:
+                self._step_tid = threading.get_ident()          # whose CPU the steps report
+            self._count_params(opt)
+
+    def _gc_cb(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = _perf()
+            return
+        if not self._gc_t0:
+            return
+        t = _perf()
+        dt = t - self._gc_t0
+        self._gc_t0 = 0
+        if self._on:
+            self._log.add(K_GC, info.get("generation", 0), t, dt, info.get("collected", 0),
+                          float(info.get("uncollectable", 0)))
+
+    def _count_params(self, opt) -> None:
+        """Once, at the primary optimizer's first step: the parameters it updates (this rank's share
+        under tensor/pipeline parallelism or FSDP) go into the hello as ``model_params`` for the MFU
+        estimate, unless the user gave ``model_params``."""
+        if "model_params" in self.extra:
+            return
+        try:
+            n = sum(int(p.numel()) for g in opt.param_groups for p in g["params"])
+        except Exception:  # noqa: BLE001 - not a torch optimizer
+            return
+        if n > 0:
+            self.extra["model_params"] = n
+            self._hello_dirty = self._need_hello = True
+
+    def _patch_eval_save(self, torch) -> None:
+        """``Module.eval()`` marks the step ``eval``; ``torch.save`` counts as ``checkpoint`` time. Both are
+        called a few times per evaluation or checkpoint, never per step."""
+        probe_ = self
+        mod = getattr(getattr(torch, "nn", None), "Module", None)
+        if mod is not None and not getattr(mod.eval, "_stepwatch", False):
+            orig_eval = mod.eval
+
+            def eval(module):
+                probe_._log.add(K_MARK, probe_._slot_for_phase("eval"), _perf(), 0, 0, 0.0)
+                return orig_eval(module)
+            eval._stepwatch = True
+            eval.__wrapped__ = orig_eval
+            self._patch(mod, "eval", eval)
+        save = getattr(torch, "save", None)
+        if save is not None and not getattr(save, "_stepwatch", False):
+            self._patch(torch, "save", self._timed_save(save))
+
+    def _timed_save(self, fn):
+        probe_ = self
+
+        def save(*args, **kwargs):
+            t0 = _perf()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                probe_._log.add(K_PHASE, probe_._slot_for_phase("checkpoint"), 0, 0, _perf() - t0, 0.0)
+        save._stepwatch = True
+        save.__wrapped__ = fn
+        return save
+
+    def _patch_dcp(self) -> None:
+        """``torch.distributed.checkpoint.save`` (and ``async_save``, ``save_state_dict``) count as
+        checkpoint time, when the program imported it by its first step."""
+        dcp = sys.modules.get("torch.distributed.checkpoint")
+        if dcp is None:
+            return
+        for name in ("save", "async_save", "save_state_dict"):
+            fn = getattr(dcp, name, None)
+            if fn is not None and not getattr(fn, "_stepwatch", False):
+                self._patch(dcp, name, self._timed_save(fn))
+
+    def _group(self, dist, group) -> tuple[int, int]:
+        key = id(group)
+        g = self._groups.get(key)
+        if g is None:
+            try:
+                size = dist.get_world_size(group) if group is not None else dist.get_world_size()
+            except Exception:  # noqa: BLE001
+                size = 1
+            if group is None:
+                name = "world"
+            else:
+                name = getattr(group, "group_desc", None) or getattr(group, "group_name", None) or f"pg{len(self._groups)}"
+                if name in ("default_pg", "undefined"):
+                    name = getattr(group, "group_name", None) or name
+            g = self._groups[key] = (self._intern(str(name)), int(size))
+            self._group_refs.append(group)          # keep it alive: its id() is our cache key
+            self._group_sizes[str(name)] = int(size)
+            self._need_hello = self._hello_dirty = True
+        return g
+
+    def _comm_slot_for(self, op: str, op_id: int, grp_id: int, size: int) -> int:
+        """The accumulator slot of (op, group), created on first use (-1 when all are taken)."""
+        key = (op_id, grp_id)
+        s = self._comm_slot.get(key)
+        if s is None:
+            if len(self._comm_slot) >= MAX_COMM:
+                return -1
+            s = self._comm_slot[key] = len(self._comm_slot)
+            self._comm_key[s] = key
+            self._c_traffic[s] = traffic_factor(op, size)
+        return s
+
+    def _record_comm(self, op_id: int, grp_id: int, nbytes: int, dt: int, wait_ns: float) -> None:
+        """Add one call with a known wait, ending now (Work.wait(), tests and benchmarks)."""
+        key = (op_id, grp_id)
+        s = self._comm_slot.get(key)
+        if s is None:
+            if len(self._comm_slot) >= MAX_COMM:
+                self.comm_keys_dropped += 1
+                return
+            s = self._comm_slot[key] = len(self._comm_slot)
+            self._comm_key[s] = key
+        t1 = _perf()
+        self._log.add(K_COLL, s, t1 - int(dt), t1, int(nbytes), float(wait_ns))
+
+    def _wrap_collective(self, dist, name: str, fn):
+        """A wrapper timing ``fn`` (``_probefast.CollWrap``, or :func:`_py_coll_wrap`): per call, the
+        clock twice and one event; the process group's accumulator slot is cached per group object,
+        the payload read with ``Tensor.nbytes``."""
+        import inspect
+        try:
+            params = list(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            return None
+        payload = {"all_gather_into_tensor": "input_tensor", "reduce_scatter": "input_list",
+                   "reduce_scatter_tensor": "input", "all_gather_single": "input_tensor",
+                   "reduce_scatter_single": "input", "all_to_all": "input_tensor_list",
+                   "all_to_all_single": "input", "all_reduce_coalesced": "tensors",
+                   "barrier": None}.get(name, None if name.endswith(("_object", "_object_list")) else "tensor")
+        p_idx = params.index(payload) if payload in params else -1
+        if payload not in params:
+            payload = None
+        g_idx = params.index("group") if "group" in params else -1
+        a_idx = params.index("async_op") if "async_op" in params and name not in ("send", "recv") else -1
+        op_id = self._intern(name)
+
+        def resolve(group) -> int:
+            grp_id, size = self._group(dist, group)          # (keeps the group alive: the caches use its id)
+            return self._comm_slot_for(name, op_id, grp_id, size)
+
+        fast = _ev._fast
+        if fast is not None:
+            w = fast.CollWrap(self._log, fn, p_idx, g_idx, a_idx, payload, resolve, _nbytes,
+                               self._dev_begin, self._dev_end)
+        else:
+            w = _py_coll_wrap(self._log, fn, p_idx, g_idx, a_idx, payload, resolve, _nbytes,
+                              self._dev_begin, self._dev_end)
+        w.__name__ = getattr(fn, "__name__", name)
+        w.__doc__ = getattr(fn, "__doc__", None)
+        return w
+
+    def _patch_distributed(self, dist) -> None:
+        for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+                     "reduce_scatter_tensor", "broadcast", "reduce", "barrier", "all_to_all",
+                     "all_to_all_single", "gather", "scatter", "all_reduce_coalesced", "send", "recv",
+                     "isend", "irecv", "all_gather_object", "broadcast_object_list", "gather_object",
+                     "scatter_object_list", "all_gather_single", "reduce_scatter_single"):
+            fn = getattr(dist, name, None)
+            if fn is None or getattr(fn, "_stepwatch", False):
+                continue
+            w = self._wrap_collective(dist, name, fn)
+            if w is not None:
+                w._stepwatch = True
+                self._patch(dist, name, w)
+        dpg = getattr(dist, "destroy_process_group", None)
+        if dpg is not None and not getattr(dpg, "_stepwatch", False):
+            probe_ = self
+
+            def destroy_process_group(*args, **kwargs):
+                probe_.flush()                     # the end of a distributed run: send what waits
+                return dpg(*args, **kwargs)
+
+            destroy_process_group._stepwatch = True
+            destroy_process_group.__wrapped__ = dpg
+            self._patch(dist, "destroy_process_group", destroy_process_group)
+        work = getattr(dist, "Work", None)
+        if work is not None and hasattr(work, "wait"):
+            orig_wait = work.wait
+            log = self._log
+            slot = self._comm_slot_for("wait", self._intern("wait"), self._intern("async"), 1)
+            self._wait_slot = slot
+
+            def wait(w, *args, **kwargs):
+                if log.in_coll or slot < 0:
+                    return orig_wait(w, *args, **kwargs)
+                log.in_coll = 1
+                t0 = _perf()
+                try:
+                    return orig_wait(w, *args, **kwargs)
+                finally:
+                    t1 = _perf()
+                    log.in_coll = 0
+                    log.add(K_COLL, slot, t0, t1, 0, float(t1 - t0))     # all of it is waiting
+
+            try:
+                self._patch(work, "wait", wait)
+            except (TypeError, AttributeError):
+                pass

@@ -1,0 +1,369 @@
+"""The replay: the hot path's events become steps, and each finished step a packed frame.
+
+Every few hundred events (or ``flush_ms``, 500 ms), :meth:`Replay._drain` hands the event log to
+:meth:`Replay._replay`, which applies the events in order to the step state (what the hooks would have done
+live, but warm and in a tight loop) and packs every finished step as one fixed-size frame (:mod:`.wire`)
+into the probe's datagram buffer: ``_probefast.pack_step`` in C, or :meth:`Replay._pack_py`, byte for byte
+the same. :class:`Replay` is a part of :class:`~.core.Probe` (its state lives there).
+"""
+from __future__ import annotations
+
+import threading
+
+from . import eventlog as _ev
+from .eventlog import (K_BEGIN, K_BUCKET, K_COLL, K_COUNT, K_DATA, K_DCOLL, K_END, K_GC, K_MARK, K_OPT_POST,
+                       K_PHASE, _perf)
+from .wire import (COMM, GCREC, HDR, HDR_STEP, MAGIC, MAX_CALLS, MAX_DATAGRAM, MAX_FRAME, MAX_GC, MAX_PENDING,
+                   PHASE, T_BATCH, VERSION)
+
+_OPENING = frozenset((K_DATA, K_COLL, K_DCOLL, K_BUCKET))   # events that open a step in automatic mode
+                                                            # (and K_OPT_POST with a pre-hook time)
+
+
+class Replay:
+    """Events -> steps -> frames (methods of :class:`~.core.Probe`)."""
+
+    def _drain(self) -> None:
+        """Replay the hot path's events into steps (and send them when due). Called by the hooks at a
+        step end (see :class:`_PyLog` for when), by ``flush``/``stats``/``shutdown``, and when the log
+        is full."""
+        if self._replaying:
+            return
+        self._replaying = True
+        try:
+            log = self._log
+            log.last_drain = _perf()
+            self._cpu_sample(log.last_drain)
+            if not log.dev_on:
+                log.dev_on = self._accelerator_in_use()
+            events = log.drain()
+            if not events or not self._on:
+                return
+            n0 = self.n_steps
+            self._replay(events)
+            if self._wd is None and self.n_steps:
+                self._start_watchdog()
+            if self._ctl_on and self.n_steps != n0:
+                last = events[-1]             # a profile starts and stops at live step boundaries only
+                if last[0] == K_END or last[0] == K_BEGIN or (
+                        last[0] == K_OPT_POST and last[4] == self._primary_opt and not self._explicit):
+                    self._ctl.on_step(self._step)
+        finally:
+            self._replaying = False
+
+    def _cpu_sample(self, now: int) -> None:
+        """The step thread's CPU time and run-queue wait since the last replay, as rates per wall ns, which
+        the replay applies to each step it packs: one ``pread`` per replay (every ~500 ms, or every step
+        end where steps are longer or a profile runs), nothing on the step path. A replay run by another
+        thread (a collective's callback filling the log) samples nothing; its steps get null."""
+        self._cpu_rates = (-1.0, -1.0)
+        tid = self._step_tid
+        if tid is None or threading.get_ident() != tid:
+            return
+        c, w = self._cpu_clock.read()
+        prev = self._cpu_prev
+        self._cpu_prev = (now, c, w)
+        if prev is None or now <= prev[0] or c < prev[1]:
+            return
+        dt = now - prev[0]
+        self._cpu_rates = ((c - prev[1]) / dt, (w - prev[2]) / dt if w >= prev[2] >= 0 else -1.0)
+
+    def _replay(self, events: list) -> None:
+        """Apply the events, in order, to the step state: what the hooks would have done live. The
+        state lives in locals while the batch is replayed (the loop runs once per event, a few
+        hundred at a time; attribute traffic per event would be most of its cost)."""
+        open_, explicit, t0p, t0w = self._open, self._explicit, self._t0_perf, self._t0_wall
+        ph, used, touched = self._ph_ns, self._ph_used, self._ph_touched
+        calls, gc_ns, gc_count, dq = self._calls, self._gc_ns, self._gc_count, self._data_queue
+        samples, tokens, step = self._samples, self._tokens, self._step
+        primary, off = self._primary_opt, self._wall_off
+        buf, boff, inst = self._buf, self._off, self.instance
+        ids, keys = self._phase_ids, self._comm_key
+        traffic, nspb = self._c_traffic, self._ns_per_byte
+        opt_slot = self._opt_slot
+        seqs, marks = self._seq, self._marks
+        rate_c, rate_w = self._cpu_rates
+        buckets = self._buckets
+        fast = _ev._fast
+        pack = fast.pack_step if fast is not None else None      # the frame in one C call
+        for kind, slot, t0, t1, a, b in events:
+            if not open_ and (kind == K_BEGIN or not explicit and (kind in _OPENING or kind == K_OPT_POST and t0)):
+                # a step opens at t0: in explicit mode at begin_step(), in automatic mode at its first event
+                # (a DataLoader call, a collective, an optimizer's pre-hook); what came before is nobody's
+                if kind == K_BEGIN:
+                    explicit = self._explicit = True
+                    if a >= 0:
+                        step = a
+                open_, t0p, t0w = True, t0, t0 + off
+                self._zero_phases()
+                calls, gc_ns, gc_count, dq, samples, tokens = [], 0, 0, -1, -1, -1
+                buckets.clear()
+                if kind == K_BEGIN:
+                    continue
+            if kind == K_DATA:
+                if a >= 0 and dq < 0:
+                    dq = a
+                ph[0] += t1 - t0                        # (the data slot is always sent: no "used" flag)
+                continue
+            if kind == K_COLL or kind == K_DCOLL:       # raw: summed and split into comm/wait when packed
+                seqs[slot] += 1
+                if kind == K_COLL:
+                    calls.append((slot, 1, a, t1 - t0, None if b < 0 else b))
+                else:                                   # timed on the device (see _dev_begin)
+                    calls.append((slot, 1, a, self._dev_time(int(b), t1 - t0), None))
+                if len(calls) >= MAX_CALLS:
+                    self._calls = calls
+                    self._squash_calls()
+                    calls = self._calls
+                continue
+            if kind == K_BUCKET:                        # a DDP bucket: summed per slot, see _bucket_calls
+                seqs[slot] += 1                         # (a collective of the group: its sequence number)
+                if b >= 0:                              # timed on the device (see _dev_begin)
+                    t1 = t0 + self._dev_time(int(b), t1 - t0)
+                bk = buckets.get(slot)
+                if bk is None:
+                    buckets[slot] = [1, a, t0, t1, a]
+                else:
+                    bk[0] += 1
+                    bk[1] += a
+                    if t0 >= bk[2]:
+                        bk[2], bk[4] = t0, a
+                    if t1 > bk[3]:
+                        bk[3] = t1
+                continue
+            if kind == K_OPT_POST:
+                if t0:                                  # the optimizer phase (any optimizer)
+                    if opt_slot is None:
+                        opt_slot = self._opt_slot = self._slot_for_phase("optimizer")
+                    if opt_slot >= 0:
+                        if not used[opt_slot]:
+                            used[opt_slot] = True
+                            touched.append(opt_slot)
+                        ph[opt_slot] += t1 - t0
+                if explicit or a != primary:
+                    continue
+                t0, reopen, number = t1, True, -1       # the primary optimizer: a step ends, the next starts
+            elif kind == K_END:
+                if not open_:
+                    continue
+                reopen, number = False, -1
+            elif kind == K_BEGIN:
+                explicit = self._explicit = True      # (an open step: it ends, the next one opens)
+                reopen, number = True, a
+            elif kind == K_GC:
+                gc_ns += t1
+                gc_count += 1
+                if t1 >= self.gc_row_min_ns:
+                    self._gc_row(t0, t1, slot, a, int(b))
+                continue
+            elif kind == K_PHASE:
+                self._add_phase(slot, a)
+                continue
+            elif kind == K_MARK:
+                if slot >= 0 and slot not in marks:
+                    marks[slot] = t0
+                continue
+            elif kind == K_COUNT:
+                if a >= 0:
+                    samples = (samples if samples > 0 else 0) + a
+                if t0 >= 0:
+                    tokens = (tokens if tokens > 0 else 0) + t0
+                continue
+            else:
+                continue
+            # ---- the open step ends at t0: its frame is packed into the datagram buffer
+            wall = t0 + off
+            if marks or not self.n_steps:               # step kinds: phases eval/checkpoint/first_step (ms)
+                self._kind_phases(t0, t0p)
+            self.n_steps += 1
+            step_ns = t0 - t0p                          # its CPU time and run-queue wait: at this
+            cpu_ns = step_ns * rate_c if rate_c >= 0 else -1.0     # replay's rates (see _cpu_sample)
+            cw_ns = step_ns * rate_w if rate_w >= 0 else -1.0
+            if buckets:
+                self._bucket_calls(calls, buckets)
+            if self._connected or t0 - self._t_connect >= self.reconnect_ns:
+                if not self._identity_ready:
+                    self._resolve_identity()
+                if boff > MAX_DATAGRAM - MAX_FRAME:       # the buffer is full: it leaves now
+                    self._off = boff
+                    self._send_buf(t0)
+                    boff = self._off
+                n_gc = self._n_gc
+                if pack is not None:                     # C: the frame in one call
+                    boff = pack(buf, boff, inst, self.rank, step, t0w, wall, t0 - t0p, ph[0],
+                                ph[1] if used[1] else -1, gc_ns, gc_count, dq, samples, tokens, self.dropped,
+                                touched, ph, ids, calls, traffic, nspb, keys,
+                                self._gcmv[16:16 + n_gc * GCREC.size] if n_gc else None, cpu_ns, cw_ns)
+                else:
+                    boff = self._pack_py(boff, step, t0w, wall, t0 - t0p, gc_ns, gc_count, dq, samples, tokens,
+                                         calls, n_gc, cpu_ns, cw_ns)
+                self._n_gc = 0
+                self._frames += 1
+            else:                                        # nobody listens (a reconnect was tried < 1 s ago)
+                self._n_gc = 0
+                self._lost(1, "no_agent")
+            step = step + 1 if number < 0 else number
+            # zero what this step used (no allocation but the next step's call list)
+            ph[0] = ph[1] = 0
+            used[0] = used[1] = False
+            if touched:
+                for i in touched:
+                    ph[i] = 0
+                    used[i] = False
+                touched.clear()
+            if calls:
+                calls.clear()
+            gc_ns = gc_count = 0
+            dq = samples = tokens = -1
+            open_, t0p, t0w = reopen, t0, wall
+            if (t0 - self._last_flush >= self.flush_ns or self._frames >= MAX_PENDING
+                    or (self._need_hello and self._connected)):
+                self._off = boff
+                self._flush(t0)
+                boff = self._off
+        self._off = boff
+        self._open, self._t0_perf, self._t0_wall, self._calls = open_, t0p, t0w, calls
+        self._gc_ns, self._gc_count, self._data_queue = gc_ns, gc_count, dq
+        self._samples, self._tokens, self._step = samples, tokens, step
+
+    def _bucket_calls(self, calls: list, buckets: dict) -> None:
+        """The step's DDP buckets as one call per slot (and clear them). The reducer launches each
+        bucket's all-reduce while backward goes on, so most of their time overlaps computation; what held
+        the step is the tail from the last launch (the end of backward) to the last completion. That tail
+        is the call's time, split into transfer (the last bucket's payload at ``comm_gbps``) and waiting
+        for peers; count and bytes are all the buckets'."""
+        nspb, traffic = self._ns_per_byte, self._c_traffic
+        for s, (count, nbytes, last_launch, last_done, last_bytes) in buckets.items():
+            tail = last_done - last_launch if last_done > last_launch else 0
+            tr = last_bytes * traffic[s] * nspb
+            calls.append((s, count, nbytes, tail, float(tail - tr) if tail > tr else 0.0))
+        buckets.clear()
+
+    def _squash_calls(self) -> None:
+        """A step with very many collectives: sum its calls so far per slot (bounded memory)."""
+        agg, _, _ = self._sum_calls(self._calls)
+        self._calls = [(k, c, b, t, w) for k, (c, b, t, w) in agg.items()]
+
+    def _sum_calls(self, calls) -> tuple[dict, float, float]:
+        """Per accumulator slot [count, bytes, ns, wait ns], and the step's comm and wait ns. A call
+        timed on the CPU without a known wait (a blocking collective) splits into the transfer its
+        payload needs at ``comm_gbps`` (comm) and the rest (waiting for peers)."""
+        agg: dict[int, list] = {}
+        traffic, nspb = self._c_traffic, self._ns_per_byte
+        comm_ns = wait_ns = 0.0
+        for s, count, nbytes, dt, wait in calls:
+            if wait is None:
+                tr = nbytes * traffic[s] * nspb
+                wait = dt - tr if dt > tr else 0.0
+            a = agg.get(s)
+            if a is None:
+                agg[s] = [count, nbytes, dt, wait]
+            else:
+                a[0] += count
+                a[1] += nbytes
+                a[2] += dt
+                a[3] += wait
+            comm_ns += dt - wait
+            wait_ns += wait
+        return agg, comm_ns, wait_ns
+
+    def _pack_py(self, boff: int, step: int, t0w: int, wall: int, step_ns: int, gc_ns: int, gc_count: int,
+                 dq: int, samples: int, tokens: int, calls: list, n_gc: int, cpu_ns: float = -1.0,
+                 cw_ns: float = -1.0) -> int:
+        """One step's frame at ``boff`` in the datagram buffer, in Python (``_probefast.pack_step`` does
+        the same in C, byte for byte); returns the new offset."""
+        buf, mv, inst = self._buf, self._mv, self.instance
+        ph, used, touched = self._ph_ns, self._ph_used, self._ph_touched
+        ids, keys = self._phase_ids, self._comm_key
+        traffic, nspb = self._c_traffic, self._ns_per_byte
+        data_ns = ph[0]
+        one = None
+        if not calls:
+            comms, comm_ns, wait_ns = None, 0.0, 0.0
+        elif len(calls) == 1:                    # (the common case, without a dict)
+            one = calls[0]
+            k, count, nbytes, tt, wait = one
+            if wait is None:
+                tr = nbytes * traffic[k] * nspb
+                wait = tt - tr if tt > tr else 0.0
+                one = (k, count, nbytes, tt, wait)
+            comms, comm_ns, wait_ns = None, tt - wait, wait
+        else:
+            comms, comm_ns, wait_ns = self._sum_calls(calls)
+        if used[1]:
+            compute_ns = ph[1]
+        else:                                    # not given: the rest of the step, less the run-queue wait
+            compute_ns = step_ns - data_ns - comm_ns - wait_ns - gc_ns - (cw_ns if cw_ns > 0 else 0.0)
+            if compute_ns < 0:
+                compute_ns = 0
+        HDR_STEP.pack_into(buf, boff, MAGIC, VERSION, T_BATCH, inst, self.rank, 1,
+                           len(comms) if comms else 1 if one else 0, n_gc, len(touched),
+                           step, t0w, wall, step_ns, data_ns, compute_ns, comm_ns, wait_ns, gc_ns,
+                           gc_count, dq, samples, tokens, self.dropped & 0xFFFFFFFF, cpu_ns, cw_ns)
+        boff += HDR_STEP.size
+        for i in touched:
+            PHASE.pack_into(buf, boff, ids[i], ph[i])
+            boff += 16
+        if one:
+            k, count, nbytes, tt, wait = one
+            op, grp = keys[k]
+            COMM.pack_into(buf, boff, op, grp, count, nbytes, tt, wait)
+            boff += 40
+        elif comms:
+            for k, (count, nbytes, tt, wait) in comms.items():
+                op, grp = keys[k]
+                COMM.pack_into(buf, boff, op, grp, count, nbytes, tt, wait)
+                boff += 40
+        if n_gc:
+            k = n_gc * GCREC.size
+            mv[boff:boff + k] = self._gcmv[16:16 + k]
+            boff += k
+        return boff
+
+    def _kind_phases(self, t_end: int, t_start: int) -> None:
+        """Replay, at a step end: the kinds marked in the step become phases (ms from the mark to the
+        step end; ``checkpoint`` also gets the time inside the save calls), and the first step of the
+        process gets ``first_step`` (its length)."""
+        marks = self._marks
+        if marks:
+            for s, tm in marks.items():
+                self._add_phase(s, max(t_end - tm, 0) if not self._ph_used[s] else 0)
+            marks.clear()
+        if not self.n_steps:
+            self._add_phase(self._slot_for_phase("first_step"), t_end - t_start)
+
+    def _gc_row(self, t: int, dt: int, generation: int, collected: int, uncollectable: int) -> None:
+        """One collection as a ``gc`` row of the step (replay)."""
+        n = self._n_gc
+        GCREC.pack_into(self._gcbuf, HDR.size + n * GCREC.size, t + self._wall_off, dt, generation,
+                        collected, uncollectable)
+        n += 1
+        if n == MAX_GC and self.n_steps:
+            # a burst of collections: send them now on their own (no step record)
+            HDR.pack_into(self._gcbuf, 0, MAGIC, VERSION, T_BATCH, self.instance, self.rank, 0, 0, MAX_GC, 0)
+            self._sendto(self._gcmv, frames=1)
+            n = 0
+        elif n == MAX_GC:
+            self.gc_rows_dropped += 1       # nothing is sent before the first step: reuse the last slot
+            n -= 1
+        self._n_gc = n
+
+    def _zero_phases(self) -> None:
+        ph, used = self._ph_ns, self._ph_used
+        ph[0] = ph[1] = 0
+        used[0] = used[1] = False
+        if self._ph_touched:
+            for i in self._ph_touched:
+                ph[i] = 0
+                used[i] = False
+            self._ph_touched.clear()
+
+    def _add_phase(self, slot: int, ns: int) -> None:
+        if slot < 0:
+            self.phases_dropped += 1
+            return
+        if not self._ph_used[slot]:
+            self._ph_used[slot] = True
+            if slot >= 2:
+                self._ph_touched.append(slot)
+        self._ph_ns[slot] += ns

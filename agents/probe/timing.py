@@ -1,0 +1,118 @@
+"""Clocks of the probe other than ``perf_counter_ns``: the step thread's CPU time and run-queue wait
+(:class:`_ThreadCpu`), and device events around collectives on CUDA/NPU tensors (:class:`DeviceTiming`,
+a part of :class:`~.core.Probe`)."""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+MAX_DEV_CALLS = 4096                  # device event pairs awaiting their replay (beyond: timed by the host)
+
+
+class _ThreadCpu:
+    """The calling thread's CPU time and run-queue wait, cumulative ns: ``read() -> (cpu, wait)``.
+
+    Both come from one ``pread`` of ``/proc/thread-self/schedstat`` (the scheduler's own accounting:
+    time on a CPU, and time *runnable but waiting for a CPU*, which is what a competing process on the
+    rank's core costs it). Where that file is missing (no ``CONFIG_SCHED_INFO``), the CPU time comes
+    from ``CLOCK_THREAD_CPUTIME_ID`` and the wait is -1 (unknown). The file is reopened when the
+    reading thread changes or after a fork. Read by :meth:`Probe._drain` (every ~500 ms), not per step."""
+
+    def __init__(self):
+        self.fd, self.tid, self.pid, self.proc = -1, 0, 0, True
+
+    def read(self) -> tuple[int, int]:
+        if self.proc:
+            tid = threading.get_native_id()
+            if tid != self.tid or self.fd < 0 or self.pid != os.getpid():
+                self._reopen(tid)
+            if self.fd >= 0:
+                try:
+                    f = os.pread(self.fd, 96, 0).split()
+                    return int(f[0]), int(f[1])
+                except (OSError, ValueError, IndexError):
+                    self.proc = False
+        return time.thread_time_ns(), -1
+
+    def _reopen(self, tid: int) -> None:
+        if self.fd >= 0 and self.pid == os.getpid():
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+        self.fd, self.tid, self.pid = -1, tid, os.getpid()
+        try:
+            self.fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self.proc = False
+
+
+class DeviceTiming:
+    """Device timing of synchronous collectives (the :class:`~.core.Probe` methods that use torch.cuda /
+    torch.npu events; the state lives in the probe: ``_dev_mods``, ``_dev_pool``, ``_dev_calls``)."""
+
+    @staticmethod
+    def _accelerator_in_use() -> int:
+        """1 once this process uses CUDA (its context exists) or has torch_npu loaded: only then do the
+        collective wrappers look at their payload's device (checked at every replay until true; never
+        initialises CUDA)."""
+        if sys.modules.get("torch_npu") is not None:
+            return 1
+        torch = sys.modules.get("torch")
+        try:
+            return 1 if torch is not None and torch.cuda.is_initialized() else 0
+        except Exception:  # noqa: BLE001
+            return 0
+
+    def _dev_begin(self, x) -> int:
+        """Live, before a synchronous collective on a device tensor: record a start event on the
+        current stream (``torch.cuda.Event``/``torch.npu.Event``, pooled) and return its token (-1:
+        no device events; the host time is kept). On CUDA/NPU the host only launches the collective,
+        so the host's wall time would be the launch; the events, read at the replay (``query()``
+        first: never a synchronisation), give the kernel's time on the device, waiting for peers
+        included, which is then split into transfer and wait as on the CPU."""
+        kind = x.device.type
+        mod = self._dev_mods.get(kind)
+        if mod is None:
+            torch = sys.modules.get("torch")
+            mod = getattr(torch, kind, None) if torch is not None else None
+            if mod is None or not hasattr(mod, "Event"):
+                mod = False
+            self._dev_mods[kind] = mod
+        if mod is False or len(self._dev_calls) >= MAX_DEV_CALLS:
+            return -1
+        pool = self._dev_pool.get(kind)
+        if pool:
+            e0, e1 = pool.pop()
+        else:
+            e0, e1 = mod.Event(enable_timing=True), mod.Event(enable_timing=True)
+        e0.record()
+        tok = self._dev_next
+        self._dev_next = (tok + 1) & 0x3FFFFFFF
+        self._dev_calls[tok] = (kind, e0, e1)
+        return tok
+
+    def _dev_end(self, tok: int) -> None:
+        d = self._dev_calls.get(tok)
+        if d is not None:
+            d[2].record()
+
+    def _dev_time(self, tok: int, host_ns: int) -> int:
+        """Replay: the device time of a collective (ns) when its end event completed, else the
+        host's (counted in ``dev_unready``); the events go back to the pool."""
+        d = self._dev_calls.pop(tok, None)
+        if d is None:
+            return host_ns
+        kind, e0, e1 = d
+        try:
+            if e1.query():
+                self.dev_timed += 1
+                host_ns = int(e0.elapsed_time(e1) * 1e6)
+            else:
+                self.dev_unready += 1
+        except Exception:  # noqa: BLE001 - a device error is the training's to report, not ours
+            self.dev_unready += 1
+        self._dev_pool.setdefault(kind, []).append((e0, e1))
+        return host_ns

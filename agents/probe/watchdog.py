@@ -1,0 +1,308 @@
+"""The probe's watchdog: what a rank is doing while its step runs far longer than usual.
+
+A daemon thread, started by the probe at ``init`` in a rank (``RANK`` known, not a multiprocessing
+child) or else once the process has finished its first step, wakes every ``period_s`` (1 s). It runs while the training (main) thread is blocked in a C call (a collective, a
+``time.sleep``, I/O), because those release the GIL. It never touches the hot path's state: it reads
+the probe's replayed step state, peeks at the events the hot path logged since the last replay (a copy;
+nothing is drained) and the main thread's Python stack (``sys._current_frames()``; no ptrace, no signal).
+
+When the step in progress has lasted more than ``max(min_s, factor x usual step time)`` (the usual step
+time is the mean over the last minute of the watchdog's own samples of the step counter: nothing is
+measured per step), it sends the rank's *in-flight state* to the node agent as one ``T_INFLIGHT``
+datagram (header + JSON, on a socket of its own), and again whenever that state changes or every
+``resend_s`` (5 s) while the step lasts; when the step ends it sends a last one with state ``done``.
+
+The state is one of:
+
+* ``collective``: inside a wrapped ``torch.distributed`` collective: its op, process group, the group's
+  *sequence number* (1 = the group's first collective of this process, counted the same way on every rank
+  as NCCL and the Flight Recorder do: a collective made of collectives counts once, ``Work.wait()`` not at
+  all), the group size and since when;
+* ``data``: inside ``DataLoader.__next__``;
+* ``compute``: anything else, since the last event the probe logged (the end of the last collective,
+  DataLoader call or optimizer step).
+
+With the step number, the step's kinds (``first``, ``eval``, ``checkpoint``: what the probe saw in this
+step) and the main thread's stack, innermost frame last (at most 24 frames, 4 KiB).
+
+Standard library only, like the rest of the probe's package (``stepwatch wrap`` may load it from its directory).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+
+# collective functions of torch.distributed whose frame names the op the main thread is blocked in
+COLLECTIVES = frozenset((
+    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "broadcast",
+    "reduce", "barrier", "all_to_all", "all_to_all_single", "gather", "scatter", "all_reduce_coalesced", "send",
+    "recv", "isend", "irecv", "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+    "monitored_barrier", "batch_isend_irecv"))
+MAX_FRAMES = 24
+MAX_STACK = 4096
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _env_float(name: str, default: float) -> float:
+    v = os.environ.get(name, "")
+    try:
+        return float(v) if v not in ("", None) else default
+    except ValueError:
+        return default
+
+
+def format_stack(frame, limit: int = MAX_FRAMES) -> tuple[str, list]:
+    """The stack from ``frame`` outwards as text, outermost first and innermost last (``file:line in
+    func`` per line, at most ``limit`` frames: the innermost ones), and the frames themselves (innermost
+    first)."""
+    frames = []
+    f = frame
+    while f is not None and len(frames) < 256:
+        if os.path.dirname(f.f_code.co_filename) != _HERE:      # (the probe's own wrappers: its package)
+            frames.append(f)
+        f = f.f_back
+    lines = []
+    for f in reversed(frames[:limit]):
+        co = f.f_code
+        lines.append(f"{co.co_filename}:{f.f_lineno} in {co.co_name}")
+    text = "\n".join(lines)
+    if len(text) > MAX_STACK:
+        text = "…" + text[-(MAX_STACK - 1):]
+    return text, frames
+
+
+class Watchdog:
+    """One per probe (see the module docstring). ``probe`` is the :class:`~stepwatch.agents.probe.Probe`;
+    the constants of the event log (kinds, datagram header) are read from its module."""
+
+    def __init__(self, probe, mod, period_s: float | None = None, min_s: float | None = None,
+                 factor: float | None = None, resend_s: float = 5.0):
+        self.p, self.m = probe, mod
+        self.period_s = period_s if period_s is not None else _env_float("STEPWATCH_WATCHDOG_S", 1.0)
+        self.min_s = min_s if min_s is not None else _env_float("STEPWATCH_INFLIGHT_S", 10.0)
+        self.factor = factor if factor is not None else _env_float("STEPWATCH_INFLIGHT_FACTOR", 5.0)
+        self.resend_s = resend_s
+        self.main_ident = threading.main_thread().ident
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+        self._sock: socket.socket | None = None
+        self._samples: list[tuple[int, int]] = []      # (perf ns, steps ended) at the wakes where steps advanced
+        self._first: tuple[int, int] | None = None
+        self._hung_step = None                          # the step reported as overlong (None: none)
+        self._last_key = None
+        self._last_sent = 0
+        self.sent = self.failed = 0
+
+    # ------------------------------------------------------------------ thread
+    def start(self) -> "Watchdog":
+        if self.period_s <= 0:
+            return self
+        self.thread = threading.Thread(target=self._run, name="stepwatch-watchdog", daemon=True)
+        self.thread.start()
+        return self
+
+    def close(self) -> None:
+        self.stop.set()
+        s, self._sock = self._sock, None
+        if s is not None:
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.period_s):
+            try:
+                self.check(self.m._perf())
+            except Exception:  # noqa: BLE001 - the watchdog never disturbs training
+                pass
+
+    # ------------------------------------------------------------------ judgement
+    def usual_ns(self, now: int) -> float:
+        """Mean step time over the last minute of wakes (0: not known yet)."""
+        p = self.p
+        n = p.n_steps
+        s = self._samples
+        if not s or s[-1][1] != n:
+            s.append((now, n))
+            while len(s) > 2 and now - s[0][0] > 60_000_000_000:
+                s.pop(0)
+        if len(s) < 2 or s[-1][1] <= s[0][1]:
+            return 0.0
+        return (s[-1][0] - s[0][0]) / (s[-1][1] - s[0][1])
+
+    def threshold_ns(self, usual: float) -> float:
+        return max(self.min_s * 1e9, self.factor * usual)
+
+    def check(self, now: int) -> dict | None:
+        """One wake: the in-flight state when the step is overlong (sent when due), else None."""
+        p = self.p
+        if not p._on or p._replaying:
+            return None
+        usual = self.usual_ns(now)
+        if self._hung_step is None:               # the cheap look of every wake: nothing is overlong
+            if p._open:
+                if now - p._t0_perf < self.threshold_ns(usual):
+                    return None
+            elif not p._log.n:
+                return None
+        st = self.state(now)
+        if self._hung_step is not None and (st is None or st["step"] != self._hung_step or not st["_open"]):
+            done = {"state": "done", "step": self._hung_step, "t": now + p._wall_off, "pid": os.getpid(),
+                    "since": now + p._wall_off, "kinds": [], "stack": ""}
+            self._hung_step = None
+            self._last_key = None
+            self._send(done)
+            return done
+        if st is None or not st["_open"]:
+            return None
+        elapsed = now - st["_start"]
+        if elapsed < self.threshold_ns(usual):
+            return None
+        self._hung_step = st["step"]
+        st["elapsed_ns"] = elapsed
+        st["usual_ns"] = usual
+        key = (st["state"], st.get("op"), st.get("group"), st.get("seq"), st["step"])
+        if key != self._last_key or now - self._last_sent >= self.resend_s * 1e9:
+            self._last_key, self._last_sent = key, now
+            self._send(st)
+        return st
+
+    def state(self, now: int) -> dict | None:
+        """What the main thread is doing now (see the module docstring), from the replayed state, a
+        copy of the events logged since the last replay, and the main thread's stack."""
+        p, m = self.p, self.m
+        try:
+            events = p._log.peek()
+        except Exception:  # noqa: BLE001
+            events = []
+        step, start, open_ = p._step, p._t0_perf, p._open
+        primary, explicit = p._primary_opt, p._explicit
+        kind_slots = p._kind_slots()
+        kinds = {name for s, name in kind_slots.items() if p._ph_used[s]} if open_ else set()
+        seq = list(p._seq)
+        last_t = p._log.last_drain
+        for kind, slot, t0, t1, a, b in events:
+            if kind == m.K_COLL or kind == m.K_DCOLL or kind == getattr(m, "K_BUCKET", -1):
+                seq[slot] += 1
+                last_t = t1
+            elif kind == m.K_DATA:
+                last_t = t1
+                if not open_ and not explicit:
+                    open_, start = True, t0
+            elif kind == m.K_OPT_POST:
+                last_t = t1
+                if not explicit and a == primary:
+                    step, start, open_, kinds = step + 1, t1, True, set()
+            elif kind == m.K_BEGIN:
+                if open_:
+                    step = step + 1 if a < 0 else a
+                elif a >= 0:
+                    step = a
+                start, open_, kinds, last_t = t0, True, set(), t0
+            elif kind == m.K_END:
+                if open_:
+                    step, open_, last_t = step + 1, False, t0
+                    kinds = set()
+            elif kind == m.K_PHASE or kind == m.K_MARK:
+                name = kind_slots.get(slot)
+                if name:
+                    kinds.add(name)
+        if not open_ and not events:
+            return None
+        frame = sys._current_frames().get(self.main_ident)
+        stack, frames = format_stack(frame) if frame is not None else ("", [])
+        st = {"step": step, "_start": start, "_open": open_, "t": now + p._wall_off, "pid": os.getpid()}
+        coll = data = None
+        for f in frames:
+            co = f.f_code
+            fn = co.co_filename
+            if coll is None and co.co_name in COLLECTIVES and "distributed" in fn:
+                coll = f
+                break
+            if data is None and co.co_name == "__next__" and fn.endswith(os.path.join("data", "dataloader.py")):
+                data = f
+                break
+            if co.co_name == "save" and ("serialization" in fn or "checkpoint" in fn):
+                kinds.add("checkpoint")
+        if coll is not None or p._log.in_coll:
+            st["state"] = "collective"
+            ct = getattr(p._log, "coll_t0", 0)
+            st["since"] = (ct if ct else last_t) + p._wall_off
+            if coll is not None:
+                st["op"] = coll.f_code.co_name
+                try:
+                    group = coll.f_locals.get("group")
+                except Exception:  # noqa: BLE001
+                    group = None
+                gname, gsize, gid = self._group(group)
+                st["group"], st["group_size"] = gname, gsize
+                if gid:
+                    keys, wait_slot = p._comm_key, p._wait_slot
+                    st["seq"] = 1 + sum(seq[s] for s in range(len(p._comm_slot)) if keys[s][1] == gid
+                                        and s != wait_slot)
+        elif data is not None:
+            st["state"] = "data"
+            st["since"] = last_t + p._wall_off
+        else:
+            st["state"] = "compute"
+            st["since"] = last_t + p._wall_off
+        if p.n_steps == 0 and step == p._step:       # no step finished yet: the process's first
+            kinds.add("first")
+        st["kinds"] = sorted(kinds)
+        st["stack"] = stack
+        return st
+
+    def _group(self, group) -> tuple[str, int | None, int]:
+        """(name, size, name id) of a process group as the probe names it in its comm rows."""
+        p = self.p
+        dist = sys.modules.get("torch.distributed")
+        if group is not None and dist is not None:
+            try:                                        # the default group, as the call's frame sees it
+                if group is dist.distributed_c10d._get_default_group():
+                    group = None
+            except Exception:  # noqa: BLE001
+                pass
+        g = p._groups.get(id(group))
+        if g is None:
+            if dist is None:
+                return ("world" if group is None else "?"), None, 0
+            try:
+                g = p._group(dist, group)
+            except Exception:  # noqa: BLE001
+                return "?", None, 0
+        gid, size = g
+        name = next((n for n, i in p._names.items() if i == gid), "?")
+        return name, size, gid
+
+    # ------------------------------------------------------------------ sending
+    def payload(self, st: dict) -> bytes:
+        p, m = self.p, self.m
+        body = {k: v for k, v in st.items() if not k.startswith("_")}
+        return m.HDR.pack(m.MAGIC, m.VERSION, m.T_INFLIGHT, p.instance, p.rank or 0, 0, 0, 0, 0) + \
+            json.dumps(body, separators=(",", ":"), default=str).encode()
+
+    def _send(self, st: dict) -> bool:
+        data = self.payload(st)
+        try:
+            if self._sock is None:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                s.setblocking(False)
+                s.connect(self.p._path)
+                self._sock = s
+            self._sock.send(data)
+            self.sent += 1
+            return True
+        except (OSError, AttributeError):
+            self.failed += 1
+            s, self._sock = self._sock, None
+            if s is not None:
+                try:
+                    s.close()
+                except OSError:
+                    pass
+            return False
+

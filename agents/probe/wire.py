@@ -1,0 +1,140 @@
+"""The probe -> agent datagram: its layout, the names both sides share, and its decoder.
+
+The probe packs frames with these structs (:mod:`.replay`, or ``_probefast.pack_step`` in C, byte for
+byte); the node agent decodes them with :func:`decode` (one tuple per frame) or, in columns,
+:mod:`stepwatch.agents.wirecols`. Only the standard library is used: this module is part of the probe.
+
+Layout (little-endian). A datagram is a hello
+alone, or one or more batch frames back to back; a frame is ``HDR`` followed by its records:
+
+====================  =========================================================================
+``HDR``  16 bytes     magic ``0x5357``, version 2, type (1 batch frame, 2 hello), instance id
+                      (int32, random per probe), rank (int32), n_step (0/1), n_comm, n_gc, n_phase; types 3
+                      (profile result) and 4 (in-flight state) are ``HDR`` + JSON like a hello
+``STEP`` 120 bytes    step, t_start ns, t_end ns, step/data/compute/comm/comm_wait/gc ns, gc_count,
+                      data_queue (-1 = null), samples, tokens (-1 = null), frames the probe
+                      dropped so far (uint32), the step-ending thread's CPU ns and
+                      run-queue wait ns (float64, -1 = null; version 1 frames end before them)
+``PHASE`` 16 bytes    name id, ns   (``n_phase`` of them)
+``COMM`` 40 bytes     op id, group id, calls, bytes, time ns, wait ns   (``n_comm``)
+``GCREC`` 40 bytes    t_end ns, duration ns, generation, collected, uncollectable   (``n_gc``)
+hello                 ``HDR`` + UTF-8 JSON: identity (job, rank, world_size, node, device, ...) and
+                      the table of interned names (op, group and phase ids)
+
+Durations travel as float64 nanoseconds (the probe never divides; the agent converts to ms) and
+wall times as int64 ns derived from ``perf_counter_ns`` plus an offset to ``time_ns`` that is
+re-anchored with every hello (so a step costs no ``clock_gettime(CLOCK_REALTIME)``).
+====================  =========================================================================
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+MAGIC = 0x5357
+VERSION = 2                           # 2: STEP carries the main thread's CPU time and run-queue wait
+VERSIONS = (1, 2)                     # what decode() reads (a version-1 STEP has neither: null)
+T_BATCH = 1
+T_HELLO = 2
+T_PROFILE = 3                         # probe -> agent: the outcome of a profiling command (HDR + JSON)
+T_INFLIGHT = 4                        # probe -> agent: the watchdog's in-flight state of an overlong step (HDR + JSON)
+
+HDR = struct.Struct("<HBBiiBBBB")
+STEP = struct.Struct("<qqqddddddiiqqI4xdd")
+STEP_V1 = struct.Struct("<qqqddddddiiqqI4x")                      # (version-1 probes: no CPU fields)
+HDR_STEP = struct.Struct("<HBBiiBBBB" + "qqqddddddiiqqI4xdd")   # both at once: one call per step
+PHASE = struct.Struct("<H6xd")
+COMM = struct.Struct("<HH4xqqdd")
+GCREC = struct.Struct("<qdB7xqq")
+MAX_PHASES = 8
+MAX_COMM = 16
+MAX_GC = 16
+MAX_FRAME = HDR.size + STEP.size + MAX_PHASES * PHASE.size + MAX_COMM * COMM.size + MAX_GC * GCREC.size
+MAX_DATAGRAM = 16384                  # frames of several steps are sent together up to this size
+DEFAULT_FLUSH_MS = 500.0              # a datagram leaves at least this often while steps end
+MAX_NAMES = 1024
+MAX_BACKLOG = 16                      # datagrams kept for a retry while the agent's queue is full
+MAX_PENDING = 64                      # finished steps packed and waiting to be sent (then a flush)
+MAX_CALLS = 512                       # collective calls kept raw in one step; beyond, they are summed then
+
+
+SOCKET_NAME = "agent.sock"
+
+
+def default_socket_dir() -> str:
+    """``$STEPWATCH_SOCKET_DIR``, else ``/run/stepwatch`` when it exists, else ``/tmp/stepwatch``."""
+    d = os.environ.get("STEPWATCH_SOCKET_DIR")
+    if d:
+        return d
+    return "/run/stepwatch" if os.path.isdir("/run/stepwatch") else "/tmp/stepwatch"
+
+
+class BadDatagram(ValueError):
+    """A datagram that does not follow the layout of this module (counted and skipped by the agent)."""
+
+
+STEP_FIELDS = ("step", "t_start", "t_end", "step_ns", "data_ns", "compute_ns", "comm_ns", "comm_wait_ns",
+               "gc_ns", "gc_count", "data_queue", "samples", "tokens", "probe_dropped", "cpu_ns", "cpu_wait_ns")
+_NO_CPU = (-1.0, -1.0)
+
+
+def decode(data: bytes) -> list[tuple[int, int, int, object]]:
+    """The frames of one datagram, each ``(type, instance, rank, body)``: for a hello (always alone in
+    its datagram) the identity dict, for a batch frame ``(step_tuple | None, [(name_id, ns)],
+    [comm tuples], [gc tuples])``. Raises BadDatagram when any part does not follow the layout."""
+    n = len(data)
+    if n < HDR.size:
+        raise BadDatagram(f"short datagram ({n} bytes)")
+    out = []
+    off = 0
+    while off < n:
+        if n - off < HDR.size:
+            raise BadDatagram(f"{n - off} stray bytes after frame {len(out)}")
+        magic, ver, typ, inst, rank, n_step, n_comm, n_gc, n_phase = HDR.unpack_from(data, off)
+        if magic != MAGIC:
+            raise BadDatagram(f"bad magic 0x{magic:04x}")
+        if ver not in VERSIONS:
+            raise BadDatagram(f"unsupported version {ver}")
+        if typ in (T_HELLO, T_PROFILE, T_INFLIGHT):      # header + one JSON object, alone in its datagram
+            what = {T_HELLO: "hello", T_PROFILE: "profile result"}.get(typ, "in-flight state")
+            if off:
+                raise BadDatagram(f"{what} after a batch frame")
+            try:
+                body = json.loads(bytes(data[HDR.size:]).decode("utf-8"))
+            except (UnicodeDecodeError, ValueError) as e:
+                raise BadDatagram(f"undecodable {what}: {e}") from None
+            if not isinstance(body, dict):
+                raise BadDatagram(f"{what} is not a JSON object")
+            return [(typ, inst, rank, body)]
+        if typ != T_BATCH:
+            raise BadDatagram(f"unknown frame type {typ}")
+        if n_step > 1 or n_phase > MAX_PHASES or n_comm > MAX_COMM or n_gc > MAX_GC:
+            raise BadDatagram(f"record counts out of range (step {n_step}, phase {n_phase}, comm {n_comm}, "
+                              f"gc {n_gc})")
+        st = STEP if ver == VERSION else STEP_V1
+        size = HDR.size + n_step * st.size + n_phase * PHASE.size + n_comm * COMM.size + n_gc * GCREC.size
+        if off + size > n:
+            raise BadDatagram(f"frame {len(out)} needs {size} bytes, {n - off} left")
+        p = off + HDR.size
+        step = None
+        if n_step:
+            step = st.unpack_from(data, p)
+            if st is STEP_V1:
+                step += _NO_CPU
+            p += st.size
+        phases = []
+        for _ in range(n_phase):
+            phases.append(PHASE.unpack_from(data, p))
+            p += PHASE.size
+        comm = []
+        for _ in range(n_comm):
+            comm.append(COMM.unpack_from(data, p))
+            p += COMM.size
+        gcs = []
+        for _ in range(n_gc):
+            gcs.append(GCREC.unpack_from(data, p))
+            p += GCREC.size
+        out.append((typ, inst, rank, (step, phases, comm, gcs)))
+        off += size
+    return out

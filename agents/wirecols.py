@@ -1,0 +1,271 @@
+"""The node agent's columnar decoder of the probe's datagrams.
+
+The probe's frames (layout: :mod:`stepwatch.agents.probe.wire`) are fixed-size records, so the agent reads
+them as numpy structured arrays over the same bytes (:data:`STEP_DT`, :data:`PHASE_DT`, :data:`COMM_DT`,
+:data:`GCREC_DT`, checked against the structs at import) instead of a dict per row:
+
+- :func:`scan` walks one datagram's frame headers (the only per-frame Python work), validating them as
+  :func:`~stepwatch.agents.probe.wire.decode` does, without unpacking a record;
+- :class:`BatchColumns` keeps the scanned datagrams of each job until the agent's tick, then gathers every
+  record of the tick with one fancy index per record type and builds the ``steps``, ``comm`` and ``gc``
+  Arrow tables column by column (:func:`steps_table`, :func:`comm_table`, :func:`gc_table`).
+
+Rows are the same as :func:`stepwatch.agents.agent.rows_from_batch` gives (tests/test_wirecols.py checks
+it, value for value).
+"""
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pyarrow as pa
+
+from stepwatch import schema as wire
+from stepwatch.agents.probe import wire as W
+
+HDR_DT = np.dtype([("magic", "<u2"), ("version", "u1"), ("type", "u1"), ("instance", "<i4"), ("rank", "<i4"),
+                   ("n_step", "u1"), ("n_comm", "u1"), ("n_gc", "u1"), ("n_phase", "u1")])
+STEP_DT = np.dtype([("step", "<i8"), ("t_start", "<i8"), ("t_end", "<i8"), ("step_ns", "<f8"), ("data_ns", "<f8"),
+                    ("compute_ns", "<f8"), ("comm_ns", "<f8"), ("comm_wait_ns", "<f8"), ("gc_ns", "<f8"),
+                    ("gc_count", "<i4"), ("data_queue", "<i4"), ("samples", "<i8"), ("tokens", "<i8"),
+                    ("probe_dropped", "<u4"), ("_pad", "V4"), ("cpu_ns", "<f8"), ("cpu_wait_ns", "<f8")])
+PHASE_DT = np.dtype([("name", "<u2"), ("_pad", "V6"), ("ns", "<f8")])
+COMM_DT = np.dtype([("op", "<u2"), ("group", "<u2"), ("_pad", "V4"), ("calls", "<i8"), ("bytes", "<i8"),
+                    ("time_ns", "<f8"), ("wait_ns", "<f8")])
+GCREC_DT = np.dtype([("t_end", "<i8"), ("duration_ns", "<f8"), ("generation", "u1"), ("_pad", "V7"),
+                     ("collected", "<i8"), ("uncollectable", "<i8")])
+assert (HDR_DT.itemsize, STEP_DT.itemsize, PHASE_DT.itemsize, COMM_DT.itemsize, GCREC_DT.itemsize) == (
+    W.HDR.size, W.STEP.size, W.PHASE.size, W.COMM.size, W.GCREC.size)
+assert tuple(n for n in STEP_DT.names if n != "_pad") == W.STEP_FIELDS
+
+_JSON_TYPES = (W.T_HELLO, W.T_PROFILE, W.T_INFLIGHT)
+KINDS = ("steps", "comm", "gc")               # the tables :func:`tables` returns, in this order
+
+
+def scan(data: bytes) -> tuple[int, int, list[tuple]]:
+    """``(type, instance, frames)`` of one datagram: for a batch datagram ``frames`` holds, per frame,
+    ``(offset, instance, version, n_step, n_phase, n_comm, n_gc)`` (nothing is unpacked); for the JSON
+    types (hello, profile result, in-flight state) it is empty (:func:`~.probe.wire.decode` reads them).
+    Raises :class:`~.probe.wire.BadDatagram` where ``decode`` would."""
+    n = len(data)
+    hdr = W.HDR
+    if n < hdr.size:
+        raise W.BadDatagram(f"short datagram ({n} bytes)")
+    magic, ver, typ, inst, rank, n_step, n_comm, n_gc, n_phase = hdr.unpack_from(data, 0)
+    if magic == W.MAGIC and ver in W.VERSIONS and typ in _JSON_TYPES:
+        return typ, inst, []
+    out = []
+    off = 0
+    while off < n:
+        if n - off < hdr.size:
+            raise W.BadDatagram(f"{n - off} stray bytes after frame {len(out)}")
+        magic, ver, typ, inst, rank, n_step, n_comm, n_gc, n_phase = hdr.unpack_from(data, off)
+        if magic != W.MAGIC:
+            raise W.BadDatagram(f"bad magic 0x{magic:04x}")
+        if ver not in W.VERSIONS:
+            raise W.BadDatagram(f"unsupported version {ver}")
+        if typ in _JSON_TYPES:
+            what = {W.T_HELLO: "hello", W.T_PROFILE: "profile result"}.get(typ, "in-flight state")
+            raise W.BadDatagram(f"{what} after a batch frame")
+        if typ != W.T_BATCH:
+            raise W.BadDatagram(f"unknown frame type {typ}")
+        if n_step > 1 or n_phase > W.MAX_PHASES or n_comm > W.MAX_COMM or n_gc > W.MAX_GC:
+            raise W.BadDatagram(f"record counts out of range (step {n_step}, phase {n_phase}, comm {n_comm}, "
+                                f"gc {n_gc})")
+        st = W.STEP.size if ver == W.VERSION else W.STEP_V1.size
+        size = hdr.size + n_step * st + n_phase * W.PHASE.size + n_comm * W.COMM.size + n_gc * W.GCREC.size
+        if off + size > n:
+            raise W.BadDatagram(f"frame {len(out)} needs {size} bytes, {n - off} left")
+        out.append((off, inst, ver, n_step, n_phase, n_comm, n_gc))
+        off += size
+    return W.T_BATCH, out[0][1], out
+
+
+def last_dropped(data: bytes, frames: list[tuple]) -> int | None:
+    """The probe's own drop counter from the last step record of a scanned datagram (None: no step)."""
+    for off, _, _, n_step, *_ in reversed(frames):
+        if n_step:
+            return W.STEP_V1.unpack_from(data, off + W.HDR.size)[13]
+    return None
+
+
+def _gather(u8: np.ndarray, offsets: list[int], dt: np.dtype, size: int | None = None) -> np.ndarray:
+    """The records of type ``dt`` at byte ``offsets`` of ``u8``, as one structured array (one fancy index).
+    ``size`` < itemsize: shorter (older) records, the rest zero."""
+    size = dt.itemsize if size is None else size
+    if not offsets:
+        return np.zeros(0, dt)
+    idx = np.asarray(offsets, np.int64)[:, None] + np.arange(size, dtype=np.int64)
+    raw = u8[idx]
+    if size < dt.itemsize:
+        raw = np.concatenate([raw, np.zeros((len(offsets), dt.itemsize - size), np.uint8)], axis=1)
+    return np.ascontiguousarray(raw).view(dt).ravel()
+
+
+def _keys(own: np.ndarray, ids: np.ndarray) -> tuple[list[tuple[int, int]], np.ndarray]:
+    """The distinct (probe, name id) pairs of records and, per record, the index of its pair."""
+    key = own.astype(np.int64) << 16 | ids.astype(np.int64)
+    uniq, inv = np.unique(key, return_inverse=True)
+    return [(k >> 16, k & 0xFFFF) for k in uniq.tolist()], inv.astype(np.int32).ravel()
+
+
+def _strings(inv: np.ndarray, strs: list[str]) -> pa.Array:
+    return pa.DictionaryArray.from_arrays(pa.array(inv, pa.int32()), pa.array(strs, pa.string())).dictionary_decode()
+
+
+def _names(idents: list, own: np.ndarray, ids: np.ndarray) -> pa.Array:
+    """Name strings of ``ids`` (interned by the probe of ``idents[own]``; ``#id`` when unknown): each
+    distinct (probe, id) is looked up once."""
+    if not len(ids):
+        return pa.array([], pa.string())
+    pairs, inv = _keys(own, ids)
+    return _strings(inv, [idents[o].names.get(i, f"#{i}") for o, i in pairs])
+
+
+def _opt(a: np.ndarray, t: pa.DataType) -> pa.Array:
+    """Negative = null (the probe's -1)."""
+    return pa.array(a, t, mask=a < 0)
+
+
+class BatchColumns:
+    """Scanned batch datagrams per job, until the tick turns them into tables."""
+
+    def __init__(self):
+        self.pending: dict[str, list] = collections.defaultdict(list)    # job -> [(ident, data, frames)]
+
+    def add(self, ident, data: bytes, frames: list[tuple]) -> tuple[int, int, int]:
+        """Keep one scanned datagram of ``ident``'s probe; returns its (steps, comm, gc) record counts as
+        the rows will have them (comm records of a frame without a step are not rows)."""
+        self.pending[ident.job].append((ident, bytes(data), frames))
+        n_s = n_c = n_g = 0
+        for _, _, _, n_step, _, n_comm, n_gc in frames:
+            n_s += n_step
+            n_c += n_comm if n_step else 0
+            n_g += n_gc
+        d = last_dropped(data, frames)
+        if d is not None:
+            ident.dropped = d
+        return n_s, n_c, n_g
+
+    def take(self) -> dict[str, tuple]:
+        """Per job, ``(steps, comm, gc)`` tables (None where no record) of everything kept; then empty."""
+        per_job, self.pending = self.pending, collections.defaultdict(list)
+        return {job: tables(chunks) for job, chunks in per_job.items() if chunks}
+
+
+def tables(chunks: list[tuple]) -> tuple[pa.Table | None, pa.Table | None, pa.Table | None]:
+    """The ``steps``, ``comm`` and ``gc`` tables of scanned datagrams ``[(ident, data, frames)]`` of one job."""
+    idents: list = []
+    ident_ix: dict[int, int] = {}
+    datas, base = [], 0
+    s2, s1, s_own, s_v1 = [], [], [], []          # step offsets (version 2 / 1), owner, order of the v1 ones
+    p_off, p_step = [], []                        # phase offsets, index of their step
+    c_off, c_own, c_step = [], [], []             # comm offsets, owner, index of their step
+    g_off, g_own = [], []
+    hs, ps, cs, gs = W.HDR.size, W.PHASE.size, W.COMM.size, W.GCREC.size
+    n_steps = 0
+    for ident, data, frames in chunks:
+        oi = ident_ix.get(id(ident))
+        if oi is None:
+            oi = ident_ix[id(ident)] = len(idents)
+            idents.append(ident)
+        datas.append(data)
+        for off, _, ver, n_step, n_phase, n_comm, n_gc in frames:
+            p = base + off + hs
+            if n_step:
+                if ver == W.VERSION:
+                    s2.append(p)
+                    p += W.STEP.size
+                else:
+                    s_v1.append(n_steps)
+                    s1.append(p)
+                    p += W.STEP_V1.size
+                s_own.append(oi)
+                for _ in range(n_phase):
+                    p_off.append(p)
+                    p_step.append(n_steps)
+                    p += ps
+                for _ in range(n_comm):
+                    c_off.append(p)
+                    c_own.append(oi)
+                    c_step.append(n_steps)
+                    p += cs
+                n_steps += 1
+            else:
+                p += n_phase * ps + n_comm * cs          # (phases and comm without a step: no row)
+            for _ in range(n_gc):
+                g_off.append(p)
+                g_own.append(oi)
+                p += gs
+        base += len(data)
+    u8 = np.frombuffer(b"".join(datas), np.uint8)
+    steps = None
+    if n_steps:
+        st = np.zeros(n_steps, STEP_DT)
+        v1 = np.zeros(n_steps, bool)
+        v1[s_v1] = True
+        st[~v1] = _gather(u8, s2, STEP_DT)
+        if s1:
+            old = _gather(u8, s1, STEP_DT, W.STEP_V1.size)
+            old["cpu_ns"] = old["cpu_wait_ns"] = -1.0
+            st[v1] = old
+        own = np.asarray(s_own, np.int32)
+        steps = steps_table(idents, own, st, _gather(u8, p_off, PHASE_DT), np.asarray(p_step, np.int64))
+        comm = comm_table(idents, np.asarray(c_own, np.int32), st["step"][np.asarray(c_step, np.int64)],
+                          _gather(u8, c_off, COMM_DT)) if c_off else None
+    else:
+        comm = None
+    gc = gc_table(idents, np.asarray(g_own, np.int32), _gather(u8, g_off, GCREC_DT)) if g_off else None
+    return steps, comm, gc
+
+
+def _base(idents: list, own: np.ndarray) -> list[pa.Array]:
+    """The ``job``, ``node`` and ``rank`` columns of records owned by ``idents[own]``."""
+    job = _strings(own, [i.job for i in idents])       # (one job per table: the agent keeps them apart)
+    node = _strings(own, [i.node for i in idents])
+    rank = pa.array(np.asarray([i.rank for i in idents], np.int32)[own], pa.int32())
+    return [job, node, rank]
+
+
+def steps_table(idents: list, own: np.ndarray, st: np.ndarray, ph: np.ndarray, ph_step: np.ndarray) -> pa.Table:
+    n = len(st)
+    counts = np.bincount(ph_step, minlength=n) if len(ph_step) else np.zeros(n, np.int64)
+    offsets = np.zeros(n + 1, np.int32)
+    np.cumsum(counts, out=offsets[1:])
+    keys = _names(idents, own[ph_step] if len(ph_step) else np.zeros(0, np.int32), ph["name"])
+    phases = pa.MapArray.from_arrays(pa.array(offsets, pa.int32()), keys, pa.array(ph["ns"] / 1e6, pa.float64()),
+                                     mask=pa.array(counts == 0))
+    cpu, cw = st["cpu_ns"], st["cpu_wait_ns"]
+    cols = _base(idents, own) + [
+        pa.array(st["step"], pa.int64()), pa.array(st["t_start"], wire.TS), pa.array(st["t_end"], wire.TS),
+        pa.array(st["step_ns"] / 1e6), pa.array(st["data_ns"] / 1e6), pa.array(st["compute_ns"] / 1e6),
+        pa.array(st["comm_ns"] / 1e6), pa.array(st["comm_wait_ns"] / 1e6), pa.array(st["gc_ns"] / 1e6),
+        pa.array(st["gc_count"], pa.int32()), _opt(st["samples"], pa.int64()), _opt(st["tokens"], pa.int64()),
+        phases, _opt(st["data_queue"], pa.int32()),
+        pa.array(cpu / 1e6, pa.float64(), mask=cpu < 0), pa.array(cw / 1e6, pa.float64(), mask=cw < 0)]
+    return pa.Table.from_arrays(cols, schema=wire.STEPS)
+
+
+def comm_table(idents: list, own: np.ndarray, step: np.ndarray, cm: np.ndarray) -> pa.Table:
+    pairs, inv = _keys(own, cm["group"])
+    gnames, gsizes = [], []
+    for o, i in pairs:                     # each distinct (probe, group): its name, and its size from the hello
+        name = idents[o].names.get(i, f"#{i}")
+        gs = idents[o].hello.get("group_sizes")
+        v = gs.get(name) if isinstance(gs, dict) else None
+        gnames.append(name)
+        gsizes.append(v if isinstance(v, int) and not isinstance(v, bool) and 0 < v < 1 << 31 else -1)
+    gsize = np.asarray(gsizes, np.int64)[inv]
+    cols = _base(idents, own) + [
+        pa.array(step, pa.int64()), _names(idents, own, cm["op"]), _strings(inv, gnames),
+        pa.array(cm["calls"], pa.int64()), pa.array(cm["bytes"], pa.int64()), pa.array(cm["time_ns"] / 1e6),
+        pa.array(cm["wait_ns"] / 1e6), pa.array(gsize, pa.int32(), mask=gsize < 0)]
+    return pa.Table.from_arrays(cols, schema=wire.COMM)
+
+
+def gc_table(idents: list, own: np.ndarray, g: np.ndarray) -> pa.Table:
+    cols = _base(idents, own) + [
+        pa.array(g["t_end"], wire.TS), pa.array(g["generation"].astype(np.int32), pa.int32()),
+        pa.array(g["duration_ns"] / 1e6), pa.array(g["collected"], pa.int64()),
+        pa.array(g["uncollectable"], pa.int64())]
+    return pa.Table.from_arrays(cols, schema=wire.GC)
