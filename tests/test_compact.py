@@ -171,7 +171,7 @@ def test_retention_removes_only_partitions_wholly_outside_the_window(tmp_path):
         st.write_flush({"steps": [steps("j", i * 10, 3, day=today - timedelta(days=age))]}, {})
     removed = compact.expire(tmp_path, retention_days=5, today=today)
     assert sorted(removed) == sorted(f"{t}/job=j/date={today - timedelta(days=a)}"
-                                     for a in (6, 30) for t in ("steps", "rank_minutes"))
+                                     for a in (6, 30) for t in ("steps", "rank_minutes", "step_summary"))
     con = connect(tmp_path)
     kept = [str(r[0]) for r in con.execute("SELECT DISTINCT date FROM steps ORDER BY 1").fetchall()]
     assert kept == sorted(str(today - timedelta(days=a)) for a in (0, 1, 4, 5))
