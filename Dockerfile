@@ -7,8 +7,9 @@
 # agent never runs it: the probe in a training image with stepwatch[profiling] does, see
 # docs/profiling.md) and nvidia-ml-py (NVML, for GPU metrics when the NVIDIA container runtime
 # injects the driver). DuckDB's lake extensions (ducklake, sqlite, postgres, httpfs: the signed binaries
-# of the duckdb-ext-* packages pip installs) are in /opt/stepwatch/duckdb-extensions; the Grafana pod
-# copies them from this image with an init container (docs/helm.md, "Grafana").
+# of the duckdb-ext-* packages pip installs, for this image's platform) are also copied flat into
+# /opt/stepwatch/duckdb-extensions; the Grafana pod copies them from there with an init container
+# (docs/helm.md, "Grafana"), so the datasource names no platform.
 
 FROM python:3.11-slim AS build
 # a C compiler for the probe's hot path (agents/probe/_probefast.c); the runtime stage does not carry it
@@ -24,8 +25,7 @@ COPY dashboards/ dashboards/
 RUN python -m venv /opt/stepwatch \
  && /opt/stepwatch/bin/pip install --no-cache-dir --upgrade pip \
  && /opt/stepwatch/bin/pip install --no-cache-dir ".[all]" py-spy nvidia-ml-py \
- && ln -s "$(/opt/stepwatch/bin/python -c 'from stepwatch.storage import extensions; print(extensions.package_dir())')" \
-      /opt/stepwatch/duckdb-extensions
+ && /opt/stepwatch/bin/python -m stepwatch.storage.extensions copy /opt/stepwatch/duckdb-extensions
 
 FROM python:3.11-slim
 ENV PATH=/opt/stepwatch/bin:$PATH \

@@ -62,7 +62,14 @@ plus a SQL **catalog** in which every commit is a **snapshot**.
 | set-up | catalog | data files |
 |---|---|---|
 | embedded default (`--data-dir D`, `make demo`, one processor) | SQLite file `D/lake.sqlite` (WAL mode) | `D/lake/` |
-| several processors (the chart with `store.lake.catalog: postgres`) | PostgreSQL: `STEPWATCH_LAKE_CATALOG=postgres:<libpq connection string>`, password in `PGPASSWORD` | `STEPWATCH_LAKE_DATA_PATH`: a shared folder, or `s3://bucket/prefix/` (`STEPWATCH_S3_ENDPOINT`, `_REGION`, `_URL_STYLE`, `_USE_SSL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`) |
+| several processors (the chart with `store.lake.catalog: postgres`) | PostgreSQL: `STEPWATCH_LAKE_CATALOG=postgres:<libpq connection string>` without the password, which comes from `PGPASSWORD` or the file `STEPWATCH_LAKE_PASSWORD_FILE` names (the chart mounts a Secret there) | `STEPWATCH_LAKE_DATA_PATH`: a shared folder (any filesystem: nothing is renamed), or `s3://bucket/prefix/` (`STEPWATCH_S3_ENDPOINT`, `_REGION`, `_URL_STYLE`, `_USE_SSL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`) |
+
+A SQLite catalog serves the processes of one machine: one processor, `stepwatch compact`, any
+number of readers (`stepwatch sql`, reports, Grafana). Its writers take turns on an `flock` of
+`lake.sqlite.lock` for the length of a transaction (SQLite refuses a commit once another writer
+committed after the transaction began); readers take no lock. PostgreSQL serves processors on many
+machines; DuckLake detects conflicting commits there (and redoes only the catalog write when
+another commit merely took the same new ids).
 
 Tested here: SQLite and PostgreSQL 15 (Debian's package, a cluster started by the tests) catalogs;
 data on a local folder and on moto's S3-compatible server (path-style URLs, no TLS) through DuckDB's
@@ -82,20 +89,38 @@ positions (`{OFFSETS}`) become visible together, in one new snapshot. A query re
 snapshot, never a half-written flush or half of a compaction. Older snapshots stay readable until
 expired: `SELECT * FROM lake.snapshots()`, `SELECT count(*) FROM lake.steps AT (VERSION => 42)`.
 
-**Compaction and retention** (`stepwatch compact`, the chart's CronJob): `ducklake_merge_adjacent_files`
-merges a partition's small files; `--retention-days N` deletes whole `date` partitions older than
-N days; then `ducklake_expire_snapshots` drops snapshots older than `--grace` seconds (default 300),
-`ducklake_cleanup_old_files` deletes the files only those snapshots used, and
-`ducklake_delete_orphaned_files` the files of flushes killed before their commit (after an hour). Each
-step is a transaction, retried when it loses a race with a writer or another compaction. Keep
-`--grace` above the longest query: a query still planning on a snapshot expired under it fails
-("No snapshot found", retried by `stepwatch sql`) or can miss that snapshot's files.
+**Compaction and retention** (`stepwatch compact`, the chart's CronJob; `storage/compact.py`):
 
-**From a DuckDB shell** (DuckDB 1.4.x; `INSTALL ducklake; INSTALL sqlite;` once, or
-`LOAD '<dir>/v1.4.4/<platform>/ducklake.duckdb_extension'` from the `duckdb-ext-*` packages):
+1. `--retention-days N` deletes whole `date` partitions older than N days (the files leave the
+   next snapshot);
+2. each partition's small files are rewritten in groups of up to `--target-mb` (256), one transaction
+   per group: `INSERT INTO t SELECT * FROM t WHERE filename IN (group) ORDER BY <sort columns>`, then
+   `DELETE FROM t WHERE filename IN (group)`, which ends the old files; `{OFFSETS}` the same way;
+3. `ducklake_expire_snapshots` expires each snapshot a newer one replaced more than `--grace`
+   seconds ago (default 300), `ducklake_cleanup_old_files` deletes the files scheduled for deletion
+   more than `--grace` ago, and `ducklake_delete_orphaned_files` the files of flushes killed before
+   their commit (after an hour).
+
+DuckLake's `ducklake_merge_adjacent_files` is not used: it removes the merged files' catalog rows,
+and DuckDB 1.4.4's `sqlite` extension reads a read-only transaction's catalog tables through separate
+connections bounded by the rowids seen when the query was planned, so a query during a merge could
+read no files at all (0 rows, no error). The rewrite only adds catalog rows or ends them in place.
+Two passes at once rewrite each file once (tested: two `stepwatch compact` processes during writes and
+queries, every query saw each row once). Keep `--grace` above the longest query: a query has that
+long to read its snapshot's file list.
+
+**From a DuckDB shell** (DuckDB 1.4.4): load the extensions, then attach the lake read-only. The
+`duckdb-ext-*` packages (`pip install duckdb-ext-ducklake duckdb-ext-sqlite duckdb-ext-postgres
+duckdb-ext-httpfs`) put DuckDB's signed binaries under `<site-packages>/duckdb_ext/extensions/v1.4.4/<platform>/`
+(`python -m stepwatch.storage.extensions copy DIR` copies them flat into `DIR`; the image has them in
+`/opt/stepwatch/duckdb-extensions`); with network access `INSTALL ducklake; INSTALL sqlite;` does
+instead.
 
 ```sql
-ATTACH 'ducklake:sqlite:/data/lake.sqlite' AS lake (READ_ONLY);   -- or 'ducklake:postgres:host=... dbname=...'
+LOAD '/opt/stepwatch/duckdb-extensions/ducklake.duckdb_extension';
+LOAD '/opt/stepwatch/duckdb-extensions/sqlite_scanner.duckdb_extension';   -- postgres_scanner, httpfs as needed
+ATTACH 'ducklake:sqlite:/data/lake.sqlite' AS lake (READ_ONLY, DATA_PATH '/data/lake/');
+--  or 'ducklake:postgres:host=... dbname=... user=...' (password from PGPASSWORD), DATA_PATH 's3://bucket/prefix/'
 SELECT job, count(*) FROM lake.steps GROUP BY job;
 SELECT snapshot_id, snapshot_time, changes FROM lake.snapshots() ORDER BY 1 DESC LIMIT 5;
 ```
@@ -144,7 +169,7 @@ def tables_markdown() -> str:
             "stored it; a row per job per writer start, written in the transaction of the rows). A processor "
             "reads it to decide whether a job it meets has history to rebuild its state from.", ""]
     out += ["## View definitions", "", "As `stepwatch sql --print-views` prints them for a data dir `/data` "
-            "(extensions in `/opt/stepwatch/duckdb-extensions`, as in the image):", "",
+            "(extensions in the flat folder `/opt/stepwatch/duckdb-extensions`, as in the image):", "",
             "```sql", view_sql(Lake.from_dir("/data", env={}), ext_dir="/opt/stepwatch/duckdb-extensions"), "```", ""]
     return "\n".join(out)
 

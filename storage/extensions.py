@@ -3,7 +3,8 @@
 The lake needs ``ducklake`` plus ``sqlite`` (SQLite catalog), ``postgres`` (PostgreSQL catalog) and
 ``httpfs`` (data on S3). Two sources, in this order:
 
-1. an extension folder laid out as DuckDB's own (``<dir>/v<duckdb version>/<platform>/<name>.duckdb_extension``):
+1. an extension folder, laid out as DuckDB's own (``<dir>/v<duckdb version>/<platform>/<file>``) or
+   flat (``<dir>/<file>``, the binaries of one platform, as :func:`copy_to` writes it):
    ``$STEPWATCH_DUCKDB_EXTENSIONS`` when set, else the one the PyPI packages ``duckdb-ext-ducklake``,
    ``duckdb-ext-sqlite``, ``duckdb-ext-postgres``, ``duckdb-ext-httpfs`` install (``duckdb_ext/extensions``
    in site-packages: DuckDB's signed binaries, built for DuckDB 1.4.4). They load with ``LOAD '<path>'``
@@ -11,13 +12,20 @@ The lake needs ``ducklake`` plus ``sqlite`` (SQLite catalog), ``postgres`` (Post
 2. otherwise DuckDB's own repository: ``INSTALL <name>; LOAD <name>`` (needs network access once).
 
 Used by the store, ``stepwatch sql``, the views, the Grafana datasource's initSql and the tests.
+
+Another machine (the Grafana pod) gets a **flat** folder of the binaries for *its* platform, so the
+datasource's initSql names no platform: ``python -m stepwatch.storage.extensions copy DEST`` run in
+the stepwatch image on that machine (the image is built per platform; the Dockerfile already keeps
+such a folder at ``/opt/stepwatch/duckdb-extensions``) copies them there.
 """
 from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import sys
 from functools import lru_cache
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import duckdb
 
@@ -56,16 +64,37 @@ def extension_dir() -> Path | None:
 
 
 def path(name: str, ext_dir: str | Path | None = None) -> str | None:
-    """The binary of extension ``name`` for this DuckDB, or None. With ``ext_dir`` given (a folder as
-    another machine sees it, e.g. inside the Grafana pod) the path is built without looking."""
+    """The binary of extension ``name`` for this DuckDB, or None. With ``ext_dir`` given (a flat
+    folder as another machine sees it, e.g. inside the Grafana pod) the path is built without
+    looking and names no platform."""
     stem = FILES[name]
     if ext_dir is not None:
-        return str(Path(ext_dir) / version() / platform() / f"{stem}.duckdb_extension")
+        return str(PurePosixPath(str(ext_dir)) / f"{stem}.duckdb_extension")
     d = extension_dir()
     if d is None:
         return None
-    p = d / version() / platform() / f"{stem}.duckdb_extension"
-    return str(p) if p.is_file() else None
+    for p in (d / f"{stem}.duckdb_extension", d / version() / platform() / f"{stem}.duckdb_extension"):
+        if p.is_file():
+            return str(p)
+    return None
+
+
+def copy_to(dest: str | Path, names=tuple(FILES)) -> list[Path]:
+    """Copy this machine's binaries (this DuckDB version and platform) of ``names`` flat into
+    ``dest``; returns the files written. Fails when one is missing (nothing to hand a reader)."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    out = []
+    for n in names:
+        src = path(n)
+        if src is None:
+            raise FileNotFoundError(f"DuckDB extension {n} for {version()} {platform()} not found "
+                                    f"(pip install duckdb-ext-{n}, or set STEPWATCH_DUCKDB_EXTENSIONS)")
+        target = dest / f"{FILES[n]}.duckdb_extension"
+        if Path(src).resolve() != target.resolve():
+            shutil.copyfile(src, target)
+        out.append(target)
+    return out
 
 
 def load_sql(names, ext_dir: str | Path | None = None) -> list[str]:
@@ -88,3 +117,11 @@ def source() -> str:
     if d is not None and path("ducklake") is not None:
         return f"{d} ({version()}, {platform()})"
     return f"DuckDB's extension repository (INSTALL; {version()}, {platform()})"
+
+
+if __name__ == "__main__":      # python -m stepwatch.storage.extensions copy DEST
+    if len(sys.argv) != 3 or sys.argv[1] != "copy":
+        sys.exit("usage: python -m stepwatch.storage.extensions copy DEST")
+    for f in copy_to(sys.argv[2]):
+        print(f)
+    print(f"(DuckDB {version()}, {platform()})")

@@ -78,9 +78,9 @@ def connect(root, threads: int | None = None) -> duckdb.DuckDBPyConnection:
 def _busy(e: BaseException) -> bool:
     """A SQLite catalog busy for a moment (a writer checkpointing its WAL), or a query that took
     longer than compaction's grace period and found its snapshot expired: the same query succeeds a
-    moment later on the newest snapshot. (A query whose snapshot expires between reading the
-    snapshot and its file list can also read too little: keep ``stepwatch compact --grace`` above
-    the longest query; the default is 300 s.)"""
+    moment later on the newest snapshot. (Compaction never removes a catalog row a live snapshot
+    needs, and expires a snapshot only ``--grace`` after a newer one replaced it: see
+    :mod:`stepwatch.storage.compact` for why that matters to readers of a SQLite catalog.)"""
     return isinstance(e, duckdb.Error) and ("database is locked" in str(e) or "database table is locked" in str(e)
                                             or "No snapshot found" in str(e))
 

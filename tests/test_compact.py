@@ -180,3 +180,18 @@ def test_retention_removes_only_partitions_wholly_outside_the_window(tmp_path):
                        ).fetchone() == (0,)
     st.write_flush({"steps": [steps("j", 999, 1, day=today - timedelta(days=30))]}, {})
     assert connect(tmp_path).execute("SELECT count(*) FROM steps WHERE step = 999").fetchall() == [(RANKS,)]
+
+
+def test_a_snapshot_expires_only_grace_after_a_newer_one_replaced_it(tmp_path):
+    """In a lake idle for longer than the grace period the newest snapshot is old; a query may have
+    started on it just before the next write. It must outlive that write by the grace period."""
+    st = LakeStore(tmp_path).init()
+    st.write_flush({"steps": [steps("j", 0, 1)]}, {})
+    con = Lake.from_dir(tmp_path).connect()
+    idle = con.execute("SELECT max(snapshot_id) FROM lake.snapshots()").fetchone()[0]
+    time.sleep(4.0)                                    # idle: the newest snapshot ages past the grace below
+    st.write_flush({"steps": [steps("j", 1, 1)]}, {})
+    assert idle not in compact.expirable(con, grace_s=3.0)
+    assert idle - 1 in compact.expirable(con, grace_s=3.0)     # (replaced by `idle` 4 s ago)
+    time.sleep(3.5)
+    assert idle in compact.expirable(con, grace_s=3.0)

@@ -66,8 +66,10 @@ def store(tmp_path_factory):
     st.write_flush({"topology": [sim.topology()], "steps": [steps], "host": [g["host"]], "gc": [g["gc"]],
                     "alerts": [alerts], "comm": [g["comm"]], **{k: [v] for k, v in eff.items()}}, {})
     # every panel's SQL below runs through the datasource's own initSql: locked down, lake read-only
+    # ... with the extensions in a flat folder, as the Grafana pod's init container copies them
+    ext = extensions.copy_to(tmp_path_factory.mktemp("grafana-ext"))[0].parent
     con = duckdb.connect()
-    con.execute(init_sql(str(root), ext_dir=extensions.extension_dir()))
+    con.execute(init_sql(str(root), ext_dir=ext))
     yield con
     con.close()
 

@@ -783,6 +783,10 @@ BAD_VALUES = [
      "at '/store/lake/postgres/connection'"),
     (with_values(**{"store.lake": {"dataPath": "s3://bucket/prefix"}}), "at '/store/lake'"),
     (with_values(**{"store.lake": {"catalog": "duckdb"}}), "at '/store/lake/catalog'"),
+    # a SQLite catalog keeps its data on the store volume; several processors need PostgreSQL
+    (with_values(**{"store.lake": {"dataPath": "s3://bucket/prefix", "s3": {"credentialsSecret": {"name": "s3"}}}}),
+     "at '/store/lake/dataPath'"),
+    (with_values(**{"processor.replicas": 4}), "at '/store/lake/catalog'"),
     ({}, "at '/kafka': missing property 'bootstrapServers'"),
     (with_values(**{"kafka.bootstrapServers": ""}), "at '/kafka/bootstrapServers': minLength: got 0, want 1"),
     (with_values(**{"kafka.bootstrapServers": "kafka without port"}), "at '/kafka/bootstrapServers'"),
@@ -815,7 +819,6 @@ def test_invalid_values_fail_with_the_schemas_message(values, message):
 
 PG = {"catalog": "postgres", "postgres": {"connection": "host=pg dbname=lake user=sw"}}
 BAD_COMBINATIONS = [
-    ({"processor.replicas": 4}, "processor.replicas=4 needs store.lake.catalog=postgres"),
     ({"processor.replicas": 4, "store.lake": PG}, "processor.replicas=4 needs data files every replica reaches"),
     ({"processor.replicas": 2, "store.lake": PG, "store.persistence": {"enabled": False}},
      "processor.replicas=2 with the data files on the store volume needs store.persistence.enabled"),

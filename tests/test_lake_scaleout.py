@@ -42,6 +42,18 @@ def _start(kafka, lake, work, name, *extra):
 _LAST_ERROR: list = [None]
 
 
+def _ready(work, name, timeout: float = 120) -> None:
+    """Until the processor ``name`` is running (its SIGTERM handler is installed before it prints
+    "processing"): a SIGTERM earlier, while it still loads, would kill it rather than stop it."""
+    log = work / name / "log"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if log.exists() and "processing " in log.read_text(errors="replace"):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{name} did not start in {timeout}s: {log.read_text()[-2000:] if log.exists() else ''}")
+
+
 def _stored(lake) -> int:
     try:
         return connect(lake).execute("SELECT count(*) FROM steps").fetchone()[0]
@@ -78,6 +90,7 @@ def _scenario(broker, lake: Lake, work):
     p1, p2 = _start(kafka, lake, work, "p1"), _start(kafka, lake, work, "p2")
     n = _wait_rows(lake, 0)
     p3 = _start(kafka, lake, work, "p3")                   # joins: rebalance
+    _ready(work, "p3")
     n = _wait_rows(lake, n + 2000)
     p1.send_signal(signal.SIGKILL)                         # dies mid-flush or mid-poll
     p1.wait(10)
@@ -99,6 +112,7 @@ def _scenario(broker, lake: Lake, work):
         time.sleep(0.5)
     time.sleep(3)                                          # the last host/gc rows (and anything extra)
     for p, name in ((p1, "p1b"), (p2, "p2b")):
+        _ready(work, name)
         p.send_signal(signal.SIGTERM)
         assert p.wait(60) == 0, (work / name / "log").read_text()[-3000:]
     con = connect(lake)
@@ -145,31 +159,42 @@ def test_a_processor_paused_past_its_session_cannot_store_what_it_buffered(broke
     """A processor holding a buffer is SIGSTOPped past the session timeout; the group gives its
     partitions to another processor (a newer generation), which claims them and stores everything.
     Resumed, the old one must not commit its buffer: it is told its partitions were lost, or its
-    commit is fenced. Every row is stored once."""
+    commit is fenced. Every row is stored once. The data is sent in phases the test controls (not
+    on a clock), so the pause always falls between the old processor's flushes with rows after it."""
     kafka = KafkaSettings(bootstrap=broker.bootstrap, prefix=f"fence{time.monotonic_ns()}.", partitions=2)
     ensure_topics(kafka)
     LakeStore(pg_lake).init()
     sim = Simulation(job="fence", ranks=64, steps=120, seed=4)
-    sent = {}
-    th = threading.Thread(target=lambda: sent.update(send_simulation(
-        sim, make_producer(kafka), kafka, chunk=2, rows_per_message=128, on_chunk=lambda *_: time.sleep(0.25))))
-    th.start()
-    old = _start(kafka, pg_lake, tmp_path, "old", "--flush-interval", "4")
-    n = _wait_rows(pg_lake, 0)
-    time.sleep(2.0)                                          # mid-way between two of its flushes
+    prod = make_producer(kafka)
+    sent = {"steps": 0}
+
+    def send(start, stop):
+        sent["steps"] += send_simulation(sim, prod, kafka, start=start, stop=stop, chunk=2, rows_per_message=128)["steps"]
+    old = _start(kafka, pg_lake, tmp_path, "old", "--flush-interval", "3")
+    send(0, 20)                                              # phase 1: the old processor stores it
+    n = _wait_rows(pg_lake, 0, timeout=120)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and _stored(pg_lake) < sent["steps"]:
+        time.sleep(0.2)
+    n = _stored(pg_lake)
+    assert n == sent["steps"]
+    send(20, 40)                                             # phase 2: buffered by the old one (3 s flushes)
+    time.sleep(1.0)
     old.send_signal(signal.SIGSTOP)
     new = _start(kafka, pg_lake, tmp_path, "new")
-    th.join(120)
-    deadline = time.monotonic() + 120
+    send(40, 120)                                            # phase 3: only the new one can store it
+    deadline = time.monotonic() + 150
     while time.monotonic() < deadline and _stored(pg_lake) < sent["steps"]:
         time.sleep(0.5)
     assert _stored(pg_lake) > n
     old.send_signal(signal.SIGCONT)                          # wakes up with a buffer of rows it no longer owns
     time.sleep(8)
+    _ready(tmp_path, "new")
     for p in (old, new):
         p.send_signal(signal.SIGTERM)
         assert p.wait(60) == 0
+    prod.close()
     log = (tmp_path / "old" / "log").read_text()
     assert "fenced" in log or "lost" in log, log[-3000:]
     got, uniq = connect(pg_lake).execute("SELECT count(*), count(DISTINCT (rank, step)) FROM steps").fetchone()
-    assert got == uniq == sent["steps"]
+    assert got == uniq == sent["steps"] == 120 * 64
