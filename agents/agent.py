@@ -28,7 +28,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import re
 import socket
 import threading
 import time
@@ -38,21 +37,22 @@ from pathlib import Path
 import pyarrow as pa
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from stepwatch import __version__
+from stepwatch import __version__, catalog
 from stepwatch import schema as wire
 from stepwatch.agents import probe as wirep
 from stepwatch.agents import wirecols
 from stepwatch.agents.hostmetrics import PluginRunner, build_runners, sample
 from stepwatch.agents.inflight import Liveness, RateBound, row_from_probe
+from stepwatch.agents.profiling import safe_job   # one copy: the probe and the control channel use it too
 from stepwatch.agents.ingress import (IngressLimits, Peer, check_hello, enable_passcred, pid_alive, recv_with_peer,
                                       resolve_group)
 from stepwatch.agents.shipper import Shipper, Spool
-from stepwatch.stream.metrics import Metrics
+from stepwatch.metrics import Metrics
 
 log = logging.getLogger("stepwatch.agent")
 
 _FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
-KINDS = ("topology", "steps", "gc", "comm", "host", "profiles", "inflight")
+KINDS = catalog.INPUT_TOPICS
 ACTIVE_S = 60.0          # a probe heard from within this many seconds is a served rank
 PENDING_S = 30.0         # records of an unknown probe instance wait this long for its hello
 PENDING_MAX = 256        # ... and at most this many datagrams per instance
@@ -86,20 +86,6 @@ class AgentMetrics(Metrics):
                                    registry=r)
         self.plugin_seconds = Histogram("stepwatch_agent_plugin_seconds", "Host plug-in gather time", ["plugin"],
                                         buckets=_FAST, registry=r)
-
-
-_UNSAFE = re.compile(r"[^A-Za-z0-9._:@+-]")
-
-
-def safe_job(job: str | None, default: str = "default") -> str:
-    """A job id usable as a folder name (``stepwatch.schema.JOB_RE``): unsafe characters become '_'."""
-    j = (job or "").strip() or default
-    if wire.JOB_RE.match(j):
-        return j
-    j = _UNSAFE.sub("_", j)
-    if not j[:1].isalnum():
-        j = "j" + j
-    return j[:128]
 
 
 @dataclass

@@ -42,7 +42,7 @@ def cmd_agent(a) -> int:
     except KeyError_ as e:
         print(f"stepwatch agent: {e}", file=sys.stderr)
         return 1
-    if keys is not None:     # signed profiling commands for this node (DESIGN §9, docs/profiling.md)
+    if keys is not None:     # signed profiling commands for this node (docs/profiling.md)
         agent.enable_profiling(keys, a.profile_dir, cooldown_s=a.profile_cooldown, max_steps=a.profile_max_steps,
                                keep_mb=a.profile_keep_mb)
     try:

@@ -1,4 +1,4 @@
-"""The node agent's side of targeted profiling (DESIGN §9): ``control`` in, ``profiles`` out.
+"""The node agent's side of targeted profiling (docs/profiling.md): ``control`` in, ``profiles`` out.
 
 Lifecycle: :meth:`AgentControl.start` opens a Kafka consumer with no group that is ``assign()``-ed only
 the partition of the ``control`` topic this node's key hashes to (kafka-python's default murmur2
@@ -42,6 +42,7 @@ import time
 from prometheus_client import Counter
 
 from stepwatch.agents import profiling
+from stepwatch.agents.shipper import fsync_dir
 
 log = logging.getLogger("stepwatch.agent.control")
 
@@ -90,9 +91,6 @@ def node_partition(node: str, partitions: int) -> int:
     return (murmur2(node.encode()) & 0x7FFFFFFF) % partitions
 
 
-CONTENT_TYPE = "application/vnd.stepwatch.control+ed25519"
-
-
 def decode_control(payload: bytes, public_keys: dict) -> dict:
     """The verified command of one ``control`` message (raises profiling.BadCommand)."""
     return profiling.open_envelope(payload, public_keys)
@@ -103,9 +101,16 @@ def encode_control(cmd: dict, private_key) -> bytes:
     return profiling.seal(cmd, private_key)
 
 
-def control_headers() -> list[tuple[str, bytes]]:
-    return [("content-type", CONTENT_TYPE.encode()), ("schema", b"control/2")]
 
+def _per_minute_ok(window: collections.deque, now: int, limit: int) -> bool:
+    """A sliding one-minute window of event times (ns): True, and ``now`` recorded, while fewer than
+    ``limit`` events fell in the last minute."""
+    while window and now - window[0] > 60_000_000_000:
+        window.popleft()
+    if len(window) >= limit:
+        return False
+    window.append(now)
+    return True
 
 class SeenStore:
     """Command ids accepted, each until it expires, in memory and in an append-only file (one
@@ -144,7 +149,7 @@ class SeenStore:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
-        _fsync_dir(d)
+        fsync_dir(d)
         if self._f is not None:
             self._f.close()
         self._f = open(self.path, "a")
@@ -177,19 +182,6 @@ class SeenStore:
         if self._f is not None:
             self._f.close()
             self._f = None
-
-
-def _fsync_dir(d: str) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class ControlMetrics:
@@ -282,12 +274,7 @@ class AgentControl:
                 recs = self.consumer.poll(timeout_ms=250)
             except Exception as e:  # noqa: BLE001 - Kafka away: try again
                 log.warning("control consumer: %s", e)
-                if self.consumer is not None:
-                    try:
-                        self.consumer.close()
-                    except Exception:  # noqa: BLE001
-                        pass
-                    self.consumer = None
+                self._close_consumer()
                 self.stop_event.wait(2.0)
                 continue
             for msgs in recs.values():
@@ -299,6 +286,14 @@ class AgentControl:
                         if self._log_ok():
                             log.exception("control message at offset %s not handled", m.offset)
 
+    def _close_consumer(self) -> None:
+        if self.consumer is not None:
+            try:
+                self.consumer.close()
+            except Exception:  # noqa: BLE001 - a consumer that lost its broker may fail to close
+                pass
+            self.consumer = None
+
     def _log_ok(self) -> bool:
         self._n_logged += 1
         return self._n_logged <= 5 or self._n_logged % 1000 == 0
@@ -307,11 +302,7 @@ class AgentControl:
         self.stop_event.set()
         if self._thread is not None:
             self._thread.join(5)
-        if self.consumer is not None:
-            try:
-                self.consumer.close()
-            except Exception:  # noqa: BLE001
-                pass
+        self._close_consumer()
         self._out.close()
         self.seen.close()
 
@@ -361,22 +352,11 @@ class AgentControl:
     def _unsolicited_ok(self, now: int) -> bool:
         """At most ``reject_rows_per_min`` rows a minute for probe answers to commands this agent did
         not forward (a probe refusing an envelope sent to it directly, or a flood)."""
-        w = self._unsolicited
-        while w and now - w[0] > 60_000_000_000:
-            w.popleft()
-        if len(w) >= self.reject_rows_per_min:
-            return False
-        w.append(now)
-        return True
+        return _per_minute_ok(self._unsolicited, now, self.reject_rows_per_min)
 
     def _window_ok(self, now: int) -> bool:
-        w = self._rej_window
-        while w and now - w[0] > 60_000_000_000:
-            w.popleft()
-        if len(w) >= self.reject_rows_per_min:
-            return False
-        w.append(now)
-        return True
+        """At most ``reject_rows_per_min`` rows a minute for refused commands."""
+        return _per_minute_ok(self._rej_window, now, self.reject_rows_per_min)
 
     def _row(self, cmd: dict, rank, status: str, detail: str, now: int, **kw) -> dict:
         r = {"cmd_id": cmd["cmd_id"], "job": _safe_job(cmd["job"]), "node": self.agent.node,
@@ -549,5 +529,4 @@ def _i(v, lo: int, hi: int) -> int | None:
 
 
 def _safe_job(job) -> str:
-    from stepwatch.agents.agent import safe_job
-    return safe_job(job if isinstance(job, str) else None)
+    return profiling.safe_job(job if isinstance(job, str) else None)

@@ -34,6 +34,40 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 
+def make_model(lr: float = 0.05, sync: bool = True):
+    """The runs' model and optimiser: a 2-layer MLP (64 -> 128 -> 10), the same on every rank (seed 0;
+    ``sync``: rank 0's weights broadcast too, as DDP does). Also used by tests/hang_train.py and
+    tests/profile_train.py."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    if sync:
+        for p in model.parameters():
+            dist.broadcast(p.data, 0)
+    return model, torch.optim.SGD(model.parameters(), lr=lr)
+
+
+def pad_step(t0: float, ms: float) -> None:
+    """Sleep until ``ms`` milliseconds after ``t0`` (``time.perf_counter``): stands in for device time."""
+    pad = ms - (time.perf_counter() - t0) * 1e3
+    if pad > 0:
+        time.sleep(pad / 1e3)
+
+
+def flat_grads(params) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in params])
+
+
+def average_grads(params, flat: torch.Tensor, world: int) -> None:
+    """All-reduce the flattened gradients (:func:`flat_grads`) and write their mean back."""
+    dist.all_reduce(flat)
+    flat /= world
+    off = 0
+    for p in params:
+        n = p.numel()
+        p.grad.copy_(flat[off:off + n].view_as(p))
+        off += n
+
+
 def train() -> None:
     steps = int(os.environ.get("SW_STEPS", "80"))
     step_ms = float(os.environ.get("SW_STEP_MS", "50"))
@@ -56,11 +90,7 @@ def train() -> None:
     if explicit:
         from stepwatch import probe
         probe.init(auto=False)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
-    for p in model.parameters():
-        dist.broadcast(p.data, 0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt = make_model()
     g = torch.Generator().manual_seed(rank)
     data = TensorDataset(torch.randn(steps * 16, 64, generator=g), torch.randint(0, 10, (steps * 16,), generator=g))
     nw = int(os.environ.get("SW_NUM_WORKERS", "0"))     # DataLoader workers (0: single-process, no prefetch)
@@ -81,9 +111,7 @@ def train() -> None:
         loss = F.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
-        pad = step_ms + (extra_ms if rank == slow else 0.0) - (time.perf_counter() - t0) * 1e3
-        if pad > 0:
-            time.sleep(pad / 1e3)
+        pad_step(t0, step_ms + (extra_ms if rank == slow else 0.0))
         if heap is not None:        # after the pad, so the pauses add to this rank's step
             for _ in range(gc_cycles):
                 a = {}
@@ -91,14 +119,7 @@ def train() -> None:
                 a["b"] = b          # a cycle: only the collector frees it
             del a, b
             gc.collect()
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat)
-        flat /= world
-        off = 0
-        for p in params:
-            n = p.numel()
-            p.grad.copy_(flat[off:off + n].view_as(p))
-            off += n
+        average_grads(params, flat_grads(params), world)
         opt.step()
         if probe:
             probe.count(samples=len(x))

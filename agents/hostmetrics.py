@@ -8,7 +8,7 @@ this machine (no ``/sys/class/infiniband``, no ``npu-smi``, no NVIDIA driver) ra
 from :meth:`Plugin.setup`; the runner logs that once and leaves it alone, so an absent tool is a line
 in the log, never an error per second.
 
-The fields a plug-in returns are columns of the ``host/1`` row (DESIGN §4): ``cpu_util, cpu_iowait,
+The fields a plug-in returns are columns of the ``host/1`` row (docs/tables.md, ``host``): ``cpu_util, cpu_iowait,
 cpu_steal`` (percent of all CPUs), ``load1``, ``mem_used, mem_available`` (bytes),
 ``disk_read_bps, disk_write_bps, net_rx_bps, net_tx_bps`` (bytes/s), ``rdma_retrans`` (counter delta
 over the sample), ``top_procs`` (list of ``{pid, name, cpu_pct}``, cpu_pct in percent of one core)

@@ -1,4 +1,4 @@
-"""Targeted fine-grained profiling (DESIGN §9): signing, summaries, diffs, and the probe-side runner.
+"""Targeted fine-grained profiling (docs/profiling.md): signing, summaries, diffs, and the probe-side runner.
 
 Everything here imports only the standard library at module level (the probe loads it into the
 training process); ``cryptography`` is imported when a key is loaded or a command verified (on a
@@ -122,19 +122,27 @@ def _read(path: str, what: str) -> bytes:
         raise KeyError_(f"cannot read the profiling {what} key file {path}: {e.strerror}") from None
 
 
+def _key_setting(env, name: str, file_name: str, path: str | None, what: str) -> bytes | None:
+    """The key text: ``$name``, else the file ``path`` or ``$file_name``; None (after refusing the old
+    shared-secret variables) when none is set."""
+    raw = env.get(name)
+    raw = raw.encode() if isinstance(raw, str) else raw
+    p = path or env.get(file_name)
+    if not raw and p:
+        raw = _read(p, what)
+    if not raw:
+        _old_env_error(env)
+        return None
+    return raw
+
+
 def load_private_key(path: str | None = None, env=None):
     """The Ed25519 private key that signs commands (processor, ``stepwatch profile``):
     ``$STEPWATCH_PROFILING_PRIVATE_KEY`` (base64 of the 32-byte seed, or PEM), else the file ``path``
     or ``$STEPWATCH_PROFILING_PRIVATE_KEY_FILE`` (PEM PKCS#8 or base64). None when none is set;
     KeyError_ (never quoting the key) when it cannot be read or parsed."""
-    env = os.environ if env is None else env
-    raw = env.get(ENV_PRIVATE)
-    raw = raw.encode() if isinstance(raw, str) else raw
-    p = path or env.get(ENV_PRIVATE_FILE)
-    if not raw and p:
-        raw = _read(p, "private")
-    if not raw:
-        _old_env_error(env)
+    raw = _key_setting(os.environ if env is None else env, ENV_PRIVATE, ENV_PRIVATE_FILE, path, "private")
+    if raw is None:
         return None
     raw = raw.strip()
     try:
@@ -177,14 +185,8 @@ def load_public_keys(path: str | None = None, env=None) -> dict | None:
     """The public keys that verify commands (agent, probe), by key id: ``$STEPWATCH_PROFILING_PUBLIC_KEY``
     (base64 of the 32-byte key, several separated by commas or spaces; or PEM), else the file ``path``
     or ``$STEPWATCH_PROFILING_PUBLIC_KEY_FILE``. None when none is set; KeyError_ when unparsable."""
-    env = os.environ if env is None else env
-    raw = env.get(ENV_PUBLIC)
-    raw = raw.encode() if isinstance(raw, str) else raw
-    p = path or env.get(ENV_PUBLIC_FILE)
-    if not raw and p:
-        raw = _read(p, "public")
-    if not raw:
-        _old_env_error(env)
+    raw = _key_setting(os.environ if env is None else env, ENV_PUBLIC, ENV_PUBLIC_FILE, path, "public")
+    if raw is None:
         return None
     try:
         keys = _parse_public(raw)
@@ -225,6 +227,14 @@ def canonical(cmd: dict) -> bytes:
             v = "" if v is None else str(v)
         d[k] = v
     return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
+
+
+CONTENT_TYPE = "application/vnd.stepwatch.control+ed25519"
+
+
+def control_headers() -> list[tuple[str, bytes]]:
+    """The Kafka headers of a ``control`` message (its value: :func:`seal`)."""
+    return [("content-type", CONTENT_TYPE.encode()), ("schema", b"control/2")]
 
 
 def seal(cmd: dict, private_key) -> bytes:
@@ -832,7 +842,7 @@ class ProbeControl:
             self._refuse("not_this_rank", f"the command names ranks {cmd['ranks'][:8]}, this is rank {rank}", cmd)
             return
         job = getattr(p, "job", None)
-        if job and _job_key(job) != cmd["job"]:
+        if job and safe_job(job) != cmd["job"]:
             self._refuse("not_this_job", "the command is for another job", cmd)
             return
         if cmd["expires_at"] <= now:
@@ -890,9 +900,11 @@ class ProbeControl:
 _UNSAFE_JOB = re.compile(r"[^A-Za-z0-9._:@+-]")
 
 
-def _job_key(job: str) -> str:
-    """The job id the agent gives a probe's job (``stepwatch.agents.agent.safe_job``)."""
-    j = job.strip() or "default"
+def safe_job(job: str | None, default: str = "default") -> str:
+    """A job id usable as a folder name (``JOB_RE``, = ``stepwatch.schema.JOB_RE``): unsafe characters
+    become '_'. The job id the agent gives a probe's job; here (standard library only) so that the
+    probe, the agent and its control channel share one copy."""
+    j = (job or "").strip() or default
     if JOB_RE.match(j):
         return j
     j = _UNSAFE_JOB.sub("_", j)

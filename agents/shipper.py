@@ -38,6 +38,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from stepwatch import catalog
+
 log = logging.getLogger("stepwatch.agent.ship")
 
 _NAME = re.compile(r"^(\d{16})-([a-z]+)-(\d+)(?:-([0-9a-f]{8}))?\.arrow$")
@@ -141,7 +143,7 @@ class Spool:
             finally:
                 os.close(fd)
             os.replace(tmp, final)
-            _fsync_dir(self.dir)
+            fsync_dir(self.dir)
         except OSError:
             tmp.unlink(missing_ok=True)
             raise
@@ -187,7 +189,8 @@ class Spool:
             self.metrics.spool_files.set(len(self._files))
 
 
-def _fsync_dir(d) -> None:
+def fsync_dir(d) -> None:
+    """Make a rename or a new file in directory ``d`` durable (fsync of the directory itself)."""
     fd = os.open(d, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -244,7 +247,7 @@ class Shipper:
             try:
                 quick = dataclasses.replace(self.settings, extra=dict(self.settings.extra, bootstrap_timeout_ms=t,
                                                                       request_timeout_ms=t))
-                ensure_topics(quick, names=("steps", "host", "gc", "comm", "topology"))
+                ensure_topics(quick, names=catalog.INPUT_TOPICS)
                 self._topics_done = True
             except Exception as e:  # noqa: BLE001 - no ACL to create topics: they may exist anyway
                 log.info("could not check/create topics (%r); sending anyway", e)

@@ -33,8 +33,7 @@ def send_simulation(sim: Simulation, producer, settings: KafkaSettings, start: i
             delay = t_end - time.time()
             if delay > 0:
                 time.sleep(delay)
-        for kind in ("steps", "host", "gc", "comm"):
-            t = tables.get(kind)
+        for kind, t in tables.items():             # generate()'s kinds: steps, host, gc (+ comm)
             if t is not None and t.num_rows:
                 send_table(producer, settings, kind, t, max_rows=rows_per_message)
                 sent[kind] += t.num_rows

@@ -1,6 +1,6 @@
 """Simulated telemetry of one synchronous data-parallel training job, with injected faults.
 
-:class:`Simulation` produces what the node agents of a cluster would send for one job (DESIGN §4):
+:class:`Simulation` produces what the node agents of a cluster would send for one job (docs/wire-format.md):
 ``topology`` (one row per rank), ``steps`` (one row per rank per step), ``host`` (one row per node
 per step) and ``gc`` (one row per Python garbage collection), as Arrow tables in the wire schemas of
 :mod:`stepwatch.schema`, plus ground-truth labels of the injected faults for evaluating detectors.
@@ -108,6 +108,7 @@ import numpy as np
 import pyarrow as pa
 
 from stepwatch import __version__
+from stepwatch.agents.probe.collectives import LINK_GBPS, bus_factor
 from stepwatch.schema import COMM, GC, HOST, STEPS, TOPOLOGY, TOP_PROC, ACCEL, JOB_RE
 
 __all__ = ["Fault", "parse_fault", "Simulation", "FAULT_KINDS", "REGRESSION_CAUSES"]
@@ -116,7 +117,7 @@ __all__ = ["Fault", "parse_fault", "Simulation", "FAULT_KINDS", "REGRESSION_CAUS
 FAULT_KINDS = ("slow-rank", "regression", "gc-storm", "cpu-contention", "gc-jitter", "data-stall",
                "comm-slow", "rank-hang", "job-hang", "small-messages", "slow-link", "dataloader-starved",
                "clean")
-#: Phases a regression can hit (the cause in the DESIGN §6 taxonomy).
+#: Phases a regression can hit (the cause in the taxonomy of docs/detectors.md, 'Cause taxonomy and remedies').
 REGRESSION_CAUSES = ("io", "communication", "computation", "cpu")
 _CAUSE_ALIASES = {"data": "io", "comm": "communication", "network": "communication",
                   "compute": "computation", "host": "cpu"}
@@ -803,10 +804,9 @@ class Simulation:
     def _comm_payload(self) -> tuple[int, int]:
         """(gradient all-reduce payload per rank and step in bytes, data-parallel group size): sized so
         that the nominal comm time reaches ``_LINK_UTIL`` of the nominal RDMA bus bandwidth."""
-        from stepwatch.detectors.efficiency import LINK_GBPS, bus_factor
         n = self.world_size // (self.tp * self.pp)
         comm_ms = _COMM * self._unit
-        fac = float(bus_factor("all_reduce", n)) or 1.0
+        fac = float(bus_factor("all_reduce", max(n, 1))) or 1.0
         return int(_LINK_UTIL * LINK_GBPS["rdma"] * 1e9 * comm_ms / 1e3 / fac), n
 
     def _comm_table(self, nm: dict) -> pa.Table:
@@ -888,8 +888,8 @@ class Simulation:
         ``end`` (inclusive; ``steps - 1`` when the fault runs to the end); ``ranks`` and ``nodes``
         (the affected ranks and their nodes; empty lists for job-wide faults: a regression or a
         gc-storm on all ranks; for a job-hang with ``rank``, the rank that stopped first);
-        ``scope`` (``rank`` | ``node`` | ``group`` | ``job``); ``pct``; ``cause`` (DESIGN §6
-        taxonomy: io | cpu | gc | communication | computation; None for rank-hang, which has none);
+        ``scope`` (``rank`` | ``node`` | ``group`` | ``job``); ``pct``; ``cause`` (the taxonomy of
+        docs/detectors.md: io | cpu | gc | communication | computation; None for rank-hang, which has none);
         for cpu-contention also ``process`` (the foreign process name); for comm-slow ``group`` (its
         name in the comm rows); ``every`` when the fault is intermittent.
         """

@@ -1,4 +1,4 @@
-"""stepwatch in Grafana (DESIGN §8): dashboards as code, the DuckDB datasource, alert rules and
+"""stepwatch in Grafana (docs/grafana.md): dashboards as code, the DuckDB datasource, alert rules and
 alert annotations.
 
 * :mod:`.build` — the dashboards (generated JSON, checked in under ``dashboards/json``);

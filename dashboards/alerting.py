@@ -25,7 +25,7 @@ from __future__ import annotations
 from . import yamlout
 from .datasource import DATASOURCE_UID, PLUGIN_ID
 
-#: Every alert kind the detectors emit (DESIGN §6). One Grafana rule per kind.
+#: Every alert kind the detectors emit (docs/detectors.md). One Grafana rule per kind.
 ALERT_KINDS: tuple[str, ...] = ("slow_rank", "regression", "recovery", "jitter", "stall")
 #: Kinds reported once (no ``resolved`` status follows).
 POINT_KINDS: tuple[str, ...] = ("regression", "recovery")

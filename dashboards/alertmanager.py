@@ -36,7 +36,8 @@ Delivery: each POST carries up to ``batch`` alerts; a connection error, a timeou
 retried with exponential backoff and jitter (``tenacity``: ``backoff_s`` doubling up to
 ``backoff_max_s``), until delivered (``max_attempts`` bounds it if set) or the sink closes; any other 4xx
 is not retried and counts as *failed*. While an Alertmanager is away, alerts wait in its queue
-(``maxsize``); when the queue is full new alerts are dropped and counted. Credentials: HTTP basic
+(``maxsize``); when the queue is full new alerts are dropped and counted. The queues, threads, retries
+and close are :mod:`stepwatch.dashboards.sink`'s, shared with the Grafana annotation sink. Credentials: HTTP basic
 auth or a bearer token read from a file (:func:`read_credentials`).
 
 Prometheus metrics (on the registry passed in, e.g. the processor's), label ``url``:
@@ -52,8 +53,6 @@ import collections
 import datetime as dt
 import json
 import logging
-import queue
-import threading
 import time
 import urllib.error
 import urllib.parse
@@ -62,6 +61,10 @@ import urllib.request
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from stepwatch.detectors.base import Alert
+
+from stepwatch.metrics import Metrics
+
+from .sink import POLL_S, Lane, QueueSink, Retryable, SinkClosed
 
 log = logging.getLogger("stepwatch.alertmanager")
 
@@ -76,10 +79,6 @@ LINK_MARGIN_S = 600       # the dashboard link shows this much before the findin
 
 class AlertmanagerError(Exception):
     pass
-
-
-class _Retryable(Exception):
-    """A delivery failure worth retrying (connection, timeout, 5xx, 408, 429)."""
 
 
 def _rfc3339(t_ns: int | float) -> str:
@@ -175,8 +174,9 @@ def postable_alert(alert: Alert, *, now_ns: int, resolve_after_s: float, point_h
     return body
 
 
-class _Metrics:
+class _Metrics(Metrics):
     def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
         p = "stepwatch_alertmanager"
         self.sent = Counter(f"{p}_alerts_sent", "Alerts (firing, re-sent or resolved) Alertmanager accepted",
                             ["url"], registry=registry)
@@ -192,68 +192,32 @@ class _Metrics:
                                 registry=registry)
 
 
-class _Worker:
-    """Delivery to one Alertmanager: its queue, its firing set, its thread."""
+class _Worker(Lane):
+    """Delivery to one Alertmanager: its lane (queue and thread) and its firing set."""
 
     def __init__(self, sink: "AlertmanagerSink", url: str, maxsize: int):
-        self.sink, self.url = sink, url.rstrip("/")
+        self.url = url.rstrip("/")
+        m = sink.metrics
+        super().__init__(sink, f"stepwatch-alertmanager-{self.url}", f"alertmanager {self.url}", maxsize,
+                         queued=m.queued.labels(self.url), dropped=m.dropped.labels(self.url),
+                         failed=m.failed.labels(self.url), batch=sink.batch)
         self.endpoint = self.url + "/api/v2/alerts"
-        self.q: queue.Queue = queue.Queue(maxsize=maxsize)
         self.firing: collections.OrderedDict[str, Alert] = collections.OrderedDict()   # worker thread only
         self.starts: dict[str, int] = {}
-        self.idle = threading.Event()
-        self.idle.set()
-        m = sink.metrics
-        self.m_sent, self.m_failed, self.m_dropped = m.sent.labels(self.url), m.failed.labels(self.url), \
-            m.dropped.labels(self.url)
-        self.m_retried, self.m_queued, self.m_firing = m.retried.labels(self.url), m.queued.labels(self.url), \
-            m.firing.labels(self.url)
+        self.m_sent, self.m_retried = m.sent.labels(self.url), m.retried.labels(self.url)
+        self.m_firing = m.firing.labels(self.url)
         self.next_resend = time.monotonic() + sink.resend_interval_s
-        self.thread = threading.Thread(target=self.run, name=f"stepwatch-alertmanager-{self.url}", daemon=True)
-        self.thread.start()
-
-    def put(self, alert: Alert, restored: bool) -> bool:
-        self.idle.clear()
-        self.m_queued.inc()
-        try:
-            self.q.put_nowait((alert, restored))
-        except queue.Full:
-            self.m_queued.dec()
-            self.m_dropped.inc()
-            return False
-        return True
 
     # ------------------------------------------------------------------ worker thread
-    def run(self) -> None:
-        s = self.sink
-        while not s._stop.is_set():
-            wait = max(0.0, min(0.05, self.next_resend - time.monotonic()))
-            try:
-                first = self.q.get(timeout=wait) if wait > 0 else self.q.get_nowait()
-            except queue.Empty:
-                first = None
-            batch = [first] if first is not None else []
-            while first is not None and len(batch) < s.batch:
-                try:
-                    batch.append(self.q.get_nowait())
-                except queue.Empty:
-                    break
-            try:
-                if batch:
-                    self._handle(batch)
-                if time.monotonic() >= self.next_resend:
-                    self.next_resend = time.monotonic() + s.resend_interval_s
-                    self._resend()
-            except Exception:  # noqa: BLE001 - the worker must survive anything
-                log.exception("alertmanager %s: unexpected error", self.url)
-                self.m_failed.inc(len(batch))
-            finally:
-                if batch:
-                    self.m_queued.dec(len(batch))
-                if self.q.empty():
-                    self.idle.set()
+    def wait_s(self) -> float:
+        return max(0.0, min(POLL_S, self.next_resend - time.monotonic()))
 
-    def _handle(self, batch: list[tuple[Alert, bool]]) -> None:
+    def tick(self) -> None:
+        if time.monotonic() >= self.next_resend:
+            self.next_resend = time.monotonic() + self.sink.resend_interval_s
+            self._resend()
+
+    def handle(self, batch: list[tuple[Alert, bool]]) -> None:
         now = time.time_ns()
         bodies = []
         for a, restored in batch:
@@ -298,7 +262,6 @@ class _Worker:
                 self.m_failed.inc(len(chunk))
 
     def _post(self, bodies: list[dict]) -> bool:
-        import tenacity                          # here: `stepwatch --help` need not load it
         s = self.sink
         data = json.dumps(bodies).encode()
         headers = {"Content-Type": "application/json", "User-Agent": "stepwatch"}
@@ -313,32 +276,22 @@ class _Worker:
             except urllib.error.HTTPError as e:
                 body = e.read()[:300].decode("utf-8", "replace")
                 if e.code >= 500 or e.code in RETRY_STATUS:
-                    raise _Retryable(f"HTTP {e.code}: {body}") from e
+                    raise Retryable(f"HTTP {e.code}: {body}") from e
                 raise AlertmanagerError(f"HTTP {e.code}: {body}") from e
             except (urllib.error.URLError, OSError) as e:          # refused, reset, timeout, DNS
-                raise _Retryable(f"{type(e).__name__}: {getattr(e, 'reason', e)}") from e
+                raise Retryable(f"{type(e).__name__}: {getattr(e, 'reason', e)}") from e
 
-        def before_sleep(rs) -> None:
-            self.m_retried.inc()
-            log.debug("alertmanager %s: attempt %d failed (%s)", self.url, rs.attempt_number, rs.outcome.exception())
-
-        stop = tenacity.stop_any(*( [tenacity.stop_after_attempt(s.max_attempts)] if s.max_attempts else []),
-                                 tenacity.stop_when_event_set(s._stop))
-        retrying = tenacity.Retrying(
-            retry=tenacity.retry_if_exception_type(_Retryable), stop=stop,
-            wait=tenacity.wait_exponential(multiplier=s.backoff_s, max=s.backoff_max_s) + tenacity.wait_random(0, s.backoff_s),
-            sleep=s._sleep, before_sleep=before_sleep, reraise=True)
         try:
-            retrying(once)
+            s.retry(once, self.m_retried, self.label)
             return True
         except AlertmanagerError as e:
             log.error("alertmanager %s refused %d alert(s): %s", self.url, len(bodies), e)
-        except _Retryable as e:
+        except (Retryable, SinkClosed) as e:
             log.error("alertmanager %s: giving up on %d alert(s): %s", self.url, len(bodies), e)
         return False
 
 
-class AlertmanagerSink:
+class AlertmanagerSink(QueueSink):
     """Non-blocking delivery of alerts to one or more Alertmanagers (see the module docs).
 
     ``urls``: Alertmanager base URLs (``http://host:9093``; every alert goes to each). ``authorization``:
@@ -363,84 +316,40 @@ class AlertmanagerSink:
                 raise AlertmanagerError(f"Alertmanager URL {u!r} must be http(s)://host:port")
         if maxsize < 1 or batch < 1 or resend_interval_s <= 0 or max_firing < 1:
             raise ValueError("maxsize, batch, max_firing must be >= 1 and resend_interval_s > 0")
+        super().__init__(backoff_s=backoff_s, backoff_max_s=backoff_max_s, max_attempts=max_attempts, log=log)
         self.authorization = authorization
         self.grafana_url = grafana_url or None
         self.resend_interval_s = float(resend_interval_s)
         self.resolve_after_s = float(resolve_after_s) if resolve_after_s else 4 * self.resend_interval_s
         self.point_hold_s = float(point_hold_s)
         self.batch, self.max_firing = int(batch), int(max_firing)
-        self.backoff_s, self.backoff_max_s = float(backoff_s), float(backoff_max_s)
-        self.max_attempts = max_attempts
         self.timeout = float(timeout)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = _Metrics(self.registry)
-        self._closing = threading.Event()
-        self._stop = threading.Event()
-        self.workers = [_Worker(self, u, maxsize) for u in urls]
-
-    def _sleep(self, seconds: float) -> None:
-        self._stop.wait(seconds)
+        self.workers = self.lanes = [_Worker(self, u, maxsize).start() for u in urls]
 
     # ------------------------------------------------------------------ caller side
     def submit(self, alert: Alert) -> bool:
         """Queue ``alert`` for every Alertmanager; never blocks. False if some queue dropped it."""
-        return self._put(alert, False)
+        return self._put((alert, False))
 
     __call__ = submit
 
     def restore(self, alert: Alert) -> bool:
         """An alert still open in the store after a restart: resume re-sending it (same labels)."""
         self.metrics.restored.inc()
-        return self._put(alert, True)
-
-    def _put(self, alert: Alert, restored: bool) -> bool:
-        if self._closing.is_set():
-            for w in self.workers:
-                w.m_dropped.inc()
-            return False
-        ok = True
-        for w in self.workers:
-            ok &= w.put(alert, restored)
-        return ok
+        return self._put((alert, True))
 
     def close(self, timeout: float = 10.0) -> bool:
         """Stop accepting alerts, wait up to ``timeout`` s for the queues to drain, stop the workers.
         Firing alerts are not resolved: Alertmanager resolves them at their ``endsAt`` unless another
         processor (or this one, restarted) goes on re-sending them."""
-        self._closing.set()
-        deadline = time.monotonic() + max(0.0, timeout)
-        drained = True
-        for w in self.workers:
-            while not (w.q.empty() and w.idle.is_set()):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    drained = False
-                    break
-                w.idle.wait(min(left, 0.05))
-        self._stop.set()
-        left_over = 0
-        for w in self.workers:
-            w.thread.join(max(0.0, deadline - time.monotonic()) + 0.1)
-            n = 0
-            while True:
-                try:
-                    w.q.get_nowait()
-                    n += 1
-                except queue.Empty:
-                    break
-            if n:
-                w.m_failed.inc(n)
-                w.m_queued.dec(n)
-                log.warning("alertmanager %s: %d alert(s) not delivered before close", w.url, n)
-            left_over += n
-        return drained and not left_over
+        return super().close(timeout)
 
     def stats(self) -> dict[str, float]:
-        def total(c):
-            return sum(s.value for m in c.collect() for s in m.samples if s.name.endswith("_total"))
         m = self.metrics
-        return {"sent": total(m.sent), "failed": total(m.failed), "dropped": total(m.dropped),
-                "retried": total(m.retried), "restored": total(m.restored),
+        return {"sent": m.value(m.sent), "failed": m.value(m.failed), "dropped": m.value(m.dropped),
+                "retried": m.value(m.retried), "restored": m.value(m.restored),
                 "queued": sum(w.q.qsize() for w in self.workers),
                 "firing": max((len(w.firing) for w in self.workers), default=0)}
 

@@ -11,9 +11,9 @@ thread turns each alert into an annotation (``POST /api/annotations``) and deliv
   ``severity:<severity>``, ``rank:<r>`` and ``node:<n>`` (the first 8 of each), so dashboards filter
   them by tag (the stepwatch Job and Node dashboards do); text: the alert's readable line;
 * a failed delivery — a connection error, a timeout, a 5xx, 408 or 429 — is retried with exponential
-  backoff and full jitter (``backoff_s * 2**n``, at most ``backoff_max_s``, times a random factor in
-  [0.5, 1.5)), for as long as it takes (``max_attempts`` bounds it if set), keeping alerts in order;
-  other 4xx answers (a bad token, a bad request) are not retried and count as *failed*;
+  backoff and jitter (``tenacity``: ``backoff_s * 2**n``, at most ``backoff_max_s``, plus up to
+  ``backoff_s`` at random), for as long as it takes (``max_attempts`` bounds it if set), keeping alerts
+  in order; other 4xx answers (a bad token, a bad request) are not retried and count as *failed*;
 * while Grafana is away, alerts wait in the queue (``maxsize``); when it is full, new alerts are
   **dropped** and counted — the only way an alert is lost while the sink is open;
 * **one annotation per incident** (``alert.incident_id``, see ``detectors/incidents.py``): the first alert
@@ -32,7 +32,8 @@ thread turns each alert into an annotation (``POST /api/annotations``) and deliv
   The window is per sink, in memory: a restarted processor does not know the earlier ids.
 
 :meth:`~AnnotationSink.close` stops accepting alerts and waits up to ``timeout`` seconds for the
-queue to drain; what is still undelivered then is counted as failed (and logged).
+queue to drain; what is still undelivered then is counted as failed (and logged). The queue, the
+thread, the retries and close are :mod:`stepwatch.dashboards.sink`'s, shared with the Alertmanager sink.
 
 Prometheus counters (on the registry passed in, e.g. the processor's):
 ``stepwatch_grafana_annotations_sent_total``, ``…_failed_total``, ``…_retried_total`` (retries),
@@ -43,18 +44,16 @@ from __future__ import annotations
 
 import collections
 import logging
-import queue
-import random
-import threading
-import time
 
 from grafana_client.client import (GrafanaClientError, GrafanaException, GrafanaServerError,
                                    GrafanaTimeoutError)
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from stepwatch.detectors.base import Alert
+from stepwatch.metrics import Metrics
 
 from .grafana import make_api
+from .sink import Lane, QueueSink, Retryable, SinkClosed
 
 log = logging.getLogger("stepwatch.grafana.annotations")
 
@@ -97,8 +96,9 @@ def annotation_payload(alert: Alert, t_first_ns: int | None = None, dashboard_ui
     return body
 
 
-class _Metrics:
+class _Metrics(Metrics):
     def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
         p = "stepwatch_grafana_annotations"
         self.sent = Counter(f"{p}_sent", "Alert annotations Grafana accepted", registry=registry)
         self.failed = Counter(f"{p}_failed", "Alert annotations given up (non-retryable answer, attempts "
@@ -111,7 +111,7 @@ class _Metrics:
         self.queued = Gauge(f"{p}_queued", "Alerts waiting for delivery", registry=registry)
 
 
-class AnnotationSink:
+class AnnotationSink(QueueSink):
     """Non-blocking delivery of alerts to Grafana as annotations (see the module docs).
 
     ``url``/``token``: Grafana and a service-account token (or pass a ready ``api``). ``maxsize``:
@@ -125,102 +125,41 @@ class AnnotationSink:
     def __init__(self, url: str | None = None, token: str | None = None, *, maxsize: int = 10_000,
                  backoff_s: float = 0.5, backoff_max_s: float = 30.0, max_attempts: int | None = None,
                  timeout: float = 5.0, registry: CollectorRegistry | None = None,
-                 dashboard_uid: str | None = None, api=None, seed: int | None = None, remember: int = 10_000):
+                 dashboard_uid: str | None = None, api=None, remember: int = 10_000):
         if api is None:
             if not url or not token:
                 raise ValueError("AnnotationSink needs url and token (or api)")
             api = make_api(url, token, timeout)
         if maxsize < 1:
             raise ValueError("maxsize must be >= 1")
+        super().__init__(backoff_s=backoff_s, backoff_max_s=backoff_max_s, max_attempts=max_attempts, log=log)
         self.api = api
-        self.backoff_s, self.backoff_max_s = float(backoff_s), float(backoff_max_s)
-        self.max_attempts = max_attempts
         self.dashboard_uid = dashboard_uid
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = _Metrics(self.registry)
         self.remember = max(1, int(remember))
         # (alert_id, status) -> {"id": annotation id, "text", "tags", "cmds": diffs applied}; worker only
         self._posted: collections.OrderedDict = collections.OrderedDict()
-        self._q: queue.Queue = queue.Queue(maxsize=maxsize)
-        self._rng = random.Random(seed)
-        self._closing = threading.Event()
-        self._stop = threading.Event()
-        self._idle = threading.Event()
-        self._idle.set()
-        self._thread = threading.Thread(target=self._run, name="stepwatch-annotations", daemon=True)
-        self._thread.start()
+        m = self.metrics
+        self._lane = Lane(self, "stepwatch-annotations", "grafana annotations", maxsize, queued=m.queued,
+                          dropped=m.dropped, failed=m.failed, handle=lambda items: self._handle(*items[0]))
+        self.lanes.append(self._lane.start())
 
     # ------------------------------------------------------------------ caller side
     def submit(self, alert: Alert, t_first_ns: int | None = None) -> bool:
         """Queue ``alert`` for delivery; never blocks. Returns False if it was dropped (queue full or
         sink closed)."""
-        if self._closing.is_set():
-            self.metrics.dropped.inc()
-            return False
-        self._idle.clear()
-        self.metrics.queued.inc()
-        try:
-            self._q.put_nowait((alert, t_first_ns))
-        except queue.Full:
-            self.metrics.queued.dec()
-            self.metrics.dropped.inc()
-            return False
-        return True
+        return self._put((alert, t_first_ns))
 
     __call__ = submit   # usable directly as an on_alert callback
 
-    def close(self, timeout: float = 10.0) -> bool:
-        """Stop accepting alerts, wait up to ``timeout`` s for the queue to drain. True if all were
-        delivered (or given up for a non-retryable reason) in time."""
-        self._closing.set()
-        deadline = time.monotonic() + max(0.0, timeout)
-        drained = True
-        while not (self._q.empty() and self._idle.is_set()):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                drained = False
-                break
-            self._idle.wait(min(left, 0.05))
-        self._stop.set()
-        self._thread.join(max(0.0, deadline - time.monotonic()) + 0.1)
-        left_over = 0
-        while True:
-            try:
-                self._q.get_nowait()
-                left_over += 1
-            except queue.Empty:
-                break
-        if left_over:
-            self.metrics.failed.inc(left_over)
-            self.metrics.queued.dec(left_over)
-            log.warning("grafana annotations: %d alert(s) not delivered before close", left_over)
-        return drained and not left_over
-
     def stats(self) -> dict[str, float]:
         m = self.metrics
-        return {"sent": _val(m.sent), "failed": _val(m.failed), "retried": _val(m.retried),
-                "dropped": _val(m.dropped), "updated": _val(m.updated), "duplicates": _val(m.duplicates),
-                "queued": self._q.qsize()}
+        return {"sent": m.value(m.sent), "failed": m.value(m.failed), "retried": m.value(m.retried),
+                "dropped": m.value(m.dropped), "updated": m.value(m.updated), "duplicates": m.value(m.duplicates),
+                "queued": self._lane.q.qsize()}
 
     # ------------------------------------------------------------------ worker
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                alert, t_first = self._q.get(timeout=0.05)
-            except queue.Empty:
-                if self._q.empty():
-                    self._idle.set()
-                continue
-            try:
-                self._handle(alert, t_first)
-            except Exception:  # noqa: BLE001 - the worker must survive anything
-                log.exception("grafana annotations: unexpected error")
-                self.metrics.failed.inc()
-            finally:
-                self.metrics.queued.dec()
-                if self._q.empty():
-                    self._idle.set()
-
     def _incident(self, alert: Alert, t_first: int | None) -> bool:
         """One annotation per incident: the first alert of an incident posts it, later ones (its
         consequences, re-fires, status changes) PATCH it: a line more of text, the status and kind tags,
@@ -254,18 +193,8 @@ class AnnotationSink:
         diff = (alert.evidence or {}).get("profile_diff")
         inc = getattr(alert, "incident_id", "") or ""
         if inc and not isinstance(diff, dict):
-            if self._incident(alert, t_first):
-                return
-            body = annotation_payload(alert, t_first, self.dashboard_uid)
-            ok, resp = self._deliver("POST", "/annotations", body)
-            if ok:
-                self.metrics.sent.inc()
-                ann_id = resp.get("id") if isinstance(resp, dict) else None
-                if isinstance(ann_id, int):
-                    self._posted[("incident", inc)] = {"id": ann_id, "text": body["text"], "tags": body["tags"],
-                                                       "end": body["timeEnd"], "cmds": set()}
-                    while len(self._posted) > self.remember:
-                        self._posted.popitem(last=False)
+            if not self._incident(alert, t_first):
+                self._post(("incident", inc), alert, t_first, None)
             return
         key = (alert.alert_id, alert.status)
         known = self._posted.get(key)
@@ -288,50 +217,47 @@ class AnnotationSink:
             if status != 404:
                 return
             log.info("grafana annotations: annotation %s is gone; posting the alert again", known["id"])
+        self._post(key, alert, t_first, diff)
+
+    def _post(self, key: tuple, alert: Alert, t_first: int | None, diff) -> None:
+        """Post a new annotation for ``alert`` and remember its id under ``key`` (an incident, or an
+        (alert_id, status)), with the profile diff it shows if any."""
         body = annotation_payload(alert, t_first, self.dashboard_uid)
         ok, resp = self._deliver("POST", "/annotations", body)
-        if ok:
-            self.metrics.sent.inc()
-            ann_id = resp.get("id") if isinstance(resp, dict) else None
-            if isinstance(ann_id, int):
-                self._posted[key] = {"id": ann_id, "text": body["text"], "tags": body["tags"],
-                                     "cmds": {diff.get("cmd_id")} if isinstance(diff, dict) else set()}
-                while len(self._posted) > self.remember:
-                    self._posted.popitem(last=False)
+        if not ok:
+            return
+        self.metrics.sent.inc()
+        ann_id = resp.get("id") if isinstance(resp, dict) else None
+        if isinstance(ann_id, int):
+            self._posted[key] = {"id": ann_id, "text": body["text"], "tags": body["tags"], "end": body["timeEnd"],
+                                 "cmds": {diff.get("cmd_id")} if isinstance(diff, dict) else set()}
+            while len(self._posted) > self.remember:
+                self._posted.popitem(last=False)
 
     def _deliver(self, method: str, path: str, body: dict, quiet=frozenset()):
         """(True, Grafana's answer) once delivered, else (False, the refusing status or None);
         counts failures. Statuses in ``quiet`` are not counted (the caller handles them)."""
-        attempt = 0
-        while True:
-            attempt += 1
+        def once():
             try:
-                return True, getattr(self.api.client, method)(path, json=body)
+                return getattr(self.api.client, method)(path, json=body)
             except GrafanaClientError as e:
-                if e.status_code not in RETRY_STATUS:
-                    if e.status_code in quiet:
-                        return False, e.status_code
-                    self.metrics.failed.inc()
-                    log.error("grafana annotations: Grafana refused %s %s (%s): %s", method, path,
-                              e.status_code, getattr(e, "message", e))
-                    return False, e.status_code
-                why = str(e.status_code)
+                if e.status_code in RETRY_STATUS:
+                    raise Retryable(str(e.status_code)) from e
+                raise
             except GrafanaServerError as e:
-                why = str(e.status_code)
+                raise Retryable(str(e.status_code)) from e
             except (GrafanaTimeoutError, GrafanaException, OSError) as e:   # connection errors are OSErrors
-                why = type(e).__name__
-            if self.max_attempts is not None and attempt >= self.max_attempts:
-                self.metrics.failed.inc()
-                log.error("grafana annotations: giving up after %d attempts (%s)", attempt, why)
-                return False, None
-            delay = min(self.backoff_max_s, self.backoff_s * 2 ** (attempt - 1)) * self._rng.uniform(0.5, 1.5)
-            self.metrics.retried.inc()
-            log.debug("grafana annotations: attempt %d failed (%s); retrying in %.2fs", attempt, why, delay)
-            if self._stop.wait(delay):
-                # closing and out of time: count the undelivered annotation as failed
-                self.metrics.failed.inc()
-                return False, None
+                raise Retryable(type(e).__name__) from e
 
-
-def _val(counter) -> float:
-    return sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total"))
+        try:
+            return True, self.retry(once, self.metrics.retried, "grafana annotations")
+        except GrafanaClientError as e:
+            if e.status_code not in quiet:
+                self.metrics.failed.inc()
+                log.error("grafana annotations: Grafana refused %s %s (%s): %s", method, path,
+                          e.status_code, getattr(e, "message", e))
+            return False, e.status_code
+        except (Retryable, SinkClosed) as e:
+            self.metrics.failed.inc()
+            log.error("grafana annotations: giving up on %s %s (%s)", method, path, e)
+            return False, None

@@ -536,14 +536,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=JSON_DIR)
     ap.add_argument("--check", action="store_true", help="only compare with the files in --out")
     a = ap.parse_args(argv)
-    if a.check:
-        bad = stale(a.out)
+    return check_or_write(a.check, lambda: stale(a.out), lambda: write(a.out), "dashboards",
+                          "python -m stepwatch.dashboards.build")
+
+
+def check_or_write(check: bool, stale_fn, write_fn, what: str, command: str) -> int:
+    """The end of a generator's ``main`` (here and :mod:`.helmfiles`): with ``check``, exit status 1
+    and the stale names when the generated files differ from what ``stale_fn`` compares them with,
+    else (re)write them with ``write_fn`` and print their paths."""
+    if check:
+        bad = stale_fn()
         if bad:
-            print(f"out of date: {', '.join(bad)} (run python -m stepwatch.dashboards.build)", file=sys.stderr)
+            print(f"{what} out of date: {', '.join(bad)} (run {command})", file=sys.stderr)
             return 1
-        print("dashboards up to date")
+        print(f"{what} up to date")
         return 0
-    for p in write(a.out):
+    for p in write_fn():
         print(p)
     return 0
 

@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from . import datasource
+from .build import check_or_write
 from .export import DEFAULT_DATA_ROOT, export
 
 #: the chart in a source checkout (``<repo>/helm/stepwatch``); pass ``--chart`` elsewhere
@@ -98,17 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     if not (a.chart / "Chart.yaml").is_file():
         print(f"{a.chart} is not a chart directory (no Chart.yaml): pass --chart", file=sys.stderr)
         return 2
-    if a.check:
-        bad = stale(a.chart)
-        if bad:
-            print(f"chart Grafana files out of date: {', '.join(bad)} "
-                  "(run python -m stepwatch.dashboards.helmfiles)", file=sys.stderr)
-            return 1
-        print("chart Grafana files up to date")
-        return 0
-    for p in write(a.chart):
-        print(p)
-    return 0
+    return check_or_write(a.check, lambda: stale(a.chart), lambda: write(a.chart), "chart Grafana files",
+                          "python -m stepwatch.dashboards.helmfiles")
 
 
 if __name__ == "__main__":

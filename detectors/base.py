@@ -128,7 +128,7 @@ class StepBlock:
 
 @dataclass
 class Alert:
-    """One alert (DESIGN §4 ``alerts`` columns). ``alert_id`` is stable for the same finding."""
+    """One alert (the ``alerts`` table's columns, docs/tables.md). ``alert_id`` is stable for the same finding."""
 
     job: str
     kind: str

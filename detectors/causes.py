@@ -1,9 +1,9 @@
-"""Cause taxonomy (DESIGN §6) and phase-based attribution shared by the detectors.
+"""Cause taxonomy (docs/detectors.md, 'Cause taxonomy and remedies') and phase-based attribution shared by the detectors.
 
 The taxonomy is the field's: ``io`` (data wait), ``cpu`` (host-side gap: dispatch, contention,
 environment), ``gc`` (Python GC pauses), ``communication`` (collective time), ``computation``
 (accelerator time), ``parallelism`` (imbalance / poor overlap). :data:`SUGGESTIONS` holds the remedies
-of the DESIGN case table for each cause.
+of each cause (the case table of that docs section).
 
 Attribution works on *phase medians* in milliseconds. The phases are the step record's columns plus
 the derived host gap::
@@ -26,7 +26,7 @@ import numpy as np
 
 CAUSES: tuple[str, ...] = ("io", "cpu", "gc", "communication", "computation", "parallelism")
 
-#: Remedies per cause, from the DESIGN §6 case table (GC is the table's CPU row "GC" entry).
+#: Remedies per cause, from the case table of docs/detectors.md (GC is the table's CPU row "GC" entry).
 SUGGESTIONS: dict[str, str] = {
     "io": ("I/O bound: add I/O bandwidth or use local storage; more DataLoader workers; avoid "
            "compressed formats; no taskset binding; enable pin_memory and prefetch."),
@@ -153,7 +153,7 @@ def _num(x: float):
 # function returns a JSON-safe dict (empty when the window is missing or holds nothing in range), so an
 # alert carries the evidence its cause was decided on.
 
-#: remedies of the stall / hang kinds (no row of the DESIGN case table covers a silent rank)
+#: remedies of the stall / hang kinds (no row of the case table covers a silent rank)
 HANG_SUGGESTION = ("Hang: dump the stacks of the rank that stopped first (py-spy dump --pid, or the "
                    "framework's flight recorder / NCCL_DEBUG=INFO, TORCH_NCCL_ASYNC_ERROR_HANDLING=1); the "
                    "other ranks are blocked in a collective waiting for it. Check its node (dmesg, "

@@ -12,7 +12,9 @@ the agents send, each writing rows the processor stores (:meth:`drain_rows`) and
 * :class:`DataLoader` — the distribution of the DataLoader's ready-batch queue per rank; mostly empty
   with a material data wait alerts ``dataloader_starved`` (cause ``io``) with the concrete remedy.
 
-The tables of device peaks (:data:`PEAK_TFLOPS`) and link peaks (:data:`LINK_GBPS`) are documented in
+The tables of device peaks (:data:`PEAK_TFLOPS`) and link peaks (:data:`LINK_GBPS`), and the collectives'
+bus and size factors, live in ``agents/probe/collectives.py`` (shared with the probe and the simulator) and
+are documented in
 ``docs/detectors.md`` with their sources; both can be overridden (settings, ``STEPWATCH_PEAK_TFLOPS``).
 Everything is columnar (numpy / pyarrow group-by); nothing loops per rank or per record.
 """
@@ -27,62 +29,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from stepwatch.agents.probe import collectives
+from stepwatch.agents.probe.collectives import (LINK_GBPS, PEAK_TFLOPS, SATURATE_BYTES, device_family,  # noqa: F401
+                                                intra_link, link_type, norm_dtype, peak_tflops)
+
 from .base import Alert, Detector, JobContext, StepBlock
 from .causes import DATALOADER_SUGGESTION, SUGGESTIONS, nanmedian, queue_evidence
 
 # --------------------------------------------------------------------------- device peaks
-
-#: Dense peak TFLOPS per device, by (family, dtype). Sources: NVIDIA H100 SXM5 datasheet (bf16/fp16 989,
-#: fp8 1,979, tf32 495, fp32 67; H200 has the same compute), A100 SXM datasheet (bf16/fp16 312, tf32 156,
-#: fp32 19.5), B200 HGX datasheet (bf16 2,250, fp8 4,500, dense); Huawei Ascend 910B (910B3 SKU, the common
-#: training part: ~313 fp16/bf16; 910B1/B2 are higher — override), Ascend 910C (two 910B-class dies, ~780
-#: bf16, as reported); Google Cloud TPU docs: v5e 197 bf16, v5p 459 bf16, v6e (Trillium) 918 bf16, v7x
-#: (Ironwood) 2,307 bf16 / 4,614 fp8. ``cpu`` is a nominal 1 TFLOPS so CPU test jobs get a value; it is
-#: not a measurement of anything.
-PEAK_TFLOPS: dict[tuple[str, str], float] = {
-    ("h100", "bf16"): 989.0, ("h100", "fp16"): 989.0, ("h100", "fp8"): 1979.0, ("h100", "tf32"): 495.0,
-    ("h100", "fp32"): 67.0,
-    ("h200", "bf16"): 989.0, ("h200", "fp16"): 989.0, ("h200", "fp8"): 1979.0, ("h200", "tf32"): 495.0,
-    ("h200", "fp32"): 67.0,
-    ("b200", "bf16"): 2250.0, ("b200", "fp16"): 2250.0, ("b200", "fp8"): 4500.0, ("b200", "tf32"): 1100.0,
-    ("b200", "fp32"): 75.0,
-    ("a100", "bf16"): 312.0, ("a100", "fp16"): 312.0, ("a100", "tf32"): 156.0, ("a100", "fp32"): 19.5,
-    ("ascend910b", "bf16"): 313.0, ("ascend910b", "fp16"): 313.0, ("ascend910b", "fp32"): 78.0,
-    ("ascend910c", "bf16"): 780.0, ("ascend910c", "fp16"): 780.0,
-    ("tpu-v5e", "bf16"): 197.0, ("tpu-v5p", "bf16"): 459.0, ("tpu-v6e", "bf16"): 918.0,
-    ("tpu-v7x", "bf16"): 2307.0, ("tpu-v7x", "fp8"): 4614.0,
-    ("cpu", "bf16"): 1.0, ("cpu", "fp16"): 1.0, ("cpu", "fp32"): 1.0,
-}
-
-#: substrings of a lower-cased, space/dash-free ``device_type`` -> family, first match wins
-_FAMILY_PATTERNS = (("h200", "h200"), ("h100", "h100"), ("h800", "h100"), ("gh200", "h200"), ("b200", "b200"),
-                    ("a100", "a100"), ("a800", "a100"), ("910c", "ascend910c"), ("910b", "ascend910b"),
-                    ("ascend910", "ascend910b"), ("v7x", "tpu-v7x"), ("ironwood", "tpu-v7x"),
-                    ("v6e", "tpu-v6e"), ("trillium", "tpu-v6e"), ("v5p", "tpu-v5p"), ("v5e", "tpu-v5e"),
-                    ("v5litepod", "tpu-v5e"), ("cpu", "cpu"))
-_DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16", "fp16": "fp16", "float16": "fp16",
-           "half": "fp16", "torch.float16": "fp16", "fp32": "fp32", "float32": "fp32", "float": "fp32",
-           "torch.float32": "fp32", "tf32": "tf32", "fp8": "fp8", "float8": "fp8", "e4m3": "fp8", "e5m2": "fp8"}
-
-
-def device_family(device_type) -> str | None:
-    """``"NVIDIA H100 80GB HBM3"`` -> ``"h100"``, ``"Ascend910B3"`` -> ``"ascend910b"``; None if unknown."""
-    if not device_type:
-        return None
-    s = str(device_type).lower().replace(" ", "").replace("-", "").replace("_", "")
-    for pat, fam in _FAMILY_PATTERNS:
-        if pat in s:
-            return fam
-    return None
-
-
-def norm_dtype(dtype) -> str:
-    """Normalised dtype name (default ``bf16`` when unknown: what LLM training uses)."""
-    s = str(dtype or "").lower().strip()
-    if s.startswith("float8") or s.startswith("torch.float8"):
-        return "fp8"
-    return _DTYPES.get(s, "bf16")
-
 
 def load_peak_table(src) -> dict[str, float]:
     """A user peak table: a dict, a JSON/YAML file, or a number (all devices). Keys ``family/dtype``,
@@ -107,23 +61,6 @@ def load_peak_table(src) -> dict[str, float]:
     return {str(k).lower(): float(v) for k, v in d.items()}
 
 
-def peak_tflops(device_type, dtype, table: dict[str, float] | None = None) -> tuple[float | None, str]:
-    """(peak TFLOPS per device, how it was found) for a device type and dtype. ``table`` (from
-    :func:`load_peak_table`) overrides the built-in :data:`PEAK_TFLOPS`."""
-    fam, dt = device_family(device_type), norm_dtype(dtype)
-    table = table or {}
-    for key in (f"{fam}/{dt}", str(fam), "*"):
-        if key in table:
-            return table[key], f"override {key}"
-    if fam is None:
-        return None, f"unknown device type {device_type!r}"
-    v = PEAK_TFLOPS.get((fam, dt))
-    if v is None:
-        v = PEAK_TFLOPS.get((fam, "bf16"))
-        return v, f"{fam} bf16 (no {dt} entry)" if v else f"no peak for {fam}"
-    return v, f"{fam} {dt}"
-
-
 def model_flops_per_token(info: dict) -> tuple[float | None, str]:
     """Whole-model training FLOPs per token: ``model_flops_per_token`` from the topology, else
     6 x parameters (dense transformer, forward + backward) with parameters = the ranks' mean
@@ -138,62 +75,18 @@ def model_flops_per_token(info: dict) -> tuple[float | None, str]:
     return None, "unknown"
 
 
-# --------------------------------------------------------------------------- links
-
-#: Nominal peak bus bandwidth per device and direction (GB/s), by link type: NVLink 4 (H100/H200) 450
-#: (900 GB/s bidirectional), NVLink 3 (A100) 300, NVLink 5 (B200) 900, Ascend HCCS 196 (910B: 7 links x
-#: 28 GB/s per direction), TPU ICI 300 (nominal), RDMA 50 (one 400 Gb/s NIC per device; Ascend 200 Gb/s
-#: RoCE: override to 25), PCIe 32 (Gen4 x16), ``loopback`` 25 (gloo on one host; the probe's default
-#: transfer model). Override per type with the ``link_gbps`` setting.
-LINK_GBPS: dict[str, float] = {"nvlink": 450.0, "nvlink3": 300.0, "nvlink5": 900.0, "hccs": 196.0,
-                               "ici": 300.0, "rdma": 50.0, "pcie": 32.0, "loopback": 25.0}
-#: Payload per call from which a collective reaches most of the link's bus bandwidth (nccl-tests curves);
-#: calls below 1/``small_div`` of it are "small messages".
-SATURATE_BYTES: dict[str, float] = {"nvlink": 64 * 2**20, "nvlink3": 64 * 2**20, "nvlink5": 128 * 2**20,
-                                    "hccs": 64 * 2**20, "ici": 64 * 2**20, "rdma": 32 * 2**20,
-                                    "pcie": 8 * 2**20, "loopback": 4 * 2**20}
-
-
-def intra_link(family: str | None) -> str:
-    if family in ("h100", "h200"):
-        return "nvlink"
-    if family == "a100":
-        return "nvlink3"
-    if family == "b200":
-        return "nvlink5"
-    if family and family.startswith("ascend"):
-        return "hccs"
-    if family and family.startswith("tpu"):
-        return "ici"
-    return "loopback"
-
-
-def link_type(family: str | None, nodes_in_group: int) -> str:
-    """The link a group's collectives run over: within one node the device's own fabric (NVLink, HCCS,
-    ICI; ``loopback`` for CPU/unknown devices), across nodes RDMA (TPU: ICI)."""
-    if nodes_in_group <= 1 or family is None or family == "cpu" or (family or "").startswith("tpu"):
-        return intra_link(family)
-    return "rdma"
-
+# --------------------------------------------------------------------------- bus bandwidth
 
 def bus_factor(op: str, n) -> np.ndarray:
-    """nccl-tests bus-bandwidth factor (busbw = algbw x factor) for ``n`` ranks: all_reduce 2(n-1)/n;
-    all_gather, reduce_scatter, all_to_all (n-1)/n; broadcast, reduce, send/recv, gather, scatter 1."""
+    """:func:`collectives.bus_factor` over an array of group sizes (at least 1)."""
     n = np.maximum(np.asarray(n, dtype=np.float64), 1.0)
-    o = str(op)
-    if o.startswith("all_reduce"):
-        return 2.0 * (n - 1.0) / n
-    if o.startswith(("all_gather", "reduce_scatter", "all_to_all")):
-        return (n - 1.0) / n
-    return np.ones_like(n)
+    return collectives.bus_factor(op, n) * np.ones_like(n)
 
 
 def size_factor(op: str, n) -> np.ndarray:
-    """nccl-tests size S (the algbw numerator) per payload byte the probe records: all_gather's payload
-    is the rank's input shard (S = n x shard); reduce_scatter's and all_to_all's is the whole input
-    (S); all_reduce, broadcast, reduce: the buffer (S)."""
+    """:func:`collectives.size_factor` over an array of group sizes (at least 1)."""
     n = np.maximum(np.asarray(n, dtype=np.float64), 1.0)
-    return n if str(op).startswith("all_gather") else np.ones_like(n)
+    return collectives.size_factor(op, n) * np.ones_like(n)
 
 
 def bus_bandwidth(op: str, n, bytes_per_call, ms_per_call) -> tuple[np.ndarray, np.ndarray]:

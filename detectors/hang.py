@@ -136,7 +136,7 @@ def locate(ctx, since_ns: int, max_names: int = 8, now_ns: int | None = None) ->
     cand = cand[:min(limit, max_names)]
     if top is None and not cand:
         return {"ranks": [], "nodes": [], "evidence": {"inflight": {"states": counts}}, "suggestion": None}
-    host = _host_ages(ctx, sorted({ctx.node_of(r) for p, r, i in cand if i < 0} - {""}))
+    host = host_ages(ctx, sorted({ctx.node_of(r) for p, r, i in cand if i < 0} - {""}))
     culprits = []
     for pri, r, i in cand:
         node = ctx.node_of(r)
@@ -183,7 +183,7 @@ def stack_line(stack: str) -> str:
     return lines[-1] if lines else ""
 
 
-def _host_ages(ctx, nodes: list[str]) -> dict:
+def host_ages(ctx, nodes: list[str]) -> dict:
     """Seconds the nodes' newest host sample is behind the job's (None: none in the window)."""
     w = getattr(ctx, "host", None)
     if w is None or not len(w) or not nodes:
@@ -205,6 +205,32 @@ def _where(c: dict) -> str:
         (f" (pid {c['pid']})" if c.get("pid") else "")
 
 
+#: what to try, by what the first culprit is doing ({where}: the rank, {wait}: the collective the others
+#: wait in, {at}: " at <file:line>" when known, {pid}/{op}/{group}/{seq}: the culprit's)
+_ADVICE = {
+    "stopped": "{where} is stopped (SIGSTOP or a debugger) and {wait}: resume it (kill -CONT {pid}) or find who "
+               "stopped it.",
+    "gone": "{where} has exited and {wait}: read its log and the node's kernel log (OOM killer: dmesg); restart the "
+            "job from the last checkpoint.",
+    "silent": "{where} is alive but sends nothing and {wait}: it is probably stuck in a C call that holds the GIL; "
+              "look with py-spy dump --native --pid {pid} on its node.",
+    "node_gone": "{where} sent nothing and its node's agent stopped reporting: the node is down or cut off; {wait}.",
+    "mismatch": "{where} called {op} (group {group}, seq {seq}) while {wait}: the ranks' code paths diverged (a "
+                "rank-dependent branch, an exception handled on one rank only){at}; compare the stacks.",
+    "behind": "{where} is at an earlier collective ({op}, seq {seq}) while {wait}: it has not reached the "
+              "collective, or skipped one on a code path the others did not take{at}.",
+    "other_collective": "{where} is blocked in another collective ({op}, group {group}, seq {seq}) while {wait}: "
+                        "the ranks issue collectives in different orders{at}.",
+    "compute": "{where} never reached the collective: it is running Python code{at} while {wait}; look at that "
+               "function (a long or stuck computation, a lock, I/O, a rank-dependent loop); py-spy dump --pid {pid} "
+               "shows it live.",
+    "data": "{where} is waiting on its DataLoader{at} while {wait}: check its workers (crashed or stuck worker, slow "
+            "storage); set a DataLoader timeout.",
+}
+_ADVICE_ELSE = ("{where} sent nothing while {wait}: check that its process runs (the probe's watchdog may be off) "
+                "and its node.")
+
+
 def suggestion(top: dict | None, culprits: list[dict]) -> str | None:
     """What to try, for the first culprit (the most telling one) and the collective the others wait in."""
     if not culprits:
@@ -212,39 +238,9 @@ def suggestion(top: dict | None, culprits: list[dict]) -> str | None:
     c = culprits[0]
     wait = (f"the others wait in {top['op']} (group {top['group']}, seq {top['seq']})" if top else
             "the others are blocked")
-    at = f" at {c['at']}" if c.get("at") else ""
-    w = c["what"]
-    if w == "stopped":
-        s = (f"{_where(c)} is stopped (SIGSTOP or a debugger) and {wait}: resume it (kill -CONT {c.get('pid', 'PID')}) "
-             f"or find who stopped it.")
-    elif w == "gone":
-        s = (f"{_where(c)} has exited and {wait}: read its log and the node's kernel log (OOM killer: dmesg); "
-             f"restart the job from the last checkpoint.")
-    elif w == "silent":
-        s = (f"{_where(c)} is alive but sends nothing and {wait}: it is probably stuck in a C call that holds the "
-             f"GIL; look with py-spy dump --native --pid {c.get('pid', 'PID')} on its node.")
-    elif w == "node_gone":
-        s = f"{_where(c)} sent nothing and its node's agent stopped reporting: the node is down or cut off; {wait}."
-    elif w == "mismatch":
-        s = (f"{_where(c)} called {c.get('op')} (group {c.get('group')}, seq {c.get('seq')}) while {wait}: the ranks' "
-             f"code paths diverged (a rank-dependent branch, an exception handled on one rank only){at}; compare the "
-             f"stacks.")
-    elif w == "behind":
-        s = (f"{_where(c)} is at an earlier collective ({c.get('op')}, seq {c.get('seq')}) while {wait}: it has not "
-             f"reached the collective, or skipped one on a code path the others did not take{at}.")
-    elif w == "other_collective":
-        s = (f"{_where(c)} is blocked in another collective ({c.get('op')}, group {c.get('group')}, seq "
-             f"{c.get('seq')}) while {wait}: the ranks issue collectives in different orders{at}.")
-    elif w == "compute":
-        s = (f"{_where(c)} never reached the collective: it is running Python code{at} while {wait}; look at that "
-             f"function (a long or stuck computation, a lock, I/O, a rank-dependent loop); py-spy dump --pid "
-             f"{c.get('pid', 'PID')} shows it live.")
-    elif w == "data":
-        s = (f"{_where(c)} is waiting on its DataLoader{at} while {wait}: check its workers (crashed or stuck worker, "
-             f"slow storage); set a DataLoader timeout.")
-    else:
-        s = (f"{_where(c)} sent nothing while {wait}: check that its process runs (the probe's watchdog may be off) "
-             f"and its node.")
+    s = _ADVICE.get(c["what"], _ADVICE_ELSE).format(
+        where=_where(c), wait=wait, at=f" at {c['at']}" if c.get("at") else "", pid=c.get("pid", "PID"),
+        op=c.get("op"), group=c.get("group"), seq=c.get("seq"))
     if len(culprits) > 1:
         s += f" {len(culprits) - 1} more rank(s) did not arrive either (evidence.inflight.culprits)."
     return s

@@ -311,19 +311,7 @@ class Stall(Detector):
 
 def _node_host_state(ctx: JobContext, nodes: list[str], now_ns: int) -> dict:
     """Whether the nodes' host samples still arrive: newest sample age per node (s) vs the job's."""
-    w = getattr(ctx, "host", None)
-    if w is None or not len(w) or not nodes:
+    out = hang.host_ages(ctx, nodes)
+    if not out:
         return {}
-    t = w.select(None, None)
-    if t is None:
-        return {}
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    job_t = int(w.newest)
-    out = {}
-    for n in nodes[:8]:
-        m = pc.equal(t.column("node"), pa.scalar(n, t.column("node").type))
-        tt = t.filter(m).column("t")
-        newest = pc.max(tt.cast(pa.int64())).as_py() if len(tt) else None
-        out[n] = None if newest is None else round((job_t - int(newest)) / 1e9, 1)
     return {"behind_s": out, "still_arriving": all(v is not None and v <= 5.0 for v in out.values())}

@@ -26,8 +26,7 @@ import threading
 import time
 
 from stepwatch import __version__
-
-DEFAULT_DATA = os.environ.get("STEPWATCH_DATA_DIR", "./stepwatch-data")
+from stepwatch.storage import DEFAULT_DATA      # the store's default root (also `stepwatch profile`'s)
 
 
 def _setup_logging(verbose: int) -> None:
@@ -163,25 +162,6 @@ def cmd_process(a) -> int:
 
 
 # ---------------------------------------------------------------------------- sql
-def format_table(cols: list[str], rows: list[tuple], max_width: int = 60) -> str:
-    def cell(v):
-        if isinstance(v, float):
-            s = f"{v:,.3f}" if abs(v) < 1e6 else f"{v:,.0f}"
-        else:
-            s = "NULL" if v is None else str(v)
-        return s if len(s) <= max_width else s[: max_width - 1] + "…"
-    body = [[cell(v) for v in r] for r in rows]
-    widths = [max([len(c)] + [len(r[i]) for r in body]) for i, c in enumerate(cols)]
-    line = "  ".join(c.ljust(w) for c, w in zip(cols, widths))
-    sep = "  ".join("-" * w for w in widths)
-    out = [line, sep] + ["  ".join(v.rjust(w) if _num(v) else v.ljust(w) for v, w in zip(r, widths)) for r in body]
-    return "\n".join(out)
-
-
-def _num(s: str) -> bool:
-    return bool(s) and (s[0].isdigit() or s[0] == "-") and s.replace(",", "").replace(".", "").lstrip("-").isdigit()
-
-
 def cmd_sql(a) -> int:
     import duckdb
 
@@ -234,6 +214,7 @@ def _print_rows(fmt: str, cols, rows) -> None:
         import json
         print(json.dumps([dict(zip(cols, r)) for r in rows], default=str, indent=1))
     else:
+        from stepwatch.storage.queries import format_table
         print(format_table(cols, rows))
         print(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
 

@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-from stepwatch.cli import format_table
+from stepwatch.storage.queries import format_table
 
 
 def _say(msg: str = "") -> None:

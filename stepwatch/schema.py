@@ -1,4 +1,4 @@
-"""Wire contract v1 (DESIGN §4) as code.
+"""Wire contract v1 (docs/wire-format.md) as code.
 
 Every telemetry message on Kafka carries one batch of rows of one kind (``steps``, ``topology``,
 ``host``, ``gc``, ``comm``; the processor itself writes ``alerts`` and ``deadletter``). A message is
@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
+from stepwatch.catalog import NATURAL_KEYS, TELEMETRY  # noqa: F401 - re-exported
 
 ARROW_CT = "application/vnd.apache.arrow.stream"
 JSON_CT = "application/json"
@@ -252,7 +254,7 @@ COMM_BW = pa.schema([
     pa.field("diagnosis", pa.string()),     # small-messages | slow-link | sync-bound | null
 ])
 
-#: Targeted profiling (DESIGN §9). ``control``: one signed command per node (keyed by node; never
+#: Targeted profiling (docs/profiling.md). ``control``: one signed command per node (keyed by node; never
 #: stored). ``reference`` (ranks profiled as the healthy comparison) is signed with the rest; see
 #: :mod:`stepwatch.agents.profiling` for the canonical form that ``signature`` covers.
 CONTROL = pa.schema([
@@ -313,23 +315,7 @@ SCHEMAS: dict[str, pa.Schema] = {
     "profile_diffs": PROFILE_DIFFS,     # suspect vs reference, per operator (the processor computes them)
     "inflight": INFLIGHT,               # in-flight state of ranks in an overlong step (probe watchdog, agent)
 }
-#: Kinds a producer may send (telemetry); alerts/deadletter are written by the processor.
-TELEMETRY = ("steps", "topology", "host", "gc", "comm", "inflight")
-
-#: Natural key of each table: a row with the same key is the same fact (deduplicated).
-NATURAL_KEYS: dict[str, tuple[str, ...]] = {
-    "steps": ("job", "rank", "step"),
-    "topology": ("job", "rank"),
-    "host": ("job", "node", "t"),
-    "gc": ("job", "rank", "t"),
-    "comm": ("job", "rank", "step", "op", "group"),
-    "alerts": ("alert_id", "status"),
-    "profiles": ("cmd_id", "rank", "status"),
-    "profile_diffs": ("cmd_id", "name"),
-    "efficiency": ("job", "step"),
-    "comm_bw": ("job", "step_hi", "op", "group"),
-    "inflight": ("job", "rank", "t", "source"),
-}
+# TELEMETRY (kinds a producer may send) and NATURAL_KEYS live in the table catalog, stepwatch/catalog.py.
 
 #: Columns that are durations (ms) or sizes: finite and >= 0 when present.
 NONNEGATIVE: dict[str, tuple[str, ...]] = {

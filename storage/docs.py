@@ -3,7 +3,8 @@ schema is the schema (a test fails when the checked-in file differs; regenerate 
 ``python -m stepwatch.storage.docs > docs/tables.md``)."""
 from __future__ import annotations
 
-from stepwatch.schema import NATURAL_KEYS, SCHEMAS
+from stepwatch.catalog import NATURAL_KEYS
+from stepwatch.schema import SCHEMAS
 from stepwatch.storage.lake import Lake
 from stepwatch.storage.store import JOBS, LAKE_OPTIONS, OFFSETS, SORT_COLUMNS, TIME_COLUMN
 from stepwatch.storage.views import view_sql
@@ -139,7 +140,9 @@ VIEWS = {
 
 def tables_markdown() -> str:
     out = ["# Tables and views", "",
-           "Generated from the code by `python -m stepwatch.storage.docs`; do not edit by hand.", "",
+           "Generated from the code by `python -m stepwatch.storage.docs`; do not edit by hand. The tables, their",
+           "natural keys, time and sort columns are listed once, in `stepwatch/catalog.py` (the lake sorts by",
+           "job first); their columns in `stepwatch/schema.py`.", "",
            LAKE.strip(), "",
            "Times are UTC; durations are float64 milliseconds; sizes are bytes.", ""]
     for t, s in SCHEMAS.items():

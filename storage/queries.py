@@ -164,3 +164,24 @@ def run(con, name: str, **params):
         cols, _ = query(con, f"SELECT * FROM ({q.sql}) LIMIT 0",
                         dict(used, **{c: None for c in pcols}))
     return cols, out
+
+
+def format_table(cols: list[str], rows: list[tuple], max_width: int = 60) -> str:
+    """Query results as aligned text columns (numbers right-aligned, cells cut at ``max_width``):
+    ``stepwatch sql`` and the demo print them."""
+    def cell(v):
+        if isinstance(v, float):
+            s = f"{v:,.3f}" if abs(v) < 1e6 else f"{v:,.0f}"
+        else:
+            s = "NULL" if v is None else str(v)
+        return s if len(s) <= max_width else s[: max_width - 1] + "…"
+    body = [[cell(v) for v in r] for r in rows]
+    widths = [max([len(c)] + [len(r[i]) for r in body]) for i, c in enumerate(cols)]
+    line = "  ".join(c.ljust(w) for c, w in zip(cols, widths))
+    sep = "  ".join("-" * w for w in widths)
+    out = [line, sep] + ["  ".join(v.rjust(w) if _num(v) else v.ljust(w) for v, w in zip(r, widths)) for r in body]
+    return "\n".join(out)
+
+
+def _num(s: str) -> bool:
+    return bool(s) and (s[0].isdigit() or s[0] == "-") and s.replace(",", "").replace(".", "").lstrip("-").isdigit()

@@ -1,4 +1,4 @@
-"""The store: a DuckLake, the system of record (DESIGN §7).
+"""The store: a DuckLake, the system of record (docs/tables.md).
 
 Every table of :mod:`stepwatch.schema` is a DuckLake table of the same name, plus a ``date`` column
 (UTC day of the table's event time, see :data:`TIME_COLUMN`) and partitioned by ``date`` only:
@@ -41,29 +41,23 @@ import pyarrow.compute as pc
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
 from stepwatch import schema as wire
+from stepwatch import catalog
 from stepwatch.storage.lake import Lake, lake_of, lit
 
 log = logging.getLogger("stepwatch.store")
 
-#: The event-time column that gives each table's date partition and sort order.
-TIME_COLUMN = {"rank_minutes": "minute", "step_summary": "t_end", "steps": "t_end", "host": "t", "gc": "t", "alerts": "t_detected",
-               "deadletter": "t_received", "topology": "_received", "comm": "_received", "efficiency": "t_end",
-               "comm_bw": "t_end", "profiles": "_received", "profile_diffs": "t",
-               "inflight": "t"}
+#: The event-time column that gives each table's date partition (the table catalog's).
+TIME_COLUMN = catalog.TIME_COLUMN
 #: Row order within a data file: the job first (a file holds every job of a flush; a job's rows are
-#: contiguous, so row-group statistics skip other jobs), then the event order.
-SORT_COLUMNS = {"rank_minutes": ["job", "minute", "rank"], "step_summary": ["job", "step"], "steps": ["job", "step", "rank"], "host": ["job", "node", "t"],
-                "gc": ["job", "t"], "comm": ["job", "step", "rank"], "topology": ["job", "rank"],
-                "alerts": ["job", "t_detected"], "deadletter": ["job", "t_received"], "efficiency": ["job", "step"],
-                "comm_bw": ["job", "step_hi", "op", "group"], "profiles": ["job", "cmd_id", "rank"],
-                "profile_diffs": ["job", "cmd_id", "position"], "inflight": ["job", "t", "rank"]}
+#: contiguous, so row-group statistics skip other jobs), then the catalog's order.
+SORT_COLUMNS = {t: (["job"] if "job" in wire.SCHEMAS[t].names and "job" not in cols else []) + cols
+                for t, cols in catalog.SORT_COLUMNS.items()}
 #: Lake-level partitioning of every table: the UTC day only. A flush writes one data file per table
 #: (per day it spans), however many jobs it holds; DuckLake finds a job's files by the per-file
 #: min/max statistics of ``job`` and the event time it keeps in the catalog. (Partitioning by job
 #: wrote a file per job per table per flush: a flush of 1,000 new jobs took 95 s.)
 PARTITION_BY = ("date",)
-TABLES = ("steps", "topology", "host", "gc", "comm", "alerts", "deadletter", "rank_minutes", "efficiency", "comm_bw",
-          "profiles", "profile_diffs", "inflight", "step_summary")
+TABLES = catalog.TABLES
 OFFSETS = "kafka_offsets"
 OFFSETS_DDL = (f"CREATE TABLE IF NOT EXISTS lake.{OFFSETS} (cluster VARCHAR, topic VARCHAR, \"partition\" INTEGER, "
                "next BIGINT, done VARCHAR, generation BIGINT, member VARCHAR, group_id VARCHAR, committed_at TIMESTAMPTZ)")

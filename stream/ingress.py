@@ -1,6 +1,6 @@
 """The processor's ingress: the bounds every Kafka message must fit before it reaches the store.
 
-Every boundary is a contract with bounds (DESIGN §12, ``docs/limits.md``): a message that breaks
+Every boundary is a contract with bounds (``docs/limits.md``): a message that breaks
 them costs its sender one deadletter record, never the pipeline. This module holds the settings
 (:class:`IngressLimits`, one dataclass so a config file can fill it) and the checks the processor
 calls around :func:`stepwatch.schema.decode`:
@@ -38,6 +38,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from stepwatch import catalog
 from stepwatch import schema as wire
 
 log = logging.getLogger("stepwatch.ingress")
@@ -445,7 +446,7 @@ class ExtraColumns:
 
 
 # ------------------------------------------------------------------------------ row bounds
-_RANKED = ("steps", "gc", "comm", "topology", "profiles", "inflight")
+_RANKED = catalog.RANKED
 
 
 def time_columns(kind: str) -> list[str]:

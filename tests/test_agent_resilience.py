@@ -3,12 +3,10 @@ row reaches storage exactly once), and the agent killed mid-run (training keeps 
 count their drops and find the next agent by themselves)."""
 from __future__ import annotations
 
-import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -23,13 +21,6 @@ from stepwatch.stream.processor import Processor
 pytest.importorskip("torch", reason="these tests train a real PyTorch model (pip install torch==2.13.0)")
 
 import trainrun  # noqa: E402 - tests/trainrun.py
-
-
-@pytest.fixture
-def socket_dir():
-    d = tempfile.mkdtemp(prefix="swr-", dir="/tmp")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def _wait(cond, timeout: float, what: str, interval: float = 0.1) -> None:

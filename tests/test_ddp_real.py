@@ -44,13 +44,6 @@ HOG = ("import ctypes, os, sys\n"
        "while True:\n    pass\n")
 
 
-@pytest.fixture
-def socket_dir():
-    d = tempfile.mkdtemp(prefix="sw-", dir="/tmp")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
 def _own_group() -> None:
     """In the child before exec, in its new session: raise the session's scheduling group to nice -10
     (``/proc/self/autogroup``; where that is not allowed, the default group)."""

@@ -9,8 +9,6 @@ cause ``gc``.
 """
 from __future__ import annotations
 
-import shutil
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -24,14 +22,6 @@ from stepwatch.stream.processor import Processor
 pytest.importorskip("torch", reason="the distributed test trains a real PyTorch model (pip install torch==2.13.0)")
 
 import trainrun  # noqa: E402 - tests/trainrun.py
-
-
-@pytest.fixture
-def socket_dir():
-    # AF_UNIX paths are limited to 108 bytes: keep it short, outside pytest's deep tmp_path
-    d = tempfile.mkdtemp(prefix="sw-", dir="/tmp")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 class Running:

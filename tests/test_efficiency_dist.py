@@ -11,7 +11,7 @@ from stepwatch.storage.views import connect
 pytest.importorskip("torch", reason="trains a real PyTorch model (pip install torch==2.13.0)")
 
 import trainrun  # noqa: E402 - tests/trainrun.py
-from test_distributed import Running, socket_dir  # noqa: E402,F401 - the agent+processor harness and fixture
+from test_distributed import Running  # noqa: E402 - the agent+processor harness
 
 
 def test_gloo_run_reports_bytes_bandwidth_and_dataloader_queue(kafka, tmp_path, socket_dir):  # noqa: F811

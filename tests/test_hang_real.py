@@ -38,13 +38,6 @@ HANG_S = 4.0            # the processor's hang threshold, from the configuration
 SCRIPT = Path(__file__).with_name("hang_train.py")
 
 
-@pytest.fixture
-def socket_dir():
-    d = tempfile.mkdtemp(prefix="sw-", dir="/tmp")       # AF_UNIX paths: at most 108 bytes
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
 def _config(path: Path) -> swconfig.Config:
     path.write_text(f"[processor]\nflush_interval_s = 0.3\n\n[detectors.stall]\nhang_s = {HANG_S}\n")
     return swconfig.load(path)

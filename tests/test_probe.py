@@ -5,12 +5,10 @@ from __future__ import annotations
 import copy
 import gc
 import os
-import shutil
 import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -21,13 +19,6 @@ from stepwatch.agents import probe as P
 from stepwatch.agents.probe import BadDatagram, Probe, decode, transfer_ms
 
 torch = pytest.importorskip("torch", reason="the automatic hooks instrument PyTorch (pip install torch==2.13.0)")
-
-
-@pytest.fixture
-def sockdir():
-    d = tempfile.mkdtemp(prefix="swp-", dir="/tmp")     # AF_UNIX paths are short
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 class Rx:

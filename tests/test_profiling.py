@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import time
 
 import numpy as np
@@ -30,13 +28,6 @@ WRONG = profiling.load_private_key(env={profiling.ENV_PRIVATE: profiling.keygen(
 @pytest.fixture(autouse=True)
 def _probe_public_key(monkeypatch):
     monkeypatch.setenv(profiling.ENV_PUBLIC, PUB)         # the training process verifies commands itself
-
-
-@pytest.fixture
-def socket_dir():
-    d = tempfile.mkdtemp(prefix="sw-p-", dir="/tmp")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------- signing

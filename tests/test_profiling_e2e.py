@@ -36,13 +36,6 @@ KEY = prof.load_private_key(env={prof.ENV_PRIVATE: PEM.decode()})       # the pr
 KEYS = prof.load_public_keys(env={prof.ENV_PUBLIC: PUB})                 # agents and probes verify
 
 
-@pytest.fixture
-def socket_dir():
-    d = tempfile.mkdtemp(prefix="sw-pe-", dir="/tmp")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
 def launch(socket_dir: str, job: str, env: dict, out: str) -> subprocess.Popen:
     full = wrap_env(job=job, socket_dir=socket_dir)
     full.update({k: str(v) for k, v in env.items()}, SW_OUT=out)

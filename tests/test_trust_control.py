@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
-import tempfile
 import threading
 import time
 
@@ -26,13 +24,6 @@ PEM, PUB = profiling.keygen()
 PRIV = profiling.load_private_key(env={profiling.ENV_PRIVATE: PEM.decode()})
 KEYS = profiling.load_public_keys(env={profiling.ENV_PUBLIC: PUB})
 OTHER = profiling.load_private_key(env={profiling.ENV_PRIVATE: profiling.keygen()[0].decode()})
-
-
-@pytest.fixture
-def socket_dir():
-    d = tempfile.mkdtemp(prefix="sw-tc-", dir="/tmp")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

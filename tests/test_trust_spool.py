@@ -35,13 +35,6 @@ def small_disk():
     shutil.rmtree(d, ignore_errors=True)
 
 
-@pytest.fixture
-def socket_dir():
-    d = tempfile.mkdtemp(prefix="sw-ts-", dir="/tmp")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
 def fill(d: str) -> str:
     """Fill the filesystem of ``d`` to the last byte."""
     p = os.path.join(d, "filler")

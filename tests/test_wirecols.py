@@ -17,8 +17,6 @@ from stepwatch.agents import wirecols
 from stepwatch.agents.agent import identity_from_hello, rows_from_batch
 from stepwatch.agents.probe import BadDatagram, Probe, decode
 
-from test_probe import sockdir  # noqa: F401 - shared fixture
-
 
 def _raw(d: str):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

@@ -57,7 +57,7 @@ decoder), :mod:`.watchdog` (in-flight state of an overlong step), :mod:`.ddp_hoo
 from __future__ import annotations
 
 from . import eventlog  # noqa: F401 - (``eventlog._fast``: which hot path new probes use)
-from .collectives import DEFAULT_COMM_GBPS, _TRAFFIC, traffic_factor, transfer_ms  # noqa: F401
+from .collectives import DEFAULT_COMM_GBPS, traffic_factor, transfer_ms  # noqa: F401
 from .core import Probe, _Phase, _SLOT_COMPUTE, _SLOT_DATA, _StepCtx, _env_int, _is_rank_process  # noqa: F401
 from .eventlog import (  # noqa: F401
     FAST, K_BEGIN, K_BUCKET, K_COLL, K_COUNT, K_DATA, K_DCOLL, K_END, K_GC, K_MARK, K_OPT_POST, K_PHASE,

@@ -9,7 +9,7 @@ import sys
 import threading
 
 from . import eventlog as _ev
-from .collectives import traffic_factor
+from .collectives import COLLECTIVES, traffic_factor
 from .eventlog import K_COLL, K_GC, K_MARK, K_PHASE, _nbytes, _perf, _py_coll_wrap, _py_data_wrap, _queue_depth
 from .wire import MAX_COMM
 
@@ -262,11 +262,7 @@ class Hooks:
         return w
 
     def _patch_distributed(self, dist) -> None:
-        for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-                     "reduce_scatter_tensor", "broadcast", "reduce", "barrier", "all_to_all",
-                     "all_to_all_single", "gather", "scatter", "all_reduce_coalesced", "send", "recv",
-                     "isend", "irecv", "all_gather_object", "broadcast_object_list", "gather_object",
-                     "scatter_object_list", "all_gather_single", "reduce_scatter_single"):
+        for name in COLLECTIVES:
             fn = getattr(dist, name, None)
             if fn is None or getattr(fn, "_stepwatch", False):
                 continue
