@@ -62,5 +62,6 @@ RANKED: tuple[str, ...] = tuple(t.name for t in CATALOG if t.topic == "in" and t
 NATURAL_KEYS: dict[str, tuple[str, ...]] = {t.name: t.key for t in CATALOG if t.key}
 #: The event-time column that gives each stored table's date partition.
 TIME_COLUMN: dict[str, str] = {t.name: t.time for t in CATALOG if t.stored}
-#: Sort order within a stored file.
-SORT_COLUMNS: dict[str, list[str]] = {t.name: list(t.sort) for t in CATALOG if t.stored}
+#: Sort order within a stored file: the job first (a lake file holds every job of a flush; a job's rows
+#: are then contiguous), then the table's own order.
+SORT_COLUMNS: dict[str, list[str]] = {t.name: ["job", *t.sort] for t in CATALOG if t.stored}

@@ -48,10 +48,9 @@ log = logging.getLogger("stepwatch.store")
 
 #: The event-time column that gives each table's date partition (the table catalog's).
 TIME_COLUMN = catalog.TIME_COLUMN
-#: Row order within a data file: the job first (a file holds every job of a flush; a job's rows are
-#: contiguous, so row-group statistics skip other jobs), then the catalog's order.
-SORT_COLUMNS = {t: (["job"] if "job" in wire.SCHEMAS[t].names and "job" not in cols else []) + cols
-                for t, cols in catalog.SORT_COLUMNS.items()}
+#: Row order within a data file (the catalog's: the job first, so a job's rows are contiguous and
+#: row-group statistics skip other jobs)
+SORT_COLUMNS = catalog.SORT_COLUMNS
 #: Lake-level partitioning of every table: the UTC day only. A flush writes one data file per table
 #: (per day it spans), however many jobs it holds; DuckLake finds a job's files by the per-file
 #: min/max statistics of ``job`` and the event time it keeps in the catalog. (Partitioning by job
