@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import time
 from dataclasses import dataclass, field
 
@@ -208,9 +209,16 @@ def build_stream(n_bad: int, prefix: str = "h", good_jobs: int = 8, ranks: int =
             return extra(job, "deep", nested, "deeply nested column")
         if k == 20:
             return bad_whole(decompression_bomb() if bombs else _arrow(one())[:10], _hdr(), "decompression bomb")
+        # the 2M-row message is 11 MB on the wire, the dictionary bomb 1 MB: 20 of each are sent, then
+        # small decompression bombs in their place (370 of each in 10,000 would hold 4 GB in the
+        # embedded broker's memory, which is not what is being tested)
         if k == 21:
+            if i // 27 >= 20:
+                return bad_whole(decompression_bomb() if bombs else b"x", _hdr(), "decompression bomb")
             return bad_whole(rows_bomb() if bombs else b"x", _hdr(), "2M-row message")
         if k == 22:
+            if i // 27 >= 20:
+                return bad_whole(decompression_bomb() if bombs else b"x", _hdr(), "decompression bomb")
             return bad_whole(dictionary_bomb() if bombs else b"x", _hdr(), "dictionary bomb")
         if k == 23:
             fresh = f"{prefix}-new-{i}"
@@ -297,11 +305,15 @@ def verify(con, items: list[Item], where: list, extra_dead: list, job_like: str)
     topics = {w[0] for w in where}
     got_set = {g for g in got_set if g[0] in topics}
     missing_dl = dead_expected - got_set
-    unexpected = got_set - dead_expected
+    # records of messages the bench did not send (the agent's leg ships what it accepted from hostile
+    # datagrams: the processor deadletters what breaks its bounds) are counted, not expected
+    unexpected = (got_set & (set(where) | set(extra_dead))) - dead_expected
+    others = len(got_set - set(where) - set(extra_dead))
     labels = {w: it.label for it, w in zip(items, where)}
     assert not missing_dl, f"bad messages without a deadletter record: {[labels.get(m, m) for m in list(missing_dl)[:10]]}"
     assert not unexpected, f"unexpected deadletter records: {[labels.get(m, m) for m in list(unexpected)[:10]]}"
-    return {"good_rows": n_exp, "deadletter": len(dead_expected), "messages": len(items) + len(extra_dead)}
+    return {"good_rows": n_exp, "deadletter": len(dead_expected), "messages": len(items) + len(extra_dead),
+            "other_deadletter": others}
 
 
 def peak_rss_bytes(pid: int) -> int:
@@ -346,6 +358,15 @@ def run_hostile_bench(a) -> int:
                "--stats-json", str(base / "_stats.json")]
         t = time.perf_counter()
         p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(base / "_processor.log", "wb"))
+        # the node agent's leg, at the same time: a real agent serving a real probe while another process
+        # floods agent.sock and unverifiable commands arrive on the control topic
+        import threading
+        rss: dict = {}
+        leg: dict = {}
+        n_dg, n_ctl, n_steps = max(1000, n), max(60, n // 20), 300
+        th = threading.Thread(target=lambda: leg.update(run_agent_leg(broker.bootstrap, s.prefix, base, n_dg,
+                                                                      n_ctl, n_steps, rss)), daemon=True)
+        th.start()
         peak = 0
         while p.poll() is None:
             try:
@@ -353,17 +374,229 @@ def run_hostile_bench(a) -> int:
             except OSError:
                 pass
             time.sleep(0.2)
+        th.join(300)
         took = time.perf_counter() - t
         print(f"processor exited {p.returncode} after {took:.1f}s; peak RSS {peak / 2**20:,.0f} MiB")
+        print(f"agent: {leg.get('datagrams_sent', 0):,} hostile datagrams and {n_ctl:,} unverifiable commands "
+              f"(+{leg.get('control_sent', n_ctl) - n_ctl} warm-up) while its probe ran {n_steps} steps; alive at the end: {leg.get('alive')} (rc {leg.get('rc')} "
+              f"after SIGTERM); peak RSS {rss.get('agent', 0) / 2**20:,.0f} MiB; bad datagrams "
+              f"{leg.get('bad_datagrams', 0):,.0f}; rows dropped by reason {leg.get('dropped')}; "
+              f"commands refused {leg.get('control_rejected')}")
         con = connect(base)
         try:
             r = verify(con, items, where, extra["corrupt batch"], "h-%")
+            got = [x[0] for x in con.execute("SELECT step FROM steps WHERE job = 'agent-h' ORDER BY step").fetchall()]
+            assert got == list(range(n_steps)), f"agent-h steps stored: {len(got)} (distinct {len(set(got))}), " \
+                                                f"expected 0..{n_steps - 1} once each"
+            assert leg.get("alive"), f"the agent died: {leg}"
+            refused = sum(v for k, v in (leg.get("control_rejected") or {}).items() if "internal_error" not in k)
+            assert refused >= leg.get("control_expected", n_ctl) and not any("internal_error" in k for k in leg.get("control_rejected") or {}), \
+                f"the agent's control thread did not refuse every command: {leg.get('control_rejected')}"
         except AssertionError as e:
             print(f"FAILED: {e}")
             return 1
         print(f"OK: {r['good_rows']:,} good rows stored exactly once under their own job; "
-              f"{r['deadletter']:,} bad messages each in the deadletter table once; processor alive until idle exit "
-              f"(rc {p.returncode})")
+              f"{r['deadletter']:,} bad messages each in the deadletter table once (+{r['other_deadletter']:,} records of "
+              f"the agent's messages); processor alive until idle exit "
+              f"(rc {p.returncode}); the agent's {n_steps} good steps stored once; agent alive, every command refused")
         st = json.loads((base / "_stats.json").read_text())
         print(f"stats: {st}")
     return 0 if p.returncode == 0 else 1
+
+
+# ------------------------------------------------------------------------------ the node agent's leg
+def hostile_datagrams(n: int, good_inst: int, seed: int = 16) -> list[bytes]:
+    """``n`` hostile datagrams for ``agent.sock``: out-of-range hellos, deeply nested JSON, frames for
+    unknown instances and for the good probe's instance (from another process), random bytes, and
+    byte-level mutations of valid datagrams (:func:`stepwatch.agents.fuzz_targets.mutate`)."""
+    import json as _json
+    import random
+
+    from stepwatch.agents.fuzz_targets import mutate
+    from stepwatch.agents.probe import HDR, HDR_STEP, MAGIC, T_BATCH, T_HELLO, VERSION
+
+    def hello(inst, **f):
+        return HDR.pack(MAGIC, VERSION, T_HELLO, inst, 0, 0, 0, 0, 0) + _json.dumps(f).encode()
+
+    def frame(inst, rank, step):
+        t = time.time_ns()
+        return HDR_STEP.pack(MAGIC, VERSION, T_BATCH, inst, rank, 1, 0, 0, 0, step, t - 10_000_000, t, 10e6, 0.0,
+                             10e6, 0.0, 0.0, 0.0, 0, -1, -1, -1, 0, -1.0, -1.0)
+    fixed = [hello(1001, job="evil", rank=2**31, world_size=2**31 + 1), frame(1001, 0, 1),
+             hello(1002, job="evil", rank=0, world_size=4, dp=2**40), hello(1003, job="evil", rank=5, world_size=4),
+             hello(1004, job="x" * 5000, rank=0, world_size=1), hello(1005, job="evil", rank=0, world_size=4,
+                                                                        node="../../etc"),
+             hello(1006, job="evil", rank=0, world_size=4, names={"1": {"nested": 1}}),
+             HDR.pack(MAGIC, VERSION, T_HELLO, 1007, 0, 0, 0, 0, 0) + b"[" * 60000,
+             hello(good_inst, job="agent-h", rank=0, world_size=1),            # the good instance, another process
+             frame(good_inst, 0, 10**12)]
+    corpus = [(hello(2000 + i, job=f"agent-x{i}", rank=i, world_size=8), None) for i in range(8)] + \
+             [(frame(2000 + i, i, i), None) for i in range(8)]     # (input, extra), as fuzz_targets keeps it
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        k = i % 20
+        if k < len(fixed):
+            out.append(fixed[k])
+        elif k == 10:
+            out.append(bytes(rng.getrandbits(8) for _ in range(rng.randrange(1, 300))))
+        else:
+            out.append(mutate(rng.choice(corpus)[0], rng, corpus))
+    return out
+
+
+def bad_control_messages(n: int, seed: int = 16) -> list[bytes]:
+    """``n`` control-topic messages no agent may act on: unsigned JSON (one with a non-integer rank),
+    random bytes, envelopes with a zero or flipped signature, one sealed by a key nobody trusts, too large."""
+    import random
+
+    from stepwatch.agents import profiling
+    other = profiling.load_private_key(env={profiling.ENV_PRIVATE: profiling.keygen()[0].decode()})
+    rng = random.Random(seed)
+    kinds = [lambda: b'[{"cmd_id": "p", "node": "hnode", "job": "agent-h", "ranks": ["x"], "signature": "00"}]',
+             lambda: b'{"node": "hnode", "ranks": [1.5], "signature": "ab"}',
+             lambda: bytes(rng.getrandbits(8) for _ in range(rng.randrange(1, 400))),
+             lambda: profiling.MAGIC + bytes(200),
+             lambda: profiling.seal(profiling.new_command("agent-h", "hnode", [0], 2, "py-spy", "t"), other),
+             lambda: profiling.MAGIC + bytes(64 << 10)]
+    return [kinds[i % len(kinds)]() for i in range(n)]
+
+
+def _send_datagrams_from_child(path: str, payloads: list[bytes], pace_s: float) -> "object":
+    """A child process (another pid: the agent binds probe instances to processes) sends the datagrams."""
+    import subprocess
+    import sys
+    import tempfile
+    f = tempfile.NamedTemporaryFile(prefix="sw-hostile-dgrams-", delete=False)
+    for p in payloads:
+        f.write(struct.pack("<I", len(p)) + p)
+    f.close()
+    code = ("import socket, struct, sys, time\n"
+            "s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)\n"
+            "d = open(sys.argv[1], 'rb').read(); i = n = 0\n"
+            "while i < len(d):\n"
+            "    (k,) = struct.unpack_from('<I', d, i); i += 4\n"
+            "    try: s.sendto(d[i:i + k], sys.argv[2]); n += 1\n"
+            "    except OSError: pass\n"
+            "    i += k; time.sleep(float(sys.argv[3]))\n"
+            "print(n)\n")
+    return subprocess.Popen([sys.executable, "-c", code, f.name, path, str(pace_s)], stdout=subprocess.PIPE,
+                            text=True)
+
+
+def run_agent_leg(bootstrap: str, prefix: str, base, n_datagrams: int, n_control: int, steps: int,
+                  rss: dict) -> dict:
+    """A real ``stepwatch agent`` (child process, signed-command verification on) serves a real probe of
+    job ``agent-h`` (``steps`` steps) while another process floods ``agent.sock`` with ``n_datagrams``
+    hostile datagrams and ``n_control`` unverifiable commands go to the control topic. Returns what
+    the agent counted and whether it was alive at the end; ``rss["agent"]`` gets its peak RSS."""
+    import socket as _socket
+    import subprocess
+    import sys
+
+    from stepwatch.agents import profiling
+    sock_dir = str(base / "agent-sock")
+    os.makedirs(sock_dir, exist_ok=True)
+    _, pub = profiling.keygen()
+    s = _socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    env = dict(os.environ, **{profiling.ENV_PUBLIC: pub})
+    cmd = [sys.executable, "-m", "stepwatch.cli", "agent", "--bootstrap", bootstrap, "--topic-prefix", prefix,
+           "--socket-dir", sock_dir, "--node", "hnode", "--interval", "0.2", "--plugins", "cpu",
+           "--metrics-port", str(port), "--metrics-addr", "127.0.0.1", "--no-create-topics"]
+    agent = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(base / "_agent.log", "wb"))
+    try:
+        return _agent_leg(agent, path_of=os.path.join(sock_dir, "agent.sock"), sock_dir=sock_dir, port=port,
+                          bootstrap=bootstrap, prefix=prefix, n_datagrams=n_datagrams, n_control=n_control,
+                          steps=steps, rss=rss)
+    finally:
+        if agent.poll() is None:          # a failure above must not leave the agent running
+            agent.kill()
+            agent.wait(10)
+
+
+def _agent_leg(agent, path_of: str, sock_dir: str, port: int, bootstrap: str, prefix: str, n_datagrams: int,
+               n_control: int, steps: int, rss: dict) -> dict:
+    import subprocess
+    import urllib.request
+
+    from stepwatch.agents.probe import Probe
+    from stepwatch.stream.kafkaio import KafkaSettings, make_producer
+    path = path_of
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path) and agent.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    probe = Probe().init(job="agent-h", rank=0, world_size=1, socket_dir=sock_dir, auto=False, flush_ms=0)
+    probe.begin_step()          # its hello goes out before anyone else can claim its (random) instance id
+    probe.end_step()
+    time.sleep(0.5)
+    sender = _send_datagrams_from_child(path, hostile_datagrams(n_datagrams, probe.instance),
+                                        pace_s=max(0.0, 8.0 / max(n_datagrams, 1)))
+    ks = KafkaSettings(bootstrap=bootstrap, prefix=prefix)
+    prod = make_producer(ks)
+
+    def metrics() -> dict:
+        try:
+            txt = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        except OSError:
+            return {}
+        out: dict = {}
+        for line in txt.splitlines():
+            if line.startswith("stepwatch_agent_") and not line.startswith("#"):
+                name, _, v = line.rpartition(" ")
+                out[name] = out.get(name, 0.0) + float(v)
+        return out
+    def refused() -> float:
+        return sum(v for k, v in metrics().items() if k.startswith("stepwatch_agent_profile_commands_rejected_total"))
+    # the agent's control consumer reads from the end of the topic: wait until it hears one
+    warm, deadline = 0, time.monotonic() + 60
+    while refused() < 1 and time.monotonic() < deadline:
+        prod.send(ks.topic("control"), b"warm-up: not a command", partition=0)
+        prod.flush(10)
+        warm += 1
+        time.sleep(0.5)
+    base_refused = refused()
+    for m in bad_control_messages(n_control):     # one partition: the one the consumer is known to read
+        prod.send(ks.topic("control"), m, partition=0)
+    prod.flush(30)
+    prod.close()
+    for _ in range(steps - 1):
+        probe.begin_step()
+        time.sleep(0.02)
+        probe.end_step()
+        rss["agent"] = max(rss.get("agent", 0), _rss(agent.pid))
+    sent = int((sender.communicate(timeout=120)[0] or "0").strip() or 0)
+    deadline = time.monotonic() + 30
+    m: dict = {}
+    while time.monotonic() < deadline:
+        m = metrics()
+        rejected = sum(v for k, v in m.items() if k.startswith("stepwatch_agent_profile_commands_rejected_total"))
+        out = sum(v for k, v in m.items() if k.startswith('stepwatch_agent_records_out_total{kind="steps"'))
+        if rejected >= base_refused + n_control and out >= steps:
+            break
+        rss["agent"] = max(rss.get("agent", 0), _rss(agent.pid))
+        time.sleep(0.5)
+    probe.shutdown()
+    alive = agent.poll() is None
+    agent.terminate()
+    try:
+        rc = agent.wait(30)
+    except subprocess.TimeoutExpired:
+        agent.kill()
+        rc = agent.wait(10)
+    pick = lambda pre: {k[len(pre):] or "total": v for k, v in m.items() if k.startswith(pre)}
+    return {"alive": alive, "rc": rc, "datagrams_sent": sent, "control_sent": n_control + warm, "steps": steps,
+            "control_expected": base_refused + n_control,
+            "bad_datagrams": pick("stepwatch_agent_bad_datagrams_total").get("total", 0),
+            "dropped": pick("stepwatch_agent_records_dropped_total"),
+            "control_rejected": pick("stepwatch_agent_profile_commands_rejected_total"),
+            "steps_out": sum(v for k, v in m.items() if k.startswith('stepwatch_agent_records_out_total{kind="steps"'))}
+
+
+def _rss(pid: int) -> int:
+    try:
+        return peak_rss_bytes(pid)
+    except OSError:
+        return 0

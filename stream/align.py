@@ -33,6 +33,7 @@ class IngestResult:
     duplicates: int
     bad_rank: np.ndarray      # indices of rows whose rank is outside the topology
     late: int                 # rows older than the ring (stored, not aligned)
+    ahead: int = 0            # rows above ``JobState.ahead_limit`` (stored, not aligned: stream.stepaxis)
 
 
 class JobState:
@@ -67,6 +68,9 @@ class JobState:
         self.next_close = None    # first step not yet closed
         self.max_step = -1
         self.max_t_end = 0
+        # rows of a step above this are stored but neither aligned nor counted as the rank's newest step:
+        # the job's ranks have not reached it (set per batch by stream.stepaxis; None: no limit)
+        self.ahead_limit: int | None = None
         if world_size:
             self._resize(world_size)
 
@@ -170,7 +174,7 @@ class JobState:
             span = max(1, self.capacity // 2)
             if hi - lo >= span:
                 keep = np.zeros(t.num_rows, dtype=bool)
-                bad, dups, late, blocks = [], 0, 0, []
+                bad, dups, late, ahead, blocks = [], 0, 0, 0, []
                 # only the slices that hold rows: steps 0 and 10**12 are two slices, not 10**10
                 chunk = (step.astype(np.int64) - lo) // span
                 for c in np.unique(chunk):
@@ -180,8 +184,10 @@ class JobState:
                     bad.append(idx[res.bad_rank])
                     dups += res.duplicates
                     late += res.late
+                    ahead += res.ahead
                     blocks += b
-                return IngestResult(keep, dups, np.concatenate(bad) if bad else np.empty(0, np.int64), late), blocks
+                return IngestResult(keep, dups, np.concatenate(bad) if bad else np.empty(0, np.int64), late,
+                                    ahead), blocks
         return self._ingest(t)
 
     def _ingest(self, t: pa.Table) -> tuple[IngestResult, list[StepBlock]]:
@@ -207,6 +213,12 @@ class JobState:
             if len(unknown):
                 self.nodes[rank[unknown]] = np.asarray(nodes.take(pa.array(unknown)).to_pylist(), dtype=object)
         t_end = t.column("t_end").cast(pa.int64()).to_numpy(zero_copy_only=False)
+        n_ahead = 0
+        if self.ahead_limit is not None:
+            over = keep & (step > self.ahead_limit)
+            n_ahead = int(over.sum())
+            if n_ahead:                    # stored (keep stays True) but not aligned
+                keep[over] = False
         # newest step (and its t_end) per rank, over every row kept (also rows too late to align)
         kr, ks = rank[keep], step[keep]
         if len(kr):
@@ -276,7 +288,9 @@ class JobState:
             self.max_step = max(self.max_step, int(s.max()))
             self.max_t_end = max(self.max_t_end, int(t_end[idx].max()))
         blocks += self.close_ready()
-        return IngestResult(keep, n_dup, bad, n_late), blocks
+        if n_ahead:
+            keep |= over
+        return IngestResult(keep, n_dup, bad, n_late, n_ahead), blocks
 
     # ------------------------------------------------------------------ closing
     def _evict_below(self, new_lo: int) -> None:
@@ -345,6 +359,29 @@ class JobState:
         if k == 0:
             return []
         return self._close_upto(s + k)
+
+    def reset_steps(self, above: int) -> None:
+        """Forget the ring's steps (the window was placed by rows its ranks do not confirm: a
+        re-anchor, stream.stepaxis). Ranks whose newest step is above ``above`` forget it too;
+        topology and rank columns are kept."""
+        for f in FIELDS:
+            self.planes[f].fill(np.nan)
+        self.filled.fill(False)
+        self.queue.fill(np.nan)
+        for v in self.cpu.values():
+            v.fill(np.nan)
+        for c in COUNTS:
+            self.sums[c].fill(0.0)
+            self.sum_n[c].fill(0)
+        self.count.fill(0)
+        self.t_end.fill(0)
+        self.slot_step.fill(-1)
+        self.lo = self.next_close = None
+        bad = self.last_step > above
+        self.last_step[bad] = -1
+        self.last_t_end[bad] = 0
+        self.max_step = -1
+        self.max_t_end = 0
 
     # ------------------------------------------------------------------ state
     def state_bytes(self) -> int:

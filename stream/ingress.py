@@ -16,8 +16,10 @@ calls around :func:`stepwatch.schema.decode`:
   name (later messages are cast to it, or the column is dropped); everything else is dropped and
   counted.
 - :func:`row_bounds`: rank and world size below ``max_ranks``, timestamps after 1970 and at most
-  ``max_future_skew_s`` ahead of the receive time (optionally not older than ``max_age_s``).
-- :func:`step_jump_mask`: per job, a step more than ``max_step_jump`` ahead of the newest one.
+  ``max_future_skew_s`` ahead of the later of the receive time and the job's own time (optionally
+  not older than ``max_age_s``).
+- per job, a step more than ``max_step_jump`` ahead of where the job's ranks are:
+  :mod:`stepwatch.stream.stepaxis`.
 - :class:`MessageDeadletter`: one deadletter record per source message, with a summary of the bad
   rows (count, first reasons) and the raw value (capped), producer headers stripped.
 - :class:`TokenBucket` / :class:`RateLimitedLog`: rate limits for log lines and store rebuilds.
@@ -72,11 +74,17 @@ class IngressLimits:
     """A rank must be below this and a declared world size at most this. Memory follows the ranks that
     report (≈6.8 KB per rank per job at a 128-step window), never the declared world size."""
     max_step_jump: int = 1_000_000
-    """A step row more than this many steps ahead of its job's newest step is rejected (a bad counter
-    would otherwise move the job's alignment window past every real step)."""
-    max_future_skew_s: float = 3600.0
-    """A timestamp at most this far ahead of the processor's receive time, seconds (clock skew, and
-    simulations replayed faster than real time)."""
+    """A step row more than this many steps ahead of where its job's ranks are (stream.stepaxis: the
+    upper quartile of the ranks' last reported steps) is rejected. Rows ahead by more than half the
+    alignment window but within this are stored, not aligned. The largest jump a whole job makes
+    between two reports the processor sees is the steps it ran while its rows were lost: at 10 steps/s,
+    1,000,000 steps is 28 hours."""
+    max_future_skew_s: float = 300.0
+    """A timestamp at most this far ahead of the later of the processor's receive time and the job's
+    own time (the upper quartile of its ranks' last ``t_end``), seconds. 300 s is the clock skew
+    Kerberos tolerates between hosts, far above what NTP keeps (milliseconds) or a node that lost NTP
+    drifts in a day (about 1 s); a row this far ahead can close its job's steps early by at most this
+    long. Simulations replayed faster than real time move their job's own time and are not refused."""
     min_time_ns: int = 0
     """Timestamps before this (UTC ns) are rejected; the default rejects anything before 1970."""
     max_age_s: float | None = None
@@ -453,9 +461,19 @@ def time_columns(kind: str) -> list[str]:
     return [f.name for f in wire.SCHEMAS[kind] if pa.types.is_timestamp(f.type)]
 
 
-def row_bounds(kind: str, table: pa.Table, limits: IngressLimits,
-               now_ns: int) -> list[tuple[str, np.ndarray]]:
-    """(reason, bad-row mask) for each bound some row breaks: rank, world size, timestamps."""
+def _iso(ns: int) -> str:
+    try:
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ns // 1_000_000_000))
+    except (OverflowError, OSError, ValueError):
+        return f"{ns} ns"
+
+
+def row_bounds(kind: str, table: pa.Table, limits: IngressLimits, now_ns: int,
+               base_ns: np.ndarray | int | None = None) -> list[tuple[str, np.ndarray]]:
+    """(reason, bad-row mask) for each bound some row breaks: rank, world size, timestamps.
+
+    A timestamp may be at most ``max_future_skew_s`` ahead of the later of ``now_ns`` (the receive
+    time) and ``base_ns`` (per row or one value: the job's anchor time, stream.stepaxis)."""
     out: list[tuple[str, np.ndarray]] = []
     n = table.num_rows
     if n == 0:
@@ -466,13 +484,14 @@ def row_bounds(kind: str, table: pa.Table, limits: IngressLimits,
             v = pc.fill_null(r, 0).to_numpy().astype(np.int64)
             bad = v >= limits.max_ranks
             if bad.any():
-                out.append((f"field 'rank': at or above max_ranks={limits.max_ranks}", bad))
+                out.append((f"field 'rank': value {int(v[bad][0]):,} at or above max_ranks={limits.max_ranks:,}", bad))
     if kind == "topology":
         w = pc.fill_null(table.column("world_size"), 0).to_numpy().astype(np.int64)
         bad = w > limits.max_ranks
         if bad.any():
-            out.append((f"field 'world_size': above max_ranks={limits.max_ranks}", bad))
-    hi = now_ns + int(limits.max_future_skew_s * 1e9)
+            out.append((f"field 'world_size': value {int(w[bad][0]):,} above max_ranks={limits.max_ranks:,}", bad))
+    skew = int(limits.max_future_skew_s * 1e9)
+    hi = now_ns + skew if base_ns is None else np.maximum(now_ns, base_ns) + skew
     lo = limits.min_time_ns
     if limits.max_age_s is not None:
         lo = max(lo, now_ns - int(limits.max_age_s * 1e9))
@@ -487,21 +506,13 @@ def row_bounds(kind: str, table: pa.Table, limits: IngressLimits,
         early = v < lo
         late = v > hi
         if early.any():
-            out.append((f"field '{c}': before {'1970' if lo == 0 else lo} (min_time_ns / max_age_s)", early))
+            out.append((f"field '{c}': value {_iso(int(v[early][0]))} before "
+                        f"{'1970' if lo == 0 else _iso(lo)} (min_time_ns / max_age_s)", early))
         if late.any():
-            out.append((f"field '{c}': more than max_future_skew_s={limits.max_future_skew_s:g} "
-                        "ahead of the receive time", late))
+            out.append((f"field '{c}': value {_iso(int(v[late][0]))} more than max_future_skew_s="
+                        f"{limits.max_future_skew_s:g} s ahead of the receive time {_iso(now_ns)} "
+                        "(and of the job's own time)", late))
     return out
-
-
-def step_jump_mask(step: np.ndarray, newest: int, limits: IngressLimits) -> np.ndarray | None:
-    """Rows whose step is more than ``max_step_jump`` ahead of the job's newest step (``newest`` < 0:
-    the job has no steps yet, then the jump is measured from the batch's smallest step)."""
-    if not len(step):
-        return None
-    base = newest if newest >= 0 else int(step.min())
-    bad = step > base + limits.max_step_jump
-    return bad if bad.any() else None
 
 
 def split(table: pa.Table, checks: list[tuple[str, np.ndarray]]) -> tuple[pa.Table, list[str], int]:

@@ -48,6 +48,9 @@ class ProcessorMetrics(Metrics):
                                      ["kind"], registry=r)
         self.flush_isolations = Counter("stepwatch_processor_flush_isolations",
                                         "Flushes that failed and were bisected by source message", registry=r)
+        self.step_axis = Counter("stepwatch_processor_step_axis",
+                                 "A job's step axis: re-anchors to its ranks, rows purged then (stream.stepaxis)",
+                                 ["event"], registry=r)
         self.jobs_evicted = Counter("stepwatch_processor_jobs_evicted", "Jobs evicted from memory (idle, budget)",
                                     registry=r)
         self.rebuilds = Counter("stepwatch_processor_job_rebuilds",

@@ -36,8 +36,9 @@ from stepwatch.detectors.incidents import Incidents
 from stepwatch import catalog
 from stepwatch.storage.store import Fenced, Marker, ParquetStore
 from stepwatch.storage.views import connect as views_connect
-from stepwatch.stream import fencing, ingress
+from stepwatch.stream import fencing, ingress, stepaxis
 from stepwatch.stream.align import JobState
+from stepwatch.stream.stepaxis import JobAxis
 from stepwatch.stream.ingress import IngressLimits
 from stepwatch.stream.jobmetrics import JobMetrics
 from stepwatch.stream.kafkaio import KafkaSettings, ensure_topics, make_consumer, make_producer
@@ -65,6 +66,7 @@ class JobRuntime:
     steps_partition: int | None = None                # partition the job's step rows arrive on
     pending: list = field(default_factory=list)       # closed steps held until the topology is read
     incidents: Incidents = field(default_factory=Incidents)   # alerts grouped per fault
+    axis: JobAxis = field(default_factory=JobAxis)    # where its ranks are (stream.stepaxis)
 
 
 @dataclass
@@ -294,7 +296,7 @@ class Processor:
         self._dl.total_rows = d.table.num_rows + len(d.rejected)
         if d.rejected:
             self._deadletter(msg, None, d.rejected, d.rejected_rows)
-        checks = ingress.row_bounds(kind, d.table, lim, time.time_ns())
+        checks = ingress.row_bounds(kind, d.table, lim, time.time_ns(), stepaxis.time_base(self.jobs, d.table, lim))
         if checks:
             table, reasons, nbad = ingress.split(d.table, checks)
             self.metrics.rows_rejected.labels(kind).inc(nbad)
@@ -309,7 +311,9 @@ class Processor:
             for job in pc.unique(t.column("job")).to_pylist():
                 part = t.filter(pc.equal(t.column("job"), job))
                 rt = self._job(job)
+                w0 = rt.state.world_size
                 rt.state.set_topology(part)
+                stepaxis.check_budget(self, rt, w0)
                 if rt.pending:                              # steps held for it: detect them now
                     self._detect(rt, [])
             self._buffer("topology", t)
@@ -325,17 +329,13 @@ class Processor:
         for job in jobs.to_pylist():
             part = t if len(jobs) == 1 else t.filter(pc.equal(t.column("job"), job))
             rt = self._job(job)
-            jump = ingress.step_jump_mask(part.column("step").to_numpy(), rt.state.max_step, self.limits)
-            if jump is not None:
-                self._dl.add(f"field 'step': more than max_step_jump={self.limits.max_step_jump:,} steps ahead "
-                             f"of job {job!r}'s newest step", n=int(jump.sum()), keep=self.limits.deadletter_reasons)
-                self.metrics.rows_rejected.labels(kind).inc(int(jump.sum()))
-                part = part.filter(pa.array(~jump))
-                if not part.num_rows:
-                    continue
-            t0 = time.perf_counter()
+            part = stepaxis.admit_steps(self, rt, job, part)    # bounds to where the job's ranks are
+            if not part.num_rows:
+                continue
+            t0, w0 = time.perf_counter(), rt.state.world_size
             res, blocks = rt.state.ingest(part)
             self.metrics.align_seconds.observe(time.perf_counter() - t0)
+            stepaxis.check_budget(self, rt, w0)
             if res.duplicates:
                 self.metrics.dropped.labels("duplicate").inc(res.duplicates)
             if len(res.bad_rank):
@@ -526,6 +526,10 @@ class Processor:
                                headers=h)
 
     # ------------------------------------------------------------------ jobs and detectors
+    def new_detectors(self, job: str) -> list[Detector]:
+        """A fresh set of the job's detectors (stream.stepaxis uses it when it re-anchors a job)."""
+        return _build_detectors(self.detector_settings, job)
+
     def _job(self, job: str) -> JobRuntime:
         self.job_seen[job] = time.monotonic()
         rt = self.jobs.get(job)
@@ -564,7 +568,9 @@ class Processor:
         if over <= 0 and len(self.jobs) > 1:
             size = sum(rt.state.state_bytes() for rt in self.jobs.values())
         if over > 0 or size > lim.max_state_bytes:
-            rest = sorted((j for j in self.jobs if j not in set(idle)), key=lambda j: self.job_seen.get(j, 0))
+            # sparse rings first (a row at a high rank of a made-up job), then the least recently active
+            rest = sorted((j for j in self.jobs if j not in set(idle)),
+                          key=lambda j: (not stepaxis.sparse(self.jobs[j]), self.job_seen.get(j, 0)))
             k = max(over, 0)
             extra = rest[:k]
             if size > lim.max_state_bytes:
@@ -605,11 +611,13 @@ class Processor:
                 from stepwatch.stream.alertfanout import open_alerts
                 for a in open_alerts(con, job):
                     self.on_alert_restored(a)
-            top = con.execute("SELECT max(step) FROM steps WHERE job = ?", [job]).fetchall()[0][0]
+            # the job's position: where its ranks' newest steps are (stream.stepaxis; one bad row cannot place it)
+            top = con.execute("SELECT quantile_disc(m, 0.75) FROM (SELECT max(step) AS m FROM steps WHERE job = ? "
+                              "GROUP BY rank)", [job]).fetchall()[0][0]
             if top is not None:
                 lo = int(top) - self.replay_steps + 1
-                hist = con.sql("SELECT * FROM steps WHERE job = ? AND step >= ? ORDER BY step, rank",
-                               params=[job, lo]).to_arrow_table()
+                hist = con.sql("SELECT * FROM steps WHERE job = ? AND step BETWEEN ? AND ? ORDER BY step, rank",
+                               params=[job, lo, int(top) + self.window_steps // 2]).to_arrow_table()
                 if hist.num_rows:
                     self._rebuild_context(con, rt, hist)
                     hist = wire.conform(hist.drop_columns([c for c in ("date",) if c in hist.column_names]),

@@ -243,7 +243,105 @@ def test_far_future_t_end_does_not_break_the_jobs_alignment(kafka, tmp_path):
     dl = deadletters(connect(tmp_path))
     assert len(dl) == 1 and "max_future_skew_s" in dl[0][3]
     st = proc.jobs[job].state
-    assert st.max_t_end < time.time_ns() + 3600 * 10**9
+    assert st.max_t_end < time.time_ns() + 300 * 10**9
+
+
+def test_a_jobs_first_message_cannot_place_its_step_axis(kafka, tmp_path):
+    """A job's first message claims step 10^9 for rank 0; its ranks then report steps 0..9. The bad
+    row is deadlettered (one record, naming the field and the value), every good row is stored once
+    and aligned: the job's position is where its ranks are. (On the code before the step axis the
+    first row placed the window at 10^9 and every good row was 'old'.)"""
+    job = "first-far"
+    far = H.steps_table(job, [0], [10**9], NOW - 61 * 10**9)
+    items = [H.Item("steps", H._arrow(far), H._hdr(), job.encode())] + [topo(job, 4)] + good(job, 0, 10)
+    where = send(kafka, items)
+    proc = run(kafka, tmp_path, lambda p: stored(p) >= 40 and stored(p, "deadletter") >= 1)
+    con = connect(tmp_path)
+    assert con.execute("SELECT count(*), count(DISTINCT (rank, step)), max(step) FROM steps WHERE job = ?",
+                       [job]).fetchone() == (40, 40, 9)
+    dl = deadletters(con)
+    assert [(t, p, o) for t, p, o, _, _ in dl] == [where[0]], dl
+    assert "field 'step'" in dl[0][3] and "1,000,000,000" in dl[0][3], dl[0][3]
+    st = proc.jobs[job].state
+    assert st.max_step == 9 and st.next_close == 10, (st.max_step, st.next_close)
+    assert proc.metrics.value(proc.metrics.steps_closed) >= 10
+    assert proc.metrics.value(proc.metrics.step_axis, "reanchor") == 1
+
+
+def test_a_first_message_stored_before_its_job_began_cannot_hold_the_axis(kafka, tmp_path):
+    """The bad first message is flushed long before the job's ranks report: it stays stored (counted),
+    but the window follows the ranks and a processor restarted on the store rebuilds the job at its
+    ranks' position, not at the bad row's."""
+    job = "first-early"
+    far = H.steps_table(job, [0], [10**9], NOW - 61 * 10**9)
+    send(kafka, [H.Item("steps", H._arrow(far), H._hdr(), job.encode())])
+    sent = []
+
+    def until(p):
+        if not sent and stored(p) >= 1:
+            sent.append(send(kafka, [topo(job, 4)] + good(job, 0, 10)))
+        return sent and stored(p) >= 41
+    proc = run(kafka, tmp_path, until)
+    st = proc.jobs[job].state
+    assert st.max_step == 9 and st.next_close == 10, (st.max_step, st.next_close)
+    assert proc.metrics.value(proc.metrics.step_axis, "reanchor") == 1
+    again = Processor(kafka, tmp_path, group="rebuild", on_alert=lambda a: None)
+    assert again._job(job).state.max_step == 9
+
+
+def test_one_rank_cannot_walk_the_step_axis(kafka, tmp_path):
+    """Rank 3 claims step 900,005 (inside max_step_jump: stored, not aligned), then 1,800,005 (beyond
+    it from where the ranks are: deadlettered, naming the value). The job's window stays with its
+    ranks and their steps are aligned as they come. (Before: the window followed the newest row, the
+    second row was within max_step_jump of the first, and every real step after them was 'old'.)"""
+    job = "walk"
+    bad = [H.Item("steps", H._arrow(H.steps_table(job, [3], [5 + k * 900_000], NOW - 30 * 10**9)), H._hdr(),
+                  job.encode()) for k in (1, 2)]
+    where = send(kafka, [topo(job, 4)] + good(job, 0, 5) + bad + good(job, 5, 5))
+    proc = run(kafka, tmp_path, lambda p: stored(p) >= 41 and stored(p, "deadletter") >= 1)
+    con = connect(tmp_path)
+    assert n_steps(con, job) == 41
+    dl = deadletters(con)
+    assert [(t, p, o) for t, p, o, _, _ in dl] == [where[7]], dl
+    assert "value 1,800,005" in dl[0][3], dl[0][3]
+    st = proc.jobs[job].state
+    assert st.max_step == 9 and st.next_close == 10, (st.max_step, st.next_close)
+    assert int(st.last_step[3]) == 9
+
+
+def test_rows_arriving_out_of_order_do_not_move_the_step_axis_back(kafka, tmp_path):
+    """Steps 100-150 of every rank, then 0-99 (another producer, a spool replayed after an outage): a
+    rank's report is its newest row in time, so the late rows are stored and the window stays (no
+    re-anchor)."""
+    job = "late"
+    where = send(kafka, [topo(job, 4)] + good(job, 100, 51) + good(job, 0, 100))
+    proc = run(kafka, tmp_path, lambda p: stored(p) >= 604)
+    assert n_steps(connect(tmp_path), job) == 604 and not deadletters(connect(tmp_path)), where[:1]
+    assert proc.jobs[job].state.max_step == 150
+    assert proc.metrics.value(proc.metrics.step_axis, "reanchor") == 0
+
+
+def test_a_simulation_ahead_of_real_time_is_taken_but_one_far_future_row_is_not(kafka, tmp_path):
+    """A job replayed 30 minutes ahead of real time (10 s steps, 4 steps a message) is stored whole:
+    its own time moves. One row 20 minutes ahead of the job's own time is deadlettered naming the value.
+    (Before: the window was one hour ahead of the receive time, whatever the job.)"""
+    job = "replay"
+    t0 = time.time_ns()
+    items = [topo(job, 4)]
+    for s in range(0, 180, 4):
+        t = pa.concat_tables([H.steps_table(job, np.arange(4), np.full(4, k), t0 + k * 10 * 10**9)
+                              for k in range(s, s + 4)])
+        items.append(H.Item("steps", H._arrow(t), H._hdr(), job.encode()))
+    far = H.steps_table(job, [1], [180], t0 + 180 * 10 * 10**9 + 1200 * 10**9)
+    items.append(H.Item("steps", H._arrow(far), H._hdr(), job.encode()))
+    where = send(kafka, items)
+    proc = run(kafka, tmp_path, lambda p: stored(p) >= 720 and stored(p, "deadletter") >= 1)
+    con = connect(tmp_path)
+    assert n_steps(con, job) == 720
+    dl = deadletters(con)
+    assert [(t, p, o) for t, p, o, _, _ in dl] == [where[-1]], dl
+    assert "field 't_end'" in dl[0][3] and "max_future_skew_s=300" in dl[0][3], dl[0][3]
+    assert proc.jobs[job].state.max_step == 179
 
 
 def test_t_end_before_1970_is_rejected_not_filed_under_another_job(kafka, tmp_path):
@@ -330,6 +428,36 @@ def test_a_burst_of_new_job_ids_does_not_stall_ingest(kafka, tmp_path):
     assert proc.metrics.value(proc.metrics.rebuilds, "none") >= 1001
     assert took - flush_s < 30, (took, flush_s)
     assert flush_s < 30, flush_s
+
+
+def test_rows_at_high_ranks_of_made_up_jobs_cannot_push_a_real_job_out_of_memory(kafka, tmp_path):
+    """One row at rank 16,383 of a made-up job widens its ring to 16,384 ranks (~106 MiB). Four of
+    them, after a real job's steps, in one poll: the budget is held as each ring widens (not at the
+    next flush) and the sparse rings go first, so the real job keeps its state and is aligned to its
+    last step. (Before: the budget was checked at flush time only, least recently active first: the
+    real job was evicted.)"""
+    from stepwatch.stream.ingress import IngressLimits
+    job = "dense"
+    items = [topo(job, 8)] + good(job, 0, 10, ranks=8)
+    for i in range(4):
+        t = H.steps_table(f"sparse-{i}", [16_383], [0], NOW - 10**9)
+        items.append(H.Item("steps", H._arrow(t), H._hdr(), f"sparse-{i}".encode()))
+    send(kafka, items)
+    budget = 200 << 20
+    peak = [0]
+
+    def until(p):
+        peak[0] = max(peak[0], sum(rt.state.state_bytes() for rt in list(p.jobs.values())))
+        return stored(p) >= 84
+    proc = run(kafka, tmp_path, until, limits=IngressLimits(max_state_bytes=budget))
+    assert job in proc.jobs, sorted(proc.jobs)
+    st = proc.jobs[job].state
+    assert st.max_step == 9 and st.next_close == 10, (st.max_step, st.next_close)
+    assert proc.metrics.value(proc.metrics.jobs_evicted) >= 3
+    assert sum(rt.state.state_bytes() for rt in proc.jobs.values()) <= budget
+    con = connect(tmp_path)
+    assert n_steps(con, job) == 80
+    assert con.execute("SELECT count(*) FROM steps WHERE job LIKE 'sparse-%'").fetchone()[0] == 4
 
 
 # ------------------------------------------------------------------------------ the same bounds, below the broker

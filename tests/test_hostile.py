@@ -1,0 +1,18 @@
+"""Issue 16, all boundaries at once (CI size of ``stepwatch bench hostile``): hostile Kafka messages of
+every kind (10 of each of the 27) interleaved with good data from producers using each codec, through
+the real broker into a real ``stepwatch process``, while a real ``stepwatch agent`` serves a real probe
+under a flood of hostile datagrams and unverifiable control commands. DuckDB must then find every
+good row stored once under its own job and every bad message in the deadletter table once; the
+processor ran to its idle exit and the agent was alive to the end, having refused every command."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from stepwatch.hostile import run_hostile_bench
+
+
+def test_hostile_stream_through_the_real_broker_processor_and_agent(tmp_path, capsys):
+    rc = run_hostile_bench(SimpleNamespace(messages=270, data_dir=str(tmp_path)))
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "OK:" in out and "agent alive" in out, out
