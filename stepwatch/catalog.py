@@ -37,6 +37,7 @@ CATALOG: tuple[Table, ...] = (
     Table("alerts", ("alert_id", "status"), "t_detected", ("t_detected",), "out", "processor"),
     Table("deadletter", (), "t_received", ("t_received",), "out", "processor"),
     Table("rank_minutes", (), "minute", ("minute", "rank"), None, "processor"),
+    Table("step_summary", (), "t_end", ("step",), None, "processor"),
     Table("efficiency", ("job", "step"), "t_end", ("step",), None, "processor"),
     Table("comm_bw", ("job", "step_hi", "op", "group"), "t_end", ("step_hi", "op", "group"), None, "processor"),
     Table("profiles", ("cmd_id", "rank", "status"), "_received", ("cmd_id", "rank"), "in", "agent",
@@ -61,5 +62,6 @@ RANKED: tuple[str, ...] = tuple(t.name for t in CATALOG if t.topic == "in" and t
 NATURAL_KEYS: dict[str, tuple[str, ...]] = {t.name: t.key for t in CATALOG if t.key}
 #: The event-time column that gives each stored table's date partition.
 TIME_COLUMN: dict[str, str] = {t.name: t.time for t in CATALOG if t.stored}
-#: Sort order within a stored file.
-SORT_COLUMNS: dict[str, list[str]] = {t.name: list(t.sort) for t in CATALOG if t.stored}
+#: Sort order within a stored file: the job first (a lake file holds every job of a flush; a job's rows
+#: are then contiguous), then the table's own order.
+SORT_COLUMNS: dict[str, list[str]] = {t.name: ["job", *t.sort] for t in CATALOG if t.stored}

@@ -413,6 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--steps", type=int, default=60, help="steps pre-produced for the throughput run")
     be.add_argument("--lag-seconds", type=int, default=30, help="length of the live (1 step/s) lag run")
     be.add_argument("--rows-per-message", type=int, default=4096)
+    be.add_argument("--burst-jobs", type=int, default=1000, help="ingest: new jobs in the one-flush burst")
     be.add_argument("--seconds", type=int, default=3600, help="query bench: steps (1 step/s) to generate")
     be.add_argument("--data-dir", default=None, help="default: a temporary folder")
     from stepwatch.agents.bench_overhead import add_overhead_args

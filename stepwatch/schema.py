@@ -197,6 +197,20 @@ RANK_MINUTES = pa.schema([
     pa.field("gc_count", pa.int64()),
 ])
 
+#: Derived by the store from every batch of step rows it writes: per (job, step) partial aggregates
+#: over the ranks in the batch, so per-step questions over hours read one row per step, not one per
+#: rank and step. A step whose rows came in two flushes has two rows: aggregate with sum/min/max.
+STEP_SUMMARY = pa.schema([
+    pa.field("job", pa.string(), nullable=False),
+    pa.field("step", pa.int64(), nullable=False),
+    pa.field("ranks", pa.int64()),          # step rows aggregated
+    pa.field("t_start", TS),                # min
+    pa.field("t_end", TS, nullable=False),  # max
+    pa.field("step_ms_min", F64),
+    pa.field("step_ms_max", F64),
+    pa.field("step_ms_sum", F64),
+])
+
 #: Written by the processor (efficiency detectors, :mod:`stepwatch.detectors.efficiency`): one row per
 #: job and closed step with the model FLOPs, MFU and the productive share of its wall time.
 EFFICIENCY = pa.schema([
@@ -295,7 +309,7 @@ PROFILE_DIFFS = pa.schema([
 
 SCHEMAS: dict[str, pa.Schema] = {
     "steps": STEPS, "topology": TOPOLOGY, "host": HOST, "gc": GC, "comm": COMM,
-    "alerts": ALERTS, "deadletter": DEADLETTER, "rank_minutes": RANK_MINUTES,
+    "alerts": ALERTS, "deadletter": DEADLETTER, "rank_minutes": RANK_MINUTES, "step_summary": STEP_SUMMARY,
     "efficiency": EFFICIENCY, "comm_bw": COMM_BW,
     "profiles": PROFILES,               # targeted profiling results (agents publish, the processor stores)
     "profile_diffs": PROFILE_DIFFS,     # suspect vs reference, per operator (the processor computes them)

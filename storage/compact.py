@@ -3,7 +3,7 @@ pass runs.
 
 One pass (``stepwatch compact``, the chart's CronJob):
 
-1. **retention**: ``DELETE`` of whole ``(job, date)`` partitions older than the window (DuckLake
+1. **retention**: ``DELETE`` of whole ``date`` partitions older than the window (DuckLake
    ends the files in the next snapshot; no delete files);
 2. **compaction**: each partition's small files are rewritten in groups of up to ``target_mb``, one
    DuckLake transaction per group: ``INSERT INTO t SELECT * FROM t WHERE filename IN (group) ORDER BY
@@ -120,12 +120,13 @@ def _transaction(lake, con, fn, label: str):
 
 # ------------------------------------------------------------------ rewriting groups of files
 def _partition_filter(path: str) -> tuple[str, list]:
-    """``job = ? AND date = ?`` from a data file's path (DuckLake's hive folders, values URL-encoded),
-    so a rewrite reads only that partition's files."""
+    """``date = ?`` (and ``job = ?`` in a lake partitioned by job too) from a data file's path
+    (DuckLake's hive folders, values URL-encoded), so a rewrite reads only that partition's files."""
     parts = dict(p.split("=", 1) for p in path.split("/")[-3:-1] if "=" in p)
-    if set(parts) != {"job", "date"}:
+    if "date" not in parts or not set(parts) <= {"job", "date"}:
         return "", []
-    return " AND job = ? AND date = CAST(? AS DATE)", [unquote(parts["job"]), unquote(parts["date"])]
+    where = (" AND job = ?" if "job" in parts else "") + " AND date = CAST(? AS DATE)"
+    return where, ([unquote(parts["job"])] if "job" in parts else []) + [unquote(parts["date"])]
 
 
 def _groups(con, table: str, target: int) -> list[list[str]]:

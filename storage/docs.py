@@ -3,10 +3,10 @@ schema is the schema (a test fails when the checked-in file differs; regenerate 
 ``python -m stepwatch.storage.docs > docs/tables.md``)."""
 from __future__ import annotations
 
-from stepwatch.catalog import NATURAL_KEYS, SORT_COLUMNS, TIME_COLUMN
+from stepwatch.catalog import NATURAL_KEYS
 from stepwatch.schema import SCHEMAS
 from stepwatch.storage.lake import Lake
-from stepwatch.storage.store import LAKE_OPTIONS, OFFSETS
+from stepwatch.storage.store import JOBS, LAKE_OPTIONS, OFFSETS, SORT_COLUMNS, TIME_COLUMN
 from stepwatch.storage.views import view_sql
 
 ABOUT = {
@@ -29,6 +29,10 @@ ABOUT = {
                     "`t_end`) partial sums (`steps` = rows summed). One (job, rank, minute) may have several "
                     "rows (one per flush): always aggregate with `sum`. Per-rank questions over hours read "
                     "this instead of `steps` (about 60x fewer rows).",
+    "step_summary": "Derived by the store from every batch of step rows it writes: per (job, step) the ranks "
+                    "reported (`ranks`), first start, last end, min/max/sum of `step_ms` over them. A step whose "
+                    "rows came in several flushes has several rows: aggregate with `sum`/`min`/`max`. Per-step "
+                    "questions over hours read this instead of `steps` (one row per step instead of per rank).",
     "profiles": "Targeted profiling (wire `profiles/1`, see docs/profiling.md): one row per command, rank and "
                 "outcome (`ok`, `failed`, `rejected`, `expired`, `busy`). `reason` is the alert id that asked for "
                 "it, `role` says suspect or reference, `summary` is JSON (top operators or Python functions by "
@@ -73,9 +77,13 @@ data on a local folder and on moto's S3-compatible server (path-style URLs, no T
 `httpfs`. Not tested: AWS S3 itself, GCS/Azure, TLS to the S3 endpoint.
 
 Each table below is a lake table of the same name with one more column, `date` (UTC day of the event
-time given as "date partition from"), **partitioned by `(job, date)`**: its files are
-`<data path>/main/<table>/job=<job>/date=YYYY-MM-DD/ducklake-<uuid>.parquet` (job URL-encoded; {LAKE_OPTIONS["parquet_compression"]},
-Parquet v{LAKE_OPTIONS["parquet_version"]}, rows sorted within a file as listed). Event times are stored as `TIMESTAMPTZ` (microseconds).
+time given as "date partition from"), **partitioned by `date`** only: its files are
+`<data path>/main/<table>/date=YYYY-MM-DD/ducklake-<uuid>.parquet` ({LAKE_OPTIONS["parquet_compression"]},
+Parquet v{LAKE_OPTIONS["parquet_version"]}, rows sorted within a file as listed: job first). A flush writes one
+file per table (per day it spans) however many jobs it holds; a query for one job and time range opens
+only the files whose `job` and time range, as the catalog's per-file min/max statistics say, can hold
+such rows, and within a file only the row groups that can. Event times are stored as `TIMESTAMPTZ`
+(microseconds). The table `{JOBS}` names every job stored (a row per job and writer start).
 
 **Snapshots.** A processor's flush is one transaction: the rows of every table and the Kafka
 positions (`{OFFSETS}`) become visible together, in one new snapshot. A query reads one whole
@@ -84,7 +92,7 @@ expired: `SELECT * FROM lake.snapshots()`, `SELECT count(*) FROM lake.steps AT (
 
 **Compaction and retention** (`stepwatch compact`, the chart's CronJob; `storage/compact.py`):
 
-1. `--retention-days N` deletes whole `(job, date)` partitions older than N days (the files leave the
+1. `--retention-days N` deletes whole `date` partitions older than N days (the files leave the
    next snapshot);
 2. each partition's small files are rewritten in groups of up to `--target-mb` (256), one transaction
    per group: `INSERT INTO t SELECT * FROM t WHERE filename IN (group) ORDER BY <sort columns>`, then
@@ -133,8 +141,8 @@ VIEWS = {
 def tables_markdown() -> str:
     out = ["# Tables and views", "",
            "Generated from the code by `python -m stepwatch.storage.docs`; do not edit by hand. The tables, their",
-           "natural keys, time and sort columns are listed once, in `stepwatch/catalog.py`; their columns in",
-           "`stepwatch/schema.py`.", "",
+           "natural keys, time and sort columns are listed once, in `stepwatch/catalog.py` (the lake sorts by",
+           "job first); their columns in `stepwatch/schema.py`.", "",
            LAKE.strip(), "",
            "Times are UTC; durations are float64 milliseconds; sizes are bytes.", ""]
     for t, s in SCHEMAS.items():
@@ -160,6 +168,9 @@ def tables_markdown() -> str:
             "consumed yet), the offsets done above it (`done`, JSON ranges), the consumer-group `generation` "
             "and `member` that wrote it. A commit from an older generation is rejected (fencing). The row "
             "with `partition` -1 is a sentinel that serializes the creation of a partition's first row.", ""]
+    out += [f"## `{JOBS}`", "", "Every job the lake holds rows of: `job`, `first_stored` (when a writer first "
+            "stored it; a row per job per writer start, written in the transaction of the rows). A processor "
+            "reads it to decide whether a job it meets has history to rebuild its state from.", ""]
     out += ["## View definitions", "", "As `stepwatch sql --print-views` prints them for a data dir `/data` "
             "(extensions in the flat folder `/opt/stepwatch/duckdb-extensions`, as in the image):", "",
             "```sql", view_sql(Lake.from_dir("/data", env={}), ext_dir="/opt/stepwatch/duckdb-extensions"), "```", ""]

@@ -5,10 +5,12 @@ the whole job), and some take ``$step`` (a step number, e.g. an alert's ``step_f
 (steps on each side) or ``$minutes``. ``stepwatch sql --list`` prints them; ``stepwatch sql --run
 NAME --job J [--from T --to T --step S]`` runs one.
 
-Written for thousands of ranks over hours: every query filters on ``job`` (a hive partition, so
-other jobs' files are never opened) and on ``t_end``/``step`` (files are sorted by step, so row
-groups outside the range are skipped by their statistics), and aggregates with sums/averages rather
-than exact per-group medians where the group is a rank over millions of rows.
+Written for thousands of ranks over hours: every query filters on ``job`` and on ``t_end``/``step``
+(the catalog's per-file min/max statistics skip the files that cannot match, and files are sorted by
+job then step, so row groups outside the range are skipped by their statistics), reads the derived
+per-rank-minute (``rank_minutes``) and per-step (``step_summary``) tables where the question allows,
+and aggregates with sums/averages rather than exact per-group medians where the group is a rank
+over millions of rows.
 """
 from __future__ import annotations
 
@@ -59,9 +61,11 @@ FROM alerts WHERE job = $job AND kind IN ('regression', 'recovery')
 ORDER BY step_first, status"""),
     Query("jitter_per_hour",
           "Per hour: steps, median step time, and the jitter ratio (share of steps slower than 1.1x the "
-          "median of the 21 steps around them) and the worst spike.",
+          "median of the 21 steps around them) and the worst spike. A step's time is its slowest rank's; "
+          "reads the per-step summaries (one row per step, not per rank and step).",
           f"""
-WITH s AS (SELECT step, max(t_end) AS t_end, max(step_ms) AS step_ms FROM steps WHERE {_RANGE} GROUP BY step),
+WITH s AS (SELECT step, max(t_end) AS t_end, max(step_ms_max) AS step_ms FROM step_summary WHERE {_RANGE}
+           GROUP BY step),
 w AS (SELECT *, median(step_ms) OVER (ORDER BY step ROWS BETWEEN 10 PRECEDING AND 10 FOLLOWING) AS local_med FROM s)
 SELECT date_trunc('hour', t_end) AS hour, count(*) AS steps, round(median(step_ms), 1) AS step_ms_p50,
        round(100 * avg(CASE WHEN step_ms > 1.1 * local_med THEN 1 ELSE 0 END), 2) AS jitter_pct,
@@ -97,7 +101,7 @@ f AS (SELECT alert_id, any_value(cause) AS cause, any_value(kind) AS kind, any_v
              min(step_first) AS step_first,
              max(CASE WHEN status = 'resolved' THEN step_detected END) AS step_resolved
       FROM alerts WHERE job = $job AND kind <> 'recovery' GROUP BY alert_id),
-st AS (SELECT step, max(t_end) AS t_end FROM steps WHERE {_RANGE} GROUP BY step),
+st AS (SELECT step, max(t_end) AS t_end FROM step_summary WHERE {_RANGE} GROUP BY step),
 span AS (SELECT f.alert_id, f.cause, f.kind, f.cost_pct,
                 (SELECT epoch(max(t_end) - min(t_end)) FROM st
                  WHERE st.step >= f.step_first AND (f.step_resolved IS NULL OR st.step <= f.step_resolved)) AS seconds

@@ -1,9 +1,11 @@
-"""The store: a DuckLake, the system of record (DESIGN §7).
+"""The store: a DuckLake, the system of record (docs/tables.md).
 
 Every table of :mod:`stepwatch.schema` is a DuckLake table of the same name, plus a ``date`` column
-(UTC day of the table's event time, see :data:`TIME_COLUMN`) and partitioned by ``(job, date)``:
-data files land under ``<data path>/main/<table>/job=<job>/date=<day>/`` (zstd Parquet, rows sorted
-within a file as :data:`SORT_COLUMNS` says). Times are stored as ``TIMESTAMPTZ`` (microseconds).
+(UTC day of the table's event time, see :data:`TIME_COLUMN`) and partitioned by ``date`` only:
+data files land under ``<data path>/main/<table>/date=<day>/`` (zstd Parquet, rows sorted within a
+file as :data:`SORT_COLUMNS` says, the job first), one file per table per flush however many jobs it
+holds; the catalog's per-file min/max statistics find a job's files. Times are stored as
+``TIMESTAMPTZ`` (microseconds). The table ``jobs`` names every job stored.
 
 Exactly-once. A processor flushes everything it buffered in **one DuckLake transaction**: the row
 batches of every table *and* the consumed Kafka positions (table ``kafka_offsets``: per Kafka
@@ -39,14 +41,28 @@ import pyarrow.compute as pc
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
 from stepwatch import schema as wire
-from stepwatch.catalog import SORT_COLUMNS, TABLES, TIME_COLUMN  # noqa: F401 - the one table catalog
+from stepwatch import catalog
 from stepwatch.storage.lake import Lake, lake_of, lit
 
 log = logging.getLogger("stepwatch.store")
 
+#: The event-time column that gives each table's date partition (the table catalog's).
+TIME_COLUMN = catalog.TIME_COLUMN
+#: Row order within a data file (the catalog's: the job first, so a job's rows are contiguous and
+#: row-group statistics skip other jobs)
+SORT_COLUMNS = catalog.SORT_COLUMNS
+#: Lake-level partitioning of every table: the UTC day only. A flush writes one data file per table
+#: (per day it spans), however many jobs it holds; DuckLake finds a job's files by the per-file
+#: min/max statistics of ``job`` and the event time it keeps in the catalog. (Partitioning by job
+#: wrote a file per job per table per flush: a flush of 1,000 new jobs took 95 s.)
+PARTITION_BY = ("date",)
+TABLES = catalog.TABLES
 OFFSETS = "kafka_offsets"
 OFFSETS_DDL = (f"CREATE TABLE IF NOT EXISTS lake.{OFFSETS} (cluster VARCHAR, topic VARCHAR, \"partition\" INTEGER, "
                "next BIGINT, done VARCHAR, generation BIGINT, member VARCHAR, group_id VARCHAR, committed_at TIMESTAMPTZ)")
+#: Every job the lake holds rows of (a row per job per writer start; read by :meth:`LakeStore.has_history`)
+JOBS = "jobs"
+JOBS_DDL = f"CREATE TABLE IF NOT EXISTS lake.{JOBS} (job VARCHAR, first_stored TIMESTAMPTZ)"
 #: Parquet settings of the lake's data files (DuckLake options, stored in the catalog)
 LAKE_OPTIONS = {"parquet_compression": "zstd", "parquet_compression_level": "3", "parquet_version": "2",
                 "parquet_row_group_size": str(1 << 20)}
@@ -74,6 +90,18 @@ def rank_minutes(steps: pa.Table) -> pa.Table:
     out = pa.table(cols)
     return pa.Table.from_arrays([out.column(f.name).cast(f.type) for f in wire.RANK_MINUTES],
                                 schema=wire.RANK_MINUTES)
+
+
+def step_summary(steps: pa.Table) -> pa.Table:
+    """Per (job, step) aggregates over the ranks of a batch of step rows (Arrow's hash aggregation)."""
+    g = steps.group_by(["job", "step"]).aggregate(
+        [("rank", "count"), ("t_start", "min"), ("t_end", "max"), ("step_ms", "min_max"), ("step_ms", "sum")])
+    mm = g.column("step_ms_min_max")
+    out = {"job": g.column("job"), "step": g.column("step"), "ranks": g.column("rank_count"),
+           "t_start": g.column("t_start_min"), "t_end": g.column("t_end_max"),
+           "step_ms_min": pc.struct_field(mm, "min"), "step_ms_max": pc.struct_field(mm, "max"),
+           "step_ms_sum": g.column("step_ms_sum")}
+    return pa.Table.from_arrays([out[f.name].cast(f.type) for f in wire.STEP_SUMMARY], schema=wire.STEP_SUMMARY)
 
 
 @dataclass
@@ -131,26 +159,45 @@ def retry_conflicts(attempts: int = 12, max_wait_s: float = 2.0) -> Retrying:
                     wait=wait_random_exponential(multiplier=0.02, max=max_wait_s), reraise=True)
 
 
-def _is_sorted(t: pa.Table, cols: list[str]) -> bool:
-    """Whether rows are already in lexicographic order of ``cols`` (producers usually send them so:
-    then the sort, the costliest part of a flush, is skipped)."""
+def _sort_codes(col) -> np.ndarray | None:
+    """Integer codes of a sort column in its order (strings: rank of their value among the batch's
+    distinct values), or None where the fast path does not apply (nulls, other types)."""
+    if col.null_count:
+        return None
+    if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+        d = pc.dictionary_encode(col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col)
+        order = np.argsort(np.asarray(d.dictionary.to_pylist(), dtype=object))
+        rank = np.empty(len(order), np.int64)
+        rank[order] = np.arange(len(order))
+        return rank[d.indices.to_numpy()]
+    if pa.types.is_integer(col.type) or pa.types.is_timestamp(col.type):
+        return col.cast(pa.int64()).to_numpy()
+    return None
+
+
+def _sort_order(t: pa.Table, cols: list[str]) -> np.ndarray | None:
+    """Row order that sorts ``t`` by ``cols``, or None when it is sorted already (producers send runs
+    in order: a stable sort of one integer key then costs little; Arrow's multi-key sort with a
+    string key cost ~20x more)."""
     if t.num_rows < 2:
-        return True
-    ok_so_far = np.ones(t.num_rows - 1, dtype=bool)   # rows still tied on all earlier columns
-    for c in cols:
-        col = t.column(c)
-        if col.null_count:
-            return False
-        v = col.to_numpy()
-        if v.dtype.kind not in "iufM":
-            return False
-        d = np.diff(v.astype(np.int64) if v.dtype.kind == "M" else v)
-        if (ok_so_far & (d < 0)).any():
-            return False
-        ok_so_far &= d == 0
-        if not ok_so_far.any():
-            return True
-    return True
+        return None
+    codes = [_sort_codes(t.column(c)) for c in cols]
+    if any(c is None for c in codes):
+        return np.asarray(pc.sort_indices(t, [(c, "ascending") for c in cols]))
+    key, span = None, 1
+    for c in codes:
+        lo, hi = int(c.min()), int(c.max())
+        if hi == lo:
+            continue
+        rng = hi - lo + 1
+        if span * rng >= 1 << 62:          # does not fit one int64 key: sort by all of them
+            order = np.lexsort(codes[::-1])
+            return None if (order == np.arange(len(order))).all() else order
+        key = (c - lo) if key is None else key * rng + (c - lo)
+        span *= rng
+    if key is None or (np.diff(key) >= 0).all():
+        return None
+    return np.argsort(key, kind="stable")
 
 
 def _threads() -> int:
@@ -174,6 +221,8 @@ class LakeStore:
         self.takeover_s = 300.0     # a newer generation idle this long: the group was reset (see claim)
         self._con: duckdb.DuckDBPyConnection | None = None
         self._columns: dict[str, list[str]] = {}
+        self._jobs: set[str] | None = None     # jobs the lake holds rows of (table ``jobs``), as last read
+        self._jobs_read = 0.0
 
     @property
     def root(self) -> Lake:
@@ -204,7 +253,7 @@ class LakeStore:
         have = {r[0]: r[1] for r in con.execute(
             "SELECT table_name, list(column_name) FROM duckdb_columns() WHERE database_name = 'lake' "
             "AND schema_name = 'main' GROUP BY table_name").fetchall()}
-        if all(t in have for t in TABLES + (OFFSETS,)) and all(
+        if all(t in have for t in TABLES + (OFFSETS, JOBS)) and all(
                 set(wire.SCHEMAS[t].names) <= set(have[t]) for t in TABLES):
             self._columns = {t: have[t] for t in TABLES}
             return
@@ -219,7 +268,7 @@ class LakeStore:
                     con.register("_empty", wire.SCHEMAS[t].empty_table())
                     con.execute(f"CREATE TABLE lake.{t} AS SELECT *, NULL::DATE AS date FROM _empty LIMIT 0")
                     con.unregister("_empty")
-                    con.execute(f"ALTER TABLE lake.{t} SET PARTITIONED BY (job, date)")
+                    con.execute(f"ALTER TABLE lake.{t} SET PARTITIONED BY ({', '.join(PARTITION_BY)})")
                 else:
                     con.register("_empty", wire.SCHEMAS[t].empty_table())
                     types = dict((r[0], r[1]) for r in con.execute("DESCRIBE SELECT * FROM _empty").fetchall())
@@ -230,6 +279,8 @@ class LakeStore:
             if OFFSETS not in have:
                 con.execute(OFFSETS_DDL)
                 con.execute(f"INSERT INTO lake.{OFFSETS} VALUES ('', '', -1, -1, '[]', -1, '', '', now())")
+            if JOBS not in have:
+                con.execute(JOBS_DDL)
             con.execute("COMMIT")
         except BaseException:
             _rollback(con)
@@ -316,8 +367,11 @@ class LakeStore:
         """The batch as the lake stores it: in sort order, times in microseconds, plus its ``date``
         column (UTC day of the event time; integer arithmetic here, a DuckDB cast costs 10x more)."""
         sort_cols = [c for c in SORT_COLUMNS[name] if c in t.column_names]
-        if sort_cols and not _is_sorted(t, sort_cols):
-            t = t.take(pc.sort_indices(t, [(c, "ascending") for c in sort_cols]))
+        order = _sort_order(t, sort_cols) if sort_cols else None
+        if order is not None:
+            if t.num_columns and t.column(0).num_chunks > 8:
+                t = t.combine_chunks()      # take() over many small chunks costs several times more
+            t = t.take(pa.array(order))
         tcol = TIME_COLUMN[name]
         day_ns = 86_400_000_000_000
         if tcol == "_received":
@@ -340,9 +394,12 @@ class LakeStore:
         received_ns = received_ns or time.time_ns()
         tables = dict(tables)
         steps = [p for p in tables.get("steps", ()) if p.num_rows]
-        if steps and "rank_minutes" not in tables:
-            tables["rank_minutes"] = [rank_minutes(pa.concat_tables(steps, promote_options="permissive")
-                                                   if len(steps) > 1 else steps[0])]
+        if steps and ("rank_minutes" not in tables or "step_summary" not in tables):
+            all_steps = pa.concat_tables(steps, promote_options="permissive") if len(steps) > 1 else steps[0]
+            if "rank_minutes" not in tables:
+                tables["rank_minutes"] = [rank_minutes(all_steps)]
+            if "step_summary" not in tables:
+                tables["step_summary"] = [step_summary(all_steps)]
         batches = []
         for name, parts in tables.items():
             parts = [p for p in parts if p.num_rows]
@@ -353,17 +410,27 @@ class LakeStore:
             return 0
         con = self.connection()
         keys = list(markers)
+        jobs: set[str] = set()
+        for _, t in batches:
+            if "job" in t.column_names:
+                jobs.update(j for j in pc.unique(t.column("job")).to_pylist() if j is not None)
+        new_jobs: set[str] = set()
         for attempt in retry_conflicts():
             with attempt, self.lake.write_lock():
                 con.execute("BEGIN")
                 try:
                     cur = self._offsets(con) if keys else {}
                     self._check(cur, keys, generation)
-                    for name, t in batches:
+                    for name, t in batches:       # one INSERT per table: one data file per table (per day)
                         con.register("_batch", t)
                         self._add_columns(con, name, t.column_names)
                         con.execute(f"INSERT INTO lake.{name} BY NAME SELECT * FROM _batch")
                         con.unregister("_batch")
+                    new_jobs = jobs - self._known_jobs(con)
+                    if new_jobs:
+                        con.register("_jobs", pa.table({"job": sorted(new_jobs)}))
+                        con.execute(f"INSERT INTO lake.{JOBS} SELECT job, now() FROM _jobs")
+                        con.unregister("_jobs")
                     if keys:
                         gen = {k: generation if generation is not None else (cur[k][2] if k in cur else -1)
                                for k in keys}
@@ -374,6 +441,7 @@ class LakeStore:
                 except BaseException:
                     _rollback(con)
                     raise
+        self._jobs |= new_jobs
         return sum(t.num_rows for _, t in batches)
 
     def _add_columns(self, con, name: str, names: list[str]) -> None:
@@ -394,15 +462,24 @@ class LakeStore:
         else:
             self._columns[name] = sorted(have)
 
+    def _known_jobs(self, con=None, refresh: bool = False) -> set[str]:
+        if self._jobs is None or refresh:
+            con = con or self.connection()
+            self._jobs = {r[0] for r in con.execute(f"SELECT DISTINCT job FROM lake.{JOBS}").fetchall()}
+            self._jobs_read = time.monotonic()
+        return self._jobs
+
+    #: an unknown job re-reads the ``jobs`` table at most this often (a burst of made-up job ids
+    #: costs one read, not one per id; a job another processor stored meanwhile is found after this)
+    JOBS_REFRESH_S = 5.0
+
     def has_history(self, job: str) -> bool:
-        """Whether the lake may hold rows of ``job``: a cheap look at the partition folders of a
-        local data path (``main/<table>/job=<job>``); True where it cannot tell (S3, no folders yet)."""
-        if "://" in self.lake.data_path:
-            return True
-        base = Path(self.lake.data_path) / "main"
-        if not (base / "steps").is_dir():
-            return True
-        return any((base / t / f"job={job}").is_dir() for t in ("steps", "topology", "alerts"))
+        """Whether the lake holds rows of ``job``: the ``jobs`` table (a row for each job written,
+        in the transaction of the rows), as read at most :attr:`JOBS_REFRESH_S` ago."""
+        known = self._known_jobs()
+        if job not in known and time.monotonic() - self._jobs_read > self.JOBS_REFRESH_S:
+            known = self._known_jobs(refresh=True)
+        return job in known
 
     def recover(self, *_a, **_kw) -> int:
         """Nothing to roll forward: a flush is one catalog transaction. (Parquet files of a killed,

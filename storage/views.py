@@ -15,7 +15,7 @@ import duckdb
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
 from stepwatch.storage.lake import Lake, lake_of
-from stepwatch.storage.store import OFFSETS, TABLES
+from stepwatch.storage.store import JOBS, OFFSETS, TABLES
 
 
 def view_sql(root, ext_dir=None, lockdown: bool = False, s3_keys_from_env: bool = False) -> str:
@@ -23,7 +23,7 @@ def view_sql(root, ext_dir=None, lockdown: bool = False, s3_keys_from_env: bool 
     extension folder as the reader sees it (default: this machine's, see :mod:`.extensions`)."""
     lake = lake_of(root)
     stmts = lake.attach_sql(read_only=True, ext_dir=ext_dir, lockdown=lockdown, s3_keys_from_env=s3_keys_from_env)
-    for t in TABLES + (OFFSETS,):
+    for t in TABLES + (OFFSETS, JOBS):
         stmts.append(f"CREATE OR REPLACE VIEW {t} AS SELECT * FROM lake.main.{t};")
     # Per-step job summary: what most panels and the post-mortem start from.
     stmts.append("""CREATE OR REPLACE VIEW job_steps AS

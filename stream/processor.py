@@ -248,6 +248,7 @@ class Processor:
             self.last_data = time.monotonic()
             if self.t_first_data is None:
                 self.t_first_data = time.time()
+                self.cpu_first_data = time.process_time()   # bench ingest: CPU per row on a shared machine
         now = time.monotonic()
         if self.buffered_rows >= self.max_buffer_rows or now - self.last_flush >= self.flush_interval_s:
             self._close_idle_jobs()
@@ -848,6 +849,7 @@ class Processor:
             except Exception as e:  # noqa: BLE001 - the store's markers are the truth; Kafka's commit is advisory
                 log.warning("offset commit failed (store markers stay authoritative): %s", e)
         self.t_last_flush = time.time()
+        self.cpu_last_flush = time.process_time()
         self.metrics.last_flush.set(self.t_last_flush)
 
     def _isolate(self, err: Exception) -> dict[str, list[pa.Table]]:
@@ -903,4 +905,6 @@ class Processor:
                 "deadletter": m.value(m.dropped, "deadletter"), "duplicates": m.value(m.dropped, "duplicate"),
                 "alerts": len(self.alerts), "lag": getattr(m, "total_lag", 0),
                 "jobs": len(self.jobs), "rows_out_steps": m.value(m.records_out, "steps"),
-                "t_first_data": self.t_first_data, "t_last_flush": self.t_last_flush}
+                "t_first_data": self.t_first_data, "t_last_flush": self.t_last_flush,
+                "cpu_first_data": getattr(self, "cpu_first_data", None), "cpu_last_flush": getattr(self, "cpu_last_flush", None),
+                "flush_s": sum(x.value for c in m.flush_seconds.collect() for x in c.samples if x.name.endswith("_sum"))}

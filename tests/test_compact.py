@@ -49,8 +49,8 @@ def test_compaction_merges_small_files_and_keeps_every_row(tmp_path):
     con = connect(tmp_path)
     before = con.execute("SELECT count(*), sum(step), sum(comm_wait_ms) FROM steps").fetchall()
     res = compact.run(tmp_path, grace_s=0)
-    # steps and the derived rank_minutes summary: 40 files each -> 1 each
-    assert res.partitions == 2 and res.files_in == 80 and res.files_out == 2, res
+    # steps and the derived rank_minutes and step_summary tables: 40 files each -> 1 each
+    assert res.partitions == 3 and res.files_in == 120 and res.files_out == 3, res
     assert len(files(tmp_path)) == 1
     con = connect(tmp_path)
     assert con.execute("SELECT count(*), sum(step), sum(comm_wait_ms) FROM steps").fetchall() == before
@@ -171,7 +171,7 @@ def test_retention_removes_only_partitions_wholly_outside_the_window(tmp_path):
         st.write_flush({"steps": [steps("j", i * 10, 3, day=today - timedelta(days=age))]}, {})
     removed = compact.expire(tmp_path, retention_days=5, today=today)
     assert sorted(removed) == sorted(f"{t}/job=j/date={today - timedelta(days=a)}"
-                                     for a in (6, 30) for t in ("steps", "rank_minutes"))
+                                     for a in (6, 30) for t in ("steps", "rank_minutes", "step_summary"))
     con = connect(tmp_path)
     kept = [str(r[0]) for r in con.execute("SELECT DISTINCT date FROM steps ORDER BY 1").fetchall()]
     assert kept == sorted(str(today - timedelta(days=a)) for a in (0, 1, 4, 5))

@@ -4,6 +4,7 @@ import pytest
 from stepwatch.bench import build_query_store
 from stepwatch.storage import queries
 from stepwatch.storage.views import connect
+from stepwatch.storage.views import query as views_query
 
 
 @pytest.fixture(scope="module")
@@ -44,3 +45,20 @@ def test_unknown_query_and_missing_parameter_are_clear(store):
         queries.run(con, "nope", job="x")
     with pytest.raises(ValueError, match="--step"):
         queries.run(con, "before_after", job="bench-hour")
+
+
+def test_per_step_queries_read_the_summary_and_match_the_step_rows(store):
+    """jitter_per_hour and card_hours_lost read step_summary (one row per step and flush); over the
+    whole job they give what the same SQL over the step rows gives."""
+    con = connect(store)
+    assert "step_summary" in queries.QUERIES["jitter_per_hour"].sql
+    assert con.execute("SELECT count(*) FROM step_summary").fetchone()[0] < \
+        con.execute("SELECT count(*) FROM steps").fetchone()[0] / 100
+    for name in ("jitter_per_hour", "card_hours_lost"):
+        q = queries.QUERIES[name]
+        by_rows = q.sql.replace("max(step_ms_max)", "max(step_ms)").replace("FROM step_summary", "FROM steps")
+        args = {p: queries.DEFAULTS[p] for p in q.params if p != "job"}
+        _, want = views_query(con, by_rows.replace("$t_from", "CAST($t_from AS TIMESTAMPTZ)")
+                                .replace("$t_to", "CAST($t_to AS TIMESTAMPTZ)"), dict(args, job="bench-hour"))
+        _, got = queries.run(con, name, job="bench-hour")
+        assert got == want and got, name

@@ -5,6 +5,7 @@ import sys
 import threading
 
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401 - pa.compute
 import pytest
 
 from stepwatch import schema as wire
@@ -37,10 +38,15 @@ def test_flush_writes_rows_and_offsets_in_one_snapshot(tmp_path):
     # one commit = one snapshot, holding the rows of both tables and the offsets
     snaps = con.execute("SELECT snapshot_id, changes FROM lake.snapshots() WHERE snapshot_id > ?", [snap0]).fetchall()
     assert len(snaps) == 1, snaps
-    # partitioned by job and date; times stored as TIMESTAMPTZ, the date column from t_end (UTC)
+    # partitioned by date only: one data file for both jobs, rows sorted by job, then step and rank;
+    # times stored as TIMESTAMPTZ, the date column from t_end (UTC)
     files = [r[0] for r in con.execute("SELECT data_file FROM ducklake_list_files('lake', 'steps')").fetchall()]
-    assert sorted(f.split("/steps/")[1].rsplit("/", 1)[0] for f in files) == ["job=a/date=2026-11-18",
-                                                                            "job=b/date=2026-11-18"]
+    assert [f.split("/steps/")[1].rsplit("/", 1)[0] for f in files] == ["date=2026-11-18"]
+    assert con.execute(f"SELECT list(job || ':' || step || ':' || rank) FROM read_parquet('{files[0]}')").fetchone()[0] \
+        == [f"{j}:{s}:{r}" for j, n in (("a", 3), ("b", 2)) for s in range(n) for r in range(4)]
+    # the jobs table names both (has_history reads it)
+    assert sorted(r[0] for r in con.execute("SELECT job FROM jobs").fetchall()) == ["a", "b"]
+    assert st.has_history("a") and st.has_history("b") and not st.has_history("c")
     assert con.execute("SELECT any_value(typeof(t_end)), min(date)::VARCHAR FROM steps").fetchone() == (
         "TIMESTAMP WITH TIME ZONE", "2026-11-18")
 
@@ -146,6 +152,21 @@ def test_docs_tables_md_matches_the_code():
     doc = Path(__file__).resolve().parents[1] / "docs" / "tables.md"
     assert doc.read_text() == tables_markdown(), \
         "docs/tables.md is stale: python -m stepwatch.storage.docs > docs/tables.md"
+
+
+def test_step_summary_adds_up_to_the_step_rows_across_flushes(tmp_path):
+    """A step whose ranks arrive in two flushes has two summary rows; aggregated they equal the rows."""
+    st = LakeStore(tmp_path).init()
+    a, b = steps("s", 0, 4, ranks=8), steps("s", 2, 3, ranks=8)
+    st.write_flush({"steps": [a.filter(pa.compute.less(a.column("rank"), 5))]}, {})
+    st.write_flush({"steps": [a.filter(pa.compute.greater_equal(a.column("rank"), 5)), b]}, {})
+    con = connect(tmp_path)
+    want = con.execute("SELECT step, count(*), max(t_end), max(step_ms), sum(step_ms) FROM steps GROUP BY step "
+                       "ORDER BY step").fetchall()
+    got = con.execute("SELECT step, sum(ranks), max(t_end), max(step_ms_max), sum(step_ms_sum) FROM step_summary "
+                      "GROUP BY step ORDER BY step").fetchall()
+    assert got == want and len(want) == 5
+    assert con.execute("SELECT count(*) FROM step_summary WHERE step = 1").fetchone() == (2,)
 
 
 def test_postgres_password_from_a_file_is_used_and_never_printed(postgres, tmp_path):
