@@ -310,4 +310,10 @@ def test_ddp_sleep_in_one_of_four_ranks_is_one_alert_with_cause_computation(kafk
     assert a["kind"] == "slow_rank" and a["nodes"] == ["node-a"] and a["cause"] == "computation", _show(alerts)
     assert json.loads(a["evidence"])["host"].get("cpu_wait_reported") is True
     assert a["step_detected"] - fault <= 10, a["step_detected"]
-    _no_other_rank_named(alerts, 1)
+    # Four ranks on this machine's two cores: while rank 1 sleeps the other three share the cores with
+    # each other, and a rank can measurably wait for CPU. Such an alert may name another rank only as
+    # CPU contention, after the fault, inside the fault's own incident; none before it, none other.
+    inc = a.get("incident_id")
+    other = [x for x in alerts if x["ranks"] and x["ranks"] != [1]]
+    wrong = [x for x in other if x["cause"] != "cpu" or x["step_first"] < fault or x.get("incident_id") != inc]
+    assert not wrong, f"alerts naming another rank outside rank 1's incident:\n{_show(wrong)}"
