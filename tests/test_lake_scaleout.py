@@ -35,7 +35,7 @@ def _start(kafka, lake, work, name, *extra):
     d = work / name
     d.mkdir(exist_ok=True)
     cmd = [sys.executable, "-m", "stepwatch.cli", "process", "--bootstrap", kafka.bootstrap, "--topic-prefix",
-           kafka.prefix, "--data-dir", str(d), "--group", "g-scale", "-q", "--flush-interval", "0.3", *extra]
+           kafka.prefix, "--data-dir", str(d), "--group", "g-" + kafka.prefix.rstrip("."), "-q", "--flush-interval", "0.3", *extra]
     return subprocess.Popen(cmd, env=_env(lake), stdout=subprocess.DEVNULL, stderr=open(d / "log", "ab"))
 
 
