@@ -2,7 +2,10 @@
 
 Lifecycle: the processor creates one instance of every registered detector per job, calls
 :meth:`Detector.update` with each block of *closed* steps (all ranks reported, or the lateness bound
-passed) in step order, and collects the alerts it returns. After a restart or a partition move the
+passed) in step order, and collects the alerts it returns and the rows :meth:`Detector.drain_rows`
+hands out (the outputs each class declares in :attr:`Detector.outputs`). The loop that does so is
+:func:`stepwatch.detectors.replay.replay`, shared by the live processor, its rebuild, the offline
+analysis and the detector benchmark. After a restart or a partition move the
 processor replays the job's last window of stored steps through fresh detectors with the same
 settings; because detectors are deterministic and alert ids are stable, replayed alerts that are
 already stored are recognised and not sent twice.
@@ -196,6 +199,22 @@ class Detector:
     """
 
     name = "detector"
+    #: Every output of the detector, output name -> the table of the store it goes to
+    #: (:mod:`stepwatch.catalog`): ``alerts`` (what :meth:`update` and :meth:`tick` return) for all of
+    #: them; a detector that also writes rows declares each output :meth:`drain_rows` returns. The
+    #: processor and :func:`stepwatch.detectors.replay.replay` read this, never guess.
+    outputs: dict[str, str] = {"alerts": "alerts"}
+
+    @classmethod
+    def row_outputs(cls) -> dict[str, str]:
+        """The declared outputs that are rows (all but ``alerts``), name -> table."""
+        return {k: v for k, v in cls.outputs.items() if k != "alerts"}
+
+    def drain_rows(self) -> dict:
+        """Rows written since the last call, output name -> ``pyarrow.Table``, for the outputs declared in
+        :attr:`outputs` (only those with rows). Called after every :meth:`update` / :meth:`tick`.
+        Default: none."""
+        return {}
 
     def update(self, ctx: JobContext, block: StepBlock) -> list[Alert]:  # pragma: no cover
         raise NotImplementedError

@@ -63,6 +63,7 @@ class CommBandwidth(Detector):
     """
 
     name = "comm_bw"
+    outputs = {"alerts": "alerts", "comm_bw": "comm_bw"}          # rows: drain_rows()["comm_bw"]
 
     def __init__(self, *, window: int = 20, every: int = 10, lag: int = 2, min_steps: int = 8,
                  small_div: float = 16.0, small_share: float = 0.5, min_calls: int = 4,

@@ -99,6 +99,7 @@ class Mfu(Detector):
     """
 
     name = "mfu"
+    outputs = {"alerts": "alerts", "efficiency": "efficiency"}    # rows: drain_rows()["efficiency"]
 
     def __init__(self, *, peak_tflops=None, baseline: int = 21, slow: float = 1.1, min_effect: float = 0.05,
                  min_t: float = 5.0, window: int = 200, critical_pct: float = 10.0, max_pending: int = 8192):

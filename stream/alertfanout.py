@@ -1,13 +1,14 @@
-"""Alerts from the processor to the places that tell people: one callback, several sinks.
+"""Alerts from the processor to the places that tell people, as sinks (:mod:`stepwatch.stream.sinks`).
 
-:func:`attach` sets a :class:`~stepwatch.stream.processor.Processor`'s ``on_alert`` (every alert, firing
-and resolved, as it is emitted) and ``on_alert_restored`` (every alert still open in the store when the
-processor rebuilds a job: after a restart or a partition move) to fan out to sinks such as
-:class:`stepwatch.dashboards.annotations.AnnotationSink` and
-:class:`stepwatch.dashboards.alertmanager.AlertmanagerSink`. A sink is any object with ``submit(alert)``
-(never blocking); ``restore(alert)`` is optional (the Alertmanager sink uses it to go on re-sending an
-open alert, so a restart neither resolves nor repeats it). The processor's job metrics count restored
-alerts too.
+:func:`attach` adds notifiers such as :class:`stepwatch.dashboards.annotations.AnnotationSink` and
+:class:`stepwatch.dashboards.alertmanager.AlertmanagerSink` to a
+:class:`~stepwatch.stream.processor.Processor`'s sinks (each wrapped in a
+:class:`~stepwatch.stream.sinks.NotifierSink`): they get every alert, firing and resolved, as it is emitted,
+and every alert still open in the store when the processor rebuilds a job (after a restart or a partition
+move). A notifier is any object with ``submit(alert)`` (never blocking); ``restore(alert)`` is optional (the
+Alertmanager sink uses it to go on re-sending an open alert, so a restart neither resolves nor repeats it).
+The processor's job metrics count restored alerts too (its ``on_alert_restored``). :func:`open_alerts` reads
+those open alerts from the store.
 """
 from __future__ import annotations
 
@@ -52,23 +53,12 @@ def open_alerts(con, job: str) -> list[Alert]:
 
 
 def attach(processor, sinks: Iterable = (), *, echo: Callable[[Alert], None] | None = None) -> None:
-    """Fan the processor's alerts out to ``sinks`` (None entries are skipped); ``echo`` is called first
-    for every emitted alert (e.g. print its line)."""
-    sinks = [s for s in sinks if s is not None]
-
-    def on_alert(a: Alert) -> None:
-        if echo is not None:
-            echo(a)
-        for s in sinks:
-            s.submit(a)
-
-    def on_restored(a: Alert) -> None:
-        if processor.job_metrics is not None:
-            processor.job_metrics.on_alert(a)
-        for s in sinks:
-            restore = getattr(s, "restore", None)
-            if restore is not None:
-                restore(a)
-
-    processor.on_alert = on_alert
-    processor.on_alert_restored = on_restored
+    """Add ``sinks`` (None entries are skipped) to the processor's sinks, each as a
+    :class:`~stepwatch.stream.sinks.NotifierSink` after the alerts topic and the console; ``echo`` becomes
+    the processor's ``on_alert`` (the console sink calls it first for every emitted alert, e.g. to print
+    its line; without it the console sink is quiet: the alert line is not logged)."""
+    from stepwatch.stream.sinks import NotifierSink
+    processor.on_alert = echo if echo is not None else (lambda a: None)
+    for s in sinks:
+        if s is not None:
+            processor.sinks.add(NotifierSink(s))

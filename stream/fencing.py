@@ -11,7 +11,6 @@ on its next poll and gets a fresh assignment.
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
 
 log = logging.getLogger("stepwatch.processor")
 
@@ -32,8 +31,7 @@ def member(consumer) -> str:
 
 
 def drop_buffers(proc) -> None:
-    proc.buffers = defaultdict(list)
-    proc.buffered_rows = 0
+    proc.lake.drop()           # the store sink's buffers (stream.sinks.LakeSink)
     proc.jobs.clear()          # detector state saw rows that are not stored: rebuild it from the store
 
 

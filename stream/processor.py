@@ -1,17 +1,22 @@
 """The stream processor: Kafka consumer group -> decode -> align -> detect -> DuckLake, alerts.
 
 Lifecycle of one message: poll -> skip if the store's marker lists it as done -> decode and validate
-(whole-message errors and bad rows go to the deadletter topic and table with a reason) -> buffer the
-valid rows per table; steps are also scattered into their job's alignment ring, which drops
-duplicates by natural key and closes steps for the detectors. Every ``flush_interval_s`` (or when
-``max_buffer_rows`` are buffered) the buffers and the consumed positions (with the consumer-group
-generation) are committed to the lake in one transaction, and only then the offsets committed to
-Kafka (at-least-once delivery, exactly-once in the store, older generations fenced; see
-:mod:`stepwatch.storage.store` and :mod:`stepwatch.stream.fencing`).
+(whole-message errors and bad rows go to the deadletter topic and table with a reason) -> write the
+valid rows to the sinks; steps are also scattered into their job's alignment ring, which drops
+duplicates by natural key and closes steps for the detectors (:func:`stepwatch.detectors.replay.replay`
+feeds them; their alerts and declared row outputs go to the sinks too).
+
+Every output is a sink (:mod:`stepwatch.stream.sinks`): the store (rows buffered per table), the alerts
+and deadletter topics, the console (``on_alert``), and the notifiers :func:`stepwatch.stream.alertfanout.attach`
+adds (Grafana annotations, Alertmanager). Every ``flush_interval_s`` (or when ``max_buffer_rows`` are
+buffered) a checkpoint (:mod:`stepwatch.stream.checkpoint`) stores the buffers and the consumed positions
+(with the consumer-group generation) in one lake transaction, then waits for the topics' delivery, and
+only then commits the offsets to Kafka (at-least-once delivery, exactly-once in the store, older
+generations fenced; see :mod:`stepwatch.storage.store` and :mod:`stepwatch.stream.fencing`).
 
 A job's detector state is rebuilt from the store the first time this processor sees the job (after
-a restart or a partition move): its topology, the last window of steps and the alerts already
-stored, so a straggler in progress is not forgotten and an alert is not sent twice.
+a restart or a partition move; :mod:`stepwatch.stream.rebuild`): its topology, the last window of steps
+and the alerts already stored, so a straggler in progress is not forgotten and an alert is not sent twice.
 """
 from __future__ import annotations
 
@@ -20,7 +25,6 @@ import logging
 import re
 import threading
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -33,10 +37,14 @@ from stepwatch import schema as wire
 from stepwatch.detectors.base import Alert, Detector, JobContext, StepBlock
 from stepwatch.detectors.context import JobTelemetry
 from stepwatch.detectors.incidents import Incidents
+from stepwatch.detectors.replay import drain, replay
 from stepwatch import catalog
 from stepwatch.storage.store import Fenced, Marker, ParquetStore
-from stepwatch.storage.views import connect as views_connect
-from stepwatch.stream import fencing, ingress, stepaxis
+from stepwatch.stream import fencing, ingress, rebuild, stepaxis
+from stepwatch.stream.caughtup import CaughtUp
+from stepwatch.stream.intake import Intake
+from stepwatch.stream.checkpoint import Checkpoint, PartitionProgress
+from stepwatch.stream.sinks import AlertOut, ConsoleSink, LakeSink, Rows, Sinks, TopicSink
 from stepwatch.stream.align import JobState
 from stepwatch.stream.hostwait import HostWait
 from stepwatch.stream.stepaxis import JobAxis
@@ -72,19 +80,16 @@ class JobRuntime:
     axis: JobAxis = field(default_factory=JobAxis)    # where its ranks are (stream.stepaxis)
 
 
-@dataclass
-class PartitionProgress:
-    marker: Marker
-    consumed: list = field(default_factory=list)      # offsets consumed since the last flush
-
-
 def _plain(t: pa.Table) -> pa.Table:
     """Timestamps as int ns so rows convert to Python without pandas (deadletter payloads)."""
     cols = [c.cast(pa.int64()) if pa.types.is_timestamp(c.type) else c for c in t.columns]
     return pa.Table.from_arrays(cols, names=t.column_names)
 
 
-class Processor:
+class Processor(Intake, CaughtUp):
+    """Kafka consumer group -> decode (:class:`~stepwatch.stream.intake.Intake`) -> align -> detect ->
+    sinks, checkpointed (see the module docs); read-to-end proofs and lag: :class:`~stepwatch.stream.caughtup.CaughtUp`."""
+
     def __init__(self, kafka: KafkaSettings, data_dir: str | Path, group: str = "stepwatch-processor",
                  flush_interval_s: float = 1.0, max_buffer_rows: int = 1_000_000,
                  lateness_s: float = 10.0, window_steps: int = 128, replay_steps: int = 256,
@@ -118,9 +123,10 @@ class Processor:
         self.profiling_settings = profiling         # ProfilingSettings (stream.profiling); None: no commands
         self.profiling = None                       # its Issuer, once the producer exists
         self.jobs: dict[str, JobRuntime] = {}
-        self.buffers: dict[str, list[pa.Table]] = defaultdict(list)
-        self.buffer_src: dict[str, list] = defaultdict(list)   # source message of each buffered piece
-        self.buffered_rows = 0
+        # the outputs (stream.sinks), in the order an alert reaches them: topic, console, then attach()'s
+        self.lake = LakeSink(self.store, self.metrics, self.limits, self.rlog)
+        self.sinks = Sinks([self.lake, TopicSink(kafka, lambda: self.producer),
+                            ConsoleSink(lambda: self.on_alert)])
         self.progress: dict[tuple[str, int], PartitionProgress] = {}
         self.last_flush = time.monotonic()
         self.last_data = time.monotonic()
@@ -137,8 +143,14 @@ class Processor:
         self._caught_up_cache: dict[tuple[str, int], tuple[float, float]] = {}
         self._read_to: dict[tuple[str, int], int] = {}     # next offset after the last message handled
         self.job_metrics = JobMetrics(self.metrics.registry)   # per-job Prometheus metrics (None: off)
-        # called with each alert still open in the store when a job is rebuilt (stream.alertfanout.attach)
+        # called with each alert still open in the store when a job is rebuilt (the job metrics count it;
+        # the sinks get it as AlertOut(restored=True): stream.rebuild)
         self.on_alert_restored: Callable[[Alert], None] | None = self.job_metrics.on_alert
+
+    # the store sink's buffers (stream.stepaxis, stream.fencing, the fuzz harness and tests read them)
+    buffers = property(lambda self: self.lake.buffers, lambda self, v: setattr(self.lake, "buffers", v))
+    buffer_src = property(lambda self: self.lake.buffer_src, lambda self, v: setattr(self.lake, "buffer_src", v))
+    buffered_rows = property(lambda self: self.lake.rows, lambda self, v: setattr(self.lake, "rows", v))
 
     # ------------------------------------------------------------------ kafka lifecycle
     def start(self) -> None:
@@ -202,6 +214,7 @@ class Processor:
                 self.producer.flush(10)
                 self.producer.close(5)
             self.consumer = self.producer = None
+            self.sinks.close()
 
     # ------------------------------------------------------------------ main loop
     def run(self, stop_event: threading.Event | None = None, idle_exit_s: float | None = None,
@@ -260,59 +273,6 @@ class Processor:
         return n
 
     # ------------------------------------------------------------------ messages
-    def process_message(self, msg) -> None:
-        """One Kafka record: decode, bound, route, buffer; at most one deadletter record for it.
-        Never raises (the fuzz harness, :mod:`stepwatch.fuzz`, drives this same entry point)."""
-        self._dl, self._src = ingress.MessageDeadletter(), (msg.topic, msg.partition, msg.offset)
-        try:
-            self._handle(msg)
-        except Exception as e:  # noqa: BLE001 - one message must never stop the processor
-            log.exception("failed to handle %s@%d/%d", msg.topic, msg.partition, msg.offset)
-            self._dl.add(f"internal error while processing: {e!r}"[:2000])
-        try:
-            self._finish_deadletter(msg)
-        except Exception:  # noqa: BLE001
-            log.exception("could not deadletter %s@%d/%d", msg.topic, msg.partition, msg.offset)
-        self._dl = self._src = None
-
-    def _handle(self, msg) -> None:
-        if self._dl is None:          # called directly (eval, tests): the same path as poll_once
-            self.process_message(msg)
-            return
-        hdr = {k: v for k, v in (msg.headers or [])}
-        kind = self._topic_kind.get(msg.topic, "?")
-        self.metrics.messages_in.labels(kind).inc()
-        t0 = time.perf_counter()
-        lim = self.limits
-        try:
-            ingress.check_size(msg.value, hdr.get("content-type"), lim)
-            d = wire.decode(msg.value, hdr.get("content-type"), hdr.get("schema"),
-                            check_arrow=lambda p: ingress.check_arrow_sizes(p, lim), prepare=self._prepare)
-            if d.kind != kind:
-                raise wire.WireError(f"schema header {d.kind!r} does not match topic {msg.topic!r}")
-        except wire.WireError as e:
-            self._deadletter(msg, str(e), None, None)
-            return
-        except Exception as e:  # noqa: BLE001 - a bad message must never stop the processor
-            log.exception("unexpected error decoding %s@%d", msg.topic, msg.offset)
-            self._deadletter(msg, f"internal error while decoding: {e!r}", None, None)
-            return
-        finally:
-            self.metrics.decode_seconds.observe(time.perf_counter() - t0)
-        self.metrics.records_in.labels(kind).inc(d.table.num_rows + len(d.rejected))
-        self._dl.total_rows = d.table.num_rows + len(d.rejected)
-        if d.rejected:
-            self._deadletter(msg, None, d.rejected, d.rejected_rows)
-        checks = ingress.row_bounds(kind, d.table, lim, time.time_ns(), stepaxis.time_base(self.jobs, d.table, lim))
-        if checks:
-            table, reasons, nbad = ingress.split(d.table, checks)
-            self.metrics.rows_rejected.labels(kind).inc(nbad)
-            for r in reasons:
-                self._dl.add(r, n=nbad if r is reasons[0] else 0, keep=lim.deadletter_reasons)
-            d.table = table
-        if d.table.num_rows:
-            self._route(kind, d.table, msg)
-
     def _route(self, kind: str, t: pa.Table, msg) -> None:
         if kind == "topology":
             for job in pc.unique(t.column("job")).to_pylist():
@@ -381,77 +341,6 @@ class Processor:
         ctx.caught_up = lambda: self._caught_up(rt)
         return ctx
 
-    def _caught_up(self, rt: JobRuntime) -> bool:
-        """The job's steps read to their end (:meth:`_steps_caught_up`) and the in-flight states too: a
-        step that is long by design (evaluation, checkpoint) is known so only from them."""
-        if not self._steps_caught_up(rt):
-            return False
-        topic = self.kafka.topic("inflight")
-        if self.caught_up_hook is not None:
-            return bool(self.caught_up_hook(topic, None))
-        # with a real consumer the in-flight partitions are not required read to the end: during a hang
-        # the watchdogs write them continuously, so a prefetched record would always be pending
-        return True
-
-    def _steps_caught_up(self, rt: JobRuntime) -> bool:
-        """Whether the job's steps partition has been read to its end: it is assigned and not paused, and
-        the messages handled reach the broker's end offset (asked at most every 0.5 s per partition) and
-        the high watermark of the last fetch. The proof a silence judged on event time needs
-        (docs/detectors.md, stall). Without a consumer (rows handed over in order) it is taken as yes. A job
-        whose steps this processor has not read since it started (rebuilt from the store) needs every steps
-        partition it is assigned read to its end."""
-        topic, part = self.kafka.topic("steps"), rt.steps_partition
-        if part is None:
-            if self.consumer is None:
-                return self.caught_up_hook is None or all(
-                    self.caught_up_hook(topic, p) for (t, p) in list(self._read_to) if t == topic)
-            try:
-                parts = [tp.partition for tp in self.consumer.assignment() if tp.topic == topic]
-            except Exception:  # noqa: BLE001
-                return False
-            return bool(parts) and all(self._tp_caught_up(topic, p) for p in parts)
-        if self.caught_up_hook is not None:
-            return bool(self.caught_up_hook(topic, part))
-        if self.consumer is None:
-            return True
-        return self._tp_caught_up(topic, part)
-
-    def _tp_caught_up(self, topic: str, part: int) -> bool:
-        from kafka.structs import TopicPartition
-        tp = TopicPartition(topic, part)
-        try:
-            if tp in self.consumer.paused() or tp not in self.consumer.assignment():
-                return False                               # not being read: no proof
-            # what was handled (the consumer's position runs ahead by the records of the current poll)
-            pos = self._read_to.get((topic, part))
-            if pos is None:
-                pos = self.consumer.position(tp)
-            now = time.monotonic()
-            hit = self._caught_up_cache.get((topic, part))
-            if hit is None or now - hit[0] >= 0.5:         # the broker's end offset, at most every 0.5 s
-                hit = (now, self.consumer.end_offsets([tp])[tp])
-                self._caught_up_cache[(topic, part)] = hit
-            # the high watermark of the last fetch too (some brokers answer ListOffsets with less)
-            return pos >= max(hit[1], self.consumer.highwater(tp) or 0)
-        except Exception:  # noqa: BLE001 - unknown (e.g. the partition is not ours): no proof
-            return False
-
-    def _host_caught_up(self, rt: JobRuntime) -> bool:
-        """Whether the job's host partition (or, before its first host row, every host partition this
-        processor reads) is read to its end (stream/hostwait.py). Without a consumer: yes."""
-        topic = self.kafka.topic("host")
-        if self.caught_up_hook is not None:
-            return bool(self.caught_up_hook(topic, rt.host_partition))
-        if self.consumer is None:
-            return True
-        if rt.host_partition is not None:
-            return self._tp_caught_up(topic, rt.host_partition)
-        try:
-            parts = [tp.partition for tp in self.consumer.assignment() if tp.topic == topic]
-        except Exception:  # noqa: BLE001
-            return False
-        return bool(parts) and all(self._tp_caught_up(topic, p) for p in parts)
-
     def _tick(self, rt: JobRuntime) -> None:
         """Tell the detectors the job's event time (newest step end or host sample) moved."""
         if rt.replaying:
@@ -464,92 +353,10 @@ class Processor:
             self._run_detector(rt, det, det.tick, ctx, max(ctx.steps_event_ns, ctx.host_event_ns))
 
     def _buffer(self, table: str, t: pa.Table) -> None:
-        self.buffers[table].append(t)
-        self.buffer_src[table].append(self._src)
-        self.buffered_rows += t.num_rows
+        """Rows for the store (the lake sink buffers them until the next checkpoint)."""
+        self.sinks.write(Rows(table, t, self._src))
         if self.job_metrics is not None:
             self.job_metrics.on_rows(table, t)
-
-    def _prepare(self, kind: str, raw: pa.Table) -> pa.Table:
-        """Ingress hook of :func:`wire.decode`: expansion bounds, then extra columns."""
-        ingress.check_expansion(raw, self.limits)
-        before = dict(self.extras.dropped)
-        t = self.extras.apply(kind, raw)
-        for why, k in self.extras.dropped.items():
-            if k != before.get(why, 0):
-                self.metrics.columns_dropped.labels(why).inc(k - before.get(why, 0))
-        return t
-
-    def _skip_undecodable(self, e: Exception) -> bool:
-        """``consumer.poll`` raised on a batch it cannot decode: deadletter the record at the
-        partition's position and seek past it (records of a bad batch go one at a time), so the
-        processor never restarts into the same offsets. False if no partition can be blamed."""
-        tp = getattr(getattr(getattr(self.consumer, "_fetcher", None), "_next_partition_records", None),
-                     "topic_partition", None)
-        cands = [tp] if tp is not None else sorted(self.consumer.assignment())
-        for tp in cands:
-            try:
-                off = self.consumer.position(tp)
-            except Exception:  # noqa: BLE001
-                continue
-            if off is None:
-                continue
-            if tp is not cands[0] or len(cands) > 1:
-                # no partition named by the client: probe each alone
-                others = [x for x in self.consumer.assignment() if x != tp]
-                self.consumer.pause(*others)
-                try:
-                    self.consumer.poll(timeout_ms=200, max_records=1, update_offsets=False)
-                    self.consumer.seek(tp, off)
-                    continue
-                except Exception:  # noqa: BLE001 - this is the one
-                    pass
-                finally:
-                    self.consumer.resume(*others)
-            self.metrics.undecodable.inc()
-            from types import SimpleNamespace
-            msg = SimpleNamespace(topic=tp.topic, partition=tp.partition, offset=off, key=None, value=b"",
-                                  headers=[])
-            prog = self.progress.get((tp.topic, tp.partition))
-            if prog is not None:
-                prog.consumed.append(off)
-            self._dl, self._src = ingress.MessageDeadletter(), (tp.topic, tp.partition, off)
-            self._dl.add(f"Kafka client cannot decode the record batch: {type(e).__name__}: {e}"[:2000])
-            try:
-                self._finish_deadletter(msg)
-            finally:
-                self._dl = self._src = None
-            self.consumer.seek(tp, off + 1)
-            return True
-        log.error("consumer.poll failed and no partition could be blamed: %r", e)
-        time.sleep(0.5)
-        return True
-    def _deadletter(self, msg, reason: str | None, rejected, rows: pa.Table | None) -> None:
-        """Note what is wrong with the message in hand; :meth:`_finish_deadletter` writes ONE record
-        per source message (a summary of its bad rows, the raw value capped, headers stripped)."""
-        if self._dl is None:          # outside a message's handling: a record of its own
-            self._dl = ingress.MessageDeadletter()
-            try:
-                self._dl.add(reason, rejected, rows, keep=self.limits.deadletter_reasons)
-                self._finish_deadletter(msg)
-            finally:
-                self._dl = None
-            return
-        self._dl.add(reason, rejected, rows, keep=self.limits.deadletter_reasons)
-
-    def _finish_deadletter(self, msg) -> None:
-        dl = self._dl
-        if not dl:
-            return
-        rec = dl.record(msg, ingress.key_job(msg), getattr(dl, "total_rows", None), self.limits, time.time_ns())
-        self.rlog.warning("deadletter %s@%d/%d: %s", msg.topic, msg.partition, msg.offset, rec["reason"][:300])
-        self.metrics.dropped.labels("deadletter").inc()
-        self._buffer("deadletter", pa.Table.from_pylist([rec], schema=wire.DEADLETTER))
-        if self.producer is not None:
-            h = [("error", rec["reason"][:1000].encode()),
-                 ("source", f"{msg.topic}/{msg.partition}/{msg.offset}".encode())]
-            self.producer.send(self.kafka.topic("deadletter"), rec["payload"], key=msg.key if msg.key and len(msg.key) <= 256 else None,
-                               headers=h)
 
     # ------------------------------------------------------------------ jobs and detectors
     def new_detectors(self, job: str) -> list[Detector]:
@@ -619,62 +426,8 @@ class Processor:
             self.metrics.jobs_evicted.inc()
 
     def _rebuild(self, rt: JobRuntime) -> None:
-        """Warm a job's state from the store: topology, last window of steps, stored alerts."""
-        job = rt.state.job
-        try:
-            con = views_connect(self.store.root)
-            topo = con.sql("SELECT * FROM topology WHERE job = ? QUALIFY row_number() OVER "
-                           "(PARTITION BY rank ORDER BY date DESC) = 1", params=[job]).to_arrow_table()
-            if topo.num_rows:
-                rt.state.set_topology(topo)
-            for aid, status in con.execute("SELECT alert_id, status FROM alerts WHERE job = ?", [job]).fetchall():
-                rt.alerts_seen.add((aid, status))
-            try:                                           # incidents keep their ids across restarts
-                rt.incidents.seed(con.sql("SELECT * FROM alerts WHERE job = ? AND incident_id IS NOT NULL "
-                                          "ORDER BY t_detected", params=[job]).to_arrow_table().to_pylist())
-            except Exception:  # noqa: BLE001 - a store written before incidents existed
-                log.info("no incidents to warm for job %s", job, exc_info=True)
-            if self.on_alert_restored is not None:     # sinks re-send them, job metrics count them
-                from stepwatch.stream.alertfanout import open_alerts
-                for a in open_alerts(con, job):
-                    self.on_alert_restored(a)
-            # the job's position: where its ranks' newest steps are (stream.stepaxis; one bad row cannot place it)
-            top = con.execute("SELECT quantile_disc(m, 0.75) FROM (SELECT max(step) AS m FROM steps WHERE job = ? "
-                              "GROUP BY rank)", [job]).fetchall()[0][0]
-            if top is not None:
-                lo = int(top) - self.replay_steps + 1
-                hist = con.sql("SELECT * FROM steps WHERE job = ? AND step BETWEEN ? AND ? ORDER BY step, rank",
-                               params=[job, lo, int(top) + self.window_steps // 2]).to_arrow_table()
-                if hist.num_rows:
-                    self._rebuild_context(con, rt, hist)
-                    hist = wire.conform(hist.drop_columns([c for c in ("date",) if c in hist.column_names]),
-                                        wire.STEPS)
-                    rt.replaying = True
-                    _, blocks = rt.state.ingest(hist)
-                    self._detect(rt, blocks)
-                    rt.replaying = False
-                    log.info("rebuilt job %s from store: %d rows up to step %s, %d alerts known",
-                             job, hist.num_rows, top, len(rt.alerts_seen))
-            con.close()
-        except Exception:  # noqa: BLE001 - a cold start must not stop the processor
-            log.exception("could not rebuild state of job %s from the store; starting cold", job)
-
-    def _rebuild_context(self, con, rt: JobRuntime, hist: pa.Table) -> None:
-        """Warm the job's host/gc windows from the store over the replayed steps' time span."""
-        try:
-            mm = pc.min_max(hist.column("t_end").cast(pa.int64())).as_py()
-            if mm["min"] is None:
-                return
-            lo = max(int(mm["min"]) - 60_000_000_000, int(mm["max"]) - 300_000_000_000)
-            for kind, schema in (("host", wire.HOST), ("gc", wire.GC)):
-                # in time order: the window's row cap keeps the newest
-                t = con.sql(f"SELECT * FROM {kind} WHERE job = ? AND epoch_ns(t) >= ? ORDER BY t",
-                            params=[rt.state.job, lo]).to_arrow_table()
-                if t.num_rows:
-                    rt.telemetry.add(kind, wire.conform(t.drop_columns([c for c in ("date",) if c in t.column_names]),
-                                                        schema))
-        except Exception:  # noqa: BLE001 - evidence is optional; the steps replay is what matters
-            log.info("could not warm the host/gc context of job %s from the store", rt.state.job, exc_info=True)
+        """Warm a job's state from the store: topology, last window of steps, stored alerts (stream.rebuild)."""
+        rebuild.rebuild(self, rt)
 
     def _detect(self, rt: JobRuntime, blocks: list[StepBlock], force: bool = False) -> None:
         # a job's topology (pipeline stages: which ranks are peers) may be read after its first steps
@@ -689,30 +442,40 @@ class Processor:
         if not blocks:
             return
         ctx = self._ctx(rt)
-        for blk in blocks:
+
+        def on_block(blk: StepBlock) -> None:
             self.metrics.steps_closed.inc(len(blk))
             if self.job_metrics is not None:
                 self.job_metrics.on_block(ctx, blk)
-            for det in rt.detectors:
-                self._run_detector(rt, det, det.update, ctx, blk)
+        replay(rt.detectors, ctx, blocks, call=lambda det, fn, *a: self._call(rt, det, fn, *a),
+               on_block=on_block, out=lambda det, alerts, rows: self._out(rt, alerts, rows))
 
     def _run_detector(self, rt: JobRuntime, det, fn, *args) -> None:
-        """Call one detector entry point with timing and error metrics; emit what it returns.
-        A failing detector is logged and counted, never allowed to stop the processor."""
+        """Call one detector entry point outside a replay (``tick``) and hand out what it returns, as
+        :func:`~stepwatch.detectors.replay.replay` does."""
+        alerts = self._call(rt, det, fn, *args)
+        if alerts is None:
+            return
+        self._out(rt, alerts, drain(det))
+
+    def _call(self, rt: JobRuntime, det, fn, *args):
+        """One detector entry point with timing and error metrics. A failing detector is logged and
+        counted (None), never allowed to stop the processor."""
         t0 = time.perf_counter()
         try:
-            alerts = fn(*args)
+            return fn(*args)
         except Exception:  # noqa: BLE001
             log.exception("detector %s failed (%s) on job %s", det.name, fn.__name__, rt.state.job)
             self.metrics.detector_errors.labels(det.name).inc()
-            return
+            return None
         finally:
             self.metrics.detector_seconds.labels(det.name).observe(time.perf_counter() - t0)
-        drain = getattr(det, "drain_rows", None)     # detectors that also produce table rows (efficiency)
-        if drain is not None:
-            for table, rows in drain().items():
-                if rows.num_rows and not rt.replaying:   # replayed steps' rows are already stored
-                    self._buffer(table, wire.conform(rows, wire.SCHEMAS[table]))
+
+    def _out(self, rt: JobRuntime, alerts: list[Alert], rows: dict[str, pa.Table]) -> None:
+        """A detector's outputs (declared in its class: stepwatch.detectors.base.Detector.outputs)."""
+        for table, t in rows.items():
+            if t.num_rows and not rt.replaying:          # replayed steps' rows are already stored
+                self._buffer(table, wire.conform(t, wire.SCHEMAS[table]))
         for a in alerts:
             self._emit(rt, a)
 
@@ -739,14 +502,9 @@ class Processor:
         if self.profiling is not None and a.status == "firing" and not rt.replaying:
             self._profile_alert(rt, a)
 
-    def _notify(self, a: Alert, row: pa.Table) -> None:
-        if self.producer is not None:
-            self.producer.send(self.kafka.topic("alerts"), wire.encode_arrow(row), key=a.job.encode(),
-                               headers=[("content-type", wire.ARROW_CT.encode()), ("schema", b"alerts/1")])
-        if self.on_alert:
-            self.on_alert(a)
-        else:
-            log.warning("%s", a.line())
+    def _notify(self, a: Alert, row: pa.Table | None = None, note: str = "") -> None:
+        """The alert to the sinks that tell people (alerts topic, console, notifiers), now."""
+        self.sinks.write(AlertOut(a, row, note=note))
 
     def _host_settled(self, rt: JobRuntime, force: bool = False) -> None:
         """Alerts whose row waited for the host samples of their steps (stream/hostwait.py): decided again,
@@ -784,15 +542,8 @@ class Processor:
             if p.alert is None:
                 continue
             a = alert_with_diff(p.alert, p.cmd_id, d)
-            row = pa.Table.from_pylist([a.row()], schema=wire.ALERTS)
-            if self.producer is not None:
-                self.producer.send(self.kafka.topic("alerts"), wire.encode_arrow(row), key=a.job.encode(),
-                                   headers=[("content-type", wire.ARROW_CT.encode()), ("schema", b"alerts/1")])
-            if self.on_alert:
-                self.on_alert(a)
-            else:
-                log.warning("%s — profile: %s", a.line(), ", ".join(
-                    f"{x['name']} +{x['delta_ms']:.2f} ms/step" for x in d["slower"][:3]))
+            self._notify(a, None, "profile: " + ", ".join(
+                f"{x['name']} +{x['delta_ms']:.2f} ms/step" for x in d["slower"][:3]))
 
     def _close_idle_jobs(self) -> None:
         """Close steps of jobs whose stream went quiet (event time cannot advance without data)."""
@@ -804,100 +555,10 @@ class Processor:
 
     # ------------------------------------------------------------------ flush
     def _flush(self) -> None:
-        now = time.monotonic()
-        self.last_flush = now
-        markers: dict[tuple[str, int], Marker] = {}
-        commits = {}
-        for (topic, part), prog in self.progress.items():
-            if not prog.consumed:
-                continue
-            nxt = max(max(prog.consumed) + 1, prog.marker.next)
-            done = [r for r in (prog.marker.done or []) if r[1] >= nxt]
-            markers[(topic, part)] = Marker(nxt, done)
-        if not markers and not self.buffered_rows:
-            return
-        t0 = time.perf_counter()
-        tables = dict(self.buffers)
-        gen = fencing.generation(self.consumer)
-        try:
-            try:
-                self.store.write_flush(tables, markers, generation=gen)
-            except Fenced:
-                raise
-            except Exception as e:  # noqa: BLE001 - find the message(s) that break it; store the rest
-                tables = self._isolate(e)
-                self.store.write_flush(tables, markers, generation=gen)
-        except Fenced as e:         # another processor owns a partition now: store nothing
-            fencing.fenced(self, e)
-            return
-        rows = {k: sum(t.num_rows for t in v) for k, v in tables.items()}
-        self.metrics.flush_seconds.observe(time.perf_counter() - t0)
-        for k, n in rows.items():
-            self.metrics.records_out.labels(k).inc(n)
-        self.buffers = defaultdict(list)
-        self.buffer_src = defaultdict(list)
-        self.buffered_rows = 0
-        from kafka.structs import OffsetAndMetadata, TopicPartition
-        for (topic, part), m in markers.items():
-            prog = self.progress[(topic, part)]
-            prog.marker = m
-            prog.consumed = []
-            commits[TopicPartition(topic, part)] = OffsetAndMetadata(m.next, "", -1)
-        if commits and self.consumer is not None:
-            try:
-                self.consumer.commit(commits)
-            except Exception as e:  # noqa: BLE001 - the store's markers are the truth; Kafka's commit is advisory
-                log.warning("offset commit failed (store markers stay authoritative): %s", e)
-        self.t_last_flush = time.time()
-        self.cpu_last_flush = time.process_time()
-        self.metrics.last_flush.set(self.t_last_flush)
-
-    def _isolate(self, err: Exception) -> dict[str, list[pa.Table]]:
-        """A flush failed: bisect its pieces by source message against a scratch store; the pieces
-        of the messages that break it are replaced by one deadletter record each."""
-        self.metrics.flush_isolations.inc()
-        log.warning("flush failed (%r); isolating the message(s) that cause it", err)
-        pieces = [(name, t, src) for name, ts in self.buffers.items() for t, src in zip(ts, self.buffer_src[name])]
-        good, bad = ingress.isolate_failing_sources(pieces, ingress.scratch_writer(type(self.store)))
-        tables: dict[str, list[pa.Table]] = defaultdict(list)
-        for name, t, _ in good:
-            tables[name].append(t)
-        from types import SimpleNamespace
-        for src, e in bad.items():
-            if src is None:
-                log.error("rows the processor derived could not be stored and are dropped: %r", e)
-                continue
-            topic, part, off = src
-            msg = SimpleNamespace(topic=topic, partition=part, offset=off, key=None, value=b"", headers=[])
-            rec = ingress.MessageDeadletter()
-            rec.add(f"rows could not be stored: {e!r}"[:2000])
-            r = rec.record(msg, None, None, self.limits, time.time_ns())
-            tables["deadletter"].append(pa.Table.from_pylist([r], schema=wire.DEADLETTER))
-            self.metrics.dropped.labels("deadletter").inc()
-            self.rlog.warning("deadletter %s@%d/%d: %s", topic, part, off, r["reason"][:300])
-        return tables
-
-    def _update_lag(self) -> None:
-        if self.consumer is None:
-            return
-        total = 0
-        for tp in self.consumer.assignment():
-            hw = self.consumer.highwater(tp)
-            if hw is None:
-                continue
-            try:
-                pos = self.consumer.position(tp, timeout_ms=100) if hasattr(self.consumer, "position") else None
-            except TypeError:
-                pos = self.consumer.position(tp)
-            except Exception:  # noqa: BLE001
-                pos = None
-            if pos is None:
-                continue
-            lag = max(0, hw - pos)
-            self._lag_by_tp[(tp.topic, tp.partition)] = lag
-            total += lag
-            self.metrics.lag.labels(tp.topic, str(tp.partition)).set(lag)
-        self.metrics.total_lag = total
+        """A checkpoint: flush (the store: rows and offsets in one transaction) -> produce (the topics'
+        delivery) -> commit (Kafka offsets); see :mod:`stepwatch.stream.checkpoint`."""
+        self.last_flush = time.monotonic()
+        Checkpoint(self).commit()
 
     def stats(self) -> dict:
         m = self.metrics

@@ -1,0 +1,108 @@
+"""Where the processor's consumer stands, as a part of :class:`~stepwatch.stream.processor.Processor` (a
+mixin): whether a job's sources have been read to their end (the proof a silence judged on event time
+needs: docs/detectors.md, stall; and the host samples an alert waits for: :mod:`stepwatch.stream.hostwait`),
+and the consumer lag per partition (metrics, and ``ctx.backlog`` for the detectors).
+
+Without a consumer (rows handed over in order: tests, the eval) a source counts as read to its end, or as
+``caught_up_hook(topic, partition)`` says.
+"""
+from __future__ import annotations
+
+import time
+
+
+class CaughtUp:
+    """Read-to-end proofs and the consumer lag (see the module docs); mixed into the processor."""
+
+    def _caught_up(self, rt) -> bool:
+        """The job's steps read to their end (:meth:`_steps_caught_up`) and the in-flight states too: a
+        step that is long by design (evaluation, checkpoint) is known so only from them."""
+        if not self._steps_caught_up(rt):
+            return False
+        topic = self.kafka.topic("inflight")
+        if self.caught_up_hook is not None:
+            return bool(self.caught_up_hook(topic, None))
+        # with a real consumer the in-flight partitions are not required read to the end: during a hang
+        # the watchdogs write them continuously, so a prefetched record would always be pending
+        return True
+
+    def _steps_caught_up(self, rt) -> bool:
+        """Whether the job's steps partition has been read to its end: it is assigned and not paused, and
+        the messages handled reach the broker's end offset (asked at most every 0.5 s per partition) and
+        the high watermark of the last fetch. The proof a silence judged on event time needs
+        (docs/detectors.md, stall). Without a consumer (rows handed over in order) it is taken as yes. A job
+        whose steps this processor has not read since it started (rebuilt from the store) needs every steps
+        partition it is assigned read to its end."""
+        topic, part = self.kafka.topic("steps"), rt.steps_partition
+        if part is None:
+            if self.consumer is None:
+                return self.caught_up_hook is None or all(
+                    self.caught_up_hook(topic, p) for (t, p) in list(self._read_to) if t == topic)
+            try:
+                parts = [tp.partition for tp in self.consumer.assignment() if tp.topic == topic]
+            except Exception:  # noqa: BLE001
+                return False
+            return bool(parts) and all(self._tp_caught_up(topic, p) for p in parts)
+        if self.caught_up_hook is not None:
+            return bool(self.caught_up_hook(topic, part))
+        if self.consumer is None:
+            return True
+        return self._tp_caught_up(topic, part)
+
+    def _tp_caught_up(self, topic: str, part: int) -> bool:
+        from kafka.structs import TopicPartition
+        tp = TopicPartition(topic, part)
+        try:
+            if tp in self.consumer.paused() or tp not in self.consumer.assignment():
+                return False                               # not being read: no proof
+            # what was handled (the consumer's position runs ahead by the records of the current poll)
+            pos = self._read_to.get((topic, part))
+            if pos is None:
+                pos = self.consumer.position(tp)
+            now = time.monotonic()
+            hit = self._caught_up_cache.get((topic, part))
+            if hit is None or now - hit[0] >= 0.5:         # the broker's end offset, at most every 0.5 s
+                hit = (now, self.consumer.end_offsets([tp])[tp])
+                self._caught_up_cache[(topic, part)] = hit
+            # the high watermark of the last fetch too (some brokers answer ListOffsets with less)
+            return pos >= max(hit[1], self.consumer.highwater(tp) or 0)
+        except Exception:  # noqa: BLE001 - unknown (e.g. the partition is not ours): no proof
+            return False
+
+    def _host_caught_up(self, rt) -> bool:
+        """Whether the job's host partition (or, before its first host row, every host partition this
+        processor reads) is read to its end (stream/hostwait.py). Without a consumer: yes."""
+        topic = self.kafka.topic("host")
+        if self.caught_up_hook is not None:
+            return bool(self.caught_up_hook(topic, rt.host_partition))
+        if self.consumer is None:
+            return True
+        if rt.host_partition is not None:
+            return self._tp_caught_up(topic, rt.host_partition)
+        try:
+            parts = [tp.partition for tp in self.consumer.assignment() if tp.topic == topic]
+        except Exception:  # noqa: BLE001
+            return False
+        return bool(parts) and all(self._tp_caught_up(topic, p) for p in parts)
+
+    def _update_lag(self) -> None:
+        if self.consumer is None:
+            return
+        total = 0
+        for tp in self.consumer.assignment():
+            hw = self.consumer.highwater(tp)
+            if hw is None:
+                continue
+            try:
+                pos = self.consumer.position(tp, timeout_ms=100) if hasattr(self.consumer, "position") else None
+            except TypeError:
+                pos = self.consumer.position(tp)
+            except Exception:  # noqa: BLE001
+                pos = None
+            if pos is None:
+                continue
+            lag = max(0, hw - pos)
+            self._lag_by_tp[(tp.topic, tp.partition)] = lag
+            total += lag
+            self.metrics.lag.labels(tp.topic, str(tp.partition)).set(lag)
+        self.metrics.total_lag = total

@@ -1,0 +1,86 @@
+"""A job's detector state rebuilt from the store, the first time a processor sees the job (after a restart
+or a partition move): its topology, the alerts already stored (so none is sent twice, and incidents keep
+their ids), the alerts still open (handed to the sinks that keep alerts up, and to the job metrics), the
+host/gc context of the replayed span, and the last ``replay_steps`` steps replayed through the job's fresh
+detectors by the processor's own detection path (:meth:`~stepwatch.stream.processor.Processor._detect`,
+i.e. :func:`stepwatch.detectors.replay.replay`) with ``replaying`` set: a straggler in progress is not
+forgotten, and the replayed rows are not stored again.
+"""
+from __future__ import annotations
+
+import logging
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from stepwatch import schema as wire
+from stepwatch.storage.views import connect as views_connect
+from stepwatch.stream.sinks import AlertOut, NotifierSink
+
+log = logging.getLogger("stepwatch.processor")
+
+
+def rebuild(proc, rt) -> None:
+    """Warm ``rt`` (the processor's JobRuntime of a job) from the store: topology, last window of steps,
+    stored alerts. Never raises: a job that cannot be rebuilt starts cold."""
+    job = rt.state.job
+    try:
+        con = views_connect(proc.store.root)
+        topo = con.sql("SELECT * FROM topology WHERE job = ? QUALIFY row_number() OVER "
+                       "(PARTITION BY rank ORDER BY date DESC) = 1", params=[job]).to_arrow_table()
+        if topo.num_rows:
+            rt.state.set_topology(topo)
+        for aid, status in con.execute("SELECT alert_id, status FROM alerts WHERE job = ?", [job]).fetchall():
+            rt.alerts_seen.add((aid, status))
+        try:                                           # incidents keep their ids across restarts
+            rt.incidents.seed(con.sql("SELECT * FROM alerts WHERE job = ? AND incident_id IS NOT NULL "
+                                      "ORDER BY t_detected", params=[job]).to_arrow_table().to_pylist())
+        except Exception:  # noqa: BLE001 - a store written before incidents existed
+            log.info("no incidents to warm for job %s", job, exc_info=True)
+        restore = proc.on_alert_restored
+        if restore is not None or any(isinstance(s, NotifierSink) for s in proc.sinks.sinks):
+            from stepwatch.stream.alertfanout import open_alerts
+            for a in open_alerts(con, job):                # sinks re-send them, job metrics count them
+                if restore is not None:
+                    restore(a)
+                proc.sinks.write(AlertOut(a, restored=True))
+        # the job's position: where its ranks' newest steps are (stream.stepaxis; one bad row cannot place it)
+        top = con.execute("SELECT quantile_disc(m, 0.75) FROM (SELECT max(step) AS m FROM steps WHERE job = ? "
+                          "GROUP BY rank)", [job]).fetchall()[0][0]
+        if top is not None:
+            lo = int(top) - proc.replay_steps + 1
+            hist = con.sql("SELECT * FROM steps WHERE job = ? AND step BETWEEN ? AND ? ORDER BY step, rank",
+                           params=[job, lo, int(top) + proc.window_steps // 2]).to_arrow_table()
+            if hist.num_rows:
+                warm_context(con, rt, hist)
+                hist = wire.conform(hist.drop_columns([c for c in ("date",) if c in hist.column_names]),
+                                    wire.STEPS)
+                rt.replaying = True
+                try:
+                    _, blocks = rt.state.ingest(hist)
+                    proc._detect(rt, blocks)
+                finally:
+                    rt.replaying = False
+                log.info("rebuilt job %s from store: %d rows up to step %s, %d alerts known",
+                         job, hist.num_rows, top, len(rt.alerts_seen))
+        con.close()
+    except Exception:  # noqa: BLE001 - a cold start must not stop the processor
+        log.exception("could not rebuild state of job %s from the store; starting cold", job)
+
+
+def warm_context(con, rt, hist: pa.Table) -> None:
+    """Warm the job's host/gc windows from the store over the replayed steps' time span."""
+    try:
+        mm = pc.min_max(hist.column("t_end").cast(pa.int64())).as_py()
+        if mm["min"] is None:
+            return
+        lo = max(int(mm["min"]) - 60_000_000_000, int(mm["max"]) - 300_000_000_000)
+        for kind, schema in (("host", wire.HOST), ("gc", wire.GC)):
+            # in time order: the window's row cap keeps the newest
+            t = con.sql(f"SELECT * FROM {kind} WHERE job = ? AND epoch_ns(t) >= ? ORDER BY t",
+                        params=[rt.state.job, lo]).to_arrow_table()
+            if t.num_rows:
+                rt.telemetry.add(kind, wire.conform(t.drop_columns([c for c in ("date",) if c in t.column_names]),
+                                                    schema))
+    except Exception:  # noqa: BLE001 - evidence is optional; the steps replay is what matters
+        log.info("could not warm the host/gc context of job %s from the store", rt.state.job, exc_info=True)
