@@ -708,8 +708,8 @@ def run_detector_bench(a) -> int:
     job with a straggler and a regression (so alert assembly with host/GC evidence is included) and its
     comm rows is aligned by the processor's JobState once; its blocks carry what the processor hands the
     detectors (tokens and samples per step, the DataLoader queue depths). Then fresh detectors are fed its
-    steps in blocks of 1 and of 4 steps (``update`` + ``tick`` + ``drain_rows``, as the processor calls
-    them), the comm rows of a block's steps (two per rank and step: the data-parallel all_reduce and a
+    steps in blocks of 1 and of 4 steps (``update`` + ``tick`` + ``drain_rows``, by the processor's loop
+    ``detectors.replay.replay``), the comm rows of a block's steps (two per rank and step: the data-parallel all_reduce and a
     barrier) reaching the job's comm window just before the block, as the processor's context windows
     get them, and the host samples up to the block's end with it. Prints per detector the mean, p99 and
     max ms per step (a block's time / its steps).
@@ -734,6 +734,7 @@ def _detector_bench(R: int, S: int, core) -> int:
     from stepwatch.detectors.base import StepBlock
     from stepwatch.detectors.context import JobTelemetry
     from stepwatch.detectors.registry import build
+    from stepwatch.detectors.replay import Feed, replay
     from stepwatch.stream.align import JobState
 
     faults = [f"slow-rank:rank={R // 3},pct=20,start={S // 4}", f"regression:start={S // 2},pct=15,cause=io"]
@@ -751,7 +752,6 @@ def _detector_bench(R: int, S: int, core) -> int:
     cat = lambda f: (None if any(getattr(b, f) is None for b in blocks)
                      else np.concatenate([getattr(b, f) for b in blocks]))
     full = StepBlock(cat("steps"), cat("t_end"), *(cat(f) for f in fields), **{f: cat(f) for f in opt})
-    cstep = comm.column("step").to_numpy()               # comm rows are ordered by step
     print(f"  blocks carry tokens={full.tokens is not None}, samples={full.samples is not None}, "
           f"data_queue={full.data_queue is not None}; {comm.num_rows:,} comm rows "
           f"({comm.num_rows / max(S * R, 1):.0f} per rank and step)")
@@ -759,37 +759,31 @@ def _detector_bench(R: int, S: int, core) -> int:
     for size in (1, 4):
         tel = JobTelemetry()
         tel.add("gc", data["gc"])
-        host_t = data["host"].column("t").cast("int64").to_numpy()
-        host_order = np.argsort(host_t, kind="stable")
-        host_sorted = data["host"].take(host_order)
-        host_t = host_t[host_order]
-        host_at = 0
         ctx = st.context()
         dets = build()
-        drains = [getattr(d, "drain_rows", None) or dict for d in dets]
         starts = list(range(0, S, size))
         per = np.zeros((len(starts), len(dets)))          # seconds per block and detector
         steps_in = np.zeros(len(starts))
-        n_alerts = 0
-        for bi, i in enumerate(starts):
-            blk = StepBlock(full.steps[i:i + size], full.t_end[i:i + size],
-                            *(getattr(full, f)[i:i + size] for f in fields),
-                            **{f: (None if getattr(full, f) is None else getattr(full, f)[i:i + size]) for f in opt})
-            lo, hi = np.searchsorted(cstep, [blk.steps[0], blk.steps[-1] + 1])
-            if hi > lo:
-                tel.add("comm", comm.slice(lo, hi - lo))     # the block's comm rows, before its steps close
-            h = int(np.searchsorted(host_t, int(blk.t_end[-1]), side="right"))
-            if h > host_at:                                   # the host samples up to the block's end
-                tel.add("host", host_sorted.slice(host_at, h - host_at))
-                host_at = h
-            tel.attach(ctx)
-            steps_in[bi] = len(blk)
-            for di, (d, drain) in enumerate(zip(dets, drains)):
-                t = time.perf_counter()
-                n_alerts += len(d.update(ctx, blk))
-                n_alerts += len(d.tick(ctx, int(blk.t_end[-1])))
-                drain()
-                per[bi, di] = time.perf_counter() - t
+        n_alerts, bi, t0 = 0, [-1], {}
+        col = {id(d): di for di, d in enumerate(dets)}
+
+        def call(d, fn, *args):                           # a detector's turn: update + tick + drain, timed
+            if fn.__name__ == "update":
+                t0[id(d)] = time.perf_counter()
+            return fn(*args)
+
+        def on_block(blk):
+            bi[0] += 1
+            steps_in[bi[0]] = len(blk)
+
+        def took(d, alerts, rows):
+            nonlocal n_alerts
+            n_alerts += len(alerts)
+            per[bi[0], col[id(d)]] = time.perf_counter() - t0[id(d)]
+        # the processor's own loop (detectors.replay): each block's comm rows and the host samples up to
+        # its end reach the job's windows before its steps close
+        replay(dets, ctx, [full], block_steps=size, feeds=[Feed("comm", comm), Feed("host", data["host"], by="t")],
+               telemetry=tel, tick=True, call=call, on_block=on_block, out=took)
         ms = per / steps_in[:, None] * 1e3                 # ms per step of each block
         tot = ms.sum(axis=1)
         total = per.sum() / S * 1e3
