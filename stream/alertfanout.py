@@ -17,6 +17,7 @@ import logging
 from typing import Callable, Iterable
 
 from stepwatch.detectors.base import Alert
+from stepwatch.stream.sinks import NotifierSink
 
 log = logging.getLogger("stepwatch.alerts")
 
@@ -57,7 +58,6 @@ def attach(processor, sinks: Iterable = (), *, echo: Callable[[Alert], None] | N
     :class:`~stepwatch.stream.sinks.NotifierSink` after the alerts topic and the console; ``echo`` becomes
     the processor's ``on_alert`` (the console sink calls it first for every emitted alert, e.g. to print
     its line; without it the console sink is quiet: the alert line is not logged)."""
-    from stepwatch.stream.sinks import NotifierSink
     processor.on_alert = echo if echo is not None else (lambda a: None)
     for s in sinks:
         if s is not None:

@@ -15,6 +15,7 @@ import pyarrow.compute as pc
 
 from stepwatch import schema as wire
 from stepwatch.storage.views import connect as views_connect
+from stepwatch.stream.alertfanout import open_alerts
 from stepwatch.stream.sinks import AlertOut, NotifierSink
 
 log = logging.getLogger("stepwatch.processor")
@@ -39,7 +40,6 @@ def rebuild(proc, rt) -> None:
             log.info("no incidents to warm for job %s", job, exc_info=True)
         restore = proc.on_alert_restored
         if restore is not None or any(isinstance(s, NotifierSink) for s in proc.sinks.sinks):
-            from stepwatch.stream.alertfanout import open_alerts
             for a in open_alerts(con, job):                # sinks re-send them, job metrics count them
                 if restore is not None:
                     restore(a)
