@@ -36,6 +36,7 @@ import pyarrow.compute as pc
 
 from stepwatch import schema as wire
 from stepwatch.stream import ingress
+from stepwatch.stream.sinks import Message
 
 log = logging.getLogger("stepwatch.processor")
 
@@ -265,10 +266,8 @@ def _deadletter_later(proc, src, rows: pa.Table, reason: str) -> None:
     finally:
         proc._src = saved
     proc.metrics.dropped.labels("deadletter").inc()
-    if proc.producer is not None:
-        proc.producer.send(proc.kafka.topic("deadletter"), r["payload"],
-                           headers=[("error", r["reason"][:1000].encode()),
-                                    ("source", f"{topic}/{part}/{off}".encode())])
+    proc.sinks.write(Message("deadletter", r["payload"], None, [("error", r["reason"][:1000].encode()),
+                                                                ("source", f"{topic}/{part}/{off}".encode())]))
 
 
 def job_of(rows: pa.Table) -> str | None:
