@@ -145,7 +145,7 @@ class Processor:
         _build_detectors(self.detector_settings)   # import detector libraries (ruptures) now, not mid-stream
         if self.create_topics:
             ensure_topics(self.kafka)
-        from stepwatch.stream.broker import cluster_id_of
+        from stepwatch.devtools.broker import cluster_id_of
         cfg = self.kafka.client_config()
         cid = cluster_id_of(cfg.pop("bootstrap_servers"), config=cfg, timeout_s=10) or "default"
         self.store.cluster = re.sub(r"[^A-Za-z0-9._-]", "_", cid)
@@ -262,7 +262,7 @@ class Processor:
     # ------------------------------------------------------------------ messages
     def process_message(self, msg) -> None:
         """One Kafka record: decode, bound, route, buffer; at most one deadletter record for it.
-        Never raises (the fuzz harness, :mod:`stepwatch.fuzz`, drives this same entry point)."""
+        Never raises (the fuzz harness, :mod:`stepwatch.devtools.fuzz`, drives this same entry point)."""
         self._dl, self._src = ingress.MessageDeadletter(), (msg.topic, msg.partition, msg.offset)
         try:
             self._handle(msg)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from stepwatch.agents.demo_train import make_model, pad_step, run_ranks   # the plain training run's model and launcher
+from stepwatch.devtools.demo_train import make_model, pad_step, run_ranks   # the plain training run's model and launcher
 
 
 def train() -> None:

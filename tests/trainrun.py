@@ -11,7 +11,7 @@ from pathlib import Path
 
 from stepwatch.agents.wrap import wrap_env
 
-TRAIN = Path(importlib.util.find_spec("stepwatch.agents.demo_train").origin)   # (without importing torch here)
+TRAIN = Path(importlib.util.find_spec("stepwatch.devtools.demo_train").origin)   # (without importing torch here)
 
 
 def launch(socket_dir: str, job: str, env: dict) -> subprocess.Popen:

@@ -1,12 +1,12 @@
 """``stepwatch eval``: the detectors measured on two labelled scenario families, through the real processor.
 
-Family ``sim``: simulated jobs (:class:`~stepwatch.agents.simulate.Simulation`) with known injected
-faults (its :meth:`~stepwatch.agents.simulate.Simulation.labels`), encoded exactly as its agents send
+Family ``sim``: simulated jobs (:class:`~stepwatch.devtools.simulate.Simulation`) with known injected
+faults (its :meth:`~stepwatch.devtools.simulate.Simulation.labels`), encoded exactly as its agents send
 them (Arrow IPC messages of at most 4,096 rows with the ``content-type``/``schema`` headers, keyed by job,
 topology first, then per step the ``steps``, ``host``, ``gc`` and ``comm`` messages). Family ``indep``:
-:mod:`stepwatch.scenarios_indep`, an independent producer written from the wire format alone (its own
+:mod:`stepwatch.devtools.scenarios_indep`, an independent producer written from the wire format alone (its own
 noise, faults, per-node messages of several steps, several partitions). Each family runs in produce order
-and in a consumer-group shuffle (:func:`stepwatch.scenarios_indep.deliveries`). Messages are fed to a real
+and in a consumer-group shuffle (:func:`stepwatch.devtools.scenarios_indep.deliveries`). Messages are fed to a real
 :class:`~stepwatch.stream.processor.Processor` (temporary data folder, no broker) through its message
 handler ``_handle`` — decode, validation, alignment, detectors, incidents, alert emission — with a store
 flush every 50 steps of consumer time and at the end (the end of the stream force-closes the open steps,
@@ -30,7 +30,7 @@ faults, median delay (>= 5% faults), the 5% stragglers' and the 3% faults' delay
 clean scenarios and pipeline-stage false positives. Hangs are judged on their own delay (the stall detector's
 hang threshold, 30 s, + 5 s), not in the median. Scenarios with in-flight states (``Scenario.inflight``) also
 send what the probes' watchdogs and the node agents report during a hang or a long evaluation/checkpoint
-step (:func:`stepwatch.agents.simulate.with_inflight`).
+step (:func:`stepwatch.devtools.simulate.with_inflight`).
 """
 from __future__ import annotations
 
@@ -78,12 +78,12 @@ class Scenario:
         return self.ranks >= 8192
 
     def simulation(self):
-        from stepwatch.agents.simulate import Simulation
+        from stepwatch.devtools.simulate import Simulation
         sim = Simulation(job=f"eval-{self.name}", ranks=self.ranks, steps=self.steps, seed=self.seed,
                          pp=self.pp, tp=self.tp, noise=self.noise, checkpoint_every=self.checkpoint_every,
                          faults=list(self.faults), t0_ns=T0_NS, comm=self.comm)
         if self.inflight is not None:
-            from stepwatch.agents.simulate import setup_inflight
+            from stepwatch.devtools.simulate import setup_inflight
             setup_inflight(sim, self.inflight or None, self.long_steps)
         return sim
 
@@ -223,7 +223,7 @@ def _sim_messages(sim, rows_per_message: int, host_first: bool, inflight=None) -
         tables = sim.generate(s, s + 1)
         before = []
         if inflight is not None:                    # what watchdogs and agents send during the step
-            from stepwatch.agents.simulate import with_inflight
+            from stepwatch.devtools.simulate import with_inflight
             before = with_inflight(sim, s, tables).pop("before")
         t_sim += time.perf_counter() - a
         st = tables.get("steps")
@@ -248,14 +248,14 @@ def run_scenario(sc, data_dir: Path, rows_per_message: int = 4096, flush_every: 
                  detector_settings: dict | None = None, host_first: bool = False, shuffle: bool = False,
                  shuffle_seed: int = 0) -> dict:
     """Feed one scenario (a :class:`Scenario` of the simulator family or an
-    :class:`~stepwatch.scenarios_indep.IndepScenario`) through a real Processor; returns the labels,
+    :class:`~stepwatch.devtools.scenarios_indep.IndepScenario`) through a real Processor; returns the labels,
     alerts (with their emission state) and timings. Messages are delivered in produce order, or with
-    ``shuffle`` in a consumer-group order (:func:`stepwatch.scenarios_indep.deliveries`: every topic
+    ``shuffle`` in a consumer-group order (:func:`stepwatch.devtools.scenarios_indep.deliveries`: every topic
     partition read at its own pace, one paused for a while, a freshly assigned one read first); the
     processor learns whether the job's steps partition is read to its end from what has been produced
     and not yet delivered at the consumer's clock (what a broker's end offset tells a real consumer).
     ``host_first`` sends each step's host samples before its step rows (simulator family, in order)."""
-    from stepwatch.scenarios_indep import IndepJob, IndepScenario, deliveries
+    from stepwatch.devtools.scenarios_indep import IndepJob, IndepScenario, deliveries
     from stepwatch.stream.kafkaio import KafkaSettings
     from stepwatch.stream.processor import Processor
 
@@ -594,7 +594,7 @@ def report(scored, out=sys.stdout) -> dict:
 
 
 def _families(a) -> dict[str, list]:
-    from stepwatch.scenarios_indep import SCENARIOS as INDEP
+    from stepwatch.devtools.scenarios_indep import SCENARIOS as INDEP
     fam = getattr(a, "family", None) or "all"
     out = {}
     if fam in ("all", "sim"):
@@ -730,7 +730,7 @@ def run_detector_bench(a) -> int:
 
 
 def _detector_bench(R: int, S: int, core) -> int:
-    from stepwatch.agents.simulate import Simulation
+    from stepwatch.devtools.simulate import Simulation
     from stepwatch.detectors.base import StepBlock
     from stepwatch.detectors.context import JobTelemetry
     from stepwatch.detectors.registry import build
