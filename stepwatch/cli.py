@@ -362,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_grafana(sub)
     from stepwatch.agents.cli import register as register_agents
     register_agents(sub)
-    from stepwatch.devtools.eval import register as register_eval
+    from stepwatch.devtools.evalcli import register as register_eval
     register_eval(sub)
     from stepwatch.stream.profiling_cli import register as register_profile
     register_profile(sub)

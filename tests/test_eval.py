@@ -9,8 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from stepwatch.devtools.eval import (SCENARIOS, Scenario, register, report, run_detector_bench, run_scenario, score,
-                            totals)
+from stepwatch.devtools.eval import SCENARIOS, Scenario, run_detector_bench, run_scenario, score, totals
+from stepwatch.devtools.evalcli import register, report
 
 SMALL = [
     Scenario("t-clean-pp2", [], ranks=128, steps=120, seed=1, pp=2, checkpoint_every=20),
