@@ -1,4 +1,4 @@
-"""Helpers for the tests that run agents/demo_train.py (a real gloo training run) under ``stepwatch wrap``."""
+"""Helpers for the tests that run stepwatch/devtools/demo_train.py (a real gloo training run) under ``stepwatch wrap``."""
 from __future__ import annotations
 
 import importlib.util

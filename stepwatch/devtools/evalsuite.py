@@ -22,7 +22,7 @@ class Scenario:
     checkpoint_every: int | None = 100
     comm: bool = False
     note: str = ""
-    #: in-flight states as probes' watchdogs and agents send them (agents.simulate.with_inflight): the
+    #: in-flight states as probes' watchdogs and agents send them (devtools.simulate.with_inflight): the
     #: stuck rank of a job-hang ("python" | "mismatch" | "sigstop"), "" for long steps only; None: none
     inflight: str | None = None
     long_steps: dict = field(default_factory=dict)     # step -> (kind, extra ms): evaluation, checkpoint
