@@ -289,7 +289,12 @@ def cmd_bench(a) -> int:
 
 
 # ---------------------------------------------------------------------------- parser
-def build_parser() -> argparse.ArgumentParser:
+#: commands served by stepwatch.devtools (the development tools): their modules load only for these
+DEVTOOLS = ("demo", "broker", "simulate", "bench", "eval")
+
+
+def build_parser(devtools: bool = True) -> argparse.ArgumentParser:
+    """``devtools=False``: leave out the arguments that stepwatch.devtools defines (a product command)."""
     from stepwatch.stream.kafkaio import add_kafka_args
     p = argparse.ArgumentParser(prog="stepwatch", description="Streaming telemetry for large training clusters.")
     p.add_argument("--version", action="version", version=f"stepwatch {__version__}")
@@ -362,8 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
     register_grafana(sub)
     from stepwatch.agents.cli import register as register_agents
     register_agents(sub)
-    from stepwatch.devtools.evalcli import register as register_eval
-    register_eval(sub)
+    if devtools:
+        from stepwatch.devtools.evalcli import register as register_eval
+        register_eval(sub)
     from stepwatch.stream.profiling_cli import register as register_profile
     register_profile(sub)
     from stepwatch.config import register as register_config
@@ -416,18 +422,21 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--burst-jobs", type=int, default=1000, help="ingest: new jobs in the one-flush burst")
     be.add_argument("--seconds", type=int, default=3600, help="query bench: steps (1 step/s) to generate")
     be.add_argument("--data-dir", default=None, help="default: a temporary folder")
-    from stepwatch.devtools.bench_overhead import add_overhead_args
-    add_overhead_args(be)
-    from stepwatch.devtools.bench_profiling import add_profiling_args
-    add_profiling_args(be)
+    if devtools:
+        from stepwatch.devtools.bench_overhead import add_overhead_args
+        add_overhead_args(be)
+        from stepwatch.devtools.bench_profiling import add_profiling_args
+        add_profiling_args(be)
     be.set_defaults(func=cmd_bench)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     from stepwatch import extras             # (a command whose extra is not installed: say which one)
+    args = sys.argv[1:] if argv is None else list(argv)
+    cmd = next((x for x in args if not x.startswith("-")), None)
     try:
-        p = build_parser()
+        p = build_parser(devtools=cmd is None or cmd in DEVTOOLS)   # a product command loads no devtools module
     except ModuleNotFoundError as e:
         if not extras.is_missing_extra(e):
             raise
