@@ -262,7 +262,7 @@ class Processor:
     # ------------------------------------------------------------------ messages
     def process_message(self, msg) -> None:
         """One Kafka record: decode, bound, route, buffer; at most one deadletter record for it.
-        Never raises (the fuzz harness, :mod:`stepwatch.devtools.fuzz`, drives this same entry point)."""
+        Never raises (the fuzz harness, :mod:`stepwatch.fuzz`, drives this same entry point)."""
         self._dl, self._src = ingress.MessageDeadletter(), (msg.topic, msg.partition, msg.offset)
         try:
             self._handle(msg)
