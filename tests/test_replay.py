@@ -5,7 +5,7 @@ import numpy as np
 import pyarrow as pa
 
 from stepwatch import catalog, schema as wire
-from stepwatch.agents.simulate import Simulation
+from stepwatch.devtools.simulate import Simulation
 from stepwatch.detectors.context import JobTelemetry
 from stepwatch.detectors.registry import REGISTRY, build
 from stepwatch.detectors.replay import Feed, block_slice, replay

@@ -10,8 +10,8 @@ import time
 import pyarrow as pa
 
 from stepwatch import schema as wire
-from stepwatch.agents.simsend import send_simulation
-from stepwatch.agents.simulate import Simulation
+from stepwatch.devtools.simsend import send_simulation
+from stepwatch.devtools.simulate import Simulation
 from stepwatch.storage.views import connect
 from stepwatch.stream.alertfanout import attach
 from stepwatch.stream.kafkaio import make_consumer, make_producer
