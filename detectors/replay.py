@@ -2,7 +2,7 @@
 
 The live processor (:meth:`stepwatch.stream.processor.Processor._detect`), its rebuild of a job from the
 store (:mod:`stepwatch.stream.rebuild`), the offline analysis (:func:`stepwatch.stream.offline.efficiency_tables`)
-and the detector benchmark (``stepwatch bench detectors``, :mod:`stepwatch.eval`) all call it, so a
+and the detector benchmark (``stepwatch bench detectors``, :mod:`stepwatch.devtools.eval`) all call it, so a
 detector sees the same calls in the same order everywhere:
 
 for each block (re-cut to ``block_steps`` steps if asked): the context rows of its steps reach the job's
