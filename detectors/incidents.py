@@ -19,9 +19,18 @@ incident by these rules, in order:
    (``communication``: the others wait; ``computation``; ``unknown``) or the incident's own cause, and it
    began no more than ``lead_steps`` steps before that incident. A job-wide data-wait or GC regression
    beside a compute straggler stays its own incident: two faults.
-   The other way round too: a localised alert that comes after the job-wide one it explains (began
-   within ``lead_steps`` of it, the job-wide incident still firing, a cause as above) joins that incident
-   as its cause (the incident then reports that alert's kind and cause; its id stays).
+   Any other job-wide change that began within ``lead_steps`` of the localised fault's first step and
+   whose cause a straggler can produce (not ``io``/``gc``) is its consequence too: a ``regression`` when
+   the straggler's excess busy time explains its size (:func:`explains`; a slowdown far larger is another
+   fault), a ``recovery`` or ``jitter`` always (four ranks on two cores: the one that sleeps leaves its
+   core to the others, whose CPU wait drops at the fault's onset).
+   The other way round too: a localised alert that comes within ``lead_steps`` of a job-wide change still
+   firing joins that incident as its cause (the incident then reports that alert's kind and cause; its id
+   stays), unless the change's cause is one a straggler cannot produce (``io``, ``gc``: two faults). The
+   size is not weighed here, nor the localised alert's cause: a straggler's excess is measured over the
+   few steps that confirmed it, and its cause is often decided again seconds later when its node's host
+   samples come (stream/hostwait.py): neither is final when the alert is placed, and an incident id once
+   sent is never changed.
 4. **The same job-wide change**: a job-wide alert joins the newest job-wide incident with the same cause
    whose newest alert is less than the cool-down old; a ``recovery`` joins the newest job-wide incident
    not yet recovered, whatever its cause (the change it undoes), and closes it.
@@ -155,16 +164,15 @@ class Incidents:
             for inc in newest:                               # the job-wide effect was seen first: its cause
                 if not inc.local and inc.status == "firing" and inc.active_at(step, self.cooldown) and \
                         abs(inc.step_first - step) <= self.lead and (
-                            inc.cause in CONSEQUENCE_CAUSES or inc.cause == a.cause
-                            or (inc.kind == "regression" and explains(_excess_ms(a), inc.shift_ms, inc.cause))):
+                            inc.cause not in OWN_CAUSES or inc.cause == a.cause):
                     inc.local = True
                     return inc, "cause"
             return None, "root"
         for inc in newest:                                   # job-wide: a consequence of a local fault?
             if inc.local and inc.active_at(step, self.cooldown) and step >= inc.step_first - self.lead and (
                     a.cause in CONSEQUENCE_CAUSES or a.cause == inc.cause or (
-                        a.kind == "regression" and abs(step - inc.step_first) <= self.lead
-                        and explains(inc.excess_ms, _shift_ms(a), a.cause))):
+                        abs(step - inc.step_first) <= self.lead and a.cause not in OWN_CAUSES and (
+                            a.kind != "regression" or explains(inc.excess_ms, _shift_ms(a), a.cause)))):
                 return inc, "consequence"
         for inc in newest:                                   # the same job-wide change
             if inc.local:

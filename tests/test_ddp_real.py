@@ -157,9 +157,21 @@ def _alerts(con, job: str) -> list[dict]:
     return [dict(zip(keys, r)) for r in rows]
 
 
+def _size(a: dict) -> str:
+    """What the incident grouping weighs: a localised alert's excess busy time over its peers, a job-wide
+    change's levels, and the role the alert got in its incident."""
+    ev = json.loads(a["evidence"]) if isinstance(a["evidence"], str) else (a["evidence"] or {})
+    role = (ev.get("incident") or {}).get("role", "")
+    if "busy_ms" in ev and "peer_median_ms" in ev:
+        return f" excess {ev['busy_ms']}-{ev['peer_median_ms']} ms ({role})"
+    if "median_before_ms" in ev:
+        return f" {ev.get('series')} {ev['median_before_ms']}->{ev['median_after_ms']} ms ({role})"
+    return f" ({role})"
+
+
 def _show(alerts: list[dict]) -> str:
     return "\n".join(f"  {a['status']:8s} {a['kind']:12s} ranks={a['ranks']} nodes={a['nodes']} cause={a['cause']} "
-                     f"steps {a['step_first']}->{a['step_detected']} {a['incident_id']}" for a in alerts)
+                     f"steps {a['step_first']}->{a['step_detected']} {a['incident_id']}{_size(a)}" for a in alerts)
 
 
 def _one_incident(alerts: list[dict], a: dict, sent: list[dict], t_fault: float, cause: str) -> dict:
