@@ -77,12 +77,21 @@ def _excess_ms(a) -> float | None:
 
 
 def _shift_ms(a) -> float | None:
-    """A job-wide change's shift of the job's step time (ms), from its evidence."""
+    """A job-wide change's size (ms), from its evidence: the shift of the job's step time, or for a change
+    led by a phase the larger of the phase's shift and the step time's (a phase can move before the step
+    time does: the probe spreads a rank's run-queue wait over the steps of its ~500 ms sample, so a
+    host-gap regression can begin a few steps before the straggler slows the job)."""
     ev = getattr(a, "evidence", None) or {}
-    keys = ("median_before_ms", "median_after_ms") if ev.get("series") == "step_ms" else \
-        ("step_median_before_ms", "step_median_after_ms")
-    b, x = ev.get(keys[0]), ev.get(keys[1])
-    return float(x) - float(b) if isinstance(b, (int, float)) and isinstance(x, (int, float)) else None
+
+    def d(kb, ka):
+        b, x = ev.get(kb), ev.get(ka)
+        return float(x) - float(b) if isinstance(b, (int, float)) and isinstance(x, (int, float)) else None
+
+    if ev.get("series") == "step_ms":
+        return d("median_before_ms", "median_after_ms")
+    sizes = [x for x in (d("step_median_before_ms", "step_median_after_ms"),
+                         d("median_before_ms", "median_after_ms") if ev.get("series") else None) if x is not None]
+    return max(sizes) if sizes else None
 
 
 def explains(excess_ms: float | None, shift_ms: float | None, cause: str) -> bool:

@@ -192,3 +192,28 @@ def test_a_job_wide_recovery_at_a_stragglers_onset_is_its_consequence():
         inc.assign(s)
         inc.assign(rec)
         assert rec.incident_id != s.incident_id, (step_first, cause)
+
+
+def test_a_phase_regression_before_the_step_time_moved_is_the_stragglers_consequence_in_either_order():
+    """The real DDP case again (a run where both alerts came from the same block of steps, the straggler
+    placed first): the job's host gap rose 0.02 -> 1.8 ms from step 95 (the slow rank's run-queue wait,
+    spread back over the steps of its ~500 ms sample) while its step time had not moved yet. The phase's
+    own shift is the change's size: 11.5 ms of excess explains it; one incident, whichever comes first."""
+    def strag():
+        s = al("slow_rank", ranks=[1], step_first=102, step=104, cause="computation", node="node-a")
+        s.evidence = {"busy_ms": 53.0, "peer_median_ms": 41.5}
+        return s
+
+    def reg():
+        r = al("regression", step_first=95, step=100, cause="cpu")
+        r.evidence = {"series": "host_gap_ms", "median_before_ms": 0.023, "median_after_ms": 1.829,
+                      "step_median_before_ms": 47.0, "step_median_after_ms": 46.6}
+        return r
+
+    for order in ((strag(), reg()), (reg(), strag())):
+        inc = Incidents()
+        for a in order:
+            inc.assign(a)
+        assert order[0].incident_id == order[1].incident_id
+        last = order[1].evidence["incident"]
+        assert (last["kind"], last["ranks"]) == ("slow_rank", [1])
