@@ -31,9 +31,13 @@ incident by these rules, in order:
    few steps that confirmed it, and its cause is often decided again seconds later when its node's host
    samples come (stream/hostwait.py): neither is final when the alert is placed, and an incident id once
    sent is never changed.
+   "Onset" is the first step of the localised incident's newest fire (a rank that resolved and fired
+   again within the cool-down starts a new episode of the same incident).
 4. **The same job-wide change**: a job-wide alert joins the newest job-wide incident with the same cause
-   whose newest alert is less than the cool-down old; a ``recovery`` joins the newest job-wide incident
-   not yet recovered, whatever its cause (the change it undoes), and closes it.
+   whose newest alert is less than the cool-down old, or the localised incident (still active) that
+   holds such a job-wide alert as a consequence (the job got slower again, the same way, during the
+   same fault); a ``recovery`` joins the newest job-wide incident not yet recovered, whatever its cause
+   (the change it undoes), and closes it.
 5. Otherwise the alert opens a new incident. Its id is derived from the alert that opened it
    (``inc-`` + 16 hex of SHA-1 of job and that alert's stable id), so a processor that rebuilds the job
    from the store (:meth:`Incidents.seed` with the stored alerts) or replays the same steps gets the
@@ -125,6 +129,8 @@ class Incident:
     named_by: str = ""                            # the alert whose kind and cause the incident reports
     excess_ms: float | None = None                # localised: largest excess busy time per step of its alerts
     shift_ms: float | None = None                 # job-wide: step-time shift of the alert that opened it
+    onset: int | None = None                      # localised: first step of its newest rank-naming fire
+    wide: dict = field(default_factory=dict)      # job-wide alerts it holds: cause -> newest step_detected
 
 
     @property
@@ -178,13 +184,17 @@ class Incidents:
                     return inc, "cause"
             return None, "root"
         for inc in newest:                                   # job-wide: a consequence of a local fault?
+            onset = inc.step_first if inc.onset is None else inc.onset
             if inc.local and inc.active_at(step, self.cooldown) and step >= inc.step_first - self.lead and (
                     a.cause in CONSEQUENCE_CAUSES or a.cause == inc.cause or (
-                        abs(step - inc.step_first) <= self.lead and a.cause not in OWN_CAUSES and (
+                        abs(step - onset) <= self.lead and a.cause not in OWN_CAUSES and (
                             a.kind != "regression" or explains(inc.excess_ms, _shift_ms(a), a.cause)))):
                 return inc, "consequence"
         for inc in newest:                                   # the same job-wide change
-            if inc.local:
+            if inc.local:                                    # ... held as a consequence of a local fault
+                if a.kind != "recovery" and a.cause in inc.wide and step - inc.wide[a.cause] <= self.cooldown \
+                        and inc.active_at(step, self.cooldown):
+                    return inc, "consequence"
                 continue
             if a.kind == "recovery" and not inc.closed:      # undoes the newest change still open
                 return inc, "recovery"
@@ -226,6 +236,11 @@ class Incidents:
         if a.alert_id not in self.by_alert:
             inc.members += 1
         self.by_alert[a.alert_id] = inc.id
+        if a.ranks and a.status == "firing" and a.alert_id not in inc.local_ids:
+            inc.onset = int(a.step_first) if inc.onset is None or not any(
+                inc.firing.get(i) for i in inc.local_ids) else inc.onset
+        if not a.ranks:
+            inc.wide[a.cause] = max(inc.wide.get(a.cause, 0), int(a.step_detected))
         if a.ranks:
             inc.local_ids.add(a.alert_id)
             x = _excess_ms(a)
@@ -283,5 +298,6 @@ class Incidents:
             a.alert_id, a.kind, a.status, a.ranks, a.nodes = g("alert_id"), g("kind"), g("status"), ranks, \
                 list(g("nodes") or [])
             a.step_first, a.step_detected = int(g("step_first") or 0), int(g("step_detected") or 0)
+            a.cause = g("cause") or "unknown"
             self._add(inc, a)
         self._bound()

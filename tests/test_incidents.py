@@ -217,3 +217,31 @@ def test_a_phase_regression_before_the_step_time_moved_is_the_stragglers_consequ
         assert order[0].incident_id == order[1].incident_id
         last = order[1].evidence["incident"]
         assert (last["kind"], last["ranks"]) == ("slow_rank", [1])
+
+
+def test_a_further_job_slowdown_joins_the_fault_that_holds_the_first_one():
+    """A real DDP run on a very loaded machine: rank 1 was named slow (a false alarm) at 80 and resolved
+    at 102; the hog came at 101: a host-gap regression (cause cpu) from 100 joined the rank's incident,
+    rank 1 fired again from 107 (a re-fire: same incident), and the job's host gap rose further from 111.
+    That further rise is the same job-wide change during the same fault (the first one is inside the
+    incident, so no job-wide incident of cause cpu exists to join), and it began 4 steps after the
+    rank's newest fire (its onset now, not the false alarm's 80)."""
+    inc = Incidents()
+    s0 = al("slow_rank", ranks=[1], step_first=80, step=86, node="node-a")
+    s0.evidence = {"busy_ms": 48.4, "peer_median_ms": 41.3}
+    inc.assign(s0)
+    inc.assign(al("slow_rank", "resolved", ranks=[1], step_first=80, step=102, node="node-a", aid=s0.alert_id))
+    r1 = al("regression", step_first=100, step=105, cause="cpu")
+    r1.evidence = {"series": "host_gap_ms", "median_before_ms": 0.025, "median_after_ms": 1.585}
+    s1 = al("slow_rank", ranks=[1], step_first=107, step=110, cause="cpu", node="node-a")
+    s1.evidence = {"busy_ms": 51.8, "peer_median_ms": 42.2}
+    r2 = al("regression", step_first=111, step=115, cause="cpu")
+    r2.evidence = {"series": "host_gap_ms", "median_before_ms": 1.604, "median_after_ms": 5.584,
+                   "step_median_before_ms": 50.0, "step_median_after_ms": 72.0}     # 22 ms: not explained
+    for a in (r1, s1, r2):
+        inc.assign(a)
+    assert r1.incident_id == s1.incident_id == r2.incident_id == s0.incident_id
+    assert r2.evidence["incident"]["role"] == "consequence"
+    other = al("regression", step_first=112, step=116, cause="io")                 # another fault
+    inc.assign(other)
+    assert other.incident_id != s0.incident_id
