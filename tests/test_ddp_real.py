@@ -102,7 +102,12 @@ def _train(socket_dir: str, job: str, env: dict, hog_from: int | None = None, ti
     process on rank 1's core once rank 1 reached that step. Returns (per-rank report, hog pid, hog start
     wall time in s)."""
     out = tempfile.mkdtemp(prefix="sw-ddp-")
-    progress = os.path.join(out, "progress")
+    # rank 1 writes and renames this file every step: on a disk, a rename can wait for the journal behind
+    # the other sessions' I/O (tens of ms on this loaded machine), which is rank 1's own host time: rank 1
+    # was named slow before any fault, 1 run in 3 at a load of 40. In memory (tmpfs) where there is one.
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    pdir = tempfile.mkdtemp(prefix="sw-ddp-progress-", dir=shm)
+    progress = os.path.join(pdir, "progress")
     full = wrap_env(job=job, socket_dir=socket_dir)
     full.update({k: str(v) for k, v in env.items()})
     full.update(SW_OUT=out, SW_PROGRESS=progress)
@@ -147,6 +152,7 @@ def _train(socket_dir: str, job: str, env: dict, hog_from: int | None = None, ti
             p.kill()
             p.wait()
         shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(pdir, ignore_errors=True)
 
 
 def _alerts(con, job: str) -> list[dict]:
