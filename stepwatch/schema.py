@@ -29,6 +29,7 @@ from stepwatch.tables import (  # noqa: F401 - re-exported: the schemas live in 
     DEADLETTER, RANK_MINUTES, STEP_SUMMARY, EFFICIENCY, COMM_BW, CONTROL, PROFILES, PROFILE_DIFFS, SCHEMAS,
     NONNEGATIVE, JOB_RE, JOB_PATTERN,
 )
+from stepwatch.wireenc import _json_default, encode_arrow, encode_json, headers  # noqa: F401 - re-exported
 
 
 class WireError(ValueError):
@@ -61,43 +62,6 @@ def parse_schema_header(value: str | bytes | None) -> tuple[str, int]:
     if v != VERSION:
         raise WireError(f"unsupported schema version {s!r} (this processor reads v{VERSION})")
     return kind, v
-
-
-# --------------------------------------------------------------------------- encode
-
-def encode_arrow(table: pa.Table | pa.RecordBatch, compression: str | None = "lz4") -> bytes:
-    """One Arrow IPC stream holding the rows. Buffers are LZ4-compressed by default: it decodes
-    about 2x faster than zstd (0.4 vs 0.9 ms per 4,096 step rows) for ~30% more bytes."""
-    if isinstance(table, pa.Table):
-        table = table.combine_chunks()
-        batches = table.to_batches()
-    else:
-        batches = [table]
-    sink = pa.BufferOutputStream()
-    opts = pa.ipc.IpcWriteOptions(compression=compression)
-    with pa.ipc.new_stream(sink, batches[0].schema if batches else table.schema, options=opts) as w:
-        for b in batches:
-            w.write_batch(b)
-    return sink.getvalue().to_pybytes()
-
-
-def _json_default(o):
-    if isinstance(o, (np.integer,)):
-        return int(o)
-    if isinstance(o, (np.floating,)):
-        return float(o)
-    if hasattr(o, "isoformat"):
-        return o.isoformat()
-    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
-
-
-def encode_json(rows: list[dict]) -> bytes:
-    """A JSON array of row objects. Timestamps may be int ns since epoch or ISO-8601 strings."""
-    return json.dumps(rows, default=_json_default, separators=(",", ":")).encode()
-
-
-def headers(kind: str, content_type: str = ARROW_CT) -> list[tuple[str, bytes]]:
-    return [("content-type", content_type.encode()), ("schema", f"{kind}/{VERSION}".encode())]
 
 
 # --------------------------------------------------------------------------- decode
