@@ -28,6 +28,7 @@ calls around :func:`stepwatch.schema.decode`:
 """
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import shutil
@@ -227,17 +228,29 @@ def _batch_sizes(meta: bytes, body) -> tuple[int, int]:
         n = _U32.unpack_from(meta, vec)[0]
         if n > (len(meta) - vec) // 16:
             raise wire.WireError("malformed Arrow IPC metadata (buffer count)")
-        mv = memoryview(body) if body is not None else memoryview(b"")
-        blen = len(mv)
-        for k in range(n):
-            off, ln = struct.unpack_from("<qq", meta, vec + 4 + 16 * k)
-            if off < 0 or ln < 0 or off + ln > blen:
-                raise wire.WireError(f"malformed Arrow IPC metadata (buffer {k} outside the body)")
-            if compressed and ln >= 8:
-                u = _I64.unpack_from(mv, off)[0]
-                total += ln - 8 if u == -1 else u
+        if not n:
+            return 0, rows
+        blen = len(body) if body is not None else 0
+        # all (offset, length) pairs at once (little-endian int64, unaligned is fine for frombuffer)
+        ol = np.frombuffer(meta, dtype="<i8", count=2 * n, offset=vec + 4).reshape(n, 2)
+        off, ln = ol[:, 0], ol[:, 1]
+        out = (off < 0) | (ln < 0) | (off > blen - ln)
+        if out.any():
+            raise wire.WireError(f"malformed Arrow IPC metadata (buffer {int(np.argmax(out))} outside the body)")
+        if compressed:
+            pre = ln >= 8                          # the 8-byte uncompressed length before each buffer
+            if pre.any():
+                b = np.frombuffer(body, dtype=np.uint8)
+                at = off[pre][:, None] + np.arange(8)
+                u = b[at].copy().view("<i8")[:, 0]
+                if (u < -1).any():
+                    raise wire.WireError("malformed Arrow IPC metadata (negative uncompressed length)")
+                # lengths are bounded by the body; the prefixes are the sender's: summed as Python ints
+                total = int(ln[~pre].sum()) + sum(np.where(u == -1, ln[pre] - 8, u).tolist())
             else:
-                total += ln
+                total = int(ln.sum())
+        else:
+            total = int(ln.sum())
     return total, rows
 
 
@@ -457,8 +470,9 @@ class ExtraColumns:
 _RANKED = catalog.RANKED
 
 
-def time_columns(kind: str) -> list[str]:
-    return [f.name for f in wire.SCHEMAS[kind] if pa.types.is_timestamp(f.type)]
+@functools.lru_cache(maxsize=None)
+def time_columns(kind: str) -> tuple[str, ...]:
+    return tuple(f.name for f in wire.SCHEMAS[kind] if pa.types.is_timestamp(f.type))
 
 
 def _iso(ns: int) -> str:
@@ -468,30 +482,41 @@ def _iso(ns: int) -> str:
         return f"{ns} ns"
 
 
+def _int_range(col) -> tuple[int, int] | None:
+    """(min, max) of an integer or timestamp column as int, nulls ignored; None when all null. In C:
+    a batch whose range is inside the bounds needs no per-row mask."""
+    mm = pc.min_max(col.cast(pa.int64()) if pa.types.is_timestamp(col.type) else col)
+    lo, hi = mm["min"].as_py(), mm["max"].as_py()
+    return None if lo is None else (int(lo), int(hi))
+
+
 def row_bounds(kind: str, table: pa.Table, limits: IngressLimits, now_ns: int,
                base_ns: np.ndarray | int | None = None) -> list[tuple[str, np.ndarray]]:
     """(reason, bad-row mask) for each bound some row breaks: rank, world size, timestamps.
 
     A timestamp may be at most ``max_future_skew_s`` ahead of the later of ``now_ns`` (the receive
-    time) and ``base_ns`` (per row or one value: the job's anchor time, stream.stepaxis)."""
+    time) and ``base_ns`` (per row or one value, or a callable returning it: the job's anchor time,
+    stream.stepaxis.time_base, called only for a column whose newest value needs it). Each column's
+    range is taken first (in C); masks are built only for a column whose range breaks a bound."""
     out: list[tuple[str, np.ndarray]] = []
     n = table.num_rows
     if n == 0:
         return out
     if kind in _RANKED and "rank" in table.column_names:
         r = table.column("rank")
-        if r.null_count < n:
+        rng = _int_range(r) if r.null_count < n else None
+        if rng is not None and rng[1] >= limits.max_ranks:
             v = pc.fill_null(r, 0).to_numpy().astype(np.int64)
             bad = v >= limits.max_ranks
-            if bad.any():
-                out.append((f"field 'rank': value {int(v[bad][0]):,} at or above max_ranks={limits.max_ranks:,}", bad))
+            out.append((f"field 'rank': value {int(v[bad][0]):,} at or above max_ranks={limits.max_ranks:,}", bad))
     if kind == "topology":
         w = pc.fill_null(table.column("world_size"), 0).to_numpy().astype(np.int64)
         bad = w > limits.max_ranks
         if bad.any():
             out.append((f"field 'world_size': value {int(w[bad][0]):,} above max_ranks={limits.max_ranks:,}", bad))
     skew = int(limits.max_future_skew_s * 1e9)
-    hi = now_ns + skew if base_ns is None else np.maximum(now_ns, base_ns) + skew
+    hi_min = hi = now_ns + skew                  # the bound of every row is at least this
+    lazy_base = callable(base_ns)                # stepaxis.time_base: per-row job times, asked only if needed
     lo = limits.min_time_ns
     if limits.max_age_s is not None:
         lo = max(lo, now_ns - int(limits.max_age_s * 1e9))
@@ -499,6 +524,13 @@ def row_bounds(kind: str, table: pa.Table, limits: IngressLimits, now_ns: int,
         col = table.column(c)
         if col.null_count == n:
             continue
+        rng = _int_range(col)
+        if rng is None or (rng[0] >= lo and rng[1] <= hi_min):
+            continue
+        if lazy_base:
+            base_ns, lazy_base = base_ns(), False
+        if base_ns is not None:
+            hi = np.maximum(now_ns, base_ns) + skew
         v = col.cast(pa.int64()).to_numpy(zero_copy_only=False)
         if col.null_count:
             ok_null = pc.is_null(col).to_numpy(zero_copy_only=False)
