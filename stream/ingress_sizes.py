@@ -14,6 +14,7 @@ import pyarrow.compute as pc
 from stepwatch import schema as wire
 
 _I32, _U32, _U16, _I64 = struct.Struct("<i"), struct.Struct("<I"), struct.Struct("<H"), struct.Struct("<q")
+_QQ = struct.Struct("<qq")
 
 
 class _FB:
@@ -68,29 +69,19 @@ def _batch_sizes(meta: bytes, body) -> tuple[int, int]:
         n = _U32.unpack_from(meta, vec)[0]
         if n > (len(meta) - vec) // 16:
             raise wire.WireError("malformed Arrow IPC metadata (buffer count)")
-        if not n:
-            return 0, rows
-        blen = len(body) if body is not None else 0
-        # all (offset, length) pairs at once (little-endian int64, unaligned is fine for frombuffer)
-        ol = np.frombuffer(meta, dtype="<i8", count=2 * n, offset=vec + 4).reshape(n, 2)
-        off, ln = ol[:, 0], ol[:, 1]
-        out = (off < 0) | (ln < 0) | (off > blen - ln)
-        if out.any():
-            raise wire.WireError(f"malformed Arrow IPC metadata (buffer {int(np.argmax(out))} outside the body)")
-        if compressed:
-            pre = ln >= 8                          # the 8-byte uncompressed length before each buffer
-            if pre.any():
-                b = np.frombuffer(body, dtype=np.uint8)
-                at = off[pre][:, None] + np.arange(8)
-                u = b[at].copy().view("<i8")[:, 0]
-                if (u < -1).any():
+        mv = memoryview(body) if body is not None else memoryview(b"")
+        blen = len(mv)
+        start = vec + 4
+        for k, (off, ln) in enumerate(_QQ.iter_unpack(meta[start:start + 16 * n])):
+            if off < 0 or ln < 0 or off + ln > blen:
+                raise wire.WireError(f"malformed Arrow IPC metadata (buffer {k} outside the body)")
+            if compressed and ln >= 8:
+                u = _I64.unpack_from(mv, off)[0]
+                if u < -1:
                     raise wire.WireError("malformed Arrow IPC metadata (negative uncompressed length)")
-                # lengths are bounded by the body; the prefixes are the sender's: summed as Python ints
-                total = int(ln[~pre].sum()) + sum(np.where(u == -1, ln[pre] - 8, u).tolist())
+                total += ln - 8 if u == -1 else u
             else:
-                total = int(ln.sum())
-        else:
-            total = int(ln.sum())
+                total += ln
     return total, rows
 
 
