@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from stepwatch import schema as wire
+from stepwatch.stream.ingress_limits import IngressLimits
 
 # ------------------------------------------------------------------------------ deadletter records
 class MessageDeadletter:

@@ -1,7 +1,7 @@
 """Size bounds of a Kafka message at the processor's ingress (docs/limits.md): the raw value, the
 Arrow IPC stream's decoded size and rows read from its metadata before anything is decompressed,
 and the expansion of dictionary / run-end / view encodings after decoding. Re-exported by
-:mod:`stepwatch.stream.ingress`; ``limits`` is its :class:`~stepwatch.stream.ingress.IngressLimits`.
+:mod:`stepwatch.stream.ingress`; ``limits`` is its :class:`~stepwatch.stream.ingress_limits.IngressLimits`.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from stepwatch import schema as wire
+from stepwatch.stream.ingress_limits import IngressLimits
 
 _I32, _U32, _U16, _I64 = struct.Struct("<i"), struct.Struct("<I"), struct.Struct("<H"), struct.Struct("<q")
 _QQ = struct.Struct("<qq")
