@@ -1,8 +1,8 @@
 """CPU cost of the processor's per-message path (ingress, alignment, detectors) apart from the store.
 
-``python -m stepwatch.stream.bench_ingress`` (or this file run by another checkout's interpreter, to
+``python -m stepwatch.devtools.bench_ingress`` (or this file run by another checkout's interpreter, to
 compare two versions on the same machine): the ``stepwatch bench ingest`` throughput job
-(``--ranks`` x ``--steps``, 4,096-row Arrow messages, as :func:`stepwatch.agents.simsend.send_simulation`
+(``--ranks`` x ``--steps``, 4,096-row Arrow messages, as :func:`stepwatch.devtools.simsend.send_simulation`
 encodes them) is encoded in memory, then fed to one :class:`Processor` through
 ``process_message`` (the entry point ``poll_once`` calls for each Kafka record), flushing to a fresh
 local store every ``--flush-rows`` buffered rows. Process CPU (user+sys, all threads) is measured
@@ -30,8 +30,12 @@ def _cpu() -> float:
 
 def encode_job(ranks: int, steps: int, rows_per_message: int = 4096, chunk: int = 4) -> list:
     """The records ``send_simulation`` would produce, in order, as consumer-record look-alikes."""
-    from stepwatch.agents.simsend import send_simulation
-    from stepwatch.agents.simulate import Simulation
+    try:
+        from stepwatch.devtools.simsend import send_simulation
+        from stepwatch.devtools.simulate import Simulation
+    except ImportError:                      # a checkout from before stepwatch.devtools (run to compare)
+        from stepwatch.agents.simsend import send_simulation
+        from stepwatch.agents.simulate import Simulation
     from stepwatch.stream.kafkaio import KafkaSettings
 
     out: list = []
