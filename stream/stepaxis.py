@@ -151,25 +151,30 @@ def admit_steps(proc, rt, job: str, part: pa.Table) -> pa.Table:
     lim = proc.limits
     ax: JobAxis = rt.axis
     st = rt.state
-    step = part.column("step").to_numpy(zero_copy_only=False).astype(np.int64)
-    rank = pc.fill_null(part.column("rank"), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+    step_all = part.column("step").to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    step = step_all
+    rank = part.column("rank")
+    rank = (pc.fill_null(rank, 0) if rank.null_count else rank).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
     t_end = part.column("t_end").cast(pa.int64()).to_numpy(zero_copy_only=False)
     ax.seed(st, int(t_end.max()) - int(lim.job_idle_evict_s * 1e9) if len(t_end) else 0)
     lead = max(1, st.capacity // 2)
     skew = int(lim.max_future_skew_s * 1e9)
     if st.topology_known:                       # ranks outside the topology are refused by the ring
         inside = rank < st.expected
-        rank, step, t_end = rank[inside], step[inside], t_end[inside]
+        if inside.all():
+            inside = None
+        else:
+            rank, step, t_end = rank[inside], step[inside], t_end[inside]
     else:
         inside = None
     # judge against where the ranks were; a job without reports against its first batch's own ranks
     ax.refresh(lead, skew, st.max_step)
     anchor = ax.anchor if ax.anchor is not None else _batch_anchor(rank, step)
-    bad_all = part.column("step").to_numpy(zero_copy_only=False).astype(np.int64) > anchor + lim.max_step_jump
-    if bad_all.any():
+    if len(step_all) and int(step_all.max()) > anchor + lim.max_step_jump:
+        bad_all = step_all > anchor + lim.max_step_jump
         n = int(bad_all.sum())
-        proc._dl.add(_steps_reason(job, part.column("step").to_numpy(zero_copy_only=False), bad_all, anchor,
-                                   lim.max_step_jump), n=n, keep=lim.deadletter_reasons)
+        proc._dl.add(_steps_reason(job, step_all, bad_all, anchor, lim.max_step_jump), n=n,
+                     keep=lim.deadletter_reasons)
         proc.metrics.rows_rejected.labels("steps").inc(n)
         part = part.filter(pa.array(~bad_all))
         ok = ~(bad_all[inside] if inside is not None else bad_all)
@@ -302,11 +307,18 @@ def check_budget(proc, rt, old_width: int) -> None:
         proc._evict_jobs()
 
 
-def time_base(jobs: dict, table: pa.Table, limits) -> np.ndarray | int | None:
+def time_base(jobs: dict, table: pa.Table, limits):
     """Per row, the job's anchor time (ns; 0 when unknown): timestamps may be ``max_future_skew_s``
-    ahead of the later of it and the receive time (see :func:`stepwatch.stream.ingress.row_bounds`)."""
+    ahead of the later of it and the receive time (see :func:`stepwatch.stream.ingress.row_bounds`).
+
+    Returned as a callable (None when no job is known): row_bounds asks for it only when a
+    timestamp lies beyond the receive time's bound, which live data never does."""
     if not jobs or "job" not in table.column_names or not table.num_rows:
         return None
+    return lambda: _time_base(jobs, table, limits)
+
+
+def _time_base(jobs: dict, table: pa.Table, limits) -> np.ndarray | int | None:
     col = table.column("job")
     keys = pc.unique(col)
     skew = int(limits.max_future_skew_s * 1e9)
