@@ -116,6 +116,25 @@ def ensure_topics(s: KafkaSettings, names=TOPIC_NAMES, partitions: int | None = 
         admin.close()
 
 
+def cluster_id_of(bootstrap: str, timeout_s: float = 2.0, config: dict | None = None) -> str | None:
+    """Ask the broker for its cluster id (MetadataRequest v2+); None if it does not answer.
+    ``config``: extra kafka-python client settings (SASL/SSL)."""
+    from kafka.admin import KafkaAdminClient
+    from kafka.errors import KafkaError
+    try:
+        cfg = dict(config or {}, bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000),
+                   client_id="stepwatch-probe")
+        admin = KafkaAdminClient(**cfg)
+    except (KafkaError, OSError):  # not up yet
+        return None
+    try:
+        return admin.describe_cluster().get("cluster_id")
+    except (KafkaError, OSError):
+        return None
+    finally:
+        admin.close()
+
+
 def make_producer(s: KafkaSettings, **kw):
     from kafka import KafkaProducer
     cfg = dict(s.client_config(), acks="all", linger_ms=5, max_request_size=64 << 20,

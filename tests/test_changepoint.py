@@ -311,7 +311,7 @@ def test_noise_scales_reads_ar1_coefficient():
 
 
 def test_bench_scores():
-    from stepwatch.bench import changepoint_series, cp_cover, cp_f1
+    from stepwatch.devtools.bench import changepoint_series, cp_cover, cp_f1
     assert cp_f1([], [], 100) == 1.0 and cp_cover([], [], 100) == 1.0
     assert cp_f1([50], [52], 100) == 1.0 and cp_f1([50], [], 100) == pytest.approx(2 / 3)
     assert cp_cover([50], [], 100) == pytest.approx(0.5)
