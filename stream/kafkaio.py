@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from stepwatch import catalog
-from stepwatch import schema as wire
+from stepwatch import wireenc as wire   # the encoder alone (the decoder loads pyarrow.compute: the agent never decodes)
 
 TOPIC_NAMES = catalog.TOPICS
 
