@@ -164,6 +164,8 @@ def test_independent_family_through_the_processor(tmp_path, shuffle):
     _, s = out["t-strag"]
     [f] = s["faults"]
     assert f["found"] and f["localised"] and f["cause_ok"] and f["incidents"] == 1 and s["inc_false"] == 0
+    # delay: the step the evidence sufficed at, never after what the processor had seen when it emitted
+    assert f["alerts"][0].step_detected == 50 + f["delay_steps"] and 0 <= f["delay_steps"] <= f["emit_steps"]
     res, s = out["t-hang"]
     [f] = s["faults"]
     assert f["found"] and f["first_kind"] == "job_hang" and f["localised"] and s["false"] == []
@@ -185,3 +187,25 @@ def test_independent_suite_has_what_the_issue_asks_for():
     lab = IndepJob(INDEP[[s.name for s in INDEP].index("comm-up-15-back")]).labels()[0]
     assert (lab["kind"], lab["phase"], lab["cause"], lab["start"], lab["end"], lab["scope"]) == \
         ("regression", "comm", "communication", 60, 210, "job")
+
+
+def test_delay_is_the_deciding_step_and_emission_is_reported_beside_it():
+    """A producer batching 5 steps per message: an alert decided at step 62 of a fault from 60 is
+    emitted once the batch 60-64 is in. The delay is 2 steps (the evidence), the emission 4."""
+    from types import SimpleNamespace
+
+    from stepwatch.detectors.base import Alert
+    from stepwatch.devtools.eval import Emitted
+    lab = {"kind": "slow-rank", "pct": 10, "start": 60, "end": 100, "ranks": [7], "nodes": ["n0"],
+           "scope": "rank", "cause": "computation"}
+    a = Alert(job="j", kind="slow_rank", status="firing", step_first=60, step_detected=62, t_detected=0,
+              ranks=[7], nodes=["n0"], cause="computation", severity="warning", evidence={}, cost_pct=1.0,
+              suggestion="")
+    starts = np.arange(120, dtype=np.int64) * 1_000_000_000
+    res = {"labels": [lab], "emitted": [Emitted(a, 64, int(starts[65]), 0, int(starts[65]))],
+           "step_starts": starts, "step_ms": 1000.0, "scenario": SimpleNamespace(pp=1, name="x", ranks=16)}
+    s = score(res)
+    [f] = s["faults"]
+    assert (f["delay_steps"], f["emit_steps"]) == (2, 4)
+    t = totals([(res, s)])
+    assert t["median_delay_steps"] == 2 and t["median_emit_steps"] == 4

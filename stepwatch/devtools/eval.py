@@ -21,8 +21,10 @@ event time and newest step at that moment, and scored against the labels:
   group and nothing else, job faults no rank (a job hang with a culprit: exactly that rank); the cause
   must equal the label's (a rank hang has no cause in the taxonomy: n/a);
 * **delay**: from the start of the fault's first step to the event time at which the first matching
-  alert was emitted, in seconds, and in steps as (newest step the processor had seen) - (first faulty
-  step); for hangs, where no newer step arrives, the elapsed event time divided by the step time.
+  alert was emitted, in seconds, and in steps as the alert's ``step_detected`` (the step at which the
+  evidence sufficed) - (first faulty step), with the newest step the processor had seen at emission
+  reported beside it; for hangs, where no newer step arrives, the elapsed event time divided by the
+  step time.
 
 Totals: recall over faults of >= 5% effect (hangs count as large), precision over incidents (and over
 alerts) not matched to smaller faults, incidents per fault, localisation and cause shares of the found
@@ -298,7 +300,11 @@ def score(res: dict) -> dict:
                 f["delay_s"] = (min(first.event_ns, first.consumer_ns or first.event_ns) - t_fault) / 1e9
                 f["delay_steps"] = round(f["delay_s"] * 1000.0 / step_ms, 1)
             else:
-                f["delay_steps"] = first.newest_step - lab["start"]
+                # the step at which the evidence sufficed (detectors decide step by step inside a block of
+                # several steps); when it was emitted, the processor had seen up to newest_step (a producer
+                # batching 5 steps per message delivers the deciding step together with up to 4 later ones)
+                f["delay_steps"] = max(int(a.step_detected) - lab["start"], 0)
+                f["emit_steps"] = first.newest_step - lab["start"]
             f["first_kind"] = a.kind
             f["incidents"] = len({e.alert.incident_id or e.alert.alert_id for e in m})
         if lab["kind"] in DIAGNOSIS:
@@ -350,6 +356,9 @@ def totals(scored: list[tuple[dict, dict]]) -> dict:
     hangs = [f for f in found if f["label"]["kind"] in HANG_KINDS]
     delays = [f["delay_steps"] for f in found if f["label"]["kind"] not in HANG_KINDS]
     delays_s = [f["delay_s"] for f in found if f["label"]["kind"] not in HANG_KINDS]
+    emits = [f["emit_steps"] for f in found if f["label"]["kind"] not in HANG_KINDS]
+    e5 = [f["emit_steps"] for f in found if f["label"]["kind"] == "slow-rank" and 5 <= f["label"]["pct"] < 6
+          and not f["label"].get("every")]
     small_found = [f for f in small if f["found"]]
     clean_alerts = sum(len(s["firing"]) for r, s in scored if not r["labels"])
     diag = [f.get("diagnosis_ok", False) for f in faults if f["label"]["kind"] in DIAGNOSIS]
@@ -370,6 +379,8 @@ def totals(scored: list[tuple[dict, dict]]) -> dict:
         "cause_n": len(cause),
         "median_delay_steps": float(np.median(delays)) if delays else float("nan"),
         "median_delay_s": float(np.median(delays_s)) if delays_s else float("nan"),
+        "median_emit_steps": float(np.median(emits)) if emits else float("nan"),
+        "emit_5pct_steps": float(np.median(e5)) if e5 else float("nan"),
         "delay_n": len(delays), "hang_n": len(hangs),
         "hang_delay_max_s": float(max(f["delay_s"] for f in hangs)) if hangs else float("nan"),
         "hang_delay_median_s": float(np.median([f["delay_s"] for f in hangs])) if hangs else float("nan"),

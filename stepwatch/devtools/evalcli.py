@@ -52,7 +52,7 @@ def table_rows(scored) -> list[list]:
                 len(s["false"]) if i == 0 else "",
                 _yn(f["localised"]) if f["found"] else "-",
                 _yn(f["cause_ok"]) if f["found"] else "-",
-                f"{f['delay_steps']:g}" if f["found"] else "-",
+                (f"{f['delay_steps']:g}" + (f"/{f['emit_steps']:g}" if "emit_steps" in f else "")) if f["found"] else "-",
                 f"{f['delay_s']:.1f}" if f["found"] else "-",
                 ("-" if "diagnosis_ok" not in f else _yn(f["diagnosis_ok"])),
                 (",".join(sorted({a.kind for a in s["false"]})) or "-") if i == 0 else "",
@@ -61,7 +61,7 @@ def table_rows(scored) -> list[list]:
 
 
 COLUMNS = ["scenario", "ranks", "fault", "result", "first alert", "incidents", "false", "localisation", "cause",
-           "delay steps", "delay s", "diagnosis", "false alarm kinds"]
+           "delay steps (decided/emitted)", "delay s", "diagnosis", "false alarm kinds"]
 
 
 def report(scored, out=sys.stdout) -> dict:
@@ -75,8 +75,9 @@ def report(scored, out=sys.stdout) -> dict:
           f"{t['alert_precision']:.3f}); false job_hang {t['false_job_hang']}", file=out)
     print(f"right rank/node {t['localised']:.3f} of found   right cause {t['cause']:.3f} "
           f"(of {t['cause_n']} with a cause in the taxonomy)", file=out)
-    print(f"median delay {t['median_delay_steps']:g} steps ({t['median_delay_s']:.1f} s); 5% stragglers: "
-          f"{t['delay_5pct_steps']:g} steps; 3% faults: "
+    print(f"median delay {t['median_delay_steps']:g} steps ({t['median_delay_s']:.1f} s; newest step seen at "
+          f"emission: {t['median_emit_steps']:g}); 5% stragglers: {t['delay_5pct_steps']:g} steps (at emission "
+          f"{t['emit_5pct_steps']:g}); 3% faults: "
           f"{t['small_found']}/{t['small_n']} found, delay {t['small_delay_steps']:g} steps", file=out)
     if t["hang_n"]:
         print(f"hangs (not in the median: their delay is the hang threshold, 30 s): {t['hang_n']} found, delay "
@@ -120,6 +121,8 @@ def summary(results: dict, out=sys.stdout) -> dict:
         ("right cause", "cause", f3, ">= 0.95"),
         ("median delay (steps)", "median_delay_steps", g, "<= 3"),
         ("delay, 5% stragglers (steps)", "delay_5pct_steps", g, "<= 8"),
+        ("median delay at emission (steps)", "median_emit_steps", g, ""),
+        ("5% stragglers at emission (steps)", "emit_5pct_steps", g, ""),
         ("hang delay, max (s)", "hang_delay_max_s", g, "<= 35"),
         ("false job_hang", "false_job_hang", str, "0"),
         ("alerts on clean scenarios", "clean_alerts", str, "0"),

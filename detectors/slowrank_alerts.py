@@ -1,0 +1,224 @@
+"""Slow-rank detection, alert assembly: the scope of a fire (rank, node or data-parallel group), its
+evidence and cause over the steps that confirmed it, folding into open alerts, resolution (mixed into
+:class:`~stepwatch.detectors.slowrank.SlowRank`)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .base import Alert, JobContext, StepBlock
+from .causes import (PHASES, SUGGESTIONS, attribute, comm_evidence, decide, gc_evidence, host_evidence,
+                     nanmedian, phase_arrays)
+from .slowrank_stats import _HOST_SPAN_NS, _KINDS, _P, OWN_PHASES, _r
+
+
+class _AlertAssembly:
+    """Alert assembly of :class:`SlowRank` (state set up by its ``_reset``)."""
+
+    def _order(self) -> np.ndarray:
+        """Ring slots, oldest first (all n; slots never written hold NaN / False / step -1)."""
+        return (self._pos + np.arange(self.n)) % self.n
+
+    def _members(self, ctx: JobContext, r: int, hot: np.ndarray) -> tuple[str, object, np.ndarray]:
+        """The scope of a fire of rank ``r``: ("node", node, hot ranks of the node) or ("group", gid,
+        hot ranks of its data-parallel group) when enough of them are hot, else ("rank", r, [r])."""
+        nodes = np.asarray(ctx.nodes)
+        free = ~self._active
+        free[r] = True
+        if nodes.shape == (self._R,) and str(nodes[r]):
+            on = np.flatnonzero(nodes == nodes[r])
+            if len(on) >= 2:
+                hn = on[hot[on] & free[on]]
+                need = max(2, math.ceil(self.node_share * len(on)))
+                if len(hn) >= need and r in hn:
+                    return "node", str(nodes[r]), hn
+        gid = ctx.dp_groups() if hasattr(ctx, "dp_groups") else None
+        if gid is not None and gid.shape == (self._R,):
+            grp = np.flatnonzero(gid == gid[r])
+            stage_n = np.count_nonzero(self._stage_key == self._stage_key[r])
+            if 3 <= len(grp) < stage_n:
+                hg = grp[hot[grp] & free[grp]]
+                need = max(3, math.ceil(self.group_share * len(grp)))
+                if len(hg) >= need and r in hg:
+                    return "group", int(gid[r]), hg
+        return "rank", r, np.array([r])
+
+    def _fire(self, ctx: JobContext, win: "_Window", s: int, r: int, mode: int, step: int, t_end: int,
+              hot: np.ndarray) -> Alert | None:
+        # an open node / group alert that covers this rank: fold it in
+        nodes = np.asarray(ctx.nodes)
+        node = str(nodes[r]) if nodes.shape == (self._R,) else ""
+        for key, o in self._open.items():
+            if (key[0] == "node" and node and key[1] == node) or (key[0] == "group" and r in o["scope"]):
+                self._take(r, key, mode)
+                return None
+        scope, sid, members = self._members(ctx, r, hot)
+        M = [int(x) for x in members]
+        w = win.ranks(s, M)
+        since = self._resolved_at[M][None, :]
+        flag = w["flag"] & (w["steps"][:, None] > since)                  # (n, m), after resolutions
+        mine = flag[:, M.index(r)]
+        series = "busy_ms"
+        if mode == 0 and mine.any():                     # persistence: from the rank's first flagged step
+            step_first = int(w["steps"][np.flatnonzero(mine)[0]])
+            if len(M) > 1:                               # a node / group: where half of them were flagged
+                half = np.flatnonzero(flag.mean(axis=1) >= 0.5)
+                if len(half):
+                    step_first = int(w["steps"][half[0]])
+            ev_rows = np.flatnonzero(flag.any(axis=1)) if len(M) > 1 else np.flatnonzero(mine)
+        else:                                            # accumulation: from where the excursion began
+            cs_from, series = self._fired_series(r)
+            step_first = cs_from if cs_from >= 0 else step
+            ev_rows = np.flatnonzero((w["steps"] >= step_first) & (w["steps"] > self._resolved_at[r]))
+        step_first = min(step_first, step)
+        if not len(ev_rows):
+            ev_rows = np.array([len(w["steps"]) - 1])
+        run = np.arange(int(ev_rows[0]), len(w["steps"]))
+        with np.errstate(all="ignore"):
+            c = np.nanmax(w["cost"][run], axis=1) if len(M) > 1 else w["cost"][run, 0]
+        c = c[np.isfinite(c)]
+        cost = float(np.mean(c)) if len(c) else 0.0
+        with np.errstate(all="ignore"):
+            busy = float(nanmedian(w["busy"][ev_rows]))
+            eff = float(nanmedian(w["eff"][ev_rows]))
+            zz = float(nanmedian(w["z"][ev_rows]))
+        if np.isfinite(eff) and eff <= 0:   # over its evidence steps no slower than its peers: no straggler
+            return None                     # (a 2-rank stage's healthy rank, judged against the offset it took)
+        peer_med = busy / (1.0 + eff) if np.isfinite(eff) and eff > -1 else float("nan")
+        peers_by_slot = win.stage_phases(s, int(self._group_of[r]), M)
+        peers = {ph: float(nanmedian(peers_by_slot[ph][ev_rows])) for ph in PHASES}
+        mine_ph = {ph: float(nanmedian(w[ph][ev_rows])) for ph in PHASES}
+        phase_cause, ph_ev = attribute(peers, mine_ph)
+        # host / GC / comm evidence over the same steps (from the start of the first evidence step)
+        tt = w["t_end"][w["t_end"] > 0]
+        dt = int(np.median(np.diff(tt))) if len(tt) > 1 else 0
+        t_lo, t_hi = int(w["t_end"][ev_rows[0]]) - dt, t_end
+        # a host sample at t averages the node's CPU over the agent's interval before t (1 s by default):
+        # a quick confirmation of fast steps (5 steps of 50 ms) may hold none, so the host window spans at
+        # least that, and takes the samples that have already arrived whose interval overlaps the steps
+        node_names = sorted({ctx.node_of(x) for x in M} - {""})
+        host = host_evidence(ctx, node_names, min(t_lo, t_hi - _HOST_SPAN_NS), t_hi + _HOST_SPAN_NS)
+        gce = gc_evidence(ctx, M, t_lo, t_hi, steps=len(run))
+        comm = comm_evidence(ctx, M, int(w["steps"][ev_rows[0]]), step)
+        excess_ms = busy - peer_med if np.isfinite(peer_med) else None
+        wait_rise = ph_ev["phases"].get("host_gap_ms", {}).get("delta")
+        cause, reason = decide(phase_cause, host, gce, comm, excess_ms, wait_rise)
+        evidence = {
+            "busy_ms": _r(busy), "peer_median_ms": _r(peer_med), "effect_pct": _r(eff * 100.0, 2),
+            "z": _r(zz, 2), "flagged": f"{int(np.count_nonzero(mine))}/{self.n}",
+            "fired_by": "accumulation" if mode == 1 else "persistence",
+            "tested_series": series,
+            "stage": int(self._stage_key[r]), "phase": ph_ev["phase"], "phases": ph_ev["phases"],
+            "phase_cause": phase_cause, "cause_reason": reason,
+        }
+        if scope != "rank":
+            evidence["scope"] = scope
+            evidence["members"] = len(M)
+            if scope == "group":
+                evidence["group_size"] = int(np.count_nonzero(ctx.dp_groups() == sid))
+        if host:
+            evidence["host"] = host
+        if gce:
+            evidence["gc"] = gce
+        if comm:
+            evidence["comm"] = comm
+        a = Alert(job=ctx.job, kind=_KINDS[scope], status="firing", step_first=step_first,
+                  step_detected=step, t_detected=t_end, ranks=M, nodes=[ctx.node_of(x) for x in M],
+                  cause=cause, severity="critical" if cost > self.critical_pct else "warning",
+                  evidence=evidence, cost_pct=round(cost, 3), suggestion=SUGGESTIONS[cause])
+        a.host_query = {"nodes": node_names, "t_lo": min(t_lo, t_hi - _HOST_SPAN_NS), "t_hi": t_hi + _HOST_SPAN_NS,
+                        "t_end": t_end, "phase_cause": phase_cause, "gc": gce, "comm": comm, "excess_ms": excess_ms,
+                        "wait_rise_ms": wait_rise,
+                        "measured": bool((getattr(ctx, "info", None) or {}).get("cpu_wait_reported"))}
+        key = (scope, sid if scope != "rank" else r, step_first)
+        grp = None
+        if scope == "group":
+            grp = set(np.flatnonzero(ctx.dp_groups() == sid).tolist())
+        self._open[key] = {"alert": a, "members": set(), "scope": grp or set(M)}
+        for x in M:
+            self._take(x, key, mode if x == r else 0)
+        return a
+
+    def _fired_series(self, r: int) -> tuple[int, str]:
+        """The series of rank ``r`` whose test is furthest over its threshold: (where its excursion
+        began, its name)."""
+        cols = r + self._R * np.arange(_P)
+        h1, h2 = self._h
+        with np.errstate(all="ignore"):
+            ratio = np.fmax(self._cs[cols] / h1, self._csb[cols] / h2)
+        p = int(np.nanargmax(ratio)) if np.isfinite(ratio).any() else 0
+        c = cols[p]
+        frm = self._cs_from[c] if self._cs[c] / h1[p] >= self._csb[c] / h2[p] else self._csb_from[c]
+        return int(frm), (("busy_ms",) + OWN_PHASES)[p]
+
+    def _take(self, r: int, key: tuple, mode: int) -> None:
+        self._active[r] = True
+        self._mode[r] = mode
+        self._owner[r] = key
+        self._open[key]["members"].add(r)
+
+    def _resolve(self, r: int, clean: int, step: int, t_end: int) -> Alert | None:
+        self._active[r] = False
+        self._mode[r] = 0
+        self._resolved_at[r] = step
+        cols = r + self._R * np.arange(_P)
+        self._cs[cols] = self._csb[cols] = 0.0
+        self._cs_from[cols] = self._csb_from[cols] = -1
+        key = self._owner.pop(r, None)
+        o = self._open.get(key)
+        if o is None:
+            return None
+        o["members"].discard(r)
+        if o["members"]:
+            return None
+        del self._open[key]
+        a = o["alert"]
+        ev = dict(a.evidence, clean_steps=clean)
+        return Alert(job=a.job, kind=a.kind, status="resolved", step_first=a.step_first,
+                     step_detected=step, t_detected=t_end, ranks=list(a.ranks), nodes=list(a.nodes),
+                     cause=a.cause, severity=a.severity, evidence=ev, cost_pct=a.cost_pct,
+                     suggestion=a.suggestion, alert_id=a.alert_id)
+
+
+
+class _Window:
+    """The last n steps up to a step of the current block (ring rows + block rows), built lazily and
+    only when an alert fires, so the common path never copies the rings."""
+
+    def __init__(self, det, block: StepBlock, flags, busy, eff, z, cost):
+        self.det, self.n = det, det.n
+        order = det._order()
+        self.ring = {"flag": det._flag[order], "busy": det._busy[order],
+                     "eff": det._eff[order], "z": det._z[order], "cost": det._cost[order]}
+        self.ring.update({ph: det._ph[ph][order] for ph in PHASES})
+        self.ring_steps, self.ring_t = det._steps[order], det._tend[order]
+        self.blk = {"flag": flags, "busy": busy, "eff": eff, "z": z, "cost": cost}
+        self.blk.update(phase_arrays(block))
+        self.blk_steps, self.blk_t = block.steps, block.t_end
+        self._stage_cache: dict[tuple, dict[str, np.ndarray]] = {}
+
+    def ranks(self, s: int, M: list[int]) -> dict[str, np.ndarray]:
+        """(n, len(M)) arrays of the ranks ``M`` over the window ending at block row ``s``; ``steps``
+        and ``t_end`` are (n,)."""
+        out = {"steps": np.concatenate((self.ring_steps, self.blk_steps[:s + 1]))[-self.n:],
+               "t_end": np.concatenate((self.ring_t, self.blk_t[:s + 1]))[-self.n:]}
+        for key, ring in self.ring.items():
+            out[key] = np.concatenate((ring[:, M], self.blk[key][:s + 1, M]))[-self.n:]
+        return out
+
+    def stage_phases(self, s: int, g: int, exclude=()) -> dict[str, np.ndarray]:
+        """Per window row, the median of each phase over the stage's ranks (without ``exclude``)."""
+        ex = tuple(sorted(exclude)) if len(exclude) > 1 else ()
+        if (s, g, ex) not in self._stage_cache:
+            groups = self.det._groups
+            idx = groups[g] if groups[g] is not None else np.arange(self.det._R)
+            if ex:
+                idx = np.setdiff1d(idx, np.asarray(ex))
+            if len(idx) > 1024:                          # peers' medians: an even sample is plenty
+                idx = idx[::-(-len(idx) // 1024)]
+            self._stage_cache[(s, g, ex)] = {
+                ph: nanmedian(np.concatenate((self.ring[ph][:, idx], self.blk[ph][:s + 1, idx]))[-self.n:],
+                              axis=1)
+                for ph in PHASES}
+        return self._stage_cache[(s, g, ex)]

@@ -1,0 +1,263 @@
+"""Slow-rank detection, the per-step sequential tests: robust z-scores of the busy time and of each own
+phase against the stage peers, small-stage baselines, the two CUSUMs and their calibration from the job's
+own null law (mixed into :class:`~stepwatch.detectors.slowrank.SlowRank`; its class docs explain them)."""
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+
+from .causes import nanmedian
+from .slowrank_stats import (_DELAY, _EVERY, _MAD_TO_SIGMA, _NULL_FEW, _NULL_MIN, _OFFSET_STEPS, _P,
+                             _SAMPLE_COLS, _SMALL_DELAY, _SMALL_HIST, _SMALL_LEARN, _WARMUP, OWN_PHASES,
+                             _cusum_theta, _pooled_phi)
+
+
+class _SequentialTests:
+    """The per-step statistics of :class:`SlowRank` (state set up by its ``_reset``)."""
+
+    def _refs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(k, c) of the two CUSUMs in robust z units, per series (busy time, then OWN_PHASES): small
+        effects ``k = max(ref_z, small_effect / sigma)`` (sigma: the series' relative noise, as a share of
+        the busy time; an excess below 2% of the busy time is never accumulated, however quiet the job
+        or the phase), ``c = k + span_z``; large effects ``k = max(big_ref_z, 2 k_small)``,
+        ``c = k + big_span_z``."""
+        sig = self._sig()                                    # the z scale is floored the same way
+        k1 = np.maximum(self.ref_z, self.small_effect / sig)
+        # the phases' tests are there to confirm a straggler of min_effect sooner: their reference is at
+        # least half that shift (Page's choice k = delta / 2 for a design shift delta), so the small
+        # excursions that a phase's own noise makes now and then are left to the busy time's test
+        k1[1:] = np.maximum(k1[1:], 0.5 * self.min_effect / sig[1:])
+        k2 = np.maximum(self.big_ref_z, 2.0 * k1)
+        return k1, k1 + self._span[0], k2, k2 + self._span[1]
+
+    def _sig(self) -> np.ndarray:
+        """Each series' relative noise (busy time: its own; phases: as a share of the busy time), floored."""
+        sig = np.where(np.isfinite(self._sigma_p), self._sigma_p, 0.0)
+        if np.isfinite(self._sigma):
+            sig[0] = self._sigma
+        return np.maximum(sig, _MAD_TO_SIGMA * self.mad_floor)
+
+    def _calibrate(self) -> None:
+        """Every _EVERY steps: the thresholds h from the job's own null law and the fleet's offset spread.
+
+        The increments are ``x = min(u, c) - k`` with u the ranks' offset-corrected z. For a CUSUM with
+        i.i.d. increments, Wald's / Lorden's bound gives P(a false alarm in one excursion) <=
+        exp(-theta h), with theta > 0 the root of ``E[exp(theta x)] = 1``; so ``h = log(1/alpha) /
+        theta`` bounds the false-alarm rate by ``alpha`` per rank and step. theta is solved on the
+        pooled u of up to 2,048 sampled ranks over the last _EVERY steps (ranks under an alert left
+        out), averaged over the last four calibrations: heavy tails (which make theta small) raise h,
+        light tails lower it. h is at least three full increments (``3 * span``): no two steps fire.
+        """
+        k1, c1, k2, c2 = self._refs()
+        nc, R = self._ncols, self._R
+        th = np.full((2, _P), np.nan)
+        phi = np.zeros(_P)
+        for p in range(_P):                              # each series its own null law
+            samp = self._samp[:, p * nc:(p + 1) * nc]
+            u = samp[np.isfinite(samp)].astype(np.float64)
+            if len(u) < (_NULL_MIN if len(self._samp) == _EVERY else _NULL_FEW):
+                continue
+            th[:, p] = (_cusum_theta(np.minimum(u, c1[p]) - k1[p]), _cusum_theta(np.minimum(u, c2[p]) - k2[p]))
+            # autocorrelated increments (a rank's busy time drifting): the bound holds for the long-run
+            # variance, which AR(1) inflates by (1 + phi) / (1 - phi); theta scales inversely
+            phi[p] = _pooled_phi(samp, c1[p])
+            th[:, p] *= (1.0 - phi[p]) / (1.0 + phi[p])
+        if not np.isnan(th[:, 0]).any():                 # the busy time is judged: a calibration
+            self._phi = phi
+            self._thetas = (self._thetas + [th])[-4:]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)              # series never judged: NaN
+                self._theta = np.nanmean(np.stack(self._thetas), axis=0)
+            # every series tested spends alpha / (series judged): at most alpha per rank and step in all
+            lg = math.log(max(int((~np.isnan(self._theta[0])).sum()), 1) / self.alpha)
+            with np.errstate(all="ignore"):
+                self._h = np.maximum(lg / self._theta, 3.0 * self._span)
+            self._h[np.isnan(self._theta)] = np.inf      # a series not (yet) judged never fires
+        for p in range(_P):
+            o, on = self._off[p * R:(p + 1) * R], self._off_n[p * R:(p + 1) * R]
+            seasoned = o[on >= 8]
+            if len(seasoned) >= self.min_peers:
+                med = float(np.median(seasoned))
+                self._off_hi[p] = med + 5.0 * _MAD_TO_SIGMA * float(np.median(np.abs(seasoned - med)))
+
+    def _small_z(self, sub: np.ndarray, cols: np.ndarray):
+        """A stage of 2 .. min_peers - 1 ranks (``sub``: (S, w) busy times, ``cols``: their ranks), where a
+        median and MAD across peers mean nothing. In synchronous training the straggler is the rank that
+        waits least, so its busy time exceeds the others': each rank is judged on its relative difference
+        to the median of the *other* ranks of the stage, ``e = (x - m_others) / m_others``, against that
+        difference's own history: ``z = (e - b) / s``, ``b`` the median of the rank's last _SMALL_HIST
+        learned values (its baseline offset: a pair that is permanently a bit asymmetric is judged
+        against itself), ``s`` 1.4826 x their MAD (floored at ``1.4826 mad_floor``; a median and a MAD,
+        so bursts in the history do not inflate it). The values are learned _SMALL_DELAY steps late, and
+        not while the rank is under an alert or its CUSUM is above h/2: a new straggler is not absorbed
+        while it is being confirmed. A rank is judged once _SMALL_LEARN values were learned; its z then
+        feeds the same flags, persistence and sequential test as a large stage's. Returns (z, e, excess
+        ms, relative noise per step, judged)."""
+        S, w = sub.shape
+        oth = np.empty_like(sub)
+        for j in range(w):                                                  # w <= 3
+            oth[:, j] = nanmedian(np.delete(sub, j, axis=1), axis=1)
+        dev = sub - oth
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ee = np.where(oth > 0, dev / oth, np.nan)
+        zz = np.full((S, w), np.nan)
+        sd_out = np.full(S, np.nan)
+        floor = _MAD_TO_SIGMA * self.mad_floor
+        hot = np.zeros(w, dtype=bool)
+        if self._cs_ready:
+            hot = (self._cs[cols] >= 0.5 * self._h[0, 0]) | (self._csb[cols] >= 0.5 * self._h[1, 0])
+        hist = self._sm_hist[:, cols]                                       # (_SMALL_HIST, w), a copy
+        n = self._sm_n[cols].copy()
+        with np.errstate(all="ignore"):
+            b = nanmedian(hist, axis=0)
+            sd = np.maximum(_MAD_TO_SIGMA * nanmedian(np.abs(hist - b), axis=0), floor)
+        for s in range(S):                                                  # a small stage: w values
+            ready = n >= _SMALL_LEARN
+            zz[s] = np.where(ready, (ee[s] - b) / sd, np.nan)
+            if ready.any():
+                sd_out[s] = float(np.median(sd[ready]))
+            # learn the value of _SMALL_DELAY steps ago
+            slot = self._sm_pos[cols] % _SMALL_DELAY
+            old = self._sm_ring[slot, cols]
+            self._sm_ring[slot, cols] = ee[s]
+            self._sm_pos[cols] += 1
+            ok = np.isfinite(old) & ~self._active[cols] & ~hot
+            if not ok.any():
+                continue
+            j = np.flatnonzero(ok)
+            hist[n[j] % _SMALL_HIST, j] = old[j]
+            n[j] += 1
+            with np.errstate(all="ignore"):
+                b[j] = nanmedian(hist[:, j], axis=0)
+                sd[j] = np.maximum(_MAD_TO_SIGMA * nanmedian(np.abs(hist[:, j] - b[j]), axis=0), floor)
+        self._sm_hist[:, cols] = hist
+        self._sm_n[cols] = n
+        return zz, ee, dev, sd_out, np.isfinite(zz) & (oth > 0)
+
+    def _hv(self) -> tuple[np.ndarray, np.ndarray]:
+        """The thresholds (small, big) of every column (series-major, see ``_reset``)."""
+        return np.repeat(self._h[0], self._R), np.repeat(self._h[1], self._R)
+
+    def _phase_z(self, phases: dict, z: np.ndarray, judged: np.ndarray, bmeds: dict):
+        """The tested series of a block: (S, _P * R) robust z-scores (series-major columns: the busy time's
+        ``z``, then each of OWN_PHASES against its stage peers), which of them are judged, and each
+        phase's relative noise per step (S, _P; column 0 unused). A phase's scale is its own MAD across
+        the stage's ranks, floored at ``mad_floor`` of the stage's median *busy time* (not of the phase:
+        a sub-millisecond wobble of a small phase is no straggler). Ranks of small stages (judged by
+        ``_small_z``) are tested on their busy time only."""
+        S, R = z.shape
+        zv = np.full((S, _P * R), np.nan)
+        jv = np.zeros((S, _P * R), dtype=bool)
+        zv[:, :R], jv[:, :R] = z, judged
+        sig = np.full((S, _P), np.nan)
+        perm = self._perm
+        for p, name in enumerate(OWN_PHASES, 1):
+            x = phases.get(name)
+            if x is None:
+                continue
+            xs = np.asarray(x, dtype=np.float64)
+            xs = xs if perm is None else xs[:, perm]
+            zp = np.full((S, R), np.nan)
+            jp = np.zeros((S, R), dtype=bool)
+            parts = []
+            for sl in self._slices:
+                got = bmeds.get(sl.start)
+                if got is None:                                          # a small stage
+                    continue
+                bmed, enough = got
+                sub = xs[:, sl]
+                # the phase's median and MAD over an even sample of a large stage (2,048 ranks place
+                # them within ~3% of the whole stage's; the busy time's own use every rank)
+                ss = sub[:, ::-(-sub.shape[1] // _SAMPLE_COLS)] if sub.shape[1] > 2 * _SAMPLE_COLS else sub
+                med = nanmedian(ss, axis=1)[:, None]
+                mad = nanmedian(np.abs(ss - med), axis=1)[:, None]
+                dev = sub - med
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    zp[:, sl] = dev / (_MAD_TO_SIGMA * np.maximum(mad, self.mad_floor * np.abs(bmed)))
+                    parts.append((_MAD_TO_SIGMA * mad / bmed)[:, 0])
+                jp[:, sl] = enough & ~np.isnan(sub)
+            if perm is not None:
+                inv = np.empty_like(perm)
+                inv[perm] = np.arange(R)
+                zp, jp = zp[:, inv], jp[:, inv]
+            zv[:, p * R:(p + 1) * R], jv[:, p * R:(p + 1) * R] = zp, jp & np.isfinite(zp)
+            if parts:
+                with np.errstate(all="ignore"):
+                    sig[:, p] = nanmedian(np.stack(parts, axis=1), axis=1)
+        return zv, jv, sig
+
+    def _cusum_step(self, zs: np.ndarray, judged: np.ndarray, step: int):
+        """One step of the two sequential tests for every column (rank and series); returns (hot, fire)
+        boolean vectors per rank (any of its series). Works on (_P, R) views, per-series settings
+        broadcast down the columns."""
+        R = self._R
+        col = lambda v: np.asarray(v, dtype=np.float64)[:, None]      # noqa: E731  (_P,) -> (_P, 1)
+        k1, c1, k2, c2 = (col(x) for x in self._refs())
+        u = np.where(judged, zs, np.nan).reshape(_P, R)
+        zz = u.copy()
+        hi = col(self._off_hi)
+        u -= np.maximum(np.minimum(self._off.reshape(_P, R), hi), -hi)
+        miss = np.isnan(u)
+        ready = self._cs_ready
+        h1, h2 = (col(self._h[0]), col(self._h[1])) if ready else (math.inf, math.inf)
+        small = self._small_rank if self._small_rank.any() else None
+        active = self._active[None, :]
+        uc = np.where(miss, -np.inf, u)                   # a missing value adds nothing (clipped at 0)
+        # the small-effect test on every series; the large-effect one on the busy time only (a large
+        # excess is large in the busy time whatever phase it is in: the phases are there for small ones)
+        for attr, k, c, h, n_ser in (("_cs", k1, c1, h1, _P), ("_csb", k2, c2, h2, 1)):
+            prev = getattr(self, attr).reshape(_P, R)[:n_ser]
+            if not np.isscalar(h):
+                h = h[:n_ser]
+            inc = np.minimum(uc[:n_ser], c[:n_ser])
+            if small is not None:
+                # (a small stage's rank also clipped below: the other rank's burst is its negative outlier)
+                inc[0] = np.where(small & ~miss[0], np.maximum(inc[0], -c[0]), inc[0])
+            inc -= k[:n_ser]
+            new = prev + np.where(miss[:n_ser], 0.0, inc)
+            np.maximum(new, 0.0, out=new)
+            np.minimum(new, 1.5 * h, out=new)
+            frm = getattr(self, attr + "_from").reshape(_P, R)[:n_ser]
+            frm[(prev <= 0) & (new > 0)] = step
+            prev[...] = new
+        # the null law's sample (ranks under an alert left out) and the delayed offset update
+        # (ranks of a small stage also while their CUSUM is above h/2: there a suspect is a third or half of
+        # the sample, and its excess would make the null law's tail, and h, its own)
+        out = np.broadcast_to(active, (_P, R))
+        if small is not None and ready:
+            out = out.copy()
+            out[0] |= small & ((self._cs[:R] >= 0.5 * h1[0]) | (self._csb[:R] >= 0.5 * h2[0]))
+        uf = u.ravel()
+        self._samp[self._age % len(self._samp)] = np.where(out.ravel()[self._cols], np.nan, uf[self._cols])
+        dslot = self._age % _DELAY
+        old = self._zring[dslot].astype(np.float64).reshape(_P, R)
+        self._zring[dslot] = zz.ravel()
+        if not self._cs_ready:
+            old = zz                             # warm-up: learn the offsets from every step at once
+        ok = np.isfinite(old) & ~active
+        off, off_n = self._off.reshape(_P, R), self._off_n.reshape(_P, R)
+        off_n += ok
+        rate = np.maximum(1.0 / np.maximum(off_n, 1), 1.0 / _OFFSET_STEPS)
+        off += np.where(ok, rate * (np.maximum(np.minimum(np.where(ok, old, 0.0), c1), -c1) - off), 0.0)
+        if judged[:R].any():
+            self._age += 1
+            if self._age % _EVERY == 0:
+                self._calibrate()
+            if not self._cs_ready and self._age >= _WARMUP and np.isfinite(self._h[:, 0]).all():
+                self._cs_ready = True            # accumulate from here on, with offsets and h known
+                self._thetas = []                # calibrations of the warm-up (offsets unknown) do not count
+                self._calibrate()
+                self._cs[:] = 0.0
+                self._csb[:] = 0.0
+                self._cs_from[:] = -1
+                self._csb_from[:] = -1
+        if not self._cs_ready:
+            no = np.zeros(R, dtype=bool)
+            return no, no
+        h1, h2 = self._h[0][:, None], self._h[1][:, None]
+        cs, csb = self._cs.reshape(_P, R), self._csb[:R]
+        hot = (cs >= 0.5 * h1).any(axis=0) | (csb >= 0.5 * h2[0])
+        fire = (cs >= h1).any(axis=0) | (csb >= h2[0])
+        return hot, fire
