@@ -20,16 +20,56 @@ class _AlertAssembly:
         """Ring slots, oldest first (all n; slots never written hold NaN / False / step -1)."""
         return (self._pos + np.arange(self.n)) % self.n
 
-    def _members(self, ctx: JobContext, r: int, hot: np.ndarray) -> tuple[str, object, np.ndarray]:
+    def _own_rows(self, w: dict, j: int, r: int, mode: int, step: int) -> np.ndarray:
+        """Window rows that are the evidence of rank ``r`` (column ``j`` of ``w``) alone: its flagged
+        steps (persistence) or the steps since its test's excursion began (accumulation), after its
+        last resolution."""
+        steps = w["steps"]
+        after = steps > self._resolved_at[r]
+        if mode == 0:
+            rows = np.flatnonzero(w["flag"][:, j] & after)
+            if len(rows):
+                return rows
+        frm = self._fired_series(r)[0]
+        return np.flatnonzero((steps >= (frm if frm >= 0 else step)) & after)
+
+    def _material(self, win: "_Window", s: int, r: int, mode: int, step: int, cand: np.ndarray) -> np.ndarray:
+        """Of the hot ranks ``cand`` (with ``r``), those whose own excess is material beside the firing
+        rank's: a median relative busy-time excess over ``r``'s evidence steps of at least
+        ``member_share`` of ``r``'s (and above 0). A node or group is slow when its members are, each
+        by a comparable amount; a neighbour that is merely "hot" (a CUSUM half-way up, two flags in 13:
+        what noise alone gives a co-scheduled rank now and then) with a millisecond of excess beside a
+        rank 30 ms slow is not part of the fault."""
+        cand = np.asarray(cand)
+        if len(cand) <= 1:
+            return cand
+        M = [int(x) for x in cand]
+        w = win.ranks(s, M)
+        rows = self._own_rows(w, M.index(r), r, mode, step)
+        if not len(rows):
+            rows = np.array([len(w["steps"]) - 1])
+        with np.errstate(all="ignore"):
+            e = nanmedian(w["eff"][rows], axis=0)
+        mine = e[M.index(r)]
+        if not np.isfinite(mine) or mine <= 0:
+            return cand
+        keep = np.isfinite(e) & (e > 0) & (e >= self.member_share * mine)
+        keep[M.index(r)] = True
+        return cand[keep]
+
+    def _members(self, ctx: JobContext, r: int, hot: np.ndarray, win: "_Window" = None, s: int = 0,
+                 mode: int = 0, step: int = 0) -> tuple[str, object, np.ndarray]:
         """The scope of a fire of rank ``r``: ("node", node, hot ranks of the node) or ("group", gid,
-        hot ranks of its data-parallel group) when enough of them are hot, else ("rank", r, [r])."""
+        hot ranks of its data-parallel group) when enough of them are hot and materially slow
+        (:meth:`_material`), else ("rank", r, [r])."""
         nodes = np.asarray(ctx.nodes)
         free = ~self._active
         free[r] = True
+        mat = (lambda c: self._material(win, s, r, mode, step, c)) if win is not None else (lambda c: c)
         if nodes.shape == (self._R,) and str(nodes[r]):
             on = np.flatnonzero(nodes == nodes[r])
             if len(on) >= 2:
-                hn = on[hot[on] & free[on]]
+                hn = mat(on[hot[on] & free[on]])
                 need = max(2, math.ceil(self.node_share * len(on)))
                 if len(hn) >= need and r in hn:
                     return "node", str(nodes[r]), hn
@@ -38,7 +78,7 @@ class _AlertAssembly:
             grp = np.flatnonzero(gid == gid[r])
             stage_n = np.count_nonzero(self._stage_key == self._stage_key[r])
             if 3 <= len(grp) < stage_n:
-                hg = grp[hot[grp] & free[grp]]
+                hg = mat(grp[hot[grp] & free[grp]])
                 need = max(3, math.ceil(self.group_share * len(grp)))
                 if len(hg) >= need and r in hg:
                     return "group", int(gid[r]), hg
@@ -53,7 +93,7 @@ class _AlertAssembly:
             if (key[0] == "node" and node and key[1] == node) or (key[0] == "group" and r in o["scope"]):
                 self._take(r, key, mode)
                 return None
-        scope, sid, members = self._members(ctx, r, hot)
+        scope, sid, members = self._members(ctx, r, hot, win, s, mode, step)
         M = [int(x) for x in members]
         w = win.ranks(s, M)
         since = self._resolved_at[M][None, :]
@@ -85,6 +125,13 @@ class _AlertAssembly:
             zz = float(nanmedian(w["z"][ev_rows]))
         if np.isfinite(eff) and eff <= 0:   # over its evidence steps no slower than its peers: no straggler
             return None                     # (a 2-rank stage's healthy rank, judged against the offset it took)
+        if not self._material_effect(eff, w["cost"][ev_rows, M.index(r)]):
+            # an immaterial excess (below min_alert_effect of the busy time, or of the step): the test's
+            # excursion is dropped and it restarts, so no stale start carries into a later real fault
+            cols = r + self._R * np.arange(_P)
+            self._cs[cols] = self._csb[cols] = 0.0
+            self._cs_from[cols] = self._csb_from[cols] = -1
+            return None
         peer_med = busy / (1.0 + eff) if np.isfinite(eff) and eff > -1 else float("nan")
         peers_by_slot = win.stage_phases(s, int(self._group_of[r]), M)
         peers = {ph: float(nanmedian(peers_by_slot[ph][ev_rows])) for ph in PHASES}
@@ -139,6 +186,20 @@ class _AlertAssembly:
         for x in M:
             self._take(x, key, mode if x == r else 0)
         return a
+
+    def _material_effect(self, eff: float, cost: np.ndarray) -> bool:
+        """The effect-size gate of every fire: over the evidence steps, the median relative busy-time
+        excess is at least ``min_alert_effect`` *and* so is the median excess as a share of the job's
+        step time (``cost``, in %, per evidence step). The sequential tests count no excess below
+        ``small_effect`` per step (their reference), so a straggler they confirm has a median excess
+        near or above it; a fire whose excess is a fraction of that (0.1 ms on a 60 ms step) is an
+        excursion of noise, of a small phase's z (its MAD floored on a sub-ms phase) or of a drifting
+        offset, and nobody could act on it."""
+        if np.isfinite(eff) and eff < self.min_alert_effect:
+            return False
+        with np.errstate(all="ignore"):
+            c = float(nanmedian(cost)) if len(cost) else float("nan")
+        return not (np.isfinite(c) and c < 100.0 * self.min_alert_effect)
 
     def _fired_series(self, r: int) -> tuple[int, str]:
         """The series of rank ``r`` whose test is furthest over its threshold: (where its excursion

@@ -97,7 +97,7 @@ class _SequentialTests:
         ms, relative noise per step, judged)."""
         S, w = sub.shape
         oth = np.empty_like(sub)
-        for j in range(w):                                                  # w <= 3
+        for j in range(w):                                                  # w <= 4
             oth[:, j] = nanmedian(np.delete(sub, j, axis=1), axis=1)
         dev = sub - oth
         with np.errstate(divide="ignore", invalid="ignore"):

@@ -1,0 +1,69 @@
+"""SlowRank: what a node/group alert may name (co-members materially slow, not merely hot) and the
+effect-size gate of every alert (an immaterial excess is no alert)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from stepwatch.detectors.slowrank import SlowRank
+from test_slowrank import _small_job, firing, make_ctx, noisy, run
+
+
+@pytest.mark.parametrize("R", [3, 4])
+def test_a_noisy_neighbour_on_the_node_does_not_turn_a_straggler_into_a_slow_node(R):
+    """All ranks on one node (the real-DDP layout): rank 1 10% slow; from the same step rank 2 carries a
+    1% excess and two bursts of 15% (a noisy neighbour: two flags in the window make it "hot"). One
+    slow_rank alert naming rank 1 only (before the co-member rule: a slow_node naming [1, 2])."""
+    for seed in range(4):
+        rng = np.random.default_rng(300 + seed)
+        comp = _small_job(rng, 300, R, asym=0.0, burst=0.03)
+        comp[150:, 1] *= 1.10
+        comp[150:, 2] *= 1.01
+        comp[[149, 152], 2] *= 1.15
+        fired = firing(run(SlowRank(), make_ctx(R, per_node=8), comp))
+        assert [(a.kind, a.ranks) for a in fired] == [("slow_rank", [1])], \
+            (seed, [(a.kind, a.ranks, a.step_detected) for a in fired])
+        assert 150 <= fired[0].step_detected <= 160
+
+
+def test_a_node_whose_ranks_are_all_slow_is_still_one_slow_node_alert():
+    rng = np.random.default_rng(7)
+    comp = noisy(rng, 200, 64)
+    comp[80:, 24:32] *= 1.12 + 0.04 * rng.random(8)             # unequal, all material
+    fired = firing(run(SlowRank(), make_ctx(64), comp))
+    assert [(a.kind, a.ranks) for a in fired] == [("slow_node", list(range(24, 32)))]
+
+
+def test_a_node_alert_leaves_out_a_hot_member_with_an_immaterial_excess():
+    """Half of a node 20% slow, one more rank of it hot with 2%: the node alert names the four slow ranks,
+    and the neighbour whose excess is a tenth of theirs is not one of them."""
+    rng = np.random.default_rng(11)
+    comp = noisy(rng, 200, 64)
+    comp[80:, 24:28] *= 1.20
+    comp[80:, 28] *= 1.02
+    fired = firing(run(SlowRank(), make_ctx(64), comp))
+    assert fired and fired[0].kind == "slow_node" and fired[0].ranks == [24, 25, 26, 27], \
+        [(a.kind, a.ranks) for a in fired]
+    assert all(28 not in a.ranks for a in fired)
+
+
+def test_the_effect_size_gate_drops_an_immaterial_fire_and_restarts_the_test():
+    """With the gate at 20%, a 10% straggler is immaterial: no alert; when it grows to 40% it fires, and
+    its start is where the material excess began (the gated excursion did not carry over)."""
+    rng = np.random.default_rng(5)
+    comp = noisy(rng, 260, 64)
+    comp[60:, 9] *= 1.10
+    comp[160:, 9] *= 1.4 / 1.1
+    assert [a.ranks for a in firing(run(SlowRank(), make_ctx(64), comp[:160]))] == [[9]]   # default gate: fires
+    fired = firing(run(SlowRank(min_alert_effect=0.2), make_ctx(64), comp))
+    assert [(a.kind, a.ranks) for a in fired] == [("slow_rank", [9])]
+    # (the persistence window may hold flags of the 10% steps just before: at most n = 13 steps back)
+    assert 160 - 13 <= fired[0].step_first and 160 <= fired[0].step_detected <= 170, (fired[0].step_first, fired[0].step_detected)
+    assert fired[0].evidence["effect_pct"] > 20.0
+
+
+def test_gate_settings_are_validated():
+    with pytest.raises(ValueError):
+        SlowRank(min_alert_effect=-0.1)
+    with pytest.raises(ValueError):
+        SlowRank(member_share=1.5)
