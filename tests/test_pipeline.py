@@ -88,10 +88,13 @@ def _count_files(data):
 def test_sigkill_mid_stream_then_restart_loses_nothing_and_stores_nothing_twice(kafka, tmp_path):
     sim = Simulation(job="crash", ranks=512, steps=300, seed=5, faults=["slow-rank:rank=100,pct=30,start=40"])
     prod = make_producer(kafka)
-    # the producer keeps sending (~6 steps/s, ~50 s) while processors are killed and restarted
+    # the producer keeps sending (~6 steps/s, up to ~50 s) while processors are killed and restarted; once
+    # both kills are done it sends the rest briskly
     sent = {}
+    brisk = threading.Event()
     th = threading.Thread(target=lambda: sent.update(send_simulation(
-        sim, prod, kafka, chunk=1, rows_per_message=512, on_chunk=lambda *_: time.sleep(0.15))))
+        sim, prod, kafka, chunk=1, rows_per_message=512,
+        on_chunk=lambda *_: time.sleep(0.01 if brisk.is_set() else 0.15))))
     th.start()
     kills = 0
     for failpoint in (None, "before-commit"):
@@ -109,6 +112,7 @@ def test_sigkill_mid_stream_then_restart_loses_nothing_and_stores_nothing_twice(
         assert p.wait(10) in (-signal.SIGKILL, 137)
         kills += 1
     mid_stream = th.is_alive()
+    brisk.set()
     before = connect(tmp_path).execute("SELECT count(*) FROM steps").fetchone()[0]
     th.join(120)
     prod.close()
