@@ -88,16 +88,24 @@ def _scenario(broker, lake: Lake, work):
     LakeStore(lake).init()
     sims = [Simulation(job=f"job{i}", ranks=64, steps=240, seed=20 + i) for i in range(JOBS)]
     sent: dict[str, dict] = {}
-    # producers pace themselves slowly (0.4 s a chunk) until the first kill, so that the rebalance and the
-    # kill always fall while data flows however slowly the processors start; then they send the rest briskly
+    # producers pace themselves slowly (0.4 s a chunk) and hold their last 20 steps until a killed processor
+    # comes back, so that the rebalances, the kill and the return all fall while data flows however slowly
+    # the processors start (the returning one always has >= 5,120 new rows to store); then they send briskly
     brisk = threading.Event()
+
+    def pace(step, _):
+        if brisk.is_set():
+            time.sleep(0.05)
+            return
+        time.sleep(0.4)
+        if step >= sims[0].steps - 20:
+            brisk.wait(300)
 
     def produce(sim):
         prod = make_producer(kafka)
-        sent[sim.job] = send_simulation(sim, prod, kafka, chunk=2, rows_per_message=128,
-                                        on_chunk=lambda *_: time.sleep(0.05 if brisk.is_set() else 0.4))
+        sent[sim.job] = send_simulation(sim, prod, kafka, chunk=2, rows_per_message=128, on_chunk=pace)
         prod.close()
-    producers = [threading.Thread(target=produce, args=(s,)) for s in sims]
+    producers = [threading.Thread(target=produce, args=(s,), daemon=True) for s in sims]
     for t in producers:
         t.start()
     p1, p2 = _start(kafka, lake, work, "p1"), _start(kafka, lake, work, "p2")
@@ -108,11 +116,11 @@ def _scenario(broker, lake: Lake, work):
     p1.send_signal(signal.SIGKILL)                         # dies mid-flush or mid-poll
     p1.wait(10)
     mid_stream = any(t.is_alive() for t in producers)
-    brisk.set()
     n = _wait_rows(lake, n + 2000)
     p3.send_signal(signal.SIGTERM)                         # leaves: rebalance
     assert p3.wait(60) == 0
     p1 = _start(kafka, lake, work, "p1b")                  # comes back
+    brisk.set()
     n = _wait_rows(lake, n + 2000)
     p2.send_signal(signal.SIGKILL)
     p2.wait(10)

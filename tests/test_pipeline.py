@@ -88,13 +88,21 @@ def _count_files(data):
 def test_sigkill_mid_stream_then_restart_loses_nothing_and_stores_nothing_twice(kafka, tmp_path):
     sim = Simulation(job="crash", ranks=512, steps=300, seed=5, faults=["slow-rank:rank=100,pct=30,start=40"])
     prod = make_producer(kafka)
-    # the producer keeps sending (~6 steps/s, up to ~50 s) while processors are killed and restarted; once
-    # both kills are done it sends the rest briskly
+    # the producer keeps sending (~6 steps/s) while processors are killed and restarted, and holds its last
+    # 30 steps until both kills are done (however slow the machine, they fall mid-stream); then it sends
+    # the rest briskly
     sent = {}
     brisk = threading.Event()
+
+    def pace(step, _):
+        if brisk.is_set():
+            time.sleep(0.01)
+            return
+        time.sleep(0.15)
+        if step >= sim.steps - 30:
+            brisk.wait(180)
     th = threading.Thread(target=lambda: sent.update(send_simulation(
-        sim, prod, kafka, chunk=1, rows_per_message=512,
-        on_chunk=lambda *_: time.sleep(0.01 if brisk.is_set() else 0.15))))
+        sim, prod, kafka, chunk=1, rows_per_message=512, on_chunk=pace)), daemon=True)
     th.start()
     kills = 0
     for failpoint in (None, "before-commit"):
