@@ -31,12 +31,28 @@ def _env(lake: Lake) -> dict:
     return env
 
 
+_STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_processor_left():
+    """A test that fails half-way must not leave its processors running through the rest of the suite."""
+    yield
+    while _STARTED:
+        p = _STARTED.pop()
+        if p.poll() is None:
+            p.kill()
+            p.wait(30)
+
+
 def _start(kafka, lake, work, name, *extra):
     d = work / name
     d.mkdir(exist_ok=True)
     cmd = [sys.executable, "-m", "stepwatch.cli", "process", "--bootstrap", kafka.bootstrap, "--topic-prefix",
            kafka.prefix, "--data-dir", str(d), "--group", "g-" + kafka.prefix.rstrip("."), "-q", "--flush-interval", "0.3", *extra]
-    return subprocess.Popen(cmd, env=_env(lake), stdout=subprocess.DEVNULL, stderr=open(d / "log", "ab"))
+    p = subprocess.Popen(cmd, env=_env(lake), stdout=subprocess.DEVNULL, stderr=open(d / "log", "ab"))
+    _STARTED.append(p)
+    return p
 
 
 _LAST_ERROR: list = [None]
