@@ -100,7 +100,7 @@ def test_sigkill_mid_stream_then_restart_loses_nothing_and_stores_nothing_twice(
             return
         time.sleep(0.15)
         if step >= sim.steps - 30:
-            brisk.wait(180)
+            brisk.wait(600)
     th = threading.Thread(target=lambda: sent.update(send_simulation(
         sim, prod, kafka, chunk=1, rows_per_message=512, on_chunk=pace)), daemon=True)
     th.start()
@@ -111,7 +111,7 @@ def test_sigkill_mid_stream_then_restart_loses_nothing_and_stores_nothing_twice(
             env["STEPWATCH_FAILPOINT"] = failpoint
         p = subprocess.Popen(_proc_cmd(kafka, tmp_path, "g-crash"), env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180          # (a loaded machine: 60 s stored nothing at load 48)
         start_files = _count_files(tmp_path)
         while time.monotonic() < deadline and p.poll() is None and _count_files(tmp_path) < start_files + 3:
             time.sleep(0.02)
