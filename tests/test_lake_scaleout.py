@@ -88,7 +88,7 @@ def _all_stored(lake, total: dict) -> bool:
         return False
 
 
-def _wait_rows(lake, more_than: int, timeout: float = 90) -> int:
+def _wait_rows(lake, more_than: int, timeout: float = 240) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         n = _stored(lake)
