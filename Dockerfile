@@ -1,5 +1,7 @@
 # stepwatch: one image for the node agent, the processor, compaction and the Grafana/Kafka jobs
-# (the Helm chart in helm/stepwatch runs `stepwatch <command>` from it).
+# (the Helm chart in helm/stepwatch runs `stepwatch <command>` from it). The product's extras only: the
+# development tools (stepwatch/devtools/: demo, simulate, bench, eval, the embedded broker) need
+# `stepwatch[devtools]`, whose packages the image does not install.
 #
 #   docker build -t REGISTRY/stepwatch:0.1.0 .
 #
@@ -24,7 +26,7 @@ COPY storage/ storage/
 COPY dashboards/ dashboards/
 RUN python -m venv /opt/stepwatch \
  && /opt/stepwatch/bin/pip install --no-cache-dir --upgrade pip \
- && /opt/stepwatch/bin/pip install --no-cache-dir ".[all]" py-spy nvidia-ml-py \
+ && /opt/stepwatch/bin/pip install --no-cache-dir ".[agent,grafana,processor,report]" py-spy nvidia-ml-py \
  && /opt/stepwatch/bin/python -m stepwatch.storage.extensions copy /opt/stepwatch/duckdb-extensions
 
 FROM python:3.11-slim

@@ -38,7 +38,7 @@ import pyarrow as pa
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from stepwatch import __version__, catalog
-from stepwatch import schema as wire
+from stepwatch import tables as wire   # the Arrow schemas alone: the codec (schema.py) loads pyarrow.compute, ~9 MB of RSS
 from stepwatch.agents import probe as wirep
 from stepwatch.agents import wirecols
 from stepwatch.agents.hostmetrics import PluginRunner, build_runners, sample

@@ -20,7 +20,7 @@ import collections
 import numpy as np
 import pyarrow as pa
 
-from stepwatch import schema as wire
+from stepwatch import tables as wire   # the Arrow schemas alone: the codec (schema.py) loads pyarrow.compute, ~9 MB of RSS
 from stepwatch.agents.probe import wire as W
 
 HDR_DT = np.dtype([("magic", "<u2"), ("version", "u1"), ("type", "u1"), ("instance", "<i4"), ("rank", "<i4"),
@@ -110,7 +110,9 @@ def _keys(own: np.ndarray, ids: np.ndarray) -> tuple[list[tuple[int, int]], np.n
 
 
 def _strings(inv: np.ndarray, strs: list[str]) -> pa.Array:
-    return pa.DictionaryArray.from_arrays(pa.array(inv, pa.int32()), pa.array(strs, pa.string())).dictionary_decode()
+    """``strs[inv]`` as a string column (numpy's gather: ``dictionary_decode`` would load pyarrow.compute,
+    ~9 MB of the agent's RSS, for this one call)."""
+    return pa.array(np.asarray(strs, dtype=object)[inv], pa.string())
 
 
 def _names(idents: list, own: np.ndarray, ids: np.ndarray) -> pa.Array:
@@ -233,8 +235,9 @@ def steps_table(idents: list, own: np.ndarray, st: np.ndarray, ph: np.ndarray, p
     offsets = np.zeros(n + 1, np.int32)
     np.cumsum(counts, out=offsets[1:])
     keys = _names(idents, own[ph_step] if len(ph_step) else np.zeros(0, np.int32), ph["name"])
-    phases = pa.MapArray.from_arrays(pa.array(offsets, pa.int32()), keys, pa.array(ph["ns"] / 1e6, pa.float64()),
-                                     mask=pa.array(counts == 0))
+    null = np.zeros(n + 1, bool)                # a step without phases has a null map: its offset is null
+    null[:n] = counts == 0                      # (from_arrays' mask= would load pyarrow.compute to invert it)
+    phases = pa.MapArray.from_arrays(pa.array(offsets, pa.int32(), mask=null), keys, pa.array(ph["ns"] / 1e6, pa.float64()))
     cpu, cw = st["cpu_ns"], st["cpu_wait_ns"]
     cols = _base(idents, own) + [
         pa.array(st["step"], pa.int64()), pa.array(st["t_start"], wire.TS), pa.array(st["t_end"], wire.TS),

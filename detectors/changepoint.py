@@ -52,6 +52,14 @@ class ChangePoint(Detector):
       direction by at least ``floor_share`` of the median's effect; intermittent slow steps — DataLoader
       stalls, unsynchronised GC, a straggler one step in three — raise only the upper part: jitter).
 
+    - hysteresis, while a regression of the series is open (reported, not undone, still in the window):
+      a recovery only when the level is back near the level before it (within a third of the shift),
+      a further regression only when the level rises materially above the open regression's own level
+      (:meth:`_open_ok`); one persistent fault whose noisy level wanders is one regression, not
+      regression, recovery, regression (a candidate held back is remembered and never reported later),
+    - not history: a candidate older than the newest change already reported is not reported (the
+      regime it would start has ended; found late as the window slid).
+
     Each change is reported once: confirmed candidates of all series within ``min_size`` steps of each
     other are one alert, led by the step time when it moved (the other series in ``also_changed``), else
     by the phase that moved most (ms); candidates within ``±min_size`` steps of an already reported
@@ -134,6 +142,11 @@ class ChangePoint(Detector):
         self._reported: list[int] = []                  # step_first of reported changes still in view
         self._regressions: list[dict] = []              # the last reported regressions (for transients)
         self._deferred: set[int] = set()                # of those, step-time changes left to slow_rank
+        # per series, the regression still open: {"base": level before it, "level": level after the newest
+        # regression of the chain, "step": that regression's first step} (hysteresis, see _open_ok)
+        self._open: dict[str, dict] = {}
+        self._held: dict[str, list[int]] = {}          # per series, first steps of candidates it held back
+        self._newest: int | None = None
 
     # -- streaming ---------------------------------------------------------------------------
     def update(self, ctx: JobContext, block: StepBlock) -> list[Alert]:
@@ -210,7 +223,12 @@ class ChangePoint(Detector):
         lo = int(steps[0]) - self.min_size
         self._reported = [r for r in self._reported if r >= lo]
         self._deferred = {r for r in self._deferred if r >= lo}
+        self._open = {k: o for k, o in self._open.items() if o["step"] >= lo}
+        self._held = {k: [r for r in h if r >= lo] for k, h in self._held.items()}
         known = np.searchsorted(steps, np.asarray(self._reported, dtype=np.int64))
+        # the newest change alerted before this search: a candidate older than it is history (the regime it
+        # would start already ended; found late, as the window slid or a held change left it)
+        self._newest = max((r for r in self._reported if r not in self._deferred), default=None)
         cands = self._candidates("step_ms", vals, steps, known, None)
         if self.phases:
             step_level = _median(vals)
@@ -247,6 +265,8 @@ class ChangePoint(Detector):
                                     steps)
             if alert is not None:
                 self._transient(alert, lead)
+                for c in cl:
+                    self._chain(c)
                 alerts.append(alert)
             elif lead["series"] in ("step_ms", "comm_wait_ms"):
                 self._deferred.add(lead["step_first"])
@@ -259,6 +279,9 @@ class ChangePoint(Detector):
         fin = np.isfinite(v)
         if np.count_nonzero(fin) < max(3 * self.min_size, self.min_steps):
             return []
+        held = self._held.get(name)
+        if held:             # changes held back (hysteresis) stay known: the fault's wandering, never reported
+            known = np.union1d(known, np.searchsorted(steps, np.asarray(held, dtype=np.int64)))
         bkps = find(v, min_size=self.min_size, c=self.penalty_c, smooth=self.smooth, screen=True,
                     known=known, trend=False)
         if not bkps:
@@ -277,7 +300,7 @@ class ChangePoint(Detector):
             # own phases at the same place: that phase is then the change)
             near = self._reported if name in ("step_ms", "comm_wait_ms") else \
                 [r for r in self._reported if r not in self._deferred]
-            if any(abs(step_first - r) <= self.min_size for r in near):
+            if any(abs(step_first - r) <= self.min_size for r in near + (held or [])):
                 continue
             xb, xa = v[a:i][fin[a:i]], v[i:b][fin[i:b]]
             if len(xb) < self.min_size or len(xa) < self.min_size:
@@ -316,6 +339,10 @@ class ChangePoint(Detector):
                 effect = d / low if low > 0 else math.copysign(math.inf, d)
                 if abs(effect) < self.phase_min_effect or not abs(d) >= self.phase_min_share * step_level:
                     continue
+            if (self._newest is not None and step_first < self._newest - self.min_size) or \
+                    not self._open_ok(name, before, after, step_level):
+                self._held.setdefault(name, []).append(step_first)
+                continue
             # persistence: most steps of each segment lie on its own side of the midpoint (a level
             # shift; noise that takes turns, or a few slow steps, does not)
             mid = 0.5 * (before + after)
@@ -325,6 +352,47 @@ class ChangePoint(Detector):
             out.append({"series": name, "step_first": step_first, "seg": (a, i, b), "before": before,
                         "after": after, "effect": effect, "tstat": tstat, "sigma": sg})
         return out
+
+    def _material(self, name: str, before: float, after: float, step_level) -> bool:
+        """Whether ``before`` -> ``after`` is a change large enough to report on series ``name`` (the
+        effect thresholds of :meth:`_candidates`)."""
+        d = after - before
+        if name == "step_ms":
+            return before > 0 and abs(d) / before >= self.min_effect
+        low = min(abs(before), abs(after))
+        return (abs(d) >= self.phase_min_effect * low if low > 0 else d != 0) and \
+            abs(d) >= self.phase_min_share * step_level
+
+    def _open_ok(self, name: str, before: float, after: float, step_level) -> bool:
+        """Hysteresis while a regression of ``name`` is open (reported, not yet undone): one persistent
+        fault on a noisy real step time (a foreign process taking a core, with its own duty cycle) wanders
+        between levels that each pass the tests against its neighbour segment; reported as they come, that
+        is regression, recovery, regression, regression within 60 steps of one fault. So, until the
+        regression leaves the window:
+
+        - a **recovery** is a candidate only when its new level is back near the level before the
+          regression (within a third of the open shift, the ``transient`` rule): the fault went away;
+          a dip that stays above it is the same fault wandering;
+        - a new **regression** only when its new level is materially above the open regression's own
+          level (by the effect thresholds, measured from that level, not from the dip before it): the
+          job got slower again.
+
+        Held: the candidate's new segment has ``min_size`` steps and passes the persistence test."""
+        o = self._open.get(name)
+        if o is None:
+            return True
+        if after > before:
+            return after > o["level"] and self._material(name, o["level"], after, step_level)
+        return after <= o["base"] + (o["level"] - o["base"]) / 3.0
+
+    def _chain(self, c: dict) -> None:
+        """A reported change ``c`` of one series opens, raises or (a recovery) closes its open regression."""
+        name, o = c["series"], self._open.get(c["series"])
+        if c["after"] > c["before"]:
+            self._open[name] = {"base": c["before"] if o is None else o["base"], "level": c["after"],
+                                "step": c["step_first"]}
+        elif o is not None:
+            del self._open[name]
 
     def _transient(self, alert: Alert, lead: dict) -> None:
         """A recovery that undoes a regression reported before on the same series (its level back within

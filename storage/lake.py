@@ -191,34 +191,51 @@ class Lake:
         instance per lake and mode is kept per process (loading the signed extensions costs a
         fraction of a second each time); every call returns a new connection to it, with its own
         transactions."""
-        key = (self, read_only)
-        with _INSTANCES_LOCK:
-            db = _INSTANCES.get(key)
+        def setup(db: duckdb.DuckDBPyConnection) -> None:
+            if not read_only:
+                self.prepare()
+            for stmt in self.attach_sql(read_only=read_only):
+                db.execute(stmt)
+            # DuckLake's own commit retry redoes only the catalog write, on a fresh snapshot, after
+            # another commit took the ids this transaction allocated (PostgreSQL). Without it a
+            # transaction longer than the gap between two flushes (a compaction step) never
+            # commits. On SQLite the writers take turns (write_lock) and it is not needed.
+            db.execute(f"SET GLOBAL ducklake_max_retry_count = {RETRIES if self.kind == 'postgres' else 0}")
+        return _INSTANCES.cursor((self, read_only), setup, threads)
+
+
+class InstanceCache:
+    """In-memory DuckDB instances kept per process, by key, the ``keep`` most recently used (loading
+    the signed extensions costs a fraction of a second per instance: the signature covers the whole
+    binary). :meth:`cursor` returns a new connection to the key's instance (``cursor()``: its own
+    transactions, so each query reads the newest snapshot), made by ``setup(db)`` on first use (times
+    shown in UTC). One cache for the lake's writers and readers (:meth:`Lake.connect`) and one for the
+    views (:func:`stepwatch.storage.views.connect`)."""
+
+    def __init__(self, keep: int = 8):
+        self.keep = keep
+        self._dbs: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def cursor(self, key, setup, threads: int | None = None) -> duckdb.DuckDBPyConnection:
+        with self._lock:
+            db = self._dbs.get(key)
             if db is None:
-                if not read_only:
-                    self.prepare()
                 db = duckdb.connect(":memory:")
                 db.execute("SET GLOBAL TimeZone = 'UTC'")
-                for stmt in self.attach_sql(read_only=read_only):
-                    db.execute(stmt)
-                # DuckLake's own commit retry redoes only the catalog write, on a fresh snapshot, after
-                # another commit took the ids this transaction allocated (PostgreSQL). Without it a
-                # transaction longer than the gap between two flushes (a compaction step) never
-                # commits. On SQLite the writers take turns (write_lock) and it is not needed.
-                db.execute(f"SET GLOBAL ducklake_max_retry_count = {RETRIES if self.kind == 'postgres' else 0}")
-                _INSTANCES[key] = db
-                while len(_INSTANCES) > 8:         # open connections keep an evicted instance alive
-                    _INSTANCES.popitem(last=False)
+                setup(db)
+                self._dbs[key] = db
+                while len(self._dbs) > self.keep:     # open connections keep an evicted instance alive
+                    self._dbs.popitem(last=False)
             else:
-                _INSTANCES.move_to_end(key)
+                self._dbs.move_to_end(key)
             con = db.cursor()
         if threads:
             con.execute(f"SET threads = {int(threads)}")
         return con
 
 
-_INSTANCES: "OrderedDict[tuple[Lake, bool], duckdb.DuckDBPyConnection]" = OrderedDict()
-_INSTANCES_LOCK = threading.Lock()
+_INSTANCES = InstanceCache()               # (Lake, read_only) -> the instance with the lake attached
 
 
 def password_from_file(env=os.environ) -> None:

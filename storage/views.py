@@ -8,13 +8,10 @@ A query sees one whole snapshot of the lake: compaction and writers never change
 """
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-
 import duckdb
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
-from stepwatch.storage.lake import Lake, lake_of
+from stepwatch.storage.lake import InstanceCache, lake_of
 from stepwatch.storage.store import JOBS, OFFSETS, TABLES
 
 
@@ -43,36 +40,20 @@ FROM steps GROUP BY job, rank;""")
     return "\n".join(stmts)
 
 
-_DBS: "OrderedDict[Lake, duckdb.DuckDBPyConnection]" = OrderedDict()
-_DBS_LOCK = threading.Lock()
-_DBS_KEEP = 8
+_DBS = InstanceCache()                       # Lake -> the instance with the lake attached read-only and the views
 
 
 def connect(root, threads: int | None = None) -> duckdb.DuckDBPyConnection:
-    """A DuckDB connection with the lake attached read-only and the views defined.
-
-    Loading the signed extensions costs a fraction of a second per DuckDB instance (the signature
-    covers the whole binary), so one in-memory instance per lake is kept per process and every
-    call returns a new connection to it (``cursor()``: its own transactions, so each query reads
-    the newest snapshot)."""
+    """A DuckDB connection with the lake attached read-only and the views defined: a new connection
+    to the one in-memory instance kept per lake and process (:class:`stepwatch.storage.lake.InstanceCache`),
+    so each query reads the newest snapshot."""
     lake = lake_of(root)
-    with _DBS_LOCK:
-        db = _DBS.get(lake)
-        if db is None:
-            db = duckdb.connect(":memory:")
-            db.execute("SET GLOBAL TimeZone = 'UTC'")
-            for attempt in _retrying():
-                with attempt:
-                    db.execute(view_sql(lake))
-            _DBS[lake] = db
-            while len(_DBS) > _DBS_KEEP:      # open connections keep an evicted instance alive
-                _DBS.popitem(last=False)
-        else:
-            _DBS.move_to_end(lake)
-        con = db.cursor()
-    if threads:
-        con.execute(f"SET threads = {int(threads)}")
-    return con
+
+    def setup(db: duckdb.DuckDBPyConnection) -> None:
+        for attempt in _retrying():
+            with attempt:
+                db.execute(view_sql(lake))
+    return _DBS.cursor(lake, setup, threads)
 
 
 def _busy(e: BaseException) -> bool:

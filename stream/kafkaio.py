@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from stepwatch import catalog
-from stepwatch import schema as wire
+from stepwatch import wireenc as wire   # the encoder alone (the decoder loads pyarrow.compute: the agent never decodes)
 
 TOPIC_NAMES = catalog.TOPICS
 
@@ -112,6 +112,25 @@ def ensure_topics(s: KafkaSettings, names=TOPIC_NAMES, partitions: int | None = 
             except TopicAlreadyExistsError:
                 pass
         return want
+    finally:
+        admin.close()
+
+
+def cluster_id_of(bootstrap: str, timeout_s: float = 2.0, config: dict | None = None) -> str | None:
+    """Ask the broker for its cluster id (MetadataRequest v2+); None if it does not answer.
+    ``config``: extra kafka-python client settings (SASL/SSL)."""
+    from kafka.admin import KafkaAdminClient
+    from kafka.errors import KafkaError
+    try:
+        cfg = dict(config or {}, bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000),
+                   client_id="stepwatch-probe")
+        admin = KafkaAdminClient(**cfg)
+    except (KafkaError, OSError):  # not up yet
+        return None
+    try:
+        return admin.describe_cluster().get("cluster_id")
+    except (KafkaError, OSError):
+        return None
     finally:
         admin.close()
 

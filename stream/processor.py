@@ -145,7 +145,7 @@ class Processor:
         _build_detectors(self.detector_settings)   # import detector libraries (ruptures) now, not mid-stream
         if self.create_topics:
             ensure_topics(self.kafka)
-        from stepwatch.stream.broker import cluster_id_of
+        from stepwatch.stream.kafkaio import cluster_id_of
         cfg = self.kafka.client_config()
         cid = cluster_id_of(cfg.pop("bootstrap_servers"), config=cfg, timeout_s=10) or "default"
         self.store.cluster = re.sub(r"[^A-Za-z0-9._-]", "_", cid)

@@ -8,7 +8,7 @@ import tempfile
 
 import pytest
 
-from stepwatch.stream.broker import EmbeddedBroker
+from stepwatch.devtools.broker import EmbeddedBroker
 from stepwatch.stream.kafkaio import KafkaSettings, ensure_topics
 
 logging.getLogger("kafka").setLevel(logging.CRITICAL)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from stepwatch.agents.demo_train import average_grads, flat_grads, make_model, pad_step, run_ranks
+from stepwatch.devtools.demo_train import average_grads, flat_grads, make_model, pad_step, run_ranks
 
 
 def load_next_shard(seconds: float) -> None:

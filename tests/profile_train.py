@@ -1,5 +1,5 @@
 """A small real gloo training run for tests/test_profiling_e2e.py and ``stepwatch bench profiling`` (not a
-test itself): ``SW_NPROC`` ranks forked from one parent (as agents/demo_train.py does), a small MLP, a
+test itself): ``SW_NPROC`` ranks forked from one parent (as stepwatch/devtools/demo_train.py does), a small MLP, a
 step padded with a sleep to ``SW_STEP_MS``; rank ``SW_SLOW_RANK`` does ``SW_SLOW_EXTRA_MS`` of extra work
 inside ``torch.profiler.record_function("slow_op")`` (a matmul loop then a sleep), the injected slow
 operation a profile must find (from step ``SW_SLOW_FROM``, default 0). The run goes on until ``SW_STEPS`` steps or until the file ``SW_STOP``
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from stepwatch.agents.demo_train import make_model, pad_step, run_ranks   # the plain training run's model and launcher
+from stepwatch.devtools.demo_train import make_model, pad_step, run_ranks   # the plain training run's model and launcher
 
 
 def train() -> None:

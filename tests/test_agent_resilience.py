@@ -14,7 +14,7 @@ import pytest
 
 from stepwatch.agents.agent import Agent
 from stepwatch.storage.views import connect
-from stepwatch.stream.broker import EmbeddedBroker, free_port
+from stepwatch.devtools.broker import EmbeddedBroker, free_port
 from stepwatch.stream.kafkaio import KafkaSettings
 from stepwatch.stream.processor import Processor
 

@@ -18,8 +18,8 @@ import uuid
 import pytest
 
 from promstack import ALERTMANAGER, AMTOOL, MISSING_AM, Alertmanager, Webhook, wait_until
-from stepwatch.agents.simsend import send_simulation
-from stepwatch.agents.simulate import Simulation
+from stepwatch.devtools.simsend import send_simulation
+from stepwatch.devtools.simulate import Simulation
 from stepwatch.dashboards.alertmanager import (AlertmanagerError, AlertmanagerSink, postable_alert,
                                                read_credentials)
 from stepwatch.detectors.base import Alert

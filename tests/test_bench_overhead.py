@@ -9,7 +9,7 @@ pytest.importorskip("torch", reason="the overhead bench trains real PyTorch loop
 
 def test_probe_overhead_bench_reports_every_condition_and_call():
     from stepwatch.agents import probe as P
-    from stepwatch.agents.bench_overhead import CALLS, probe_overhead
+    from stepwatch.devtools.bench_overhead import CALLS, probe_overhead
     lines: list[str] = []
     res = probe_overhead(rounds=2, block_steps=5, out=lines.append)
     text = "\n".join(lines)

@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from stepwatch.stream.broker import free_port
+from stepwatch.devtools.broker import free_port
 
 SW = [sys.executable, "-m", "stepwatch.cli"]
 
@@ -33,7 +33,7 @@ def test_broker_command_starts_answers_and_stops_on_ctrl_c(tmp_path):
     p = subprocess.Popen(SW + ["broker", "--port", str(port)], stdout=subprocess.PIPE, text=True)
     line = p.stdout.readline()
     assert f"127.0.0.1:{port}" in line, line
-    from stepwatch.stream.broker import cluster_id_of
+    from stepwatch.stream.kafkaio import cluster_id_of
     assert cluster_id_of(f"127.0.0.1:{port}")
     p.send_signal(signal.SIGINT)
     assert p.wait(20) == 0

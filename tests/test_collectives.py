@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from stepwatch.agents import probe as P
-from stepwatch.agents import simulate
+from stepwatch.devtools import simulate
 from stepwatch.agents.probe import collectives as C
 from stepwatch.agents.probe import decode
 from stepwatch.detectors import efficiency as E

@@ -115,7 +115,7 @@ def test_retune_keeps_detector_state_and_resizing_settings_start_afresh():
 # ---------------------------------------------------------------------------- round trip through the CLI
 
 def _send_steps(sim, prod, kafka, a, b, steps=True):
-    from stepwatch.agents.simsend import send_table
+    from stepwatch.devtools.simsend import send_table
     for s in range(a, b):
         t = sim.generate(s, s + 1)
         for kind in (("steps", "host") if steps else ("host",)):
@@ -146,8 +146,8 @@ class _Lines:
 
 
 def test_sighup_applies_a_per_job_override_on_the_next_step_and_refuses_a_bad_file(kafka, tmp_path):
-    from stepwatch.agents.simsend import send_table
-    from stepwatch.agents.simulate import Simulation
+    from stepwatch.devtools.simsend import send_table
+    from stepwatch.devtools.simulate import Simulation
     from stepwatch.stream.kafkaio import make_producer
     cfg = tmp_path / "stepwatch.toml"
     cfg.write_text("[processor]\nflush_interval_s = 0.3\nlateness_s = 0.5\n")

@@ -102,7 +102,12 @@ def _train(socket_dir: str, job: str, env: dict, hog_from: int | None = None, ti
     process on rank 1's core once rank 1 reached that step. Returns (per-rank report, hog pid, hog start
     wall time in s)."""
     out = tempfile.mkdtemp(prefix="sw-ddp-")
-    progress = os.path.join(out, "progress")
+    # rank 1 writes and renames this file every step: on a disk, a rename can wait for the journal behind
+    # the other sessions' I/O (tens of ms on this loaded machine), which is rank 1's own host time: rank 1
+    # was named slow before any fault, 1 run in 3 at a load of 40. In memory (tmpfs) where there is one.
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    pdir = tempfile.mkdtemp(prefix="sw-ddp-progress-", dir=shm)
+    progress = os.path.join(pdir, "progress")
     full = wrap_env(job=job, socket_dir=socket_dir)
     full.update({k: str(v) for k, v in env.items()})
     full.update(SW_OUT=out, SW_PROGRESS=progress)
@@ -147,6 +152,7 @@ def _train(socket_dir: str, job: str, env: dict, hog_from: int | None = None, ti
             p.kill()
             p.wait()
         shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(pdir, ignore_errors=True)
 
 
 def _alerts(con, job: str) -> list[dict]:
@@ -157,9 +163,21 @@ def _alerts(con, job: str) -> list[dict]:
     return [dict(zip(keys, r)) for r in rows]
 
 
+def _size(a: dict) -> str:
+    """What the incident grouping weighs: a localised alert's excess busy time over its peers, a job-wide
+    change's levels, and the role the alert got in its incident."""
+    ev = json.loads(a["evidence"]) if isinstance(a["evidence"], str) else (a["evidence"] or {})
+    role = (ev.get("incident") or {}).get("role", "")
+    if "busy_ms" in ev and "peer_median_ms" in ev:
+        return f" excess {ev['busy_ms']}-{ev['peer_median_ms']} ms ({role})"
+    if "median_before_ms" in ev:
+        return f" {ev.get('series')} {ev['median_before_ms']}->{ev['median_after_ms']} ms ({role})"
+    return f" ({role})"
+
+
 def _show(alerts: list[dict]) -> str:
     return "\n".join(f"  {a['status']:8s} {a['kind']:12s} ranks={a['ranks']} nodes={a['nodes']} cause={a['cause']} "
-                     f"steps {a['step_first']}->{a['step_detected']} {a['incident_id']}" for a in alerts)
+                     f"steps {a['step_first']}->{a['step_detected']} {a['incident_id']}{_size(a)}" for a in alerts)
 
 
 def _one_incident(alerts: list[dict], a: dict, sent: list[dict], t_fault: float, cause: str) -> dict:
@@ -292,17 +310,23 @@ def test_fsdp2_collectives_are_seen(kafka, tmp_path, socket_dir):
     assert np.isfinite([m for _, _, m in per_step]).all()
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known defect, issue 15 open: with 4 ranks on 2 cores, 1 run in 3 on a quiet machine names ranks 1 and 2 "
-    "as a slow node (cause computation) instead of rank 1 alone; the test still runs and reports XPASS/XFAIL"))
 def test_ddp_sleep_in_one_of_four_ranks_is_one_alert_with_cause_computation(kafka, tmp_path, socket_dir):
     """The same fault with 4 ranks (two per core of this machine): a stage the slow_rank detector judges
     (it needs 4 reporting ranks per stage). The node also runs busy foreign processes (this machine is
     shared, and the ranks themselves use their cores): with the run-queue wait measured, they do not make
-    the cause cpu."""
+    the cause cpu.
+
+    Two ranks per core is this machine's limit, not a training node's (each rank has its own device), and
+    at real-time priority it is a fault of its own: two ``SCHED_RR`` threads of one priority on a core run
+    in 100 ms slices, so the one queued first runs its whole forward and backward pass before the other
+    starts, and the one that keeps losing that race waits its neighbour's CPU time every step. With a
+    hidden width of 512 (about 5 ms of CPU a step) that was 12 % of the step: rank 1 named slow before
+    any fault, or ranks 1 and 2 (one loser per core) named a slow node, 1 run in 3. A width of 256 (about
+    1.5 ms: 4 % of the step, below the detector's 5 % per-step effect) keeps each rank's CPU work small
+    beside its device time (``SW_PAD_MS``), as on a node; the injected fault (15 ms) is unchanged."""
     job, steps, fault = "ddp-sleep-4", 200, 100
     con, reports, _, _, sent = _run_fault(kafka, tmp_path, socket_dir, job,
-                                    {"SW_WIDTH": 512, "SW_PAD_MS": 30, "SW_SLEEP_RANK": 1, "SW_SLEEP_MS": 15,
+                                    {"SW_WIDTH": 256, "SW_PAD_MS": 30, "SW_SLEEP_RANK": 1, "SW_SLEEP_MS": 15,
                                      "SW_SLEEP_FROM": fault}, None, steps, world=4)
     waits = _check_comm(con, job, fault)
     alerts = _alerts(con, job)

@@ -10,7 +10,7 @@ pytest.importorskip("torch", reason="demo --real trains a real PyTorch model (pi
 
 
 def test_demo_real_names_the_slow_rank_and_the_gc_rank(tmp_path, capsys):
-    from stepwatch.demo import run_real_demo
+    from stepwatch.devtools.demo import run_real_demo
     assert run_real_demo(ranks=4, steps=60, slow_rank=3, gc_rank=0, data_dir=str(tmp_path / "d")) == 0
     out = capsys.readouterr().out
     assert "FOUND  rank 3 sleeps 20 ms more per step: slow_rank alert names rank [3]" in out

@@ -9,8 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from stepwatch.eval import (SCENARIOS, Scenario, register, report, run_detector_bench, run_scenario, score,
-                            totals)
+from stepwatch.devtools.eval import SCENARIOS, Scenario, run_detector_bench, run_scenario, score, totals
+from stepwatch.devtools.evalcli import register, report
 
 SMALL = [
     Scenario("t-clean-pp2", [], ranks=128, steps=120, seed=1, pp=2, checkpoint_every=20),
@@ -121,7 +121,7 @@ def test_cli_registration_and_detector_bench(capsys):
 
 # ----------------------------------------------------------------------------- the independent family
 def test_consumer_order_keeps_each_partition_in_order_and_reads_topics_far_apart():
-    from stepwatch.scenarios_indep import IndepJob, IndepScenario, deliveries
+    from stepwatch.devtools.scenarios_indep import IndepJob, IndepScenario, deliveries
     job = IndepJob(IndepScenario("t-order", [], ranks=64, steps=200, seed=4))
     msgs = job.messages()
     order, deliver = deliveries(msgs, shuffle=True, seed=4)
@@ -150,7 +150,7 @@ def test_consumer_order_keeps_each_partition_in_order_and_reads_topics_far_apart
 
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_independent_family_through_the_processor(tmp_path, shuffle):
-    from stepwatch.scenarios_indep import IndepScenario
+    from stepwatch.devtools.scenarios_indep import IndepScenario
     scen = [IndepScenario("t-clean-pp4", [], ranks=128, pp=4, steps=160, seed=7),
             IndepScenario("t-strag", [dict(kind="straggler", rank=77, pct=20, start=50, end=110)], ranks=128,
                           steps=160, seed=8),
@@ -172,7 +172,7 @@ def test_independent_family_through_the_processor(tmp_path, shuffle):
 
 
 def test_independent_suite_has_what_the_issue_asks_for():
-    from stepwatch.scenarios_indep import SCENARIOS as INDEP, IndepJob
+    from stepwatch.devtools.scenarios_indep import SCENARIOS as INDEP, IndepJob
     kinds = {f["kind"] for s in INDEP for f in s.faults}
     assert kinds >= {"straggler", "intermittent", "phase", "cpu-hog", "hang"}
     assert {f["phase"] for s in INDEP for f in s.faults if f["kind"] == "phase"} >= {"comm", "data", "gc", "host"}

@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow.compute as pc
 import pytest
 
-from stepwatch.agents.simulate import Simulation, parse_fault
+from stepwatch.devtools.simulate import Simulation, parse_fault
 
 R, RPN, S = 64, 8, 40
 

@@ -1,11 +1,11 @@
-"""The fuzz harness (stepwatch.fuzz) on a bounded budget: CI runs a few seconds of the Kafka
+"""The fuzz harness (stepwatch.devtools.fuzz) on a bounded budget: CI runs a few seconds of the Kafka
 message boundary (the node's boundaries, also registered, have their own CI budget in
 tests/test_fuzz_trust.py); ``stepwatch bench fuzz`` runs 100,000 inputs of each."""
 from __future__ import annotations
 
 import pytest
 
-from stepwatch.fuzz import BOUNDARIES
+from stepwatch.devtools.fuzz import BOUNDARIES
 
 
 @pytest.mark.parametrize("name", ["kafka-message"])

@@ -1,7 +1,7 @@
-"""Issue 16: the agent-side fuzzers (stepwatch.agents.fuzz_targets) on a bounded CI budget: the agent's
+"""Issue 16: the agent-side fuzzers (stepwatch.devtools.fuzz_targets) on a bounded CI budget: the agent's
 datagram decode and the control-command verify (agent and probe) never raise, never hang, and accept
 nothing that is not validly sealed. The full runs (>= 100,000 inputs per boundary) are
-``python -m stepwatch.agents.fuzz_targets all 100000`` / ``stepwatch bench fuzz``."""
+``python -m stepwatch.devtools.fuzz_targets all 100000`` / ``stepwatch bench fuzz``."""
 from __future__ import annotations
 
 import logging
@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("hypothesis", reason="the fuzzers use hypothesis (pip install hypothesis)")
 
-from stepwatch.agents.fuzz_targets import fuzz_control, fuzz_datagram  # noqa: E402
+from stepwatch.devtools.fuzz_targets import fuzz_control, fuzz_datagram  # noqa: E402
 
 BUDGET = 2000
 

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 
 from stepwatch import schema
-from stepwatch.agents.simulate import Simulation
+from stepwatch.devtools.simulate import Simulation
 from stepwatch.dashboards import build, macros
 from stepwatch.dashboards.alerting import ALERT_KINDS, POINT_KINDS, alert_rules, rule_sql
 from stepwatch.dashboards.datasource import DATASOURCE_UID, PLUGIN_ID, init_sql

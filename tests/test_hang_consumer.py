@@ -8,7 +8,7 @@ import time
 
 from kafka import KafkaProducer
 
-from stepwatch.scenarios_indep import IndepJob, IndepScenario
+from stepwatch.devtools.scenarios_indep import IndepJob, IndepScenario
 from stepwatch.stream.processor import Processor
 
 

@@ -31,7 +31,7 @@ RELEASE, NAMESPACE = "sw", "stepwatch"
 FULL = f"{RELEASE}-stepwatch"
 K8S_VERSION = kubernetes_validate.latest_version()
 
-#: measured by `stepwatch bench overhead` (agents/bench_overhead.py): 8 ranks, all plug-ins, 1 Hz
+#: measured by `stepwatch bench overhead` (stepwatch/devtools/bench_overhead.py): 8 ranks, all plug-ins, 1 Hz
 AGENT_CPU_MILLICORES, AGENT_RSS_MB = 16, 96
 
 VALUE_SETS = {

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from stepwatch.hostile import run_hostile_bench
+from stepwatch.devtools.hostile import run_hostile_bench
 
 
 def test_hostile_stream_through_the_real_broker_processor_and_agent(tmp_path, capsys):

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 from stepwatch import schema as wire
-from stepwatch.agents.simulate import Simulation
-from stepwatch.eval import Record
+from stepwatch.devtools.simulate import Simulation
+from stepwatch.devtools.eval import Record
 from stepwatch.storage.views import connect
 from stepwatch.stream.kafkaio import KafkaSettings
 from stepwatch.stream.processor import Processor

@@ -143,3 +143,105 @@ def test_a_straggler_names_the_incident_of_the_jitter_on_its_rank():
     inc.assign(s)
     assert s.incident_id == j.incident_id and s.evidence["incident"]["role"] == "cause"
     assert (s.evidence["incident"]["kind"], s.evidence["incident"]["cause"]) == ("slow_rank", "cpu")
+
+
+def test_a_job_slowdown_seen_before_its_straggler_is_one_incident_whatever_the_sizes_and_causes_then():
+    """The real DDP case (tests/test_ddp_real.py, CI): a job-wide regression (cause cpu: the slow rank's
+    run-queue wait is half the median of two ranks) confirmed three steps before the slow_rank alert, whose
+    excess at confirmation was small against the job's shift and whose cause was still ``computation``
+    (its host samples came later). One fault: the straggler names the regression's incident, and the
+    regressions that follow join it. A data-wait or GC change seen first is another fault."""
+    inc = Incidents()
+    r = al("regression", step_first=96, step=100, cause="cpu")
+    r.evidence = {"series": "step_ms", "median_before_ms": 48.0, "median_after_ms": 75.0}
+    s = al("slow_rank", ranks=[1], step_first=103, step=105, cause="computation", node="node-a")
+    s.evidence = {"busy_ms": 52.0, "peer_median_ms": 45.0}                      # 7 ms: explains < 27 ms
+    inc.assign(r)
+    inc.assign(s)
+    assert s.incident_id == r.incident_id and s.evidence["incident"]["role"] == "cause"
+    s.cause = "cpu"                                                             # its host samples came
+    inc.refresh(s)
+    assert (s.evidence["incident"]["kind"], s.evidence["incident"]["cause"]) == ("slow_rank", "cpu")
+    later = al("regression", step_first=107, step=115, cause="cpu")
+    inc.assign(later)
+    assert later.incident_id == r.incident_id
+    for cause in ("io", "gc"):
+        inc = Incidents()
+        r = al("regression", step_first=96, step=100, cause=cause)
+        s = al("slow_rank", ranks=[1], step_first=103, step=105, cause="computation", node="node-a")
+        inc.assign(r)
+        inc.assign(s)
+        assert s.incident_id != r.incident_id, cause
+
+
+def test_a_job_wide_recovery_at_a_stragglers_onset_is_its_consequence():
+    """Four ranks on two cores: the rank that sleeps leaves its core to its neighbour, whose CPU wait
+    drops: the job's host gap 'recovers' (cause cpu) at the fault's onset. Inside the fault's incident;
+    the same recovery long after the onset, or one of the data wait, is not."""
+    inc = Incidents()
+    s = al("slow_rank", ranks=[1], step_first=100, step=102, node="node-a")
+    rec = al("recovery", step_first=101, step=110, cause="cpu")
+    inc.assign(s)
+    inc.assign(rec)
+    assert rec.incident_id == s.incident_id and rec.evidence["incident"]["role"] == "consequence"
+    assert rec.evidence["incident"]["status"] == "firing"             # a consequence closes nothing
+    for step_first, cause in ((140, "cpu"), (101, "io")):
+        inc = Incidents()
+        s = al("slow_rank", ranks=[1], step_first=100, step=102, node="node-a")
+        rec = al("recovery", step_first=step_first, step=step_first + 9, cause=cause)
+        inc.assign(s)
+        inc.assign(rec)
+        assert rec.incident_id != s.incident_id, (step_first, cause)
+
+
+def test_a_phase_regression_before_the_step_time_moved_is_the_stragglers_consequence_in_either_order():
+    """The real DDP case again (a run where both alerts came from the same block of steps, the straggler
+    placed first): the job's host gap rose 0.02 -> 1.8 ms from step 95 (the slow rank's run-queue wait,
+    spread back over the steps of its ~500 ms sample) while its step time had not moved yet. The phase's
+    own shift is the change's size: 11.5 ms of excess explains it; one incident, whichever comes first."""
+    def strag():
+        s = al("slow_rank", ranks=[1], step_first=102, step=104, cause="computation", node="node-a")
+        s.evidence = {"busy_ms": 53.0, "peer_median_ms": 41.5}
+        return s
+
+    def reg():
+        r = al("regression", step_first=95, step=100, cause="cpu")
+        r.evidence = {"series": "host_gap_ms", "median_before_ms": 0.023, "median_after_ms": 1.829,
+                      "step_median_before_ms": 47.0, "step_median_after_ms": 46.6}
+        return r
+
+    for order in ((strag(), reg()), (reg(), strag())):
+        inc = Incidents()
+        for a in order:
+            inc.assign(a)
+        assert order[0].incident_id == order[1].incident_id
+        last = order[1].evidence["incident"]
+        assert (last["kind"], last["ranks"]) == ("slow_rank", [1])
+
+
+def test_a_further_job_slowdown_joins_the_fault_that_holds_the_first_one():
+    """A real DDP run on a very loaded machine: rank 1 was named slow (a false alarm) at 80 and resolved
+    at 102; the hog came at 101: a host-gap regression (cause cpu) from 100 joined the rank's incident,
+    rank 1 fired again from 107 (a re-fire: same incident), and the job's host gap rose further from 111.
+    That further rise is the same job-wide change during the same fault (the first one is inside the
+    incident, so no job-wide incident of cause cpu exists to join), and it began 4 steps after the
+    rank's newest fire (its onset now, not the false alarm's 80)."""
+    inc = Incidents()
+    s0 = al("slow_rank", ranks=[1], step_first=80, step=86, node="node-a")
+    s0.evidence = {"busy_ms": 48.4, "peer_median_ms": 41.3}
+    inc.assign(s0)
+    inc.assign(al("slow_rank", "resolved", ranks=[1], step_first=80, step=102, node="node-a", aid=s0.alert_id))
+    r1 = al("regression", step_first=100, step=105, cause="cpu")
+    r1.evidence = {"series": "host_gap_ms", "median_before_ms": 0.025, "median_after_ms": 1.585}
+    s1 = al("slow_rank", ranks=[1], step_first=107, step=110, cause="cpu", node="node-a")
+    s1.evidence = {"busy_ms": 51.8, "peer_median_ms": 42.2}
+    r2 = al("regression", step_first=111, step=115, cause="cpu")
+    r2.evidence = {"series": "host_gap_ms", "median_before_ms": 1.604, "median_after_ms": 5.584,
+                   "step_median_before_ms": 50.0, "step_median_after_ms": 72.0}     # 22 ms: not explained
+    for a in (r1, s1, r2):
+        inc.assign(a)
+    assert r1.incident_id == s1.incident_id == r2.incident_id == s0.incident_id
+    assert r2.evidence["incident"]["role"] == "consequence"
+    other = al("regression", step_first=112, step=116, cause="io")                 # another fault
+    inc.assign(other)
+    assert other.incident_id != s0.incident_id

@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from stepwatch import hostile as H
+from stepwatch.devtools import hostile as H
 from stepwatch import schema as wire
 from stepwatch.storage.views import connect
 from stepwatch.stream.kafkaio import make_producer

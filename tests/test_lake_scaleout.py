@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from stepwatch.agents.simsend import send_simulation
-from stepwatch.agents.simulate import Simulation
+from stepwatch.devtools.simsend import send_simulation
+from stepwatch.devtools.simulate import Simulation
 from stepwatch.storage.lake import S3, Lake
 from stepwatch.storage.store import LakeStore
 from stepwatch.storage.views import connect

@@ -14,8 +14,8 @@ import pyarrow as pa
 import pytest
 
 from stepwatch import schema as wire
-from stepwatch.agents.simsend import send_simulation
-from stepwatch.agents.simulate import Simulation
+from stepwatch.devtools.simsend import send_simulation
+from stepwatch.devtools.simulate import Simulation
 from stepwatch.storage.views import connect
 from stepwatch.stream.kafkaio import make_producer, send_table
 from stepwatch.stream.processor import Processor

@@ -19,8 +19,8 @@ import pytest
 
 from promstack import (MISSING_PROM, PROMETHEUS, PROMTOOL, Prometheus, free_port, http_get, promtool_check_metrics,
                        wait_until)
-from stepwatch.agents.simsend import send_simulation
-from stepwatch.agents.simulate import Simulation
+from stepwatch.devtools.simsend import send_simulation
+from stepwatch.devtools.simulate import Simulation
 from stepwatch.stream.kafkaio import KafkaSettings, ensure_topics, make_producer, send_table
 from stepwatch.stream.processor import Processor
 

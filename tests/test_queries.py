@@ -1,7 +1,7 @@
 """Every canned post-mortem query runs over a store made by the simulator + real detectors."""
 import pytest
 
-from stepwatch.bench import build_query_store
+from stepwatch.devtools.bench import build_query_store
 from stepwatch.storage import queries
 from stepwatch.storage.views import connect
 from stepwatch.storage.views import query as views_query

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from stepwatch.bench import build_query_store
+from stepwatch.devtools.bench import build_query_store
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -1,4 +1,4 @@
-"""Tests of the telemetry simulator (stepwatch.agents.simulate)."""
+"""Tests of the telemetry simulator (stepwatch.devtools.simulate)."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from stepwatch.agents.simulate import Fault, Simulation, parse_fault
+from stepwatch.devtools.simulate import Fault, Simulation, parse_fault
 from stepwatch.schema import GC, HOST, STEPS, TOPOLOGY, validate
 
 R, RPN, STEPS_N = 64, 8, 60

@@ -1,5 +1,5 @@
 """slow_rank's per-phase sequential tests on the independent producer's telemetry
-(:mod:`stepwatch.scenarios_indep`: Student-t(3) compute noise, a gamma data wait of 25% sd, AR(1) drift,
+(:mod:`stepwatch.devtools.scenarios_indep`: Student-t(3) compute noise, a gamma data wait of 25% sd, AR(1) drift,
 checkpoints), aligned by the processor's JobState and fed to the detector in the producer's 5-step
 batches: a 5% compute straggler is confirmed within 10 steps although it is only ~2.5 sd of the busy
 time (4.4 sd of the compute time); 5% of the ranks slow at once are each named (the median is still
@@ -11,7 +11,7 @@ import pytest
 
 from stepwatch.detectors.base import StepBlock
 from stepwatch.detectors.slowrank import OWN_PHASES, SlowRank
-from stepwatch.scenarios_indep import IndepJob, IndepScenario
+from stepwatch.devtools.scenarios_indep import IndepJob, IndepScenario
 from stepwatch.stream.align import JobState
 
 FIELDS = ("step_ms", "data_ms", "compute_ms", "comm_ms", "comm_wait_ms", "gc_ms")

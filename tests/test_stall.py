@@ -136,7 +136,7 @@ def test_host_samples_read_far_ahead_of_batched_steps_are_not_a_hang():
 
 
 def _run(name, faults, order="steps-first", steps=80, ranks=64):
-    from stepwatch.eval import Scenario, run_scenario
+    from stepwatch.devtools.eval import Scenario, run_scenario
     sc = Scenario(name, faults, ranks=ranks, steps=steps, seed=3)
     with tempfile.TemporaryDirectory() as d:
         return run_scenario(sc, Path(d), host_first=(order == "host-first"))
@@ -161,8 +161,8 @@ def test_a_restarted_processor_warms_the_host_context_and_still_judges_the_hang(
     """After a restart the job's host/GC windows come back from the store with the steps, so the hang
     of a job whose steps stopped before the restart is still found when the next host sample comes."""
     from stepwatch import schema as wire
-    from stepwatch.agents.simulate import Simulation
-    from stepwatch.eval import Record
+    from stepwatch.devtools.simulate import Simulation
+    from stepwatch.devtools.eval import Record
     from stepwatch.storage.store import ParquetStore
     from stepwatch.stream.kafkaio import KafkaSettings
     from stepwatch.stream.processor import Processor

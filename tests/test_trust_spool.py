@@ -19,7 +19,7 @@ from stepwatch import schema as wire
 from stepwatch.agents.agent import Agent
 from stepwatch.agents.probe import Probe
 from stepwatch.agents.shipper import Shipper, Spool
-from stepwatch.stream.broker import EmbeddedBroker, free_port
+from stepwatch.devtools.broker import EmbeddedBroker, free_port
 from stepwatch.stream.kafkaio import KafkaSettings, make_consumer
 
 

@@ -1,4 +1,4 @@
-"""Helpers for the tests that run agents/demo_train.py (a real gloo training run) under ``stepwatch wrap``."""
+"""Helpers for the tests that run stepwatch/devtools/demo_train.py (a real gloo training run) under ``stepwatch wrap``."""
 from __future__ import annotations
 
 import importlib.util
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from stepwatch.agents.wrap import wrap_env
 
-TRAIN = Path(importlib.util.find_spec("stepwatch.agents.demo_train").origin)   # (without importing torch here)
+TRAIN = Path(importlib.util.find_spec("stepwatch.devtools.demo_train").origin)   # (without importing torch here)
 
 
 def launch(socket_dir: str, job: str, env: dict) -> subprocess.Popen:

@@ -13,13 +13,34 @@ static PyObject *bind(PyObject *self, PyObject *obj, PyObject *type)
     return PyMethod_New(self, obj);
 }
 
+/* The head both wrappers begin with, so that one call and one dealloc serve them both. */
+#define WRAP_HEAD PyObject_HEAD vectorcallfunc vc; Log *log; PyObject *fn;
+typedef struct {
+    WRAP_HEAD
+} Wrap;
+
+static PyObject *wrap_call(PyObject *o, PyObject *args, PyObject *kw)
+{
+    if (((Wrap *)o)->log == NULL) {
+        const char *name = strrchr(Py_TYPE(o)->tp_name, '.');
+        PyErr_Format(PyExc_TypeError, "%s was not initialised", name ? name + 1 : Py_TYPE(o)->tp_name);
+        return NULL;
+    }
+    return PyVectorcall_Call(o, args, kw);
+}
+
+static void wrap_dealloc(PyObject *o)
+{
+    PyObject_GC_UnTrack(o);
+    Py_TYPE(o)->tp_clear(o);
+    Py_TYPE(o)->tp_free(o);
+}
+
 /* ------------------------------------------------------------------------------------- DataWrap */
 
 typedef struct {
-    PyObject_HEAD
-    vectorcallfunc vc;
-    Log *log;
-    PyObject *fn, *dq_fn;
+    WRAP_HEAD
+    PyObject *dq_fn;
     PyTypeObject *single;               /* an iterator type whose queue depth is always 0 */
 } DataWrap;
 
@@ -99,22 +120,6 @@ static int DataWrap_clear(DataWrap *w)
     return 0;
 }
 
-static void DataWrap_dealloc(DataWrap *w)
-{
-    PyObject_GC_UnTrack(w);
-    DataWrap_clear(w);
-    Py_TYPE(w)->tp_free((PyObject *)w);
-}
-
-static PyObject *DataWrap_call(PyObject *o, PyObject *args, PyObject *kw)
-{
-    if (((DataWrap *)o)->log == NULL) {
-        PyErr_SetString(PyExc_TypeError, "DataWrap was not initialised");
-        return NULL;
-    }
-    return PyVectorcall_Call(o, args, kw);
-}
-
 static PyMemberDef DataWrap_members[] = {
     {"__wrapped__", T_OBJECT, offsetof(DataWrap, fn), READONLY, "the wrapped __next__"}, {NULL}};
 
@@ -125,11 +130,11 @@ PyTypeObject probefast_DataWrapType = {
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR,
     .tp_doc = "DataWrap(log, fn, dq_fn): a timed DataLoader iterator __next__",
     .tp_vectorcall_offset = offsetof(DataWrap, vc),
-    .tp_call = DataWrap_call,
+    .tp_call = wrap_call,
     .tp_descr_get = bind,
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)DataWrap_init,
-    .tp_dealloc = (destructor)DataWrap_dealloc,
+    .tp_dealloc = wrap_dealloc,
     .tp_traverse = (traverseproc)DataWrap_traverse,
     .tp_clear = (inquiry)DataWrap_clear,
     .tp_members = DataWrap_members,
@@ -140,10 +145,8 @@ PyTypeObject probefast_DataWrapType = {
 #define NCACHE 8
 
 typedef struct {
-    PyObject_HEAD
-    vectorcallfunc vc;
-    Log *log;
-    PyObject *fn, *payload, *resolve, *nbytes_fn, *dev_begin, *dev_end, *dict;
+    WRAP_HEAD
+    PyObject *payload, *resolve, *nbytes_fn, *dev_begin, *dev_end, *dict;
     Py_ssize_t p_idx, g_idx, a_idx;
     PyObject *gkey[NCACHE];             /* borrowed: resolve() keeps every group it saw alive */
     int gslot[NCACHE];
@@ -367,22 +370,6 @@ static int CollWrap_clear(CollWrap *w)
     return 0;
 }
 
-static void CollWrap_dealloc(CollWrap *w)
-{
-    PyObject_GC_UnTrack(w);
-    CollWrap_clear(w);
-    Py_TYPE(w)->tp_free((PyObject *)w);
-}
-
-static PyObject *CollWrap_call(PyObject *o, PyObject *args, PyObject *kw)
-{
-    if (((CollWrap *)o)->log == NULL) {
-        PyErr_SetString(PyExc_TypeError, "CollWrap was not initialised");
-        return NULL;
-    }
-    return PyVectorcall_Call(o, args, kw);
-}
-
 static PyMemberDef CollWrap_members[] = {
     {"__wrapped__", T_OBJECT, offsetof(CollWrap, fn), READONLY, "the wrapped collective"},
     {NULL}};
@@ -395,13 +382,13 @@ PyTypeObject probefast_CollWrapType = {
     .tp_doc = "CollWrap(log, fn, p_idx, g_idx, a_idx, payload, resolve, nbytes_fn[, dev_begin, dev_end]): "
               "a timed collective",
     .tp_vectorcall_offset = offsetof(CollWrap, vc),
-    .tp_call = CollWrap_call,
+    .tp_call = wrap_call,
     .tp_dictoffset = offsetof(CollWrap, dict),
     .tp_getattro = PyObject_GenericGetAttr,
     .tp_setattro = PyObject_GenericSetAttr,
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)CollWrap_init,
-    .tp_dealloc = (destructor)CollWrap_dealloc,
+    .tp_dealloc = wrap_dealloc,
     .tp_traverse = (traverseproc)CollWrap_traverse,
     .tp_clear = (inquiry)CollWrap_clear,
     .tp_members = CollWrap_members,

@@ -527,8 +527,12 @@ def _sibling(name: str):
         mod = sys.modules.get(f"stepwatch_{name}")
         if mod is None:
             import importlib.util
-            here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-            spec = importlib.util.spec_from_file_location(f"stepwatch_{name}", os.path.join(here, f"{name}.py"))
+            here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), name)
+            if os.path.isdir(here):               # a package (profiling/): by its directory, like the probe itself
+                spec = importlib.util.spec_from_file_location(f"stepwatch_{name}", os.path.join(here, "__init__.py"),
+                                                              submodule_search_locations=[here])
+            else:
+                spec = importlib.util.spec_from_file_location(f"stepwatch_{name}", here + ".py")
             mod = importlib.util.module_from_spec(spec)
             sys.modules[f"stepwatch_{name}"] = mod
             spec.loader.exec_module(mod)

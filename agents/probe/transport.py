@@ -141,12 +141,16 @@ class Transport:
         except AttributeError:                      # socket closed by shutdown()
             self._lost(frames, "error")
             return False
+        self._counted(hello, frames)
+        return True
+
+    def _counted(self, hello: bool, frames: int) -> None:
+        """One datagram sent: a hello, or a batch of ``frames`` steps."""
         if hello:
             self.hellos += 1
         else:
             self.datagrams += 1
             self.sent += frames
-        return True
 
     def _lost(self, frames: int, why: str) -> None:
         if frames:
@@ -188,11 +192,7 @@ class Transport:
                 self._agent_gone()
                 return False
             bl.popleft()
-            if hello:
-                self.hellos += 1
-            else:
-                self.datagrams += 1
-                self.sent += frames
+            self._counted(hello, frames)
         return True
 
     def flush(self) -> None:

@@ -106,6 +106,9 @@ class Watchdog:
 
     def close(self) -> None:
         self.stop.set()
+        self._drop_socket()
+
+    def _drop_socket(self) -> None:
         s, self._sock = self._sock, None
         if s is not None:
             try:
@@ -298,11 +301,6 @@ class Watchdog:
             return True
         except (OSError, AttributeError):
             self.failed += 1
-            s, self._sock = self._sock, None
-            if s is not None:
-                try:
-                    s.close()
-                except OSError:
-                    pass
+            self._drop_socket()
             return False
 

@@ -281,8 +281,8 @@ def fuzz_kafka_message(n: int, seed: int = 0, hang_s: float = HANG_S, progress=N
 BOUNDARIES = {
     "kafka-message": fuzz_kafka_message,
 }
-try:        # the node's boundaries (agent datagram decode, control verify): stepwatch.agents.fuzz_targets
-    from stepwatch.agents.fuzz_targets import fuzz_control, fuzz_datagram
+try:        # the node's boundaries (agent datagram decode, control verify): stepwatch.devtools.fuzz_targets
+    from stepwatch.devtools.fuzz_targets import fuzz_control, fuzz_datagram
     BOUNDARIES["agent-datagram"] = fuzz_datagram
     BOUNDARIES["control-verify"] = fuzz_control
 except ImportError:  # pragma: no cover - an older agents package

@@ -56,10 +56,10 @@ def _alert_printer() -> tuple[Progress, object]:
 
 def run_demo(ranks: int = 1024, steps: int = 300, data_dir: str = "./stepwatch-data/demo", slow_rank: int = 613,
              regression_step: int = 200, seed: int = 7, quiet: bool = False) -> int:
-    from stepwatch.agents.simsend import send_simulation
-    from stepwatch.agents.simulate import Simulation
+    from stepwatch.devtools.simsend import send_simulation
+    from stepwatch.devtools.simulate import Simulation
     from stepwatch.storage.views import connect
-    from stepwatch.stream.broker import EmbeddedBroker
+    from stepwatch.devtools.broker import EmbeddedBroker
     from stepwatch.stream.kafkaio import KafkaSettings, ensure_topics, make_producer
     from stepwatch.stream.processor import Processor
 
@@ -186,7 +186,7 @@ def _post_mortem(root: Path, job: str, sim, sent: dict, t_begin: float) -> bool:
 def run_real_demo(ranks: int = 4, steps: int = 200, slow_rank: int = 2, gc_rank: int = 1, step_ms: float = 50.0,
                   slow_extra_ms: float = 20.0, data_dir: str = "./stepwatch-data/demo-real") -> int:
     """``stepwatch demo --real``: real PyTorch training, not a simulation. ``ranks`` gloo processes on
-    CPU train a small MLP (``stepwatch.agents.demo_train``, which knows nothing of stepwatch) under
+    CPU train a small MLP (``stepwatch.devtools.demo_train``, which knows nothing of stepwatch) under
     ``stepwatch wrap``; a node agent receives their probes' records and ships them through the
     embedded broker to a processor, which stores them and raises alerts. Two runs, one after the
     other, each its own job: in the first, rank ``slow_rank`` is made ``slow_extra_ms`` slower per
@@ -220,7 +220,7 @@ def run_real_demo(ranks: int = 4, steps: int = 200, slow_rank: int = 2, gc_rank:
         return 2
     from stepwatch.agents.agent import Agent
     from stepwatch.agents.wrap import wrap_env
-    from stepwatch.stream.broker import EmbeddedBroker
+    from stepwatch.devtools.broker import EmbeddedBroker
     from stepwatch.stream.kafkaio import KafkaSettings, ensure_topics
     from stepwatch.stream.processor import Processor
 
@@ -249,7 +249,7 @@ def run_real_demo(ranks: int = 4, steps: int = 200, slow_rank: int = 2, gc_rank:
             t_agent.start()
             t_proc.start()
             _say(f"  agent:    {sock_dir}/agent.sock on node {node}; processor writing {root}")
-            train = importlib.util.find_spec("stepwatch.agents.demo_train").origin
+            train = importlib.util.find_spec("stepwatch.devtools.demo_train").origin
             cmd = [sys.executable, "-m", "stepwatch.agents.wrap", "--", sys.executable, train]
             stored = lambda: proc.metrics.value(proc.metrics.records_out, "steps")  # noqa: E731
             expect = 0

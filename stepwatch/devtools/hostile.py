@@ -336,7 +336,7 @@ def run_hostile_bench(a) -> int:
     from pathlib import Path
 
     from stepwatch.storage.views import connect
-    from stepwatch.stream.broker import EmbeddedBroker
+    from stepwatch.devtools.broker import EmbeddedBroker
     from stepwatch.stream.kafkaio import KafkaSettings, ensure_topics
 
     base = Path(a.data_dir or tempfile.mkdtemp(prefix="stepwatch-hostile-"))
@@ -408,11 +408,11 @@ def run_hostile_bench(a) -> int:
 def hostile_datagrams(n: int, good_inst: int, seed: int = 16) -> list[bytes]:
     """``n`` hostile datagrams for ``agent.sock``: out-of-range hellos, deeply nested JSON, frames for
     unknown instances and for the good probe's instance (from another process), random bytes, and
-    byte-level mutations of valid datagrams (:func:`stepwatch.agents.fuzz_targets.mutate`)."""
+    byte-level mutations of valid datagrams (:func:`stepwatch.devtools.fuzz_targets.mutate`)."""
     import json as _json
     import random
 
-    from stepwatch.agents.fuzz_targets import mutate
+    from stepwatch.devtools.fuzz_targets import mutate
     from stepwatch.agents.probe import HDR, HDR_STEP, MAGIC, T_BATCH, T_HELLO, VERSION
 
     def hello(inst, **f):

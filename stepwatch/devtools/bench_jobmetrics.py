@@ -1,4 +1,4 @@
-"""Cost of the per-job metrics: ``python -m stepwatch.stream.bench_jobmetrics [--ranks 1024,16384,100000]``.
+"""Cost of the per-job metrics: ``python -m stepwatch.devtools.bench_jobmetrics [--ranks 1024,16384,100000]``.
 
 Prints the CPU time of :meth:`JobMetrics.on_block` per closed block (1 and 4 steps, one rank 30% slow)
 and of one scrape of all jobs. CPU time (``time.process_time``), so that other processes on a shared
@@ -28,7 +28,7 @@ def _block(steps: np.ndarray, R: int, rng) -> StepBlock:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m stepwatch.stream.bench_jobmetrics")
+    ap = argparse.ArgumentParser(prog="python -m stepwatch.devtools.bench_jobmetrics")
     ap.add_argument("--ranks", default="1024,16384,100000")
     ap.add_argument("--blocks", type=int, default=30)
     a = ap.parse_args(argv)

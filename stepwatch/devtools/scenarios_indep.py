@@ -1,6 +1,6 @@
 """A second, independent scenario family for ``stepwatch eval``: a producer written from
 ``docs/wire-format.md`` alone (it shares no code, noise law or fault shape with
-``stepwatch.agents.simulate``), and a consumer-order model that interleaves the messages of several topics
+``stepwatch.devtools.simulate``), and a consumer-order model that interleaves the messages of several topics
 and partitions the way a Kafka consumer group may deliver them.
 
 **The job.** ``ranks`` ranks, ``per_node`` per node, ``pp`` pipeline stages (contiguous blocks of ranks,
@@ -17,7 +17,7 @@ synchronous, so every rank's step time is the slowest rank's busy time plus the 
 * GC: a gen-0/1 pause of ~1-3 ms on most steps, a gen-2 pause (30-60 ms) on a random 0.3 % of rank-steps;
 * a checkpoint every ``checkpoint_every`` steps: +30-40 % step time on every rank (host time), not a fault.
 
-**Faults** (each with its ground-truth label, in the dict form ``stepwatch.eval`` scores): a straggler
+**Faults** (each with its ground-truth label, in the dict form ``stepwatch.devtools.eval`` scores): a straggler
 (5-30 % of the rank's busy time, a 3-step ramp, optional end); an intermittent straggler (slow on a random
 40 % of steps); a phase regression on every rank of comm transfer, data wait, GC or host time, with or
 without recovery (``phase`` in the label; ``pct`` is the effect on that phase); a CPU hog on one node

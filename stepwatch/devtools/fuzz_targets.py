@@ -20,7 +20,7 @@ inputs a second here). Each returns ``{"boundary", "tried", "structured", "mutat
 and skipped), ``hangs`` inputs that took longer than ``hang_s``; ``examples`` holds the first few
 failures (type and message, never the input bytes). :func:`fuzz_control` also counts
 ``accepted_unverified``: inputs that were not validly sealed but got forwarded or started a profile
-(must be 0). ``stepwatch bench fuzz`` registers both; ``python -m stepwatch.agents.fuzz_targets
+(must be 0). ``stepwatch bench fuzz`` registers both; ``python -m stepwatch.devtools.fuzz_targets
 {datagram,control} N [--seed S]`` runs one.
 """
 from __future__ import annotations
@@ -328,7 +328,7 @@ FUZZERS = {"datagram": fuzz_datagram, "control": fuzz_control}
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
-    p = argparse.ArgumentParser(prog="python -m stepwatch.agents.fuzz_targets",
+    p = argparse.ArgumentParser(prog="python -m stepwatch.devtools.fuzz_targets",
                                 description="fuzz an agent-side boundary with hypothesis and print what was tried")
     p.add_argument("boundary", choices=sorted(FUZZERS) + ["all"])
     p.add_argument("n", type=int, nargs="?", default=100_000)

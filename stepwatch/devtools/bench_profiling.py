@@ -46,12 +46,12 @@ def run_profiling_bench(a) -> int:
     from stepwatch.agents.agent import Agent
     from stepwatch.agents.wrap import wrap_env
     from stepwatch.storage.views import connect
-    from stepwatch.stream.broker import EmbeddedBroker
+    from stepwatch.devtools.broker import EmbeddedBroker
     from stepwatch.stream.kafkaio import KafkaSettings, ensure_topics
     from stepwatch.stream.processor import Processor
     from stepwatch.stream.profiling import ProfilingSettings
 
-    train = Path(__file__).resolve().parents[1] / "tests" / "profile_train.py"
+    train = Path(__file__).resolve().parents[2] / "tests" / "profile_train.py"
     if not train.exists():
         print(f"stepwatch bench profiling: needs the repository's {train} (run it from a source checkout)",
               file=sys.stderr)

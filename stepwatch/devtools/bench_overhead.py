@@ -352,7 +352,7 @@ def probe_overhead(rounds: int, block_steps: int, out=print) -> dict:
 
 
 def _free_port() -> int:
-    from stepwatch.stream.broker import free_port
+    from stepwatch.devtools.broker import free_port
     return free_port()
 
 
@@ -370,7 +370,7 @@ def agent_cost(ranks: int, seconds: float, step_ms: float, broker: bool, out=pri
     agent = None
     try:
         if broker:
-            from stepwatch.stream.broker import EmbeddedBroker
+            from stepwatch.devtools.broker import EmbeddedBroker
             b = EmbeddedBroker(log_path=work / "broker.log").start()
         agent = subprocess.Popen(_agent_cmd(sock_dir, b.bootstrap if b else None, port),
                                  stdout=subprocess.DEVNULL, stderr=open(work / "agent.log", "wb"))

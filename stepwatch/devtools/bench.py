@@ -37,9 +37,9 @@ def _processor(bootstrap: str, prefix: str, data: Path, group: str, core: int, i
 
 
 def run_bench(a) -> int:
-    from stepwatch.agents.simsend import send_simulation
-    from stepwatch.agents.simulate import Simulation
-    from stepwatch.stream.broker import EmbeddedBroker
+    from stepwatch.devtools.simsend import send_simulation
+    from stepwatch.devtools.simulate import Simulation
+    from stepwatch.devtools.broker import EmbeddedBroker
     from stepwatch.stream.kafkaio import KafkaSettings, ensure_topics, make_producer
 
     base = Path(a.data_dir or tempfile.mkdtemp(prefix="stepwatch-bench-"))
@@ -141,7 +141,7 @@ def burst_flush(root: Path, jobs: int = 1000, ranks: int = 16) -> None:
     (a lake partitioned by job wrote a file per job and table: 4,006 files, 95-290 s)."""
     import pyarrow as pa
 
-    from stepwatch.agents.simulate import Simulation
+    from stepwatch.devtools.simulate import Simulation
     from stepwatch.storage.store import LakeStore, Marker
     parts: dict[str, list] = {"steps": [], "host": [], "topology": []}
     for j in range(jobs):
@@ -184,7 +184,7 @@ def build_query_store(root: Path, ranks: int, seconds: int, chunk: int = 60, see
     import pyarrow as pa
 
     from stepwatch import schema as wire
-    from stepwatch.agents.simulate import Simulation
+    from stepwatch.devtools.simulate import Simulation
     from stepwatch.detectors.registry import build
     from stepwatch.storage.store import ParquetStore
     from stepwatch.stream.align import JobState

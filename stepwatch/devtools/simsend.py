@@ -1,4 +1,4 @@
-"""Send a :class:`~stepwatch.agents.simulate.Simulation` to Kafka the way node agents would.
+"""Send a :class:`~stepwatch.devtools.simulate.Simulation` to Kafka the way node agents would.
 
 Topology first (and flushed), then each chunk of steps as Arrow IPC messages on the ``steps``,
 ``host`` and ``gc`` topics, keyed by job. ``pace`` sends each step when the wall clock reaches its
@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from stepwatch.agents.simulate import Simulation
+from stepwatch.devtools.simulate import Simulation
 from stepwatch.stream.kafkaio import KafkaSettings, send_table
 
 

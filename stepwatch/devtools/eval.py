@@ -1,12 +1,12 @@
 """``stepwatch eval``: the detectors measured on two labelled scenario families, through the real processor.
 
-Family ``sim``: simulated jobs (:class:`~stepwatch.agents.simulate.Simulation`) with known injected
-faults (its :meth:`~stepwatch.agents.simulate.Simulation.labels`), encoded exactly as its agents send
+Family ``sim``: simulated jobs (:class:`~stepwatch.devtools.simulate.Simulation`) with known injected
+faults (its :meth:`~stepwatch.devtools.simulate.Simulation.labels`), encoded exactly as its agents send
 them (Arrow IPC messages of at most 4,096 rows with the ``content-type``/``schema`` headers, keyed by job,
 topology first, then per step the ``steps``, ``host``, ``gc`` and ``comm`` messages). Family ``indep``:
-:mod:`stepwatch.scenarios_indep`, an independent producer written from the wire format alone (its own
+:mod:`stepwatch.devtools.scenarios_indep`, an independent producer written from the wire format alone (its own
 noise, faults, per-node messages of several steps, several partitions). Each family runs in produce order
-and in a consumer-group shuffle (:func:`stepwatch.scenarios_indep.deliveries`). Messages are fed to a real
+and in a consumer-group shuffle (:func:`stepwatch.devtools.scenarios_indep.deliveries`). Messages are fed to a real
 :class:`~stepwatch.stream.processor.Processor` (temporary data folder, no broker) through its message
 handler ``_handle`` — decode, validation, alignment, detectors, incidents, alert emission — with a store
 flush every 50 steps of consumer time and at the end (the end of the stream force-closes the open steps,
@@ -30,143 +30,25 @@ faults, median delay (>= 5% faults), the 5% stragglers' and the 3% faults' delay
 clean scenarios and pipeline-stage false positives. Hangs are judged on their own delay (the stall detector's
 hang threshold, 30 s, + 5 s), not in the median. Scenarios with in-flight states (``Scenario.inflight``) also
 send what the probes' watchdogs and the node agents report during a hang or a long evaluation/checkpoint
-step (:func:`stepwatch.agents.simulate.with_inflight`).
+step (:func:`stepwatch.devtools.simulate.with_inflight`).
 """
 from __future__ import annotations
 
-import json
 import math
 import os
-import shutil
-import sys
-import tempfile
 import time
 from collections import namedtuple
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from stepwatch import catalog
+# the suite (scenarios and what may report each fault) lives in evalsuite.py, the command and its report in evalcli.py
+from stepwatch.devtools.evalsuite import COMPATIBLE, DIAGNOSIS, SCENARIOS, T0_NS, Scenario  # noqa: F401
 
 #: what the processor's ``_handle`` needs of a kafka-python ``ConsumerRecord``
 Record = namedtuple("Record", "topic partition offset key value headers")
-
-T0_NS = 1_767_225_600_000_000_000          # 2026-01-01T00:00:00Z: fixed, so runs are reproducible
-
-
-@dataclass
-class Scenario:
-    name: str
-    faults: list[str] = field(default_factory=list)
-    ranks: int = 1024
-    steps: int = 240
-    seed: int = 1
-    pp: int = 1
-    tp: int = 1
-    noise: float = 0.02
-    checkpoint_every: int | None = 100
-    comm: bool = False
-    note: str = ""
-    #: in-flight states as probes' watchdogs and agents send them (agents.simulate.with_inflight): the
-    #: stuck rank of a job-hang ("python" | "mismatch" | "sigstop"), "" for long steps only; None: none
-    inflight: str | None = None
-    long_steps: dict = field(default_factory=dict)     # step -> (kind, extra ms): evaluation, checkpoint
-
-    @property
-    def large(self) -> bool:
-        return self.ranks >= 8192
-
-    def simulation(self):
-        from stepwatch.agents.simulate import Simulation
-        sim = Simulation(job=f"eval-{self.name}", ranks=self.ranks, steps=self.steps, seed=self.seed,
-                         pp=self.pp, tp=self.tp, noise=self.noise, checkpoint_every=self.checkpoint_every,
-                         faults=list(self.faults), t0_ns=T0_NS, comm=self.comm)
-        if self.inflight is not None:
-            from stepwatch.agents.simulate import setup_inflight
-            setup_inflight(sim, self.inflight or None, self.long_steps)
-        return sim
-
-
-def _suite() -> list[Scenario]:
-    S = Scenario
-    return [
-        S("clean", [], seed=11, note="Student-t(3) compute noise, data blips, checkpoint every 100 steps"),
-        S("clean-noisy-ckpt10", [], seed=12, noise=0.04, checkpoint_every=10,
-          note="2x noise, a checkpoint spike every 10 steps (must be reported as cadence, not alarmed)"),
-        S("clean-pp4", [], seed=13, pp=4, tp=2, note="4 pipeline stages, the last 15% busier"),
-        S("slow-3pct", ["slow-rank:rank=77,pct=3,start=60"], seed=21),
-        S("slow-5pct", ["slow-rank:rank=300,pct=5,start=60"], seed=22),
-        S("slow-10pct", ["slow-rank:rank=613,pct=10,start=60"], seed=23),
-        S("slow-30pct", ["slow-rank:rank=5,pct=30,start=60,end=160"], seed=24, note="ends at 160: resolves"),
-        S("intermittent", ["slow-rank:rank=402,pct=30,start=60,every=3"], seed=25, note="slow 1 step in 3"),
-        S("two-stragglers", ["slow-rank:rank=100,pct=20,start=60", "slow-rank:rank=900,pct=12,start=100"],
-          seed=26),
-        S("pp-stage-slow", ["slow-rank:rank=40,pct=10,start=60"], seed=27, pp=4, tp=2,
-          note="rank 40 in the lightest stage; stage 3 is 15% busier by design"),
-        S("gc-storm-rank", ["gc-storm:rank=511,pct=20,start=60"], seed=28),
-        S("gc-jitter", ["gc-jitter:start=60,pct=25"], seed=29, note="unsynchronised gen-2 GC pauses"),
-        S("data-stall", ["data-stall:start=60,pct=30"], seed=30, note="DataLoader stalls on ~25% of steps"),
-        S("cpu-contention", ["cpu-contention:rank=212,pct=25,start=60"], seed=31),
-        S("comm-dp-group", ["comm-slow:rank=3,pct=15,start=60"], seed=32, tp=8, comm=True,
-          note="one of 8 DP groups (128 ranks, one per node)"),
-        S("regress-recover-io", ["regression:start=80,end=170,pct=15,cause=io"], seed=33),
-        S("regress-comm", ["regression:start=100,pct=10,cause=communication"], seed=34),
-        S("regress-cpu", ["regression:start=100,pct=10,cause=cpu"], seed=35),
-        S("rank-hang", ["rank-hang:rank=333,start=120"], seed=36),
-        S("job-hang", ["job-hang:rank=77,start=150"], seed=37, steps=240,
-          note="rank 77 stops first; the rest block two steps later; host samples go on"),
-        S("job-hang-all", ["job-hang:start=150"], seed=38, note="every rank stops at once"),
-        S("clean-16k", [], ranks=16384, steps=160, seed=41),
-        S("slow-5pct-16k", ["slow-rank:rank=12345,pct=5,start=60"], ranks=16384, steps=160, seed=42),
-        S("cpu-contention-16k", ["cpu-contention:rank=8000,pct=20,start=60"], ranks=16384, steps=160, seed=43),
-        # efficiency analyses (issue 9): each judged also on its diagnosis (kind and remedy text)
-        S("small-messages", ["small-messages:start=0,pct=10"], seed=51, steps=120, comm=True,
-          note="gradient all-reduce in 2,048 calls of ~1 MiB per step, no tensor fusion"),
-        S("slow-link", ["slow-link:rank=5,pct=60,start=40"], seed=52, steps=120, tp=8, comm=True,
-          note="one of 8 DP groups (128 ranks, one per node) at 40% of its link bandwidth"),
-        S("dataloader-starved", ["dataloader-starved:start=0,pct=25"], seed=53, steps=120,
-          note="prefetch queue empty, data wait 25% of every step"),
-        # hang localization from in-flight states (issue 18): every rank stops at the same step
-        S("hang-python", ["job-hang:rank=77,start=150"], seed=61, inflight="python",
-          note="rank 77 stuck in a Python function, the rest in all_reduce; all finished the same step"),
-        S("hang-mismatch", ["job-hang:rank=500,start=150"], seed=62, inflight="mismatch",
-          note="rank 500 in broadcast where the rest call all_reduce"),
-        S("hang-sigstop", ["job-hang:rank=901,start=150"], seed=63, inflight="sigstop",
-          note="rank 901 stopped (SIGSTOP): only its agent says so"),
-        S("clean-eval-ckpt", [], seed=64, inflight="",
-          long_steps={60: ("eval", 90_000.0), 120: ("checkpoint", 150_000.0), 180: ("eval", 90_000.0)},
-          note="90 s evaluation steps and a 150 s checkpoint step (the hang threshold is 30 s)"),
-    ]
-
-
-SCENARIOS: list[Scenario] = _suite()
-
-#: alert kinds that can report each fault kind (job-scope variants of gc-storm / data-stall included).
-#: ``mfu_regression`` reports what ``regression`` reports (with constant tokens per step an MFU drop is a
-#: step-time rise); ``dataloader_starved`` reports an I/O regression (the prefetch queue runs empty).
-COMPATIBLE = {
-    "slow-rank": {"slow_rank", "slow_node", "slow_group", "jitter"},
-    "gc-storm": {"slow_rank", "slow_node", "jitter", "regression", "recovery", "mfu_regression"},
-    "cpu-contention": {"slow_node", "slow_rank", "jitter"},
-    "comm-slow": {"slow_group", "slow_rank", "jitter", "comm_slow_link"},
-    "regression": {"regression", "recovery", "jitter", "mfu_regression", "dataloader_starved"},
-    "gc-jitter": {"jitter"},
-    "data-stall": {"jitter", "slow_rank", "regression", "recovery", "mfu_regression", "dataloader_starved"},
-    "rank-hang": {"rank_stall", "node_stall"},
-    "job-hang": {"job_hang", "rank_stall", "node_stall"},
-    "small-messages": {"comm_small_messages", "regression", "mfu_regression"},
-    "slow-link": {"comm_slow_link", "slow_group", "slow_rank", "jitter"},
-    "dataloader-starved": {"dataloader_starved", "regression", "mfu_regression", "jitter"},
-}
-
-#: faults judged also on their diagnosis: an alert of this kind must match the fault and its suggestion
-#: must name the remedy (case-insensitive substring)
-DIAGNOSIS = {
-    "small-messages": ("comm_small_messages", "tensor fusion"),
-    "slow-link": ("comm_slow_link", "check the link/nic"),
-    "dataloader-starved": ("dataloader_starved", "num_workers"),
-}
 
 
 # --------------------------------------------------------------------------- feeding the processor
@@ -223,7 +105,7 @@ def _sim_messages(sim, rows_per_message: int, host_first: bool, inflight=None) -
         tables = sim.generate(s, s + 1)
         before = []
         if inflight is not None:                    # what watchdogs and agents send during the step
-            from stepwatch.agents.simulate import with_inflight
+            from stepwatch.devtools.simulate import with_inflight
             before = with_inflight(sim, s, tables).pop("before")
         t_sim += time.perf_counter() - a
         st = tables.get("steps")
@@ -248,14 +130,14 @@ def run_scenario(sc, data_dir: Path, rows_per_message: int = 4096, flush_every: 
                  detector_settings: dict | None = None, host_first: bool = False, shuffle: bool = False,
                  shuffle_seed: int = 0) -> dict:
     """Feed one scenario (a :class:`Scenario` of the simulator family or an
-    :class:`~stepwatch.scenarios_indep.IndepScenario`) through a real Processor; returns the labels,
+    :class:`~stepwatch.devtools.scenarios_indep.IndepScenario`) through a real Processor; returns the labels,
     alerts (with their emission state) and timings. Messages are delivered in produce order, or with
-    ``shuffle`` in a consumer-group order (:func:`stepwatch.scenarios_indep.deliveries`: every topic
+    ``shuffle`` in a consumer-group order (:func:`stepwatch.devtools.scenarios_indep.deliveries`: every topic
     partition read at its own pace, one paused for a while, a freshly assigned one read first); the
     processor learns whether the job's steps partition is read to its end from what has been produced
     and not yet delivered at the consumer's clock (what a broker's end offset tells a real consumer).
     ``host_first`` sends each step's host samples before its step rows (simulator family, in order)."""
-    from stepwatch.scenarios_indep import IndepJob, IndepScenario, deliveries
+    from stepwatch.devtools.scenarios_indep import IndepJob, IndepScenario, deliveries
     from stepwatch.stream.kafkaio import KafkaSettings
     from stepwatch.stream.processor import Processor
 
@@ -516,190 +398,6 @@ def _target_ok(v, op, x) -> bool:
     return {">=": v >= x, "<=": v <= x, "==": v == x}[op]
 
 
-# --------------------------------------------------------------------------- output
-
-def _fmt_table(cols: list[str], rows: list[list]) -> str:
-    w = [max(len(str(c)), *(len(str(r[i])) for r in rows)) if rows else len(str(c)) for i, c in enumerate(cols)]
-    line = lambda vals: "  ".join(str(v).ljust(w[i]) for i, v in enumerate(vals)).rstrip()  # noqa: E731
-    return "\n".join([line(cols), line(["-" * x for x in w])] + [line(r) for r in rows])
-
-
-def _yn(v) -> str:
-    return "n/a" if v is None else ("right" if v else "WRONG")
-
-
-def table_rows(scored) -> list[list]:
-    rows = []
-    for res, s in scored:
-        sc = res["scenario"]
-        fl = s["faults"]
-        if not fl:
-            rows.append([sc.name, f"{sc.ranks:,}", "clean", "-", "-", "-", len(s["false"]), "-", "-", "-", "-", "-",
-                         ",".join(sorted({a.kind for a in s["false"]})) or "-"])
-            continue
-        for i, f in enumerate(fl):
-            lab = f["label"]
-            what = lab["kind"] + (f" {lab['pct']:g}%" if lab["kind"] not in ("rank-hang", "job-hang") else "")
-            if lab.get("phase"):
-                what += f" {lab['phase']}"
-            if lab.get("every"):
-                what += f" 1/{lab['every']}"
-            rows.append([
-                sc.name if i == 0 else "", f"{sc.ranks:,}" if i == 0 else "", what,
-                "found" if f["found"] else "MISSED",
-                f["first_kind"] if f["found"] else "-",
-                f["incidents"] if f["found"] else "-",
-                len(s["false"]) if i == 0 else "",
-                _yn(f["localised"]) if f["found"] else "-",
-                _yn(f["cause_ok"]) if f["found"] else "-",
-                f"{f['delay_steps']:g}" if f["found"] else "-",
-                f"{f['delay_s']:.1f}" if f["found"] else "-",
-                ("-" if "diagnosis_ok" not in f else _yn(f["diagnosis_ok"])),
-                (",".join(sorted({a.kind for a in s["false"]})) or "-") if i == 0 else "",
-            ])
-    return rows
-
-
-COLUMNS = ["scenario", "ranks", "fault", "result", "first alert", "incidents", "false", "localisation", "cause",
-           "delay steps", "delay s", "diagnosis", "false alarm kinds"]
-
-
-def report(scored, out=sys.stdout) -> dict:
-    print(_fmt_table(COLUMNS, table_rows(scored)), file=out)
-    t = totals(scored)
-    print("", file=out)
-    print(f"faults of >= 5% effect: {t['found_ge5']}/{t['faults_ge5']} found   recall {t['recall']:.3f}", file=out)
-    print(f"incidents: {t['incidents_tp']} right, {t['incidents_fp']} false   precision {t['precision']:.3f}   "
-          f"incidents per fault {t['incidents_per_fault']:.2f} (max {t['incidents_per_fault_max']})", file=out)
-    print(f"alerts: {t['alerts_tp']} matched a fault, {t['alerts_fp']} matched none (alert precision "
-          f"{t['alert_precision']:.3f}); false job_hang {t['false_job_hang']}", file=out)
-    print(f"right rank/node {t['localised']:.3f} of found   right cause {t['cause']:.3f} "
-          f"(of {t['cause_n']} with a cause in the taxonomy)", file=out)
-    print(f"median delay {t['median_delay_steps']:g} steps ({t['median_delay_s']:.1f} s); 5% stragglers: "
-          f"{t['delay_5pct_steps']:g} steps; 3% faults: "
-          f"{t['small_found']}/{t['small_n']} found, delay {t['small_delay_steps']:g} steps", file=out)
-    if t["hang_n"]:
-        print(f"hangs (not in the median: their delay is the hang threshold, 30 s): {t['hang_n']} found, delay "
-              f"median {t['hang_delay_median_s']:.1f} s, max {t['hang_delay_max_s']:.1f} s", file=out)
-    print(f"alerts on clean scenarios {t['clean_alerts']}   pipeline-stage false positives {t['stage_fp']}", file=out)
-    t["diagnosis_missed"] = t["diagnosis_n"] - t["diagnosis_ok"]
-    if t["diagnosis_n"]:
-        print(f"efficiency diagnoses (kind and remedy text): {t['diagnosis_ok']}/{t['diagnosis_n']} right", file=out)
-    applies = {"small_delay_steps": t["small_n"] > 0, "stage_fp": True, "delay_5pct_steps": t["n_5pct"] > 0,
-               "hang_delay_max_s": t["hang_n"] > 0, "median_delay_steps": t["delay_n"] > 0 or not t["hang_n"]}
-    fails = [f"{k} {op} {x}" for k, op, x in TARGETS if applies.get(k, True) and not _target_ok(t[k], op, x)]
-    print("targets: " + ("all met" if not fails else "NOT MET: " + "; ".join(fails)), file=out)
-    t["targets_met"] = not fails
-    return t
-
-
-def _families(a) -> dict[str, list]:
-    from stepwatch.scenarios_indep import SCENARIOS as INDEP
-    fam = getattr(a, "family", None) or "all"
-    out = {}
-    if fam in ("all", "sim"):
-        out["sim"] = SCENARIOS
-    if fam in ("all", "indep"):
-        out["indep"] = INDEP
-    return out
-
-
-def summary(results: dict, out=sys.stdout) -> dict:
-    """One column per (family, consumer order): the figures the issue asks for, and the goals."""
-    keys = list(results)
-    tots = {k: totals(results[k]) for k in keys}
-    for t in tots.values():
-        t["diagnosis_missed"] = t["diagnosis_n"] - t["diagnosis_ok"]
-    f3 = lambda v: "nan" if isinstance(v, float) and math.isnan(v) else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
-    g = lambda v: "nan" if isinstance(v, float) and math.isnan(v) else f"{v:g}"  # noqa: E731
-    lines = [
-        ("recall (faults >= 5% on their phase)", "recall", f3, ">= 0.99"),
-        ("precision (incidents)", "precision", f3, ">= 0.99"),
-        ("precision (alerts)", "alert_precision", f3, ""),
-        ("right rank/node", "localised", f3, ">= 0.99"),
-        ("right cause", "cause", f3, ">= 0.95"),
-        ("median delay (steps)", "median_delay_steps", g, "<= 3"),
-        ("delay, 5% stragglers (steps)", "delay_5pct_steps", g, "<= 8"),
-        ("hang delay, max (s)", "hang_delay_max_s", g, "<= 35"),
-        ("false job_hang", "false_job_hang", str, "0"),
-        ("alerts on clean scenarios", "clean_alerts", str, "0"),
-        ("incidents per fault (mean)", "incidents_per_fault", lambda v: f"{v:.2f}", "1"),
-        ("incidents per fault (max)", "incidents_per_fault_max", str, "1"),
-        ("faults found / >= 5%", None, None, ""),
-    ]
-    rows = []
-    for label, k, fmt, goal in lines:
-        if k is None:
-            rows.append([label] + [f"{tots[c]['found_ge5']}/{tots[c]['faults_ge5']}" for c in keys] + [goal])
-        else:
-            rows.append([label] + [fmt(tots[c][k]) for c in keys] + [goal])
-    print(_fmt_table(["figure"] + [f"{f} {o}" for f, o in keys] + ["goal"], rows), file=out)
-    allmet = True
-    for c in keys:
-        t = tots[c]
-        applies = {"small_delay_steps": t["small_n"] > 0, "delay_5pct_steps": t["n_5pct"] > 0,
-                   "hang_delay_max_s": t["hang_n"] > 0, "median_delay_steps": t["delay_n"] > 0 or not t["hang_n"]}
-        fails = [f"{k} {op} {x}" for k, op, x in TARGETS if applies.get(k, True) and not _target_ok(t[k], op, x)]
-        t["targets_met"] = not fails
-        allmet &= not fails
-        print(f"{c[0]} {c[1]}: targets " + ("all met" if not fails else "NOT MET: " + "; ".join(fails)), file=out)
-    return {f"{f}/{o}": t for (f, o), t in tots.items()} | {"targets_met": allmet}
-
-
-def run_eval(a) -> int:
-    only = getattr(a, "only", None)
-    fams = _families(a)
-    orders = [o for o in ("in-order", "shuffled") if getattr(a, "order", "both") in ("both", o)]
-    base = Path(a.data_dir) if getattr(a, "data_dir", None) else Path(tempfile.mkdtemp(prefix="stepwatch-eval-"))
-    base.mkdir(parents=True, exist_ok=True)
-    verbose = getattr(a, "show_alerts", False)
-    shift = int(getattr(a, "seed", 0) or 0)
-    results: dict[tuple[str, str], list] = {}
-    t_all = time.perf_counter()
-    for fam, scen in fams.items():
-        scen = [s for s in scen if (not only or any(o in s.name for o in only.split(",")))
-                and (getattr(a, "large", True) or not s.large)]
-        if shift:
-            import dataclasses
-            scen = [dataclasses.replace(sc, seed=sc.seed + shift) for sc in scen]
-        if not scen:
-            continue
-        for order in orders:
-            print(f"stepwatch eval: family {fam}, {order}: {len(scen)} scenarios through the processor "
-                  f"(data in {base})", flush=True)
-            scored = results.setdefault((fam, order), [])
-            for sc in scen:
-                d = base / f"{fam}-{order}-{sc.name}"
-                if d.exists():
-                    shutil.rmtree(d)
-                res = run_scenario(sc, d, shuffle=(order == "shuffled"), shuffle_seed=shift)
-                s = score(res)
-                scored.append((res, s))
-                det = sum(res["detector_s"].values())
-                print(f"  {sc.name:<22} {sc.ranks:>6,} ranks x {sc.steps} steps, {res['messages']:,} messages: "
-                      f"{res['wall_s']:.1f}s (generation {res['sim_s']:.1f}s, detectors {det:.2f}s), "
-                      f"{len(s['firing'])} alert(s)", flush=True)
-                if verbose:
-                    for e in res["emitted"]:
-                        print(f"      [{e.alert.incident_id}] {e.alert.line()}")
-                if not getattr(a, "keep", False):
-                    shutil.rmtree(d, ignore_errors=True)
-            print("", flush=True)
-            print(f"== family {fam}, {order}")
-            report(scored)
-            print("", flush=True)
-    print(f"({time.perf_counter() - t_all:.0f}s)\n")
-    if not getattr(a, "data_dir", None) and not getattr(a, "keep", False):
-        shutil.rmtree(base, ignore_errors=True)
-    print("== summary")
-    t = summary(results)
-    if getattr(a, "json", None):
-        Path(a.json).write_text(json.dumps({"totals": t, "columns": COLUMNS,
-                                            "rows": {f"{f}/{o}": table_rows(v) for (f, o), v in results.items()}},
-                                           indent=2, default=str) + "\n")
-    return 0 if t["targets_met"] else 1
-
-
 # --------------------------------------------------------------------------- detector benchmark
 
 def run_detector_bench(a) -> int:
@@ -730,7 +428,7 @@ def run_detector_bench(a) -> int:
 
 
 def _detector_bench(R: int, S: int, core) -> int:
-    from stepwatch.agents.simulate import Simulation
+    from stepwatch.devtools.simulate import Simulation
     from stepwatch.detectors.base import StepBlock
     from stepwatch.detectors.context import JobTelemetry
     from stepwatch.detectors.registry import build
@@ -803,57 +501,3 @@ def _detector_bench(R: int, S: int, core) -> int:
     ok = max(out.values()) < 50.0
     print(f"target < 50 ms/step at {R:,} ranks: {'met' if ok else 'NOT met'}")
     return 0 if ok else 1
-
-
-# --------------------------------------------------------------------------- CLI
-
-def register(subparsers) -> None:
-    """Add ``stepwatch eval`` to the CLI's subparsers (``stepwatch.cli.build_parser``)."""
-    e = subparsers.add_parser("eval", help="run the labelled scenario suite through the processor and "
-                                           "score the detectors")
-    e.add_argument("--only", help="comma-separated substrings of scenario names to run")
-    e.add_argument("--no-large", dest="large", action="store_false", help="skip the 16,384-rank scenarios")
-    e.add_argument("--show-alerts", action="store_true", help="print every alert as emitted")
-    e.add_argument("--json", help="also write the table and totals here")
-    e.add_argument("--data-dir", default=None, help="where the processors store (default: a temporary folder)")
-    e.add_argument("--keep", action="store_true", help="keep each scenario's store")
-    e.add_argument("--list", action="store_true", help="list the scenarios and exit")
-    e.add_argument("--family", choices=("all", "sim", "indep"), default="all",
-                   help="scenario family: the simulator's (sim), the independent producer's (indep), or both")
-    e.add_argument("--order", choices=("both", "in-order", "shuffled"), default="both",
-                   help="consumer order: produce order, a consumer-group shuffle, or both")
-    e.add_argument("--seed", type=int, default=0, help="add this to every scenario's seed (other draws of "
-                                                        "the same suite)")
-    e.set_defaults(func=_cmd_eval)
-
-
-def _cmd_eval(a) -> int:
-    if getattr(a, "list", False):
-        for fam, scen in _families(a).items():
-            for s in scen:
-                what = " ".join(f if isinstance(f, str) else ",".join(f"{k}={v}" for k, v in f.items())
-                                for f in s.faults) or "clean"
-                print(f"{fam:<5} {s.name:<22} {s.ranks:>6,} ranks  pp={s.pp}  {what}"
-                      + (f"  ({s.note})" if s.note else ""))
-        return 0
-    return run_eval(a)
-
-
-def main(argv=None) -> int:
-    import argparse
-    p = argparse.ArgumentParser(prog="stepwatch-eval")
-    sub = p.add_subparsers(dest="cmd")
-    register(sub)
-    b = sub.add_parser("bench-detectors")
-    b.add_argument("--ranks", type=int, default=16384)
-    b.add_argument("--bench-steps", type=int, default=200)
-    b.set_defaults(func=run_detector_bench)
-    a = p.parse_args(argv)
-    if not getattr(a, "func", None):
-        p.print_help()
-        return 2
-    return a.func(a)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

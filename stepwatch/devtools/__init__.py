@@ -1,0 +1,9 @@
+"""Development tools, kept out of the product's import path: the cluster simulator (``simulate``, ``simsend``),
+the benchmarks (``bench``, ``bench_overhead``, ``bench_jobmetrics``, ``bench_profiling``), the demo
+(``demo``, ``demo_train``), the labelled evaluation (``eval``, ``scenarios_indep``), the fuzzing and hostile
+generators (``fuzz``, ``fuzz_targets``, ``hostile``) and the embedded Kafka-protocol broker (``broker``).
+
+No product module (the probe, the agent, the stream processor, the detectors, the store, the dashboards)
+imports this package; only the ``stepwatch`` command's dispatch loads it, lazily, for ``stepwatch demo``,
+``simulate``, ``bench``, ``eval`` and ``broker`` (an import-linter contract in pyproject.toml checks it).
+"""
