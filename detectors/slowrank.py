@@ -90,7 +90,9 @@ class SlowRank(_SequentialTests, _AlertAssembly, Detector):
     Effect-size gate: a fire whose median excess over its evidence steps is below ``min_alert_effect``
     (1%, half the CUSUMs' least counted excess ``small_effect``) of the busy time, or of the job's step
     time, is dropped and the rank's tests restart: the sequential tests bound how often noise crosses
-    h, not how large what crossed is, and a 0.1 ms "straggler" is not actionable.
+    h, not how large what crossed is, and a 0.1 ms "straggler" is not actionable. Ranks of small stages
+    (judged pairwise) need ``small_alert_effect`` (8%): a pair of ranks sharing a machine wanders apart
+    for tens of steps by more than its per-step noise, and with one peer nothing tells that from a fault.
 
     Consolidation: when a rank fires and at least ``max(2, node_share * ranks on its node)`` ranks of its
     node are *hot* (>= 2 flags in the window, ``S >= h/2``, or already firing) *and materially slow* (a
@@ -133,6 +135,8 @@ class SlowRank(_SequentialTests, _AlertAssembly, Detector):
         member_share=0.5 a hot co-member joins a node/group alert only with at least this share of the
                          firing rank's median excess over its evidence steps
         min_alert_effect=0.01  least median excess (of the busy time and of the step time) of any alert
+        small_alert_effect=0.08  least median busy-time excess of an alert on a rank of a small stage
+                         (fewer than ``min_peers`` ranks, judged pairwise: see ``_material_effect``)
     """
 
     name = "slow_rank"
@@ -142,7 +146,7 @@ class SlowRank(_SequentialTests, _AlertAssembly, Detector):
                  critical_pct: float = 10.0, small_effect: float = 0.02, ref_z: float = 1.5,
                  span_z: float = 1.5, big_ref_z: float = 3.0, big_span_z: float = 4.0,
                  alpha: float = 1e-7, node_share: float = 0.5, group_share: float = 0.5,
-                 member_share: float = 0.5, min_alert_effect: float = 0.01):
+                 member_share: float = 0.5, min_alert_effect: float = 0.01, small_alert_effect: float = 0.08):
         if not (1 <= k <= n):
             raise ValueError(f"slow_rank: need 1 <= k <= n (k={k}, n={n})")
         if clear_steps < 1 or min_peers < 2:
@@ -153,8 +157,8 @@ class SlowRank(_SequentialTests, _AlertAssembly, Detector):
                              "big_ref_z >= ref_z, 0 < alpha < 0.01")
         if not (0 < node_share <= 1 and 0 < group_share <= 1 and 0 <= member_share <= 1):
             raise ValueError("slow_rank: node_share and group_share must be in (0, 1], member_share in [0, 1]")
-        if min_alert_effect < 0:
-            raise ValueError("slow_rank: min_alert_effect must be >= 0")
+        if min_alert_effect < 0 or small_alert_effect < 0:
+            raise ValueError("slow_rank: min_alert_effect and small_alert_effect must be >= 0")
         self.k, self.n, self.clear_steps = int(k), int(n), int(clear_steps)
         self.z_min, self.min_effect, self.mad_floor = float(z_min), float(min_effect), float(mad_floor)
         self.min_peers, self.critical_pct = int(min_peers), float(critical_pct)
@@ -162,6 +166,7 @@ class SlowRank(_SequentialTests, _AlertAssembly, Detector):
         self.big_ref_z, self.big_span_z, self.alpha = float(big_ref_z), float(big_span_z), float(alpha)
         self.node_share, self.group_share = float(node_share), float(group_share)
         self.member_share, self.min_alert_effect = float(member_share), float(min_alert_effect)
+        self.small_alert_effect = float(small_alert_effect)
         self._R = -1
         self._stage_key: np.ndarray | None = None
         self._groups: list[np.ndarray | None] = []
@@ -174,6 +179,7 @@ class SlowRank(_SequentialTests, _AlertAssembly, Detector):
     def _reset(self, R: int) -> None:
         n = self.n
         self._R = R
+        self._last_step = -1
         self._pos = 0                                            # steps pushed; ring slot = _pos % n
         self._steps = np.full(n, -1, dtype=np.int64)
         self._tend = np.zeros(n, dtype=np.int64)
@@ -369,6 +375,7 @@ class SlowRank(_SequentialTests, _AlertAssembly, Detector):
                     alerts.append(a)
 
         # Keep the last n steps in the rings.
+        self._last_step = int(block.steps[-1])
         m = min(S, n)
         slots = (self._pos + S - m + np.arange(m)) % n
         self._flag[slots] = flags[S - m:]
@@ -380,4 +387,6 @@ class SlowRank(_SequentialTests, _AlertAssembly, Detector):
             if ph in self._ph:
                 self._ph[ph][slots] = arr[S - m:]
         self._pos += S
+        if self._open:
+            self._refresh_queries(block, flags, busy, eff, z, cost)
         return alerts

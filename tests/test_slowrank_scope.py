@@ -67,3 +67,21 @@ def test_gate_settings_are_validated():
         SlowRank(min_alert_effect=-0.1)
     with pytest.raises(ValueError):
         SlowRank(member_share=1.5)
+
+
+@pytest.mark.parametrize("R", [2, 3])
+def test_a_small_stage_alerts_only_from_the_small_stage_effect(R):
+    """Judged pairwise, a rank 6% slower than its pair (what a shared machine gives a rank for tens of
+    steps) is no alert; the same job with 15% is one, naming that rank."""
+    for seed in range(3):
+        rng = np.random.default_rng(400 + seed)
+        base = _small_job(rng, 300, R, asym=0.0, burst=0.0)
+        comp = base.copy()
+        comp[150:, 1] *= 1.06
+        fired = firing(run(SlowRank(), make_ctx(R), comp))
+        assert not fired, (seed, [(a.ranks, a.step_detected, a.evidence["effect_pct"]) for a in fired])
+        assert firing(run(SlowRank(small_alert_effect=0.0), make_ctx(R), comp)), seed   # the gate is what held it
+        comp = base.copy()
+        comp[150:, 1] *= 1.15
+        fired = firing(run(SlowRank(), make_ctx(R), comp))
+        assert [(a.kind, a.ranks) for a in fired] == [("slow_rank", [1])], seed
