@@ -85,3 +85,24 @@ def test_a_small_stage_alerts_only_from_the_small_stage_effect(R):
         comp[150:, 1] *= 1.15
         fired = firing(run(SlowRank(), make_ctx(R), comp))
         assert [(a.kind, a.ranks) for a in fired] == [("slow_rank", [1])], seed
+
+
+def test_an_alerts_cause_query_is_taken_again_over_the_steps_since_it_fired():
+    """The probe spreads a rank's run-queue wait over the steps of a ~500 ms sample, so at a contention's
+    onset the excess shows as compute first and moves to the host gap a few steps later. The alert fires
+    on the first steps (phase cause computation); its host query, which the processor's re-decision reads
+    once the host samples came (stream/hostwait.py), follows the steps since: the host gap."""
+    rng = np.random.default_rng(21)
+    S, R = 130, 64
+    comp = noisy(rng, S, R)
+    host = np.full((S, R), 2.0)
+    comp[100:103, 9] += 15.0
+    comp[103:, 9] += 3.0
+    host[103:, 9] += 12.0
+    det, ctx = SlowRank(), make_ctx(R)
+    alerts = run(det, ctx, comp, block_size=1, host=host)
+    fired = firing(alerts)
+    assert [(a.kind, a.ranks) for a in fired] == [("slow_rank", [9])]
+    a = fired[0]
+    assert a.step_detected <= 103 and a.evidence["phase_cause"] == "computation", a.evidence
+    assert a.host_query["phase_cause"] == "cpu" and a.host_query["wait_rise_ms"] >= 10.0, a.host_query
