@@ -17,7 +17,7 @@ from stepwatch import schema as wire
 from stepwatch.devtools.simsend import send_simulation
 from stepwatch.devtools.simulate import Simulation
 from stepwatch.storage.views import connect
-from stepwatch.stream.kafkaio import make_producer, send_table
+from stepwatch.kafkaio import make_producer, send_table
 from stepwatch.stream.processor import Processor
 
 
@@ -101,8 +101,14 @@ def test_sigkill_mid_stream_then_restart_loses_nothing_and_stores_nothing_twice(
         time.sleep(0.15)
         if step >= sim.steps - 30:
             brisk.wait(600)
-    th = threading.Thread(target=lambda: sent.update(send_simulation(
-        sim, prod, kafka, chunk=1, rows_per_message=512, on_chunk=pace)), daemon=True)
+    failed = []
+
+    def produce():
+        try:            # send_simulation raises on a message the broker did not take: say so, not "lost"
+            sent.update(send_simulation(sim, prod, kafka, chunk=1, rows_per_message=512, on_chunk=pace))
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            failed.append(e)
+    th = threading.Thread(target=produce, daemon=True)
     th.start()
     kills = 0
     for failpoint in (None, "before-commit"):
@@ -124,6 +130,7 @@ def test_sigkill_mid_stream_then_restart_loses_nothing_and_stores_nothing_twice(
     before = connect(tmp_path).execute("SELECT count(*) FROM steps").fetchone()[0]
     th.join(120)
     prod.close()
+    assert not failed and not th.is_alive(), f"the test's producer failed: {failed}"
     assert mid_stream and 0 < before < sent["steps"], "the kills should happen mid-stream"
     # restart and let it finish
     p = subprocess.Popen(_proc_cmd(kafka, tmp_path, "g-crash") + ["--idle-exit", "4"],
@@ -131,9 +138,11 @@ def test_sigkill_mid_stream_then_restart_loses_nothing_and_stores_nothing_twice(
     _, err = p.communicate(timeout=180)
     assert p.returncode == 0, err.decode()[-2000:]
     con = connect(tmp_path)
+    dead = con.execute("SELECT source_topic, reason FROM deadletter LIMIT 5").fetchall()
     for table, key in (("steps", "(rank, step)"), ("host", "(node, t)"), ("gc", "(rank, t, generation)")):
         n, uniq = con.execute(f"SELECT count(*), count(DISTINCT {key}) FROM {table} WHERE job='crash'").fetchone()
-        assert n == uniq == sent[table], (table, n, uniq, sent[table])
+        assert n == uniq == sent[table], (table, n, uniq, sent[table], dead, err.decode()[-1500:])
+    assert not dead, dead
     assert con.execute("SELECT count(*) FROM topology").fetchone()[0] == 512
     # detector state was rebuilt from the store after each restart: the straggler is reported
     # exactly once, neither forgotten nor alerted twice
