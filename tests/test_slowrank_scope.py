@@ -106,3 +106,17 @@ def test_an_alerts_cause_query_is_taken_again_over_the_steps_since_it_fired():
     a = fired[0]
     assert a.step_detected <= 103 and a.evidence["phase_cause"] == "computation", a.evidence
     assert a.host_query["phase_cause"] == "cpu" and a.host_query["wait_rise_ms"] >= 10.0, a.host_query
+
+
+@pytest.mark.parametrize("R", [2, 3, 4])
+def test_a_small_stage_names_a_rank_slow_from_its_first_step(R):
+    """Judged pairwise, a rank learns its usual difference to its peers (a permanently 12% unequal pair is
+    no straggler: tests/test_slowrank.py); a rank 40% slower from the first step is one all the same (its
+    learned baseline stops at 20%): the real 4-rank gloo job of tests/test_distributed.py (20 ms more on
+    50 ms steps)."""
+    rng = np.random.default_rng(9)
+    comp = noisy(rng, 120, R, base=30.0, sd=0.02)
+    comp[:, 1] += 15.0                  # busy 52 ms vs 37
+    fired = firing(run(SlowRank(), make_ctx(R), comp, block_size=5))
+    assert [(a.kind, a.ranks) for a in fired] == [("slow_rank", [1])], [(a.ranks, a.step_detected) for a in fired]
+    assert fired[0].step_detected <= 50 and fired[0].evidence["effect_pct"] > 30.0
