@@ -97,7 +97,8 @@ class SlowRank(_SequentialTests, _AlertAssembly, Detector):
     Consolidation: when a rank fires and at least ``max(2, node_share * ranks on its node)`` ranks of its
     node are *hot* (>= 2 flags in the window, ``S >= h/2``, or already firing) *and materially slow* (a
     median excess over the firing rank's evidence steps of at least ``member_share``, half, of the firing
-    rank's: being hot alone is what noise gives a neighbour now and then), one ``slow_node`` alert
+    rank's, then of the median of the ranks that passed, since the rank that fired first is the node's
+    slowest: being hot alone is what noise gives a neighbour now and then), one ``slow_node`` alert
     names them (CPU contention, a sick host); likewise ``max(3, group_share * group size)`` hot ranks of
     its data-parallel group (:meth:`JobContext.dp_groups`: same stage and tp/cp/ep coordinates, from the
     topology) give one ``slow_group`` alert (a slow collective or link of that group). Later fires of

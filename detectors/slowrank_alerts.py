@@ -39,7 +39,8 @@ class _AlertAssembly:
         ``member_share`` of ``r``'s (and above 0). A node or group is slow when its members are, each
         by a comparable amount; a neighbour that is merely "hot" (a CUSUM half-way up, two flags in 13:
         what noise alone gives a co-scheduled rank now and then) with a millisecond of excess beside a
-        rank 30 ms slow is not part of the fault."""
+        rank 30 ms slow is not part of the fault. The reference excess is ``r``'s, then once the median
+        of the ranks that passed against it (so a node's effect is not judged by its slowest member)."""
         cand = np.asarray(cand)
         if len(cand) <= 1:
             return cand
@@ -55,6 +56,13 @@ class _AlertAssembly:
             return cand
         keep = np.isfinite(e) & (e > 0) & (e >= self.member_share * mine)
         keep[M.index(r)] = True
+        if keep.sum() >= 2:
+            # ``r`` fired first because its excess is the largest (a maximum over the node's ranks is
+            # biased upward), so the node's effect is re-estimated once as the median excess of the
+            # ranks kept, and each member is judged against half of that
+            ref = float(np.median(e[keep]))
+            keep = np.isfinite(e) & (e > 0) & (e >= self.member_share * ref)
+            keep[M.index(r)] = True
         return cand[keep]
 
     def _members(self, ctx: JobContext, r: int, hot: np.ndarray, win: "_Window" = None, s: int = 0,
