@@ -26,6 +26,28 @@ def _nanmean(a: np.ndarray, axis: int) -> np.ndarray:
         return np.where(n > 0, np.nansum(a, axis=axis) / np.maximum(n, 1), np.nan)
 
 
+#: one-sided level of the upper confidence bound on a phase series' long-run noise (:func:`_sigma_upper`)
+_Z_UCB = 1.645
+
+
+def _sigma_upper(x: np.ndarray) -> float:
+    """Factor from a series' long-run noise estimate to its one-sided 95 % upper confidence bound.
+
+    The estimate rests on ``n_eff = n (1 - r) / (1 + r)`` effectively independent values (``r`` the AR(1)
+    coefficient of :func:`noise_scales`), so its square is ~ chi-square with ``n_eff`` degrees of freedom
+    (Wilson-Hilferty for the quantile). 40 steps of AR(1) noise with r = 0.5 (13 effective values) can
+    give half the true long-run sd, enough for a 7-step excursion to pass 5 standard errors; with 200
+    white steps the factor is 1.13."""
+    n = len(x)
+    if n < 4:
+        return 1.0
+    r = noise_scales(x)[1]
+    k = max(n * (1.0 - r) / (1.0 + r), 2.0)
+    c = 2.0 / (9.0 * k)
+    q = k * max(1.0 - c - _Z_UCB * math.sqrt(c), 0.05) ** 3
+    return math.sqrt(k / q)
+
+
 class ChangePoint(Detector):
     """Regressions and recoveries of the job's step time and of each of its phases (kinds
     ``regression`` / ``recovery``).
@@ -114,7 +136,7 @@ class ChangePoint(Detector):
                  min_t: float = 5.0, penalty_c: float = PENALTY_C, smooth: int = 5,
                  phase_sample: int = 256, critical_pct: float = 10.0, defer_stragglers: bool = True,
                  floor_share: float = 0.5, persist: float = 0.8, phases: bool = True,
-                 phase_min_effect: float = 0.10, phase_min_share: float = 0.01, min_steps: int = 40,
+                 phase_min_effect: float = 0.10, phase_min_share: float = 0.002, min_steps: int = 40,
                  warmup: int = 10):
         if window < 4 * min_size or min_size < 2:
             raise ValueError("changepoint: need min_size >= 2 and window >= 4 * min_size")
@@ -292,6 +314,9 @@ class ChangePoint(Detector):
         # the AR(1) long-run sd and the sd seen by 2*min_size-point means (noise that wanders slowly, or
         # a mixture of slow and fast wandering, which one AR(1) misses)
         sigma = max(segment_noise(v, edges, 2 * self.min_size), 1e-9)
+        # a phase has no large materiality floor (its own effect decides): its t-test is the only guard
+        # against noise, so it uses an upper bound of the noise, not the estimate (see _sigma_upper)
+        ucb = 1.0 if step_level is None else _sigma_upper(v[fin])
         out = []
         for j in range(1, len(edges) - 1):
             a, i, b = edges[j - 1], edges[j], edges[j + 1]
@@ -318,7 +343,7 @@ class ChangePoint(Detector):
                 cut = int(np.count_nonzero(fin[r0:i]))
                 if len(reg) >= 4 * self.min_size:
                     loc = max(loc, segment_noise(reg, [0, cut, len(reg)], 2 * self.min_size))
-            sg = max(sigma, loc)
+            sg = max(sigma, loc) * ucb
             tstat = abs(d) / (sg * math.sqrt(1.0 / len(xb) + 1.0 / len(xa)))
             if tstat < self.min_t or d == 0:
                 continue
