@@ -19,7 +19,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	BIN=$(BIN) .ci/lint-imports    # the layers (import-linter contracts in pyproject.toml)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 bench: $(STAMP)
 	$(BIN)/stepwatch bench ingest

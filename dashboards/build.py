@@ -309,7 +309,7 @@ def job() -> Dashboard:
 
 def _efficiency_panels(d: Dashboard) -> None:
     """MFU and goodput, bus bandwidth vs peak per group, message sizes, DataLoader queue depth (issue 9;
-    the tables are written by the processor's efficiency detectors, see docs/detectors.md)."""
+    the tables are written by the processor's efficiency detectors, see docs/efficiency.md)."""
     d.row("Efficiency")
     d.timeseries("MFU and goodput", f"""
         SELECT {bucket('t_end')} AS time, 100 * median(mfu) AS "MFU %",
@@ -317,7 +317,7 @@ def _efficiency_panels(d: Dashboard) -> None:
         FROM efficiency WHERE job = '${{job}}' AND $__timeFilter(t_end) GROUP BY 1 ORDER BY 1""",
                  ("time", "MFU %", "goodput %"), unit="percent", w=12, h=8,
                  description="MFU: model FLOPs of the step / (step time x devices x peak FLOPS of the device, "
-                             "dtype-aware; see docs/detectors.md for the peak table and overrides). Goodput: "
+                             "dtype-aware; see docs/efficiency.md for the peak table and overrides). Goodput: "
                              "share of the wall time in productive steps (gaps between steps and the excess of "
                              "stalled, checkpoint or restart steps over the rolling median are not).")
     d.table("Bus bandwidth vs peak per group", """

@@ -8,7 +8,7 @@ that path in the datasource). After changing the dashboards, the datasource or t
     python -m stepwatch.dashboards.helmfiles            # rewrites helm/stepwatch/files/grafana/
     python -m stepwatch.dashboards.helmfiles --check    # exit 1 if the chart's copies are stale
 
-``tests/test_helm.py`` runs the same comparison. The Prometheus-only Overview (:mod:`.promdash`) goes
+``tests/test_helm_render.py`` runs the same comparison. The Prometheus-only Overview (:mod:`.promdash`) goes
 to ``files/grafana-prometheus/`` (a ConfigMap with ``grafana.prometheusDashboards.enabled``).
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Cause taxonomy (docs/detectors.md, 'Cause taxonomy and remedies') and phase-based attribution shared by the detectors.
+"""Cause taxonomy (docs/incidents.md, 'Cause taxonomy and remedies') and phase-based attribution shared by the detectors.
 
 The taxonomy is the field's: ``io`` (data wait), ``cpu`` (host-side gap: dispatch, contention,
 environment), ``gc`` (Python GC pauses), ``communication`` (collective time), ``computation``
@@ -26,7 +26,7 @@ import numpy as np
 
 CAUSES: tuple[str, ...] = ("io", "cpu", "gc", "communication", "computation", "parallelism")
 
-#: Remedies per cause, from the case table of docs/detectors.md (GC is the table's CPU row "GC" entry).
+#: Remedies per cause, from the case table of docs/incidents.md (GC is the table's CPU row "GC" entry).
 SUGGESTIONS: dict[str, str] = {
     "io": ("I/O bound: add I/O bandwidth or use local storage; more DataLoader workers; avoid "
            "compressed formats; no taskset binding; enable pin_memory and prefetch."),

@@ -15,7 +15,7 @@ the agents send, each writing rows the processor stores (:meth:`drain_rows`) and
 The tables of device peaks (:data:`PEAK_TFLOPS`) and link peaks (:data:`LINK_GBPS`), and the collectives'
 bus and size factors, live in ``agents/probe/collectives.py`` (shared with the probe and the simulator) and
 are documented in
-``docs/detectors.md`` with their sources; both can be overridden (settings, ``STEPWATCH_PEAK_TFLOPS``).
+``docs/efficiency.md`` with their sources; both can be overridden (settings, ``STEPWATCH_PEAK_TFLOPS``).
 Everything is columnar (numpy / pyarrow group-by); nothing loops per rank or per record.
 
 The code lives one part per module: :mod:`.mfu`, :mod:`.commbw` and :mod:`.dataloader` (the detectors),

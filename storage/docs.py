@@ -50,7 +50,7 @@ ABOUT["inflight"] = ("What ranks were doing while a step ran far longer than usu
                      "`silent`). The `job_hang` alert names the ranks from these (docs/detectors.md).")
 ABOUT["efficiency"] = ("Written by the processor's `mfu` detector: one row per job and closed step. `mfu` = "
                        "`model_flops` / (`step_ms`/1000 x `devices` x `peak_tflops` x 1e12); goodput over a window "
-                       "= sum(`productive_ms`) / sum(`wall_ms`). Definitions and the peak table: docs/detectors.md.")
+                       "= sum(`productive_ms`) / sum(`wall_ms`). Definitions and the peak table: docs/efficiency.md.")
 ABOUT["comm_bw"] = ("Written by the processor's `comm_bw` detector: per job, window of steps (`step_lo..step_hi`), "
                     "collective kind and group: payload per call, transfer time, achieved algorithm and bus "
                     "bandwidth (GB/s, nccl-tests factors) against the link's peak, wait share and the diagnosis "

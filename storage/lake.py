@@ -1,4 +1,4 @@
-"""Where the lake is and how to attach it: catalog, data path, S3 credentials (DESIGN §7).
+"""Where the lake is and how to attach it: catalog, data path, S3 credentials (docs/tables.md, its opening table; the chart: docs/helm.md).
 
 A DuckLake is a SQL *catalog* (every commit a snapshot) plus Parquet files under a *data path*:
 

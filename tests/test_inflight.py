@@ -25,7 +25,7 @@ from stepwatch.detectors.context import JobTelemetry
 
 torch = pytest.importorskip("torch", reason="the probe's automatic hooks instrument PyTorch")
 
-from test_probe import Rx, gloo, probe, rx, split  # noqa: E402,F401 - shared fixtures
+from probe_helpers import Rx, gloo, probe, rx, split  # noqa: E402,F401 - shared fixtures
 
 # a stand-in collective whose frame looks like torch.distributed's (the watchdog names the op from it)
 _SRC = "def all_reduce(tensor, op=None, group=None, async_op=False):\n    return _hook(group)\n"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from stepwatch.agents import probe as P
 
-from test_probe import Rx, rx, split  # noqa: F401 - shared fixtures (sockdir: conftest.py)
+from probe_helpers import Rx, rx, split  # noqa: F401 - shared fixtures (sockdir: conftest.py)
 
 PKG = Path(P.__file__).parent
 

@@ -41,9 +41,14 @@ def encode_job(ranks: int, steps: int, rows_per_message: int = 4096, chunk: int 
     out: list = []
     offsets: dict[str, int] = {}
 
-    class _Fut:
+    class _Fut:                 # a delivered send (what send_simulation checks of kafka-python's futures)
+        is_done, exception = True, None
+
         def get(self, timeout=None):
             return None
+
+        def failed(self):
+            return False
 
     class _Producer:
         def send(self, topic, value, key=None, headers=None):

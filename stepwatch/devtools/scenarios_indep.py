@@ -49,7 +49,7 @@ from stepwatch import catalog
 T0_NS = 1_767_225_600_000_000_000          # 2026-01-01T00:00:00Z
 TS = pa.timestamp("ns", tz="UTC")
 
-#: label cause per phase (the cause taxonomy of docs/detectors.md)
+#: label cause per phase (the cause taxonomy of docs/incidents.md)
 PHASE_CAUSE = {"comm": "communication", "data": "io", "gc": "gc", "host": "cpu", "compute": "computation"}
 
 

@@ -10,7 +10,7 @@ import numpy as np
 FAULT_KINDS = ("slow-rank", "regression", "gc-storm", "cpu-contention", "gc-jitter", "data-stall",
                "comm-slow", "rank-hang", "job-hang", "small-messages", "slow-link", "dataloader-starved",
                "clean")
-#: Phases a regression can hit (the cause in the taxonomy of docs/detectors.md, 'Cause taxonomy and remedies').
+#: Phases a regression can hit (the cause in the taxonomy of docs/incidents.md, 'Cause taxonomy and remedies').
 REGRESSION_CAUSES = ("io", "communication", "computation", "cpu")
 _CAUSE_ALIASES = {"data": "io", "comm": "communication", "network": "communication",
                   "compute": "computation", "host": "cpu"}
