@@ -132,7 +132,7 @@ class ChangePoint(Detector):
     _PH = PHASES + ("comm_wait_ms",)
     _FIELDS = ("step_ms", "data_ms", "compute_ms", "comm_ms", "comm_wait_ms", "gc_ms")
 
-    def __init__(self, *, window: int = 200, every: int = 5, min_size: int = 5, min_effect: float = 0.05,
+    def __init__(self, *, window: int = 200, every: int = 1, min_size: int = 4, min_effect: float = 0.05,
                  min_t: float = 5.0, penalty_c: float = PENALTY_C, smooth: int = 5,
                  phase_sample: int = 256, critical_pct: float = 10.0, defer_stragglers: bool = True,
                  floor_share: float = 0.5, persist: float = 0.8, phases: bool = True,
@@ -254,8 +254,13 @@ class ChangePoint(Detector):
         cands = self._candidates("step_ms", vals, steps, known, None)
         if self.phases:
             step_level = _median(vals)
+            # a step-time change left to slow_rank is no known change of the job's own phases (as in
+            # _candidates' ``near``): a phase that moved there, confirmed a step later, is still searched for
+            kp = known if not self._deferred else np.searchsorted(
+                steps, np.asarray([r for r in self._reported if r not in self._deferred], dtype=np.int64))
             for j, name in enumerate(self._PH):
-                cands += self._candidates(name, ph[:, j], steps, known, step_level)
+                cands += self._candidates(name, ph[:, j], steps, known if name == "comm_wait_ms" else kp,
+                                          step_level)
         if not cands:
             return []
         # one alert per change: candidates of all series within min_size steps of each other are one
@@ -302,6 +307,7 @@ class ChangePoint(Detector):
         if np.count_nonzero(fin) < max(3 * self.min_size, self.min_steps):
             return []
         held = self._held.get(name)
+        self._refresh_open(name, v, steps, held)
         if held:             # changes held back (hysteresis) stay known: the fault's wandering, never reported
             known = np.union1d(known, np.searchsorted(steps, np.asarray(held, dtype=np.int64)))
         bkps = find(v, min_size=self.min_size, c=self.penalty_c, smooth=self.smooth, screen=True,
@@ -410,12 +416,28 @@ class ChangePoint(Detector):
             return after > o["level"] and self._material(name, o["level"], after, step_level)
         return after <= o["base"] + (o["level"] - o["base"]) / 3.0
 
+    def _refresh_open(self, name: str, v: np.ndarray, steps: np.ndarray, held) -> None:
+        """The open regression's level, re-measured on every step of its regime now in view (from its first
+        step to the next change of the series reported or held back, or the newest step): at the decision
+        it rests on the ``min_size`` steps that sufficed, a noisy level to hold later rises against."""
+        o = self._open.get(name)
+        if o is None:
+            return
+        nxt = [r for r in (self._reported + list(held or ())) if r > o["step"]]
+        i0 = int(np.searchsorted(steps, o["step"]))
+        i1 = int(np.searchsorted(steps, min(nxt))) if nxt else len(v)
+        x = v[i0:i1]
+        x = x[np.isfinite(x)]
+        if len(x) > o.get("n", 0):
+            o["level"], o["n"] = _median(x), len(x)
+
     def _chain(self, c: dict) -> None:
         """A reported change ``c`` of one series opens, raises or (a recovery) closes its open regression."""
         name, o = c["series"], self._open.get(c["series"])
         if c["after"] > c["before"]:
+            a, i, b = c["seg"]
             self._open[name] = {"base": c["before"] if o is None else o["base"], "level": c["after"],
-                                "step": c["step_first"]}
+                                "step": c["step_first"], "n": b - i}
         elif o is not None:
             del self._open[name]
 
