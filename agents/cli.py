@@ -20,7 +20,7 @@ def cmd_agent(a) -> int:
     # a long-lived small process: give freed Arrow buffers back to the OS (malloc) instead of keeping
     # them in jemalloc/mimalloc arenas (~6 MB less resident)
     pa.set_memory_pool(pa.system_memory_pool())
-    from stepwatch.stream.kafkaio import settings_from_args
+    from stepwatch.kafkaio import settings_from_args
     s = None if a.no_kafka else settings_from_args(a)
     from stepwatch.agents.ingress import IngressLimits
     try:
@@ -68,7 +68,7 @@ def cmd_wrap(a) -> int:
 
 
 def add_agent_args(p: argparse.ArgumentParser) -> None:
-    from stepwatch.stream.kafkaio import add_kafka_args
+    from stepwatch.kafkaio import add_kafka_args
     add_kafka_args(p)
     p.add_argument("--socket-dir", default=None,
                    help="where to create agent.sock (env STEPWATCH_SOCKET_DIR; default /run/stepwatch when it "

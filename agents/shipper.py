@@ -12,7 +12,7 @@ Nothing is lost silently (docs/limits.md): every row the spool gives up is count
 structure is damaged), ``spool_incomplete`` (a temporary file a crash left; its rows never reached the
 spool), ``disk_full`` (see below).
 
-:class:`Shipper` sends each tick's tables with :func:`~stepwatch.stream.kafkaio.send_table` (Arrow,
+:class:`Shipper` sends each tick's tables with :func:`~stepwatch.kafkaio.send_table` (Arrow,
 keyed by job, ``schema`` headers) and waits for the acknowledgements. A send that fails or is not
 acknowledged within ``send_timeout_s`` sends the unacknowledged tables to the spool and drops the
 producer (closed without waiting, so it cannot deliver them later behind the replay's back). While the
@@ -233,7 +233,7 @@ class Shipper:
         self._t_attempt = now
         import dataclasses
 
-        from stepwatch.stream.kafkaio import ensure_topics, make_producer
+        from stepwatch.kafkaio import ensure_topics, make_producer
         t = max(1000, int(self.send_timeout_s * 1000))
         try:
             self.producer = make_producer(self.settings, bootstrap_timeout_ms=t, max_block_ms=t,
@@ -276,7 +276,7 @@ class Shipper:
     # -------------------------------------------------------------- sending
     def _send(self, items: list[tuple[str, str, pa.Table]]) -> list[int]:
         """Send items and wait for their acks; returns the indices of items not acknowledged."""
-        from stepwatch.stream.kafkaio import send_table
+        from stepwatch.kafkaio import send_table
         t0 = time.perf_counter()
         futs: list[tuple[int, list]] = []
         failed: list[int] = []

@@ -87,8 +87,17 @@ class SlowRank(_SequentialTests, _AlertAssembly, Detector):
     restarts from 0 and flags from before a resolution do not count towards the next firing. NaN (not
     reported) is neither flagged nor clean.
 
+    Effect-size gate: a fire whose median excess over its evidence steps is below ``min_alert_effect``
+    (1%, half the CUSUMs' least counted excess ``small_effect``) of the busy time, or of the job's step
+    time, is dropped and the rank's tests restart: the sequential tests bound how often noise crosses
+    h, not how large what crossed is, and a 0.1 ms "straggler" is not actionable. Ranks of small stages
+    (judged pairwise) need ``small_alert_effect`` (8%): a pair of ranks sharing a machine wanders apart
+    for tens of steps by more than its per-step noise, and with one peer nothing tells that from a fault.
+
     Consolidation: when a rank fires and at least ``max(2, node_share * ranks on its node)`` ranks of its
-    node are *hot* (>= 2 flags in the window, ``S >= h/2``, or already firing), one ``slow_node`` alert
+    node are *hot* (>= 2 flags in the window, ``S >= h/2``, or already firing) *and materially slow* (a
+    median excess over the firing rank's evidence steps of at least ``member_share``, half, of the firing
+    rank's: being hot alone is what noise gives a neighbour now and then), one ``slow_node`` alert
     names them (CPU contention, a sick host); likewise ``max(3, group_share * group size)`` hot ranks of
     its data-parallel group (:meth:`JobContext.dp_groups`: same stage and tp/cp/ep coordinates, from the
     topology) give one ``slow_group`` alert (a slow collective or link of that group). Later fires of
@@ -113,7 +122,7 @@ class SlowRank(_SequentialTests, _AlertAssembly, Detector):
         z_min=4.0        robust z-score threshold
         min_effect=0.05  relative busy-time excess over the stage median for a flag
         mad_floor=0.005  MAD floor as a fraction of the stage median
-        min_peers=4      reporting ranks a stage needs on a step to be judged
+        min_peers=5      reporting ranks a stage needs on a step to be judged (narrower stages: pairwise)
         critical_pct=10  alerts whose cost exceeds this (% throughput) are ``critical``
         small_effect=0.02  least relative excess per step the CUSUMs count; 0 disables them
         ref_z=1.5        reference k of the small-effect CUSUM (robust sd), at least small_effect/sigma
@@ -123,15 +132,21 @@ class SlowRank(_SequentialTests, _AlertAssembly, Detector):
         alpha=1e-7       false-alarm bound per rank and step that sets h (Wald/Lorden, see above)
         node_share=0.5   share of a node's ranks that must be hot for one ``slow_node`` alert
         group_share=0.5  share of a data-parallel group that must be hot for one ``slow_group`` alert
+        member_share=0.5 a hot co-member joins a node/group alert only with at least this share of the
+                         firing rank's median excess over its evidence steps
+        min_alert_effect=0.01  least median excess (of the busy time and of the step time) of any alert
+        small_alert_effect=0.08  least median busy-time excess of an alert on a rank of a small stage
+                         (fewer than ``min_peers`` ranks, judged pairwise: see ``_material_effect``)
     """
 
     name = "slow_rank"
 
     def __init__(self, *, k: int = 5, n: int = 13, clear_steps: int = 10, z_min: float = 4.0,
-                 min_effect: float = 0.05, mad_floor: float = 0.005, min_peers: int = 4,
+                 min_effect: float = 0.05, mad_floor: float = 0.005, min_peers: int = 5,
                  critical_pct: float = 10.0, small_effect: float = 0.02, ref_z: float = 1.5,
                  span_z: float = 1.5, big_ref_z: float = 3.0, big_span_z: float = 4.0,
-                 alpha: float = 1e-7, node_share: float = 0.5, group_share: float = 0.5):
+                 alpha: float = 1e-7, node_share: float = 0.5, group_share: float = 0.5,
+                 member_share: float = 0.5, min_alert_effect: float = 0.01, small_alert_effect: float = 0.08):
         if not (1 <= k <= n):
             raise ValueError(f"slow_rank: need 1 <= k <= n (k={k}, n={n})")
         if clear_steps < 1 or min_peers < 2:
@@ -140,14 +155,18 @@ class SlowRank(_SequentialTests, _AlertAssembly, Detector):
                 or not 0 < alpha < 0.01):
             raise ValueError("slow_rank: need small_effect >= 0, positive ref_z/span_z/big_ref_z/big_span_z, "
                              "big_ref_z >= ref_z, 0 < alpha < 0.01")
-        if not (0 < node_share <= 1 and 0 < group_share <= 1):
-            raise ValueError("slow_rank: node_share and group_share must be in (0, 1]")
+        if not (0 < node_share <= 1 and 0 < group_share <= 1 and 0 <= member_share <= 1):
+            raise ValueError("slow_rank: node_share and group_share must be in (0, 1], member_share in [0, 1]")
+        if min_alert_effect < 0 or small_alert_effect < 0:
+            raise ValueError("slow_rank: min_alert_effect and small_alert_effect must be >= 0")
         self.k, self.n, self.clear_steps = int(k), int(n), int(clear_steps)
         self.z_min, self.min_effect, self.mad_floor = float(z_min), float(min_effect), float(mad_floor)
         self.min_peers, self.critical_pct = int(min_peers), float(critical_pct)
         self.small_effect, self.ref_z, self.span_z = float(small_effect), float(ref_z), float(span_z)
         self.big_ref_z, self.big_span_z, self.alpha = float(big_ref_z), float(big_span_z), float(alpha)
         self.node_share, self.group_share = float(node_share), float(group_share)
+        self.member_share, self.min_alert_effect = float(member_share), float(min_alert_effect)
+        self.small_alert_effect = float(small_alert_effect)
         self._R = -1
         self._stage_key: np.ndarray | None = None
         self._groups: list[np.ndarray | None] = []
@@ -160,6 +179,7 @@ class SlowRank(_SequentialTests, _AlertAssembly, Detector):
     def _reset(self, R: int) -> None:
         n = self.n
         self._R = R
+        self._last_step = -1
         self._pos = 0                                            # steps pushed; ring slot = _pos % n
         self._steps = np.full(n, -1, dtype=np.int64)
         self._tend = np.zeros(n, dtype=np.int64)
@@ -355,6 +375,7 @@ class SlowRank(_SequentialTests, _AlertAssembly, Detector):
                     alerts.append(a)
 
         # Keep the last n steps in the rings.
+        self._last_step = int(block.steps[-1])
         m = min(S, n)
         slots = (self._pos + S - m + np.arange(m)) % n
         self._flag[slots] = flags[S - m:]
@@ -366,4 +387,6 @@ class SlowRank(_SequentialTests, _AlertAssembly, Detector):
             if ph in self._ph:
                 self._ph[ph][slots] = arr[S - m:]
         self._pos += S
+        if self._open:
+            self._refresh_queries(block, flags, busy, eff, z, cost)
         return alerts

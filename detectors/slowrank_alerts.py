@@ -20,16 +20,56 @@ class _AlertAssembly:
         """Ring slots, oldest first (all n; slots never written hold NaN / False / step -1)."""
         return (self._pos + np.arange(self.n)) % self.n
 
-    def _members(self, ctx: JobContext, r: int, hot: np.ndarray) -> tuple[str, object, np.ndarray]:
+    def _own_rows(self, w: dict, j: int, r: int, mode: int, step: int) -> np.ndarray:
+        """Window rows that are the evidence of rank ``r`` (column ``j`` of ``w``) alone: its flagged
+        steps (persistence) or the steps since its test's excursion began (accumulation), after its
+        last resolution."""
+        steps = w["steps"]
+        after = steps > self._resolved_at[r]
+        if mode == 0:
+            rows = np.flatnonzero(w["flag"][:, j] & after)
+            if len(rows):
+                return rows
+        frm = self._fired_series(r)[0]
+        return np.flatnonzero((steps >= (frm if frm >= 0 else step)) & after)
+
+    def _material(self, win: "_Window", s: int, r: int, mode: int, step: int, cand: np.ndarray) -> np.ndarray:
+        """Of the hot ranks ``cand`` (with ``r``), those whose own excess is material beside the firing
+        rank's: a median relative busy-time excess over ``r``'s evidence steps of at least
+        ``member_share`` of ``r``'s (and above 0). A node or group is slow when its members are, each
+        by a comparable amount; a neighbour that is merely "hot" (a CUSUM half-way up, two flags in 13:
+        what noise alone gives a co-scheduled rank now and then) with a millisecond of excess beside a
+        rank 30 ms slow is not part of the fault."""
+        cand = np.asarray(cand)
+        if len(cand) <= 1:
+            return cand
+        M = [int(x) for x in cand]
+        w = win.ranks(s, M)
+        rows = self._own_rows(w, M.index(r), r, mode, step)
+        if not len(rows):
+            rows = np.array([len(w["steps"]) - 1])
+        with np.errstate(all="ignore"):
+            e = nanmedian(w["eff"][rows], axis=0)
+        mine = e[M.index(r)]
+        if not np.isfinite(mine) or mine <= 0:
+            return cand
+        keep = np.isfinite(e) & (e > 0) & (e >= self.member_share * mine)
+        keep[M.index(r)] = True
+        return cand[keep]
+
+    def _members(self, ctx: JobContext, r: int, hot: np.ndarray, win: "_Window" = None, s: int = 0,
+                 mode: int = 0, step: int = 0) -> tuple[str, object, np.ndarray]:
         """The scope of a fire of rank ``r``: ("node", node, hot ranks of the node) or ("group", gid,
-        hot ranks of its data-parallel group) when enough of them are hot, else ("rank", r, [r])."""
+        hot ranks of its data-parallel group) when enough of them are hot and materially slow
+        (:meth:`_material`), else ("rank", r, [r])."""
         nodes = np.asarray(ctx.nodes)
         free = ~self._active
         free[r] = True
+        mat = (lambda c: self._material(win, s, r, mode, step, c)) if win is not None else (lambda c: c)
         if nodes.shape == (self._R,) and str(nodes[r]):
             on = np.flatnonzero(nodes == nodes[r])
             if len(on) >= 2:
-                hn = on[hot[on] & free[on]]
+                hn = mat(on[hot[on] & free[on]])
                 need = max(2, math.ceil(self.node_share * len(on)))
                 if len(hn) >= need and r in hn:
                     return "node", str(nodes[r]), hn
@@ -38,7 +78,7 @@ class _AlertAssembly:
             grp = np.flatnonzero(gid == gid[r])
             stage_n = np.count_nonzero(self._stage_key == self._stage_key[r])
             if 3 <= len(grp) < stage_n:
-                hg = grp[hot[grp] & free[grp]]
+                hg = mat(grp[hot[grp] & free[grp]])
                 need = max(3, math.ceil(self.group_share * len(grp)))
                 if len(hg) >= need and r in hg:
                     return "group", int(gid[r]), hg
@@ -53,7 +93,7 @@ class _AlertAssembly:
             if (key[0] == "node" and node and key[1] == node) or (key[0] == "group" and r in o["scope"]):
                 self._take(r, key, mode)
                 return None
-        scope, sid, members = self._members(ctx, r, hot)
+        scope, sid, members = self._members(ctx, r, hot, win, s, mode, step)
         M = [int(x) for x in members]
         w = win.ranks(s, M)
         since = self._resolved_at[M][None, :]
@@ -85,11 +125,15 @@ class _AlertAssembly:
             zz = float(nanmedian(w["z"][ev_rows]))
         if np.isfinite(eff) and eff <= 0:   # over its evidence steps no slower than its peers: no straggler
             return None                     # (a 2-rank stage's healthy rank, judged against the offset it took)
+        if not self._material_effect(eff, w["cost"][ev_rows, M.index(r)], bool(self._small_rank[r])):
+            # an immaterial excess (below min_alert_effect of the busy time, or of the step): the test's
+            # excursion is dropped and it restarts, so no stale start carries into a later real fault
+            cols = r + self._R * np.arange(_P)
+            self._cs[cols] = self._csb[cols] = 0.0
+            self._cs_from[cols] = self._csb_from[cols] = -1
+            return None
         peer_med = busy / (1.0 + eff) if np.isfinite(eff) and eff > -1 else float("nan")
-        peers_by_slot = win.stage_phases(s, int(self._group_of[r]), M)
-        peers = {ph: float(nanmedian(peers_by_slot[ph][ev_rows])) for ph in PHASES}
-        mine_ph = {ph: float(nanmedian(w[ph][ev_rows])) for ph in PHASES}
-        phase_cause, ph_ev = attribute(peers, mine_ph)
+        phase_cause, ph_ev, wait_rise = self._phase_evidence(win, s, r, M, ev_rows)
         # host / GC / comm evidence over the same steps (from the start of the first evidence step)
         tt = w["t_end"][w["t_end"] > 0]
         dt = int(np.median(np.diff(tt))) if len(tt) > 1 else 0
@@ -102,7 +146,6 @@ class _AlertAssembly:
         gce = gc_evidence(ctx, M, t_lo, t_hi, steps=len(run))
         comm = comm_evidence(ctx, M, int(w["steps"][ev_rows[0]]), step)
         excess_ms = busy - peer_med if np.isfinite(peer_med) else None
-        wait_rise = ph_ev["phases"].get("host_gap_ms", {}).get("delta")
         cause, reason = decide(phase_cause, host, gce, comm, excess_ms, wait_rise)
         evidence = {
             "busy_ms": _r(busy), "peer_median_ms": _r(peer_med), "effect_pct": _r(eff * 100.0, 2),
@@ -129,7 +172,7 @@ class _AlertAssembly:
                   evidence=evidence, cost_pct=round(cost, 3), suggestion=SUGGESTIONS[cause])
         a.host_query = {"nodes": node_names, "t_lo": min(t_lo, t_hi - _HOST_SPAN_NS), "t_hi": t_hi + _HOST_SPAN_NS,
                         "t_end": t_end, "phase_cause": phase_cause, "gc": gce, "comm": comm, "excess_ms": excess_ms,
-                        "wait_rise_ms": wait_rise,
+                        "wait_rise_ms": wait_rise, "from_step": int(w["steps"][ev_rows[0]]),
                         "measured": bool((getattr(ctx, "info", None) or {}).get("cpu_wait_reported"))}
         key = (scope, sid if scope != "rank" else r, step_first)
         grp = None
@@ -139,6 +182,64 @@ class _AlertAssembly:
         for x in M:
             self._take(x, key, mode if x == r else 0)
         return a
+
+    def _phase_evidence(self, win: "_Window", s: int, r: int, M: list[int], rows: np.ndarray):
+        """The phase comparison of ranks ``M`` (firing rank ``r``) over window ``rows``: (phase cause,
+        its evidence, the run-queue wait rise in ms: their host gap over their stage peers')."""
+        w = win.ranks(s, M)
+        peers_by_slot = win.stage_phases(s, int(self._group_of[r]), M)
+        with np.errstate(all="ignore"):
+            peers = {ph: float(nanmedian(peers_by_slot[ph][rows])) for ph in PHASES}
+            mine_ph = {ph: float(nanmedian(w[ph][rows])) for ph in PHASES}
+        phase_cause, ph_ev = attribute(peers, mine_ph)
+        return phase_cause, ph_ev, ph_ev["phases"].get("host_gap_ms", {}).get("delta")
+
+    def _refresh_queries(self, block: StepBlock, flags, busy, eff, z, cost) -> None:
+        """Open alerts whose host evidence may still be read again (stream/hostwait.py holds an alert's
+        row until the host samples that cover its steps come, then decides its cause again with
+        :attr:`Alert.host_query`): their query's phase comparison is taken again over the steps from the
+        alert's first evidence step to the newest one, for ``n`` steps after it fired. The stepwatch
+        probe reads a rank's run-queue wait every ~500 ms and spreads it over that interval's steps, so
+        at a contention's onset the wait of the two or three steps that confirmed the alert is not
+        reported yet (measured on real DDP: a host-gap rise of 1.2 ms at the fire, 11 ms two steps
+        later); the cause decided again with the steps since is the one the evidence supports. Cost:
+        nothing while no alert is that young."""
+        young = [o["alert"] for o in self._open.values()
+                 if o["alert"].host_query is not None and 0 < self._last_step - o["alert"].step_detected <= self.n]
+        if not young:
+            return
+        win = _Window(self, block, flags, busy, eff, z, cost)
+        s = len(block) - 1
+        for a in young:
+            M = [int(x) for x in a.ranks]
+            r = M[0]
+            steps = win.ranks(s, M[:1])["steps"]
+            rows = np.flatnonzero(steps >= int(a.host_query.get("from_step", a.step_first)))
+            if not len(rows):
+                continue
+            phase_cause, _, wait_rise = self._phase_evidence(win, s, r, M, rows)
+            a.host_query = dict(a.host_query, phase_cause=phase_cause, wait_rise_ms=wait_rise)
+
+    def _material_effect(self, eff: float, cost: np.ndarray, small: bool = False) -> bool:
+        """The effect-size gate of every fire: over the evidence steps, the median relative busy-time
+        excess is at least ``min_alert_effect`` *and* so is the median excess as a share of the job's
+        step time (``cost``, in %, per evidence step). The sequential tests count no excess below
+        ``small_effect`` per step (their reference), so a straggler they confirm has a median excess
+        near or above it; a fire whose excess is a fraction of that (0.1 ms on a 60 ms step) is an
+        excursion of noise, of a small phase's z (its MAD floored on a sub-ms phase) or of a drifting
+        offset, and nobody could act on it.
+
+        A rank of a small stage (judged pairwise, see ``_small_z``) needs ``small_alert_effect`` (8%):
+        with one to three peers there is no population to tell that rank's slowdown from its pair's
+        wander, and ranks that share a machine wander apart by more than the per-step noise for tens of
+        steps (measured on the real 2-rank DDP jobs of tests/test_ddp_real.py on a shared 2-core VM, no
+        fault: a rank 6-7% slower than its pair for 10-30 steps in 3 of 10 runs under load)."""
+        floor = max(self.min_alert_effect, self.small_alert_effect) if small else self.min_alert_effect
+        if np.isfinite(eff) and eff < floor:
+            return False
+        with np.errstate(all="ignore"):
+            c = float(nanmedian(cost)) if len(cost) else float("nan")
+        return not (np.isfinite(c) and c < 100.0 * self.min_alert_effect)
 
     def _fired_series(self, r: int) -> tuple[int, str]:
         """The series of rank ``r`` whose test is furthest over its threshold: (where its excursion

@@ -10,8 +10,8 @@ import numpy as np
 
 from .causes import nanmedian
 from .slowrank_stats import (_DELAY, _EVERY, _MAD_TO_SIGMA, _NULL_FEW, _NULL_MIN, _OFFSET_STEPS, _P,
-                             _SAMPLE_COLS, _SMALL_DELAY, _SMALL_HIST, _SMALL_LEARN, _WARMUP, OWN_PHASES,
-                             _cusum_theta, _pooled_phi)
+                             _SAMPLE_COLS, _SMALL_DELAY, _SMALL_HIST, _SMALL_LEARN, _SMALL_MAX_BASE, _WARMUP,
+                             OWN_PHASES, _cusum_theta, _pooled_phi)
 
 
 class _SequentialTests:
@@ -89,7 +89,9 @@ class _SequentialTests:
         to the median of the *other* ranks of the stage, ``e = (x - m_others) / m_others``, against that
         difference's own history: ``z = (e - b) / s``, ``b`` the median of the rank's last _SMALL_HIST
         learned values (its baseline offset: a pair that is permanently a bit asymmetric is judged
-        against itself), ``s`` 1.4826 x their MAD (floored at ``1.4826 mad_floor``; a median and a MAD,
+        against itself, up to _SMALL_MAX_BASE = 20% slower: a rank slower than that from its first step
+        on is a straggler, not a trait; 4 real gloo ranks, one 20 ms slower on 50 ms steps from the
+        start, were never named once 4-rank stages were judged pairwise), ``s`` 1.4826 x their MAD (floored at ``1.4826 mad_floor``; a median and a MAD,
         so bursts in the history do not inflate it). The values are learned _SMALL_DELAY steps late, and
         not while the rank is under an alert or its CUSUM is above h/2: a new straggler is not absorbed
         while it is being confirmed. A rank is judged once _SMALL_LEARN values were learned; its z then
@@ -97,7 +99,7 @@ class _SequentialTests:
         ms, relative noise per step, judged)."""
         S, w = sub.shape
         oth = np.empty_like(sub)
-        for j in range(w):                                                  # w <= 3
+        for j in range(w):                                                  # w <= 4
             oth[:, j] = nanmedian(np.delete(sub, j, axis=1), axis=1)
         dev = sub - oth
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -113,6 +115,7 @@ class _SequentialTests:
         with np.errstate(all="ignore"):
             b = nanmedian(hist, axis=0)
             sd = np.maximum(_MAD_TO_SIGMA * nanmedian(np.abs(hist - b), axis=0), floor)
+            b = np.minimum(b, _SMALL_MAX_BASE)
         for s in range(S):                                                  # a small stage: w values
             ready = n >= _SMALL_LEARN
             zz[s] = np.where(ready, (ee[s] - b) / sd, np.nan)
@@ -132,6 +135,7 @@ class _SequentialTests:
             with np.errstate(all="ignore"):
                 b[j] = nanmedian(hist[:, j], axis=0)
                 sd[j] = np.maximum(_MAD_TO_SIGMA * nanmedian(np.abs(hist[:, j] - b[j]), axis=0), floor)
+                b[j] = np.minimum(b[j], _SMALL_MAX_BASE)
         self._sm_hist[:, cols] = hist
         self._sm_n[cols] = n
         return zz, ee, dev, sd_out, np.isfinite(zz) & (oth > 0)

@@ -20,6 +20,7 @@ _NULL_FEW = 64
 _SMALL_DELAY = 16     # small stages: steps by which the learned pairwise baseline and noise lag
 _SMALL_LEARN = 16     # small stages: learned steps before a rank is judged
 _HOST_SPAN_NS = 1_000_000_000   # least span of the host samples an alert's evidence reads
+_SMALL_MAX_BASE = 0.2  # small stages: the most a rank's learned baseline may put it above its peers
 _SMALL_HIST = 64      # small stages: learned steps whose median and MAD are a rank's baseline and noise
 #: the rank's own phases, each also tested on its own (besides the busy time): a straggler's excess is
 #: usually in one of them, and the other phases' noise then only hides it (see the class docs)

@@ -62,7 +62,7 @@ def cmd_broker(a) -> int:
 def cmd_simulate(a) -> int:
     from stepwatch.devtools.simsend import send_simulation
     from stepwatch.devtools.simulate import Simulation
-    from stepwatch.stream.kafkaio import ensure_topics, make_producer, settings_from_args
+    from stepwatch.kafkaio import ensure_topics, make_producer, settings_from_args
     s = settings_from_args(a)
     try:
         sim = Simulation(job=a.job, ranks=a.ranks, ranks_per_node=a.ranks_per_node, steps=a.steps,
@@ -88,7 +88,7 @@ def cmd_simulate(a) -> int:
 
 # ---------------------------------------------------------------------------- process
 def cmd_process(a) -> int:
-    from stepwatch.stream.kafkaio import settings_from_args
+    from stepwatch.kafkaio import settings_from_args
     from stepwatch.stream.processor import Processor
     from stepwatch.dashboards.cli import annotation_sink_from_args
     from stepwatch.dashboards.grafana import GrafanaError
@@ -295,7 +295,7 @@ DEVTOOLS = ("demo", "broker", "simulate", "bench", "eval")
 
 def build_parser(devtools: bool = True) -> argparse.ArgumentParser:
     """``devtools=False``: leave out the arguments that stepwatch.devtools defines (a product command)."""
-    from stepwatch.stream.kafkaio import add_kafka_args
+    from stepwatch.kafkaio import add_kafka_args
     p = argparse.ArgumentParser(prog="stepwatch", description="Streaming telemetry for large training clusters.")
     p.add_argument("--version", action="version", version=f"stepwatch {__version__}")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")

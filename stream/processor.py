@@ -50,7 +50,7 @@ from stepwatch.stream.hostwait import HostWait
 from stepwatch.stream.stepaxis import JobAxis
 from stepwatch.stream.ingress import IngressLimits
 from stepwatch.stream.jobmetrics import JobMetrics
-from stepwatch.stream.kafkaio import KafkaSettings, ensure_topics, make_consumer, make_producer
+from stepwatch.kafkaio import KafkaSettings, ensure_topics, make_consumer, make_producer
 from stepwatch.stream.metrics import ProcessorMetrics
 
 log = logging.getLogger("stepwatch.processor")
@@ -157,7 +157,7 @@ class Processor(Intake, CaughtUp):
         _build_detectors(self.detector_settings)   # import detector libraries (ruptures) now, not mid-stream
         if self.create_topics:
             ensure_topics(self.kafka)
-        from stepwatch.stream.kafkaio import cluster_id_of
+        from stepwatch.kafkaio import cluster_id_of
         cfg = self.kafka.client_config()
         cid = cluster_id_of(cfg.pop("bootstrap_servers"), config=cfg, timeout_s=10) or "default"
         self.store.cluster = re.sub(r"[^A-Za-z0-9._-]", "_", cid)

@@ -39,7 +39,7 @@ def cmd_profile(a) -> int:
         print("stepwatch profile: --job and --rank are required (or: stepwatch profile diff CMD_ID)", file=sys.stderr)
         return 2
     from stepwatch.agents import profiling
-    from stepwatch.stream.kafkaio import make_producer, settings_from_args
+    from stepwatch.kafkaio import make_producer, settings_from_args
     from stepwatch.stream.profiling import Issuer, ProfilingSettings
     try:
         key = profiling.load_private_key()
@@ -185,7 +185,7 @@ def cmd_diff(cmd_id: str, data_dir: str) -> int:
 
 def register(sub) -> None:
     """Add ``profile`` to a ``stepwatch`` subparsers object."""
-    from stepwatch.stream.kafkaio import add_kafka_args
+    from stepwatch.kafkaio import add_kafka_args
     p = sub.add_parser("profile", help="fine-grained profile of some ranks (signed command), or 'profile diff CMD_ID'")
     p.add_argument("action", nargs="*", help="'diff CMD_ID' compares a command's suspect and reference profiles; "
                                                "'keygen DIR' makes the Ed25519 key pair that signs commands")

@@ -9,7 +9,7 @@ import tempfile
 import pytest
 
 from stepwatch.devtools.broker import EmbeddedBroker
-from stepwatch.stream.kafkaio import KafkaSettings, ensure_topics
+from stepwatch.kafkaio import KafkaSettings, ensure_topics
 
 logging.getLogger("kafka").setLevel(logging.CRITICAL)
 

@@ -19,7 +19,7 @@ from stepwatch.agents.agent import Agent, AgentMetrics, identity_from_hello, row
 from stepwatch.agents.probe import Probe
 from stepwatch.agents.shipper import Shipper, Spool
 from stepwatch.devtools.broker import free_port
-from stepwatch.stream.kafkaio import KafkaSettings, make_consumer
+from stepwatch.kafkaio import KafkaSettings, make_consumer
 from stepwatch.stream.processor import _plain     # timestamps as int ns (no pandas needed)
 
 NPU_SMI = """\

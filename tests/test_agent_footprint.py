@@ -10,7 +10,7 @@ CODE = r"""
 import os, socket, sys
 from stepwatch.agents import agent, control, shipper, wirecols         # what `stepwatch agent` imports
 from stepwatch.agents.probe import Probe, SOCKET_NAME, T_HELLO, decode
-from stepwatch.stream import kafkaio
+from stepwatch import kafkaio
 from stepwatch import wireenc
 
 d = sys.argv[1]

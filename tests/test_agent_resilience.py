@@ -15,7 +15,7 @@ import pytest
 from stepwatch.agents.agent import Agent
 from stepwatch.storage.views import connect
 from stepwatch.devtools.broker import EmbeddedBroker, free_port
-from stepwatch.stream.kafkaio import KafkaSettings
+from stepwatch.kafkaio import KafkaSettings
 from stepwatch.stream.processor import Processor
 
 pytest.importorskip("torch", reason="these tests train a real PyTorch model (pip install torch==2.13.0)")

@@ -24,7 +24,7 @@ from stepwatch.dashboards.alertmanager import (AlertmanagerError, AlertmanagerSi
                                                read_credentials)
 from stepwatch.detectors.base import Alert
 from stepwatch.stream.alertfanout import attach
-from stepwatch.stream.kafkaio import KafkaSettings, ensure_topics, make_producer
+from stepwatch.kafkaio import KafkaSettings, ensure_topics, make_producer
 from stepwatch.stream.processor import Processor
 
 JOB = "amjob"

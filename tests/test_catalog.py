@@ -7,7 +7,8 @@ from stepwatch import catalog
 from stepwatch import schema as wire
 from stepwatch.agents import agent
 from stepwatch.storage import store
-from stepwatch.stream import ingress, kafkaio, processor
+from stepwatch import kafkaio
+from stepwatch.stream import ingress, processor
 
 
 def test_every_table_has_one_schema_with_its_columns():

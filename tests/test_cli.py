@@ -33,7 +33,7 @@ def test_broker_command_starts_answers_and_stops_on_ctrl_c(tmp_path):
     p = subprocess.Popen(SW + ["broker", "--port", str(port)], stdout=subprocess.PIPE, text=True)
     line = p.stdout.readline()
     assert f"127.0.0.1:{port}" in line, line
-    from stepwatch.stream.kafkaio import cluster_id_of
+    from stepwatch.kafkaio import cluster_id_of
     assert cluster_id_of(f"127.0.0.1:{port}")
     p.send_signal(signal.SIGINT)
     assert p.wait(20) == 0
@@ -97,7 +97,7 @@ def test_bad_fault_spec_is_a_clear_error(broker):
 
 
 def test_sasl_needs_a_password_from_env_or_file(tmp_path):
-    from stepwatch.stream.kafkaio import KafkaSettings
+    from stepwatch.kafkaio import KafkaSettings
     s = KafkaSettings(security_protocol="SASL_SSL", sasl_mechanism="PLAIN", sasl_username="u")
     env = {k: v for k, v in os.environ.items() if not k.startswith("STEPWATCH_KAFKA_PASSWORD")}
     old = dict(os.environ)

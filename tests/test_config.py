@@ -148,7 +148,7 @@ class _Lines:
 def test_sighup_applies_a_per_job_override_on_the_next_step_and_refuses_a_bad_file(kafka, tmp_path):
     from stepwatch.devtools.simsend import send_table
     from stepwatch.devtools.simulate import Simulation
-    from stepwatch.stream.kafkaio import make_producer
+    from stepwatch.kafkaio import make_producer
     cfg = tmp_path / "stepwatch.toml"
     cfg.write_text("[processor]\nflush_interval_s = 0.3\nlateness_s = 0.5\n")
     cmd = [sys.executable, "-m", "stepwatch.cli", "-v", "process", "--bootstrap", kafka.bootstrap, "--topic-prefix",

@@ -205,7 +205,7 @@ def test_processor_resend_through_the_callback_leaves_one_annotation(grafana, tm
     sink as its on_alert callback, as `stepwatch process --grafana-url` wires it."""
     from types import SimpleNamespace
 
-    from stepwatch.stream.kafkaio import KafkaSettings
+    from stepwatch.kafkaio import KafkaSettings
     from stepwatch.stream.processor import Processor
     sink = AnnotationSink(grafana.url, grafana.token)
     a = alert("firing")

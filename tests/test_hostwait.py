@@ -10,7 +10,7 @@ from stepwatch import schema as wire
 from stepwatch.devtools.simulate import Simulation
 from stepwatch.devtools.eval import Record
 from stepwatch.storage.views import connect
-from stepwatch.stream.kafkaio import KafkaSettings
+from stepwatch.kafkaio import KafkaSettings
 from stepwatch.stream.processor import Processor
 
 T0 = 1_767_225_600_000_000_000

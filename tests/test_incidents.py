@@ -68,7 +68,7 @@ def test_unrelated_faults_stay_apart_and_a_recovery_closes_its_regression():
 
 
 def test_the_incident_id_survives_a_processor_restart(tmp_path):
-    from stepwatch.stream.kafkaio import KafkaSettings
+    from stepwatch.kafkaio import KafkaSettings
     from stepwatch.stream.processor import Processor
 
     p1 = Processor(KafkaSettings(), tmp_path, on_alert=lambda a: None, profiling=None)

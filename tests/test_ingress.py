@@ -20,7 +20,7 @@ import pytest
 from stepwatch.devtools import hostile as H
 from stepwatch import schema as wire
 from stepwatch.storage.views import connect
-from stepwatch.stream.kafkaio import make_producer
+from stepwatch.kafkaio import make_producer
 from stepwatch.stream.processor import Processor
 
 NOW = time.time_ns()
@@ -378,7 +378,7 @@ def test_one_deadletter_record_per_message_headers_stripped_log_rate_limited(kaf
     assert all(r.startswith(f"{n} of {n} row(s) rejected") for _, _, _, r, _ in dl), dl[0]
     assert con.execute("SELECT max(octet_length(payload)) FROM deadletter").fetchone()[0] < 1 << 20
     # the deadletter topic: one message per source message, none of the producer's headers
-    from stepwatch.stream.kafkaio import make_consumer
+    from stepwatch.kafkaio import make_consumer
     c = make_consumer(kafka, "g-dl-read")
     c.subscribe([kafka.topic("deadletter")])
     got, deadline = [], time.monotonic() + 20

@@ -17,7 +17,7 @@ from stepwatch.devtools.simulate import Simulation
 from stepwatch.storage.lake import S3, Lake
 from stepwatch.storage.store import LakeStore
 from stepwatch.storage.views import connect
-from stepwatch.stream.kafkaio import KafkaSettings, ensure_topics, make_producer
+from stepwatch.kafkaio import KafkaSettings, ensure_topics, make_producer
 
 JOBS = 4
 

@@ -17,7 +17,7 @@ from stepwatch import schema as wire
 from stepwatch.devtools.simsend import send_simulation
 from stepwatch.devtools.simulate import Simulation
 from stepwatch.storage.views import connect
-from stepwatch.stream.kafkaio import make_producer, send_table
+from stepwatch.kafkaio import make_producer, send_table
 from stepwatch.stream.processor import Processor
 
 

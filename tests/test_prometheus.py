@@ -21,7 +21,7 @@ from promstack import (MISSING_PROM, PROMETHEUS, PROMTOOL, Prometheus, free_port
                        wait_until)
 from stepwatch.devtools.simsend import send_simulation
 from stepwatch.devtools.simulate import Simulation
-from stepwatch.stream.kafkaio import KafkaSettings, ensure_topics, make_producer, send_table
+from stepwatch.kafkaio import KafkaSettings, ensure_topics, make_producer, send_table
 from stepwatch.stream.processor import Processor
 
 pytestmark = pytest.mark.skipif(not (PROMETHEUS and PROMTOOL), reason=MISSING_PROM)

@@ -4,7 +4,7 @@ import pyarrow as pa
 from stepwatch import schema as wire
 from stepwatch.devtools.simulate import Simulation
 from stepwatch.storage.store import ParquetStore
-from stepwatch.stream.kafkaio import KafkaSettings
+from stepwatch.kafkaio import KafkaSettings
 from stepwatch.stream.processor import Processor
 
 

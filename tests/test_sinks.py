@@ -14,7 +14,7 @@ from stepwatch.devtools.simsend import send_simulation
 from stepwatch.devtools.simulate import Simulation
 from stepwatch.storage.views import connect
 from stepwatch.stream.alertfanout import attach
-from stepwatch.stream.kafkaio import make_consumer, make_producer
+from stepwatch.kafkaio import make_consumer, make_producer
 from stepwatch.stream.processor import Processor
 from stepwatch.stream.sinks import ConsoleSink, LakeSink, NotifierSink, TopicSink
 
@@ -113,7 +113,7 @@ def test_a_detector_row_output_goes_to_the_table_it_declares(tmp_path):
     undeclared output are refused (the message is deadlettered, not stored under a guessed name)."""
     from stepwatch.detectors.base import Detector
     from stepwatch.detectors.replay import drain
-    from stepwatch.stream.kafkaio import KafkaSettings
+    from stepwatch.kafkaio import KafkaSettings
 
     class Writes(Detector):
         name = "writes"

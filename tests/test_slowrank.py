@@ -422,7 +422,7 @@ def _small_job(rng, S, R, sd=0.015, asym=0.03, burst=0.02):
     return comp
 
 
-@pytest.mark.parametrize("R", [2, 3])
+@pytest.mark.parametrize("R", [2, 3, 4])
 def test_small_stage_clean_bursty_heavy_tailed_noise_gives_no_alert(R):
     for seed in range(3):
         rng = np.random.default_rng(100 + seed)
@@ -431,7 +431,7 @@ def test_small_stage_clean_bursty_heavy_tailed_noise_gives_no_alert(R):
         assert not alerts, (seed, [(a.ranks, a.step_detected, a.evidence["fired_by"]) for a in alerts])
 
 
-@pytest.mark.parametrize("R", [2, 3])
+@pytest.mark.parametrize("R", [2, 3, 4])
 def test_small_stage_10pct_straggler_fires_within_10_steps_naming_it(R):
     for seed in range(4):
         rng = np.random.default_rng(200 + seed)

@@ -164,7 +164,7 @@ def test_a_restarted_processor_warms_the_host_context_and_still_judges_the_hang(
     from stepwatch.devtools.simulate import Simulation
     from stepwatch.devtools.eval import Record
     from stepwatch.storage.store import ParquetStore
-    from stepwatch.stream.kafkaio import KafkaSettings
+    from stepwatch.kafkaio import KafkaSettings
     from stepwatch.stream.processor import Processor
 
     sim = Simulation(job="rh", ranks=64, steps=90, seed=2, faults=["job-hang:rank=3,start=40"],

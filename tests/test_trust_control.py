@@ -17,7 +17,7 @@ import pytest
 from stepwatch.agents import profiling
 from stepwatch.agents.agent import Agent
 from stepwatch.agents.probe import Probe
-from stepwatch.stream.kafkaio import make_producer
+from stepwatch.kafkaio import make_producer
 
 NODE = "node-a"
 PEM, PUB = profiling.keygen()

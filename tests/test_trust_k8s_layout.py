@@ -27,7 +27,7 @@ import yaml
 from stepwatch import schema as wire
 from stepwatch.agents import profiling
 from stepwatch.devtools.broker import free_port
-from stepwatch.stream.kafkaio import make_consumer, make_producer
+from stepwatch.kafkaio import make_consumer, make_producer
 from stepwatch.stream.profiling import Issuer, ProfilingSettings
 
 pytest.importorskip("torch", reason="the probe profiles a real PyTorch loop (pip install torch==2.13.0)")

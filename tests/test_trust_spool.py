@@ -20,7 +20,7 @@ from stepwatch.agents.agent import Agent
 from stepwatch.agents.probe import Probe
 from stepwatch.agents.shipper import Shipper, Spool
 from stepwatch.devtools.broker import EmbeddedBroker, free_port
-from stepwatch.stream.kafkaio import KafkaSettings, make_consumer
+from stepwatch.kafkaio import KafkaSettings, make_consumer
 
 
 @pytest.fixture

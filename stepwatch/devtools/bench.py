@@ -40,7 +40,7 @@ def run_bench(a) -> int:
     from stepwatch.devtools.simsend import send_simulation
     from stepwatch.devtools.simulate import Simulation
     from stepwatch.devtools.broker import EmbeddedBroker
-    from stepwatch.stream.kafkaio import KafkaSettings, ensure_topics, make_producer
+    from stepwatch.kafkaio import KafkaSettings, ensure_topics, make_producer
 
     base = Path(a.data_dir or tempfile.mkdtemp(prefix="stepwatch-bench-"))
     base.mkdir(parents=True, exist_ok=True)

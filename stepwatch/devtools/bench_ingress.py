@@ -36,7 +36,7 @@ def encode_job(ranks: int, steps: int, rows_per_message: int = 4096, chunk: int 
     except ImportError:                      # a checkout from before stepwatch.devtools (run to compare)
         from stepwatch.agents.simsend import send_simulation
         from stepwatch.agents.simulate import Simulation
-    from stepwatch.stream.kafkaio import KafkaSettings
+    from stepwatch.kafkaio import KafkaSettings
 
     out: list = []
     offsets: dict[str, int] = {}
@@ -104,7 +104,7 @@ def _wrap_parts(spent: dict) -> None:
 
 def run(a) -> dict:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from stepwatch.stream.kafkaio import KafkaSettings
+    from stepwatch.kafkaio import KafkaSettings
     from stepwatch.stream.processor import Processor, _build_detectors
 
     spent: dict = {}

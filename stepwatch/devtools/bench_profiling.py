@@ -47,7 +47,7 @@ def run_profiling_bench(a) -> int:
     from stepwatch.agents.wrap import wrap_env
     from stepwatch.storage.views import connect
     from stepwatch.devtools.broker import EmbeddedBroker
-    from stepwatch.stream.kafkaio import KafkaSettings, ensure_topics
+    from stepwatch.kafkaio import KafkaSettings, ensure_topics
     from stepwatch.stream.processor import Processor
     from stepwatch.stream.profiling import ProfilingSettings
 

@@ -79,7 +79,7 @@ class EmbeddedBroker:
         return self
 
     def _wait_ready(self) -> None:
-        from stepwatch.stream.kafkaio import cluster_id_of   # (the processor asks the same of a real cluster)
+        from stepwatch.kafkaio import cluster_id_of   # (the processor asks the same of a real cluster)
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

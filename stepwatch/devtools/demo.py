@@ -60,7 +60,7 @@ def run_demo(ranks: int = 1024, steps: int = 300, data_dir: str = "./stepwatch-d
     from stepwatch.devtools.simulate import Simulation
     from stepwatch.storage.views import connect
     from stepwatch.devtools.broker import EmbeddedBroker
-    from stepwatch.stream.kafkaio import KafkaSettings, ensure_topics, make_producer
+    from stepwatch.kafkaio import KafkaSettings, ensure_topics, make_producer
     from stepwatch.stream.processor import Processor
 
     t_begin = time.monotonic()
@@ -221,7 +221,7 @@ def run_real_demo(ranks: int = 4, steps: int = 200, slow_rank: int = 2, gc_rank:
     from stepwatch.agents.agent import Agent
     from stepwatch.agents.wrap import wrap_env
     from stepwatch.devtools.broker import EmbeddedBroker
-    from stepwatch.stream.kafkaio import KafkaSettings, ensure_topics
+    from stepwatch.kafkaio import KafkaSettings, ensure_topics
     from stepwatch.stream.processor import Processor
 
     t_begin = time.monotonic()

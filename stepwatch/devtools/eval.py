@@ -140,7 +140,7 @@ def run_scenario(sc, data_dir: Path, rows_per_message: int = 4096, flush_every: 
     and not yet delivered at the consumer's clock (what a broker's end offset tells a real consumer).
     ``host_first`` sends each step's host samples before its step rows (simulator family, in order)."""
     from stepwatch.devtools.scenarios_indep import IndepJob, IndepScenario, deliveries
-    from stepwatch.stream.kafkaio import KafkaSettings
+    from stepwatch.kafkaio import KafkaSettings
     from stepwatch.stream.processor import Processor
 
     t0 = time.perf_counter()

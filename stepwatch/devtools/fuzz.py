@@ -182,7 +182,7 @@ def fuzz_kafka_message(n: int, seed: int = 0, hang_s: float = HANG_S, progress=N
     from hypothesis import seed as hseed
 
     from stepwatch.stream.ingress import IngressLimits
-    from stepwatch.stream.kafkaio import KafkaSettings
+    from stepwatch.kafkaio import KafkaSettings
     from stepwatch.stream.processor import Processor
 
     logging.getLogger("stepwatch").setLevel(logging.CRITICAL)

@@ -254,7 +254,7 @@ def send_items(items: list[Item], settings, corrupt_batches: int = 0) -> tuple[l
     """Send every item with a producer of its codec; ``corrupt_batches`` more records go out in
     gzip batches whose compressed bytes are garbage (the client cannot decode them). Returns
     (per item (topic, partition, offset), {label: [(topic, partition, offset)]} for the corrupt ones)."""
-    from stepwatch.stream.kafkaio import make_producer
+    from stepwatch.kafkaio import make_producer
     prods = {c: make_producer(settings, compression_type=c, linger_ms=5) for c in CODECS}
     futs = []
     for it in items:
@@ -337,7 +337,7 @@ def run_hostile_bench(a) -> int:
 
     from stepwatch.storage.views import connect
     from stepwatch.devtools.broker import EmbeddedBroker
-    from stepwatch.stream.kafkaio import KafkaSettings, ensure_topics
+    from stepwatch.kafkaio import KafkaSettings, ensure_topics
 
     base = Path(a.data_dir or tempfile.mkdtemp(prefix="stepwatch-hostile-"))
     base.mkdir(parents=True, exist_ok=True)
@@ -523,7 +523,7 @@ def _agent_leg(agent, path_of: str, sock_dir: str, port: int, bootstrap: str, pr
     import urllib.request
 
     from stepwatch.agents.probe import Probe
-    from stepwatch.stream.kafkaio import KafkaSettings, make_producer
+    from stepwatch.kafkaio import KafkaSettings, make_producer
     path = path_of
     deadline = time.monotonic() + 60
     while not os.path.exists(path) and agent.poll() is None and time.monotonic() < deadline:

@@ -10,7 +10,7 @@ import time
 from typing import Callable
 
 from stepwatch.devtools.simulate import Simulation
-from stepwatch.stream.kafkaio import KafkaSettings, send_table
+from stepwatch.kafkaio import KafkaSettings, send_table
 
 
 def send_simulation(sim: Simulation, producer, settings: KafkaSettings, start: int = 0, stop: int | None = None,

@@ -1,7 +1,7 @@
 """Create the missing stepwatch topics (the chart's pre-install/pre-upgrade hook Job runs this).
 
 Connection settings come from the same flags and STEPWATCH_* environment as every stepwatch command
-(``stepwatch.stream.kafkaio.add_kafka_args``; the SASL password from STEPWATCH_KAFKA_PASSWORD_FILE).
+(``stepwatch.kafkaio.add_kafka_args``; the SASL password from STEPWATCH_KAFKA_PASSWORD_FILE).
 Existing topics are left as they are (a partition count is never changed here). Exits non-zero,
 naming the topic and Kafka's error, when a topic cannot be created.
 """
@@ -12,7 +12,7 @@ import sys
 from kafka.admin import KafkaAdminClient, NewTopic
 from kafka.errors import TopicAlreadyExistsError
 
-from stepwatch.stream.kafkaio import TOPIC_NAMES, add_kafka_args, settings_from_args
+from stepwatch.kafkaio import TOPIC_NAMES, add_kafka_args, settings_from_args
 
 
 def parser() -> argparse.ArgumentParser:
