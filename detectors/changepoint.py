@@ -55,7 +55,8 @@ class ChangePoint(Detector):
     Per closed step the detector keeps the median step time over ranks (the only O(R) work per step)
     and the medians of the phases (data wait, compute, comm, comm wait, GC, host gap) over a fixed
     sample of at most ``phase_sample`` ranks, in ring buffers of the last ``window`` steps. Every
-    ``every`` steps (by step number) it runs :func:`find` (``trend=False``) on the step-time series and,
+    ``every`` steps (by step number; default 1: after each step, also inside a block, so ``step_detected``
+    is the step whose evidence sufficed) it runs :func:`find` (``trend=False``) on the step-time series and,
     with ``phases``, on each phase series. A candidate change at window index i of a series is
     confirmed when (once the window holds ``min_steps`` steps)
 
@@ -106,9 +107,11 @@ class ChangePoint(Detector):
 
     Settings (keyword arguments, defaults):
         window=200       steps kept (bounded memory: a few (window,) and (window, 7) arrays)
-        every=5          run the search when the step number enters a new multiple of ``every`` (and
-                         at the end of a block of several steps)
-        min_size=5       minimum segment length in steps (also the reporting tolerance)
+        every=1          run the search when the step number enters a new multiple of ``every`` (and
+                         at the end of a block of several steps); 1: decide per step
+        min_size=4       minimum segment length in steps (also the reporting tolerance): smooth // 2 + 2,
+                         the shortest segment no burst that the median pre-filter lets through can fill;
+                         a change is decided 3 steps after it starts at the earliest
         min_effect=0.05  minimum relative change of the median step time
         min_t=5.0        minimum shift in units of its standard error
         penalty_c=6.0    penalty constant of :func:`find` (``c * sigma^2 * log n``)
@@ -120,8 +123,9 @@ class ChangePoint(Detector):
         persist=0.8      share of each segment's steps that must lie on its side of the midpoint
         phases=True      also watch each phase's job-level series (see above)
         phase_min_effect=0.10  minimum relative change of a phase (against the lower of the two levels)
-        phase_min_share=0.01   minimum change of a phase as a share of the median step time (materiality:
-                         10 ms of a 1 s step; a phase is judged on its own effect, see phase_min_effect)
+        phase_min_share=0.002  minimum change of a phase as a share of the median step time (materiality:
+                         2 ms of a 1 s step; a phase is judged on its own effect, see phase_min_effect,
+                         against an upper bound of its noise, see _sigma_upper)
         min_steps=40     steps the window must hold before a change is judged (a noise estimate needs them)
         warmup=10        the job's first steps seen are left out of every series: allocator growth,
                          autotuning, compilation, DDP's bucket rebuild and a DataLoader filling its queue
