@@ -26,6 +26,28 @@ def _nanmean(a: np.ndarray, axis: int) -> np.ndarray:
         return np.where(n > 0, np.nansum(a, axis=axis) / np.maximum(n, 1), np.nan)
 
 
+#: one-sided level of the upper confidence bound on a phase series' long-run noise (:func:`_sigma_upper`)
+_Z_UCB = 1.645
+
+
+def _sigma_upper(x: np.ndarray) -> float:
+    """Factor from a series' long-run noise estimate to its one-sided 95 % upper confidence bound.
+
+    The estimate rests on ``n_eff = n (1 - r) / (1 + r)`` effectively independent values (``r`` the AR(1)
+    coefficient of :func:`noise_scales`), so its square is ~ chi-square with ``n_eff`` degrees of freedom
+    (Wilson-Hilferty for the quantile). 40 steps of AR(1) noise with r = 0.5 (13 effective values) can
+    give half the true long-run sd, enough for a 7-step excursion to pass 5 standard errors; with 200
+    white steps the factor is 1.13."""
+    n = len(x)
+    if n < 4:
+        return 1.0
+    r = noise_scales(x)[1]
+    k = max(n * (1.0 - r) / (1.0 + r), 2.0)
+    c = 2.0 / (9.0 * k)
+    q = k * max(1.0 - c - _Z_UCB * math.sqrt(c), 0.05) ** 3
+    return math.sqrt(k / q)
+
+
 class ChangePoint(Detector):
     """Regressions and recoveries of the job's step time and of each of its phases (kinds
     ``regression`` / ``recovery``).
@@ -33,7 +55,8 @@ class ChangePoint(Detector):
     Per closed step the detector keeps the median step time over ranks (the only O(R) work per step)
     and the medians of the phases (data wait, compute, comm, comm wait, GC, host gap) over a fixed
     sample of at most ``phase_sample`` ranks, in ring buffers of the last ``window`` steps. Every
-    ``every`` steps (by step number) it runs :func:`find` (``trend=False``) on the step-time series and,
+    ``every`` steps (by step number; default 1: after each step, also inside a block, so ``step_detected``
+    is the step whose evidence sufficed) it runs :func:`find` (``trend=False``) on the step-time series and,
     with ``phases``, on each phase series. A candidate change at window index i of a series is
     confirmed when (once the window holds ``min_steps`` steps)
 
@@ -84,9 +107,11 @@ class ChangePoint(Detector):
 
     Settings (keyword arguments, defaults):
         window=200       steps kept (bounded memory: a few (window,) and (window, 7) arrays)
-        every=5          run the search when the step number enters a new multiple of ``every`` (and
-                         at the end of a block of several steps)
-        min_size=5       minimum segment length in steps (also the reporting tolerance)
+        every=1          run the search when the step number enters a new multiple of ``every`` (and
+                         at the end of a block of several steps); 1: decide per step
+        min_size=4       minimum segment length in steps (also the reporting tolerance): smooth // 2 + 2,
+                         the shortest segment no burst that the median pre-filter lets through can fill;
+                         a change is decided 3 steps after it starts at the earliest
         min_effect=0.05  minimum relative change of the median step time
         min_t=5.0        minimum shift in units of its standard error
         penalty_c=6.0    penalty constant of :func:`find` (``c * sigma^2 * log n``)
@@ -98,8 +123,9 @@ class ChangePoint(Detector):
         persist=0.8      share of each segment's steps that must lie on its side of the midpoint
         phases=True      also watch each phase's job-level series (see above)
         phase_min_effect=0.10  minimum relative change of a phase (against the lower of the two levels)
-        phase_min_share=0.01   minimum change of a phase as a share of the median step time (materiality:
-                         10 ms of a 1 s step; a phase is judged on its own effect, see phase_min_effect)
+        phase_min_share=0.002  minimum change of a phase as a share of the median step time (materiality:
+                         2 ms of a 1 s step; a phase is judged on its own effect, see phase_min_effect,
+                         against an upper bound of its noise, see _sigma_upper)
         min_steps=40     steps the window must hold before a change is judged (a noise estimate needs them)
         warmup=10        the job's first steps seen are left out of every series: allocator growth,
                          autotuning, compilation, DDP's bucket rebuild and a DataLoader filling its queue
@@ -110,11 +136,11 @@ class ChangePoint(Detector):
     _PH = PHASES + ("comm_wait_ms",)
     _FIELDS = ("step_ms", "data_ms", "compute_ms", "comm_ms", "comm_wait_ms", "gc_ms")
 
-    def __init__(self, *, window: int = 200, every: int = 5, min_size: int = 5, min_effect: float = 0.05,
+    def __init__(self, *, window: int = 200, every: int = 1, min_size: int = 4, min_effect: float = 0.05,
                  min_t: float = 5.0, penalty_c: float = PENALTY_C, smooth: int = 5,
                  phase_sample: int = 256, critical_pct: float = 10.0, defer_stragglers: bool = True,
                  floor_share: float = 0.5, persist: float = 0.8, phases: bool = True,
-                 phase_min_effect: float = 0.10, phase_min_share: float = 0.01, min_steps: int = 40,
+                 phase_min_effect: float = 0.10, phase_min_share: float = 0.002, min_steps: int = 40,
                  warmup: int = 10):
         if window < 4 * min_size or min_size < 2:
             raise ValueError("changepoint: need min_size >= 2 and window >= 4 * min_size")
@@ -232,8 +258,13 @@ class ChangePoint(Detector):
         cands = self._candidates("step_ms", vals, steps, known, None)
         if self.phases:
             step_level = _median(vals)
+            # a step-time change left to slow_rank is no known change of the job's own phases (as in
+            # _candidates' ``near``): a phase that moved there, confirmed a step later, is still searched for
+            kp = known if not self._deferred else np.searchsorted(
+                steps, np.asarray([r for r in self._reported if r not in self._deferred], dtype=np.int64))
             for j, name in enumerate(self._PH):
-                cands += self._candidates(name, ph[:, j], steps, known, step_level)
+                cands += self._candidates(name, ph[:, j], steps, known if name == "comm_wait_ms" else kp,
+                                          step_level)
         if not cands:
             return []
         # one alert per change: candidates of all series within min_size steps of each other are one
@@ -280,6 +311,7 @@ class ChangePoint(Detector):
         if np.count_nonzero(fin) < max(3 * self.min_size, self.min_steps):
             return []
         held = self._held.get(name)
+        self._refresh_open(name, v, steps, held)
         if held:             # changes held back (hysteresis) stay known: the fault's wandering, never reported
             known = np.union1d(known, np.searchsorted(steps, np.asarray(held, dtype=np.int64)))
         bkps = find(v, min_size=self.min_size, c=self.penalty_c, smooth=self.smooth, screen=True,
@@ -292,6 +324,9 @@ class ChangePoint(Detector):
         # the AR(1) long-run sd and the sd seen by 2*min_size-point means (noise that wanders slowly, or
         # a mixture of slow and fast wandering, which one AR(1) misses)
         sigma = max(segment_noise(v, edges, 2 * self.min_size), 1e-9)
+        # a phase has no large materiality floor (its own effect decides): its t-test is the only guard
+        # against noise, so it uses an upper bound of the noise, not the estimate (see _sigma_upper)
+        ucb = 1.0 if step_level is None else _sigma_upper(v[fin])
         out = []
         for j in range(1, len(edges) - 1):
             a, i, b = edges[j - 1], edges[j], edges[j + 1]
@@ -318,7 +353,7 @@ class ChangePoint(Detector):
                 cut = int(np.count_nonzero(fin[r0:i]))
                 if len(reg) >= 4 * self.min_size:
                     loc = max(loc, segment_noise(reg, [0, cut, len(reg)], 2 * self.min_size))
-            sg = max(sigma, loc)
+            sg = max(sigma, loc) * ucb
             tstat = abs(d) / (sg * math.sqrt(1.0 / len(xb) + 1.0 / len(xa)))
             if tstat < self.min_t or d == 0:
                 continue
@@ -385,12 +420,28 @@ class ChangePoint(Detector):
             return after > o["level"] and self._material(name, o["level"], after, step_level)
         return after <= o["base"] + (o["level"] - o["base"]) / 3.0
 
+    def _refresh_open(self, name: str, v: np.ndarray, steps: np.ndarray, held) -> None:
+        """The open regression's level, re-measured on every step of its regime now in view (from its first
+        step to the next change of the series reported or held back, or the newest step): at the decision
+        it rests on the ``min_size`` steps that sufficed, a noisy level to hold later rises against."""
+        o = self._open.get(name)
+        if o is None:
+            return
+        nxt = [r for r in (self._reported + list(held or ())) if r > o["step"]]
+        i0 = int(np.searchsorted(steps, o["step"]))
+        i1 = int(np.searchsorted(steps, min(nxt))) if nxt else len(v)
+        x = v[i0:i1]
+        x = x[np.isfinite(x)]
+        if len(x) > o.get("n", 0):
+            o["level"], o["n"] = _median(x), len(x)
+
     def _chain(self, c: dict) -> None:
         """A reported change ``c`` of one series opens, raises or (a recovery) closes its open regression."""
         name, o = c["series"], self._open.get(c["series"])
         if c["after"] > c["before"]:
+            a, i, b = c["seg"]
             self._open[name] = {"base": c["before"] if o is None else o["base"], "level": c["after"],
-                                "step": c["step_first"]}
+                                "step": c["step_first"], "n": b - i}
         elif o is not None:
             del self._open[name]
 

@@ -345,3 +345,19 @@ def test_a_fault_that_grows_is_reported_at_each_material_rise(seed):
     assert [a.kind for a in alerts] == ["regression", "regression", "recovery"], \
         [(a.kind, a.step_first, a.step_detected) for a in alerts]
     assert [abs(a.step_first - s) <= 3 for a, s in zip(alerts, (120, 180, 240))] == [True] * 3
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_clear_shift_is_decided_on_its_fourth_step_whatever_the_batching(seed):
+    """Decided per step (``every`` = 1, ``min_size`` = 4): a 15 % shift in 2-3 % noise is confirmed on
+    the 4th step of the new level, 3 steps after it started, in 1-step and in 5-step blocks alike (an
+    agent's batching delays the alert's emission, not the step it was decided at)."""
+    rng = np.random.default_rng(900 + seed)
+    f = job_noise(rng, 300, spikes=False)
+    f[150:] *= 1.15
+    got = []
+    for bs in (1, 5, 7):
+        alerts = feed(ChangePoint(), blocks(f, seed=seed, block_size=bs))
+        assert [(a.kind, a.step_first) for a in alerts] == [("regression", 150)]
+        got.append(alerts[0].step_detected)
+    assert got == [153, 153, 153]

@@ -81,7 +81,9 @@ def test_comm_time_up_30pct_on_every_rank_is_one_communication_regression(seed):
     ev = a.evidence
     assert abs(a.step_first - 150) <= 3 and a.step_detected - 150 <= 10
     assert ev["series"] == "comm_ms" and 22 < ev["effect_pct"] < 40
-    assert 1.5 < ev["step_effect_pct"] < 4.0            # the step time moved only a little
+    # the step time moved only a little (~3 %; measured on the steps that decided it, as few as min_size = 4:
+    # below the step time's own 5 % floor)
+    assert 1.5 < ev["step_effect_pct"] < 5.0
     assert 2.0 < a.cost_pct < 4.0 and a.ranks == [] and "collective" in a.suggestion
     # the step-time detector alone (phases off) misses it: below its 5% effect
     assert feed(ChangePoint(phases=False), job(S, seed=seed, comm=comm)) == []
