@@ -513,7 +513,7 @@ class Simulation(SimTables):
         (the affected ranks and their nodes; empty lists for job-wide faults: a regression or a
         gc-storm on all ranks; for a job-hang with ``rank``, the rank that stopped first);
         ``scope`` (``rank`` | ``node`` | ``group`` | ``job``); ``pct``; ``cause`` (the taxonomy of
-        docs/detectors.md: io | cpu | gc | communication | computation; None for rank-hang, which has none);
+        docs/incidents.md: io | cpu | gc | communication | computation; None for rank-hang, which has none);
         for cpu-contention also ``process`` (the foreign process name); for comm-slow ``group`` (its
         name in the comm rows); ``every`` when the fault is intermittent.
         """
