@@ -175,6 +175,10 @@ def _sort_codes(col) -> np.ndarray | None:
     return None
 
 
+#: batches up to this many rows are written as one chunk, so their file keeps the sort order exactly
+_ONE_SCAN_ROWS = 1 << 17
+
+
 def _sort_order(t: pa.Table, cols: list[str]) -> np.ndarray | None:
     """Row order that sorts ``t`` by ``cols``, or None when it is sorted already (producers send runs
     in order: a stable sort of one integer key then costs little; Arrow's multi-key sort with a
@@ -372,6 +376,12 @@ class LakeStore:
             if t.num_columns and t.column(0).num_chunks > 8:
                 t = t.combine_chunks()      # take() over many small chunks costs several times more
             t = t.take(pa.array(order))
+        elif t.num_columns and t.num_rows <= _ONE_SCAN_ROWS and t.column(0).num_chunks > 1:
+            # already in order but in several chunks: DuckDB scans chunks on several threads and its
+            # partitioned write keeps no order across them (a flush of jobs a then b was stored b first
+            # under load); a small batch goes as one chunk, one scan. A large one keeps its chunks, each
+            # a sorted run, for the parallel write.
+            t = t.combine_chunks()
         tcol = TIME_COLUMN[name]
         day_ns = 86_400_000_000_000
         if tcol == "_received":
