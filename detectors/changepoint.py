@@ -126,6 +126,11 @@ class ChangePoint(Detector):
         phase_min_share=0.002  minimum change of a phase as a share of the median step time (materiality:
                          2 ms of a 1 s step; a phase is judged on its own effect, see phase_min_effect,
                          against an upper bound of its noise, see _sigma_upper)
+        phase_small_share=0.01, phase_small_effect=1.0  a phase change below ``phase_small_share`` of the
+                         step time (one that barely moves the throughput) is material only when the phase
+                         itself at least doubled or halved (relative effect >= ``phase_small_effect``): GC
+                         that tripled is a leak worth naming at 0.3% of the step; a sub-millisecond data
+                         wait that wanders by 30-50% on a busy host (seen on real gloo ranks) is not
         min_steps=40     steps the window must hold before a change is judged (a noise estimate needs them)
         warmup=10        the job's first steps seen are left out of every series: allocator growth,
                          autotuning, compilation, DDP's bucket rebuild and a DataLoader filling its queue
@@ -140,7 +145,8 @@ class ChangePoint(Detector):
                  min_t: float = 5.0, penalty_c: float = PENALTY_C, smooth: int = 5,
                  phase_sample: int = 256, critical_pct: float = 10.0, defer_stragglers: bool = True,
                  floor_share: float = 0.5, persist: float = 0.8, phases: bool = True,
-                 phase_min_effect: float = 0.10, phase_min_share: float = 0.002, min_steps: int = 40,
+                 phase_min_effect: float = 0.10, phase_min_share: float = 0.002,
+                 phase_small_share: float = 0.01, phase_small_effect: float = 1.0, min_steps: int = 40,
                  warmup: int = 10):
         if window < 4 * min_size or min_size < 2:
             raise ValueError("changepoint: need min_size >= 2 and window >= 4 * min_size")
@@ -157,6 +163,7 @@ class ChangePoint(Detector):
         self.min_steps = int(min_steps)
         self.warmup, self._seen = max(0, int(warmup)), 0
         self.phase_min_effect, self.phase_min_share = float(phase_min_effect), float(phase_min_share)
+        self.phase_small_share, self.phase_small_effect = float(phase_small_share), float(phase_small_effect)
         W = self.window
         self._val = np.full(W, np.nan)                  # median step_ms per step
         self._step = np.zeros(W, dtype=np.int64)
@@ -372,7 +379,7 @@ class ChangePoint(Detector):
             else:
                 low = min(abs(before), abs(after))
                 effect = d / low if low > 0 else math.copysign(math.inf, d)
-                if abs(effect) < self.phase_min_effect or not abs(d) >= self.phase_min_share * step_level:
+                if not self._phase_material(d, effect, step_level):
                     continue
             if (self._newest is not None and step_first < self._newest - self.min_size) or \
                     not self._open_ok(name, before, after, step_level):
@@ -395,8 +402,15 @@ class ChangePoint(Detector):
         if name == "step_ms":
             return before > 0 and abs(d) / before >= self.min_effect
         low = min(abs(before), abs(after))
-        return (abs(d) >= self.phase_min_effect * low if low > 0 else d != 0) and \
-            abs(d) >= self.phase_min_share * step_level
+        return self._phase_material(d, d / low if low > 0 else math.copysign(math.inf, d), step_level)
+
+    def _phase_material(self, d: float, effect: float, step_level: float) -> bool:
+        """A phase's change ``d`` (ms; ``effect`` relative to the lower level) is material: at least
+        ``phase_min_effect`` of the phase and ``phase_min_share`` of the step time, and, when below
+        ``phase_small_share`` of the step time, at least ``phase_small_effect`` of the phase."""
+        if d == 0 or abs(effect) < self.phase_min_effect or not abs(d) >= self.phase_min_share * step_level:
+            return False
+        return abs(d) >= self.phase_small_share * step_level or abs(effect) >= self.phase_small_effect
 
     def _open_ok(self, name: str, before: float, after: float, step_level) -> bool:
         """Hysteresis while a regression of ``name`` is open (reported, not yet undone): one persistent

@@ -73,7 +73,7 @@ RANGES: dict[str, dict[str, tuple]] = {
     "changepoint": {"window": (10, 100000), "every": (1, 100000), "min_size": (1, 10000), "min_effect": (0.0, 10.0),
                     "min_t": (0.0, None), "penalty_c": (0.0, None), "smooth": (1, 1001), "phase_sample": (1, None),
                     "critical_pct": (0.0, 100.0), "floor_share": (0.0, 1.0), "persist": (0.0, 1.0),
-                    "phase_min_effect": (0.0, 10.0), "phase_min_share": (0.0, 1.0), "min_steps": (1, 100000), "warmup": (0, 100000)},
+                    "phase_min_effect": (0.0, 10.0), "phase_min_share": (0.0, 1.0), "phase_small_share": (0.0, 1.0), "phase_small_effect": (0.0, 100.0), "min_steps": (1, 100000), "warmup": (0, 100000)},
     "jitter": {"threshold": (1.0, None), "window": (1, 100000), "ratio": (0.0, 1.0), "clear_window": (1, 100000),
                "baseline": (1, 100000), "spike": (1.0, None), "min_periods": (2, 1000), "min_every": (1, 100000),
                "history": (8, 1000000), "warmup": (0, 100000)},
