@@ -119,6 +119,10 @@ class ChangePoint(Detector):
         phase_sample=256 ranks sampled (evenly strided) for the phase medians used in attribution
         critical_pct=10  regressions costing more than this (% step time) are ``critical``
         defer_stragglers=True  leave changes caused by a few slow ranks to ``slow_rank`` (see above)
+        recovery_needs_regression=True  a ``recovery`` is alerted only once the job has had a regression
+                         reported: a job that gets faster without ever having been reported slower (the
+                         machine's other processes settling after start-up; seen on real gloo DDP ranks
+                         20-80 steps in) undoes no fault, and its break stays known, never reported later
         floor_share=0.5  the 25th percentile must move by this share of the median's effect (0: off)
         persist=0.8      share of each segment's steps that must lie on its side of the midpoint
         phases=True      also watch each phase's job-level series (see above)
@@ -144,6 +148,7 @@ class ChangePoint(Detector):
     def __init__(self, *, window: int = 200, every: int = 1, min_size: int = 4, min_effect: float = 0.05,
                  min_t: float = 5.0, penalty_c: float = PENALTY_C, smooth: int = 5,
                  phase_sample: int = 256, critical_pct: float = 10.0, defer_stragglers: bool = True,
+                 recovery_needs_regression: bool = True,
                  floor_share: float = 0.5, persist: float = 0.8, phases: bool = True,
                  phase_min_effect: float = 0.10, phase_min_share: float = 0.002,
                  phase_small_share: float = 0.01, phase_small_effect: float = 1.0, min_steps: int = 40,
@@ -156,6 +161,7 @@ class ChangePoint(Detector):
         self.min_effect, self.min_t, self.penalty_c = float(min_effect), float(min_t), float(penalty_c)
         self.smooth, self.phase_sample, self.critical_pct = int(smooth), int(phase_sample), float(critical_pct)
         self.defer_stragglers = bool(defer_stragglers)
+        self.recovery_needs_regression = bool(recovery_needs_regression)
         self.floor_share = float(floor_share)
         if not 0.5 <= persist <= 1.0:
             raise ValueError("changepoint: persist must be in [0.5, 1]")
@@ -301,6 +307,9 @@ class ChangePoint(Detector):
                 lead = max(own, key=lambda c: abs(c["after"] - c["before"]))
                 alert = self._alert(ctx, lead, [c for c in cl if c is not lead], vals, ph, step_now, t_now,
                                     steps)
+            if alert is not None and alert.kind == "recovery" and self.recovery_needs_regression \
+                    and not self._open and not self._regressions:
+                continue                    # a speed-up that undoes nothing reported (its break stays known)
             if alert is not None:
                 self._transient(alert, lead)
                 for c in cl:

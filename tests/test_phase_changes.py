@@ -223,4 +223,18 @@ def test_the_warm_up_steps_are_no_before_to_compare_with():
     data[:8] = 25.0
     kinds = lambda det: [(a.kind, a.evidence["series"]) for a in feed(det, job(200, seed=3, data=data))]  # noqa: E731
     assert kinds(ChangePoint()) == []
-    assert [k for k, _ in kinds(ChangePoint(warmup=0))] == ["recovery"]     # led by the step time it moved
+    # judged from step 0 the drop is a recovery (led by the step time it moved); alerted only when a
+    # recovery need not undo a reported regression
+    assert [k for k, _ in kinds(ChangePoint(warmup=0, recovery_needs_regression=False))] == ["recovery"]
+    assert kinds(ChangePoint(warmup=0)) == []
+
+
+def test_a_recovery_that_undoes_no_reported_regression_is_not_alerted():
+    """A job that gets faster some steps in (the machine's other processes settling) has nothing to
+    recover from: no alert. A regression and its recovery later in the same job are both reported."""
+    mult = np.ones(300)
+    mult[:60] = 1.15                                     # compute 15% slower for the first 60 steps
+    mult[180:240] = 1.2                                  # a real regression, then back
+    got = [(a.kind, a.step_first) for a in feed(ChangePoint(), job(300, seed=4, step_noise=mult))]
+    assert [k for k, _ in got] == ["regression", "recovery"], got
+    assert abs(got[0][1] - 180) <= 3 and abs(got[1][1] - 240) <= 3, got
