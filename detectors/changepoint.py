@@ -119,10 +119,11 @@ class ChangePoint(Detector):
         phase_sample=256 ranks sampled (evenly strided) for the phase medians used in attribution
         critical_pct=10  regressions costing more than this (% step time) are ``critical``
         defer_stragglers=True  leave changes caused by a few slow ranks to ``slow_rank`` (see above)
-        recovery_needs_regression=True  a ``recovery`` is alerted only once the job has had a regression
-                         reported: a job that gets faster without ever having been reported slower (the
-                         machine's other processes settling after start-up; seen on real gloo DDP ranks
-                         20-80 steps in) undoes no fault, and its break stays known, never reported later
+        recovery_needs_regression=True  a ``recovery`` is alerted only while a reported regression has not
+                         been undone (open, or among the last 8 remembered and not matched by a recovery):
+                         a job that gets faster with none (the machine's other processes settling after
+                         start-up; seen on real gloo DDP ranks 20-80 steps in) undoes no fault, and its
+                         break stays known, never reported later
         floor_share=0.5  the 25th percentile must move by this share of the median's effect (0: off)
         persist=0.8      share of each segment's steps that must lie on its side of the midpoint
         phases=True      also watch each phase's job-level series (see above)

@@ -134,7 +134,8 @@ class SlowRank(_SequentialTests, _AlertAssembly, Detector):
         node_share=0.5   share of a node's ranks that must be hot for one ``slow_node`` alert
         group_share=0.5  share of a data-parallel group that must be hot for one ``slow_group`` alert
         member_share=0.5 a hot co-member joins a node/group alert only with at least this share of the
-                         firing rank's median excess over its evidence steps
+                         firing rank's median excess over its evidence steps, then of the median excess
+                         of the members that passed
         min_alert_effect=0.01  least median excess (of the busy time and of the step time) of any alert
         small_alert_effect=0.08  least median busy-time excess of an alert on a rank of a small stage
                          (fewer than ``min_peers`` ranks, judged pairwise: see ``_material_effect``)

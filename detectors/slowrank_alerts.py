@@ -51,18 +51,20 @@ class _AlertAssembly:
             rows = np.array([len(w["steps"]) - 1])
         with np.errstate(all="ignore"):
             e = nanmedian(w["eff"][rows], axis=0)
-        mine = e[M.index(r)]
-        if not np.isfinite(mine) or mine <= 0:
+        j = M.index(r)
+        if not np.isfinite(e[j]) or e[j] <= 0:
             return cand
-        keep = np.isfinite(e) & (e > 0) & (e >= self.member_share * mine)
-        keep[M.index(r)] = True
+
+        def judged(ref: float) -> np.ndarray:
+            keep = np.isfinite(e) & (e > 0) & (e >= self.member_share * ref)
+            keep[j] = True
+            return keep
+        keep = judged(e[j])
         if keep.sum() >= 2:
             # ``r`` fired first because its excess is the largest (a maximum over the node's ranks is
-            # biased upward), so the node's effect is re-estimated once as the median excess of the
-            # ranks kept, and each member is judged against half of that
-            ref = float(np.median(e[keep]))
-            keep = np.isfinite(e) & (e > 0) & (e >= self.member_share * ref)
-            keep[M.index(r)] = True
+            # biased upward): the node's effect is re-estimated once as the median excess of the ranks
+            # kept, and each member is judged against that
+            keep = judged(float(np.median(e[keep])))
         return cand[keep]
 
     def _members(self, ctx: JobContext, r: int, hot: np.ndarray, win: "_Window" = None, s: int = 0,
