@@ -219,6 +219,12 @@ class Detector:
     def update(self, ctx: JobContext, block: StepBlock) -> list[Alert]:  # pragma: no cover
         raise NotImplementedError
 
+    def restore_open(self, alerts: list[Alert]) -> None:
+        """A processor rebuilding the job from the store (after a restart or a partition move) hands over
+        the job's alerts still open there (all kinds, oldest first), before it replays the newest stored
+        steps: what began before that replay window is known only from them. Nothing is emitted for
+        them. Default: nothing."""
+
     def tick(self, ctx: JobContext, now_ns: int) -> list[Alert]:
         """Event time of the job moved to ``now_ns`` (host samples or step rows arrived) without
         necessarily closing a step. Detectors that judge silence (a hang) override this; it must be

@@ -469,15 +469,32 @@ class ChangePoint(Detector):
         elif o is not None:
             del self._open[name]
 
+    def restore_open(self, alerts: list[Alert]) -> None:
+        """The job's stored regressions that no later stored recovery of the same series undid are
+        remembered as reported (a regression that began before a rebuilt processor's replay window can
+        still be recovered from, and its recovery marked transient)."""
+        mine = [a for a in alerts if a.kind in ("regression", "recovery") and isinstance(a.evidence, dict)
+                and a.evidence.get("series") and "median_before_ms" in a.evidence]
+        for a in sorted(mine, key=lambda a: a.step_first):
+            ev = a.evidence
+            if a.kind == "recovery":
+                self._regressions = [r for r in self._regressions if r["series"] != ev["series"]]
+                continue
+            self._regressions = [r for r in self._regressions if r["alert_id"] != a.alert_id] + [
+                {"series": ev["series"], "step_first": int(a.step_first), "before": float(ev["median_before_ms"]),
+                 "after": float(ev["median_after_ms"]), "alert_id": a.alert_id}]
+        self._regressions = self._regressions[-8:]
+
     def _transient(self, alert: Alert, lead: dict) -> None:
         """A recovery that undoes a regression reported before on the same series (its level back within
         a third of the regression's shift of where it was) marks both ends: ``evidence.transient`` =
         the regression's first step and alert id, the recovery's first step and the length in steps.
         Regressions are remembered (the last 8) for this."""
         if alert.kind == "regression":
-            self._regressions = (self._regressions + [{"series": lead["series"], "step_first": lead["step_first"],
-                                                       "before": lead["before"], "after": lead["after"],
-                                                       "alert_id": alert.alert_id}])[-8:]
+            self._regressions = ([r for r in self._regressions if r["alert_id"] != alert.alert_id]
+                                 + [{"series": lead["series"], "step_first": lead["step_first"],
+                                     "before": lead["before"], "after": lead["after"],
+                                     "alert_id": alert.alert_id}])[-8:]
             return
         for r in reversed(self._regressions):
             d = r["after"] - r["before"]

@@ -1,6 +1,7 @@
 """A job's detector state rebuilt from the store, the first time a processor sees the job (after a restart
 or a partition move): its topology, the alerts already stored (so none is sent twice, and incidents keep
-their ids), the alerts still open (handed to the sinks that keep alerts up, and to the job metrics), the
+their ids), the alerts still open (handed to the sinks that keep alerts up, to the job metrics, and to the job's
+detectors: :meth:`~stepwatch.detectors.base.Detector.restore_open`), the
 host/gc context of the replayed span, and the last ``replay_steps`` steps replayed through the job's fresh
 detectors by the processor's own detection path (:meth:`~stepwatch.stream.processor.Processor._detect`,
 i.e. :func:`stepwatch.detectors.replay.replay`) with ``replaying`` set: a straggler in progress is not
@@ -39,11 +40,18 @@ def rebuild(proc, rt) -> None:
         except Exception:  # noqa: BLE001 - a store written before incidents existed
             log.info("no incidents to warm for job %s", job, exc_info=True)
         restore = proc.on_alert_restored
+        try:
+            still_open = open_alerts(con, job)
+        except Exception:  # noqa: BLE001 - the rest of the rebuild does not need them
+            log.warning("could not read the open alerts of job %s from the store", job, exc_info=True)
+            still_open = []
         if restore is not None or any(isinstance(s, NotifierSink) for s in proc.sinks.sinks):
-            for a in open_alerts(con, job):                # sinks re-send them, job metrics count them
+            for a in still_open:                           # sinks re-send them, job metrics count them
                 if restore is not None:
                     restore(a)
                 proc.sinks.write(AlertOut(a, restored=True))
+        for det in rt.detectors:                           # what began before the replay window
+            proc._call(rt, det, det.restore_open, still_open)
         # the job's position: where its ranks' newest steps are (stream.stepaxis; one bad row cannot place it)
         top = con.execute("SELECT quantile_disc(m, 0.75) FROM (SELECT max(step) AS m FROM steps WHERE job = ? "
                           "GROUP BY rank)", [job]).fetchall()[0][0]

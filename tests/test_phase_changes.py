@@ -238,3 +238,39 @@ def test_a_recovery_that_undoes_no_reported_regression_is_not_alerted():
     got = [(a.kind, a.step_first) for a in feed(ChangePoint(), job(300, seed=4, step_noise=mult))]
     assert [k for k, _ in got] == ["regression", "recovery"], got
     assert abs(got[0][1] - 180) <= 3 and abs(got[1][1] - 240) <= 3, got
+
+
+def _feed_from(det, arrays, start, stop, block_size=7):
+    """Steps ``start``..``stop`` of ``arrays`` (their own step numbers), as a processor that met the job
+    there would see them."""
+    c = ctx(arrays["step_ms"].shape[1])
+    out = []
+    for i in range(start, stop, block_size):
+        steps = np.arange(i, min(stop, i + block_size), dtype=np.int64)
+        out += det.update(c, StepBlock(steps=steps, t_end=(steps + 1) * 10**8,
+                                       **{k: v[steps] for k, v in arrays.items()}))
+    return out
+
+
+def test_a_processor_rebuilt_after_a_regression_reports_its_recovery_from_the_stored_alert():
+    """The regression began before a rebuilt processor's replay window: the fresh detector never saw it
+    happen, only the stored alert tells it. Handed the job's open alerts (stream/rebuild.py), it reports
+    the recovery, marked transient with the regression's id; without them it has nothing to recover from.
+    A regression a stored recovery already undid is not open."""
+    mult = np.ones(360)
+    mult[60:250] = 1.2                                   # regression at 60, back at 250
+    arrays = job(360, seed=6, step_noise=mult)
+    first = _feed_from(ChangePoint(), arrays, 0, 150)   # the processor before the restart
+    assert [a.kind for a in first] == ["regression"], [(a.kind, a.step_first) for a in first]
+    reg = first[0]
+    rebuilt = ChangePoint()
+    rebuilt.restore_open(first)
+    got = _feed_from(rebuilt, arrays, 150, 360)         # replay window and live stream after the restart
+    assert [a.kind for a in got] == ["recovery"], [(a.kind, a.step_first) for a in got]
+    assert abs(got[0].step_first - 250) <= 3
+    assert got[0].evidence["transient"]["regression_alert"] == reg.alert_id
+    assert _feed_from(ChangePoint(), arrays, 150, 360) == []
+    # a regression a stored recovery already undid is not open: the same drop is no recovery again
+    undone = ChangePoint()
+    undone.restore_open(first + got)
+    assert _feed_from(undone, arrays, 150, 360) == []

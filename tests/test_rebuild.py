@@ -32,3 +32,23 @@ def test_rebuild_replays_window_and_does_not_repeat_stored_alerts(tmp_path):
     res, blocks = rt2.state.ingest(sim.generate(70, 90)["steps"])
     p2._detect(rt2, blocks)
     assert res.keep.all() and seen2 == []
+
+
+def test_rebuild_hands_the_stored_open_alerts_to_the_jobs_detectors(tmp_path, monkeypatch):
+    """What began before the replay window is known to the fresh detectors only from the store's open
+    alerts: the rebuild hands them over before it replays (ChangePoint uses them to report a recovery)."""
+    from stepwatch.detectors.changepoint import ChangePoint
+    sim = Simulation(job="rb2", ranks=128, steps=300, seed=5, faults=["slow-rank:rank=100,pct=30,start=40"])
+    st = ParquetStore(tmp_path).init()
+    st.write_flush({"topology": [sim.topology()], "steps": [sim.generate(0, 70)["steps"]]}, {})
+    p1 = Processor(KafkaSettings(), tmp_path)
+    p1._job("rb2")
+    st.write_flush({"alerts": list(p1.buffers["alerts"])}, {})
+    stored = [r["alert_id"] for t in p1.buffers["alerts"] for r in t.to_pylist()]
+    handed = []
+    orig = ChangePoint.restore_open
+    monkeypatch.setattr(ChangePoint, "restore_open", lambda self, alerts: (handed.append(list(alerts)),
+                                                                           orig(self, alerts))[1])
+    Processor(KafkaSettings(), tmp_path)._job("rb2")
+    assert len(handed) == 1 and [(a.kind, a.ranks, a.step_first) for a in handed[0]] == [("slow_rank", [100], 40)]
+    assert [a.alert_id for a in handed[0]] == stored
