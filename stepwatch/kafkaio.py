@@ -2,7 +2,8 @@
 
 Secrets (SASL password) come only from the environment or a file, never from a command-line value,
 and are never logged. Settings that matter against the embedded Tansu broker (docs/broker.md): a short
-consumer session timeout (group join takes about session_timeout/2), large fetch sizes for Arrow
+consumer session timeout (group join takes about session_timeout/2; 6 s unless
+``STEPWATCH_KAFKA_SESSION_TIMEOUT_MS`` or ``--session-timeout-ms`` says otherwise), large fetch sizes for Arrow
 batches, and no ``end_offsets`` calls (wrong on Tansu: lag is computed from ``highwater()``).
 """
 from __future__ import annotations
@@ -16,6 +17,22 @@ from stepwatch import catalog
 from stepwatch import wireenc as wire   # the encoder alone (the decoder loads pyarrow.compute: the agent never decodes)
 
 TOPIC_NAMES = catalog.TOPICS
+
+#: the consumer group session timeout: a member silent this long is dropped and its partitions move on
+SESSION_TIMEOUT_ENV = "STEPWATCH_KAFKA_SESSION_TIMEOUT_MS"
+
+
+def session_timeout_ms(value: str | int | None = None) -> int:
+    """The consumer group session timeout in ms: ``value``, else ``STEPWATCH_KAFKA_SESSION_TIMEOUT_MS``,
+    else 6000 (a group join on the embedded broker takes about half of it: docs/broker.md). 1000 .. 300000."""
+    raw = value if value is not None else os.environ.get(SESSION_TIMEOUT_ENV, "6000")
+    try:
+        ms = int(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"{SESSION_TIMEOUT_ENV}: {raw!r} is not a whole number of ms") from None
+    if not 1000 <= ms <= 300_000:
+        raise ValueError(f"{SESSION_TIMEOUT_ENV}: {ms} is out of range (valid: 1000 .. 300000 ms)")
+    return ms
 
 
 @dataclass
@@ -38,6 +55,7 @@ class KafkaSettings:
     partitions: int = 4
     client_id: str = "stepwatch"
     extra: dict = field(default_factory=dict)
+    session_timeout_ms: int = field(default_factory=session_timeout_ms)   # consumers' group session
 
     def topic(self, name: str) -> str:
         return self.prefix + name
@@ -89,13 +107,16 @@ def add_kafka_args(p) -> None:
     g.add_argument("--ssl-certfile")
     g.add_argument("--ssl-keyfile")
     g.add_argument("--partitions", type=int, default=4, help="partitions for topics this command creates")
+    g.add_argument("--session-timeout-ms", type=session_timeout_ms, default=None,
+                   help=f"consumer group session timeout, 1000..300000 (env {SESSION_TIMEOUT_ENV}; default 6000)")
 
 
 def settings_from_args(a) -> KafkaSettings:
     return KafkaSettings(bootstrap=a.bootstrap, prefix=a.topic_prefix, security_protocol=a.security_protocol,
                          sasl_mechanism=a.sasl_mechanism, sasl_username=a.sasl_username,
                          password_file=a.sasl_password_file, ssl_cafile=a.ssl_cafile,
-                         ssl_certfile=a.ssl_certfile, ssl_keyfile=a.ssl_keyfile, partitions=a.partitions)
+                         ssl_certfile=a.ssl_certfile, ssl_keyfile=a.ssl_keyfile, partitions=a.partitions,
+                         session_timeout_ms=session_timeout_ms(getattr(a, "session_timeout_ms", None)))
 
 
 def ensure_topics(s: KafkaSettings, names=TOPIC_NAMES, partitions: int | None = None) -> list[str]:
@@ -148,7 +169,8 @@ def make_producer(s: KafkaSettings, **kw):
 def make_consumer(s: KafkaSettings, group: str, **kw):
     from kafka import KafkaConsumer
     cfg = dict(s.client_config(), group_id=group, enable_auto_commit=False, auto_offset_reset="earliest",
-               session_timeout_ms=6000, heartbeat_interval_ms=1000, max_poll_interval_ms=300_000,
+               session_timeout_ms=s.session_timeout_ms,
+               heartbeat_interval_ms=max(100, min(1000, s.session_timeout_ms // 4)), max_poll_interval_ms=300_000,
                max_partition_fetch_bytes=64 << 20, fetch_max_bytes=256 << 20, max_poll_records=2000,
                fetch_max_wait_ms=100)
     cfg.update(kw)

@@ -3,10 +3,17 @@ short socket directory for agents and probes."""
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 
 import pytest
+
+# Every consumer group of the suite (in-process processors and the `stepwatch process` subprocesses, which
+# inherit the environment) uses a 2 s session: a group join on the embedded broker takes about half the
+# session timeout (docs/broker.md), 3 s at the product's default of 6 s and 1 s here, and most tests
+# start a processor. Heartbeats (a quarter of it) run on the client's own thread.
+os.environ.setdefault("STEPWATCH_KAFKA_SESSION_TIMEOUT_MS", "2000")
 
 from stepwatch.devtools.broker import EmbeddedBroker
 from stepwatch.kafkaio import KafkaSettings, ensure_topics

@@ -117,6 +117,27 @@ def test_sasl_needs_a_password_from_env_or_file(tmp_path):
         os.environ.update(old)
 
 
+def test_consumer_session_timeout_from_flag_or_environment_and_bounded(monkeypatch):
+    """The consumer group session timeout (a join on the embedded broker takes about half of it): the
+    flag, else STEPWATCH_KAFKA_SESSION_TIMEOUT_MS, else 6 s; out of range or not a number is refused
+    with the setting's name and value."""
+    import argparse
+
+    from stepwatch.kafkaio import add_kafka_args, session_timeout_ms, settings_from_args
+    p = argparse.ArgumentParser()
+    add_kafka_args(p)
+    monkeypatch.delenv("STEPWATCH_KAFKA_SESSION_TIMEOUT_MS", raising=False)
+    assert settings_from_args(p.parse_args([])).session_timeout_ms == 6000
+    monkeypatch.setenv("STEPWATCH_KAFKA_SESSION_TIMEOUT_MS", "2500")
+    assert settings_from_args(p.parse_args([])).session_timeout_ms == 2500
+    assert settings_from_args(p.parse_args(["--session-timeout-ms", "9000"])).session_timeout_ms == 9000
+    for bad, msg in (("500", "500 is out of range"), ("2s", "'2s' is not a whole number")):
+        with pytest.raises(ValueError, match=f"STEPWATCH_KAFKA_SESSION_TIMEOUT_MS: {msg}"):
+            session_timeout_ms(bad)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--session-timeout-ms", "10"])
+
+
 def test_demo_finds_both_faults_and_reports_efficiency(tmp_path):
     """`make demo` as a user runs it (smaller): exit 0 only when both injected faults are found."""
     r = run("demo", "--ranks", "128", "--steps", "260", "--slow-rank", "77", "--data-dir", str(tmp_path / "demo"),
