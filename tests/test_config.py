@@ -69,8 +69,17 @@ def test_invalid_settings_are_refused_with_name_and_range(tmp_path, text, msg):
     with pytest.raises(swconfig.ConfigError) as e:
         swconfig.load(f)
     assert msg in str(e.value)
-    r = _cli("config", "check", str(f))
-    assert r.returncode == 2 and msg in r.stderr
+
+
+def test_config_check_exits_2_with_the_error_on_stderr(tmp_path):
+    """`stepwatch config check` prints the loader's error (the cases above) and exits 2; once for a
+    setting out of range and once for a file that is not TOML (each run starts an interpreter)."""
+    for text, msg in (("[detectors.stall]\nhang_s = -1\n", "detectors.stall.hang_s: -1 is out of range"),
+                      ("[detectors.stall\n", "not valid TOML")):
+        f = tmp_path / "bad.toml"
+        f.write_text(text)
+        r = _cli("config", "check", str(f))
+        assert r.returncode == 2 and msg in r.stderr, (r.returncode, r.stderr[-2000:])
 
 
 def test_job_patterns_override_in_file_order():
