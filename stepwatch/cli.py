@@ -415,6 +415,8 @@ def build_parser(devtools: bool = True) -> argparse.ArgumentParser:
     be.add_argument("--seed", type=int, default=0, help="fuzz: hypothesis seed")
     be.add_argument("--boundary", default=None, help="fuzz: only this boundary (stepwatch.devtools.fuzz.BOUNDARIES)")
     be.add_argument("--messages", type=int, default=10_000, help="hostile: malformed/hostile messages to send")
+    be.add_argument("--idle-exit", type=float, default=30.0,
+                    help="hostile: the processor exits after this long without a new message (s)")
     be.add_argument("--ranks", type=int, default=16384)
     be.add_argument("--steps", type=int, default=60, help="steps pre-produced for the throughput run")
     be.add_argument("--lag-seconds", type=int, default=30, help="length of the live (1 step/s) lag run")

@@ -12,7 +12,9 @@ from stepwatch.devtools.hostile import run_hostile_bench
 
 
 def test_hostile_stream_through_the_real_broker_processor_and_agent(tmp_path, capsys):
-    rc = run_hostile_bench(SimpleNamespace(messages=270, data_dir=str(tmp_path)))
+    # the processor's idle exit: the stream is pre-sent and the agent ships a host sample every 0.2 s
+    # until its leg ends, so 8 s without a message means everything was read (the bench waits 30 s)
+    rc = run_hostile_bench(SimpleNamespace(messages=270, data_dir=str(tmp_path), idle_exit=8))
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "OK:" in out and "agent alive" in out, out

@@ -354,7 +354,8 @@ def run_hostile_bench(a) -> int:
         print(f"sent {len(items):,} messages + {len(extra['corrupt batch'])} records in corrupt gzip batches "
               f"in {time.perf_counter() - t:.1f}s (codecs: gzip, snappy, lz4, zstd, none)")
         cmd = [sys.executable, "-m", "stepwatch.cli", "process", "--bootstrap", broker.bootstrap, "--topic-prefix",
-               s.prefix, "--data-dir", str(base), "--group", "hostile", "-q", "--idle-exit", "30",
+               s.prefix, "--data-dir", str(base), "--group", "hostile", "-q",
+               "--idle-exit", str(getattr(a, "idle_exit", None) or 30),
                "--stats-json", str(base / "_stats.json")]
         t = time.perf_counter()
         p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(base / "_processor.log", "wb"))
