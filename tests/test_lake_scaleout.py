@@ -23,7 +23,11 @@ JOBS = 4
 
 
 def _env(lake: Lake) -> dict:
-    env = dict(os.environ, STEPWATCH_LAKE_CATALOG=lake.catalog, STEPWATCH_LAKE_DATA_PATH=lake.data_path)
+    # the product's default group session (6 s), not the suite's 2 s (tests/conftest.py): with 2 s, the
+    # kill / leave / return rebalances here stalled a full-suite run once (no row stored for 240 s after
+    # the returning processor joined, nothing logged); not reproduced in isolation
+    env = dict(os.environ, STEPWATCH_LAKE_CATALOG=lake.catalog, STEPWATCH_LAKE_DATA_PATH=lake.data_path,
+               STEPWATCH_KAFKA_SESSION_TIMEOUT_MS="6000")
     if lake.s3 is not None:
         env.update(STEPWATCH_S3_ENDPOINT=lake.s3.endpoint, STEPWATCH_S3_URL_STYLE=lake.s3.url_style,
                    STEPWATCH_S3_USE_SSL="true" if lake.s3.use_ssl else "false", STEPWATCH_S3_REGION=lake.s3.region,
@@ -48,7 +52,7 @@ def _no_processor_left():
 def _start(kafka, lake, work, name, *extra):
     d = work / name
     d.mkdir(exist_ok=True)
-    cmd = [sys.executable, "-m", "stepwatch.cli", "process", "--bootstrap", kafka.bootstrap, "--topic-prefix",
+    cmd = [sys.executable, "-m", "stepwatch.cli", "-v", "process", "--bootstrap", kafka.bootstrap, "--topic-prefix",
            kafka.prefix, "--data-dir", str(d), "--group", "g-" + kafka.prefix.rstrip("."), "-q", "--flush-interval", "0.3", *extra]
     p = subprocess.Popen(cmd, env=_env(lake), stdout=subprocess.DEVNULL, stderr=open(d / "log", "ab"))
     _STARTED.append(p)
@@ -88,14 +92,17 @@ def _all_stored(lake, total: dict) -> bool:
         return False
 
 
-def _wait_rows(lake, more_than: int, timeout: float = 240) -> int:
+def _wait_rows(lake, more_than: int, timeout: float = 240, work=None) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         n = _stored(lake)
         if n > more_than:
             return n
         time.sleep(0.3)
-    raise AssertionError(f"no new rows stored in {timeout}s (still {more_than}; last read error: {_LAST_ERROR[0]})")
+    logs = "".join(f"\n--- {f.parent.name}:\n" + f.read_text(errors="replace")[-1500:]
+                   for f in sorted(work.glob("*/log"))) if work is not None else ""
+    raise AssertionError(f"no new rows stored in {timeout}s (still {more_than}; last read error: {_LAST_ERROR[0]})"
+                         f"{logs}")
 
 
 def _scenario(broker, lake: Lake, work):
@@ -125,19 +132,19 @@ def _scenario(broker, lake: Lake, work):
     for t in producers:
         t.start()
     p1, p2 = _start(kafka, lake, work, "p1"), _start(kafka, lake, work, "p2")
-    n = _wait_rows(lake, 0)
+    n = _wait_rows(lake, 0, work=work)
     p3 = _start(kafka, lake, work, "p3")                   # joins: rebalance
     _ready(work, "p3")
-    n = _wait_rows(lake, n + 2000)
+    n = _wait_rows(lake, n + 2000, work=work)
     p1.send_signal(signal.SIGKILL)                         # dies mid-flush or mid-poll
     p1.wait(10)
     mid_stream = any(t.is_alive() for t in producers)
-    n = _wait_rows(lake, n + 2000)
+    n = _wait_rows(lake, n + 2000, work=work)
     p3.send_signal(signal.SIGTERM)                         # leaves: rebalance
     assert p3.wait(60) == 0
     p1 = _start(kafka, lake, work, "p1b")                  # comes back
     brisk.set()
-    n = _wait_rows(lake, n + 2000)
+    n = _wait_rows(lake, n + 2000, work=work)
     p2.send_signal(signal.SIGKILL)
     p2.wait(10)
     for t in producers:
