@@ -42,6 +42,7 @@ def lost(proc, partitions) -> None:
     drop_buffers(proc)
     for tp in partitions:
         proc.progress.pop((tp.topic, tp.partition), None)
+        proc._read_to.pop((tp.topic, tp.partition), None)
 
 
 def fenced(proc, e) -> None:
@@ -52,6 +53,7 @@ def fenced(proc, e) -> None:
     from kafka.structs import TopicPartition
     for (topic, part), prog in list(proc.progress.items()):
         tp = TopicPartition(topic, part)
+        proc._read_to.pop((topic, part), None)        # read again from the stored position: no proof
         if (topic, part) in e.partitions:
             proc.progress.pop((topic, part), None)
             if consumer is not None:

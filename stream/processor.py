@@ -176,6 +176,7 @@ class Processor(Intake, CaughtUp):
                 proc._flush()
                 for tp in revoked:
                     proc.progress.pop((tp.topic, tp.partition), None)
+                    proc._read_to.pop((tp.topic, tp.partition), None)
 
             def on_partitions_lost(self, lost):      # the group moved on: never commit these
                 fencing.lost(proc, lost)
@@ -195,6 +196,9 @@ class Processor(Intake, CaughtUp):
             self.consumer.pause(*assigned)
             return
         for tp in assigned:
+            # what was handled before is no proof now: the consumer may read this partition again from
+            # the catalog's offset (a rejoin after the session expired), so _caught_up asks its position
+            self._read_to.pop((tp.topic, tp.partition), None)
             m = pos.get((tp.topic, tp.partition))
             if m is not None:
                 self.consumer.seek(tp, m.next)
@@ -220,7 +224,8 @@ class Processor(Intake, CaughtUp):
     def run(self, stop_event: threading.Event | None = None, idle_exit_s: float | None = None,
             on_tick: Callable[["Processor"], None] | None = None) -> None:
         """Consume until ``stop_event`` is set (or, with ``idle_exit_s``, until no message arrived
-        for that long after the first one)."""
+        for that long after the first one and every partition assigned is read to its end: a rejoin
+        after an expired session is silent too, and must not end the run with records unread)."""
         stop = stop_event or self.stop_event
         self.start()
         seen_any = False
@@ -230,7 +235,8 @@ class Processor(Intake, CaughtUp):
                 seen_any |= n > 0
                 if on_tick:
                     on_tick(self)
-                if idle_exit_s and seen_any and time.monotonic() - self.last_data > idle_exit_s:
+                if idle_exit_s and seen_any and time.monotonic() - self.last_data > idle_exit_s \
+                        and self._all_caught_up():
                     break
         finally:
             self.close()

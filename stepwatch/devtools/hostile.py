@@ -354,7 +354,7 @@ def run_hostile_bench(a) -> int:
         print(f"sent {len(items):,} messages + {len(extra['corrupt batch'])} records in corrupt gzip batches "
               f"in {time.perf_counter() - t:.1f}s (codecs: gzip, snappy, lz4, zstd, none)")
         cmd = [sys.executable, "-m", "stepwatch.cli", "process", "--bootstrap", broker.bootstrap, "--topic-prefix",
-               s.prefix, "--data-dir", str(base), "--group", "hostile", "-q",
+               s.prefix, "--data-dir", str(base), "--group", "hostile",
                "--idle-exit", str(getattr(a, "idle_exit", None) or 30),
                "--stats-json", str(base / "_stats.json")]
         t = time.perf_counter()
@@ -395,6 +395,8 @@ def run_hostile_bench(a) -> int:
                 f"the agent's control thread did not refuse every command: {leg.get('control_rejected')}"
         except AssertionError as e:
             print(f"FAILED: {e}")
+            log_tail = (base / "_processor.log").read_text(errors="replace").splitlines()[-40:]
+            print("the processor's log (last 40 lines):\n  " + "\n  ".join(log_tail))
             return 1
         print(f"OK: {r['good_rows']:,} good rows stored exactly once under their own job; "
               f"{r['deadletter']:,} bad messages each in the deadletter table once (+{r['other_deadletter']:,} records of "
