@@ -92,7 +92,10 @@ class _SequentialTests:
         against itself, up to _SMALL_MAX_BASE = 20% slower: a rank slower than that from its first step
         on is a straggler, not a trait; 4 real gloo ranks, one 20 ms slower on 50 ms steps from the
         start, were never named once 4-rank stages were judged pairwise), ``s`` 1.4826 x their MAD (floored at ``1.4826 mad_floor``; a median and a MAD,
-        so bursts in the history do not inflate it). The values are learned _SMALL_DELAY steps late, and
+        so bursts in the history do not inflate it). A rank whose learned level is itself above the
+        allowance by z_min standard errors (:meth:`_over_allowance`) gets at least that z on each step
+        above the allowance: a noisy straggler from the start (a GC-heavy rank 30-40 % slower, its steps
+        +-8 %) is named although no single step is z_min of its own noise above 20 %. The values are learned _SMALL_DELAY steps late, and
         not while the rank is under an alert or its CUSUM is above h/2: a new straggler is not absorbed
         while it is being confirmed. A rank is judged once _SMALL_LEARN values were learned; its z then
         feeds the same flags, persistence and sequential test as a large stage's. Returns (z, e, excess
@@ -115,10 +118,14 @@ class _SequentialTests:
         with np.errstate(all="ignore"):
             b = nanmedian(hist, axis=0)
             sd = np.maximum(_MAD_TO_SIGMA * nanmedian(np.abs(hist - b), axis=0), floor)
+            over = self._over_allowance(b, sd, n)
             b = np.minimum(b, _SMALL_MAX_BASE)
         for s in range(S):                                                  # a small stage: w values
             ready = n >= _SMALL_LEARN
             zz[s] = np.where(ready, (ee[s] - b) / sd, np.nan)
+            # a rank whose learned level is itself proven above the allowance is a straggler on every
+            # step that stays above it, however noisy its steps are (a GC-heavy rank: its own spread)
+            zz[s] = np.where(ready & (ee[s] > _SMALL_MAX_BASE), np.fmax(zz[s], over), zz[s])
             if ready.any():
                 sd_out[s] = float(np.median(sd[ready]))
             # learn the value of _SMALL_DELAY steps ago
@@ -135,10 +142,24 @@ class _SequentialTests:
             with np.errstate(all="ignore"):
                 b[j] = nanmedian(hist[:, j], axis=0)
                 sd[j] = np.maximum(_MAD_TO_SIGMA * nanmedian(np.abs(hist[:, j] - b[j]), axis=0), floor)
+                over[j] = self._over_allowance(b[j], sd[j], n[j])
                 b[j] = np.minimum(b[j], _SMALL_MAX_BASE)
         self._sm_hist[:, cols] = hist
         self._sm_n[cols] = n
         return zz, ee, dev, sd_out, np.isfinite(zz) & (oth > 0)
+
+    @staticmethod
+    def _over_allowance(b: np.ndarray, sd: np.ndarray, n: np.ndarray) -> np.ndarray:
+        """How far (in standard errors of a median: 1.2533 sd / sqrt(m), m the values learned, at most
+        _SMALL_HIST) a small-stage rank's learned level ``b`` lies above the allowance _SMALL_MAX_BASE; 0
+        when it does not. The learned values are a rank's per-step differences to its peers, so this is a
+        test of its persistent level, not of one step: a rank 30 % slower than its peers from its first
+        step, whose own steps vary by +-8 % (its GC pauses), is 4.5 standard errors above a 20 %
+        allowance after 16 learned steps while no single step is 4 sd above it."""
+        m = np.minimum(n, _SMALL_HIST).astype(np.float64)
+        with np.errstate(all="ignore"):
+            z = (b - _SMALL_MAX_BASE) * np.sqrt(m) / (1.2533 * sd)
+        return np.where(np.isfinite(z) & (z > 0), z, 0.0)
 
     def _hv(self) -> tuple[np.ndarray, np.ndarray]:
         """The thresholds (small, big) of every column (series-major, see ``_reset``)."""

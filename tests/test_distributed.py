@@ -143,7 +143,12 @@ def test_gc_pressure_in_one_gloo_rank_is_named_with_cause_gc(kafka, tmp_path, so
     alerts = con.execute("SELECT kind, ranks, cause FROM alerts WHERE job = ? AND status = 'firing' "
                          "AND kind IN ('slow_rank', 'jitter')", [job]).fetchall()
     named = [a for a in alerts if gc_rank in (a[1] or [])]
-    assert named and all(a[2] == "gc" for a in named), alerts
+    rt = run.proc.jobs.get(job)
+    assert named and all(a[2] == "gc" for a in named), (alerts, rt and dict(
+        topology_known=rt.state.topology_known, held_steps=sum(len(b) for b in rt.pending),
+        open_steps=rt.state.open_steps(), max_step=rt.state.max_step,
+        steps_to_detectors=run.proc.metrics.value(run.proc.metrics.steps_closed),
+        alerts_emitted=[(a.kind, a.status, a.ranks, a.step_first) for a in run.proc.alerts if a.job == job]))
     assert all(a[1] == [gc_rank] for a in alerts if a[0] == "slow_rank"), alerts
     assert con.execute("SELECT count(*) FROM deadletter").fetchone()[0] == 0
     print(f"training {train_s:.1f}s, gc rows {rows}, gc_ms/gc_count medians {med}, alerts {alerts}")
