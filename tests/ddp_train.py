@@ -90,7 +90,7 @@ def train() -> None:
         data = TensorDataset(torch.randn(steps * batch, 128, generator=g),
                              torch.randint(0, 10, (steps * batch,), generator=g))
         loader = iter(DataLoader(data, batch_size=batch))
-    ends = []
+    ends, cpu = [], []             # the script's own clock and its main thread's CPU time at each step end
     for i in range(steps):
         if rank == sleep_rank and i == sleep_from:
             model.sleep_ms = pad_ms + sleep_ms
@@ -107,13 +107,14 @@ def train() -> None:
                 p.grad /= world
         opt.step()
         ends.append(time.time())
+        cpu.append(time.thread_time())
         if progress and rank == 1:
             with open(progress + ".tmp", "w") as f:
                 f.write(str(i))
             os.replace(progress + ".tmp", progress)
     dist.barrier()
     mod = sys.modules.get("stepwatch.agents.probe") or sys.modules.get("stepwatch_probe")
-    report = {"rank": rank, "ends": ends, "probe": {"rank": rank, **mod.stats()} if mod is not None else None}
+    report = {"rank": rank, "ends": ends, "cpu": cpu, "probe": {"rank": rank, **mod.stats()} if mod is not None else None}
     out = os.environ.get("SW_OUT")
     if out:
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:

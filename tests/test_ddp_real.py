@@ -284,20 +284,75 @@ def _ready(run: Running, timeout: float = 60.0) -> None:
     time.sleep(0.5)                    # its first fetch
 
 
-def _run_fault(kafka, tmp_path, socket_dir, job: str, env: dict, hog_from: int | None, steps: int, world: int = 2):
-    run = Running(kafka, tmp_path, socket_dir, node="node-a", group=f"g-{job}")
-    sent = []           # what the sinks (Alertmanager, Grafana annotations) are handed, as it was then
-    run.proc.on_alert = lambda a: sent.append(dict(json.loads(json.dumps(a.row(), default=str)), sent_at=time.time()))
-    try:
-        _ready(run)
-        reports, hog_pid, t_hog = _train(socket_dir, job, dict(env, SW_NPROC=world, SW_STEPS=steps), hog_from)
-        assert sorted(reports) == list(range(world))
-        for r in reports.values():
-            assert r["probe"]["steps"] == steps and r["probe"]["dropped"] == 0, r["probe"]
-        run.wait_stored(world * steps, job, timeout=90)
-    finally:
-        run.close()
-    return connect(tmp_path), reports, hog_pid, t_hog, sent
+def _lead_in_shift(reports: dict, fault: int, alert_effect: float = 0.08) -> str | None:
+    """Whether this machine changed one rank's speed against the others before the fault, from the training
+    script's own measurements: each rank's main-thread CPU time per step for the same work, less the median
+    of the other ranks'. Over the lead-in (steps 10 to the fault) its rolling 8-step median must stay within
+    half the least excess the detector alerts on in a stage this small (``small_alert_effect``, 8 % of the
+    step time) of its lead-in median. Returns what moved, or None.
+
+    This 2-core machine is shared (CI: a VM): a full run here had rank 1's CPU time per step go from 18 to
+    23 ms for steps 30-82 while rank 0's went from 18 to 15 (the same work: its core ran slower), so rank 1
+    was a real 15-20 % straggler before the CPU hog came, and the detector's pairwise baseline learned it;
+    another had rank 0 6-14 % slower than rank 1 for steps 70-79, and it was named. The test cannot judge
+    the fault on such a lead-in (a fault of the machine's own, on a rank, before the injected one)."""
+    ranks = sorted(reports)
+    if any(len(reports[r].get("cpu") or []) < fault for r in ranks):
+        return None
+    c = np.diff(np.array([reports[r]["cpu"] for r in ranks], dtype=float), axis=1) * 1e3   # ms per step
+    step = float(np.nanmedian(_step_ms(reports)[10:fault]))
+    lim = 0.5 * alert_effect * step
+    lo, hi = 10, fault - 1
+    worst = (0.0, 0, 0)
+    for i, r in enumerate(ranks):
+        others = np.median(np.delete(c, i, axis=0), axis=0)
+        x = (c[i] - others)[lo:hi]
+        roll = np.array([np.median(x[j:j + 8]) for j in range(len(x) - 7)])
+        dev = roll - np.median(x)
+        j = int(np.argmax(np.abs(dev)))
+        if abs(dev[j]) >= abs(worst[0]):
+            worst = (float(dev[j]), r, lo + j)
+    said = (f"rank {worst[1]}'s CPU time per step against the others moved by {worst[0]:+.1f} ms at steps "
+            f"{worst[2]}-{worst[2] + 7} (limit +-{lim:.1f} ms: half of 8 % of the {step:.1f} ms step)")
+    print(f"lead-in: {said}")
+    return said if abs(worst[0]) > lim else None
+
+
+def _run_fault(kafka, tmp_path, socket_dir, job: str, env: dict, hog_from: int | None, steps: int, world: int = 2,
+               fault: int | None = None, judge=None, attempts: int = 3):
+    """Run the job under the agent and processor, then ``judge(con, reports, hog_pid, t_hog, sent, job)``
+    (the test's assertions) if given. A run whose judgement fails is run again (under a new job name and
+    store, at most ``attempts`` runs, each printed) only when the machine itself disturbed its lead-in
+    (:func:`_lead_in_shift`): a failure after a quiet lead-in fails at once. Returns (store, reports, hog
+    pid, hog times, what the sinks got for the job, the job name) of the last run."""
+    for n in range(attempts):
+        name, data = (job, tmp_path) if n == 0 else (f"{job}-{n + 1}", tmp_path / f"run{n + 1}")
+        run = Running(kafka, data, socket_dir, node="node-a", group=f"g-{name}")
+        sent = []       # what the sinks (Alertmanager, Grafana annotations) are handed for the job, as it was then
+        run.proc.on_alert = lambda a, sent=sent, name=name: a.job == name and sent.append(
+            dict(json.loads(json.dumps(a.row(), default=str)), sent_at=time.time()))
+        try:
+            _ready(run)
+            reports, hog_pid, t_hog = _train(socket_dir, name, dict(env, SW_NPROC=world, SW_STEPS=steps), hog_from)
+            assert sorted(reports) == list(range(world))
+            for r in reports.values():
+                assert r["probe"]["steps"] == steps and r["probe"]["dropped"] == 0, r["probe"]
+            run.wait_stored(world * steps, name, timeout=90)
+        finally:
+            run.close()
+        out = (connect(data), reports, hog_pid, t_hog, sent, name)
+        if judge is None:
+            return out
+        shift = _lead_in_shift(reports, fault) if fault is not None else None
+        try:
+            judge(*out)
+            return out
+        except AssertionError as e:
+            if shift is None or n == attempts - 1:
+                raise
+            print(f"run {n + 1} of {job} failed ({str(e).splitlines()[0][:200]}), and the machine was not quiet "
+                  f"before the fault: {shift}; running it again")
+    raise AssertionError("unreachable")
 
 
 def _check_comm(con, job: str, onset: int) -> dict:
@@ -315,65 +370,68 @@ def _check_comm(con, job: str, onset: int) -> dict:
 
 def test_ddp_cpu_contention_on_one_rank_is_one_alert_with_the_foreign_process(kafka, tmp_path, socket_dir):
     job, steps, fault = "ddp-hog", 240, 100
-    con, reports, hog_pid, t_hog, sent = _run_fault(kafka, tmp_path, socket_dir, job, {"SW_WIDTH": 1024, "SW_PAD_MS": 30},
-                                              fault, steps)
-    assert hog_pid is not None
-    ends = reports[1]["ends"]
-    t_hog, t_core = t_hog
-    onset = next(i for i, t in enumerate(ends) if t > t_hog)       # the step rank 1 was in when the hog came
-    full = next(i for i, t in enumerate(ends) if t > t_core)       # ... when it had taken the core
-    waits = _check_comm(con, job, onset)
-    # the probe's CPU signal: rank 1 waited for its core once the hog shared it, rank 0 did not more than before
-    cw = dict(con.execute("SELECT rank, median(cpu_wait_ms) FILTER (WHERE step > ?) - median(cpu_wait_ms) FILTER "
-                          "(WHERE step < ?) FROM steps WHERE job = ? GROUP BY rank", [onset + 3, onset, job]).fetchall())
-    alerts = _alerts(con, job)
-    print(f"onset step {onset} (core taken at {full}), comm wait medians {waits}, run-queue wait rise {cw}\n{_show(alerts)}")
-    assert cw[1] > 5.0 and cw[1] > cw[0] + 5.0, cw
-    mine = [a for a in alerts if a["status"] == "firing" and a["kind"] == "slow_rank" and a["ranks"] == [1]
-            and a["step_detected"] >= onset]
-    assert mine, f"no alert names rank 1:\n{_show(alerts)}"
-    a = mine[0]
-    assert a["kind"] == "slow_rank" and a["nodes"] == ["node-a"] and a["cause"] == "cpu", _show(alerts)
-    assert a["step_detected"] - full <= 10, (onset, full, a["step_detected"])
-    # the foreign process in the alert's own evidence: its name, pid and CPU share, in the store ...
-    ev = json.loads(a["evidence"])
-    hog = [p for p in ev["host"]["foreign"] if p["pid"] == hog_pid]
-    assert hog and hog[0]["name"] == "cpu-hog" and hog[0]["cpu_pct"] >= 20.0 and hog[0]["node"] == "node-a", ev
-    assert f"cpu-hog (pid {hog_pid})" in ev["cause_reason"], ev["cause_reason"]
-    # ... and in what the sinks got for that alert last (the same alert id: an update, not a new alert)
-    last = [x for x in sent if x["alert_id"] == a["alert_id"] and x["status"] == "firing"][-1]
-    assert f"cpu-hog (pid {hog_pid})" in json.loads(last["evidence"])["cause_reason"] and last["cause"] == "cpu"
-    inc = _one_incident(alerts, a, sent, t_hog, "cpu", _machine_changes(alerts, reports, onset))
-    print(f"slow_rank at step {a['step_detected']} ({a['step_detected'] - onset} after the fork, "
-          f"{a['step_detected'] - full} after the core was taken): "
-          f"{ev['cause_reason']}; host wait {ev.get('host_wait')}; incident {inc['id']} of {inc['alerts']} alerts")
-    _no_other_rank_named(alerts, 1)
+
+    def judge(con, reports, hog_pid, t_hog, sent, job):
+        assert hog_pid is not None
+        ends = reports[1]["ends"]
+        t_hog, t_core = t_hog
+        onset = next(i for i, t in enumerate(ends) if t > t_hog)       # the step rank 1 was in when the hog came
+        full = next(i for i, t in enumerate(ends) if t > t_core)       # ... when it had taken the core
+        waits = _check_comm(con, job, onset)
+        # the probe's CPU signal: rank 1 waited for its core once the hog shared it, rank 0 did not more than before
+        cw = dict(con.execute("SELECT rank, median(cpu_wait_ms) FILTER (WHERE step > ?) - median(cpu_wait_ms) FILTER "
+                              "(WHERE step < ?) FROM steps WHERE job = ? GROUP BY rank", [onset + 3, onset, job]).fetchall())
+        alerts = _alerts(con, job)
+        print(f"onset step {onset} (core taken at {full}), comm wait medians {waits}, run-queue wait rise {cw}\n{_show(alerts)}")
+        assert cw[1] > 5.0 and cw[1] > cw[0] + 5.0, cw
+        mine = [a for a in alerts if a["status"] == "firing" and a["kind"] == "slow_rank" and a["ranks"] == [1]
+                and a["step_detected"] >= onset]
+        assert mine, f"no alert names rank 1:\n{_show(alerts)}"
+        a = mine[0]
+        assert a["kind"] == "slow_rank" and a["nodes"] == ["node-a"] and a["cause"] == "cpu", _show(alerts)
+        assert a["step_detected"] - full <= 10, (onset, full, a["step_detected"])
+        # the foreign process in the alert's own evidence: its name, pid and CPU share, in the store ...
+        ev = json.loads(a["evidence"])
+        hog = [p for p in ev["host"]["foreign"] if p["pid"] == hog_pid]
+        assert hog and hog[0]["name"] == "cpu-hog" and hog[0]["cpu_pct"] >= 20.0 and hog[0]["node"] == "node-a", ev
+        assert f"cpu-hog (pid {hog_pid})" in ev["cause_reason"], ev["cause_reason"]
+        # ... and in what the sinks got for that alert last (the same alert id: an update, not a new alert)
+        last = [x for x in sent if x["alert_id"] == a["alert_id"] and x["status"] == "firing"][-1]
+        assert f"cpu-hog (pid {hog_pid})" in json.loads(last["evidence"])["cause_reason"] and last["cause"] == "cpu"
+        inc = _one_incident(alerts, a, sent, t_hog, "cpu", _machine_changes(alerts, reports, onset))
+        print(f"slow_rank at step {a['step_detected']} ({a['step_detected'] - onset} after the fork, "
+              f"{a['step_detected'] - full} after the core was taken): "
+              f"{ev['cause_reason']}; host wait {ev.get('host_wait')}; incident {inc['id']} of {inc['alerts']} alerts")
+        _no_other_rank_named(alerts, 1)
+
+    _run_fault(kafka, tmp_path, socket_dir, job, {"SW_WIDTH": 1024, "SW_PAD_MS": 30}, fault, steps, fault=fault, judge=judge)
 
 
 def test_ddp_sleep_in_one_ranks_forward_is_one_alert_with_cause_computation(kafka, tmp_path, socket_dir):
     job, steps, fault = "ddp-sleep", 240, 100
-    con, reports, _, _, sent = _run_fault(kafka, tmp_path, socket_dir, job,
-                                    {"SW_WIDTH": 1024, "SW_PAD_MS": 30, "SW_SLEEP_RANK": 1, "SW_SLEEP_MS": 15,
-                                     "SW_SLEEP_FROM": fault},
-                                    None, steps)
-    waits = _check_comm(con, job, fault)
-    alerts = _alerts(con, job)
-    print(f"comm wait medians {waits}\n{_show(alerts)}")
-    mine = [a for a in alerts if a["status"] == "firing" and a["kind"] == "slow_rank" and a["ranks"] == [1] and a["step_detected"] >= fault]
-    assert mine, f"no alert names rank 1:\n{_show(alerts)}"
-    a = mine[0]
-    assert a["kind"] == "slow_rank" and a["nodes"] == ["node-a"] and a["cause"] == "computation", _show(alerts)
-    assert a["step_detected"] - fault <= 10, a["step_detected"]
-    inc = _one_incident(alerts, a, sent, reports[1]["ends"][fault - 1], "computation",
-                        _machine_changes(alerts, reports, fault))
-    print(f"slow_rank at step {a['step_detected']} ({a['step_detected'] - fault} after the fault); "
-          f"incident {inc['id']} of {inc['alerts']} alerts")
-    _no_other_rank_named(alerts, 1)
+
+    def judge(con, reports, hog_pid, t_hog, sent, job):
+        waits = _check_comm(con, job, fault)
+        alerts = _alerts(con, job)
+        print(f"comm wait medians {waits}\n{_show(alerts)}")
+        mine = [a for a in alerts if a["status"] == "firing" and a["kind"] == "slow_rank" and a["ranks"] == [1] and a["step_detected"] >= fault]
+        assert mine, f"no alert names rank 1:\n{_show(alerts)}"
+        a = mine[0]
+        assert a["kind"] == "slow_rank" and a["nodes"] == ["node-a"] and a["cause"] == "computation", _show(alerts)
+        assert a["step_detected"] - fault <= 10, a["step_detected"]
+        inc = _one_incident(alerts, a, sent, reports[1]["ends"][fault - 1], "computation",
+                            _machine_changes(alerts, reports, fault))
+        print(f"slow_rank at step {a['step_detected']} ({a['step_detected'] - fault} after the fault); "
+              f"incident {inc['id']} of {inc['alerts']} alerts")
+        _no_other_rank_named(alerts, 1)
+
+    _run_fault(kafka, tmp_path, socket_dir, job, {"SW_WIDTH": 1024, "SW_PAD_MS": 30, "SW_SLEEP_RANK": 1, "SW_SLEEP_MS": 15,
+                                                  "SW_SLEEP_FROM": fault}, None, steps, fault=fault, judge=judge)
 
 
 def test_fsdp2_collectives_are_seen(kafka, tmp_path, socket_dir):
     job, steps = "fsdp2", 30
-    con, _, _, _, _ = _run_fault(kafka, tmp_path, socket_dir, job, {"SW_MODE": "fsdp2", "SW_WIDTH": 256}, None, steps)
+    con, _, _, _, _, job = _run_fault(kafka, tmp_path, socket_dir, job, {"SW_MODE": "fsdp2", "SW_WIDTH": 256}, None, steps)
     ops = dict(con.execute("SELECT op, sum(bytes) FROM comm WHERE job = ? GROUP BY op", [job]).fetchall())
     assert ops.get("all_gather_single", 0) > 0 and ops.get("reduce_scatter_single", 0) > 0, ops
     per_step = con.execute("SELECT rank, min(comm_ms + comm_wait_ms), median(comm_ms + comm_wait_ms) FROM steps "
@@ -401,22 +459,24 @@ def test_ddp_sleep_in_one_of_four_ranks_is_one_alert_with_cause_computation(kafk
     1.5 ms: 4 % of the step, below the detector's 5 % per-step effect) keeps each rank's CPU work small
     beside its device time (``SW_PAD_MS``), as on a node; the injected fault (15 ms) is unchanged."""
     job, steps, fault = "ddp-sleep-4", 200, 100
-    con, reports, _, _, sent = _run_fault(kafka, tmp_path, socket_dir, job,
-                                    {"SW_WIDTH": 256, "SW_PAD_MS": 30, "SW_SLEEP_RANK": 1, "SW_SLEEP_MS": 15,
-                                     "SW_SLEEP_FROM": fault}, None, steps, world=4)
-    waits = _check_comm(con, job, fault)
-    alerts = _alerts(con, job)
-    print(f"comm wait medians {waits}\n{_show(alerts)}")
-    mine = [a for a in alerts if a["status"] == "firing" and a["kind"] == "slow_rank" and a["ranks"] == [1] and a["step_detected"] >= fault]
-    assert mine, f"no alert names rank 1:\n{_show(alerts)}"
-    a = mine[0]
-    assert a["kind"] == "slow_rank" and a["nodes"] == ["node-a"] and a["cause"] == "computation", _show(alerts)
-    assert json.loads(a["evidence"])["host"].get("cpu_wait_reported") is True
-    assert a["step_detected"] - fault <= 10, a["step_detected"]
-    # Four ranks on this machine's two cores: while rank 1 sleeps the other three share the cores with
-    # each other, and a rank can measurably wait for CPU. Such an alert may name another rank only as
-    # CPU contention, after the fault, inside the fault's own incident; none before it, none other.
-    inc = a.get("incident_id")
-    other = [x for x in alerts if x["ranks"] and x["ranks"] != [1]]
-    wrong = [x for x in other if x["cause"] != "cpu" or x["step_first"] < fault or x.get("incident_id") != inc]
-    assert not wrong, f"alerts naming another rank outside rank 1's incident:\n{_show(wrong)}"
+
+    def judge(con, reports, hog_pid, t_hog, sent, job):
+        waits = _check_comm(con, job, fault)
+        alerts = _alerts(con, job)
+        print(f"comm wait medians {waits}\n{_show(alerts)}")
+        mine = [a for a in alerts if a["status"] == "firing" and a["kind"] == "slow_rank" and a["ranks"] == [1] and a["step_detected"] >= fault]
+        assert mine, f"no alert names rank 1:\n{_show(alerts)}"
+        a = mine[0]
+        assert a["kind"] == "slow_rank" and a["nodes"] == ["node-a"] and a["cause"] == "computation", _show(alerts)
+        assert json.loads(a["evidence"])["host"].get("cpu_wait_reported") is True
+        assert a["step_detected"] - fault <= 10, a["step_detected"]
+        # Four ranks on this machine's two cores: while rank 1 sleeps the other three share the cores with
+        # each other, and a rank can measurably wait for CPU. Such an alert may name another rank only as
+        # CPU contention, after the fault, inside the fault's own incident; none before it, none other.
+        inc = a.get("incident_id")
+        other = [x for x in alerts if x["ranks"] and x["ranks"] != [1]]
+        wrong = [x for x in other if x["cause"] != "cpu" or x["step_first"] < fault or x.get("incident_id") != inc]
+        assert not wrong, f"alerts naming another rank outside rank 1's incident:\n{_show(wrong)}"
+
+    _run_fault(kafka, tmp_path, socket_dir, job, {"SW_WIDTH": 256, "SW_PAD_MS": 30, "SW_SLEEP_RANK": 1, "SW_SLEEP_MS": 15,
+                                                  "SW_SLEEP_FROM": fault}, None, steps, world=4, fault=fault, judge=judge)

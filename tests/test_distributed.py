@@ -139,16 +139,20 @@ def test_gc_pressure_in_one_gloo_rank_is_named_with_cause_gc(kafka, tmp_path, so
     assert all(med[r][0] * 5 < g_ms for r in med if r != gc_rank), med
     busy = con.execute("SELECT rank FROM rank_busy WHERE job = ? ORDER BY busy_ms DESC LIMIT 1", [job]).fetchone()
     assert busy[0] == gc_rank
-    # the pipeline names the GC rank, and only it, with cause gc
-    alerts = con.execute("SELECT kind, ranks, cause FROM alerts WHERE job = ? AND status = 'firing' "
+    # the pipeline names the GC rank, and only it, with cause gc: its slow_rank alert says gc, and any
+    # other alert naming it (a jitter of its pauses, decided on its own from the slow steps' phases, can
+    # split GC pause and host CPU gap 50/50 when 4 ranks share 2 cores) is a consequence in that incident
+    alerts = con.execute("SELECT kind, ranks, cause, incident_id FROM alerts WHERE job = ? AND status = 'firing' "
                          "AND kind IN ('slow_rank', 'jitter')", [job]).fetchall()
     named = [a for a in alerts if gc_rank in (a[1] or [])]
+    roots = {a[3] for a in named if a[0] == "slow_rank" and a[2] == "gc"}
     rt = run.proc.jobs.get(job)
-    assert named and all(a[2] == "gc" for a in named), (alerts, rt and dict(
-        topology_known=rt.state.topology_known, held_steps=sum(len(b) for b in rt.pending),
-        open_steps=rt.state.open_steps(), max_step=rt.state.max_step,
-        steps_to_detectors=run.proc.metrics.value(run.proc.metrics.steps_closed),
-        alerts_emitted=[(a.kind, a.status, a.ranks, a.step_first) for a in run.proc.alerts if a.job == job]))
+    assert roots and all(a[2] == "gc" for a in named if a[0] == "slow_rank") \
+        and all(a[3] in roots for a in named), (alerts, rt and dict(
+            topology_known=rt.state.topology_known, held_steps=sum(len(b) for b in rt.pending),
+            open_steps=rt.state.open_steps(), max_step=rt.state.max_step,
+            steps_to_detectors=run.proc.metrics.value(run.proc.metrics.steps_closed),
+            alerts_emitted=[(a.kind, a.status, a.ranks, a.step_first) for a in run.proc.alerts if a.job == job]))
     assert all(a[1] == [gc_rank] for a in alerts if a[0] == "slow_rank"), alerts
     assert con.execute("SELECT count(*) FROM deadletter").fetchone()[0] == 0
     print(f"training {train_s:.1f}s, gc rows {rows}, gc_ms/gc_count medians {med}, alerts {alerts}")

@@ -325,6 +325,11 @@ def peak_rss_bytes(pid: int) -> int:
     return 0
 
 
+def _print_log_tail(path, n: int = 40) -> None:
+    lines = path.read_text(errors="replace").splitlines()[-n:] if path.exists() else ["(no log)"]
+    print(f"the processor's log (last {n} lines):\n  " + "\n  ".join(lines))
+
+
 def run_hostile_bench(a) -> int:
     """``stepwatch bench hostile``: ``--messages`` hostile messages of every kind interleaved with
     good data (producers with each Kafka codec) through the embedded broker into ``stepwatch
@@ -368,16 +373,26 @@ def run_hostile_bench(a) -> int:
         th = threading.Thread(target=lambda: leg.update(run_agent_leg(broker.bootstrap, s.prefix, base, n_dg,
                                                                       n_ctl, n_steps, rss)), daemon=True)
         th.start()
-        peak = 0
+        peak, limit_s, stuck = 0, 600.0, False
         while p.poll() is None:
             try:
                 peak = max(peak, peak_rss_bytes(p.pid))
             except OSError:
                 pass
+            if time.perf_counter() - t > limit_s:     # it exits once idle and read to the end: it is stuck
+                stuck = True
+                p.terminate()
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+                break
             time.sleep(0.2)
         th.join(300)
         took = time.perf_counter() - t
-        print(f"processor exited {p.returncode} after {took:.1f}s; peak RSS {peak / 2**20:,.0f} MiB")
+        print(f"processor exited {p.returncode} after {took:.1f}s{' (stopped: still running after %.0f s)' % limit_s if stuck else ''}; "
+              f"peak RSS {peak / 2**20:,.0f} MiB")
         print(f"agent: {leg.get('datagrams_sent', 0):,} hostile datagrams and {n_ctl:,} unverifiable commands "
               f"(+{leg.get('control_sent', n_ctl) - n_ctl} warm-up) while its probe ran {n_steps} steps; alive at the end: {leg.get('alive')} (rc {leg.get('rc')} "
               f"after SIGTERM); peak RSS {rss.get('agent', 0) / 2**20:,.0f} MiB; bad datagrams "
@@ -395,8 +410,11 @@ def run_hostile_bench(a) -> int:
                 f"the agent's control thread did not refuse every command: {leg.get('control_rejected')}"
         except AssertionError as e:
             print(f"FAILED: {e}")
-            log_tail = (base / "_processor.log").read_text(errors="replace").splitlines()[-40:]
-            print("the processor's log (last 40 lines):\n  " + "\n  ".join(log_tail))
+            _print_log_tail(base / "_processor.log")
+            return 1
+        if stuck:
+            print(f"FAILED: the processor did not exit within {limit_s:.0f} s")
+            _print_log_tail(base / "_processor.log")
             return 1
         print(f"OK: {r['good_rows']:,} good rows stored exactly once under their own job; "
               f"{r['deadletter']:,} bad messages each in the deadletter table once (+{r['other_deadletter']:,} records of "
