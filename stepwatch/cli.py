@@ -353,7 +353,8 @@ def build_parser(devtools: bool = True) -> argparse.ArgumentParser:
                     "settings, limits, profiling policy; reloaded on SIGHUP (docs/configuration.md)")
     pr.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     pr.add_argument("--metrics-addr", default="127.0.0.1")
-    pr.add_argument("--idle-exit", type=float, default=None, help="exit after this many idle seconds")
+    pr.add_argument("--idle-exit", type=float, default=None,
+                    help="exit after this many seconds without a message, once every assigned partition is read to its end")
     pr.add_argument("-q", "--quiet", action="store_true")
     pr.add_argument("--stats-json", default=None, help="write final counters here on exit")
     pr.add_argument("--limit", action="append", default=[], metavar="NAME=VALUE",

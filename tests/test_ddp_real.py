@@ -368,6 +368,19 @@ def _check_comm(con, job: str, onset: int) -> dict:
     return waits
 
 
+def _sleep_named(con, job: str, fault: int) -> tuple[list[dict], dict]:
+    """The sleep faults' common judgement: DDP's all-reduces seen, and the first firing slow_rank alert
+    naming rank 1 at or after the fault, on node-a with cause computation. Returns (all alerts, it)."""
+    waits = _check_comm(con, job, fault)
+    alerts = _alerts(con, job)
+    print(f"comm wait medians {waits}\n{_show(alerts)}")
+    mine = [a for a in alerts if a["status"] == "firing" and a["kind"] == "slow_rank" and a["ranks"] == [1] and a["step_detected"] >= fault]
+    assert mine, f"no alert names rank 1:\n{_show(alerts)}"
+    a = mine[0]
+    assert a["kind"] == "slow_rank" and a["nodes"] == ["node-a"] and a["cause"] == "computation", _show(alerts)
+    return alerts, a
+
+
 def test_ddp_cpu_contention_on_one_rank_is_one_alert_with_the_foreign_process(kafka, tmp_path, socket_dir):
     job, steps, fault = "ddp-hog", 240, 100
 
@@ -411,13 +424,7 @@ def test_ddp_sleep_in_one_ranks_forward_is_one_alert_with_cause_computation(kafk
     job, steps, fault = "ddp-sleep", 240, 100
 
     def judge(con, reports, hog_pid, t_hog, sent, job):
-        waits = _check_comm(con, job, fault)
-        alerts = _alerts(con, job)
-        print(f"comm wait medians {waits}\n{_show(alerts)}")
-        mine = [a for a in alerts if a["status"] == "firing" and a["kind"] == "slow_rank" and a["ranks"] == [1] and a["step_detected"] >= fault]
-        assert mine, f"no alert names rank 1:\n{_show(alerts)}"
-        a = mine[0]
-        assert a["kind"] == "slow_rank" and a["nodes"] == ["node-a"] and a["cause"] == "computation", _show(alerts)
+        alerts, a = _sleep_named(con, job, fault)
         assert a["step_detected"] - fault <= 10, a["step_detected"]
         inc = _one_incident(alerts, a, sent, reports[1]["ends"][fault - 1], "computation",
                             _machine_changes(alerts, reports, fault))
@@ -461,13 +468,7 @@ def test_ddp_sleep_in_one_of_four_ranks_is_one_alert_with_cause_computation(kafk
     job, steps, fault = "ddp-sleep-4", 200, 100
 
     def judge(con, reports, hog_pid, t_hog, sent, job):
-        waits = _check_comm(con, job, fault)
-        alerts = _alerts(con, job)
-        print(f"comm wait medians {waits}\n{_show(alerts)}")
-        mine = [a for a in alerts if a["status"] == "firing" and a["kind"] == "slow_rank" and a["ranks"] == [1] and a["step_detected"] >= fault]
-        assert mine, f"no alert names rank 1:\n{_show(alerts)}"
-        a = mine[0]
-        assert a["kind"] == "slow_rank" and a["nodes"] == ["node-a"] and a["cause"] == "computation", _show(alerts)
+        alerts, a = _sleep_named(con, job, fault)
         assert json.loads(a["evidence"])["host"].get("cpu_wait_reported") is True
         assert a["step_detected"] - fault <= 10, a["step_detected"]
         # Four ranks on this machine's two cores: while rank 1 sleeps the other three share the cores with
