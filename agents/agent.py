@@ -219,6 +219,7 @@ class Agent:
         self.control = None                 # targeted profiling (stepwatch.agents.control), see enable_profiling
         self.liveness = Liveness()          # stopped / gone / silent ranks (agents.inflight)
         self._inflight_rate = RateBound()   # in-flight rows per probe instance (agents.inflight)
+        self._byes: dict[int, int] = {}     # goodbyes per probe instance (an exit, then an abort in teardown)
 
     # ------------------------------------------------------------------ socket
     def start(self) -> "Agent":
@@ -342,11 +343,17 @@ class Agent:
             return
         ident.t_seen = now
         if typ == wirep.T_INFLIGHT:                  # a probe's watchdog: an overlong step (agents.inflight)
-            if not self._inflight_rate.allow(inst, now):
+            bye = body.get("state") == "exited"      # ... or its goodbye (probe.exitwatch): at most 2, never cut
+            if bye and inst in self._byes and self._byes[inst] >= 2 or \
+                    not bye and not self._inflight_rate.allow(inst, now):
                 m.dropped.labels("inflight_rate").inc()
                 return
             try:
-                self.rows["inflight"][ident.job].append(row_from_probe(ident, body))
+                row = row_from_probe(ident, body, time.time_ns())
+                if bye:
+                    self._byes[inst] = self._byes.get(inst, 0) + 1
+                    self.liveness.said_goodbye(inst)
+                self.rows["inflight"][ident.job].append(row)
                 m.records_in.labels("inflight").inc()
             except ValueError as e:
                 self._bad(e)
@@ -452,6 +459,8 @@ class Agent:
         m.probe_dropped.set(sum(i.dropped for i in active))
         for inst in [k for k, i in self.idents.items() if now - i.t_seen > 10 * ACTIVE_S]:
             del self.idents[inst]
+        if len(self._byes) > self.limits.max_instances:
+            self._byes = {k: v for k, v in self._byes.items() if k in self.idents}
         if len(self._topo_sent) > 2 * self.limits.max_instances:     # bounded under a stream of made-up ranks
             live = {(i.job, i.rank) for i in self.idents.values()}
             self._topo_sent = {k: v for k, v in self._topo_sent.items() if k in live}

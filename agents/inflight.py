@@ -8,7 +8,8 @@
   **silent** (running, but no datagram for ``silent_s``, 30 s: e.g. stuck in a C call that holds the GIL,
   so even its watchdog cannot run) gets a row (``source`` = ``agent``) every ``every_s`` (5 s) while the
   agent heard from it within the last ``horizon_s`` (120 s); one that is **gone** (no such process, or a
-  zombie: also every rank at the end of a job) gets one row. A healthy rank costs one small file read
+  zombie) gets one row, unless the probe said goodbye (state ``exited``, :mod:`stepwatch.agents.probe.exitwatch`,
+which also says how it ended). A healthy rank costs one small file read
   per tick.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 
 from stepwatch.agents.hostmetrics import host_proc
 
-STATES = ("collective", "data", "compute", "done")
+STATES = ("collective", "data", "compute", "done", "exited")   # exited: the probe's goodbye (probe.exitwatch)
 MAX_STACK = 4096
 
 
@@ -29,12 +30,16 @@ def _str(v, n: int = 256):
     return v[:n] if isinstance(v, str) and v else None
 
 
-def row_from_probe(ident, body: dict) -> dict:
-    """An ``inflight`` row from a probe's in-flight datagram; raises ValueError on a malformed one."""
+def row_from_probe(ident, body: dict, t_now: int | None = None) -> dict:
+    """An ``inflight`` row from a probe's in-flight datagram; raises ValueError on a malformed one. A
+    goodbye sent from a signal handler (state ``exited``, built in advance) has no time: ``t_now``, when
+    the agent received it."""
     state = body.get("state")
     if state not in STATES:
         raise ValueError(f"in-flight state: bad state {state!r}")
     t = _int(body.get("t"))
+    if t is None and state == "exited" and t_now:
+        t = int(t_now)
     if t is None or t <= 0:
         raise ValueError(f"in-flight state: bad time {body.get('t')!r}")
     kinds = body.get("kinds")
@@ -47,7 +52,14 @@ def row_from_probe(ident, body: dict) -> dict:
             "since": _int(body.get("since")), "op": _str(body.get("op"), 64), "group": _str(body.get("group"), 128),
             "seq": seq if seq is not None and seq >= 0 else None,
             "group_size": gs if gs is not None and 0 < gs < 2**31 else None,
-            "stack": _str(body.get("stack"), MAX_STACK), "pid": _int(body.get("pid")) or _int(ident.hello.get("pid"))}
+            "stack": _str(body.get("stack"), MAX_STACK), "pid": _int(body.get("pid")) or _int(ident.hello.get("pid")),
+            "exit_code": _code(body.get("exit_code")), "signal": _code(body.get("signal"), 1, 128),
+            "error": _str(body.get("error"), 512)}
+
+
+def _code(v, lo: int = -(1 << 31), hi: int = (1 << 31) - 1):
+    v = _int(v)
+    return v if v is not None and lo <= v <= hi else None
 
 
 class RateBound:
@@ -96,6 +108,10 @@ class Liveness:
         self.silent_s, self.every_s, self.horizon_s = silent_s, every_s, horizon_s
         self._last: dict[int, float] = {}          # probe instance -> monotonic time of its last agent row
         self._gone: set[int] = set()               # instances reported gone (once: a gone process stays gone)
+
+    def said_goodbye(self, inst: int) -> None:
+        """The probe told how it ends (its ``exited`` row): no ``gone`` row follows for it."""
+        self._gone.add(inst)
 
     def rows(self, idents: dict, node_default: str, now: float, t_ns: int) -> list[dict]:
         out = []

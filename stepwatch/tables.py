@@ -120,7 +120,7 @@ INFLIGHT = pa.schema([
     pa.field("rank", pa.int32(), nullable=False),
     pa.field("t", TS, nullable=False),                    # when it was observed
     pa.field("source", pa.string(), nullable=False),      # probe | agent
-    pa.field("state", pa.string(), nullable=False),       # collective | data | compute | done | stopped | gone | silent
+    pa.field("state", pa.string(), nullable=False),       # collective | data | compute | done | exited | stopped | gone | silent
     pa.field("step", pa.int64()),                         # the step in progress
     pa.field("step_kind", pa.string()),                   # first, eval, checkpoint (comma-separated) or null
     pa.field("elapsed_ms", F64),                          # how long the step has run (done: its length)
@@ -131,6 +131,9 @@ INFLIGHT = pa.schema([
     pa.field("group_size", pa.int32()),
     pa.field("stack", pa.string()),                       # the main thread's Python stack, innermost frame last
     pa.field("pid", pa.int64()),
+    pa.field("exit_code", pa.int32()),                    # exited: the process's exit status (when known)
+    pa.field("signal", pa.int32()),                       # exited: the signal that ended it (when one did)
+    pa.field("error", pa.string()),                       # exited: the exception that ended it ("Type: message")
 ])
 
 ALERTS = pa.schema([
@@ -314,7 +317,7 @@ NONNEGATIVE: dict[str, tuple[str, ...]] = {
              "disk_read_bps", "disk_write_bps", "net_rx_bps", "net_tx_bps", "rdma_retrans"),
     "gc": ("rank", "duration_ms", "collected", "uncollectable", "generation"),
     "comm": ("rank", "step", "count", "bytes", "time_ms", "wait_ms", "group_size"),
-    "inflight": ("rank", "step", "elapsed_ms", "seq", "group_size", "pid"),
+    "inflight": ("rank", "step", "elapsed_ms", "seq", "group_size", "pid", "exit_code", "signal"),
 }
 
 #: Job ids become directory names (``job=<id>``): keep them to a safe alphabet.

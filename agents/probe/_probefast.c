@@ -243,6 +243,9 @@ PyTypeObject probefast_LogType = {
 
 static PyMethodDef module_methods[] = {
     {"pack_step", (PyCFunction)(void (*)(void))probefast_pack_step, METH_FASTCALL, "one step's frame (see probe._replay)"},
+    {"arm_exit", probefast_arm_exit, METH_VARARGS, "arm_exit(fd, {signo: datagram}): a goodbye sent when the signal ends "
+     "the process (signals still at their default only; returns those armed); see _probefast_exit.c"},
+    {"disarm_exit", probefast_disarm_exit, METH_NOARGS, "restore the default action of the signals arm_exit armed"},
     {NULL}};
 
 static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_probefast",

@@ -54,5 +54,7 @@ static inline void push(Log *L, int32_t kind, int32_t slot, int64_t t0, int64_t 
 extern PyTypeObject probefast_LogType, probefast_DataWrapType, probefast_CollWrapType;
 int probefast_wrap_init(void);                 /* the wrappers' interned names (_probefast_wrap.c) */
 PyObject *probefast_pack_step(PyObject *self, PyObject *const *a, Py_ssize_t nargs);   /* _probefast_pack.c */
+PyObject *probefast_arm_exit(PyObject *self, PyObject *args);                         /* _probefast_exit.c */
+PyObject *probefast_disarm_exit(PyObject *self, PyObject *unused);
 
 #endif

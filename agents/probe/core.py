@@ -13,6 +13,7 @@ import threading
 
 from . import eventlog as _ev
 from .collectives import DEFAULT_COMM_GBPS
+from .exitwatch import ExitWatch
 from .eventlog import K_BEGIN, K_COUNT, K_END, K_MARK, K_PHASE, KIND_PHASES, LOG_CAP, _PyLog, _perf, _wall
 from .hooks import Hooks, _TorchImportHook
 from .replay import Replay
@@ -191,6 +192,7 @@ class Probe(Hooks, Replay, Transport, DeviceTiming):
         self._cpu_prev = None                      # (perf ns, cpu ns, wait ns) at the last sample
         self._clear_step()
         self._n_gc = 0
+        self._exitw = ExitWatch(self)              # the goodbye: how this process ends (exitwatch)
 
     def _clear_step(self) -> None:
         """Zero what the last step used (O(phases and collective kinds used), no allocation)."""
@@ -270,6 +272,8 @@ class Probe(Hooks, Replay, Transport, DeviceTiming):
                     os.register_at_fork(after_in_child=self._after_fork)
                     import atexit
                     atexit.register(self.shutdown)
+                    atexit.register(self._exitw.at_exit)     # (LIFO: the goodbye before the shutdown)
+                    self._exitw.install()
                     try:        # children of multiprocessing end with os._exit(): flush in its finalizers
                         import multiprocessing.util as mpu
                         mpu.register_after_fork(self, Probe._mp_child)
@@ -311,6 +315,8 @@ class Probe(Hooks, Replay, Transport, DeviceTiming):
             self._log.clear()
             self._open = False
             self._ctl_close(unlink=True)
+            if not self._exitw.sent:       # at exit the signal goodbyes stay armed (an abort in teardown)
+                self._exitw.close()
             if self._wd is not None:
                 self._wd.close()
                 self._wd = None
@@ -356,6 +362,7 @@ class Probe(Hooks, Replay, Transport, DeviceTiming):
             self.world_size = None
         self._identity_ready = self.rank is not None and self.world_size is not None
         self._pid = os.getpid()
+        self._exitw.after_fork()                      # the parent's goodbye is the parent's
         self._ctl_close(unlink=False)                 # the parent's control socket stays the parent's
         self._wd = None                               # (its thread did not survive the fork)
         self._seq = [0] * MAX_COMM

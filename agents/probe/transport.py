@@ -93,6 +93,7 @@ class Transport:
             self._hello_dirty = False
         if self._sendto(self._hello_bytes, hello=True):
             self._need_hello = False
+            self._exitw.on_hello()              # the signal goodbyes, for this identity (exitwatch)
 
     def _sendto(self, data, hello: bool = False, frames: int = 0) -> bool:
         """Hand one datagram (a hello, or ``frames`` frames) to the agent; never blocks, never

@@ -1,0 +1,164 @@
+"""The rank's goodbye: how its process ended, told to the node agent as an ``exited`` in-flight state.
+
+The processor tells a job that **finished** (every rank said goodbye with status 0) from one that was
+**stopped** (its ranks ended by SIGTERM together, the way a scheduler ends a job), a **crashed** rank
+(one ended by an exception, a non-zero status or a fatal signal while the others still run) and a
+**hang** (ranks alive and not stepping); see :mod:`stepwatch.detectors.lifecycle`. It can do so only if
+every way a rank ends leaves a word:
+
+* **interpreter exit** (an ``atexit`` function, run before the probe shuts down): the exit status is
+  0, the code given to ``sys.exit`` (recorded by a thin wrapper), 1 with the exception's type, message
+  and traceback when an exception ended the program (``sys.excepthook`` is wrapped, the program's own
+  hook still runs), or signal 2 for an uncaught ``KeyboardInterrupt``;
+* **a signal with its default action** (SIGTERM, SIGHUP, SIGQUIT, SIGABRT, SIGSEGV, SIGBUS, SIGFPE,
+  SIGILL, SIGXCPU): a handler in C (``_probefast.arm_exit``) sends a goodbye built in advance, then
+  lets the signal end the process as it would have. A handler the program installed is left alone;
+  so is everything without the C extension (the agent still sees the process go);
+* **what leaves no word** (SIGKILL, ``os._exit``, the OOM killer): the node agent sees the pid go
+  (:class:`stepwatch.agents.inflight.Liveness`, state ``gone``).
+
+Nothing is sent by a process that never said hello (a launcher, a DataLoader worker), and nothing here
+blocks: the datagram goes out on its own non-blocking socket or is lost.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import traceback
+
+from .eventlog import _wall
+from .wire import HDR, MAGIC, T_INFLIGHT, VERSION
+
+#: signals whose default action ends the process and that a handler can see
+SIGNALS = tuple(int(getattr(signal, n)) for n in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGABRT", "SIGSEGV",
+                                                     "SIGBUS", "SIGFPE", "SIGILL", "SIGXCPU")
+                if hasattr(signal, n))
+MAX_STACK = 3072
+
+
+class ExitWatch:
+    """One per probe: records how the program ends and sends the goodbye (see the module docs)."""
+
+    def __init__(self, probe):
+        self.p = probe
+        self.code: int | None = None          # sys.exit's code
+        self.exc = None                       # (type, value, tb) of the exception that ended the program
+        self.sent = False
+        self._armed_key = None                # (instance, rank, path) the signal datagrams were built for
+        self._sock: socket.socket | None = None
+        self._installed = False
+
+    # -- recording ----------------------------------------------------------------------------------
+    def install(self) -> None:
+        """Wrap ``sys.excepthook`` and ``sys.exit`` (once per process; the originals still run)."""
+        if self._installed:
+            return
+        self._installed = True
+        prev_hook, prev_exit = sys.excepthook, sys.exit
+
+        def excepthook(tp, val, tb, _prev=prev_hook):
+            self.exc = (tp, val, tb)
+            return _prev(tp, val, tb)
+
+        def exit(code=None, _prev=prev_exit):
+            self.code = (code & 0xFF) if isinstance(code, int) and not isinstance(code, bool) else (0 if code is None else 1)
+            return _prev(code)
+
+        exit.__doc__ = prev_exit.__doc__
+        sys.excepthook, sys.exit = excepthook, exit
+
+    def status(self) -> dict:
+        """How the interpreter is ending, as the goodbye's fields."""
+        if self.exc is not None:
+            tp, val, tb = self.exc
+            if issubclass(tp, KeyboardInterrupt):
+                return {"signal": int(signal.SIGINT)}
+            err = "".join(traceback.format_exception_only(tp, val)).strip()
+            stack = "".join(traceback.format_exception(tp, val, tb))
+            return {"exit_code": 1, "error": err[-512:], "stack": stack[-MAX_STACK:]}
+        return {"exit_code": 0 if self.code is None else int(self.code)}
+
+    # -- sending ------------------------------------------------------------------------------------
+    def _datagram(self, body: dict) -> bytes:
+        p = self.p
+        body = {"state": "exited", "pid": os.getpid(), **body}
+        return HDR.pack(MAGIC, VERSION, T_INFLIGHT, p.instance, p.rank or 0, 0, 0, 0, 0) + \
+            json.dumps(body, separators=(",", ":"), default=str).encode()
+
+    def _socket(self) -> socket.socket | None:
+        if self._sock is None:
+            try:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                s.setblocking(False)
+                s.connect(self.p._path)
+                self._sock = s
+            except OSError:
+                return None
+        return self._sock
+
+    def on_hello(self) -> None:
+        """The agent heard the probe's identity: (re)build the signal goodbyes for it."""
+        fast = _fast()
+        p = self.p
+        key = (p.instance, p.rank, p._path, os.getpid())
+        if fast is None or key == self._armed_key or p.rank is None:
+            return
+        if self._armed_key is not None and self._armed_key[2] != p._path:
+            self.close()
+        s = self._socket()
+        if s is None:
+            return
+        try:
+            fast.arm_exit(s.fileno(), {sig: self._datagram({"signal": sig})
+                                       for sig in SIGNALS})
+            self._armed_key = key
+        except (ValueError, OSError):
+            pass
+
+    def at_exit(self) -> None:
+        """The interpreter is ending: say how (only a probe that said hello; once)."""
+        p = self.p
+        if self.sent or not p._on or p._hello_bytes == b"" or self._armed_key is None and not p._connected:
+            return
+        self.sent = True
+        try:
+            p.flush()                                     # the last steps first
+        except Exception:  # noqa: BLE001
+            pass
+        body = self.status()
+        body["t"] = _wall()
+        body["step"] = int(p._step)
+        s = self._socket()
+        if s is not None:
+            try:
+                s.send(self._datagram(body))
+            except OSError:
+                pass
+
+    def after_fork(self) -> None:
+        """A forked child is not the rank that armed the handlers (the C side checks the pid too)."""
+        self._armed_key = None
+        self._sock = None                                 # the parent's socket object stays the parent's
+        self.sent = False
+        self.code, self.exc = None, None
+
+    def close(self) -> None:
+        fast = _fast()
+        if fast is not None and self._armed_key is not None:
+            fast.disarm_exit()
+        self._armed_key = None
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+            self._sock = None
+
+
+def _fast():
+    from . import eventlog
+    f = eventlog._fast
+    return f if f is not None and hasattr(f, "arm_exit") else None
