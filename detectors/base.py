@@ -42,6 +42,7 @@ class JobContext:
     gc: object = None            # GC records, keyed by t (ns)
     comm: object = None          # comm records, keyed by step
     inflight: object = None      # in-flight states of ranks in an overlong step (probe watchdog, agent), keyed by t
+    life: object = None          # how its ranks ended (detectors.lifecycle.JobLife), or None
     #: (R,) newest step each rank reported so far (-1: none yet) and its t_end (ns); None if unknown
     last_step: np.ndarray | None = None
     last_t_end: np.ndarray | None = None

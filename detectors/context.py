@@ -18,13 +18,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from .lifecycle import JobLife
+
 #: the host columns kept (others are dropped on arrival to keep the window small)
 HOST_COLUMNS = ("node", "t", "cpu_util", "cpu_iowait", "cpu_steal", "load1", "rdma_retrans",
                 "top_procs", "accel")
 GC_COLUMNS = ("node", "rank", "t", "generation", "duration_ms")
 COMM_COLUMNS = ("node", "rank", "step", "op", "group", "time_ms", "wait_ms", "bytes", "count", "group_size")
 INFLIGHT_COLUMNS = ("node", "rank", "t", "source", "state", "step", "step_kind", "elapsed_ms", "since", "op",
-                    "group", "seq", "group_size", "stack", "pid")
+                    "group", "seq", "group_size", "stack", "pid", "exit_code", "signal", "error")
 
 
 def _as_int(col) -> np.ndarray:
@@ -93,16 +95,22 @@ class JobTelemetry:
         self.host_node_ns: dict[str, int] = {}      # newest host sample per node: a watermark per source
         # in-flight states of ranks in an overlong step (detectors.hang): the last 10 minutes
         self.inflight = Window("t", ns, 4 * max_rows, INFLIGHT_COLUMNS)
+        self.life = JobLife()                       # how its ranks ended (detectors.lifecycle)
 
     @property
     def host_event_ns(self) -> int:
-        return max(int(self.host.newest), 0)
+        """Event time that goes on while steps stop: the newest host sample, or the newest in-flight row
+        (a watchdog's report in a hang, an agent's word on a rank) when that is newer: a hang is judged
+        even when host samples are sparse (an agent replaying its spool)."""
+        return max(int(self.host.newest), int(self.inflight.newest), 0)
 
     def add(self, kind: str, t: pa.Table) -> None:
         w = {"host": self.host, "gc": self.gc, "comm": self.comm, "inflight": self.inflight}.get(kind)
         if w is not None:
             w.add(t)
-        if kind == "host" and t.num_rows and "node" in t.column_names and "t" in t.column_names:
+        if kind == "inflight":
+            self.life.add(t)
+        if kind in ("host", "inflight") and t.num_rows and "node" in t.column_names and "t" in t.column_names:
             tv = _as_int(t.column("t"))
             nd = pc.dictionary_encode(t.column("node").combine_chunks())
             names = nd.dictionary.to_pylist()
@@ -121,6 +129,7 @@ class JobTelemetry:
         """Put the windows and the host event time on a :class:`~stepwatch.detectors.base.JobContext`."""
         ctx.host, ctx.gc, ctx.comm = self.host, self.gc, self.comm
         ctx.inflight = self.inflight
+        ctx.life = self.life
         ctx.host_event_ns = self.host_event_ns
         ctx.host_node_ns = self.host_node_ns
 

@@ -17,6 +17,7 @@ from .changepoint import ChangePoint
 from .commbw import CommBandwidth
 from .dataloader import DataLoader
 from .jitter import Jitter
+from .lifecycle import Lifecycle
 from .mfu import Mfu
 from .slowrank import SlowRank
 from .stall import Stall
@@ -29,6 +30,7 @@ REGISTRY: dict[str, type[Detector]] = {
     "mfu": Mfu,
     "comm_bw": CommBandwidth,
     "dataloader": DataLoader,
+    "lifecycle": Lifecycle,
 }
 
 

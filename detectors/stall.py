@@ -243,6 +243,8 @@ class Stall(Detector):
             if top > self._hang_top:                       # steps again: the hang is over
                 a = self._hang
                 self._hang = None
+                if getattr(ctx, "life", None) is not None:
+                    ctx.life.hung_ns = 0
                 return [Alert(job=a.job, kind=a.kind, status="resolved", step_first=a.step_first,
                               step_detected=top, t_detected=int(ctx.steps_event_ns), ranks=list(a.ranks),
                               nodes=list(a.nodes), cause=a.cause, severity=a.severity, evidence=a.evidence,
@@ -252,6 +254,9 @@ class Stall(Detector):
         steps_t = int(ctx.steps_event_ns)
         if host <= 0 or steps_t <= 0 or ctx.backlog:
             return []
+        life = getattr(ctx, "life", None)
+        if life is not None and life.holds_hang():         # a rank ended: the job's end or a crash
+            return []                                      # (detectors.lifecycle), not a hang
         thr = self.threshold_ns()
         if host - steps_t < thr:                           # necessary for every node to be silent: O(1)
             return []
@@ -306,6 +311,8 @@ class Stall(Detector):
                   suggestion=(loc or {}).get("suggestion") or HANG_SUGGESTION,
                   alert_id=stable_id(ctx.job, "job_hang", culprit, step_first))
         self._hang, self._hang_top = a, top
+        if life is not None:
+            life.hung_ns = host                            # ranks that end now end a hung job
         return [a]
 
 

@@ -37,6 +37,7 @@ from stepwatch import schema as wire
 from stepwatch.detectors.base import Alert, Detector, JobContext, StepBlock
 from stepwatch.detectors.context import JobTelemetry
 from stepwatch.detectors.incidents import Incidents
+from stepwatch.detectors.lifecycle import EVENT_KINDS, JobLife
 from stepwatch.detectors.replay import drain, replay
 from stepwatch import catalog
 from stepwatch.storage.store import Fenced, Marker, ParquetStore
@@ -78,6 +79,7 @@ class JobRuntime:
     hostwait: HostWait = field(default_factory=HostWait)      # alert rows waiting for their host samples
     host_partition: int | None = None                 # partition the job's host rows arrive on
     axis: JobAxis = field(default_factory=JobAxis)    # where its ranks are (stream.stepaxis)
+    firing: dict = field(default_factory=dict)        # alert_id -> its firing Alert, until resolved
 
 
 def _plain(t: pa.Table) -> pa.Table:
@@ -134,6 +136,7 @@ class Processor(Intake, CaughtUp):
         self.producer = None
         self.stop_event = threading.Event()
         self.alerts: list[Alert] = []
+        self.events: list[Alert] = []                  # lifecycle events (job_end), the newest 1024
         self.t_first_data: float | None = None      # wall time of the first message
         self.t_last_flush: float | None = None      # wall time of the last flush that wrote rows
         self._topic_kind = {kafka.topic(k): k for k in INPUT_TOPICS}
@@ -302,6 +305,8 @@ class Processor(Intake, CaughtUp):
         for job in jobs.to_pylist():
             part = t if len(jobs) == 1 else t.filter(pc.equal(t.column("job"), job))
             rt = self._job(job)
+            if rt.telemetry.life.outcome is not None:           # steps after the job's end: a restart
+                self._restarted(rt, part)
             part = stepaxis.admit_steps(self, rt, job, part)    # bounds to where the job's ranks are
             if not part.num_rows:
                 continue
@@ -338,6 +343,8 @@ class Processor(Intake, CaughtUp):
                 rt.host_partition = self._src[1] if self._src else rt.host_partition
                 self._tick(rt)
                 self._host_settled(rt)
+            elif kind == "inflight":                     # a watchdog's report, a rank's end: judged now
+                self._tick(rt)
 
     def _ctx(self, rt: JobRuntime) -> JobContext:
         ctx = rt.state.context()
@@ -485,6 +492,42 @@ class Processor(Intake, CaughtUp):
         for a in alerts:
             self._emit(rt, a)
 
+    def _restarted(self, rt: JobRuntime, part: pa.Table) -> None:
+        """Steps newer than the judged end of the job: the same job id started again (a restart from a
+        checkpoint). Its detectors start new baselines and its life starts over."""
+        life = rt.telemetry.life
+        t = part.column("t_end")
+        newest = pc.max(t.cast(pa.int64()) if pa.types.is_timestamp(t.type) else t).as_py()
+        if newest is None or not life.restarted(int(newest)):
+            return
+        log.info("job %s: steps after its end (%s at step %d): a restart, new baselines", rt.state.job,
+                 life.outcome, life.step_outcome)
+        rt.detectors = self.new_detectors(rt.state.job)
+        rt.telemetry.life = JobLife()
+        rt.firing.clear()
+
+    def _event(self, rt: JobRuntime, a: Alert) -> None:
+        """A lifecycle event (``job_end``): stored with the alerts (severity info), said on the console,
+        never sent as an alert. It closes the job's incidents: alerts still firing are resolved."""
+        closed = []
+        for f in list(rt.firing.values()):
+            ev = dict(f.evidence)
+            ev["resolved_by"] = "job_end"
+            self._emit(rt, Alert(job=f.job, kind=f.kind, status="resolved", step_first=f.step_first,
+                                 step_detected=a.step_detected, t_detected=a.t_detected, ranks=list(f.ranks),
+                                 nodes=list(f.nodes), cause=f.cause, severity=f.severity, evidence=ev,
+                                 cost_pct=f.cost_pct, suggestion=f.suggestion, alert_id=f.alert_id))
+        for inc in rt.incidents.incidents.values():
+            if inc.status == "firing" or not inc.closed:
+                closed.append(inc.id)
+            inc.closed = True
+        a.evidence = dict(a.evidence, incidents_closed=closed[:32])
+        self.events.append(a)
+        del self.events[:-1024]
+        self.metrics.alerts.labels(a.kind, a.status).inc()
+        log.info("%s", a.line())
+        self._buffer("alerts", pa.Table.from_pylist([a.row()], schema=wire.ALERTS))
+
     def _emit(self, rt: JobRuntime, a: Alert) -> None:
         key = (a.alert_id, a.status)
         if key in rt.alerts_seen:
@@ -492,6 +535,13 @@ class Processor(Intake, CaughtUp):
                 a.incident_id = rt.incidents.by_alert.get(a.alert_id, "")
             return
         rt.alerts_seen.add(key)
+        if a.kind in EVENT_KINDS:
+            self._event(rt, a)
+            return
+        if a.status == "firing":
+            rt.firing[a.alert_id] = a
+        else:
+            rt.firing.pop(a.alert_id, None)
         rt.incidents.assign(a)                               # one incident per fault (detectors/incidents.py)
         st = rt.state
         sl = a.step_first % st.capacity

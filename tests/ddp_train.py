@@ -15,6 +15,8 @@ Settings (environment):
   the rank's thread waits off the CPU);
 - ``SW_SLEEP_RANK`` / ``SW_SLEEP_MS`` / ``SW_SLEEP_FROM``: that rank's forward pass sleeps that long
   from that step on (a slow accelerator, as the host sees it: the rank waits off the CPU);
+- ``SW_CRASH_RANK`` / ``SW_CRASH_STEP`` / ``SW_CRASH_HOW``: that rank ends before that step: ``exit``
+  (``os._exit(1)``, default), ``kill`` (SIGKILL) or ``raise`` (an exception);
 - ``SW_MODE`` ``ddp`` (default), ``fsdp`` (FSDP1 ``FullyShardedDataParallel``), ``fsdp2``
   (``fully_shard``) or ``manual`` (no wrapper, no DataLoader: batches made by hand and gradients
   all-reduced by a loop over the parameters);
@@ -91,7 +93,16 @@ def train() -> None:
                              torch.randint(0, 10, (steps * batch,), generator=g))
         loader = iter(DataLoader(data, batch_size=batch))
     ends, cpu = [], []             # the script's own clock and its main thread's CPU time at each step end
+    crash_rank = int(os.environ.get("SW_CRASH_RANK", "-1"))
+    crash_step = int(os.environ.get("SW_CRASH_STEP", "-1"))
+    crash_how = os.environ.get("SW_CRASH_HOW", "exit")
     for i in range(steps):
+        if rank == crash_rank and i == crash_step:
+            if crash_how == "raise":
+                raise RuntimeError(f"injected failure in rank {rank} at step {i}")
+            if crash_how == "kill":
+                os.kill(os.getpid(), 9)
+            os._exit(1)
         if rank == sleep_rank and i == sleep_from:
             model.sleep_ms = pad_ms + sleep_ms
         if loader is not None:

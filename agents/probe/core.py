@@ -274,6 +274,10 @@ class Probe(Hooks, Replay, Transport, DeviceTiming):
                     atexit.register(self.shutdown)
                     atexit.register(self._exitw.at_exit)     # (LIFO: the goodbye before the shutdown)
                     self._exitw.install()
+                    mp = sys.modules.get("multiprocessing")
+                    if mp is not None and mp.parent_process() is not None:   # it ends with os._exit
+                        import multiprocessing.util as mpu
+                        mpu.Finalize(self, self._exitw.at_exit, exitpriority=101)
                     try:        # children of multiprocessing end with os._exit(): flush in its finalizers
                         import multiprocessing.util as mpu
                         mpu.register_after_fork(self, Probe._mp_child)
@@ -371,6 +375,7 @@ class Probe(Hooks, Replay, Transport, DeviceTiming):
     def _mp_child(self) -> None:
         import multiprocessing.util as mpu
         mpu.Finalize(self, self.flush, exitpriority=100)
+        mpu.Finalize(self, self._exitw.at_exit, exitpriority=101)     # (first: it flushes too)
 
     def _intern(self, name: str) -> int:
         i = self._names.get(name)

@@ -6,10 +6,12 @@ The processor tells a job that **finished** (every rank said goodbye with status
 **hang** (ranks alive and not stepping); see :mod:`stepwatch.detectors.lifecycle`. It can do so only if
 every way a rank ends leaves a word:
 
-* **interpreter exit** (an ``atexit`` function, run before the probe shuts down): the exit status is
+* **interpreter exit** (an ``atexit`` function, run before the probe shuts down; in a child of
+  ``multiprocessing``, which ends with ``os._exit``, one of its finalizers): the exit status is
   0, the code given to ``sys.exit`` (recorded by a thin wrapper), 1 with the exception's type, message
   and traceback when an exception ended the program (``sys.excepthook`` is wrapped, the program's own
-  hook still runs), or signal 2 for an uncaught ``KeyboardInterrupt``;
+  hook still runs; ``sys.exit(1)`` called in an ``except`` clause, as torch's spawn wrapper does, takes the
+  exception being handled), or signal 2 for an uncaught ``KeyboardInterrupt``;
 * **a signal with its default action** (SIGTERM, SIGHUP, SIGQUIT, SIGABRT, SIGSEGV, SIGBUS, SIGFPE,
   SIGILL, SIGXCPU): a handler in C (``_probefast.arm_exit``) sends a goodbye built in advance, then
   lets the signal end the process as it would have. A handler the program installed is left alone;
@@ -65,6 +67,10 @@ class ExitWatch:
 
         def exit(code=None, _prev=prev_exit):
             self.code = (code & 0xFF) if isinstance(code, int) and not isinstance(code, bool) else (0 if code is None else 1)
+            if self.code and self.exc is None:
+                ei = sys.exc_info()                  # sys.exit(1) in an except clause (torch's spawn wrapper)
+                if ei[0] is not None and not issubclass(ei[0], SystemExit):
+                    self.exc = ei
             return _prev(code)
 
         exit.__doc__ = prev_exit.__doc__
@@ -78,7 +84,7 @@ class ExitWatch:
                 return {"signal": int(signal.SIGINT)}
             err = "".join(traceback.format_exception_only(tp, val)).strip()
             stack = "".join(traceback.format_exception(tp, val, tb))
-            return {"exit_code": 1, "error": err[-512:], "stack": stack[-MAX_STACK:]}
+            return {"exit_code": self.code or 1, "error": err[-512:], "stack": stack[-MAX_STACK:]}
         return {"exit_code": 0 if self.code is None else int(self.code)}
 
     # -- sending ------------------------------------------------------------------------------------
