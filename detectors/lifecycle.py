@@ -8,7 +8,11 @@ an abort in teardown); :class:`Lifecycle` judges the job from them, in event tim
 * **finished** - every rank that reported ended with status 0: a ``job_end`` *event* (severity
   ``info``, stored with the alerts, never sent as an alert), which closes the job's open incidents;
 * **stopped** - the first rank to end was ended by SIGTERM, SIGINT or SIGHUP (a scheduler's or a user's
-  stop) and every rank has ended: a ``job_end`` event with outcome ``stopped``;
+  stop) and every rank has ended. Ranks are ordered by when they ended at the earliest: a rank the
+  agent saw gone may have died as early as its last datagram; and a stop with a rank that ended hard
+  (gone, a fatal signal, an exception not from a lost peer) within ``culprit_window_s`` is a launcher's
+  answer to that rank's death (torchrun and ``torch.multiprocessing`` SIGTERM the others when one rank
+  dies, often before the agent sees it go): a crash: a ``job_end`` event with outcome ``stopped``;
 * **exit failed** - every rank ended, and the only failures are of ranks that had finished their work:
   a status-0 goodbye followed by a fatal signal (an abort in the interpreter's teardown, e.g. a C++
   destructor: ``terminate called without an active exception``), or an abnormal end at the job's last
@@ -58,14 +62,31 @@ def signame(sig: int | None) -> str:
         return f"signal {sig}"
 
 
+_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (.+)$', re.M)
+
+
+def traceback_line(tb: str) -> str:
+    """The innermost frame of the program itself in a Python traceback (``file:line in function``),
+    outside torch and the Python library; the innermost frame when all are; "" when none."""
+    frames = _FRAME.findall(tb or "")
+    for f, line, fn in reversed(frames):
+        if "/torch/" not in f and "/lib/python3" not in f and "site-packages" not in f:
+            return f"{f}:{line} in {fn.strip()}"
+    return f"{frames[-1][0]}:{frames[-1][1]} in {frames[-1][2].strip()}" if frames else ""
+
+
 class End:
     """One rank's end: ``how`` is ``ok`` | ``error`` (non-zero status or exception) | ``stop`` (SIGTERM,
     SIGINT, SIGHUP) | ``fatal`` (another signal) | ``gone`` (no word)."""
 
-    __slots__ = ("t", "how", "code", "signal", "error", "stack", "pid", "node", "step")
+    __slots__ = ("t", "t_lo", "how", "code", "signal", "error", "stack", "pid", "node", "step")
 
     def __init__(self, row: dict):
         self.t = int(row["t"])
+        # when it ended at the earliest: a goodbye is sent as the process ends; the agent sees a process
+        # gone at its next look, and the rank's last datagram ('since') bounds the end from below
+        since = row.get("since")
+        self.t_lo = int(since) if row.get("state") == "gone" and since and 0 < int(since) <= self.t else self.t
         self.code, self.signal = row.get("exit_code"), row.get("signal")
         self.error, self.stack, self.pid = row.get("error"), row.get("stack"), row.get("pid")
         self.node, self.step = row.get("node") or "", row.get("step")
@@ -122,11 +143,12 @@ class JobLife:
         if not pc.any(m).as_py():
             return
         t = t.filter(m)
-        cols = [c for c in ("rank", "t", "state", "exit_code", "signal", "error", "stack", "pid", "node", "step")
-                if c in t.column_names]
+        cols = [c for c in ("rank", "t", "since", "state", "exit_code", "signal", "error", "stack", "pid", "node",
+                            "step") if c in t.column_names]
         t = t.select(cols)
-        if pa.types.is_timestamp(t.schema.field("t").type):
-            t = t.set_column(t.column_names.index("t"), "t", t.column("t").cast(pa.int64()))
+        for c in ("t", "since"):
+            if c in t.column_names and pa.types.is_timestamp(t.schema.field(c).type):
+                t = t.set_column(t.column_names.index(c), c, t.column(c).cast(pa.int64()))
         for row in sorted(t.to_pylist(), key=lambda r: r["t"]):
             r, e = int(row["rank"]), End(row)
             have = self.first.get(r)
@@ -157,14 +179,17 @@ class Lifecycle(Detector):
                                end too before a crash is raised with them still running
         culprit_window_s=5.0   abnormal ends this close after the first are weighed for the culprit (the
                                agent sees a process without a goodbye up to its tick later)
+        settle_s=1.0           once every rank has ended, seconds of event time before the job is judged
+                               (the ranks' last steps, fetched with their goodbyes, are read first)
     """
 
     name = "lifecycle"
 
-    def __init__(self, *, grace_s: float = 2.0, culprit_window_s: float = 5.0):
-        if not 0 < grace_s <= 600 or not 0 < culprit_window_s <= 600:
-            raise ValueError("lifecycle: need 0 < grace_s <= 600 and 0 < culprit_window_s <= 600")
+    def __init__(self, *, grace_s: float = 2.0, culprit_window_s: float = 5.0, settle_s: float = 1.0):
+        if not 0 < grace_s <= 600 or not 0 < culprit_window_s <= 600 or not 0 <= settle_s <= 600:
+            raise ValueError("lifecycle: need 0 < grace_s <= 600, 0 < culprit_window_s <= 600, 0 <= settle_s <= 600")
         self.grace_ns, self.window_ns = int(grace_s * 1e9), int(culprit_window_s * 1e9)
+        self.settle_ns = int(settle_s * 1e9)
 
     def update(self, ctx: JobContext, block: StepBlock) -> list[Alert]:
         return []
@@ -176,24 +201,32 @@ class Lifecycle(Detector):
         last = ctx.last_step if ctx.last_step is not None else np.zeros(0, np.int64)
         seen = np.flatnonzero(last >= 0)
         if not len(seen):
-            seen = np.array(sorted(life.first), dtype=np.int64)
+            return []                                    # no step of the job read yet: nothing to judge
+        caught_up = getattr(ctx, "caught_up", None)
+        if getattr(ctx, "backlog", False) or caught_up is not None and not caught_up():
+            return []                                    # its last steps may still be on their way
         done, alive = life.ended(seen)
         if not done:
             return []
         now = max(int(now_ns), max(e.t for e in life.first.values()))
-        ends = sorted(((life.first[r].t, r) for r in done))
-        t0, r0 = ends[0]
+        ends = sorted(((life.first[r].t_lo, life.first[r].t, r) for r in done))
+        t0, _, r0 = ends[0]
         first = life.first[r0]
+        crashed = first.abnormal or first.how == "stop" and self._hard_end_near(life, done, first.t)
         if alive:
             if life.hung_ns and life.hung_ns <= t0:
                 return []                                # a hung job being ended: its hang alert said it
-            if first.abnormal and now - min(e.t for e in life.first.values() if e.abnormal) >= self.grace_ns:
+            if crashed and now - min(e.t for e in life.first.values() if e.abnormal) >= self.grace_ns:
                 return self._crash(ctx, life, done, alive, now)
             return []                                    # the others may still end: wait
-        # every rank that reported has ended
+        # every rank that reported has ended: judged once their last rows have had time to be read (a
+        # consumer's position moves with what it fetched, not with what was handled: steps fetched with
+        # the goodbyes may still wait in the same poll)
+        if now - max(life.first[r].t for r in done) < self.settle_ns:
+            return []
         if life.hung_ns and life.hung_ns <= t0:
             return [self._job_end(ctx, life, "ended_while_hung", done, now)]
-        if first.abnormal and not self._teardown_only(ctx, life, done):
+        if crashed and not self._teardown_only(ctx, life, done):
             return self._crash(ctx, life, done, alive, now)
         out = []
         failed = [r for r in done if life.first[r].abnormal or r in life.later]
@@ -208,6 +241,18 @@ class Lifecycle(Detector):
         return out
 
     # -- judgements ---------------------------------------------------------------------------------
+    def _hard_end_near(self, life: JobLife, done: list[int], t_stop: int) -> bool:
+        """A rank ended hard (gone without a word, a fatal signal, an exception that is not a peer's lost
+        connection) within the culprit window of the first stop signal: the stop was a launcher's answer
+        to that rank's death (torchrun and torch.multiprocessing SIGTERM the others when one rank dies,
+        before the agent has even looked), not a scheduler's stop (which signals every rank)."""
+        for r in done:
+            e = life.first[r]
+            if e.abnormal and e.t_lo <= t_stop + self.window_ns and not (
+                    e.how == "error" and e.error and PEER_LOST.search(e.error)):
+                return True
+        return False
+
     def _teardown_only(self, ctx, life: JobLife, done: list[int]) -> bool:
         """Every abnormal end is of a rank whose work was done: all others exited 0 and it had reached
         their last step."""
@@ -222,7 +267,7 @@ class Lifecycle(Detector):
         return all(int(ls[r]) >= top for r in bad)
 
     def _culprit(self, life: JobLife) -> int:
-        bad = [(e.t, r) for r, e in life.first.items() if e.abnormal]
+        bad = [(e.t_lo, r) for r, e in life.first.items() if e.abnormal]
         t0 = min(t for t, _ in bad)
         near = [(t, r) for t, r in bad if t - t0 <= self.window_ns]
 
@@ -247,7 +292,9 @@ class Lifecycle(Detector):
               "ends": {str(x): life.first[x].doc() for x in sorted(done, key=lambda x: life.first[x].t)[:8]}}
         if e.stack:
             ev["stack"] = e.stack[-2048:]
-            ev["at"] = hang.stack_line(e.stack)
+            at = traceback_line(e.stack)
+            if at:
+                ev["at"] = at
         others = ""
         if alive:
             ev["running"] = sorted(alive)[:16]

@@ -131,6 +131,7 @@ class Probe(Hooks, Replay, Transport, DeviceTiming):
         self._dev_next = 0
         self.dev_timed = self.dev_unready = 0
         self._step_ctx = _StepCtx(self)
+        self._exitw = ExitWatch(self)              # the goodbye: how this process ends (exitwatch)
         self._reset_counters()
         self._reset_step_state()
         self._need_hello = True
@@ -192,7 +193,6 @@ class Probe(Hooks, Replay, Transport, DeviceTiming):
         self._cpu_prev = None                      # (perf ns, cpu ns, wait ns) at the last sample
         self._clear_step()
         self._n_gc = 0
-        self._exitw = ExitWatch(self)              # the goodbye: how this process ends (exitwatch)
 
     def _clear_step(self) -> None:
         """Zero what the last step used (O(phases and collective kinds used), no allocation)."""
