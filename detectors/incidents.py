@@ -9,15 +9,18 @@ later. An operator wants one incident per fault: the cause, with its consequence
 incident by these rules, in order:
 
 1. **The same alert again** (a status change: resolved, or a re-send) goes where it went before.
-2. **Same place**: an alert naming ranks joins the incident that names an overlapping rank set (or the
-   same node), if that incident is still firing or went quiet less than ``cooldown_steps`` steps before
-   the alert's first step: a straggler that resolves and fires again, a rank stall after a slow rank,
-   a jitter alert naming the intermittent straggler.
+2. **Same place**: an alert naming ranks joins the incident that names an overlapping rank set (a
+   node-scoped kind, :data:`NODE_KINDS`, also the same single node), if that incident is still firing or
+   went quiet less than ``cooldown_steps`` steps before the alert's first step: a straggler that resolves
+   and fires again, a rank stall after a slow rank, a jitter alert naming the intermittent straggler. A
+   resolved incident takes only its own kind re-firing. An incident a :data:`NOISE_KINDS` alert (jitter)
+   opened takes nothing else but the fault behind it: a rank-naming cause on the same ranks whose first
+   step is within ``lead_steps`` of the noise, which then names it.
 3. **Consequence of a localised cause**: a job-wide alert (no ranks: ``regression``, ``recovery``,
    ``jitter``, ``mfu_regression``, …) joins the newest firing (or quiet for less than the cool-down)
    rank/node/group incident when its cause is one a slow rank produces on the whole job
    (``communication``: the others wait; ``computation``; ``unknown``) or the incident's own cause, and it
-   began no more than ``lead_steps`` steps before that incident. A job-wide data-wait or GC regression
+   began within ``lead_steps`` steps of that incident's onset. A job-wide data-wait or GC regression
    beside a compute straggler stays its own incident: two faults.
    Any other job-wide change that began within ``lead_steps`` of the localised fault's first step and
    whose cause a straggler can produce (not ``io``/``gc``) is its consequence too: a ``regression`` when
@@ -66,7 +69,13 @@ CAUSE_KINDS = {"slow_rank", "slow_node", "slow_group", "rank_stall", "node_stall
 EXPLAINS = 1.5
 #: localised kinds whose incident can hold job-wide consequences
 LOCAL_KINDS = {"slow_rank", "slow_node", "slow_group", "rank_stall", "node_stall", "comm_slow_link", "jitter",
-               "job_hang"}
+               "job_hang", "rank_crash"}
+#: low-severity observations: an incident they open holds nothing else (unless the fault behind the noise
+#: shows itself on the same ranks while the noise is still fresh: then that fault names it)
+NOISE_KINDS = {"jitter"}
+#: kinds whose scope is a node: only these join another incident by a shared node (all ranks of a one-node
+#: job share the node; two ranks' faults there are two faults)
+NODE_KINDS = {"slow_node", "node_stall"}
 
 
 def incident_id(job: str, root_alert_id: str) -> str:
@@ -131,21 +140,29 @@ class Incident:
     shift_ms: float | None = None                 # job-wide: step-time shift of the alert that opened it
     onset: int | None = None                      # localised: first step of its newest rank-naming fire
     wide: dict = field(default_factory=dict)      # job-wide alerts it holds: cause -> newest step_detected
+    noise: bool = False                           # opened by a low-severity observation (NOISE_KINDS)
+    quiet: bool = False                           # closed after a quiet period (Incidents.expire)
+    noise_ids: set = field(default_factory=set)   # its NOISE_KINDS alerts (they hold no other incident open)
 
 
     @property
     def status(self) -> str:
         """A localised incident fires while one of its rank-naming alerts does (its job-wide consequences,
         whose regression alerts never resolve, do not hold it open); a job-wide one until recovered."""
-        if self.closed:
+        if self.closed or self.quiet:
             return "resolved"
-        if self.local and self.local_ids:
-            return "firing" if any(self.firing.get(i) for i in self.local_ids) else "resolved"
-        return "firing" if any(self.firing.values()) else "resolved"
+        hold = self.local_ids if self.noise else self.local_ids - self.noise_ids
+        if self.local and hold:
+            return "firing" if any(self.firing.get(i) for i in hold) else "resolved"
+        hold = set(self.firing) if self.noise else set(self.firing) - self.noise_ids
+        return "firing" if any(self.firing.get(i) for i in hold) else "resolved"
 
     def active_at(self, step: int, cooldown: int) -> bool:
         """A localised incident is active while firing and ``cooldown`` steps after; a job-wide one (whose
-        regression alerts never resolve) for ``cooldown`` steps after its newest alert."""
+        regression alerts never resolve) for ``cooldown`` steps after its newest alert; neither once closed
+        after a quiet period."""
+        if self.quiet:
+            return False
         if self.local and self.status == "firing":
             return True
         return step - self.step_last <= cooldown
@@ -155,9 +172,10 @@ class Incidents:
     """Groups one job's alerts into incidents (see the module docs)."""
 
     def __init__(self, cooldown_steps: int = 50, lead_steps: int = 20, timeline_max: int = 24,
-                 keep: int = 256):
+                 keep: int = 256, quiet_steps: int = 300):
         self.cooldown, self.lead, self.timeline_max, self.keep = int(cooldown_steps), int(lead_steps), \
             int(timeline_max), int(keep)
+        self.quiet_steps = int(quiet_steps)
         self.by_alert: dict[str, str] = {}
         self.incidents: dict[str, Incident] = {}
 
@@ -169,28 +187,47 @@ class Incidents:
         step = int(a.step_first)
         newest = sorted(self.incidents.values(), key=lambda i: i.step_last, reverse=True)
         ranks, nodes = set(int(r) for r in a.ranks), set(a.nodes)
+        noise = a.kind in NOISE_KINDS
         if ranks:
             for inc in newest:
-                if inc.local and inc.active_at(step, self.cooldown) and (
-                        ranks & inc.ranks or (len(nodes) == 1 and nodes <= inc.nodes and len(inc.nodes) == 1)):
-                    if a.kind in CAUSE_KINDS and inc.kind not in CAUSE_KINDS:
-                        return inc, "cause"                  # the straggler behind a jitter on its rank
-                    return inc, "refire" if inc.kind == a.kind else "consequence"
+                if not inc.local or not inc.active_at(step, self.cooldown):
+                    continue
+                node_scoped = a.kind in NODE_KINDS or inc.kind in NODE_KINDS
+                if not (ranks & inc.ranks or node_scoped and len(nodes) == 1 and nodes <= inc.nodes
+                        and len(inc.nodes) == 1):
+                    continue
+                if inc.noise and not noise:
+                    # noise holds nothing; the fault behind it names it when it shows itself on the same
+                    # ranks while the noise is fresh (its first step within lead_steps of the noise)
+                    if a.kind in CAUSE_KINDS and ranks & inc.ranks and \
+                            inc.step_first - self.lead <= step <= inc.step_last + self.lead:
+                        return inc, "cause"
+                    continue
+                if a.kind in CAUSE_KINDS and inc.kind not in CAUSE_KINDS:
+                    return inc, "cause"
+                if inc.status == "resolved" and a.kind != inc.kind and not noise:
+                    continue                                 # another fault after the first resolved
+                return inc, "refire" if inc.kind == a.kind else "consequence"
+            if noise:
+                return None, "root"
             for inc in newest:                               # the job-wide effect was seen first: its cause
-                if not inc.local and inc.status == "firing" and inc.active_at(step, self.cooldown) and \
-                        abs(inc.step_first - step) <= self.lead and (
+                if not inc.local and not inc.noise and inc.status == "firing" and \
+                        inc.active_at(step, self.cooldown) and abs(inc.step_first - step) <= self.lead and (
                             inc.cause not in OWN_CAUSES or inc.cause == a.cause):
                     inc.local = True
                     return inc, "cause"
             return None, "root"
         for inc in newest:                                   # job-wide: a consequence of a local fault?
+            if not inc.local or inc.noise or not inc.active_at(step, self.cooldown):
+                continue
             onset = inc.step_first if inc.onset is None else inc.onset
-            if inc.local and inc.active_at(step, self.cooldown) and step >= inc.step_first - self.lead and (
-                    a.cause in CONSEQUENCE_CAUSES or a.cause == inc.cause or (
-                        abs(step - onset) <= self.lead and a.cause not in OWN_CAUSES and (
-                            a.kind != "regression" or explains(inc.excess_ms, _shift_ms(a), a.cause)))):
+            near = abs(step - onset) <= self.lead
+            if near and (a.cause in CONSEQUENCE_CAUSES or a.cause == inc.cause or a.cause not in OWN_CAUSES and (
+                    a.kind != "regression" or explains(inc.excess_ms, _shift_ms(a), a.cause))):
                 return inc, "consequence"
         for inc in newest:                                   # the same job-wide change
+            if inc.noise and not noise or inc.quiet and a.kind != "recovery":
+                continue
             if inc.local:                                    # ... held as a consequence of a local fault
                 if a.kind != "recovery" and a.cause in inc.wide and step - inc.wide[a.cause] <= self.cooldown \
                         and inc.active_at(step, self.cooldown):
@@ -208,12 +245,12 @@ class Incidents:
         if inc is None:
             inc = Incident(id=incident_id(a.job, a.alert_id), job=a.job, root=a.alert_id, kind=a.kind,
                            cause=a.cause, local=bool(a.ranks), step_first=int(a.step_first),
-                           step_last=int(a.step_detected))
+                           step_last=int(a.step_detected), noise=a.kind in NOISE_KINDS)
             inc.named_by, inc.shift_ms = a.alert_id, _shift_ms(a)
             self.incidents[inc.id] = inc
             self._bound()
         if role == "cause":                                  # the localised cause names the incident
-            inc.kind, inc.cause, inc.named_by = a.kind, a.cause, a.alert_id
+            inc.kind, inc.cause, inc.named_by, inc.noise = a.kind, a.cause, a.alert_id, False
         self._add(inc, a)
         a.incident_id = inc.id
         a.evidence = dict(a.evidence)                        # resolved alerts share the firing one's dict
@@ -241,6 +278,8 @@ class Incidents:
                 inc.firing.get(i) for i in inc.local_ids) else inc.onset
         if not a.ranks:
             inc.wide[a.cause] = max(inc.wide.get(a.cause, 0), int(a.step_detected))
+        if a.kind in NOISE_KINDS:
+            inc.noise_ids.add(a.alert_id)
         if a.ranks:
             inc.local_ids.add(a.alert_id)
             x = _excess_ms(a)
@@ -260,6 +299,17 @@ class Incidents:
             inc.firing[a.alert_id] = False
         inc.timeline.append([int(a.step_detected), a.kind, a.status, a.alert_id])
         del inc.timeline[:-self.timeline_max]
+
+    def expire(self, step: int) -> list[str]:
+        """Close the incidents quiet for ``quiet_steps`` steps at ``step`` (no new alert, none of their
+        rank-naming alerts still firing): a later alert opens a new incident. Returns their ids."""
+        out = []
+        for inc in self.incidents.values():
+            if not inc.quiet and step - inc.step_last > self.quiet_steps and not (
+                    inc.local and inc.status == "firing"):
+                inc.quiet = True
+                out.append(inc.id)
+        return out
 
     def summary(self, inc: Incident, role: str) -> dict:
         return {"id": inc.id, "status": inc.status, "role": role, "root": inc.root, "kind": inc.kind,

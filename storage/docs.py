@@ -20,7 +20,10 @@ ABOUT = {
     "comm": "One row per rank per step per collective kind and group (wire `comm/1`).",
     "alerts": "One row per alert state change (`firing`, then `resolved`) written by the processor. "
               "`alert_id` is stable for the same finding; `evidence` is JSON text; `incident_id` groups the "
-              "alerts of one fault (cause, consequences, re-fires; null in rows written before incidents).",
+              "alerts of one fault (cause, consequences, re-fires; null in rows written before incidents). "
+              "Lifecycle events are rows too: `job_end` (severity `info`, status `resolved` only, never sent "
+              "as an alert; `evidence.outcome` `finished`, `stopped`, `exit_failed` or `ended_while_hung`), "
+              "beside the alerts `rank_crash` (critical) and `exit_failed` (warning).",
     "deadletter": "Rejected input: ONE row per source message (Kafka topic, partition, offset), whether the "
                   "whole message was refused (`row` null) or some of its rows (`row` = index of the first bad "
                   "row; `reason` = how many rows and the first distinct reasons). `payload` is the raw message "
@@ -47,7 +50,11 @@ ABOUT["inflight"] = ("What ranks were doing while a step ran far longer than usu
                      "rank every few seconds from the probe's watchdog (`source` = `probe`: `state` collective with "
                      "`op`/`group`/`seq`, data or compute, the main thread's `stack`; `done` when the step ended), and "
                      "rows from the node agent for a rank that cannot speak (`source` = `agent`: `stopped`, `gone`, "
-                     "`silent`). The `job_hang` alert names the ranks from these (docs/detectors.md).")
+                     "`silent`). The `job_hang` alert names the ranks from these (docs/detectors.md). A rank's "
+                     "goodbye is a row too (`source` = `probe`, `state` = `exited`, with `exit_code`, `signal` and "
+                     "`error` — the exception, its traceback in `stack`): how each rank ended, from which the "
+                     "processor tells a finished or stopped job (a `job_end` row in `alerts`) from a crash "
+                     "(`rank_crash`) and a hang (docs/detectors.md#lifecycle).")
 ABOUT["efficiency"] = ("Written by the processor's `mfu` detector: one row per job and closed step. `mfu` = "
                        "`model_flops` / (`step_ms`/1000 x `devices` x `peak_tflops` x 1e12); goodput over a window "
                        "= sum(`productive_ms`) / sum(`wall_ms`). Definitions and the peak table: docs/efficiency.md.")

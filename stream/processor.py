@@ -462,6 +462,8 @@ class Processor(Intake, CaughtUp):
                 self.job_metrics.on_block(ctx, blk)
         replay(rt.detectors, ctx, blocks, call=lambda det, fn, *a: self._call(rt, det, fn, *a),
                on_block=on_block, out=lambda det, alerts, rows: self._out(rt, alerts, rows))
+        if blocks and len(blocks[-1]):
+            rt.incidents.expire(int(blocks[-1].steps[-1]))   # incidents quiet for long are closed
 
     def _run_detector(self, rt: JobRuntime, det, fn, *args) -> None:
         """Call one detector entry point outside a replay (``tick``) and hand out what it returns, as
