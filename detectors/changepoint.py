@@ -12,6 +12,7 @@ from .base import Alert, Detector, JobContext, StepBlock
 from .causes import (PHASE_CAUSE, PHASES, SUGGESTIONS, attribute, confirm_shift, job_host_shift, nanmedian,
                      phase_arrays)
 # the offline search, re-exported: ``from stepwatch.detectors.changepoint import find`` keeps working
+from .steady import SteadyGate
 from .cpsearch import (LOCAL, PENALTY_C, RHO_MAX, TREND_T, _median, block_sigma, find,  # noqa: F401
                        median_filter, noise_scales, noise_sigma, segment_noise)
 
@@ -140,6 +141,9 @@ class ChangePoint(Detector):
         warmup=10        the job's first steps seen are left out of every series: allocator growth,
                          autotuning, compilation, DDP's bucket rebuild and a DataLoader filling its queue
                          make them no steady state (not a "before" to compare with)
+        steady=True      beyond that, nothing is judged until the job's step time is steady (its own
+                         stability says when: detectors.steady); the warm-up's end is a known break, and
+                         no change inside the warm-up is alerted
     """
 
     name = "changepoint"
@@ -153,7 +157,7 @@ class ChangePoint(Detector):
                  floor_share: float = 0.5, persist: float = 0.8, phases: bool = True,
                  phase_min_effect: float = 0.10, phase_min_share: float = 0.002,
                  phase_small_share: float = 0.01, phase_small_effect: float = 1.0, min_steps: int = 40,
-                 warmup: int = 10):
+                 warmup: int = 10, steady: bool = True):
         if window < 4 * min_size or min_size < 2:
             raise ValueError("changepoint: need min_size >= 2 and window >= 4 * min_size")
         if every < 1 or phase_sample < 1:
@@ -169,6 +173,8 @@ class ChangePoint(Detector):
         self.persist, self.phases = float(persist), bool(phases)
         self.min_steps = int(min_steps)
         self.warmup, self._seen = max(0, int(warmup)), 0
+        self._steady = SteadyGate() if steady else None    # warm-up judged by the data (detectors.steady)
+        self._steady_marked = False
         self.phase_min_effect, self.phase_min_share = float(phase_min_effect), float(phase_min_share)
         self.phase_small_share, self.phase_small_effect = float(phase_small_share), float(phase_small_effect)
         W = self.window
@@ -193,7 +199,9 @@ class ChangePoint(Detector):
         S = len(block)
         if S == 0 or block.step_ms.ndim != 2 or block.step_ms.shape[1] == 0:
             return []
-        if self._seen < self.warmup:                                             # the job's warm-up steps
+        if self._steady is not None and not self._steady.steady:
+            self._steady.warm(block)                     # (its steps still fill the window: the stable stretch
+        if self._seen < self.warmup:                     # is the first baseline) the job's first steps
             skip = min(self.warmup - self._seen, S)
             self._seen += skip
             if skip == S:
@@ -259,6 +267,14 @@ class ChangePoint(Detector):
         n = len(vals)
         if n < 3 * self.min_size:
             return []
+        gate = self._steady
+        if gate is not None:
+            if not gate.steady:
+                return []                                # warm-up: nothing judged
+            if not self._steady_marked:                  # the warm-up's end is a known break, never alerted
+                self._steady_marked = True
+                if gate.start is not None and gate.start > int(steps[0]):
+                    self._reported.append(int(gate.start))
         # forget reported changes that left the window (they cannot be found again)
         lo = int(steps[0]) - self.min_size
         self._reported = [r for r in self._reported if r >= lo]
@@ -279,6 +295,8 @@ class ChangePoint(Detector):
             for j, name in enumerate(self._PH):
                 cands += self._candidates(name, ph[:, j], steps, known if name == "comm_wait_ms" else kp,
                                           step_level)
+        if gate is not None and gate.start is not None:
+            cands = [c for c in cands if c["step_first"] >= gate.start]      # changes inside the warm-up
         if not cands:
             return []
         # one alert per change: candidates of all series within min_size steps of each other are one

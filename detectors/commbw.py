@@ -9,6 +9,7 @@ import pyarrow.compute as pc
 
 from stepwatch.agents.probe.collectives import device_family
 
+from .steady import SteadyGate
 from .base import Alert, Detector, JobContext, StepBlock
 from .busbw import comm_analysis
 from .causes import SUGGESTIONS, nanmedian
@@ -41,7 +42,12 @@ class CommBandwidth(Detector):
       ``straggler_share`` of the ranks: those the slow-rank detector names; in a job where that share is
       less than one rank, the least-waiting rank waiting less than half the median of the others) → look
       for the straggler;
-      the evidence lists the ranks that wait least.
+      the evidence lists the ranks that wait least. A job sync-bound from its steady state on (the way its
+      ranks' noise makes them wait: two ranks on a busy host) is so by nature: its ``comm_bw`` rows say
+      ``sync-bound``, no alert; only an episode after ``clear`` evaluations without it is alerted.
+
+    Nothing is judged before the job's step time is steady (:mod:`~stepwatch.detectors.steady`): the
+    analysis windows start at the stable stretch.
 
     Settings (keyword arguments, defaults):
         window=20            steps per analysis window
@@ -79,6 +85,9 @@ class CommBandwidth(Detector):
         self.sync_share, self.straggler_share = float(sync_share), float(straggler_share)
         self.link_gbps, self.link, self.max_pending = dict(link_gbps or {}), link, int(max_pending)
         self._eps = _Episodes(int(clear))
+        self._steady = SteadyGate()               # nothing judged in the warm-up (detectors.steady)
+        self._sync_native: bool | None = None     # sync-bound at the first steady evaluation: the job's own way
+        self._sync_clear = 0                      # evaluations since without it
         W = self.window + self.lag + 4
         self._st = np.full(W, -1, dtype=np.int64)       # recent closed steps, their median step time, t_end
         self._ms = np.full(W, np.nan)
@@ -133,6 +142,8 @@ class CommBandwidth(Detector):
         if S == 0 or block.step_ms.ndim != 2 or block.step_ms.shape[1] == 0:
             return []
         self._pull(ctx)
+        if not self._steady.steady:
+            self._steady.warm(block)
         med = nanmedian(block.step_ms, axis=1)
         out = []
         for s in range(S):
@@ -149,6 +160,8 @@ class CommBandwidth(Detector):
     def _evaluate(self, ctx: JobContext, step_now: int) -> list[Alert]:
         hi = step_now - self.lag
         lo = hi - self.window + 1
+        # its rows are measured always; findings are judged only past the warm-up (no evidence before)
+        judge = self._steady.steady and lo >= self._steady.start
         m = (self._st >= lo) & (self._st <= hi)
         if m.sum() < self.min_steps:
             return []
@@ -179,7 +192,7 @@ class CommBandwidth(Detector):
             calls = g["calls"]
             share = float(calls[small].sum() / calls.sum()) if calls.sum() > 0 else 0.0
             cps = float(calls.sum() / max(res["ranks"] * res["steps"], 1))
-            if share >= self.small_share and cps >= self.min_calls and comm_share >= self.min_comm_share:
+            if judge and share >= self.small_share and cps >= self.min_calls and comm_share >= self.min_comm_share:
                 diag[small] = "small-messages"
                 present.add("small")
                 alerts += self._eps.seen("small", lambda: self._small_alert(ctx, g, res, small, share, cps,
@@ -188,13 +201,14 @@ class CommBandwidth(Detector):
             bus = g["busbw_gbps"]
             for idx, ref in _peer_medians(g, bus, self.min_peers):
                 for j, r in zip(idx.tolist(), ref.tolist()):
-                    if r > 0 and bus[j] < self.slow_ratio * r:
+                    if judge and r > 0 and bus[j] < self.slow_ratio * r:
                         diag[j] = "slow-link"
                         key = f"slow|{g['op'][j]}|{g['group'][j]}"
                         present.add(key)
                         alerts += self._eps.seen(key, lambda j=j, ref=r: self._slow_alert(
                             ctx, t, res, g, j, ref, step_ms, step_first, step_now, t_now))
         # sync-bound (job-wide), unless a few stragglers explain it (slow_rank names them)
+        sync = False
         ws = res.get("wait_share")
         if ws is not None and len(res["rank_wait"][1]):
             # only the wait above each step's least one is waiting for a peer: what every rank waits on
@@ -202,7 +216,7 @@ class CommBandwidth(Detector):
             # both ranks, every step), which a sync-bound diagnosis must not count
             mw = float(np.mean(res["rank_wait"][1]))
             ws = ws * max(0.0, 1.0 - res.get("floor_wait", 0.0) / mw) if mw > 0 else ws
-        if ws is not None and ws >= self.sync_share and comm_share >= self.min_comm_share:
+        if judge and ws is not None and ws >= self.sync_share and comm_share >= self.min_comm_share:
             ranks, wait = res["rank_wait"]
             medw = float(np.median(wait)) if len(wait) else 0.0
             few = (wait < 0.25 * medw).sum() if medw > 0 else 0
@@ -219,9 +233,22 @@ class CommBandwidth(Detector):
             if not explained:
                 if g:
                     diag[np.asarray(g["wait_share"]) >= self.sync_share] = "sync-bound"
-                present.add("sync")
-                alerts += self._eps.seen("sync", lambda: self._sync_alert(ctx, res, ranks, wait, ws, comm_share,
-                                                                         step_first, step_now, t_now))
+                sync = True
+                if self._sync_native is None:
+                    self._sync_native = True             # so from its steady state on: the job's own way
+                self._sync_clear = 0
+                if not self._sync_native:
+                    present.add("sync")
+                    alerts += self._eps.seen("sync", lambda: self._sync_alert(ctx, res, ranks, wait, ws,
+                                                                             comm_share, step_first, step_now,
+                                                                             t_now))
+        if judge and not sync and ws is not None:
+            if self._sync_native is None:
+                self._sync_native = False                # not sync-bound when first judged
+            elif self._sync_native:
+                self._sync_clear += 1
+                if self._sync_clear >= self._eps.clear:
+                    self._sync_native = False            # it went away: a later episode is a change
         if g:
             k = len(g["op"])
             _pending_add(self._pending, pa.table({
@@ -236,6 +263,8 @@ class CommBandwidth(Detector):
                     "algbw_gbps", "busbw_gbps", "peak_gbps", "util")},
                 "diagnosis": pa.array(diag.tolist(), pa.string()),
             }), self.max_pending)
+        if not judge:
+            return []
         return alerts + self._eps.sweep(present, step_now, t_now)
 
     def _small_alert(self, ctx, g, res, small, share, cps, step_first, step_now, t_now) -> Alert:

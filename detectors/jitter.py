@@ -9,6 +9,7 @@ import numpy as np
 
 from .base import Alert, Detector, JobContext, StepBlock
 from .causes import PHASE_CAUSE, SUGGESTIONS, host_gap, nanmedian
+from .steady import SteadyGate
 
 _PH = ("data_ms", "compute_ms", "comm_ms", "gc_ms", "host_gap_ms")
 def swv_pad(x: np.ndarray, w: int) -> np.ndarray:
@@ -64,6 +65,9 @@ class Jitter(Detector):
         min_every=5            shortest checkpoint period (steps) recognised
         alarm_checkpoints=False  count checkpoint steps as slow steps
         history=256            steps kept for evidence and the long-run ratio
+        steady=True            nothing is judged until the job's step time is steady (detectors.steady: its
+                               own stability says when the warm-up ended); slow steps count from the
+                               stable stretch on
         warmup=20              the job's first steps seen are not judged nor a baseline: allocator growth,
                                autotuning, compilation and DDP's bucket rebuild make them no steady state
     """
@@ -72,7 +76,7 @@ class Jitter(Detector):
 
     def __init__(self, *, threshold: float = 1.1, window: int = 20, ratio: float = 0.2, clear_window: int = 40,
                  baseline: int = 21, spike: float = 1.3, min_periods: int = 4, min_every: int = 5,
-                 alarm_checkpoints: bool = False, history: int = 256, warmup: int = 20):
+                 alarm_checkpoints: bool = False, history: int = 256, warmup: int = 20, steady: bool = True):
         if threshold <= 1 or not 0 < ratio <= 1 or window < 2 or baseline < 3 or min_periods < 2:
             raise ValueError("jitter: need threshold > 1, 0 < ratio <= 1, window >= 2, baseline >= 3, "
                              "min_periods >= 2")
@@ -83,6 +87,7 @@ class Jitter(Detector):
         self.min_periods, self.alarm_checkpoints, self.history = int(min_periods), bool(alarm_checkpoints), int(history)
         self.min_every = max(2, int(min_every))
         self.warmup, self._seen = max(0, int(warmup)), 0
+        self._steady = SteadyGate(min_steps=self.warmup) if steady else None   # warm-up judged by the data
         H = self.history
         self._n = 0
         self._step = np.full(H, -1, dtype=np.int64)
@@ -119,7 +124,17 @@ class Jitter(Detector):
         S = len(block)
         if S == 0 or block.step_ms.ndim != 2 or block.step_ms.shape[1] == 0:
             return []
-        if self._seen < self.warmup:                  # the job's warm-up steps
+        g = self._steady
+        if g is not None and not g.steady:              # warm-up: the steps fill the history, none is judged
+            g.warm(block)
+            if g.steady:                                 # judged from the stable stretch on
+                self._flags = deque(([int(self._step[i]), bool(self._slow[i]), bool(self._ckpt[i])]
+                                     for i in self._last(self.history).tolist()
+                                     if np.isfinite(self._b[i]) and self._step[i] >= g.start),
+                                    maxlen=None)
+                while len(self._flags) > self._keep:
+                    self._flags.popleft()
+        if self._seen < self.warmup:                  # the job's first steps (a gate's minimum)
             skip = min(self.warmup - self._seen, S)
             self._seen += skip
             if skip == S:
@@ -192,7 +207,8 @@ class Jitter(Detector):
         self._slow[i], self._wide[i], self._ckpt[i], self._gate[i] = slow, wide, False, gate
         self._gph[i], self._mph[i] = gph, mph
         self._n += 1
-        if np.isfinite(b):
+        g = self._steady
+        if np.isfinite(b) and (g is None or g.steady and step >= g.start):
             self._flags.append([step, slow, False])
             if len(self._flags) > self._keep:
                 self._flags.popleft()
@@ -266,7 +282,10 @@ class Jitter(Detector):
         if n < self.window or c < math.ceil(self.ratio * self.window - 1e-9):
             return []
         win = self._last(self.history)
-        win = win[np.isfinite(self._b[win])][-self.window:]
+        ok = np.isfinite(self._b[win])
+        if self._steady is not None and self._steady.start is not None:
+            ok &= self._step[win] >= self._steady.start
+        win = win[ok][-self.window:]
         a = self._alert(ctx, win, step, t_end)
         self._open = a
         return [a]

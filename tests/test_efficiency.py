@@ -214,7 +214,8 @@ def test_small_messages_and_sync_bound():
     def small(s):       # 1,000 calls of 64 KiB per rank and step over NVLink (within one node per group)
         return comm_rows([(r, s, "all_reduce", f"g{r // 4}", 1000, 1000 * 65536, 20.0, 1.0, 4) for r in range(R)])
     ctx = ctx_of(R, device_type="H100")
-    alerts = feed_comm(CommBandwidth(), ctx, 30, small)
+    assert feed_comm(CommBandwidth(), ctx_of(R, device_type="H100"), 30, small) == []   # warm-up: not judged
+    alerts = feed_comm(CommBandwidth(), ctx, 60, small)          # from the steady state on: the job's way
     assert [a.kind for a in alerts] == ["comm_small_messages"]
     assert "tensor fusion" in alerts[0].suggestion and alerts[0].ranks == []
     assert alerts[0].evidence["size_histogram"]["64KiB-1MiB"] > 0
@@ -224,19 +225,24 @@ def test_small_messages_and_sync_bound():
         #                 19.5 ms on average), sync-bound
         return comm_rows([(r, s, "all_reduce", f"g{r // 4}", 1, 2**30, 30.0, (0.0, 25.0, 26.0, 27.0)[(r + s) % 4], 4)
                           for r in range(R)])
-    alerts = feed_comm(CommBandwidth(), ctx_of(R, device_type="H100"), 30, syncb)
+    # sync-bound from its steady state on: the job's own way (its comm_bw rows say so), no alert
+    assert feed_comm(CommBandwidth(), ctx_of(R, device_type="H100"), 90, syncb) == []
+
+    def latency(s):     # every rank waits 24 ms on every step: nobody waits for a peer (the collective's latency)
+        return comm_rows([(r, s, "all_reduce", f"g{r // 4}", 1, 2**30, 30.0, 24.0, 4) for r in range(R)])
+    # a job that becomes sync-bound (the latency-bound job from step 60 on): a change, alerted
+    alerts = feed_comm(CommBandwidth(), ctx_of(R, device_type="H100"), 100, lambda s: latency(s) if s < 60 else syncb(s))
     assert [a.kind for a in alerts] == ["comm_sync_bound"] and alerts[0].cause == "parallelism"
     assert "look for the straggler" in alerts[0].suggestion.lower()
     assert 15.0 < alerts[0].evidence["least_waiting"][0]["wait_ms"] <= 19.5    # 19.5 over whole rotations
 
-    def latency(s):     # every rank waits 24 ms on every step: nobody waits for a peer (the collective's latency)
-        return comm_rows([(r, s, "all_reduce", f"g{r // 4}", 1, 2**30, 30.0, 24.0, 4) for r in range(R)])
-    assert feed_comm(CommBandwidth(), ctx_of(R, device_type="H100"), 30, latency) == []
+    assert feed_comm(CommBandwidth(), ctx_of(R, device_type="H100"), 60, latency) == []
 
     def straggler(s):   # one rank everyone waits for: left to slow_rank (it names the rank)
         return comm_rows([(r, s, "all_reduce", f"g{r // 4}", 1, 2**30, 30.0 if r else 6.0, 24.0 if r else 0.0, 4)
                           for r in range(R)])
-    assert feed_comm(CommBandwidth(), ctx_of(R, device_type="H100"), 30, straggler) == []
+    assert feed_comm(CommBandwidth(), ctx_of(R, device_type="H100"), 100,
+                     lambda s: latency(s) if s < 60 else straggler(s)) == []
 
 
 def test_incremental_comm_aggregate_matches_comm_analysis():

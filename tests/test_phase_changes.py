@@ -225,7 +225,7 @@ def test_the_warm_up_steps_are_no_before_to_compare_with():
     assert kinds(ChangePoint()) == []
     # judged from step 0 the drop is a recovery (led by the step time it moved); alerted only when a
     # recovery need not undo a reported regression
-    assert [k for k, _ in kinds(ChangePoint(warmup=0, recovery_needs_regression=False))] == ["recovery"]
+    assert [k for k, _ in kinds(ChangePoint(warmup=0, steady=False, recovery_needs_regression=False))] == ["recovery"]
     assert kinds(ChangePoint(warmup=0)) == []
 
 
