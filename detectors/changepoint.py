@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 
@@ -175,6 +176,7 @@ class ChangePoint(Detector):
         self.warmup, self._seen = max(0, int(warmup)), 0
         self._steady = SteadyGate() if steady else None    # warm-up judged by the data (detectors.steady)
         self._steady_marked = False
+        self._xfer: bool | None = None                    # communication judged by its transfer (_transfer)
         self.phase_min_effect, self.phase_min_share = float(phase_min_effect), float(phase_min_share)
         self.phase_small_share, self.phase_small_effect = float(phase_small_share), float(phase_small_effect)
         W = self.window
@@ -218,6 +220,11 @@ class ChangePoint(Detector):
         phm = np.stack([(_nanmean if k in _MEAN_PHASES else nanmedian)(ph[k], axis=1) for k in self._PH]
                        + [self._busiest_stage(ctx, sub, cols, R), nanmedian(sub.busy_ms, axis=1)],
                        axis=1)                                                   # (S, 8) O(S*256)
+        # communication as its own series, apart from the waiting stragglers cause: the time in collectives
+        # of the ranks that waited least (the last to arrive wait for nobody: their time is the transfer)
+        xfer = self._transfer(sub)
+        if xfer is not None:
+            phm[:, self._PH.index("comm_ms")] = xfer
         alerts: list[Alert] = []
         due = False                                     # steps pushed since the last search
         for s in range(S):
@@ -239,6 +246,28 @@ class ChangePoint(Detector):
         if due and S > 1:
             alerts.extend(self._search(ctx))
         return alerts
+
+    def _transfer(self, sub: StepBlock) -> np.ndarray | None:
+        """The job's communication series where the producer's own split cannot show a slower network:
+        when the ranks' ``comm_ms`` is next to nothing beside their ``comm_wait_ms`` (under 5% of the time
+        in collectives: a probe whose bandwidth model put a DDP all-reduce's whole tail in the wait, as on
+        CPU with gloo), per step the least time in collectives (``comm_ms + comm_wait_ms``) over the sampled
+        ranks. In synchronous collectives the ranks that arrive last wait for nobody, so theirs is the
+        transfer, measured where the collective ran; a network that got slower moves it on every step,
+        the wait a straggler causes moves the others' time, not this. Decided once per job, at its first
+        steps with collectives (None: keep the median ``comm_ms``)."""
+        c = sub.comm_ms
+        if self._xfer is False or not np.isfinite(c).any():
+            return None
+        tot = np.where(np.isfinite(c), c + np.nan_to_num(sub.comm_wait_ms), np.nan)
+        if self._xfer is None:
+            med_c, med_t = float(np.nanmedian(c)), float(np.nanmedian(tot))
+            self._xfer = bool(med_t > 0 and med_c < 0.05 * med_t)
+            if not self._xfer:
+                return None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)          # (a step no rank reported comm)
+            return np.nanmin(tot, axis=1)
 
     @staticmethod
     def _busiest_stage(ctx: JobContext, sub: StepBlock, cols: np.ndarray, R: int) -> np.ndarray:

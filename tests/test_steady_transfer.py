@@ -1,0 +1,98 @@
+"""Warm-up judged by the job's data (detectors/steady.py) and communication judged by its transfer where the
+producer's split cannot show it (ChangePoint._transfer), on synthetic streams with random noise."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from stepwatch.detectors.base import JobContext, StepBlock
+from stepwatch.detectors.changepoint import ChangePoint
+from stepwatch.detectors.jitter import Jitter
+from stepwatch.detectors.steady import SteadyGate
+
+R = 8
+
+
+def _ctx():
+    return JobContext(job="j", world_size=R, nodes=np.array([f"n{r}" for r in range(R)], dtype=object),
+                      stage=np.zeros(R, np.int32))
+
+
+def _blocks(step, comm=None, wait=None, size=5):
+    S = step.shape[0]
+    comm = np.zeros((S, R)) if comm is None else comm
+    wait = np.zeros((S, R)) if wait is None else wait
+    for i in range(0, S, size):
+        sl = slice(i, min(S, i + size))
+        st = np.arange(sl.start, sl.stop, dtype=np.int64)
+        yield StepBlock(steps=st, t_end=(st + 1) * 10**8, step_ms=step[sl], data_ms=np.full_like(step[sl], 1.0),
+                        compute_ms=step[sl] - comm[sl] - wait[sl] - 1.0, comm_ms=comm[sl], comm_wait_ms=wait[sl],
+                        gc_ms=np.zeros_like(step[sl]))
+
+
+def _feed(det, gen):
+    out = []
+    for b in gen:
+        out += det.update(_ctx(), b)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_warm_up_of_any_length_is_no_regression_and_a_fault_after_it_is(seed):
+    rng = np.random.default_rng(seed)
+    S, warm = 400, int(rng.integers(20, 120))
+    level = 100.0 * (1 + 0.01 * rng.standard_normal((S, R)))
+    ramp = np.ones(S)
+    ramp[:warm] = np.linspace(1.6, 1.0, warm)           # clocks ramping, allocator growing, autotuning
+    ramp[warm:warm + 15] = 1.18                         # ... and a plateau before it settles
+    step = level * ramp[:, None]
+    assert _feed(ChangePoint(), _blocks(step)) == []
+    assert [a.kind for a in _feed(ChangePoint(steady=False, warmup=10), _blocks(step))]   # without the gate
+    fault = step.copy()
+    fault[300:] *= 1.10
+    alerts = _feed(ChangePoint(), _blocks(fault))
+    assert [a.kind for a in alerts] == ["regression"] and abs(alerts[0].step_first - 300) <= 3
+    assert alerts[0].step_detected - 300 <= 8
+
+
+def test_the_gate_opens_when_three_stretches_agree_and_is_forced_at_its_limit():
+    g = SteadyGate()
+    flat = np.full((60, R), 50.0)
+    k = g.warm(next(_blocks(flat, size=60)))
+    assert g.steady and g.start == 0 and g.opened_at == 29 and k == 30 and not g.forced
+    g = SteadyGate(max_steps=100)
+    trend = np.repeat(np.linspace(50, 150, 200)[:, None], R, axis=1)        # never steady: forced
+    g.warm(next(_blocks(trend, size=200)))
+    assert g.steady and g.forced and g.opened_at == 99 and g.start == 100
+
+
+def test_jitter_of_the_warm_up_is_not_jitter():
+    rng = np.random.default_rng(3)
+    step = 100.0 * (1 + 0.01 * rng.standard_normal((300, R)))
+    # a warm-up that settles: 60% slower at first, decaying, every other step up to 25% off that
+    k = np.arange(80)
+    step[:80] *= (1 + 0.6 * np.exp(-k / 20) * (1 + 0.25 * (k % 2)))[:, None]
+    j = Jitter()
+    assert _feed(j, _blocks(step)) == []
+    assert j._steady.steady and j._steady.start >= 40      # judged from where the job settled
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_slower_network_is_seen_through_the_waits_noise(seed):
+    """A DDP job on CPU: the probe's model puts the all-reduce's whole tail in comm_wait (comm_ms 0); each
+    step one rank arrives last and waits only for the transfer, the others wait 0-12 ms more at random.
+    From step 200 the link is 30% slower: every rank's time in collectives rises by 3 ms."""
+    rng = np.random.default_rng(40 + seed)
+    S = 320
+    xfer = np.full(S, 10.0)
+    xfer[200:] = 13.0
+    extra = rng.uniform(0, 12, (S, R))
+    extra[np.arange(S), rng.integers(0, R, S)] = 0.0      # the last to arrive waits for nobody
+    wait = xfer[:, None] + extra
+    step = 60.0 + wait + rng.normal(0, 0.5, (S, R))
+    step = np.repeat(step.max(axis=1, keepdims=True), R, axis=1)
+    alerts = _feed(ChangePoint(), _blocks(step, comm=np.zeros((S, R)), wait=wait))
+    comm = [a for a in alerts if a.kind == "regression" and a.cause == "communication"]
+    assert comm and abs(comm[0].step_first - 200) <= 4, [(a.kind, a.cause, a.step_first) for a in alerts]
+    ev = comm[0].evidence
+    assert ev.get("series") == "comm_ms" or "comm_ms" in str(ev), ev
