@@ -199,8 +199,7 @@ class Incidents:
                 if inc.noise and not noise:
                     # noise holds nothing; the fault behind it names it when it shows itself on the same
                     # ranks while the noise is fresh (its first step within lead_steps of the noise)
-                    if a.kind in CAUSE_KINDS and ranks & inc.ranks and \
-                            inc.step_first - self.lead <= step <= inc.step_last + self.lead:
+                    if a.kind in CAUSE_KINDS and ranks & inc.ranks and abs(step - inc.step_first) <= self.lead:
                         return inc, "cause"
                     continue
                 if a.kind in CAUSE_KINDS and inc.kind not in CAUSE_KINDS:

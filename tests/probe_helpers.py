@@ -92,6 +92,8 @@ def split(msgs):
         if typ == P.T_HELLO:
             hello = body
             continue
+        if typ != P.T_BATCH:                 # an in-flight state or the rank's goodbye
+            continue
         st, phases, cm, gg = body
         if st is not None:
             d = dict(zip(P.STEP_FIELDS, st))

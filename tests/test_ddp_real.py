@@ -13,7 +13,7 @@ own core) runs unchanged under ``stepwatch wrap`` with the node agent, the real 
   the host): cause ``computation``.
 - FSDP2 (``fully_shard``, its collectives are ``all_gather_single``/``reduce_scatter_single``): comm seen.
 
-The training script is tests/ddp_train.py: it knows nothing of stepwatch. Each forward pass also sleeps
+The training script is stepwatch/devtools/ddp_train.py: it knows nothing of stepwatch. Each forward pass also sleeps
 30 ms (``SW_PAD_MS``: device time, as the host sees it), so a rank uses about a quarter of its core. A
 training node gives its ranks their cores; this test machine is small and shared by many busy sessions
 (a load of 10-20 on its 2 cores), whose contention is as real as the injected one: a run-queue wait of
@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from stepwatch.devtools.ddp_train_path import ddp_train_file
 from stepwatch.agents.wrap import wrap_env
 from stepwatch.storage.views import connect
 
@@ -48,7 +49,7 @@ pytest.importorskip("torch", reason="the DDP tests train a real PyTorch model (p
 
 from test_distributed import Running  # noqa: E402 - tests/test_distributed.py: agent + processor on threads
 
-SCRIPT = Path(__file__).with_name("ddp_train.py")
+SCRIPT = Path(ddp_train_file)
 HOG = ("import ctypes, os, sys, time\n"
        "os.sched_setaffinity(0, {int(sys.argv[1])})\n"
        "libc = ctypes.CDLL(None)\n"
@@ -103,7 +104,7 @@ def _own_group() -> None:
 
 
 def _train(socket_dir: str, job: str, env: dict, hog_from: int | None = None, timeout: float = 240.0):
-    """Run tests/ddp_train.py under ``python -m stepwatch.agents.wrap``; with ``hog_from``, start the foreign
+    """Run stepwatch/devtools/ddp_train.py under ``python -m stepwatch.agents.wrap``; with ``hog_from``, start the foreign
     process on rank 1's core once rank 1 reached that step. Returns (per-rank report, hog pid, (wall time in
     s of the hog's fork, and of when it had taken the core))."""
     out = tempfile.mkdtemp(prefix="sw-ddp-")
@@ -167,8 +168,12 @@ def _train(socket_dir: str, job: str, env: dict, hog_from: int | None = None, ti
 
 
 def _alerts(con, job: str) -> list[dict]:
+    """The job's alerts (its lifecycle events, severity info, are not alerts: the job's end is checked apart)."""
     rows = con.execute("SELECT alert_id, kind, status, ranks, nodes, cause, step_first, step_detected, evidence, "
-                       "incident_id FROM alerts WHERE job = ? ORDER BY step_detected, kind", [job]).fetchall()
+                       "incident_id FROM alerts WHERE job = ? AND severity IS DISTINCT FROM 'info' "
+                       "ORDER BY step_detected, kind", [job]).fetchall()
+    ends = con.execute("SELECT evidence FROM alerts WHERE job = ? AND kind = 'job_end'", [job]).fetchall()
+    assert len(ends) == 1 and '"outcome": "finished"' in ends[0][0], f"the job's end: {ends}"
     keys = ("alert_id", "kind", "status", "ranks", "nodes", "cause", "step_first", "step_detected", "evidence",
             "incident_id")
     return [dict(zip(keys, r)) for r in rows]

@@ -247,8 +247,8 @@ def _names_only_fault(a, lab: dict) -> bool:
     return all(r in ok_ranks for r in a.ranks) or (ok_nodes and all(n in ok_nodes for n in a.nodes))
 
 
-def _matches(a, lab: dict) -> bool:
-    if a.kind not in COMPATIBLE.get(lab["kind"], ()):
+def _matches(a, lab: dict, compat: dict | None = None) -> bool:
+    if a.kind not in (compat or COMPATIBLE).get(lab["kind"], ()):
         return False
     lo, hi = _fault_window(lab, a.kind)
     return lo <= a.step_first <= hi and _names_only_fault(a, lab)
@@ -266,8 +266,9 @@ def _localised(a, lab: dict) -> bool:
     return sorted(a.ranks) == sorted(lab["ranks"])      # job: no rank, or the culprit of a hang
 
 
-def score(res: dict) -> dict:
-    """Per-scenario results: faults found/missed, false alarms, localisation, cause, delays."""
+def score(res: dict, compat: dict | None = None) -> dict:
+    """Per-scenario results: faults found/missed, false alarms, localisation, cause, delays. ``compat``:
+    what may report each fault kind (default :data:`COMPATIBLE`)."""
     labels, emitted = res["labels"], res["emitted"]
     # an alert decided again once its host samples came (stream/hostwait.py) is sent again: counted once
     firing, sent = [], set()
@@ -280,10 +281,10 @@ def score(res: dict) -> dict:
     matched_ids = set()
     small_ids = set()
     for lab in labels:
-        m = [e for e in firing if _matches(e.alert, lab)]
+        m = [e for e in firing if _matches(e.alert, lab, compat)]
         for e in m:
             matched_ids.add(id(e))
-            if lab["pct"] < 5 and lab["kind"] not in ("rank-hang", "job-hang"):
+            if lab["pct"] < 5 and lab["kind"] not in ("rank-hang", "job-hang", "crash"):
                 small_ids.add(id(e))
         f = {"label": lab, "found": bool(m), "alerts": [e.alert for e in m]}
         if m:
@@ -294,7 +295,7 @@ def score(res: dict) -> dict:
             t_fault = int(starts[lab["start"]]) if lab["start"] < len(starts) else int(starts[-1])
             # event time of the steps at the alert (host samples read ahead of the steps do not count)
             f["delay_s"] = ((first.steps_ns or first.event_ns) - t_fault) / 1e9
-            if lab["kind"] in ("rank-hang", "job-hang") and first.newest_step <= lab["start"] + 2:
+            if lab["kind"] in ("rank-hang", "job-hang", "crash") and first.newest_step <= lab["start"] + 2:
                 # no newer step comes: the delay is the consumer's clock at the alert (a host topic read
                 # ahead of the steps does not make the hang look older than it was seen)
                 f["delay_s"] = (min(first.event_ns, first.consumer_ns or first.event_ns) - t_fault) / 1e9
@@ -335,7 +336,7 @@ def score(res: dict) -> dict:
 
 
 def _big(lab: dict) -> bool:
-    return lab["pct"] >= 5 or lab["kind"] in ("rank-hang", "job-hang")
+    return lab["pct"] >= 5 or lab["kind"] in ("rank-hang", "job-hang", "crash")
 
 
 def totals(scored: list[tuple[dict, dict]]) -> dict:
@@ -354,9 +355,11 @@ def totals(scored: list[tuple[dict, dict]]) -> dict:
     cause = [f["cause_ok"] for f in found if f["cause_ok"] is not None]
     # a hang's delay is the configured hang threshold (stall.hang_s, 30 s): judged on its own, not in the median
     hangs = [f for f in found if f["label"]["kind"] in HANG_KINDS]
-    delays = [f["delay_steps"] for f in found if f["label"]["kind"] not in HANG_KINDS]
-    delays_s = [f["delay_s"] for f in found if f["label"]["kind"] not in HANG_KINDS]
-    emits = [f["emit_steps"] for f in found if f["label"]["kind"] not in HANG_KINDS]
+    crashes = [f for f in found if f["label"]["kind"] == "crash"]       # judged in seconds, as hangs
+    timed = HANG_KINDS + ("crash",)
+    delays = [f["delay_steps"] for f in found if f["label"]["kind"] not in timed]
+    delays_s = [f["delay_s"] for f in found if f["label"]["kind"] not in timed]
+    emits = [f.get("emit_steps", f["delay_steps"]) for f in found if f["label"]["kind"] not in timed]
     e5 = [f["emit_steps"] for f in found if f["label"]["kind"] == "slow-rank" and 5 <= f["label"]["pct"] < 6
           and not f["label"].get("every")]
     small_found = [f for f in small if f["found"]]
@@ -384,6 +387,8 @@ def totals(scored: list[tuple[dict, dict]]) -> dict:
         "delay_n": len(delays), "hang_n": len(hangs),
         "hang_delay_max_s": float(max(f["delay_s"] for f in hangs)) if hangs else float("nan"),
         "hang_delay_median_s": float(np.median([f["delay_s"] for f in hangs])) if hangs else float("nan"),
+        "crash_n": len(crashes),
+        "crash_delay_max_s": float(max(f["delay_s"] for f in crashes)) if crashes else float("nan"),
         "small_found": len(small_found), "small_n": len(small),
         "small_delay_steps": float(np.median([f["delay_steps"] for f in small_found])) if small_found else float("nan"),
         "clean_alerts": clean_alerts,

@@ -112,6 +112,7 @@ COMPATIBLE = {
     "small-messages": {"comm_small_messages", "regression", "mfu_regression"},
     "slow-link": {"comm_slow_link", "slow_group", "slow_rank", "jitter"},
     "dataloader-starved": {"dataloader_starved", "regression", "mfu_regression", "jitter"},
+    "crash": {"rank_crash"},
 }
 
 #: faults judged also on their diagnosis: an alert of this kind must match the fault and its suggestion

@@ -69,6 +69,14 @@ class IndepScenario:
     checkpoint_every: int | None = 50
     note: str = ""
     family: str = "indep"
+    # the noise law (the random sweep draws them; the named scenarios keep these defaults)
+    noise: float = 0.01             # scale of the per-rank, per-step Student-t noise on compute and host time
+    dof: float = 3.0                # its degrees of freedom (heavy tails below ~5)
+    clip: float = 0.08              # ... clipped at this
+    ar_phi: float = 0.97            # job-wide AR(1) drift: autocorrelation
+    ar_sd: float = 0.004            # ... and innovation sd
+    shuffle: bool = False           # (the sweep: deliver in a consumer-group shuffle)
+    gc_scale: float = 1.0           # GC pauses (ms) scaled by this (pauses are absolute times: a heap's, not a step's)
 
     @property
     def large(self) -> bool:
@@ -79,8 +87,8 @@ class IndepScenario:
         return f"ind-{self.name}"
 
 
-def _t3(rng, shape, scale, clip):
-    return np.clip(rng.standard_t(3, size=shape) * scale, -clip, clip)
+def _t3(rng, shape, scale, clip, dof=3.0):
+    return np.clip(rng.standard_t(dof, size=shape) * scale, -clip, clip)
 
 
 @dataclass
@@ -121,20 +129,20 @@ class IndepJob:
         # the phases of an average rank's step (ms): compute dominates, then transfer, host, data, GC
         comp0, host0, data0, comm0 = 0.70 * base, 0.06 * base, 0.05 * base, 0.14 * base
         drift = np.zeros(S)
-        e = rng.normal(0.0, 0.004, S)
+        e = rng.normal(0.0, sc.ar_sd, S)
         for s in range(1, S):
-            drift[s] = 0.97 * drift[s - 1] + e[s]
+            drift[s] = sc.ar_phi * drift[s - 1] + e[s]
         jm = (1.0 + drift)[:, None]                                   # (S, 1)
         speed = 1.0 + rng.normal(0.0, 0.006, R)                      # static per-rank offset
         work = stage_mult[self.stage] * speed                         # (R,)
-        compute = comp0 * jm * work * (1.0 + _t3(rng, (S, R), 0.01, 0.08))
-        host = host0 * jm * work * (1.0 + _t3(rng, (S, R), 0.01, 0.08))
+        compute = comp0 * jm * work * (1.0 + _t3(rng, (S, R), sc.noise, sc.clip, sc.dof))
+        host = host0 * jm * work * (1.0 + _t3(rng, (S, R), sc.noise, sc.clip, sc.dof))
         data = data0 * jm * rng.gamma(16.0, 1.0 / 16.0, (S, R))
         slowb = rng.random((S, R)) < 0.003
         data = np.where(slowb, data * rng.uniform(2.0, 3.0, (S, R)), data)
         gc = np.where(rng.random((S, R)) < 0.7, rng.uniform(1.0, 3.0, (S, R)), 0.0)
         gen2 = rng.random((S, R)) < 0.003
-        gc = np.where(gen2, rng.uniform(30.0, 60.0, (S, R)), gc)
+        gc = np.where(gen2, rng.uniform(30.0, 60.0, (S, R)), gc) * sc.gc_scale
         comm = comm0 * jm[:, 0] * (1.0 + rng.normal(0.0, 0.01, S))  # (S,) transfer, shared by all ranks
         if sc.checkpoint_every:
             ck = (np.arange(S) % sc.checkpoint_every == sc.checkpoint_every - 1) & (np.arange(S) > 0)

@@ -17,6 +17,15 @@ Settings (environment):
   from that step on (a slow accelerator, as the host sees it: the rank waits off the CPU);
 - ``SW_CRASH_RANK`` / ``SW_CRASH_STEP`` / ``SW_CRASH_HOW``: that rank ends before that step: ``exit``
   (``os._exit(1)``, default), ``kill`` (SIGKILL) or ``raise`` (an exception);
+- ``SW_GC_RANK`` / ``SW_GC_FROM``: from that step that rank (``-2``: every rank) keeps a growing heap of
+  small containers and builds reference cycles every step (``SW_GC_CYCLES``, 3,000), then collects them
+  (``gc.collect()``, as a loop that collects every step would): real collections, seen by the probe's
+  ``gc.callbacks``; nothing sleeps for them;
+- ``SW_DATA_RANK`` / ``SW_DATA_MS`` / ``SW_DATA_FROM``: from that step every batch that rank (``-2``:
+  every rank) reads takes that much longer to read (a slow file system: the dataset's ``__getitem__``
+  blocks);
+- ``SW_HANG_RANK`` / ``SW_HANG_STEP`` / ``SW_HANG_S``: that rank is stuck for that long in a Python
+  function (``load_next_shard``) before that step's forward, while the others wait in the all-reduce;
 - ``SW_MODE`` ``ddp`` (default), ``fsdp`` (FSDP1 ``FullyShardedDataParallel``), ``fsdp2``
   (``fully_shard``) or ``manual`` (no wrapper, no DataLoader: batches made by hand and gradients
   all-reduced by a loop over the parameters);
@@ -25,6 +34,7 @@ Settings (environment):
 - ``SW_OUT``: where each rank writes ``rank<r>.json`` (its step end times and, when a probe is loaded,
   its counters).
 """
+import gc
 import json
 import os
 import sys
@@ -51,6 +61,38 @@ class SleepyForward(torch.nn.Module):
         return self.net(x)
 
 
+class SlowReads(torch.utils.data.Dataset):
+    """A dataset whose items from ``slow_from`` on take ``ms`` longer to read (a slow file system)."""
+
+    def __init__(self, inner, ms: float, slow_from: int):
+        self.inner, self.ms, self.slow_from = inner, ms, slow_from
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, i):
+        if i >= self.slow_from:
+            time.sleep(self.ms / 1e3)
+        return self.inner[i]
+
+
+def load_next_shard(seconds: float) -> None:
+    """A rank stuck in a Python function (a hung read of the next data shard)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(0.05)
+
+
+def garbage_step(heap: list, cycles: int) -> None:
+    """GC pressure: the live heap of small containers grows, reference cycles are built, then collected."""
+    heap.extend({"k": [i]} for i in range(cycles))
+    for _ in range(cycles):
+        a, b = [], []
+        a.append(b)
+        b.append(a)
+    gc.collect()
+
+
 def train() -> None:
     steps = int(os.environ.get("SW_STEPS", "300"))
     width = int(os.environ.get("SW_WIDTH", "384"))
@@ -61,6 +103,13 @@ def train() -> None:
     pad_ms = float(os.environ.get("SW_PAD_MS", "0"))
     mode = os.environ.get("SW_MODE", "ddp")
     progress = os.environ.get("SW_PROGRESS")
+    gc_rank, gc_from = int(os.environ.get("SW_GC_RANK", "-1")), int(os.environ.get("SW_GC_FROM", "0"))
+    gc_cycles = int(os.environ.get("SW_GC_CYCLES", "3000"))
+    data_rank, data_from = int(os.environ.get("SW_DATA_RANK", "-1")), int(os.environ.get("SW_DATA_FROM", "0"))
+    data_ms = float(os.environ.get("SW_DATA_MS", "0"))
+    hang_rank, hang_step = int(os.environ.get("SW_HANG_RANK", "-1")), int(os.environ.get("SW_HANG_STEP", "-1"))
+    hang_s = float(os.environ.get("SW_HANG_S", "0"))
+    heap = []
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     cores = sorted(os.sched_getaffinity(0))
@@ -91,6 +140,8 @@ def train() -> None:
     else:
         data = TensorDataset(torch.randn(steps * batch, 128, generator=g),
                              torch.randint(0, 10, (steps * batch,), generator=g))
+        if data_rank in (rank, -2) and data_ms > 0:
+            data = SlowReads(data, data_ms / batch, data_from * batch)
         loader = iter(DataLoader(data, batch_size=batch))
     ends, cpu = [], []             # the script's own clock and its main thread's CPU time at each step end
     crash_rank = int(os.environ.get("SW_CRASH_RANK", "-1"))
@@ -103,6 +154,10 @@ def train() -> None:
             if crash_how == "kill":
                 os.kill(os.getpid(), 9)
             os._exit(1)
+        if rank == hang_rank and i == hang_step:
+            load_next_shard(hang_s)
+        if gc_rank in (rank, -2) and i >= gc_from:
+            garbage_step(heap, gc_cycles)
         if rank == sleep_rank and i == sleep_from:
             model.sleep_ms = pad_ms + sleep_ms
         if loader is not None:
