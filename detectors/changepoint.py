@@ -142,6 +142,12 @@ class ChangePoint(Detector):
         warmup=10        the job's first steps seen are left out of every series: allocator growth,
                          autotuning, compilation, DDP's bucket rebuild and a DataLoader filling its queue
                          make them no steady state (not a "before" to compare with)
+        phase_min_cost=None  a phase-led regression is alerted only when it costs at least this % of the step
+                         (None: half the step time's own bar, 50 x min_effect = 2.5%: on real jobs the phases
+                         move by 1-2% of the step as the host's load changes, which no one acts on)
+        phase_step_share=0.25  ... and the step time carried at least this share of the phase's growth (a
+                         phase that grew while the others shrank, as when one rank's run-queue wait rises and
+                         the others wait less for it, cost the job nothing)
         steady=True      beyond that, nothing is judged until the job's step time is steady (its own
                          stability says when: detectors.steady); the warm-up's end is a known break, and
                          no change inside the warm-up is alerted
@@ -158,7 +164,8 @@ class ChangePoint(Detector):
                  floor_share: float = 0.5, persist: float = 0.8, phases: bool = True,
                  phase_min_effect: float = 0.10, phase_min_share: float = 0.002,
                  phase_small_share: float = 0.01, phase_small_effect: float = 1.0, min_steps: int = 40,
-                 warmup: int = 10, steady: bool = True):
+                 warmup: int = 10, steady: bool = True, phase_min_cost: float | None = None,
+                 phase_step_share: float = 0.25):
         if window < 4 * min_size or min_size < 2:
             raise ValueError("changepoint: need min_size >= 2 and window >= 4 * min_size")
         if every < 1 or phase_sample < 1:
@@ -176,6 +183,9 @@ class ChangePoint(Detector):
         self.warmup, self._seen = max(0, int(warmup)), 0
         self._steady = SteadyGate() if steady else None    # warm-up judged by the data (detectors.steady)
         self._steady_marked = False
+        # a phase names its cause before the step time moves much, but costs at least half the step time's bar
+        self.phase_min_cost = 50.0 * self.min_effect if phase_min_cost is None else float(phase_min_cost)
+        self.phase_step_share = float(phase_step_share)
         self._xfer: bool | None = None                    # communication judged by its transfer (_transfer)
         self.phase_min_effect, self.phase_min_share = float(phase_min_effect), float(phase_min_share)
         self.phase_small_share, self.phase_small_effect = float(phase_small_share), float(phase_small_effect)
@@ -592,6 +602,12 @@ class ChangePoint(Detector):
             cost = max(effect, 0.0) * 100.0
         else:
             cost = max(d_lead, 0.0) / step_b * 100.0 if step_b > 0 else 0.0
+            if kind == "regression" and self.phase_min_cost > 0 and not (
+                    cost >= self.phase_min_cost and d_step >= self.phase_step_share * d_lead):
+                # a phase that grew without the step time carrying it (the ranks' other phases took it back:
+                # one rank's run-queue wait up while the others wait less for it) or that costs next to nothing
+                # (a 0.3% regression): nothing a maintainer would act on
+                return None
         ts = self._times()
         host_ev = job_host_shift(ctx, (int(ts[a]), int(ts[i - 1])), (int(ts[i]), int(ts[b - 1])),
                                  (i - a, b - i)) if len(ts) == len(steps) else {}

@@ -58,6 +58,17 @@ def latest(ctx, since_ns: int) -> pa.Table | None:
     return t.take(pa.array(order[last]))
 
 
+def step_in_progress(ctx, since_ns: int) -> int | None:
+    """The newest step the ranks' watchdogs report in progress since ``since_ns`` (None: none reported)."""
+    t = latest(ctx, since_ns)
+    if t is None or "step" not in t.column_names:
+        return None
+    src = t.column("source")
+    st = t.column("step").filter(pc.equal(src, "probe")) if "source" in t.column_names else t.column("step")
+    v = pc.max(st).as_py() if len(st) else None
+    return int(v) if v is not None else None
+
+
 def kinds_in_progress(ctx, since_ns: int) -> set[str]:
     """Kinds (first, eval, checkpoint) of the step in progress, as the ranks' watchdogs reported it."""
     t = latest(ctx, since_ns)

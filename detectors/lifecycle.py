@@ -213,8 +213,9 @@ class Lifecycle(Detector):
         t0, _, r0 = ends[0]
         first = life.first[r0]
         crashed = first.abnormal or first.how == "stop" and self._hard_end_near(life, done, first.t)
-        if alive:
-            if life.hung_ns and life.hung_ns <= t0:
+        t_seen = min(life.first[r].t for r in done)      # the first end seen (a SIGSTOPped rank's last word
+        if alive:                                        # is far older than its death: not t_lo here)
+            if life.hung_ns and life.hung_ns <= t_seen:
                 return []                                # a hung job being ended: its hang alert said it
             if crashed and now - min(e.t for e in life.first.values() if e.abnormal) >= self.grace_ns:
                 return self._crash(ctx, life, done, alive, now)
@@ -224,7 +225,7 @@ class Lifecycle(Detector):
         # the goodbyes may still wait in the same poll)
         if now - max(life.first[r].t for r in done) < self.settle_ns:
             return []
-        if life.hung_ns and life.hung_ns <= t0:
+        if life.hung_ns and life.hung_ns <= t_seen:
             return [self._job_end(ctx, life, "ended_while_hung", done, now)]
         if crashed and not self._teardown_only(ctx, life, done):
             return self._crash(ctx, life, done, alive, now)
@@ -305,6 +306,9 @@ class Lifecycle(Detector):
                 others = f"; the others wait in {w.get('op')} (group {w.get('group')}, seq {w.get('seq')})"
             else:
                 others = f"; {len(alive)} other rank(s) still run, blocked or about to fail"
+        inflight = hang.step_in_progress(ctx, min(life.first[x].t for x in done) - 120_000_000_000)
+        if inflight is not None and (last is None or inflight > last + 1):
+            ev["step_in_progress"] = inflight            # the watchdogs' word: steps after the last stored one
         where = f"rank {r}" + (f" on {node}" if node else "") + (f" (pid {e.pid})" if e.pid else "")
         at = f" at {ev['at']}" if ev.get("at") else ""
         step = f" after step {last}" if last is not None and last >= 0 else ""

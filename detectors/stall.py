@@ -301,6 +301,12 @@ class Stall(Detector):
         if loc is not None:
             ev.update(loc["evidence"])
             culprit = loc["ranks"] or culprit
+        inflight_step = hang.step_in_progress(ctx, steps_t)
+        if inflight_step is not None and inflight_step > step_first:
+            # the ranks' watchdogs say which step they are stuck in: steps finished before the hang may still
+            # wait in their probes (sent with the next step end, which does not come)
+            ev["stored_steps_up_to"] = step_first - 1
+            step_first = inflight_step
         nodes_ = sorted({ctx.node_of(r) for r in culprit} - {""})
         if nodes_:
             ev["host_samples"] = _node_host_state(ctx, nodes_, host)

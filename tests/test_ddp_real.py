@@ -42,6 +42,7 @@ import numpy as np
 import pytest
 
 from stepwatch.devtools.ddp_train_path import ddp_train_file
+from stepwatch.devtools.realrun import realtime
 from stepwatch.agents.wrap import wrap_env
 from stepwatch.storage.views import connect
 
@@ -66,31 +67,6 @@ HOG = ("import ctypes, os, sys, time\n"
        "    t = time.monotonic() + 0.012\n"                         # busy 12 ms ...
        "    while time.monotonic() < t:\n        pass\n"
        "    if rt:\n        time.sleep(0.006)\n")                  # ... of every 18 (real-time: see the docs)
-
-
-def _realtime(pid: int, core: int | None = None, on: bool = True) -> bool:
-    """Every thread of ``pid`` and of its descendants (only those pinned to ``core`` when given) to
-    ``SCHED_RR`` priority 1, or back to ``SCHED_OTHER`` (threads they start later inherit it): the training
-    job then owns its cores against whatever else this shared machine runs, as on a training node. False
-    where that is not allowed (no root or CAP_SYS_NICE)."""
-    import psutil
-    try:
-        procs = [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
-        return False
-    ok = True
-    for pr in procs:
-        try:
-            if core is not None and pr.cpu_affinity() != [core]:
-                continue
-            for th in pr.threads():
-                os.sched_setscheduler(th.id, *((os.SCHED_RR, os.sched_param(1)) if on else
-                                               (os.SCHED_OTHER, os.sched_param(0))))
-        except (psutil.Error, ProcessLookupError):
-            continue
-        except PermissionError:
-            ok = False
-    return ok
 
 
 def _own_group() -> None:
@@ -133,7 +109,7 @@ def _train(socket_dir: str, job: str, env: dict, hog_from: int | None = None, ti
             except (OSError, ValueError):
                 step = -1
             if rt is None and step >= 2:           # the ranks run (pinned): they own their cores from here
-                rt = _realtime(p.pid)
+                rt = realtime(p.pid)
             if hog_from is not None and hog is None and step >= hog_from:
                 core = sorted(os.sched_getaffinity(0))[1 % len(os.sched_getaffinity(0))]   # as ddp_train.py
                 # pinned from its start (its interpreter's start-up must not run on rank 0's core); as

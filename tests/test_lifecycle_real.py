@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from stepwatch.devtools.ddp_train_path import ddp_train_file
+from stepwatch.devtools.realrun import jitter_is_real, realtime
 from stepwatch.agents.agent import Agent
 from stepwatch.agents.wrap import wrap_env
 from stepwatch.storage.views import connect
@@ -34,7 +35,6 @@ from stepwatch.stream.processor import Processor
 pytest.importorskip("torch", reason="trains a real PyTorch model (pip install torch==2.13.0)")
 
 SCRIPT = Path(ddp_train_file)
-from test_ddp_real import _realtime  # noqa: E402 - every thread of the job at SCHED_RR 1 where allowed
 HANG_S = 4.0
 
 
@@ -74,7 +74,7 @@ def _run(kafka, tmp_path, socket_dir, job, env, signal_at_step=None, settle_s=HA
             except (OSError, ValueError):
                 step = -1
             if not rt and step >= 2:      # the ranks own their cores on this shared machine (test_ddp_real)
-                rt = _realtime(p.pid) or True
+                rt = realtime(p.pid) or True
             if signal_at_step is not None and t_end is None:
                 if step >= signal_at_step:
                     t_end = time.time()
@@ -92,30 +92,8 @@ def _run(kafka, tmp_path, socket_dir, job, env, signal_at_step=None, settle_s=HA
         stack.close()
     for a in alerts + events:
         print(a.line())
-    alerts = [a for a in alerts if not (a.kind == "jitter" and _jitter_is_real(out, a))]
+    alerts = [a for a in alerts if not (a.kind == "jitter" and jitter_is_real(out, a.step_detected))]
     return p.returncode, err, events, alerts, (t_end or t_exit)
-
-
-def _jitter_is_real(out: str, a, threshold: float = 1.1, window: int = 20, ratio: float = 0.2) -> bool:
-    """The issue's one exception to 'no alert on a clean run': a jitter warning where the run's own step
-    times (the training script's clock, stepwatch/devtools/ddp_train.py's report) exceed the jitter threshold on at
-    least ``ratio`` of the ``window`` steps before it (the detector's own rule, against its own baseline:
-    the larger of the trailing 21-step median and the last 5 steps' median)."""
-    import numpy as np
-    ends = []
-    for f in Path(out).glob("rank*.json"):
-        ends.append(np.diff(np.asarray(json.loads(f.read_text())["ends"])) * 1e3)
-    if not ends:
-        return False
-    n = min(len(e) for e in ends)
-    v = np.median(np.vstack([e[:n] for e in ends]), axis=0)      # v[i]: step i+1's time
-    hi = min(int(a.step_detected), n)
-    slow = 0
-    for i in range(max(hi - window, 21), hi):
-        b = max(np.median(v[i - 21:i]), np.median(v[i - 5:i]))
-        slow += v[i] > threshold * b
-    print(f"jitter at step {a.step_detected}: the script's own clock has {slow} slow of {window} steps")
-    return slow >= ratio * window
 
 
 def _stored(data: Path, job: str):

@@ -90,17 +90,19 @@ def test_comm_time_up_30pct_on_every_rank_is_one_communication_regression(seed):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_comm_up_15pct_for_150_steps_then_back_gives_regression_and_recovery(seed):
+def test_comm_up_30pct_for_150_steps_then_back_gives_regression_and_recovery(seed):
+    """(The transient's mechanics: a 3 ms change of a ~97 ms step, measured as 2.2-3% on the few steps that
+    decide it, is judged with a 2% bar: the default, 2.5%, is at its edge.)"""
     S = 450
     comm = np.full(S, 10.0)
-    comm[120:270] *= 1.15
-    alerts = feed(ChangePoint(), job(S, seed=10 + seed, comm=comm), block_size=3 + seed)
+    comm[120:270] *= 1.30
+    alerts = feed(ChangePoint(phase_min_cost=2.0), job(S, seed=10 + seed, comm=comm), block_size=3 + seed)
     assert [(a.kind, a.cause) for a in alerts] == [("regression", "communication"),
                                                    ("recovery", "communication")]
     reg, rec = alerts
     assert abs(reg.step_first - 120) <= 3 and abs(rec.step_first - 270) <= 3
-    # a 15% change of a phase with ~4% autocorrelated jitter (long-run sd ~7%: a 2-sigma shift) needs
-    # ~(5 sigma / shift)^2 ~ 10-30 steps to reach t = 5
+    # a 30% change of a phase with ~4% autocorrelated jitter (long-run sd ~7%: a 4-sigma shift) needs
+    # a few to ~10 steps to reach t = 5
     assert reg.step_detected - 120 <= 40 and rec.step_detected - 270 <= 40
     assert rec.cost_pct == 0 and reg.alert_id != rec.alert_id
     # up and back: the recovery names the regression it undoes (a transient of ~150 steps)
@@ -109,8 +111,20 @@ def test_comm_up_15pct_for_150_steps_then_back_gives_regression_and_recovery(see
     assert abs(tr["steps"] - 150) <= 6 and "transient" not in reg.evidence
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_a_phase_change_that_costs_under_the_bar_is_not_alerted(seed):
+    """Comm time +15% (1.5 ms of a ~97 ms step, 1.5%): under a phase's materiality (half the step time's
+    5% bar); real jobs' phases move that much as their host's load changes. Asked for, it is found."""
+    S = 450
+    comm = np.full(S, 10.0)
+    comm[120:270] *= 1.15
+    assert feed(ChangePoint(), job(S, seed=10 + seed, comm=comm)) == []
+    alerts = feed(ChangePoint(phase_min_cost=1.0), job(S, seed=10 + seed, comm=comm))
+    assert [(a.kind, a.cause) for a in alerts] == [("regression", "communication"), ("recovery", "communication")]
+
+
 @pytest.mark.parametrize("phase,base,new,cause", [("data", 5.0, 8.0, "io"), ("gc", 0.0, 2.5, "gc"),
-                                                  ("gap", 2.0, 4.0, "cpu")])
+                                                  ("gap", 2.0, 5.0, "cpu")])
 def test_data_wait_gc_and_host_time_regressions_name_their_cause(phase, base, new, cause):
     S = 360
     lv = np.full(S, base)

@@ -60,6 +60,13 @@ class BucketTimer:
         self.user = self.user_state = None
         self.registered = False                # the probe's hook is in the reducer
         self.builtin = False                   # a C++ built-in hook is (untimed)
+        # buckets launched and not yet complete: DDP's reducer waits for them inside backward (C++), where no
+        # Python frame says so; the watchdog reads these to name the all-reduce a hung rank waits in
+        self.pending = 0
+        self.pending_t0 = 0
+        timers = probe.__dict__.setdefault("_ddp_timers", [])
+        timers.append(self)
+        del timers[:-8]                        # a few DDP models per process at most
 
     def run(self, bucket):
         perf = self.perf
@@ -73,6 +80,9 @@ class BucketTimer:
             except Exception:  # noqa: BLE001 - no device events: the host's times
                 tok = -1
         nbytes = tensor.nbytes
+        self.pending += 1
+        if self.pending == 1:
+            self.pending_t0 = t0
         if self.user is not None:
             fut = self.user(self.user_state, bucket)
             unwrap = False
@@ -83,6 +93,7 @@ class BucketTimer:
         slot = self.slot
 
         def done(f):
+            self.pending = max(self.pending - 1, 0)
             try:
                 if tok >= 0:
                     probe._dev_end(tok)

@@ -18,6 +18,9 @@ The state is one of:
   *sequence number* (1 = the group's first collective of this process, counted the same way on every rank
   as NCCL and the Flight Recorder do: a collective made of collectives counts once, ``Work.wait()`` not at
   all), the group size and since when;
+  Also a rank whose DDP gradient buckets were launched and are not complete: DDP's reducer waits for
+  their all-reduce inside ``backward`` (C++), where no Python frame says so (op ``all_reduce`` on DDP's
+  process group, since the oldest pending bucket's launch);
 * ``data``: inside ``DataLoader.__next__``;
 * ``compute``: anything else, since the last event the probe logged (the end of the last collective,
   DataLoader call or optimizer step).
@@ -247,6 +250,8 @@ class Watchdog:
                     keys, wait_slot = p._comm_key, p._wait_slot
                     st["seq"] = 1 + sum(seq[s] for s in range(len(p._comm_slot)) if keys[s][1] == gid
                                         and s != wait_slot)
+        elif self._ddp_pending(st, seq):
+            pass                          # blocked in backward, where DDP's reducer waits for its all-reduces
         elif data is not None:
             st["state"] = "data"
             st["since"] = last_t + p._wall_off
@@ -258,6 +263,23 @@ class Watchdog:
         st["kinds"] = sorted(kinds)
         st["stack"] = stack
         return st
+
+    def _ddp_pending(self, st: dict, seq: list) -> bool:
+        """DDP's gradient buckets launched and not complete (agents.probe.ddp_hooks): the rank waits in
+        their all-reduce (from the oldest bucket's launch), not in compute. Sets the collective state."""
+        p = self.p
+        for t in list(getattr(p, "_ddp_timers", ())):
+            if getattr(t, "pending", 0) <= 0:
+                continue
+            st["state"], st["op"] = "collective", "all_reduce"
+            st["since"] = int(t.pending_t0) + p._wall_off
+            gname, gsize, gid = self._group(t.group)
+            st["group"], st["group_size"] = gname, gsize or getattr(t, "size", None)
+            if gid:
+                keys, wait_slot = p._comm_key, p._wait_slot
+                st["seq"] = 1 + sum(seq[s] for s in range(len(p._comm_slot)) if keys[s][1] == gid and s != wait_slot)
+            return True
+        return False
 
     def _group(self, group) -> tuple[str, int | None, int]:
         """(name, size, name id) of a process group as the probe names it in its comm rows."""

@@ -83,9 +83,12 @@ def load_next_shard(seconds: float) -> None:
         time.sleep(0.05)
 
 
-def garbage_step(heap: list, cycles: int) -> None:
-    """GC pressure: the live heap of small containers grows, reference cycles are built, then collected."""
-    heap.extend({"k": [i]} for i in range(cycles))
+def garbage_step(heap: list, cycles: int, size: int = 120_000) -> None:
+    """GC pressure: a live heap of ``size`` small containers (built once; what the process held before is
+    frozen, so the pause is this heap's), reference cycles built every step, then a full collection."""
+    if not heap:
+        gc.freeze()
+        heap.extend({"k": [i]} for i in range(size))
     for _ in range(cycles):
         a, b = [], []
         a.append(b)

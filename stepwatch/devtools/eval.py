@@ -235,7 +235,9 @@ def _step_starts(sim) -> np.ndarray:
 # --------------------------------------------------------------------------- scoring
 
 def _fault_window(lab: dict, kind: str) -> tuple[int, int]:
-    before = 60 if kind == "jitter" else 10
+    # a crash is named after the rank's last step *stored*: a process that dies loses the steps its probe
+    # had not sent (up to flush_ms, 500 ms: tens of short steps)
+    before = 60 if kind == "jitter" else 40 if kind == "rank_crash" else 10
     return lab["start"] - before, lab["end"] + 20
 
 

@@ -17,12 +17,16 @@ job as on a cluster. The fault is real and labelled by what was injected and whe
 The alerts the processor emits are scored by the same scorer as the scenario families
 (:func:`stepwatch.devtools.eval.score`), against the labels: one incident per fault naming the right rank
 and cause within 10 steps (hangs within the hang threshold + 5 s, crashes within 5 s), and no alert on a
-clean run, its end included. The step axis is the steps the processor stored. What may report each fault
+clean run, its end included, but a jitter warning that the training script's own clock confirms (its
+step times by the jitter detector's rule: the issue's one exception, listed apart, not scored). The job
+owns its cores once it runs (every thread at ``SCHED_RR`` 1 where allowed), as on a training node: the
+processor and the broker share this small machine's cores and do not on a cluster. The step axis is the
+steps the processor stored. What may report each fault
 is :data:`REAL_COMPATIBLE`: the families' table, plus a job-wide ``regression`` for the CPU hog (on a
 2-core machine the foreign process slows both ranks alike: a job-level change with cause ``cpu`` is a
 fair answer). A run whose lead-in the machine disturbed counts as it is: nothing is re-run.
 
-The hang threshold is 10 s here (``stall.hang_s``; the product's default is 30 s) so that the suite takes
+The hang threshold is 15 s here (``stall.hang_s``; the product's default is 30 s) so that the suite takes
 minutes; the lifecycle and every other setting are the defaults.
 """
 from __future__ import annotations
@@ -44,8 +48,9 @@ import numpy as np
 from stepwatch.devtools.ddp_train_path import ddp_train_file
 from stepwatch.devtools.eval import Emitted, score
 from stepwatch.devtools.evalsuite import COMPATIBLE
+from stepwatch.devtools.realrun import jitter_is_real, realtime
 
-HANG_S = 10.0
+HANG_S = 15.0
 STEPS = 240
 FAULT_AT = 120
 NODE = "node-a"
@@ -180,12 +185,14 @@ def run_one(run: RealRun, kafka, data: Path, socket_dir: str, log=print) -> dict
         p = subprocess.Popen([sys.executable, ddp_train_file], env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True, start_new_session=True)
         deadline = time.monotonic() + 300
-        acted = False
+        acted = rt = False
         while p.poll() is None and time.monotonic() < deadline:
             try:
                 step = int(Path(progress).read_text() or -1)
             except (OSError, ValueError):
                 step = -1
+            if not rt and step >= 2:          # the job owns its cores, as on a training node
+                rt = realtime(p.pid) or True
             at = run.hog_from if run.hog_from is not None else run.sigstop_from if run.sigstop_from is not None \
                 else run.sigterm_at
             if not acted and at is not None and step >= at:
@@ -209,6 +216,9 @@ def run_one(run: RealRun, kafka, data: Path, socket_dir: str, log=print) -> dict
             os.killpg(p.pid, signal.SIGKILL)
         p.wait(30)
         time.sleep(HANG_S + 4)                  # a false hang at the job's end would come by now
+        # the issue's one exception to "no alert on a clean run": jitter the script's own clock shows
+        real_jitter = [e for e in emitted if e.alert.kind == "jitter" and jitter_is_real(out, e.alert.step_detected)]
+        emitted = [e for e in emitted if e not in real_jitter]
     finally:
         if hog is not None:
             hog.kill()
@@ -220,7 +230,8 @@ def run_one(run: RealRun, kafka, data: Path, socket_dir: str, log=print) -> dict
     starts, step_ms = _step_axis(data, run.name, run.steps)
     return {"scenario": run, "emitted": emitted, "labels": run.faults, "step_starts": starts, "step_ms": step_ms,
             "nodes": np.array([NODE] * run.nproc, dtype=object), "stage": np.zeros(run.nproc, np.int32),
-            "busiest_stage": None, "events": [a for a in proc.events if a.job == run.name], "rc": p.returncode}
+            "busiest_stage": None, "events": [a for a in proc.events if a.job == run.name], "rc": p.returncode,
+            "real_jitter": real_jitter}
 
 
 def _step_axis(data: Path, job: str, steps: int) -> tuple[np.ndarray, float]:
@@ -271,8 +282,11 @@ def run_real(a) -> int:
             s = score(res, REAL_COMPATIBLE)
             scored.append((res, s))
             ends = ", ".join(f"job_end {e.evidence.get('outcome')}" for e in res["events"]) or "no job_end"
+            rj = len({e.alert.alert_id for e in res["real_jitter"]})
             print(f"  {run.name:<16} {run.nproc} ranks: {time.perf_counter() - t1:.0f}s, exit {res['rc']}, "
-                  f"{len(s['firing'])} alert(s), {ends}  ({run.note})", flush=True)
+                  f"{len(s['firing'])} alert(s), {ends}" + (f", {rj} jitter warning(s) the script's own clock "
+                                                             f"confirms (not scored)" if rj else "")
+                  + f"  ({run.note})", flush=True)
             if getattr(a, "show_alerts", False) or s["false"]:
                 for e in res["emitted"]:
                     print(f"      [{e.alert.incident_id}] {e.alert.line()[:300]}")

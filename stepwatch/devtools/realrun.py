@@ -1,0 +1,58 @@
+"""Helpers of the real-run evaluation and tests: a training job that owns its cores, as on a training
+node, and the training script's own clock."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+
+def realtime(pid: int, core: int | None = None, on: bool = True) -> bool:
+    """Every thread of ``pid`` and of its descendants (only those pinned to ``core`` when given) to
+    ``SCHED_RR`` priority 1, or back to ``SCHED_OTHER`` (threads they start later inherit it): the training
+    job then owns its cores against whatever else this shared machine runs, as on a training node. False
+    where that is not allowed (no root or CAP_SYS_NICE)."""
+    import psutil
+    try:
+        procs = [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return False
+    ok = True
+    for pr in procs:
+        try:
+            if core is not None and pr.cpu_affinity() != [core]:
+                continue
+            for th in pr.threads():
+                os.sched_setscheduler(th.id, *((os.SCHED_RR, os.sched_param(1)) if on else
+                                               (os.SCHED_OTHER, os.sched_param(0))))
+        except (psutil.Error, ProcessLookupError):
+            continue
+        except PermissionError:
+            ok = False
+    return ok
+
+
+def jitter_is_real(out: str, step_detected: int, threshold: float = 1.1, window: int = 20,
+                   ratio: float = 0.2) -> bool:
+    """Whether the training script's own clock (the ``ends`` its ranks report in ``out``/rank*.json) shows
+    jitter by the jitter detector's own rule at ``step_detected``: at least ``ratio`` of the ``window``
+    steps before it slower than ``threshold`` x the larger of the trailing 21-step median and the last 5
+    steps' median of the job's step time (the median over the ranks)."""
+    ends = []
+    for f in Path(out).glob("rank*.json"):
+        try:
+            ends.append(np.diff(np.asarray(json.loads(f.read_text())["ends"])) * 1e3)
+        except (OSError, ValueError, KeyError):
+            continue
+    if not ends:
+        return False
+    n = min(len(e) for e in ends)
+    v = np.median(np.vstack([e[:n] for e in ends]), axis=0)      # v[i]: step i+1's time
+    hi = min(int(step_detected), n)
+    slow = 0
+    for i in range(max(hi - window, 21), hi):
+        b = max(np.median(v[i - 21:i]), np.median(v[i - 5:i]))
+        slow += v[i] > threshold * b
+    return slow >= ratio * window
