@@ -42,7 +42,7 @@ import numpy as np
 import pytest
 
 from stepwatch.devtools.ddp_train_path import ddp_train_file
-from stepwatch.devtools.realrun import realtime
+from stepwatch.devtools.realrun import HOG, realtime
 from stepwatch.agents.wrap import wrap_env
 from stepwatch.storage.views import connect
 
@@ -51,24 +51,6 @@ pytest.importorskip("torch", reason="the DDP tests train a real PyTorch model (p
 from test_distributed import Running  # noqa: E402 - tests/test_distributed.py: agent + processor on threads
 
 SCRIPT = Path(ddp_train_file)
-HOG = ("import ctypes, os, sys, time\n"
-       "os.sched_setaffinity(0, {int(sys.argv[1])})\n"
-       "libc = ctypes.CDLL(None)\n"
-       "libc.prctl(15, b'cpu-hog', 0, 0, 0)\n"                      # PR_SET_NAME: its name in /proc/<pid>/stat
-       "libc.prctl(1, 9, 0, 0, 0)\n"                                # PR_SET_PDEATHSIG: SIGKILL when the test dies
-       "rt = sys.argv[2] == 'rt'\n"
-       "if rt:\n"
-       "    os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(1))\n"
-       "with open(sys.argv[3] + '.tmp', 'w') as f:\n"              # when it takes the core (its start-up
-       "    f.write(repr(time.time()))\n"                          # on a loaded machine: up to ~0.5 s)
-       "os.rename(sys.argv[3] + '.tmp', sys.argv[3])\n"
-       "end = time.monotonic() + 120\n"                             # never outlives a run
-       "while time.monotonic() < end:\n"
-       "    t = time.monotonic() + 0.012\n"                         # busy 12 ms ...
-       "    while time.monotonic() < t:\n        pass\n"
-       "    if rt:\n        time.sleep(0.006)\n")                  # ... of every 18 (real-time: see the docs)
-
-
 def _own_group() -> None:
     """In the child before exec, in its new session: raise the session's scheduling group to nice -10
     (``/proc/self/autogroup``; where that is not allowed, the default group)."""

@@ -7,7 +7,8 @@ job as on a cluster. The fault is real and labelled by what was injected and whe
 
 * clean runs that end normally (DDP on 2 and 4 ranks, FSDP2 on 2 ranks), and one stopped by SIGTERM to
   every process the way a scheduler ends a job;
-* a foreign busy process on rank 1's core (from a step the driver sees rank 1 reach);
+* a foreign busy process on rank 1's core (from a step the driver sees rank 1 reach), as urgent as the
+  training job (see :data:`stepwatch.devtools.realrun.HOG`);
 * a sleep in rank 1's forward (a slow device, as the host sees it);
 * GC pressure in rank 1 (real collections every step);
 * slow reads in rank 1's dataset, and in every rank's;
@@ -48,7 +49,7 @@ import numpy as np
 from stepwatch.devtools.ddp_train_path import ddp_train_file
 from stepwatch.devtools.eval import Emitted, score
 from stepwatch.devtools.evalsuite import COMPATIBLE
-from stepwatch.devtools.realrun import jitter_is_real, realtime
+from stepwatch.devtools.realrun import HOG, jitter_is_real, realtime
 
 HANG_S = 15.0
 STEPS = 240
@@ -124,13 +125,6 @@ def runs() -> list[RealRun]:
     ]
 
 
-HOG = ("import os, sys, time\n"
-       "os.sched_setaffinity(0, {int(sys.argv[1])})\n"
-       "end = time.monotonic() + 120\n"
-       "while time.monotonic() < end:\n"
-       "    pass\n")
-
-
 def _rank_pids(launcher: int, nproc: int) -> dict[int, int]:
     """The ranks' pids: the launcher's children, by the core each pinned itself to (rank r on core r)."""
     import psutil
@@ -185,21 +179,22 @@ def run_one(run: RealRun, kafka, data: Path, socket_dir: str, log=print) -> dict
         p = subprocess.Popen([sys.executable, ddp_train_file], env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True, start_new_session=True)
         deadline = time.monotonic() + 300
-        acted = rt = False
+        acted = rt = rt_ok = False
         while p.poll() is None and time.monotonic() < deadline:
             try:
                 step = int(Path(progress).read_text() or -1)
             except (OSError, ValueError):
                 step = -1
             if not rt and step >= 2:          # the job owns its cores, as on a training node
-                rt = realtime(p.pid) or True
+                rt, rt_ok = True, realtime(p.pid)
             at = run.hog_from if run.hog_from is not None else run.sigstop_from if run.sigstop_from is not None \
                 else run.sigterm_at
             if not acted and at is not None and step >= at:
                 acted, t_fault = True, time.monotonic()
                 if run.hog_from is not None:
                     core = sorted(os.sched_getaffinity(0))[1]
-                    hog = subprocess.Popen([sys.executable, "-c", HOG, str(core)])
+                    hog = subprocess.Popen([sys.executable, "-c", HOG, str(core), "rt" if rt_ok else "plain",
+                                            os.path.join(out, "hog-started")])
                 elif run.sigstop_from is not None:
                     pid = _rank_pids(p.pid, run.nproc).get(1)
                     if pid:

@@ -8,6 +8,26 @@ from pathlib import Path
 
 import numpy as np
 
+#: a foreign busy process: ``python -c HOG <core> rt|plain <mark file>``, pinned to that core from its start,
+#: named ``cpu-hog``, killed with its parent; as urgent as a real-time training job (``rt``: SCHED_RR 1, busy
+#: 12 ms of every 18, so the kernel's real-time throttling never stalls the core) or busy all the time
+HOG = ("import ctypes, os, sys, time\n"
+       "os.sched_setaffinity(0, {int(sys.argv[1])})\n"
+       "libc = ctypes.CDLL(None)\n"
+       "libc.prctl(15, b'cpu-hog', 0, 0, 0)\n"                      # PR_SET_NAME: its name in /proc/<pid>/stat
+       "libc.prctl(1, 9, 0, 0, 0)\n"                                # PR_SET_PDEATHSIG: SIGKILL when the test dies
+       "rt = sys.argv[2] == 'rt'\n"
+       "if rt:\n"
+       "    os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(1))\n"
+       "with open(sys.argv[3] + '.tmp', 'w') as f:\n"              # when it takes the core (its start-up
+       "    f.write(repr(time.time()))\n"                          # on a loaded machine: up to ~0.5 s)
+       "os.rename(sys.argv[3] + '.tmp', sys.argv[3])\n"
+       "end = time.monotonic() + 120\n"                             # never outlives a run
+       "while time.monotonic() < end:\n"
+       "    t = time.monotonic() + 0.012\n"                         # busy 12 ms ...
+       "    while time.monotonic() < t:\n        pass\n"
+       "    if rt:\n        time.sleep(0.006)\n")                  # ... of every 18 (real-time: see the docs)
+
 
 def realtime(pid: int, core: int | None = None, on: bool = True) -> bool:
     """Every thread of ``pid`` and of its descendants (only those pinned to ``core`` when given) to
