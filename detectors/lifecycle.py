@@ -154,6 +154,9 @@ class JobLife:
             have = self.first.get(r)
             if have is None:
                 self.first[r] = e
+            elif have.how == "gone" and row.get("state") == "exited" and 0 <= e.t - have.t <= 10_000_000_000:
+                e.t, e.t_lo = have.t, min(have.t_lo, e.t_lo)     # the agent saw it go before its goodbye was
+                self.first[r] = e                                # read: the probe's word says how
             elif have.how == "ok" and e.how in ("fatal", "error") and r not in self.later:
                 self.later[r] = e                # a clean goodbye, then the teardown failed
 

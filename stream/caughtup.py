@@ -22,9 +22,24 @@ class CaughtUp:
         topic = self.kafka.topic("inflight")
         if self.caught_up_hook is not None:
             return bool(self.caught_up_hook(topic, None))
-        # with a real consumer the in-flight partitions are not required read to the end: during a hang
-        # the watchdogs write them continuously, so a prefetched record would always be pending
-        return True
+        if self.consumer is None:
+            return True
+        # the job's in-flight partition read to its end too: a rank's goodbye (or the agent's word that it
+        # is gone) can sit there unread while the host samples that move event time were read; during a
+        # hang the watchdogs write it every few seconds, so this only delays a hang until a poll has read
+        # what was there (it is asked again at every host batch)
+        part = getattr(rt, "inflight_partition", None)
+        if part is None:
+            part = rt.steps_partition                      # the same key: the same partition where the
+        if part is None:                                   # topics have as many partitions
+            return True
+        try:
+            from kafka.structs import TopicPartition
+            if TopicPartition(topic, part) not in self.consumer.assignment():
+                return True                                # another processor's: nothing to wait for here
+        except Exception:  # noqa: BLE001
+            return True
+        return self._tp_caught_up(topic, part)
 
     def _steps_caught_up(self, rt) -> bool:
         """Whether the job's steps partition has been read to its end: it is assigned and not paused, and

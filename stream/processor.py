@@ -80,6 +80,7 @@ class JobRuntime:
     host_partition: int | None = None                 # partition the job's host rows arrive on
     axis: JobAxis = field(default_factory=JobAxis)    # where its ranks are (stream.stepaxis)
     firing: dict = field(default_factory=dict)        # alert_id -> its firing Alert, until resolved
+    inflight_partition: int | None = None             # partition the job's in-flight rows arrive on
 
 
 def _plain(t: pa.Table) -> pa.Table:
@@ -344,6 +345,7 @@ class Processor(Intake, CaughtUp):
                 self._tick(rt)
                 self._host_settled(rt)
             elif kind == "inflight":                     # a watchdog's report, a rank's end: judged now
+                rt.inflight_partition = self._src[1] if self._src else rt.inflight_partition
                 self._tick(rt)
 
     def _ctx(self, rt: JobRuntime) -> JobContext:

@@ -140,3 +140,13 @@ def test_steps_after_the_judged_end_are_a_restart():
     _judge(ctx, 2)
     assert ctx.life.outcome == "finished"
     assert not ctx.life.restarted(T0 + 1 * S) and ctx.life.restarted(T0 + 30 * S)
+
+
+def test_a_goodbye_read_after_the_agent_saw_the_rank_go_says_how_it_ended():
+    ctx = _ctx(R=2)
+    _end(ctx, 1, 0.0, state="gone")                     # os._exit: no word
+    _end(ctx, 0, 0.0, state="gone")                     # seen exiting (a zombie) in the same tick ...
+    _end(ctx, 0, 0.3, exit_code=1, error="RuntimeError: [gloo] Connection closed by peer")   # ... then its word
+    out = _judge(ctx, 3)
+    assert [a.kind for a in out] == ["rank_crash"] and out[0].ranks == [1], out[0].evidence
+    assert out[0].evidence["ends"]["0"]["how"] == "error"

@@ -26,6 +26,8 @@ Settings (environment):
   blocks);
 - ``SW_HANG_RANK`` / ``SW_HANG_STEP`` / ``SW_HANG_S``: that rank is stuck for that long in a Python
   function (``load_next_shard``) before that step's forward, while the others wait in the all-reduce;
+- ``SW_DEVICE`` (``cpu``) / ``SW_BACKEND`` (``gloo``): ``cuda`` and ``nccl`` on a GPU (NCCL takes one rank per
+  GPU; gloo ranks can share one);
 - ``SW_MODE`` ``ddp`` (default), ``fsdp`` (FSDP1 ``FullyShardedDataParallel``), ``fsdp2``
   (``fully_shard``) or ``manual`` (no wrapper, no DataLoader: batches made by hand and gradients
   all-reduced by a loop over the parameters);
@@ -113,13 +115,14 @@ def train() -> None:
     hang_rank, hang_step = int(os.environ.get("SW_HANG_RANK", "-1")), int(os.environ.get("SW_HANG_STEP", "-1"))
     hang_s = float(os.environ.get("SW_HANG_S", "0"))
     heap = []
-    dist.init_process_group("gloo")
+    dist.init_process_group(os.environ.get("SW_BACKEND", "gloo"))
     rank, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device(os.environ.get("SW_DEVICE", "cpu"))
     cores = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cores[rank % len(cores)]})
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = SleepyForward(width)
+    model = SleepyForward(width).to(dev)
     model.sleep_ms = pad_ms
     if mode == "ddp":
         net = torch.nn.parallel.DistributedDataParallel(model)
@@ -167,6 +170,8 @@ def train() -> None:
             x, y = next(loader)
         else:
             x, y = xs[i * batch:(i + 1) * batch], ys[i * batch:(i + 1) * batch]
+        if dev.type != "cpu":
+            x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
         loss = F.cross_entropy(net(x), y)
         opt.zero_grad()
         loss.backward()

@@ -251,9 +251,15 @@ def _step_axis(data: Path, job: str, steps: int) -> tuple[np.ndarray, float]:
 
 
 def run_real(a) -> int:
+    if getattr(a, "spool", None):
+        return run_spool(a)
+    return _run_real(a)
+
+
+def _run_real(a) -> int:
     """``stepwatch eval --real``: every run of :func:`runs` (``--only`` filters), scored and reported."""
     from stepwatch.devtools.broker import EmbeddedBroker
-    from stepwatch.devtools.evalcli import report
+    from stepwatch.devtools.evalreport import report
     from stepwatch.kafkaio import KafkaSettings, ensure_topics
 
     only = getattr(a, "only", None)
@@ -289,9 +295,87 @@ def run_real(a) -> int:
     t = report(scored, targets=REAL_TARGETS)
     print(f"({time.perf_counter() - t0:.0f}s)")
     if getattr(a, "json", None):
-        from stepwatch.devtools.evalcli import COLUMNS, table_rows
+        from stepwatch.devtools.evalreport import COLUMNS, table_rows
         Path(a.json).write_text(json.dumps({"totals": t, "columns": COLUMNS, "rows": table_rows(scored)},
                                            indent=2, default=str) + "\n")
     if not getattr(a, "data_dir", None) and not getattr(a, "keep", False):
         shutil.rmtree(base, ignore_errors=True)
+    return 0 if t["targets_met"] else 1
+
+
+#: the runs ``stepwatch eval --real --spool`` scores: what a GPU machine ran (see docs/eval.md), labelled
+GPU_RUNS = {
+    "g-clean-nccl-1": [], "g-clean-gloo-2": [],
+    "g-sleep-r1": [_lab("slow-rank", cause="computation", pct=100, start=200, end=400)],
+    "g-crash-r1": [_lab("crash", pct=100, start=200, end=400)],
+    "g-raise-r1": [_lab("crash", pct=100, start=200, end=400)],
+    "g-hang-r1": [_lab("job-hang", cause=None, pct=100, start=200, end=400)],
+}
+
+
+def run_spool(a) -> int:
+    """``stepwatch eval --real --spool DIR``: score runs a node agent spooled elsewhere (a GPU machine with no
+    broker): a local agent ships the spool to the embedded broker, a processor (default settings) reads it,
+    and the alerts are scored against :data:`GPU_RUNS`' labels, as the CPU runs are."""
+    from stepwatch.agents.agent import Agent
+    from stepwatch.devtools.broker import EmbeddedBroker
+    from stepwatch.devtools.evalreport import report
+    from stepwatch.kafkaio import KafkaSettings, ensure_topics
+    from stepwatch.stream.processor import Processor
+
+    spool = Path(a.spool)
+    base = Path(tempfile.mkdtemp(prefix="stepwatch-spool-"))
+    work = base / "spool"
+    shutil.copytree(spool, work)                    # the agent empties the spool it ships
+    emitted: dict[str, list] = {}
+    proc = None
+
+    def on_alert(al):
+        rt = proc.jobs.get(al.job) if proc else None
+        st = rt.state if rt else None
+        host = rt.telemetry.host_event_ns if rt else 0
+        emitted.setdefault(al.job, []).append(Emitted(al, int(st.max_step) if st else -1,
+                                                      max(int(st.max_t_end) if st else 0, host), 0,
+                                                      int(st.max_t_end) if st else 0))
+
+    with EmbeddedBroker(log_path=base / "broker.log") as broker:
+        kafka = KafkaSettings(bootstrap=broker.bootstrap, prefix="spool.", partitions=2)
+        ensure_topics(kafka)
+        sock = tempfile.mkdtemp(prefix="sw-", dir="/tmp")
+        agent = Agent(kafka, socket_dir=sock, node="replay", job="replay-host", interval_s=1.0,
+                      spool_dir=work, plugins=[]).start()
+        proc = Processor(kafka, base / "data", group="g-spool", flush_interval_s=0.5, on_alert=on_alert)
+        stops = threading.Event(), threading.Event()
+        threads = [threading.Thread(target=agent.run, args=(stops[0],), daemon=True),
+                   threading.Thread(target=proc.run, kwargs={"stop_event": stops[1]}, daemon=True)]
+        for t in threads:
+            t.start()
+        last, quiet = -1, 0
+        while quiet < 20:                           # until the spool is shipped and nothing new is stored
+            time.sleep(1.0)
+            m = proc.metrics
+            n = m.value(m.records_out)
+            left = sum(1 for _ in work.glob("*.arrow"))
+            quiet = quiet + 1 if n == last and left == 0 else 0
+            last = n
+        for st, t in zip(stops, threads):
+            st.set()
+            t.join(30)
+        shutil.rmtree(sock, ignore_errors=True)
+    scored = []
+    for job, labels in GPU_RUNS.items():
+        run = RealRun(job, faults=labels, nproc=1 if "nccl-1" in job else 2, steps=400)
+        starts, step_ms = _step_axis(base / "data", job, run.steps)
+        res = {"scenario": run, "emitted": emitted.get(job, []), "labels": labels, "step_starts": starts,
+               "step_ms": step_ms, "nodes": np.array(["gpu0"] * run.nproc, dtype=object),
+               "stage": np.zeros(run.nproc, np.int32), "busiest_stage": None}
+        s = score(res, REAL_COMPATIBLE)
+        scored.append((res, s))
+        ends = ", ".join(f"job_end {e.evidence.get('outcome')}" for e in proc.events if e.job == job) or "no job_end"
+        print(f"  {job:<16} step {step_ms:.1f} ms: {len(s['firing'])} alert(s), {ends}")
+        for e in emitted.get(job, []):
+            print(f"      [{e.alert.incident_id}] {e.alert.line()[:260]}")
+    print("")
+    t = report(scored, targets=REAL_TARGETS)
+    shutil.rmtree(base, ignore_errors=True)
     return 0 if t["targets_met"] else 1
