@@ -199,6 +199,7 @@ class ChangePoint(Detector):
         self._last_bucket: int | None = None
         self._reported: list[int] = []                  # step_first of reported changes still in view
         self._regressions: list[dict] = []              # the last reported regressions (for transients)
+        self._last_recovery = -(1 << 62)                # first step of the last recovery alerted
         self._deferred: set[int] = set()                # of those, step-time changes left to slow_rank
         # per series, the regression still open: {"base": level before it, "level": level after the newest
         # regression of the chain, "step": that regression's first step} (hysteresis, see _open_ok)
@@ -365,10 +366,12 @@ class ChangePoint(Detector):
                 lead = max(own, key=lambda c: abs(c["after"] - c["before"]))
                 alert = self._alert(ctx, lead, [c for c in cl if c is not lead], vals, ph, step_now, t_now,
                                     steps)
-            if alert is not None and alert.kind == "recovery" and self.recovery_needs_regression \
-                    and not self._open and not self._regressions:
-                continue                    # a speed-up that undoes nothing reported (its break stays known)
+            if alert is not None and alert.kind == "recovery" and self.recovery_needs_regression and not any(
+                    r["step_first"] > self._last_recovery for r in self._regressions):
+                continue                    # a speed-up that undoes nothing reported since the last recovery
             if alert is not None:
+                if alert.kind == "recovery":
+                    self._last_recovery = int(alert.step_first)
                 self._transient(alert, lead)
                 for c in cl:
                     self._chain(c)
