@@ -76,3 +76,22 @@ def jitter_is_real(out: str, step_detected: int, threshold: float = 1.1, window:
         b = max(np.median(v[i - 21:i]), np.median(v[i - 5:i]))
         slow += v[i] > threshold * b
     return slow >= ratio * window
+
+
+def straggle_is_real(out: str, rank: int, step_first: int, step_detected: int, share: float = 0.05) -> bool:
+    """Whether the training script's own clock shows ``rank`` working longer over the steps an alert
+    named it for: its main thread's CPU time per step (``cpu`` in its report: ``time.thread_time`` at each
+    step end) over ``[step_first, step_detected]`` above its median over the 20 steps before by at least
+    ``share`` of the job's median step time. A rank the machine really slowed, not one the detector
+    imagined."""
+    try:
+        rep = json.loads((Path(out) / f"rank{rank}.json").read_text())
+    except (OSError, ValueError):
+        return False
+    cpu = np.diff(np.asarray(rep.get("cpu") or [], dtype=float)) * 1e3       # cpu[i]: step i+1's CPU ms
+    step = np.diff(np.asarray(rep.get("ends") or [], dtype=float)) * 1e3
+    lo, hi = max(int(step_first) - 1, 0), min(int(step_detected), len(cpu))
+    if hi - lo < 3 or lo < 10:
+        return False
+    before = cpu[max(lo - 20, 0):lo]
+    return float(np.median(cpu[lo:hi]) - np.median(before)) >= share * float(np.median(step))
