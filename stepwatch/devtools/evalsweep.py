@@ -11,7 +11,7 @@ the real processor and scored by the families' scorer (:func:`stepwatch.devtools
 * the job: 2-256 ranks by default (log-uniform over powers of two; ``--sweep-max-ranks`` up to 16,384: a
   4,096-rank scenario takes minutes on a 2-core machine), 1-8 pipeline stages, a step of 10 ms-10 s
   (log-uniform; GC pauses are absolute times, scaled to the step below 1 s);
-* the delivery: 1-20 steps per message, 1-8 partitions, produce order or a consumer-group shuffle;
+* the delivery: 1-20 steps per message (at most 10 s of steps: an agent ships every second), 1-8 partitions, produce order or a consumer-group shuffle;
 * half the scenarios are clean; the other half hold one fault from step 80-140: a straggler on a random
   rank (effect 2-50 % of its busy time, log-uniform), persistent, transient (30-100 steps) or intermittent,
   or a job-wide change of one phase (comm transfer, data wait, host time; 2-50 % of the step, persistent
@@ -37,6 +37,10 @@ import numpy as np
 from stepwatch.devtools.eval import run_scenario, score
 from stepwatch.devtools.scenarios_indep import IndepScenario
 
+#: a message holds at most this much event time: an agent ships every interval (1 s), and a producer that
+#: batched a minute of steps would hold back its job's steps longer than the hang threshold (a hang and a
+#: batch then look alike)
+MAX_BATCH_MS = 10_000.0
 BINS = [(0.0, 2.0), (2.0, 4.0), (4.0, 8.0), (8.0, 16.0), (16.0, math.inf)]
 DECIDE_STEPS = 8
 
@@ -77,7 +81,8 @@ def draw(i: int, seed: int = 0, max_ranks: int = 256) -> tuple[IndepScenario, di
         info.update(kind=f["kind"], shape=shape, pct_step=round(pct, 2))
     sc = IndepScenario(
         name=f"sweep-{seed}-{i}", faults=faults, ranks=ranks, per_node=min(8, ranks), pp=pp, steps=steps,
-        seed=10_000 + 97 * seed + i, step_ms=step_ms, steps_per_msg=int(rng.integers(1, 21)),
+        seed=10_000 + 97 * seed + i, step_ms=step_ms,
+        steps_per_msg=max(1, min(int(rng.integers(1, 21)), int(MAX_BATCH_MS // step_ms))),
         partitions=int(rng.integers(1, 9)),
         checkpoint_every=None if rng.random() < 0.4 else int(rng.integers(40, 121)),
         nodes_per_msg=max(1, ranks // 512), noise=noise, dof=dof, clip=clipk * noise, ar_phi=ar_phi, ar_sd=ar_sd,
