@@ -79,7 +79,7 @@ def test_jitter_of_the_warm_up_is_not_jitter():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_a_slower_network_is_seen_through_the_waits_noise(seed):
-    """A DDP job on CPU: the probe's model puts the all-reduce's whole tail in comm_wait (comm_ms 0); each
+    """(comm_transfer: off by default, see ChangePoint's docs.) A DDP job on CPU: the probe's model puts the all-reduce's whole tail in comm_wait (comm_ms 0); each
     step one rank arrives last and waits only for the transfer, the others wait 0-12 ms more at random.
     From step 200 the link is 30% slower: every rank's time in collectives rises by 3 ms."""
     rng = np.random.default_rng(40 + seed)
@@ -91,7 +91,7 @@ def test_a_slower_network_is_seen_through_the_waits_noise(seed):
     wait = xfer[:, None] + extra
     step = 60.0 + wait + rng.normal(0, 0.5, (S, R))
     step = np.repeat(step.max(axis=1, keepdims=True), R, axis=1)
-    alerts = _feed(ChangePoint(), _blocks(step, comm=np.zeros((S, R)), wait=wait))
+    alerts = _feed(ChangePoint(comm_transfer=True), _blocks(step, comm=np.zeros((S, R)), wait=wait))
     comm = [a for a in alerts if a.kind == "regression" and a.cause == "communication"]
     assert comm and abs(comm[0].step_first - 200) <= 4, [(a.kind, a.cause, a.step_first) for a in alerts]
     ev = comm[0].evidence
