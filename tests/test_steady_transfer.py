@@ -96,3 +96,27 @@ def test_a_slower_network_is_seen_through_the_waits_noise(seed):
     assert comm and abs(comm[0].step_first - 200) <= 4, [(a.kind, a.cause, a.step_first) for a in alerts]
     ev = comm[0].evidence
     assert ev.get("series") == "comm_ms" or "comm_ms" in str(ev), ev
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_bump_that_ended_inside_the_stretch_the_gate_judged_steady_is_history(seed):
+    """A lead-in (the job-wide step time wandering by 2 % a step) with a 20 % bump for 9 steps inside the
+    stretch the gate then judged steady (it opens at steps 34-36 on these seeds, its stretch from 5-7):
+    nothing is reported for it, neither the bump nor its end (before the fix: a regression at step 22 and
+    its recovery at 31, both decided 15-150 steps later); a real fault later still is."""
+    rng = np.random.default_rng(100 + seed)
+    S = 300
+    common = 1 + 0.02 * rng.standard_normal(S)
+    step = 100.0 * common[:, None] * (1 + 0.01 * rng.standard_normal((S, R)))
+    step[22:31] *= 1.20
+    det = ChangePoint()
+    alerts = _feed(det, _blocks(step[:200]))
+    gate = det._steady
+    assert gate.steady and gate.opened_at is not None
+    assert gate.start < 22 and gate.opened_at > 31
+    assert alerts == [], [(a.kind, a.step_first, a.step_detected, gate.state()) for a in alerts]
+    fault = step.copy()
+    fault[220:] *= 1.15
+    det = ChangePoint()
+    alerts = [a for a in _feed(det, _blocks(fault)) if a.step_first >= 200]
+    assert [a.kind for a in alerts] == ["regression"] and abs(alerts[0].step_first - 220) <= 3
