@@ -32,6 +32,18 @@ def _nanmean(a: np.ndarray, axis: int) -> np.ndarray:
 _Z_UCB = 1.645
 
 
+def _least_in_collectives(sub) -> np.ndarray:
+    """Per step, the least time in collectives (``comm_ms + comm_wait_ms``) over the sampled ranks that
+    report comm (NaN where none does): the rank that arrived last waited for nobody."""
+    c = sub.comm_ms
+    tot = np.where(np.isfinite(c), c + np.nan_to_num(sub.comm_wait_ms), np.nan)
+    out = np.full(tot.shape[0], np.nan)
+    ok = np.isfinite(tot).any(axis=1)
+    if ok.any():
+        out[ok] = np.nanmin(tot[ok], axis=1)
+    return out
+
+
 def _sigma_upper(x: np.ndarray) -> float:
     """Factor from a series' long-run noise estimate to its one-sided 95 % upper confidence bound.
 
@@ -199,7 +211,7 @@ class ChangePoint(Detector):
         self._step = np.zeros(W, dtype=np.int64)
         self._t = np.zeros(W, dtype=np.int64)
         # sampled phase medians, the busiest stage's median busy time, the job's median busy time
-        self._ph = np.full((W, len(self._PH) + 2), np.nan)
+        self._ph = np.full((W, len(self._PH) + 3), np.nan)    # + transfer, busiest stage, median busy
         self._n = 0                                     # steps pushed (ring position = _n % W)
         self._last_bucket: int | None = None
         self._reported: list[int] = []                  # step_first of reported changes still in view
@@ -234,8 +246,9 @@ class ChangePoint(Detector):
         # rank-steps pause a few ms or not at all, a few pause long) where the mean is the time the job
         # spends in it: more long pauses on a quarter of the ranks move the mean, not the median
         phm = np.stack([(_nanmean if k in _MEAN_PHASES else nanmedian)(ph[k], axis=1) for k in self._PH]
-                       + [self._busiest_stage(ctx, sub, cols, R), nanmedian(sub.busy_ms, axis=1)],
-                       axis=1)                                                   # (S, 8) O(S*256)
+                       + [_least_in_collectives(sub), self._busiest_stage(ctx, sub, cols, R),
+                          nanmedian(sub.busy_ms, axis=1)],
+                       axis=1)                                                   # (S, 9) O(S*256)
         # communication as its own series, apart from the waiting stragglers cause: the time in collectives
         # of the ranks that waited least (the last to arrive wait for nobody: their time is the transfer)
         xfer = self._transfer(sub)
@@ -610,6 +623,16 @@ class ChangePoint(Detector):
         stages = np.asarray(ctx.stage)
         d_rel = d_hi - float(pa[-1] - pb[-1]) if stages.size and len(np.unique(stages)) > 1 else d_hi
         d_lead = after - before
+        # the least time in collectives over the ranks (comm + wait): the last rank to arrive waits for
+        # nobody, so a straggler leaves it where it was; a slower network (or collective) moves it on every
+        # rank alike. A wait that grew on every rank is no straggler's doing (measured: a real link cut from
+        # 1 Gbit/s to 100 Mbit/s under 2 gloo DDP ranks moved both ranks' wait 0.5 -> 26.5 ms and the
+        # least 0.5 -> 26 ms; a straggler moves the others' wait, not the least)
+        d_xfer = float(pa[-3] - pb[-3])
+        shared = np.isfinite(d_xfer) and d_lead != 0 and d_xfer * np.sign(d_lead) >= 0.5 * abs(d_lead) and \
+            series in ("step_ms", "comm_wait_ms") and cause == "parallelism"
+        if shared:
+            cause = "communication"
         if (self.defer_stragglers and cause == "parallelism"
                 and not abs(d_rel) >= 0.5 * abs(d_lead)):
             return None                     # a few slow ranks: the slow-rank detector names them
@@ -637,6 +660,8 @@ class ChangePoint(Detector):
             "segment_after": [int(steps[i]), int(steps[b - 1])],
             "phase": series if series != "step_ms" else phase_ev["phase"], "phases": phase_ev["phases"],
             "busiest_stage_busy_delta_ms": None if np.isnan(d_hi) else round(d_hi, 3),
+            "least_in_collectives_ms": None if not np.isfinite(pb[-3]) else [round(float(pb[-3]), 3),
+                                                                            round(float(pa[-3]), 3)],
             "cause_reason": reason,
         }
         if series != "step_ms":

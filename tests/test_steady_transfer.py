@@ -120,3 +120,29 @@ def test_a_bump_that_ended_inside_the_stretch_the_gate_judged_steady_is_history(
     det = ChangePoint()
     alerts = [a for a in _feed(det, _blocks(fault)) if a.step_first >= 200]
     assert [a.kind for a in alerts] == ["regression"] and abs(alerts[0].step_first - 220) <= 3
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_wait_that_grew_on_every_rank_is_a_communication_regression_a_stragglers_is_not(seed):
+    """A producer that puts a collective's whole time in the wait (gloo DDP on CPU: comm_ms 0): a slower
+    link raises every rank's wait alike (the least wait over the ranks moves), a straggler raises the
+    others' wait while its own stays (the least does not move). The first is a job-wide regression with
+    cause communication; the second is left to the slow-rank detector (no job-wide alert)."""
+    rng = np.random.default_rng(seed)
+    S, t = 260, 160
+    busy = 20.0 * (1 + 0.02 * rng.standard_normal((S, R)))
+    wait = 0.6 + 0.2 * rng.random((S, R))
+    link = wait.copy()
+    link[t:] += 25.0 * (1 + 0.02 * rng.standard_normal((S - t, R)))        # the link: every rank waits longer
+    alerts = _feed(ChangePoint(comm_transfer=False), _blocks(busy + link, comm=np.zeros((S, R)), wait=link))
+    assert [a.kind for a in alerts] == ["regression"], [(a.kind, a.step_first, a.cause) for a in alerts]
+    a = alerts[0]
+    assert a.cause == "communication" and abs(a.step_first - t) <= 3 and a.step_detected - t <= 8, a
+    assert a.evidence["least_in_collectives_ms"][1] > 20
+    strag = busy.copy()
+    strag[t:, 3] += 25.0                                                     # rank 3 works 25 ms longer
+    w = wait.copy()
+    w[t:] += 25.0
+    w[t:, 3] = wait[t:, 3]                                                   # ... and waits for nobody
+    alerts = _feed(ChangePoint(comm_transfer=False), _blocks(strag + w, comm=np.zeros((S, R)), wait=w))
+    assert alerts == [], [(a.kind, a.step_first, a.cause) for a in alerts]

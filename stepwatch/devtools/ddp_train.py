@@ -31,6 +31,10 @@ Settings (environment):
 - ``SW_MODE`` ``ddp`` (default), ``fsdp`` (FSDP1 ``FullyShardedDataParallel``), ``fsdp2``
   (``fully_shard``) or ``manual`` (no wrapper, no DataLoader: batches made by hand and gradients
   all-reduced by a loop over the parameters);
+- ``SW_NETNS`` / ``SW_NETNS_RANKS`` (``1``) / ``SW_MASTER_ADDR`` / ``SW_IFNAMES`` (``<this side>,<inside>``):
+  those ranks run in that network namespace (root), the rendezvous is at that address and gloo's sockets
+  use those interfaces: the ranks' collectives cross a real link (a veth pair whose bandwidth the caller
+  can cut: ``stepwatch/devtools/netlink.py``);
 - ``SW_PROGRESS``: a file where rank 1 writes its step number every step (the tests start a foreign
   process from a given step);
 - ``SW_OUT``: where each rank writes ``rank<r>.json`` (its step end times and, when a probe is loaded,
@@ -196,8 +200,28 @@ def train() -> None:
     dist.destroy_process_group()
 
 
+def _enter_netns(name: str) -> None:
+    """This freshly forked (single-threaded) rank into network namespace ``name`` (``setns(2)``)."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, 0x40000000) != 0:                    # CLONE_NEWNET
+            raise OSError(ctypes.get_errno(), f"setns({name})")
+    finally:
+        os.close(fd)
+
+
 def _worker(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+    addr = os.environ.get("SW_MASTER_ADDR", "127.0.0.1")
+    netns = os.environ.get("SW_NETNS")
+    if netns:
+        inside = rank in {int(r) for r in os.environ.get("SW_NETNS_RANKS", "1").split(",")}
+        host_if, ns_if = os.environ["SW_IFNAMES"].split(",")
+        if inside:
+            _enter_netns(netns)
+        os.environ["GLOO_SOCKET_IFNAME"] = ns_if if inside else host_if
+    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     train()
 
@@ -208,6 +232,6 @@ if __name__ == "__main__":
     import torch.multiprocessing as mp
     world = int(os.environ.get("SW_NPROC", "2"))
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((os.environ.get("SW_MASTER_ADDR", "127.0.0.1"), 0))
         port = s.getsockname()[1]
     mp.start_processes(_worker, args=(world, port), nprocs=world, start_method="fork")

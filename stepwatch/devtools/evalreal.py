@@ -13,7 +13,10 @@ job as on a cluster. The fault is real and labelled by what was injected and whe
 * GC pressure in rank 1 (real collections every step);
 * slow reads in rank 1's dataset, and in every rank's;
 * rank 1 ending: ``os._exit(1)``, SIGKILL, an exception;
-* rank 1 stuck in a Python function (a hang), and rank 1 stopped by SIGSTOP (then the job is killed).
+* rank 1 stuck in a Python function (a hang), and rank 1 stopped by SIGSTOP (then the job is killed);
+* a communication slowdown on a real link: rank 1 in its own network namespace, joined to rank 0's by a
+  veth pair with a token bucket (:mod:`stepwatch.devtools.netlink`), whose rate is cut from 1 Gbit/s to
+  100 Mbit/s mid-run (root only; elsewhere the run says it could not be made).
 
 The alerts the processor emits are scored by the same scorer as the scenario families
 (:func:`stepwatch.devtools.eval.score`), against the labels: one incident per fault naming the right rank
@@ -81,6 +84,7 @@ class RealRun:
     sigstop_from: int | None = None      # rank 1 stopped at this step
     sigterm_at: int | None = None        # every process of the job SIGTERMed at this step
     kill_after_s: float | None = None    # the job SIGKILLed this long after its fault began (a hang)
+    link: tuple[str, str] | None = None  # rank 1 behind a real link of this rate, cut to the second at the fault
     note: str = ""
     steps: int = STEPS
     pp: int = 1
@@ -122,6 +126,9 @@ def runs() -> list[RealRun]:
                 note="rank 1 stuck in a Python function; the job is killed after the hang"),
         RealRun("sigstop-r1", env={"SW_STEPS": 2000}, sigstop_from=F, kill_after_s=HANG_S + 12,
                 faults=[_lab("job-hang", cause=None, pct=100)], note="rank 1 stopped by SIGSTOP; then killed"),
+        RealRun("link-slow", link=("1gbit", "100mbit"),
+                faults=[_lab("regression", ranks=(), scope="job", cause="communication", pct=50)],
+                note="rank 1 behind a real link (netns + veth + tbf) cut from 1 Gbit/s to 100 Mbit/s"),
     ]
 
 
@@ -175,7 +182,12 @@ def run_one(run: RealRun, kafka, data: Path, socket_dir: str, log=print) -> dict
     env.update({k: str(v) for k, v in run.env.items()})
     hog = None
     t_fault = None
+    link = None
     try:
+        if run.link is not None:
+            from stepwatch.devtools.netlink import SlowLink
+            link = SlowLink(run.link[0]).__enter__()
+            env.update(link.env())
         p = subprocess.Popen([sys.executable, ddp_train_file], env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True, start_new_session=True)
         deadline = time.monotonic() + 300
@@ -188,10 +200,12 @@ def run_one(run: RealRun, kafka, data: Path, socket_dir: str, log=print) -> dict
             if not rt and step >= 2:          # the job owns its cores, as on a training node
                 rt, rt_ok = True, realtime(p.pid)
             at = run.hog_from if run.hog_from is not None else run.sigstop_from if run.sigstop_from is not None \
-                else run.sigterm_at
+                else run.sigterm_at if run.sigterm_at is not None else FAULT_AT if link is not None else None
             if not acted and at is not None and step >= at:
                 acted, t_fault = True, time.monotonic()
-                if run.hog_from is not None:
+                if link is not None:
+                    link.rate(run.link[1])
+                elif run.hog_from is not None:
                     core = sorted(os.sched_getaffinity(0))[1]
                     hog = subprocess.Popen([sys.executable, "-c", HOG, str(core), "rt" if rt_ok else "plain",
                                             os.path.join(out, "hog-started")])
@@ -218,6 +232,8 @@ def run_one(run: RealRun, kafka, data: Path, socket_dir: str, log=print) -> dict
         if hog is not None:
             hog.kill()
             hog.wait()
+        if link is not None:
+            link.__exit__(None, None, None)
         for s, t in zip(stops, threads):
             s.set()
             t.join(30)
