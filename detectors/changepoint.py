@@ -628,8 +628,14 @@ class ChangePoint(Detector):
         # rank alike. A wait that grew on every rank is no straggler's doing (measured: a real link cut from
         # 1 Gbit/s to 100 Mbit/s under 2 gloo DDP ranks moved both ranks' wait 0.5 -> 26.5 ms and the
         # least 0.5 -> 26 ms; a straggler moves the others' wait, not the least)
+        # Only where the producer puts a collective's whole time in the wait (under 5% of it in comm_ms:
+        # gloo on CPU): where it splits transfer from wait, comm_ms is that series, and one slow group's
+        # transfer moves every rank's total alike (its members transfer longer, the others wait for them)
         d_xfer = float(pa[-3] - pb[-3])
-        shared = np.isfinite(d_xfer) and d_lead != 0 and d_xfer * np.sign(d_lead) >= 0.5 * abs(d_lead) and \
+        c_b, w_b = b_d.get("comm_ms", math.nan), b_d.get("comm_wait_ms", math.nan)
+        unsplit = np.isfinite(w_b) and w_b > 0 and not (np.isfinite(c_b) and c_b >= 0.05 * (c_b + w_b))
+        shared = unsplit and np.isfinite(d_xfer) and d_lead != 0 and \
+            d_xfer * np.sign(d_lead) >= 0.5 * abs(d_lead) and \
             series in ("step_ms", "comm_wait_ms") and cause == "parallelism"
         if shared:
             cause = "communication"

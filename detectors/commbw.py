@@ -61,6 +61,7 @@ class CommBandwidth(Detector):
         slow_ratio=0.5       slow link: bus bandwidth below this x the peers' median
         min_peers=3          peer groups needed to judge a slow link
         sync_share=0.6       sync-bound: wait / time in collectives at least this
+        sync_margin=0.1      a job within this below sync_share is sync-bound by nature too (hysteresis)
         straggler_share=0.1  sync-bound is left to slow_rank when this few ranks explain the wait
         clear=3              evaluations without the finding to resolve
         link_gbps=None       peak bus bandwidth per link type, GB/s (overrides LINK_GBPS)
@@ -74,7 +75,7 @@ class CommBandwidth(Detector):
     def __init__(self, *, window: int = 20, every: int = 10, lag: int = 2, min_steps: int = 8,
                  small_div: float = 16.0, small_share: float = 0.5, min_calls: int = 4,
                  min_comm_share: float = 0.1, slow_ratio: float = 0.5, min_peers: int = 3,
-                 sync_share: float = 0.6, straggler_share: float = 0.1, clear: int = 3, link_gbps=None,
+                 sync_share: float = 0.6, sync_margin: float = 0.1, straggler_share: float = 0.1, clear: int = 3, link_gbps=None,
                  link=None, max_pending: int = 8192):
         if window < 2 or every < 1 or lag < 0 or min_steps < 1 or clear < 1 or min_peers < 1:
             raise ValueError("comm_bw: need window >= 2, every >= 1, lag >= 0, min_steps >= 1, clear >= 1, "
@@ -83,6 +84,7 @@ class CommBandwidth(Detector):
         self.small_div, self.small_share, self.min_calls = float(small_div), float(small_share), int(min_calls)
         self.min_comm_share, self.slow_ratio, self.min_peers = float(min_comm_share), float(slow_ratio), int(min_peers)
         self.sync_share, self.straggler_share = float(sync_share), float(straggler_share)
+        self.sync_margin = float(sync_margin)
         self.link_gbps, self.link, self.max_pending = dict(link_gbps or {}), link, int(max_pending)
         self._eps = _Episodes(int(clear))
         self._steady = SteadyGate()               # nothing judged in the warm-up (detectors.steady)
@@ -243,10 +245,14 @@ class CommBandwidth(Detector):
                                                                              comm_share, step_first, step_now,
                                                                              t_now))
         if judge and not sync and ws is not None:
+            # hysteresis: a wait share within ``sync_margin`` below the threshold is the same nature (a clean
+            # 128-rank job with heavy-tailed, autocorrelated noise wandered 0.5-0.6 and crossed it at 0.601:
+            # a false episode in a random sweep); only a job that was clearly not sync-bound can begin one
+            near = ws >= self.sync_share - self.sync_margin and comm_share >= self.min_comm_share
             if self._sync_native is None:
-                self._sync_native = False                # not sync-bound when first judged
+                self._sync_native = near                 # not sync-bound (nor nearly) when first judged
             elif self._sync_native:
-                self._sync_clear += 1
+                self._sync_clear = 0 if near else self._sync_clear + 1
                 if self._sync_clear >= self._eps.clear:
                     self._sync_native = False            # it went away: a later episode is a change
         if g:

@@ -65,6 +65,9 @@ class Jitter(Detector):
         min_every=5            shortest checkpoint period (steps) recognised
         alarm_checkpoints=False  count checkpoint steps as slow steps
         history=256            steps kept for evidence and the long-run ratio
+        native_alpha=0.001     ... and only when that many slow steps in the window are this unlikely at the
+                               job's own long-run rate of slow steps (see _unusual): heavy tails by nature
+                               are not an episode
         steady=True            nothing is judged until the job's step time is steady (detectors.steady: its
                                own stability says when the warm-up ended); slow steps count from the
                                stable stretch on
@@ -76,13 +79,15 @@ class Jitter(Detector):
 
     def __init__(self, *, threshold: float = 1.1, window: int = 20, ratio: float = 0.2, clear_window: int = 40,
                  baseline: int = 21, spike: float = 1.3, min_periods: int = 4, min_every: int = 5,
-                 alarm_checkpoints: bool = False, history: int = 256, warmup: int = 20, steady: bool = True):
+                 alarm_checkpoints: bool = False, history: int = 256, warmup: int = 20, steady: bool = True,
+                 native_alpha: float = 1e-3):
         if threshold <= 1 or not 0 < ratio <= 1 or window < 2 or baseline < 3 or min_periods < 2:
             raise ValueError("jitter: need threshold > 1, 0 < ratio <= 1, window >= 2, baseline >= 3, "
                              "min_periods >= 2")
         if history < max(window, clear_window, baseline) + 5 or clear_window < 2:
             raise ValueError("jitter: history must exceed window, clear_window and baseline")
         self.threshold, self.window, self.ratio = float(threshold), int(window), float(ratio)
+        self.native_alpha = float(native_alpha)
         self.clear_window, self.baseline, self.spike = int(clear_window), int(baseline), float(spike)
         self.min_periods, self.alarm_checkpoints, self.history = int(min_periods), bool(alarm_checkpoints), int(history)
         self.min_every = max(2, int(min_every))
@@ -108,6 +113,7 @@ class Jitter(Detector):
         self._open: Alert | None = None
         self._flags: deque = deque()                  # [step, slow, checkpoint] of recent judged steps
         self._keep = max(self.window, self.clear_window)
+        self._nat = [0, 0]                            # judged steps and slow ones that left the flags (not firing)
 
     # -- helpers ---------------------------------------------------------------------------------
     def _last(self, m: int) -> np.ndarray:
@@ -133,7 +139,7 @@ class Jitter(Detector):
                                      if np.isfinite(self._b[i]) and self._step[i] >= g.start),
                                     maxlen=None)
                 while len(self._flags) > self._keep:
-                    self._flags.popleft()
+                    self._native(self._flags.popleft())
         if self._seen < self.warmup:                  # the job's first steps (a gate's minimum)
             skip = min(self.warmup - self._seen, S)
             self._seen += skip
@@ -211,7 +217,7 @@ class Jitter(Detector):
         if np.isfinite(b) and (g is None or g.steady and step >= g.start):
             self._flags.append([step, slow, False])
             if len(self._flags) > self._keep:
-                self._flags.popleft()
+                self._native(self._flags.popleft())
         if wide or self._cad is not None:
             self._cadence(step, wide, i)
         return self._judge(ctx, step, t_end)
@@ -260,6 +266,28 @@ class Jitter(Detector):
             if f[0] == step:
                 f[2] = True
 
+    def _native(self, f) -> None:
+        """A judged step leaves the flags: into the job's own long-run rate of slow steps (not while an
+        episode is open: its slow steps are the episode's, not the job's nature)."""
+        if self._open is None:
+            self._nat[0] += 1
+            self._nat[1] += bool(f[1] and (self.alarm_checkpoints or not f[2]))
+
+    def _unusual(self, c: int) -> bool:
+        """Whether ``c`` slow steps of the last ``window`` are unlikely (below ``native_alpha``) at the
+        job's own long-run rate of slow steps: a job whose steps are heavy-tailed by nature (a clean
+        2-rank job with t(2.5) noise of 3%: about 6% of its steps above 1.1x) has 4 of 20 by chance every
+        few hundred steps, which is its nature, not an episode. The rate is the slow share of the judged
+        steps older than the last ``max(window, clear_window)`` (an episode's own first slow steps are not
+        its baseline), with a prior of 2% worth 20 steps: until the job has a history the rule is the
+        plain one (4 of 20: P(X >= 4) = 6e-4 at 2%); a job with 6% slow steps by nature needs 7 of 20 once
+        it has ~200 steps of history."""
+        n, k = self._nat
+        p = (k + 0.4) / (n + 20.0)
+        W = self.window
+        tail = sum(math.comb(W, j) * p ** j * (1.0 - p) ** (W - j) for j in range(c, W + 1))
+        return tail < self.native_alpha
+
     def _count(self, m: int) -> tuple[int, int]:
         """(judged steps, counted slow steps) among the last m judged steps."""
         fl = list(self._flags)[-m:]
@@ -279,7 +307,7 @@ class Jitter(Detector):
                               suggestion=a.suggestion, alert_id=a.alert_id)]
             return []
         n, c = self._count(self.window)
-        if n < self.window or c < math.ceil(self.ratio * self.window - 1e-9):
+        if n < self.window or c < math.ceil(self.ratio * self.window - 1e-9) or not self._unusual(c):
             return []
         win = self._last(self.history)
         ok = np.isfinite(self._b[win])

@@ -146,3 +146,33 @@ def test_a_wait_that_grew_on_every_rank_is_a_communication_regression_a_straggle
     w[t:, 3] = wait[t:, 3]                                                   # ... and waits for nobody
     alerts = _feed(ChangePoint(comm_transfer=False), _blocks(strag + w, comm=np.zeros((S, R)), wait=w))
     assert alerts == [], [(a.kind, a.step_first, a.cause) for a in alerts]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_heavy_tails_by_nature_are_no_jitter_episode_a_new_jitter_is(seed):
+    """A clean job whose steps are heavy-tailed by nature (Student-t, 2.5 degrees of freedom, 3% scale on
+    each rank: ~6% of its steps above 1.1x) has 4 slow steps of 20 by chance every few hundred steps: its
+    nature, no jitter warning once the job has a history of its own (its first 150 steps are judged by the
+    plain rule, 4 of 20). The same job where one rank stalls on a quarter of its steps from step 300
+    (a real jitter episode) gets one, within 60 steps: against heavy tails of its own, a quarter of slow
+    steps takes longer to tell apart than against a quiet job (4 of 20)."""
+    rng = np.random.default_rng(300 + seed)
+    S = 600
+    noise = np.clip(0.03 * rng.standard_t(2.5, (S, 2)), -0.3, 0.3)
+    step = 100.0 * (1 + noise)
+
+    def run(x):
+        return [a for a in _feed(Jitter(), _blocks(x[:, :2] if x.shape[1] == 2 else x)) if a.status == "firing"]
+
+    def wide(x):                                          # the detector's blocks carry R ranks
+        return np.repeat(x, R // 2, axis=1)
+
+    late = [(a.step_first, a.step_detected) for a in run(wide(step)) if a.step_detected >= 150]
+    assert late == []                                     # once the job has a history of its own
+    bad = step.copy()
+    hit = np.flatnonzero(rng.random(S) < 0.25)
+    hit = hit[hit >= 300]
+    bad[hit, 1] *= 1.4
+    fired = [a for a in run(wide(bad)) if a.step_detected >= 150]
+    assert fired and 300 <= fired[0].step_first and fired[0].step_detected <= 360, [
+        (a.step_first, a.step_detected) for a in fired]
