@@ -105,6 +105,30 @@ def read_credentials(path: str, kind: str = "bearer") -> str:
     raise AlertmanagerError(f"unknown Alertmanager auth kind {kind!r} (basic or bearer)")
 
 
+def split_credentials(url: str) -> tuple[str, str | None]:
+    """``http://user:pw@host:9093`` -> (``http://host:9093``, the ``Authorization: Basic`` value), so
+    the password is sent as basic auth and never reaches a metric label or a log line (both show the
+    URL without it). A URL without credentials comes back unchanged, with None."""
+    u = urllib.parse.urlsplit(url)
+    if u.username is None and u.password is None:
+        return url, None
+    host = u.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    try:
+        port = u.port
+    except ValueError:
+        raise AlertmanagerError(f"Alertmanager URL {u.scheme}://***@{u.netloc.rpartition('@')[2]}: "
+                                "bad port") from None
+    clean = urllib.parse.urlunsplit((u.scheme, host + (f":{port}" if port else ""), u.path, u.query, u.fragment))
+    if u.password is None:
+        raise AlertmanagerError(f"Alertmanager URL {clean} names a user but no password: put user:password "
+                                "in a credentials file instead (--alertmanager-credentials-file, "
+                                "--alertmanager-auth basic)")
+    userpass = f"{urllib.parse.unquote(u.username or '')}:{urllib.parse.unquote(u.password)}"
+    return clean, "Basic " + base64.b64encode(userpass.encode()).decode()
+
+
 def dashboard_link(grafana_url: str | None, alert: Alert, t_start_ns: int, t_end_ns: int) -> str:
     """The Grafana Job dashboard of the alert's job over its time range (with a margin), or ''."""
     if not grafana_url:
@@ -195,8 +219,9 @@ class _Metrics(Metrics):
 class _Worker(Lane):
     """Delivery to one Alertmanager: its lane (queue and thread) and its firing set."""
 
-    def __init__(self, sink: "AlertmanagerSink", url: str, maxsize: int):
-        self.url = url.rstrip("/")
+    def __init__(self, sink: "AlertmanagerSink", url: str, maxsize: int, authorization: str | None = None):
+        self.url = url.rstrip("/")            # without credentials: it is a metric label and in logs
+        self.authorization = authorization or sink.authorization
         m = sink.metrics
         super().__init__(sink, f"stepwatch-alertmanager-{self.url}", f"alertmanager {self.url}", maxsize,
                          queued=m.queued.labels(self.url), dropped=m.dropped.labels(self.url),
@@ -265,8 +290,8 @@ class _Worker(Lane):
         s = self.sink
         data = json.dumps(bodies).encode()
         headers = {"Content-Type": "application/json", "User-Agent": "stepwatch"}
-        if s.authorization:
-            headers["Authorization"] = s.authorization
+        if self.authorization:
+            headers["Authorization"] = self.authorization
 
         def once() -> None:
             req = urllib.request.Request(self.endpoint, data=data, headers=headers, method="POST")
@@ -308,12 +333,18 @@ class AlertmanagerSink(QueueSink):
                  point_hold_s: float = 900.0, maxsize: int = 10_000, batch: int = 500, max_firing: int = 10_000,
                  backoff_s: float = 0.5, backoff_max_s: float = 30.0, max_attempts: int | None = None,
                  timeout: float = 5.0, registry: CollectorRegistry | None = None):
-        urls = [urls] if isinstance(urls, str) else list(dict.fromkeys(u.rstrip("/") for u in urls))
+        urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
             raise ValueError("AlertmanagerSink needs at least one URL")
-        for u in urls:
+        auth: dict[str, str | None] = {}
+        for raw in urls:
+            u, creds = split_credentials(raw.rstrip("/"))
             if urllib.parse.urlsplit(u).scheme not in ("http", "https"):
                 raise AlertmanagerError(f"Alertmanager URL {u!r} must be http(s)://host:port")
+            if creds and authorization:
+                raise AlertmanagerError(f"Alertmanager URL {u} carries a user:password and a credentials file is "
+                                        "given too: use one of them")
+            auth.setdefault(u, creds)
         if maxsize < 1 or batch < 1 or resend_interval_s <= 0 or max_firing < 1:
             raise ValueError("maxsize, batch, max_firing must be >= 1 and resend_interval_s > 0")
         super().__init__(backoff_s=backoff_s, backoff_max_s=backoff_max_s, max_attempts=max_attempts, log=log)
@@ -326,7 +357,7 @@ class AlertmanagerSink(QueueSink):
         self.timeout = float(timeout)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = _Metrics(self.registry)
-        self.workers = self.lanes = [_Worker(self, u, maxsize).start() for u in urls]
+        self.workers = self.lanes = [_Worker(self, u, maxsize, a).start() for u, a in auth.items()]
 
     # ------------------------------------------------------------------ caller side
     def submit(self, alert: Alert) -> bool:

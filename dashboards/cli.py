@@ -1,7 +1,8 @@
 """``stepwatch grafana …`` subcommands; :func:`register` adds them to the main parser.
 
     stepwatch grafana provision --url URL [--token-file FILE] --data-root DIR
-    stepwatch grafana export --out DIR [--data-root DIR]
+    stepwatch grafana export --out DIR [--data-root DIR | --snapshot-dir DIR]
+    stepwatch grafana publish --data-dir DIR --snapshot-dir DIR [--every S] [--once]
 
 The Grafana token comes from ``--token-file``, ``$STEPWATCH_GRAFANA_TOKEN_FILE`` or
 ``$STEPWATCH_GRAFANA_TOKEN``; there is deliberately no flag that takes the token itself.
@@ -18,6 +19,7 @@ from .grafana import FOLDER_TITLE, FOLDER_UID, TOKEN_ENV, TOKEN_FILE_ENV
 
 URL_ENV = "STEPWATCH_GRAFANA_URL"
 DATA_ROOT_ENV = "STEPWATCH_GRAFANA_DATA_ROOT"
+SNAPSHOT_ENV = "STEPWATCH_GRAFANA_SNAPSHOT_DIR"
 
 
 class _NoTokenFlag(argparse.Action):
@@ -52,6 +54,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--token", nargs="?", action=_NoTokenFlag, help=argparse.SUPPRESS)
     p.add_argument("--data-root", default=os.environ.get(DATA_ROOT_ENV),
                    help=f"the Parquet store root as Grafana sees it (absolute path; or ${DATA_ROOT_ENV})")
+    _snapshot_arg(p)
     _common(p)
     p.add_argument("--org-id", type=int, default=1)
     p.add_argument("--no-alert-rules", action="store_true", help="skip the Grafana-managed alert rules")
@@ -65,9 +68,28 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help=f"the Parquet store root as Grafana sees it (default {DEFAULT_DATA_ROOT})")
     e.add_argument("--dashboards-path", default=DEFAULT_DASHBOARDS_PATH,
                    help="where Grafana will find the dashboard JSON files (for dashboards-provider.yaml)")
+    _snapshot_arg(e)
     _common(e)
     e.set_defaults(func=cmd_export)
+
+    pb = gs.add_parser("publish", allow_abbrev=False,
+                       help="write the read-only snapshot of the views that Grafana's datasource opens")
+    pb.add_argument("--data-dir", required=True, help="the lake's data dir (STEPWATCH_LAKE_* as for the processor)")
+    pb.add_argument("--snapshot-dir", required=True,
+                    help="where to write it: Grafana must see it at the same absolute path, read-only")
+    pb.add_argument("--every", type=float, default=10.0, help="seconds between publishes (default 10)")
+    pb.add_argument("--window-days", type=float, default=7.0,
+                    help="rows older than this (by event time) are left out; 0: all (default 7)")
+    pb.add_argument("--once", action="store_true", help="publish once and exit")
+    pb.set_defaults(func=cmd_publish)
     return g
+
+
+def _snapshot_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--snapshot-dir", default=os.environ.get(SNAPSHOT_ENV),
+                   help="the datasource reads the snapshot `stepwatch grafana publish` writes there (absolute, "
+                        f"as Grafana sees it; or ${SNAPSHOT_ENV}) instead of attaching the lake: recommended, "
+                        "Grafana's SQL then reaches only the views")
 
 
 def add_annotation_args(p: argparse.ArgumentParser) -> None:
@@ -95,15 +117,16 @@ def cmd_provision(a) -> int:
     if not a.url:
         print(f"stepwatch grafana provision: give --url (or set ${URL_ENV})", file=sys.stderr)
         return 2
-    if not a.data_root:
-        print(f"stepwatch grafana provision: give --data-root (or set ${DATA_ROOT_ENV}): the store root "
-              "as Grafana sees it", file=sys.stderr)
+    if not a.data_root and not a.snapshot_dir:
+        print(f"stepwatch grafana provision: give --snapshot-dir (or set ${SNAPSHOT_ENV}) or --data-root "
+              f"(or set ${DATA_ROOT_ENV}): the snapshot dir or the store root as Grafana sees it", file=sys.stderr)
         return 2
     try:
         token, source = read_token(a.token_file)
         res = provision(a.url, token, a.data_root, folder_uid=a.folder_uid, folder_title=a.folder_title,
                         datasource_uid=a.datasource_uid, datasource_name=a.datasource_name, org_id=a.org_id,
-                        alert_rules=not a.no_alert_rules, timeout=a.timeout, token_source=source)
+                        alert_rules=not a.no_alert_rules, timeout=a.timeout, token_source=source,
+                        snapshot_dir=a.snapshot_dir)
     except (GrafanaError, ValueError) as e:
         print(f"stepwatch grafana provision: {e}", file=sys.stderr)
         return 1
@@ -117,10 +140,35 @@ def cmd_export(a) -> int:
     try:
         paths = export(a.out, a.data_root, folder_uid=a.folder_uid, folder_title=a.folder_title,
                        datasource_uid=a.datasource_uid, datasource_name=a.datasource_name,
-                       dashboards_path=a.dashboards_path)
+                       dashboards_path=a.dashboards_path, snapshot_dir=a.snapshot_dir)
     except (OSError, ValueError) as e:
         print(f"stepwatch grafana export: {e}", file=sys.stderr)
         return 1
     for p in paths:
         print(p)
+    return 0
+
+
+def cmd_publish(a) -> int:
+    import signal
+    import threading
+
+    from .snapshot import Publisher
+    pub = Publisher(a.data_dir, a.snapshot_dir, every_s=a.every, window_s=a.window_days * 86400)
+    try:
+        r = pub.publish_once()
+    except (OSError, ValueError, RuntimeError) as e:
+        print(f"stepwatch grafana publish: {e}", file=sys.stderr)
+        return 1
+    print(f"published {sum(r.rows.values())} rows in {r.seconds:.2f}s to {a.snapshot_dir}", flush=True)
+    if a.once:
+        return 0
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(a.every):
+        try:
+            pub.publish_once()
+        except Exception as e:              # noqa: BLE001 - Grafana keeps the previous snapshot
+            print(f"stepwatch grafana publish: {e} (keeping the previous snapshot)", file=sys.stderr, flush=True)
     return 0

@@ -32,14 +32,15 @@ def provider_doc(folder_title: str, folder_uid: str, path: str) -> dict:
 def export(out_dir: str | Path, data_root: str = DEFAULT_DATA_ROOT, *, folder_uid: str = FOLDER_UID,
            folder_title: str = FOLDER_TITLE, datasource_uid: str = datasource.DATASOURCE_UID,
            datasource_name: str = datasource.DATASOURCE_NAME,
-           dashboards_path: str = DEFAULT_DASHBOARDS_PATH) -> list[Path]:
+           dashboards_path: str = DEFAULT_DASHBOARDS_PATH, snapshot_dir: str | None = None) -> list[Path]:
     """Write the files into ``out_dir`` (created if needed); returns their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files: dict[str, str] = {}
     for uid, dash in build.build_all().items():
         files[f"{uid}.json"] = build.render(with_datasource_uid(copy.deepcopy(dash), datasource_uid))
-    files["datasources.yaml"] = datasource.provisioning_file(data_root, uid=datasource_uid, name=datasource_name)
+    files["datasources.yaml"] = datasource.provisioning_file(data_root, uid=datasource_uid, name=datasource_name,
+                                                            snapshot_dir=snapshot_dir)
     files["alert-rules.yaml"] = alerting.provisioning_file(folder_title=folder_title, folder_uid=folder_uid,
                                                           datasource_uid=datasource_uid)
     files["dashboards-provider.yaml"] = yamlout.dumps(provider_doc(folder_title, folder_uid, dashboards_path),

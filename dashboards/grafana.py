@@ -308,12 +308,13 @@ def _diff_keys(have: dict, want: dict) -> str:
 def provision(url: str, token: str, data_root: str, *, folder_uid: str = FOLDER_UID,
               folder_title: str = FOLDER_TITLE, datasource_uid: str = DATASOURCE_UID,
               datasource_name: str = DATASOURCE_NAME, org_id: int = 1, alert_rules: bool = True,
-              timeout: float = 10.0, token_source: str = "the token", api: GrafanaApi | None = None
-              ) -> ProvisionResult:
+              timeout: float = 10.0, token_source: str = "the token", api: GrafanaApi | None = None,
+              snapshot_dir: str | None = None) -> ProvisionResult:
     """Create or update the folder, datasource, dashboards and alert rules in the Grafana at ``url``.
 
     ``data_root`` is the Parquet store's root *as Grafana sees it* (it becomes the datasource's
-    initSql). ``token`` is a Grafana service-account token (see :func:`read_token`). Returns what was
+    initSql); with ``snapshot_dir`` the datasource reads that published snapshot instead (recommended:
+    docs/grafana.md §1). ``token`` is a Grafana service-account token (see :func:`read_token`). Returns what was
     created, updated or left unchanged; raises :class:`GrafanaError` (or a subclass) with a clear
     message on failure.
     """
@@ -321,7 +322,8 @@ def provision(url: str, token: str, data_root: str, *, folder_uid: str = FOLDER_
     p = Provisioner(api, url, token_source)
     res = ProvisionResult()
     res.changes.append(p.folder(folder_uid, folder_title))
-    res.changes.append(p.datasource(datasource_model(data_root, uid=datasource_uid, name=datasource_name)))
+    res.changes.append(p.datasource(datasource_model(data_root, uid=datasource_uid, name=datasource_name,
+                                                    snapshot_dir=snapshot_dir)))
     for dash in build.build_all().values():
         res.changes.append(p.dashboard(with_datasource_uid(copy.deepcopy(dash), datasource_uid), folder_uid))
     if alert_rules:

@@ -15,15 +15,10 @@ from stepwatch.storage.lake import InstanceCache, lake_of
 from stepwatch.storage.store import JOBS, OFFSETS, TABLES
 
 
-def view_sql(root, ext_dir=None, lockdown: bool = False, s3_keys_from_env: bool = False) -> str:
-    """``root``: a data dir, a :class:`~stepwatch.storage.lake.Lake` or a store. ``ext_dir``: the
-    extension folder as the reader sees it (default: this machine's, see :mod:`.extensions`)."""
-    lake = lake_of(root)
-    stmts = lake.attach_sql(read_only=True, ext_dir=ext_dir, lockdown=lockdown, s3_keys_from_env=s3_keys_from_env)
-    for t in TABLES + (OFFSETS, JOBS):
-        stmts.append(f"CREATE OR REPLACE VIEW {t} AS SELECT * FROM lake.main.{t};")
+#: Views over the table views, shared with the Grafana snapshot (:mod:`stepwatch.dashboards.snapshot`).
+DERIVED_VIEWS = [
     # Per-step job summary: what most panels and the post-mortem start from.
-    stmts.append("""CREATE OR REPLACE VIEW job_steps AS
+    """CREATE OR REPLACE VIEW job_steps AS
 SELECT job, step, min(t_start) AS t_start, max(t_end) AS t_end, count(*) AS ranks_reported,
        median(step_ms) AS step_ms, max(step_ms) AS step_ms_max,
        median(step_ms - coalesce(comm_wait_ms, 0)) AS busy_ms_p50,
@@ -31,12 +26,23 @@ SELECT job, step, min(t_start) AS t_start, max(t_end) AS t_end, count(*) AS rank
        median(data_ms) AS data_ms, median(compute_ms) AS compute_ms, median(comm_ms) AS comm_ms,
        median(comm_wait_ms) AS comm_wait_ms, median(gc_ms) AS gc_ms,
        sum(samples) AS samples, sum(tokens) AS tokens
-FROM steps GROUP BY job, step;""")
-    stmts.append("""CREATE OR REPLACE VIEW rank_busy AS
+FROM steps GROUP BY job, step;""",
+    """CREATE OR REPLACE VIEW rank_busy AS
 SELECT job, rank, any_value(node) AS node, count(*) AS steps,
        median(step_ms - coalesce(comm_wait_ms, 0)) AS busy_ms, median(comm_wait_ms) AS comm_wait_ms,
        median(compute_ms) AS compute_ms, median(data_ms) AS data_ms, median(gc_ms) AS gc_ms
-FROM steps GROUP BY job, rank;""")
+FROM steps GROUP BY job, rank;""",
+]
+
+
+def view_sql(root, ext_dir=None, lockdown: bool = False, s3_keys_from_env: bool = False) -> str:
+    """``root``: a data dir, a :class:`~stepwatch.storage.lake.Lake` or a store. ``ext_dir``: the
+    extension folder as the reader sees it (default: this machine's, see :mod:`.extensions`)."""
+    lake = lake_of(root)
+    stmts = lake.attach_sql(read_only=True, ext_dir=ext_dir, lockdown=lockdown, s3_keys_from_env=s3_keys_from_env)
+    for t in TABLES + (OFFSETS, JOBS):
+        stmts.append(f"CREATE OR REPLACE VIEW {t} AS SELECT * FROM lake.main.{t};")
+    stmts += DERIVED_VIEWS
     return "\n".join(stmts)
 
 

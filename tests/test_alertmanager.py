@@ -249,3 +249,59 @@ def test_stepwatch_process_cli_posts_to_alertmanager(broker, tmp_path):
     finally:
         prod.close()
         am.stop()
+
+
+def test_credentials_in_the_url_become_basic_auth_and_stay_out_of_labels_and_logs(caplog):
+    """``http://user:pw@host`` used to be taken as a host name (retried until shutdown, nothing
+    delivered) with the password in the ``url`` metric label and the logs. A real HTTP server on
+    127.0.0.1 that requires basic auth now gets the alert; the password is in no label and no log."""
+    import base64
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    user, pw = "stepwatch", "s3cr:et@pw"
+    want = "Basic " + base64.b64encode(f"{user}:{pw}".encode()).decode()
+    got, seen_auth = [], []
+
+    class H(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            seen_auth.append(self.headers.get("Authorization"))
+            if self.headers.get("Authorization") != want:
+                self.send_response(401)
+                self.send_header("WWW-Authenticate", 'Basic realm="am"')
+                self.end_headers()
+                return
+            got.extend(json.loads(body))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    port = srv.server_address[1]
+    reg = CollectorRegistry()
+    url = f"http://{user}:{urllib.parse.quote(pw, safe='')}@127.0.0.1:{port}"
+    caplog.set_level("DEBUG")
+    sink = AlertmanagerSink([url], resend_interval_s=60, backoff_s=0.05, backoff_max_s=0.2, max_attempts=3,
+                            registry=reg)
+    try:
+        sink.submit(Alert(job="j", kind="stall", status="firing", step_first=1, step_detected=2,
+                          t_detected=time.time_ns(), cause="cpu"))
+        wait_until(lambda: got, 10, "the basic-auth server to get the alert")
+    finally:
+        sink.close(2)
+        srv.shutdown()
+    assert got[0]["labels"]["job"] == "j" and seen_auth[0] == want
+    metrics = generate_latest(reg).decode()
+    assert f'url="http://127.0.0.1:{port}"' in metrics
+    quoted = urllib.parse.quote(pw, safe="")
+    for text in (metrics, caplog.text):
+        assert pw not in text and quoted not in text and "s3cr" not in text
+    with pytest.raises(AlertmanagerError, match="use one of them") as e:
+        AlertmanagerSink([url], authorization="Bearer x")
+    assert "s3cr" not in str(e.value)
+    with pytest.raises(AlertmanagerError, match="credentials file") as e:
+        AlertmanagerSink([f"http://{user}@127.0.0.1:{port}"])
