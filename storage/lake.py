@@ -232,9 +232,9 @@ class Lake:
 
     def prepare(self) -> None:
         """Before the first (writing) attach: the folders (``dir_mode``; the store's own existing
-        ``--data-dir`` and data path, when this uid's, are tightened to it) and a SQLite catalog in WAL mode (readers then never block the writer;
-        WAL is a property of the file, so it is set once), created ``file_mode`` (SQLite gives its
-        ``-wal`` and ``-shm`` files the catalog's mode)."""
+        ``--data-dir`` and data path, when this uid's, are tightened to it) and a SQLite catalog in
+        WAL mode (readers then never block the writer; WAL is a property of the file, so it is set
+        once), created ``file_mode`` (SQLite gives its ``-wal`` and ``-shm`` files the catalog's mode)."""
         with self.umask():
             if self.sqlite_file:
                 d = os.path.dirname(self.sqlite_file)

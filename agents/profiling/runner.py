@@ -214,7 +214,8 @@ class ProfileRun:
         # every file of the run is written in this uid's private directory under an unpredictable
         # name, and renamed to self.path when finished: nothing in the shared directory is opened by name
         self.work, self.own_work = private_dir(d)
-        self.tmp = os.path.join(self.work, secrets.token_hex(12) + (".json.gz" if self.kind == "torch" else ".pyspy.txt"))
+        suffix = ".json.gz" if self.kind == "torch" else ".pyspy.txt"
+        self.tmp = os.path.join(self.work, secrets.token_hex(12) + suffix)
         if self.kind == "torch":
             factory, acts = _torch_activities()
             self.prof = factory(activities=acts)
