@@ -79,6 +79,14 @@ committed after the transaction began); readers take no lock. PostgreSQL serves 
 machines; DuckLake detects conflicting commits there (and redoes only the catalog write when
 another commit merely took the same new ids).
 
+Local files belong to the writer's uid alone: the store's folder (`--data-dir`) and the data path
+are 0700 (an existing one of that uid is tightened at start), the catalog (and its `-wal`/`-shm`)
+and every Parquet file 0600 (a umask around every write). With `STEPWATCH_LAKE_GROUP_READ=1` in
+the writers' environment (processor, `stepwatch compact`) they are 0750 and 0640 instead, for a
+reader of another uid in the writer's group (Grafana, `stepwatch sql`). `lake.sqlite.lock` is 0600
+either way and must be the writer's (a lock of another uid is refused): a user who can open it,
+even read-only, can hold every flush.
+
 Tested here: SQLite and PostgreSQL 15 (Debian's package, a cluster started by the tests) catalogs;
 data on a local folder and on moto's S3-compatible server (path-style URLs, no TLS) through DuckDB's
 `httpfs`. Not tested: AWS S3 itself, GCS/Azure, TLS to the S3 endpoint.

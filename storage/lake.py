@@ -12,16 +12,24 @@ A DuckLake is a SQL *catalog* (every commit a snapshot) plus Parquet files under
   (``httpfs``; endpoint/region/URL style from ``STEPWATCH_S3_*``, keys from ``AWS_ACCESS_KEY_ID`` /
   ``AWS_SECRET_ACCESS_KEY``).
 
+Local files are private to the writer's uid: the catalog's and the data path's folders 0700, the
+catalog and every Parquet file 0600 (:meth:`Lake.prepare` and a umask around every write, see
+:func:`store_umask`); with ``STEPWATCH_LAKE_GROUP_READ=1`` 0750 and 0640, for a reader (Grafana) of
+another uid in the writer's group. The writers' lock file is 0600 in either case.
+
 :func:`Lake.attach_sql` is the one statement list every reader and writer runs (the store, the views,
 ``stepwatch sql``, the Grafana datasource's initSql).
 """
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import sqlite3
+import stat
 import threading
 from collections import OrderedDict
+import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -30,8 +38,59 @@ import duckdb
 
 from stepwatch.storage import extensions
 
+log = logging.getLogger("stepwatch.storage.lake")
+
 ALIAS = "lake"
 RETRIES = 100          # DuckLake commit retries on a PostgreSQL catalog (see Lake.connect)
+
+
+_UMASK_LOCK = threading.Lock()
+_umask_depth = 0
+_umask_saved = 0
+
+
+@contextmanager
+def store_umask(bits: int):
+    """The process's umask with ``bits`` added while the block runs (files DuckDB and SQLite create
+    then, Parquet files and their folders included, get no more than 0600/0700, or 0640/0750 with
+    ``bits`` 0o027). The umask is the process's: nested and concurrent blocks (several threads
+    writing) share one depth count, the outermost restores the saved umask, and a file another thread
+    creates meanwhile gets the stricter mask too."""
+    global _umask_depth, _umask_saved
+    with _UMASK_LOCK:
+        cur = os.umask(0o077)
+        if _umask_depth == 0:
+            _umask_saved = cur
+        os.umask(cur | bits)
+        _umask_depth += 1
+    try:
+        yield
+    finally:
+        with _UMASK_LOCK:
+            _umask_depth -= 1
+            if _umask_depth == 0:
+                os.umask(_umask_saved)
+
+
+def _env_flag(env, name: str) -> bool:
+    v = (env.get(name) or "").strip().lower()
+    if v in ("", "0", "false", "no", "off"):
+        return False
+    if v in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{name}={v!r}: give 1 or 0")
+
+
+def _tighten(path: str, mode: int, is_dir: bool) -> None:
+    """``chmod`` an existing folder or file of this uid to ``mode`` when it allows more (an older
+    store's 0755/0644); never a link, never someone else's, never a sticky folder (``/tmp``)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if (stat.S_ISDIR(st.st_mode) if is_dir else stat.S_ISREG(st.st_mode)) and st.st_uid == os.geteuid() \
+            and not st.st_mode & stat.S_ISVTX and stat.S_IMODE(st.st_mode) & ~mode:
+        os.chmod(path, mode)
 
 
 def lit(s) -> str:
@@ -81,6 +140,7 @@ class Lake:
     data_path: str                # "/abs/folder/" | "s3://bucket/prefix/"
     s3: S3 | None = None
     dir: Path | None = None       # the local data dir it was made from (reports, bench scratch files)
+    group_read: bool = False      # local files 0640 / folders 0750 (STEPWATCH_LAKE_GROUP_READ), else 0600 / 0700
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -94,17 +154,19 @@ class Lake:
         if catalog.startswith("postgres:"):
             password_from_file(env)
         data = env.get("STEPWATCH_LAKE_DATA_PATH") or str(d / "lake")
-        return cls.make(catalog, data, S3.from_env(env) if data.startswith("s3://") else None, d)
+        return cls.make(catalog, data, S3.from_env(env) if data.startswith("s3://") else None, d,
+                        group_read=_env_flag(env, "STEPWATCH_LAKE_GROUP_READ"))
 
     @classmethod
-    def make(cls, catalog: str, data_path: str, s3: S3 | None = None, dir: str | Path | None = None) -> "Lake":
+    def make(cls, catalog: str, data_path: str, s3: S3 | None = None, dir: str | Path | None = None,
+             group_read: bool = False) -> "Lake":
         if not catalog.startswith(("sqlite:", "postgres:")):
             raise ValueError(f"lake catalog {catalog!r}: give sqlite:<file> or postgres:<connection string>")
         if not data_path.endswith("/"):
             data_path += "/"
         if data_path.startswith("s3://") and s3 is None:
             s3 = S3()
-        return cls(catalog, data_path, s3, Path(dir) if dir else None)
+        return cls(catalog, data_path, s3, Path(dir) if dir else None, bool(group_read))
 
     def at(self, data_path: str | None = None, catalog: str | None = None) -> "Lake":
         """The same lake as another machine sees it (Grafana's mount points)."""
@@ -118,6 +180,22 @@ class Lake:
     @property
     def sqlite_file(self) -> str | None:
         return self.catalog.split(":", 1)[1] if self.kind == "sqlite" else None
+
+    @property
+    def local_data(self) -> bool:
+        return not self.data_path.startswith(("s3://", "gs://", "r2://", "az://", "abfss://"))
+
+    @property
+    def file_mode(self) -> int:
+        return 0o640 if self.group_read else 0o600
+
+    @property
+    def dir_mode(self) -> int:
+        return 0o750 if self.group_read else 0o700
+
+    def umask(self):
+        """:func:`store_umask` for this lake's modes (around every write)."""
+        return store_umask(0o027 if self.group_read else 0o077)
 
     @property
     def extensions(self) -> list[str]:
@@ -153,19 +231,34 @@ class Lake:
         return out
 
     def prepare(self) -> None:
-        """Before the first (writing) attach: the folders and a SQLite catalog in WAL mode (readers
-        then never block the writer; WAL is a property of the file, so it is set once)."""
-        if self.sqlite_file and not Path(self.sqlite_file).exists():
-            # Only a file nobody has open: closing a second SQLite library's handle on a file that
-            # DuckDB's SQLite holds would drop DuckDB's POSIX locks in this process.
-            Path(self.sqlite_file).parent.mkdir(parents=True, exist_ok=True)
-            c = sqlite3.connect(self.sqlite_file, timeout=30)
-            try:
-                c.execute("PRAGMA journal_mode=WAL")
-            finally:
-                c.close()
-        if not self.data_path.startswith(("s3://", "gs://", "r2://", "az://", "abfss://")):
-            Path(self.data_path).mkdir(parents=True, exist_ok=True)
+        """Before the first (writing) attach: the folders (``dir_mode``; the store's own existing
+        ``--data-dir`` and data path, when this uid's, are tightened to it) and a SQLite catalog in
+        WAL mode (readers then never block the writer; WAL is a property of the file, so it is set
+        once), created ``file_mode`` (SQLite gives its ``-wal`` and ``-shm`` files the catalog's mode)."""
+        with self.umask():
+            if self.sqlite_file:
+                d = os.path.dirname(self.sqlite_file)
+                os.makedirs(d, mode=self.dir_mode, exist_ok=True)
+                if self.dir is not None and Path(d) == self.dir:     # the store's own folder (--data-dir)
+                    _tighten(d, self.dir_mode, True)
+                for f in (self.sqlite_file, self.sqlite_file + "-wal", self.sqlite_file + "-shm"):
+                    _tighten(f, self.file_mode, False)
+                if not Path(self.sqlite_file).exists():
+                    # Only a file nobody has open: closing a second SQLite library's handle on a file that
+                    # DuckDB's SQLite holds would drop DuckDB's POSIX locks in this process.
+                    try:
+                        os.close(os.open(self.sqlite_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                                         self.file_mode))
+                    except FileExistsError:
+                        pass
+                    c = sqlite3.connect(self.sqlite_file, timeout=30)
+                    try:
+                        c.execute("PRAGMA journal_mode=WAL")
+                    finally:
+                        c.close()
+            if self.local_data:
+                os.makedirs(self.data_path, mode=self.dir_mode, exist_ok=True)
+                _tighten(self.data_path.rstrip("/") or "/", self.dir_mode, True)
 
     @contextmanager
     def write_lock(self):
@@ -175,16 +268,34 @@ class Lake:
         the transaction touched) once another connection committed in between. Without this lock a
         compaction step, which takes longer than the gap between two flushes, would never commit.
         Readers take no lock. (An ``flock`` on ``<catalog>.lock``: one machine, as a SQLite catalog is;
-        released when its process dies.)"""
-        if not self.sqlite_file:
-            yield
-            return
-        fd = os.open(self.sqlite_file + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        released when its process dies. The lock file is 0600 and this uid's, whatever the lake's
+        modes: a user who could open it, even read-only, could hold every flush for as long as he
+        liked.) The files the transaction creates get the lake's modes (:meth:`umask`)."""
+        with self.umask():
+            if not self.sqlite_file:
+                yield
+                return
+            fd = self._lock_fd()
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(fd)
+
+    def _lock_fd(self) -> int:
+        path = self.sqlite_file + ".lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
+            st = os.fstat(fd)
+            if st.st_uid != os.geteuid():
+                raise PermissionError(f"lake lock {path} belongs to uid {st.st_uid}, not to this process's uid "
+                                      f"{os.geteuid()}: another user could hold every write; remove it")
+            if stat.S_IMODE(st.st_mode) != 0o600:
+                os.fchmod(fd, 0o600)                    # an older store's 0644 lock
+        except BaseException:
             os.close(fd)
+            raise
+        return fd
 
     def connect(self, read_only: bool = False, threads: int | None = None) -> duckdb.DuckDBPyConnection:
         """A DuckDB connection with the lake attached as ``lake`` (times shown in UTC). One DuckDB
@@ -194,8 +305,9 @@ class Lake:
         def setup(db: duckdb.DuckDBPyConnection) -> None:
             if not read_only:
                 self.prepare()
-            for stmt in self.attach_sql(read_only=read_only):
-                db.execute(stmt)
+            with contextlib.nullcontext() if read_only else self.umask():   # a new catalog is written here
+                for stmt in self.attach_sql(read_only=read_only):
+                    db.execute(stmt)
             # DuckLake's own commit retry redoes only the catalog write, on a fresh snapshot, after
             # another commit took the ids this transaction allocated (PostgreSQL). Without it a
             # transaction longer than the gap between two flushes (a compaction step) never

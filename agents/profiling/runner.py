@@ -7,11 +7,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -54,6 +57,44 @@ def pyspy_binary() -> str | None:
     if os.access(cand, os.X_OK):
         return cand
     return shutil.which("py-spy")
+
+
+PRIVATE_PREFIX = ".stepwatch-u"    # <trace dir>/.stepwatch-u<uid>: where a training process's unfinished traces are
+
+
+def private_dir(parent: str) -> tuple[str, bool]:
+    """This uid's own directory in the (shared) trace directory ``parent``, for every file a profile
+    writes before it is finished: ``<parent>/.stepwatch-u<uid>``, created 0700, used only when
+    ``lstat`` shows a directory (not a link) owned by this uid. When another user holds that name, a
+    fresh ``mkdtemp`` directory there instead; returns (path, True) then (the run removes it). Other
+    users of the trace directory can then plant nothing the profiler, kineto or py-spy would follow
+    (they write by name). ``parent`` must not be writable by others unless it is sticky (otherwise
+    they could rename this directory away and put a link in its place): OSError."""
+    st = os.stat(parent)
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise OSError(f"trace directory {parent} (mode {stat.S_IMODE(st.st_mode):04o}) is writable by others and not "
+                      f"sticky: traces are written only where no other user can replace this process's files "
+                      f"(chmod +t it, or make it 0755)")
+    uid = os.geteuid()
+    p = os.path.join(parent, f"{PRIVATE_PREFIX}{uid}")
+    try:
+        os.mkdir(p, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(p)
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == uid:
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.chmod(p, 0o700)                          # ours, a directory, in a directory only we may rename in
+        return p, False
+    return tempfile.mkdtemp(prefix=f"{PRIVATE_PREFIX}{uid}-", dir=parent), True
+
+
+def _unlink_quietly(*paths: str) -> None:
+    for p in paths:
+        try:
+            os.unlink(p)
+        except OSError:
+            pass
 
 
 class ProbeLimits:
@@ -99,7 +140,9 @@ class ProfileRun:
         self.n = 0
         self.prof = None
         self.proc = None
-        self.path = ""
+        self.path = ""                     # where the trace is published (<trace dir>/<trace_name>)
+        self.work, self.own_work = "", False   # private_dir() of this run
+        self.tmp = ""                      # the trace until it is finished, in self.work
         self.started_at = self.finished_at = None
         self.step_first = None
         self.error = None
@@ -168,6 +211,11 @@ class ProfileRun:
         d = self.trace_dir                                     # the probe's own setting, never the sender's
         os.makedirs(d, exist_ok=True)
         self.path = os.path.join(d, trace_name(self.cmd["job"], self.rank, self.cmd_id, self.kind))
+        # every file of the run is written in this uid's private directory under an unpredictable
+        # name, and renamed to self.path when finished: nothing in the shared directory is opened by name
+        self.work, self.own_work = private_dir(d)
+        suffix = ".json.gz" if self.kind == "torch" else ".pyspy.txt"
+        self.tmp = os.path.join(self.work, secrets.token_hex(12) + suffix)
         if self.kind == "torch":
             factory, acts = _torch_activities()
             self.prof = factory(activities=acts)
@@ -179,7 +227,7 @@ class ProfileRun:
         dur = max(1, int((self.deadline_ns - time.time_ns()) / 1e9))
         self.proc = subprocess.Popen(
             [exe, "record", "--pid", str(os.getpid()), "--format", "raw", "--rate", str(self.rate), "--duration",
-             str(dur), "--nonblocking", "-o", self.path], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+             str(dur), "--nonblocking", "-o", self.tmp], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE, close_fds=True)
 
     def _stop(self, truncated: bool) -> None:
@@ -201,33 +249,47 @@ class ProfileRun:
 
     # --------------------------------------------------------------- helper thread
     def _export(self, note: str) -> None:
+        plain = self.tmp[:-3] if self.kind == "torch" else ""     # <token>.json
         try:
             t0 = time.perf_counter()
             if self.kind == "torch":
-                plain = self.path[:-3] if self.path.endswith(".gz") else self.path + ".json"
                 self.prof.export_chrome_trace(plain)          # kineto writes plain JSON (C++, milliseconds)
                 self.prof = None
-                # a child process summarises it and compresses it into self.path
-                summary = summarize_in_subprocess(plain, max(self.n, 1), gzip_to=self.path)
+                # a child process summarises it and compresses it into self.tmp
+                summary = summarize_in_subprocess(plain, max(self.n, 1), gzip_to=self.tmp)
             else:
                 try:
                     _, err = self.proc.communicate(timeout=30)
                 except subprocess.TimeoutExpired:
                     self.proc.kill()
                     _, err = self.proc.communicate()
-                if not os.path.exists(self.path):
+                if not os.path.exists(self.tmp):
                     msg = (err or b"").decode("utf-8", "replace").strip().splitlines()
                     raise RuntimeError("py-spy failed: " + (msg[-1] if msg else f"exit code {self.proc.returncode}"))
-                with open(self.path, encoding="utf-8", errors="replace") as f:
+                with open(self.tmp, encoding="utf-8", errors="replace") as f:
                     summary = pyspy_summary(f.read(), max(self.n, 1), self.rate)
+            os.chmod(self.tmp, 0o640)                          # the owner and the agent's group, not every tenant
+            size = os.path.getsize(self.tmp)
             try:
-                os.chmod(self.path, 0o640)                     # the owner and the agent's group, not every tenant
-            except OSError:
-                pass
+                os.rename(self.tmp, self.path)                 # replaces a link at self.path, never follows it
+            except OSError as e:
+                # another user's entry holds the name (a sticky directory keeps it): the trace stays private
+                note = "; ".join(x for x in (note, f"{self.path} is taken ({e.strerror}): the trace is at {self.tmp}")
+                                 if x)
+                self.path = self.tmp
+            else:
+                if self.own_work:
+                    os.rmdir(self.work)
             summary["export_s"] = round(time.perf_counter() - t0, 4)
             summary["step_first"] = self.step_first
-            self._finish("ok", note, summary=summary, size=os.path.getsize(self.path))
+            self._finish("ok", note, summary=summary, size=size)
         except Exception as e:  # noqa: BLE001
+            _unlink_quietly(*(p for p in (self.tmp, plain) if p))
+            if self.own_work:
+                try:
+                    os.rmdir(self.work)
+                except OSError:
+                    pass
             self._finish("failed", f"{e}" if isinstance(e, RuntimeError) else f"export failed: {e!r}")
 
     def _finish(self, status: str, detail: str = "", summary: dict | None = None, size: int | None = None) -> None:

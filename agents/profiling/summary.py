@@ -175,9 +175,10 @@ def trace_name(job: str, rank: int, cmd_id: str, kind: str) -> str:
 
 def _main(argv: list[str]) -> int:
     """``python -m stepwatch.agents.profiling summarize TRACE.json[.gz] STEPS [GZ_OUT]``: the summary
-    as JSON on stdout; with ``GZ_OUT`` the trace is also written there gzip-compressed (atomically)
-    and the plain ``TRACE`` is removed."""
+    as JSON on stdout; with ``GZ_OUT`` the trace is also written there gzip-compressed (atomically,
+    through a ``mkstemp`` file of its directory) and the plain ``TRACE`` is removed."""
     import gzip
+    import tempfile
     if len(argv) not in (3, 4) or argv[0] != "summarize":
         sys.stderr.write("usage: python -m stepwatch.agents.profiling summarize TRACE STEPS [GZ_OUT]\n")
         return 2
@@ -188,10 +189,20 @@ def _main(argv: list[str]) -> int:
     summary = trace_summary(json.loads(raw), steps)
     if len(argv) == 4:
         out = argv[3]
-        tmp = out + ".tmp"
-        with gzip.open(tmp, "wb", compresslevel=6) as f:
-            f.write(raw)
-        os.replace(tmp, out)
+        # an unpredictable name, created O_EXCL|O_NOFOLLOW 0600 (mkstemp): a link planted at a
+        # predictable ``<out>.tmp`` by another user of a shared directory is never followed
+        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(out) + ".", suffix=".tmp",
+                                   dir=os.path.dirname(os.path.abspath(out)))
+        try:
+            with os.fdopen(fd, "wb") as raw_f, gzip.GzipFile(fileobj=raw_f, mode="wb", compresslevel=6) as f:
+                f.write(raw)
+            os.replace(tmp, out)                        # replaces a link at ``out``, never follows it
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
         if os.path.abspath(out) != os.path.abspath(path):
             os.unlink(path)
     json.dump(summary, sys.stdout)
