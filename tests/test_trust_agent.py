@@ -222,3 +222,64 @@ def test_a_flood_of_made_up_instances_is_bounded(socket_dir):
         assert len({j for k, j, _ in items if k == "topology"}) == 16
     finally:
         agent.close()
+
+
+def test_a_group_member_cannot_speak_for_another_job(socket_dir):
+    """Issue 26, finding 4: a member of the socket's group (another uid) said hello for rank 1, and for
+    rank 99,999 of 100,000, of another user's job ``victim``; the agent served both, and their rows went
+    out as the victim's. A job belongs on the node to the sender (uid, pod/cgroup) whose hello named
+    it first: another sender's hellos for it are refused and counted; its own job is served."""
+    agent = Agent(None, socket_dir=socket_dir, node="n1", interval_s=0.2, plugins=[], socket_group=10001).start()
+    good = Probe().init(job="victim", rank=0, world_size=2, socket_dir=socket_dir, auto=False, flush_ms=0)
+    try:
+        run_good(good, 2)
+        time.sleep(0.25)
+        assert steps_of(agent.tick(), "victim") == [0, 1]
+        forged = [hello(8001, job="victim", rank=1, world_size=2), step_frame(8001, 1, 50),
+                  hello(8002, job="victim", rank=99_999, world_size=100_000), step_frame(8002, 99_999, 50),
+                  hello(8003, job="own", rank=0, world_size=1), step_frame(8003, 0, 7)]
+        assert send_as(agent.path, forged, uid=UID, groups="10001") == "sent 6"
+        run_good(good, 1)
+        time.sleep(0.25)
+        items = agent.tick()
+        assert steps_of(items, "victim") == [2]                     # the victim's rank 0 alone
+        assert not [r for k, j, t in items if k == "topology" and j == "victim" for r in t.to_pylist()]
+        assert steps_of(items, "own") == [7]                        # its own job is served
+        assert sorted((i.job, i.rank) for i in agent.idents.values()) == [("own", 0), ("victim", 0)]
+        assert agent.metrics.value(agent.metrics.dropped, "job_not_owned") == 2
+    finally:
+        good.shutdown()
+        agent.close()
+
+
+def test_pods_of_one_job_that_share_its_token_share_the_job(socket_dir, monkeypatch):
+    """A job whose ranks run as several senders (pods of one job on a node) shares the job through its
+    token (``STEPWATCH_JOB_TOKEN``); a sender without it, of the same uid, is refused."""
+    monkeypatch.setenv("STEPWATCH_JOB_TOKEN", "s3cret-of-job-t")
+    agent = Agent(None, socket_dir=socket_dir, node="n1", interval_s=0.2, plugins=[], socket_group=10001).start()
+    good = Probe().init(job="t", rank=0, world_size=4, socket_dir=socket_dir, auto=False, flush_ms=0)
+    try:
+        run_good(good, 1)
+        time.sleep(0.25)
+        assert steps_of(agent.tick(), "t") == [0]
+        ok = [hello(8101, job="t", rank=1, world_size=4, job_token="s3cret-of-job-t"), step_frame(8101, 1, 0)]
+        bad = [hello(8102, job="t", rank=2, world_size=4), step_frame(8102, 2, 0),
+               hello(8103, job="t", rank=3, world_size=4, job_token="guess"), step_frame(8103, 3, 0)]
+        assert send_as(agent.path, ok + bad, uid=UID, groups="10001") == "sent 6"
+        time.sleep(0.25)
+        items = agent.tick()
+        assert sorted((i.job, i.rank) for i in agent.idents.values()) == [("t", 0), ("t", 1)]
+        assert agent.metrics.value(agent.metrics.dropped, "job_not_owned") == 2
+        assert all("s3cret" not in repr(i.hello) for i in agent.idents.values())   # not kept with the hello
+        assert not [k for k, j, t in items if b"s3cret" in _ipc(t)]                  # nor shipped
+    finally:
+        good.shutdown()
+        agent.close()
+
+
+def _ipc(t) -> bytes:
+    import pyarrow as pa
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, t.schema) as w:
+        w.write_table(t)
+    return sink.getvalue().to_pybytes()
