@@ -283,3 +283,49 @@ def _ipc(t) -> bytes:
     with pa.ipc.new_stream(sink, t.schema) as w:
         w.write_table(t)
     return sink.getvalue().to_pybytes()
+
+
+def test_a_sender_of_the_same_uid_in_another_pod_cannot_speak_for_the_job(socket_dir, tmp_path, monkeypatch):
+    """Pods of different tenants often run as the same uid: the pod in the sender's cgroup
+    (``$HOST_PROC/<pid>/cgroup``, here a procfs copy with two pods' cgroups) tells them apart."""
+    proc = tmp_path / "proc"
+    pod_a = "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod0a1b2c3d_1111_2222_3333_444455556666" \
+            ".slice/cri-containerd-aaaa.scope\n"
+    pod_b = "12:memory:/kubepods/besteffort/pod9f8e7d6c-1111-2222-3333-444455556666/bbbb\n0::/\n"
+    code = textwrap.dedent(f"""
+        import socket, sys, os
+        print(os.getpid(), flush=True)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        for p in sys.stdin.readline().split():
+            s.sendto(bytes.fromhex(p), {os.path.join(socket_dir, 'agent.sock')!r})
+        print("sent", flush=True)
+        sys.stdin.read()                                  # alive (a live owner) until the test ends
+    """)
+    monkeypatch.setenv("HOST_PROC", str(proc))
+    agent = Agent(None, socket_dir=socket_dir, node="n1", interval_s=0.2, plugins=[]).start()
+    kids = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            for _ in range(3)]
+    try:
+        for kid, cg in zip(kids, (pod_a, pod_b, pod_a)):          # the victim, another pod, the victim's 2nd process
+            (proc / kid.stdout.readline().strip()).mkdir(parents=True)
+            (proc / str(kid.pid) / "cgroup").write_text(cg)
+        sends = [[hello(8201, job="victim", rank=0, world_size=4), step_frame(8201, 0, 1)],
+                 [hello(8202, job="victim", rank=1, world_size=4), step_frame(8202, 1, 1)],
+                 [hello(8203, job="victim", rank=2, world_size=4), step_frame(8203, 2, 1)]]
+        for kid, payload in zip(kids, sends):                        # one after the other: the socket keeps order
+            kid.stdin.write(" ".join(p.hex() for p in payload) + "\n")
+            kid.stdin.flush()
+            assert kid.stdout.readline().strip() == "sent"
+        deadline = time.monotonic() + 10
+        while len(agent.queue) < 6 and time.monotonic() < deadline:   # the receiver thread has them all
+            time.sleep(0.02)
+        agent.tick()
+        assert sorted(i.rank for i in agent.idents.values()) == [0, 2]
+        assert agent.metrics.value(agent.metrics.dropped, "job_not_owned") == 1
+        owners = {i.owner for i in agent.idents.values()}
+        assert owners == {"uid:0 pod0a1b2c3d-1111-2222-3333-444455556666"}, owners
+    finally:
+        for kid in kids:
+            kid.stdin.close()
+            kid.wait(10)
+        agent.close()
