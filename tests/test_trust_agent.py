@@ -329,3 +329,29 @@ def test_a_sender_of_the_same_uid_in_another_pod_cannot_speak_for_the_job(socket
             kid.stdin.close()
             kid.wait(10)
         agent.close()
+
+
+def test_ids_may_not_end_in_a_newline(socket_dir):
+    """Issue 26: the id patterns ended in ``$``, which matches before a final newline: a hello's node
+    ``"n1\\n"``, a stored row's job ``"victim\\n"`` and a signed command's job, node or id ending in a
+    newline all passed."""
+    import pyarrow as pa
+
+    from stepwatch import schema
+    from stepwatch.agents import profiling
+    agent = Agent(None, socket_dir=socket_dir, node="n1", interval_s=0.2, plugins=[]).start()
+    try:
+        assert send_as(agent.path, [hello(8301, job="j", rank=0, world_size=1, node="n1\n")]) == "sent 1"
+        time.sleep(0.2)
+        agent.tick()
+        assert not agent.idents and agent.metrics.value(agent.metrics.bad_datagrams) == 1
+    finally:
+        agent.close()
+    t = pa.Table.from_pylist([{"job": "victim\n", "rank": 0, "node": "n1", "world_size": 1}],
+                             schema=schema.SCHEMAS["topology"])
+    ok, reasons, _ = schema.validate("topology", t)
+    assert ok.num_rows == 0 and "field 'job'" in reasons[0][1], reasons
+    for field, bad in (("job", "cj\n"), ("node", "n1\n"), ("cmd_id", "c1\n")):
+        cmd = dict(profiling.new_command("cj", "n1", [0], 2, "py-spy", "t", cmd_id="c1"), **{field: bad})
+        with pytest.raises(profiling.BadCommand, match=f"bad {field}"):
+            profiling.parse_command(profiling.canonical(cmd))
