@@ -15,7 +15,9 @@ interned op/group/phase names) and repeats it every 10-20 s, so a restarted agen
 Records of a probe instance the agent has not heard a hello from yet are held (bounded, 30 s) and
 then dropped and counted. The socket is 0660 in the agent's group; each datagram carries its sender's
 pid/uid/gid (``SO_PASSCRED``), a hello is range-checked and binds its instance to that process, and
-another process cannot speak for it (:mod:`stepwatch.agents.ingress`, docs/limits.md). Rows carry the node name the probe gave (``STEPWATCH_NODE``), else the
+another process cannot speak for it; a job belongs on this node to the first sender (uid and pod, Slurm job or
+cgroup; or a job token) whose hello names it, and others' hellos for it are refused while it is live
+(:mod:`stepwatch.agents.ingress`, docs/limits.md). Rows carry the node name the probe gave (``STEPWATCH_NODE``), else the
 agent's ``--node`` (in Kubernetes: the node name from the downward API), and the job the probe gave,
 else the agent's ``--job``, else ``default``.
 
@@ -26,6 +28,7 @@ Kafka up, ranks served, datagrams the probes themselves dropped, per-plug-in run
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import socket
@@ -44,8 +47,8 @@ from stepwatch.agents import wirecols
 from stepwatch.agents.hostmetrics import PluginRunner, build_runners, sample
 from stepwatch.agents.inflight import Liveness, RateBound, row_from_probe
 from stepwatch.agents.profiling import safe_job   # one copy: the probe and the control channel use it too
-from stepwatch.agents.ingress import (IngressLimits, Peer, check_hello, enable_passcred, pid_alive, recv_with_peer,
-                                      resolve_group)
+from stepwatch.agents.ingress import (IngressLimits, Peer, ScopeCache, check_hello, describe_owner, enable_passcred,
+                                      owner_of, pid_alive, recv_with_peer, resolve_group)
 from stepwatch.agents.shipper import Shipper, Spool
 from stepwatch.metrics import Metrics
 
@@ -101,6 +104,8 @@ class Identity:
     t_seen: float = 0.0
     dropped: int = 0                  # the probe's own drop counter, from its last step record
     peer: Peer | None = None          # the process whose hello this is (SCM_CREDENTIALS)
+    owner: str | None = None          # who owns the job through this instance (ingress.owner_of)
+    token: str | None = None          # the hello's job token (only compared; never stored in rows nor logged)
 
     def topology_row(self) -> dict:
         h = self.hello
@@ -130,13 +135,15 @@ def identity_from_hello(hello: dict, node: str, default_job: str | None,
     """Validate a hello (:func:`stepwatch.agents.ingress.check_hello`); raises ValueError naming the bad
     field."""
     hello = check_hello(hello, limits or IngressLimits())
+    token = hello.pop("_token", None)
     rank, ws = hello["rank"], hello["world_size"]
     names = hello["names"]
     nd = hello.get("node") if isinstance(hello.get("node"), str) and hello.get("node") else node
     return Identity(job=safe_job(hello.get("job") if isinstance(hello.get("job"), str) else None,
                                  default_job or "default"),
                     rank=rank, world_size=ws, node=nd,
-                    names={int(k): str(v) for k, v in names.items() if str(k).isdigit()}, hello=hello)
+                    names={int(k): str(v) for k, v in names.items() if str(k).isdigit()}, hello=hello,
+                    token=token)
 
 
 def _opt(v: int) -> int | None:
@@ -220,6 +227,7 @@ class Agent:
         self.liveness = Liveness()          # stopped / gone / silent ranks (agents.inflight)
         self._inflight_rate = RateBound()   # in-flight rows per probe instance (agents.inflight)
         self._byes: dict[int, int] = {}     # goodbyes per probe instance (an exit, then an abort in teardown)
+        self._scopes = ScopeCache()          # senders' cgroup scopes, read as their hellos arrive (job ownership)
 
     # ------------------------------------------------------------------ socket
     def start(self) -> "Agent":
@@ -278,6 +286,9 @@ class Agent:
             if len(q) >= self.max_queue or self._q_in - self._q_out + len(data) > cap:
                 m.dropped.labels("queue_full").inc()
                 continue
+            if (peer is not None and len(data) > 3 and data[3] == wirep.T_HELLO
+                    and self.limits.job_binding == "cgroup"):
+                peer = dataclasses.replace(peer, scope=self._scopes.get(peer.pid))   # now: it may exit before the tick
             self._q_in += len(data)
             q.append((data, peer))
 
@@ -381,9 +392,22 @@ class Agent:
             self._refused("peer_mismatch", f"process {peer.pid} sent a hello for probe instance {inst} of "
                                            f"process {old.peer.pid}")
             return
+        if old is not None and old.owner is not None and old.token == ident.token and old.job == ident.job:
+            ident.owner = old.owner          # the same process again: its cgroup is not read every 10-20 s
+        else:
+            ident.owner = owner_of(peer, ident.token, self.limits.job_binding)
         for oi, o in self.idents.items():
-            if (oi != inst and o.job == ident.job and o.rank == ident.rank and now - o.t_seen <= ACTIVE_S
-                    and peer is not None and o.peer is not None and o.peer.pid != peer.pid and pid_alive(o.peer.pid)):
+            if oi == inst or o.job != ident.job or now - o.t_seen > ACTIVE_S:
+                continue
+            if (ident.owner is not None and o.owner is not None and o.owner != ident.owner
+                    and (o.peer is None or pid_alive(o.peer.pid))):
+                self._refused("job_not_owned", f"a hello of process {peer.pid if peer else '?'} (uid "
+                                               f"{peer.uid if peer else '?'}) for rank {ident.rank} of job "
+                                               f"{ident.job!r}: the job belongs on this node to "
+                                               f"{describe_owner(o.owner)} (process {o.peer.pid if o.peer else '?'})")
+                return
+            if (o.rank == ident.rank and peer is not None and o.peer is not None and o.peer.pid != peer.pid
+                    and pid_alive(o.peer.pid)):
                 self._refused("identity_conflict", f"process {peer.pid} claims rank {ident.rank} of job {ident.job}, "
                                                    f"held by live process {o.peer.pid}")
                 return

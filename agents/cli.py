@@ -30,7 +30,8 @@ def cmd_agent(a) -> int:
         return 2
     limits = IngressLimits(max_world_size=a.max_world_size, max_queue_bytes=int(a.max_queue_mb * (1 << 20)),
                            allow_uids=frozenset(a.allow_uid) if a.allow_uid else None,
-                           allow_gids=frozenset(a.allow_gid) if a.allow_gid else None)
+                           allow_gids=frozenset(a.allow_gid) if a.allow_gid else None,
+                           job_binding=a.job_binding)
     agent = Agent(s, socket_dir=a.socket_dir, node=a.node, job=a.job, interval_s=a.interval,
                   spool_dir=a.spool_dir, spool_max_bytes=int(a.spool_max_mb * (1 << 20)),
                   plugins=[p for p in a.plugins.split(",") if p] if a.plugins else None,
@@ -94,6 +95,11 @@ def add_agent_args(p: argparse.ArgumentParser) -> None:
                    help="group (name or gid) of agent.sock and of the ctl directory; default the agent's group")
     t.add_argument("--allow-uid", type=int, action="append", help="only these sender uids (repeat; root always)")
     t.add_argument("--allow-gid", type=int, action="append", help="only these sender gids (repeat; root always)")
+    t.add_argument("--job-binding", choices=("cgroup", "uid", "none"),
+                   default=os.environ.get("STEPWATCH_JOB_BINDING", "cgroup"),
+                   help="who owns a job on this node once its first hello is served: cgroup (default: the sender's "
+                        "uid and pod, Slurm job or cgroup), uid, none; a job token (STEPWATCH_JOB_TOKEN in the "
+                        "training pods) overrides it")
     t.add_argument("--max-world-size", type=int, default=1 << 20, help="largest world size a hello may declare")
     t.add_argument("--max-queue-mb", type=float, default=64.0,
                    help="received datagrams waiting to be decoded, at most (beyond: dropped, counted)")

@@ -132,7 +132,7 @@ class SeenStore:
                     except (IndexError, ValueError, UnicodeDecodeError):
                         self.bad_lines += 1              # a torn last line after a crash
                         continue
-                    if exp > now and profiling.CMD_ID_RE.match(cid):
+                    if exp > now and profiling.CMD_ID_RE.fullmatch(cid):
                         self.ids[cid] = max(exp, self.ids.get(cid, 0))
         except FileNotFoundError:
             pass

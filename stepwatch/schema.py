@@ -212,7 +212,7 @@ def _row_checks(kind: str, table: pa.Table) -> list[tuple[str, np.ndarray]]:
             bad = np.zeros(n, dtype=bool)
         if bad.any():
             checks.append((name, bad))
-    m = _bad_values(table.column("job"), lambda v: JOB_RE.match(v) is not None)
+    m = _bad_values(table.column("job"), lambda v: JOB_RE.fullmatch(v) is not None)
     if m is not None:
         checks.append(("job", m))
     if schema.get_field_index("node") >= 0:

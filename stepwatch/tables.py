@@ -321,5 +321,5 @@ NONNEGATIVE: dict[str, tuple[str, ...]] = {
 }
 
 #: Job ids become directory names (``job=<id>``): keep them to a safe alphabet.
-JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$")
+JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}\Z")   # \Z: "$" would let "job\n" in
 JOB_PATTERN = JOB_RE.pattern

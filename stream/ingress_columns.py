@@ -11,7 +11,7 @@ import pyarrow as pa
 from stepwatch import schema as wire
 from stepwatch.stream.ingress_limits import IngressLimits
 
-_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
+_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}\Z")
 _RESERVED = {"date", "job", "_received"}
 
 
@@ -48,7 +48,7 @@ def _storable(t: pa.DataType, depth: int = 0) -> pa.DataType | None:
         for i in range(t.num_fields):
             f = t.field(i)
             v = _storable(f.type, depth + 1)
-            if v is None or not _NAME_RE.match(f.name):
+            if v is None or not _NAME_RE.fullmatch(f.name):
                 return None
             fs.append(pa.field(f.name, v))
         if len({f.name for f in fs}) != len(fs):
@@ -90,7 +90,7 @@ class ExtraColumns:
                 cols.append(col)
                 fields.append(table.schema.field(i))
                 continue
-            if not _NAME_RE.match(name) or name in _RESERVED:
+            if not _NAME_RE.fullmatch(name) or name in _RESERVED:
                 self._drop("name")
                 continue
             if self.limits.extra_column_types == "any":

@@ -51,7 +51,7 @@ class MessageDeadletter:
             self.bad_rows += int(n or 0)
         if rows is not None and "job" in rows.column_names and len(self.jobs) < 2:
             for j in pc.unique(rows.column("job")).to_pylist()[:2]:
-                if isinstance(j, str) and wire.JOB_RE.match(j):
+                if isinstance(j, str) and wire.JOB_RE.fullmatch(j):
                     self.jobs.add(j)
 
     def __bool__(self) -> bool:
@@ -84,7 +84,7 @@ def key_job(msg) -> str | None:
     if not k or len(k) > 128:
         return None
     s = k.decode("utf-8", "replace")
-    return s if wire.JOB_RE.match(s) else None
+    return s if wire.JOB_RE.fullmatch(s) else None
 
 
 # ------------------------------------------------------------------------------ flush isolation

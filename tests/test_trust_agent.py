@@ -222,3 +222,136 @@ def test_a_flood_of_made_up_instances_is_bounded(socket_dir):
         assert len({j for k, j, _ in items if k == "topology"}) == 16
     finally:
         agent.close()
+
+
+def test_a_group_member_cannot_speak_for_another_job(socket_dir):
+    """Issue 26, finding 4: a member of the socket's group (another uid) said hello for rank 1, and for
+    rank 99,999 of 100,000, of another user's job ``victim``; the agent served both, and their rows went
+    out as the victim's. A job belongs on the node to the sender (uid, pod/cgroup) whose hello named
+    it first: another sender's hellos for it are refused and counted; its own job is served."""
+    agent = Agent(None, socket_dir=socket_dir, node="n1", interval_s=0.2, plugins=[], socket_group=10001).start()
+    good = Probe().init(job="victim", rank=0, world_size=2, socket_dir=socket_dir, auto=False, flush_ms=0)
+    try:
+        run_good(good, 2)
+        time.sleep(0.25)
+        assert steps_of(agent.tick(), "victim") == [0, 1]
+        forged = [hello(8001, job="victim", rank=1, world_size=2), step_frame(8001, 1, 50),
+                  hello(8002, job="victim", rank=99_999, world_size=100_000), step_frame(8002, 99_999, 50),
+                  hello(8003, job="own", rank=0, world_size=1), step_frame(8003, 0, 7)]
+        assert send_as(agent.path, forged, uid=UID, groups="10001") == "sent 6"
+        run_good(good, 1)
+        time.sleep(0.25)
+        items = agent.tick()
+        assert steps_of(items, "victim") == [2]                     # the victim's rank 0 alone
+        assert not [r for k, j, t in items if k == "topology" and j == "victim" for r in t.to_pylist()]
+        assert steps_of(items, "own") == [7]                        # its own job is served
+        assert sorted((i.job, i.rank) for i in agent.idents.values()) == [("own", 0), ("victim", 0)]
+        assert agent.metrics.value(agent.metrics.dropped, "job_not_owned") == 2
+    finally:
+        good.shutdown()
+        agent.close()
+
+
+def test_pods_of_one_job_that_share_its_token_share_the_job(socket_dir, monkeypatch):
+    """A job whose ranks run as several senders (pods of one job on a node) shares the job through its
+    token (``STEPWATCH_JOB_TOKEN``); a sender without it, of the same uid, is refused."""
+    monkeypatch.setenv("STEPWATCH_JOB_TOKEN", "s3cret-of-job-t")
+    agent = Agent(None, socket_dir=socket_dir, node="n1", interval_s=0.2, plugins=[], socket_group=10001).start()
+    good = Probe().init(job="t", rank=0, world_size=4, socket_dir=socket_dir, auto=False, flush_ms=0)
+    try:
+        run_good(good, 1)
+        time.sleep(0.25)
+        assert steps_of(agent.tick(), "t") == [0]
+        ok = [hello(8101, job="t", rank=1, world_size=4, job_token="s3cret-of-job-t"), step_frame(8101, 1, 0)]
+        bad = [hello(8102, job="t", rank=2, world_size=4), step_frame(8102, 2, 0),
+               hello(8103, job="t", rank=3, world_size=4, job_token="guess"), step_frame(8103, 3, 0)]
+        assert send_as(agent.path, ok + bad, uid=UID, groups="10001") == "sent 6"
+        time.sleep(0.25)
+        items = agent.tick()
+        assert sorted((i.job, i.rank) for i in agent.idents.values()) == [("t", 0), ("t", 1)]
+        assert agent.metrics.value(agent.metrics.dropped, "job_not_owned") == 2
+        assert all("s3cret" not in repr(i.hello) for i in agent.idents.values())   # not kept with the hello
+        assert not [k for k, j, t in items if b"s3cret" in _ipc(t)]                  # nor shipped
+    finally:
+        good.shutdown()
+        agent.close()
+
+
+def _ipc(t) -> bytes:
+    import pyarrow as pa
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, t.schema) as w:
+        w.write_table(t)
+    return sink.getvalue().to_pybytes()
+
+
+def test_a_sender_of_the_same_uid_in_another_pod_cannot_speak_for_the_job(socket_dir, tmp_path, monkeypatch):
+    """Pods of different tenants often run as the same uid: the pod in the sender's cgroup
+    (``$HOST_PROC/<pid>/cgroup``, here a procfs copy with two pods' cgroups) tells them apart."""
+    proc = tmp_path / "proc"
+    pod_a = "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod0a1b2c3d_1111_2222_3333_444455556666" \
+            ".slice/cri-containerd-aaaa.scope\n"
+    pod_b = "12:memory:/kubepods/besteffort/pod9f8e7d6c-1111-2222-3333-444455556666/bbbb\n0::/\n"
+    code = textwrap.dedent(f"""
+        import socket, sys, os
+        print(os.getpid(), flush=True)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        for p in sys.stdin.readline().split():
+            s.sendto(bytes.fromhex(p), {os.path.join(socket_dir, 'agent.sock')!r})
+        print("sent", flush=True)
+        sys.stdin.read()                                  # alive (a live owner) until the test ends
+    """)
+    monkeypatch.setenv("HOST_PROC", str(proc))
+    agent = Agent(None, socket_dir=socket_dir, node="n1", interval_s=0.2, plugins=[]).start()
+    kids = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            for _ in range(3)]
+    try:
+        for kid, cg in zip(kids, (pod_a, pod_b, pod_a)):          # the victim, another pod, the victim's 2nd process
+            (proc / kid.stdout.readline().strip()).mkdir(parents=True)
+            (proc / str(kid.pid) / "cgroup").write_text(cg)
+        sends = [[hello(8201, job="victim", rank=0, world_size=4), step_frame(8201, 0, 1)],
+                 [hello(8202, job="victim", rank=1, world_size=4), step_frame(8202, 1, 1)],
+                 [hello(8203, job="victim", rank=2, world_size=4), step_frame(8203, 2, 1)]]
+        for kid, payload in zip(kids, sends):                        # one after the other: the socket keeps order
+            kid.stdin.write(" ".join(p.hex() for p in payload) + "\n")
+            kid.stdin.flush()
+            assert kid.stdout.readline().strip() == "sent"
+        deadline = time.monotonic() + 10
+        while len(agent.queue) < 6 and time.monotonic() < deadline:   # the receiver thread has them all
+            time.sleep(0.02)
+        agent.tick()
+        assert sorted(i.rank for i in agent.idents.values()) == [0, 2]
+        assert agent.metrics.value(agent.metrics.dropped, "job_not_owned") == 1
+        owners = {i.owner for i in agent.idents.values()}
+        assert owners == {"uid:0 pod0a1b2c3d-1111-2222-3333-444455556666"}, owners
+    finally:
+        for kid in kids:
+            kid.stdin.close()
+            kid.wait(10)
+        agent.close()
+
+
+def test_ids_may_not_end_in_a_newline(socket_dir):
+    """Issue 26: the id patterns ended in ``$``, which matches before a final newline: a hello's node
+    ``"n1\\n"``, a stored row's job ``"victim\\n"`` and a signed command's job, node or id ending in a
+    newline all passed."""
+    import pyarrow as pa
+
+    from stepwatch import schema
+    from stepwatch.agents import profiling
+    agent = Agent(None, socket_dir=socket_dir, node="n1", interval_s=0.2, plugins=[]).start()
+    try:
+        assert send_as(agent.path, [hello(8301, job="j", rank=0, world_size=1, node="n1\n")]) == "sent 1"
+        time.sleep(0.2)
+        agent.tick()
+        assert not agent.idents and agent.metrics.value(agent.metrics.bad_datagrams) == 1
+    finally:
+        agent.close()
+    t = pa.Table.from_pylist([{"job": "victim\n", "rank": 0, "node": "n1", "world_size": 1}],
+                             schema=schema.SCHEMAS["topology"])
+    ok, reasons, _ = schema.validate("topology", t)
+    assert ok.num_rows == 0 and "field 'job'" in reasons[0][1], reasons
+    for field, bad in (("job", "cj\n"), ("node", "n1\n"), ("cmd_id", "c1\n")):
+        cmd = dict(profiling.new_command("cj", "n1", [0], 2, "py-spy", "t", cmd_id="c1"), **{field: bad})
+        with pytest.raises(profiling.BadCommand, match=f"bad {field}"):
+            profiling.parse_command(profiling.canonical(cmd))

@@ -282,3 +282,25 @@ def test_unsolicited_results_are_bounded(socket_dir):
                                     {"reason": "unsolicited_result"}) == sent - 30
     finally:
         n.close()
+
+
+def test_a_restarted_probe_refuses_a_command_issued_before_it_started(socket_dir):
+    """Issue 26: a probe's seen ids do not survive a restart, so an old valid envelope sent straight to
+    the new probe's socket (skipping the agent's durable replay log) started a profile. A command
+    issued before the probe's control channel existed (beyond a 5 s clock skew) is refused."""
+    old = profiling.seal(profiling.new_command("cj", NODE, [0], 2, "py-spy", "t", ttl_s=3000,
+                                               now_ns=time.time_ns() - 60 * 10**9), PRIV)
+    n = Node(socket_dir)
+    try:
+        _send_ctl(n.probe._ctl.path, old)
+        n.steps(3)
+        assert n.probe._ctl.run is None and n.probe._ctl.rejected == {"before_start": 1}
+        rows = n.wait_row(lambda r: r["status"] == "rejected", 10, "the probe's refusal")
+        assert "before_start" in rows[0]["detail"]
+        fresh = sealed("cj", [0])                                   # one issued now is still served
+        _send_ctl(n.probe._ctl.path, fresh)
+        n.steps(3)
+        cid = json.loads(fresh[76:])["cmd_id"]
+        n.wait_row(lambda r: r["cmd_id"] == cid and r["status"] != "rejected", 20, "the fresh command's outcome")
+    finally:
+        n.close()

@@ -80,6 +80,9 @@ class Transport:
             d["ctl"] = ctl
         d.update(self._device())
         d.update(self.extra)
+        tok = os.environ.get("STEPWATCH_JOB_TOKEN")       # the job's own secret: its pods share the job (agent)
+        if tok:
+            d["job_token"] = tok
         return d
 
     def _send_hello(self, perf: int) -> None:

@@ -32,9 +32,9 @@ MAX_BODY = 4096                  # canonical JSON of one command
 MAX_ENVELOPE = ENVELOPE_HDR + MAX_BODY
 MAX_RANKS = 256                  # ranks one command may address
 MAX_KEYS = 8                     # public keys trusted at once (a rotation needs two)
-CMD_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$")
-NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
+CMD_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}\Z")        # \Z, not $: "$" matches before a final newline
+JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}\Z")
+NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}\Z")
 INT64_MAX = (1 << 63) - 1
 RANK_LIMIT = 1 << 31
 
@@ -240,7 +240,7 @@ def _int(v, lo: int, hi: int, what: str) -> int:
 
 
 def _str(v, rx, what: str) -> str:
-    if not isinstance(v, str) or not rx.match(v):
+    if not isinstance(v, str) or not rx.fullmatch(v):
         raise BadCommand("bad_command", f"bad {what}")
     return v
 
@@ -293,7 +293,7 @@ def safe_job(job: str | None, default: str = "default") -> str:
     become '_'. The job id the agent gives a probe's job; here (standard library only) so that the
     probe, the agent and its control channel share one copy."""
     j = (job or "").strip() or default
-    if JOB_RE.match(j):
+    if JOB_RE.fullmatch(j):
         return j
     j = _UNSAFE_JOB.sub("_", j)
     if not j[:1].isalnum():

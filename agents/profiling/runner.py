@@ -323,6 +323,12 @@ class ProbeControl:
         self._keys_loaded = threading.Event()
         self.limits: ProbeLimits | None = None
         self.seen: dict[str, int] = {}
+        # commands issued before this process's control channel existed were meant for an earlier process
+        # of the rank: ``seen`` does not survive a restart, so such a command sent straight to the new
+        # socket (skipping the agent's durable replay log) is refused; the skew allows for the clock
+        # of the processor that issued it (STEPWATCH_PROFILE_SKEW_S, 5 s)
+        self.t_start_ns = time.time_ns()
+        self.skew_ns = _env_int(os.environ, "STEPWATCH_PROFILE_SKEW_S", 5, 0, 3600) * 1_000_000_000
         self._t_refusal = -1e18
         self._held: bytes | None = None     # an envelope that arrived before the keys were loaded
 
@@ -438,6 +444,11 @@ class ProbeControl:
         job = getattr(p, "job", None)
         if job and safe_job(job) != cmd["job"]:
             self._refuse("not_this_job", "the command is for another job", cmd)
+            return
+        if cmd["issued_at"] < self.t_start_ns - self.skew_ns:
+            self._refuse("before_start", f"command {cmd['cmd_id']} was issued "
+                                         f"{(self.t_start_ns - cmd['issued_at']) / 1e9:.0f} s before this process "
+                                         f"started (an earlier process of the rank, or a replay)", cmd)
             return
         if cmd["expires_at"] <= now:
             self.reply({"cmd_id": cmd["cmd_id"], "status": "expired", "kind": cmd["kind"], "steps": cmd["steps"],

@@ -148,7 +148,7 @@ class Simulation(SimTables):
                  checkpoint_every: int | None = 100, noise: float = 0.02, *, tp: int = 1,
                  gc_rate: float = 0.02, samples_per_rank: int = 8, seq_len: int = 4096,
                  cpus_per_node: int = 192, accel: bool = True, comm: bool = False):
-        if not JOB_RE.match(str(job)):
+        if not JOB_RE.fullmatch(str(job)):
             raise ValueError(f"bad job id {job!r} (must match {JOB_RE.pattern})")
         if ranks < 1 or ranks_per_node < 1:
             raise ValueError(f"ranks ({ranks}) and ranks_per_node ({ranks_per_node}) must be >= 1")
