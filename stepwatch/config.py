@@ -463,7 +463,13 @@ def load(path: str | Path) -> Config:
     default" file says so with a comment or an empty ``[processor]`` table), or a setting that does
     not validate."""
     p = Path(path)
-    raw = _read(p)
+    return loads(_read(p), p)
+
+
+def loads(raw: bytes, p="<config>") -> Config:
+    """:func:`load` of a file's bytes (``p`` names it in messages); raises only :class:`ConfigError`."""
+    if len(raw) > MAX_BYTES:
+        raise ConfigError(f"{p}: larger than the {MAX_BYTES} bytes a configuration may be")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
