@@ -572,11 +572,11 @@ def _profiling_plan(proc, old: Config, new: Config):
     is read again (``STEPWATCH_PROFILING_PRIVATE_KEY[_FILE]``: a rotated Secret takes effect); a key
     that cannot be read now keeps the one in force. ``enabled = false`` stops new commands (answers to
     those sent are still stored); ``enabled = true`` on a processor that has a key starts issuing."""
-    if old.profiling == new.profiling:
+    cur = getattr(proc, "profiling", None)
+    if old.profiling == new.profiling and cur is None:
         return None
     from stepwatch.agents import profiling as keys
     from stepwatch.stream.profiling import Issuer, ProfilingSettings
-    cur = getattr(proc, "profiling", None)
     try:
         base = ProfilingSettings.from_env()
     except (keys.KeyError_, ValueError) as e:
