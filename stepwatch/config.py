@@ -12,7 +12,7 @@ and the settings in force stay. The layout (docs/configuration.md)::
     hang_s = 60
     [detectors.jitter]
     enabled = false
-    [profiling]                     # targeted profiling policy (the key stays in STEPWATCH_PROFILING_KEY)
+    [profiling]                     # targeted profiling policy (the key stays in STEPWATCH_PROFILING_PRIVATE_KEY[_FILE])
     steps = 10
     [profiling.on]                  # alert kind -> profiler
     slow_rank = "torch"
@@ -519,7 +519,7 @@ def defaults_text() -> str:
                 out.append(f"# {k} =    # default: unset; {m}")
             else:
                 out.append(f"{k} = {_toml(d)}    # {m}; valid {_range_text(lo, hi)}")
-    out += ["", "[profiling]    # targeted profiling on alerts (needs STEPWATCH_PROFILING_KEY; docs/profiling.md)",
+    out += ["", "[profiling]    # targeted profiling on alerts (needs STEPWATCH_PROFILING_PRIVATE_KEY[_FILE]; docs/profiling.md)",
             "enabled = true    # false: no profiling commands even with a key"]
     for k, (d, lo, hi, m) in PROFILING.items():
         out.append(f"{k} = {_toml(d)}    # {m}" + (f"; valid {_range_text(lo, hi)}" if lo is not None else ""))
