@@ -12,7 +12,7 @@ and the settings in force stay. The layout (docs/configuration.md)::
     hang_s = 60
     [detectors.jitter]
     enabled = false
-    [profiling]                     # targeted profiling policy (the key stays in STEPWATCH_PROFILING_KEY)
+    [profiling]                     # targeted profiling policy (the key stays in STEPWATCH_PROFILING_PRIVATE_KEY[_FILE])
     steps = 10
     [profiling.on]                  # alert kind -> profiler
     slow_rank = "torch"
@@ -27,7 +27,9 @@ import fnmatch
 import inspect
 import logging
 import math
+import os
 import re
+import stat
 import tomllib
 from collections import deque
 from dataclasses import dataclass, field
@@ -106,8 +108,45 @@ RESIZING: dict[str, set[str]] = {
 }
 
 
+#: what a configuration file may be, checked before it is parsed or converted (a file is untrusted input:
+#: a ConfigMap anyone with edit rights on it can change): its size, the nesting of its arrays and inline
+#: tables (tomllib recurses per level: ~300 levels exhaust the interpreter's stack), and the digits of a
+#: number (int() of more than 4300 digits raises ValueError; no setting needs more than a few)
+MAX_BYTES = 1 << 20
+MAX_DEPTH = 32
+MAX_DIGITS = 40
+MAX_JOBS = 1000                     # [[jobs]] entries (each is validated by building its detectors)
+MAX_PATTERN = 256                   # characters of a [[jobs]] match pattern
+MAX_MESSAGE = 400                   # characters of an error message (values and names in it are clipped)
+
+
 class ConfigError(ValueError):
-    """A setting that does not validate; the message names it and its valid range."""
+    """A file or setting that does not validate; the message names the file, the setting and its value
+    (clipped: see :func:`_show`) and, for a number, its valid range. The only exception the loader raises."""
+
+    def __init__(self, msg: str):
+        msg = str(msg)
+        super().__init__(msg if len(msg) <= MAX_MESSAGE else msg[:MAX_MESSAGE - 1] + "…")
+
+
+def _show(v, n: int = 60) -> str:
+    """``repr(v)`` for a message, at most ``n`` characters (control characters escaped by repr; an int too
+    large to print in decimal by its size)."""
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 128:
+        return f"<a {v.bit_length()}-bit integer>"
+    if isinstance(v, (dict, list)):
+        return f"<a {'table' if isinstance(v, dict) else 'array'} of {len(v)}>"
+    try:
+        r = repr(v)
+    except Exception:  # noqa: BLE001 - a value that cannot be shown is named by its type
+        return f"<{type(v).__name__}>"
+    return r if len(r) <= n else r[:n - 1] + "…"
+
+
+def _name(k) -> str:
+    """A key as it may appear in a message: as is when it is a plain name, else its clipped repr."""
+    k = str(k)
+    return k if re.fullmatch(r"[A-Za-z0-9_-]{1,64}", k) else _show(k, 40)
 
 
 def _registry():
@@ -149,17 +188,58 @@ def _check_value(where: str, v, default, lo, hi):
     """``v`` checked against the type of ``default`` and [lo, hi]; returns it (ints as int)."""
     if isinstance(default, bool) or (default is None and isinstance(v, bool)):
         if not isinstance(v, bool):
-            raise ConfigError(f"{where}: must be true or false, not {v!r}")
+            raise ConfigError(f"{where}: must be true or false, not {_show(v)}")
         return v
     if isinstance(default, (int, float)) or lo is not None or hi is not None:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not math.isfinite(v)):
-            raise ConfigError(f"{where}: must be a number in {_range_text(lo, hi)}, not {v!r}")
-        if isinstance(default, int) and not isinstance(default, bool) and not float(v).is_integer():
-            raise ConfigError(f"{where}: must be a whole number in {_range_text(lo, hi)}, not {v!r}")
-        if (lo is not None and v < lo) or (hi is not None and v > hi):
-            raise ConfigError(f"{where}: {v!r} is out of range (valid: {_range_text(lo, hi)})")
+            raise ConfigError(f"{where}: must be a number in {_range_text(lo, hi)}, not {_show(v)}")
+        if isinstance(default, int) and not isinstance(default, bool) and isinstance(v, float) and \
+                not v.is_integer():
+            raise ConfigError(f"{where}: must be a whole number in {_range_text(lo, hi)}, not {_show(v)}")
+        if (lo is not None and v < lo) or (hi is not None and v > hi) or (isinstance(v, int) and abs(v) >= 2**63):
+            raise ConfigError(f"{where}: {_show(v)} is out of range (valid: {_range_text(lo, hi)})")
         return int(v) if isinstance(default, int) and not isinstance(default, bool) else v
     return v
+
+
+def _positive(where: str, v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1e300 or \
+            (isinstance(v, float) and not math.isfinite(v)):
+        raise ConfigError(f"{where}: must be a number > 0, not {_show(v)}")
+    return float(v)
+
+
+def _table_of_positive(where: str, v) -> dict:
+    if not isinstance(v, dict) or len(v) > 64:
+        raise ConfigError(f"{where}: must be a table of at most 64 name = number, not {_show(v)}")
+    return {k: _positive(f"{where}.{_name(k)}", x) for k, x in v.items()}
+
+
+def _peak_tflops(where: str, v):
+    """mfu.peak_tflops: a number, a table, or the path of a JSON/YAML file, a regular one of at most
+    64 KiB (the detector reads it: never a FIFO or device to wait on)."""
+    if isinstance(v, dict):
+        return _table_of_positive(where, v)
+    if isinstance(v, str):
+        try:
+            st = os.stat(v)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{where}: {_show(v)}: cannot read: {getattr(e, 'strerror', None) or e}") from None
+        if not stat.S_ISREG(st.st_mode) or st.st_size > 65536:
+            raise ConfigError(f"{where}: {_show(v)} is not a regular file of at most 65536 bytes")
+        return v
+    return _positive(where, v)
+
+
+def _short_str(where: str, v):
+    if not isinstance(v, str) or len(v) > 64:
+        raise ConfigError(f"{where}: must be a name of at most 64 characters, not {_show(v)}")
+    return v
+
+
+#: settings that are not numbers or switches: (detector, setting) -> validator(where, value) -> value
+FREEFORM = {("mfu", "peak_tflops"): _peak_tflops, ("comm_bw", "link_gbps"): _table_of_positive,
+            ("comm_bw", "link"): _short_str}
 
 
 def _detectors(raw, where: str) -> dict[str, dict]:
@@ -169,27 +249,34 @@ def _detectors(raw, where: str) -> dict[str, dict]:
     out = {}
     for name, kw in raw.items():
         if name not in REGISTRY:
-            raise ConfigError(f"{where}.{name}: unknown detector (known: {', '.join(REGISTRY)})")
+            raise ConfigError(f"{where}.{_name(name)}: unknown detector (known: {', '.join(REGISTRY)})")
         if not isinstance(kw, dict):
-            raise ConfigError(f"{where}.{name}: must be a table of settings")
+            raise ConfigError(f"{where}.{name}: must be a table of settings, not {_show(kw)}")
         defaults = settings_of(REGISTRY[name])
         rng = RANGES.get(name, {})
         clean = {}
         for k, v in kw.items():
-            w = f"{where}.{name}.{k}"
+            w = f"{where}.{name}.{_name(k)}"
             if k == "enabled":
                 clean[k] = _check_value(w, v, True, None, None)
                 continue
             if k not in defaults:
                 raise ConfigError(f"{w}: unknown setting (known: enabled, {', '.join(defaults)})")
             lo, hi = rng.get(k, (None, None))
-            clean[k] = _check_value(w, v, defaults[k], lo, hi)
-        try:                                          # the detector's own cross-checks
-            REGISTRY[name](**{k: v for k, v in clean.items() if k != "enabled"})
-        except (ValueError, TypeError) as e:
-            raise ConfigError(f"{where}.{name}: {e}") from None
+            clean[k] = FREEFORM[(name, k)](w, v) if (name, k) in FREEFORM else _check_value(w, v, defaults[k], lo, hi)
+        _build_one(f"{where}.{name}", name, clean)     # the detector's own cross-checks
         out[name] = clean
     return out
+
+
+def _build_one(where: str, name: str, kw: dict):
+    """A detector built with ``kw`` (``enabled`` aside): its own cross-checks (e.g. slow_rank's k <= n)
+    refuse the settings as a :class:`ConfigError` naming ``where``, whatever the detector raises."""
+    REGISTRY, _ = _registry()
+    try:
+        return REGISTRY[name](**{k: v for k, v in kw.items() if k != "enabled"})
+    except Exception as e:  # noqa: BLE001 - a detector's refusal, whatever its type, refuses the file
+        raise ConfigError(f"{where}: {type(e).__name__}: {str(e)[:200]}") from None
 
 
 @dataclass
@@ -231,57 +318,174 @@ def parse(data: dict, path: str | None = None) -> Config:
         raise ConfigError("the configuration must be a TOML table")
     unknown = sorted(set(data) - {"processor", "detectors", "jobs", "profiling"})
     if unknown:
-        raise ConfigError(f"{unknown[0]}: unknown section (known: processor, detectors, jobs, profiling)")
+        raise ConfigError(f"{_name(unknown[0])}: unknown section (known: processor, detectors, jobs, profiling)")
     c = Config(path=path)
     proc = data.get("processor", {})
     if not isinstance(proc, dict):
-        raise ConfigError("processor: must be a table")
+        raise ConfigError(f"processor: must be a table, not {_show(proc)}")
     for k, v in proc.items():
         if k not in PROCESSOR:
-            raise ConfigError(f"processor.{k}: unknown setting (known: {', '.join(PROCESSOR)})")
+            raise ConfigError(f"processor.{_name(k)}: unknown setting (known: {', '.join(PROCESSOR)})")
         d, lo, hi, _ = PROCESSOR[k]
         c.processor[k] = _check_value(f"processor.{k}", v, d, lo, hi)
     c.detectors = _detectors(data.get("detectors", {}), "detectors")
     jobs = data.get("jobs", [])
     if not isinstance(jobs, list):
-        raise ConfigError("jobs: must be an array of tables ([[jobs]])")
+        raise ConfigError(f"jobs: must be an array of tables ([[jobs]]), not {_show(jobs)}")
+    if len(jobs) > MAX_JOBS:
+        raise ConfigError(f"jobs: {len(jobs)} entries, at most {MAX_JOBS}")
     for i, j in enumerate(jobs):
         if not isinstance(j, dict) or not isinstance(j.get("match"), str) or not j["match"]:
-            raise ConfigError(f"jobs[{i}].match: required, a job-name pattern such as \"llama-*\"")
+            got = _show(j.get("match")) if isinstance(j, dict) else _show(j)
+            raise ConfigError(f"jobs[{i}].match: required, a job-name pattern such as \"llama-*\", not {got}")
+        if len(j["match"]) > MAX_PATTERN:
+            raise ConfigError(f"jobs[{i}].match: {_show(j['match'])} is longer than {MAX_PATTERN} characters")
         extra = sorted(set(j) - {"match", "detectors"})
         if extra:
-            raise ConfigError(f"jobs[{i}].{extra[0]}: unknown key (known: match, detectors)")
+            raise ConfigError(f"jobs[{i}].{_name(extra[0])}: unknown key (known: match, detectors)")
         c.jobs.append((j["match"], _detectors(j.get("detectors", {}), f"jobs[{i}].detectors")))
+    _check_merged(c)
     prof = data.get("profiling", {})
     if not isinstance(prof, dict):
-        raise ConfigError("profiling: must be a table")
+        raise ConfigError(f"profiling: must be a table, not {_show(prof)}")
     for k, v in prof.items():
         if k == "enabled":
             c.profiling[k] = _check_value("profiling.enabled", v, True, None, None)
         elif k == "on":
-            if not isinstance(v, dict) or any(p not in PROFILERS for p in v.values()):
-                raise ConfigError(f"profiling.on: must map alert kinds to one of {', '.join(PROFILERS)}")
+            if not isinstance(v, dict) or any(not isinstance(p, str) or p not in PROFILERS for p in v.values()):
+                raise ConfigError(f"profiling.on: must map alert kinds to one of {', '.join(PROFILERS)}, "
+                                  f"not {_show(v)}")
             c.profiling[k] = dict(v)
         elif k in PROFILING:
             d, lo, hi, _ = PROFILING[k]
             c.profiling[k] = _check_value(f"profiling.{k}", v, d, lo, hi)
         else:
-            raise ConfigError(f"profiling.{k}: unknown setting (known: enabled, on, {', '.join(PROFILING)})")
+            raise ConfigError(f"profiling.{_name(k)}: unknown setting (known: enabled, on, {', '.join(PROFILING)})")
     return c
 
 
-def load(path: str | Path) -> Config:
-    """Read and validate a configuration file; raises :class:`ConfigError` (syntax errors included)."""
-    p = Path(path)
+def _check_merged(c: Config) -> None:
+    """The settings a job gets are the file's with the matching ``[[jobs]]`` entries over them: a detector
+    built with the file's settings and each entry's (and with all entries, as for a job every pattern
+    matches) must pass its cross-checks too (``k`` in [detectors.slow_rank], ``n`` in a job entry)."""
+    layers = [(f"jobs[{i}]", [d]) for i, (_, d) in enumerate(c.jobs)]
+    if len(c.jobs) > 1:
+        layers.append(("jobs[*]", [d for _, d in c.jobs]))
+    for where, dets in layers:
+        names = {n for d in dets for n in d}
+        for name in names:
+            kw = dict(c.detectors.get(name, {}))
+            for d in dets:
+                kw.update(d.get(name, {}))
+            _build_one(f"{where}.detectors.{name} (over detectors.{name})", name, kw)
+
+
+def _read(p: Path) -> bytes:
+    """The file's bytes, at most :data:`MAX_BYTES`: a regular file (a FIFO or device is refused, never
+    waited on), unchanged while it was read (a writer caught mid-rewrite is refused, not half-read)."""
     try:
-        text = p.read_text(encoding="utf-8")
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         raise ConfigError(f"{p}: cannot read: {e.strerror or e}") from None
     try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{p}: not a regular file")
+        if st.st_size > MAX_BYTES:
+            raise ConfigError(f"{p}: {st.st_size} bytes, larger than the {MAX_BYTES} a configuration may be")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(MAX_BYTES + 1)
+        after = os.fstat(fd)
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_BYTES:
+        raise ConfigError(f"{p}: larger than the {MAX_BYTES} bytes a configuration may be")
+    if (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns) or len(data) != after.st_size:
+        raise ConfigError(f"{p}: changed while being read (a writer mid-rewrite?); read again on the next change")
+    return data
+
+
+def _prescan(text: str, p) -> None:
+    """Refuse, before tomllib sees them, arrays/inline tables nested deeper than :data:`MAX_DEPTH` and
+    numbers longer than :data:`MAX_DIGITS` digits (outside strings and comments; the line is named)."""
+    i, n, depth, line, run = 0, len(text), 0, 1, 0
+    while i < n:
+        c = text[i]
+        if c in "\"'":
+            q = c * 3 if text.startswith(c * 3, i) else c
+            j = i + len(q)
+            while j < n:
+                d = text[j]
+                if d == "\\" and c == '"':
+                    j += 2
+                    continue
+                if text.startswith(q, j):
+                    j += len(q)
+                    for _ in range(2 if len(q) == 3 else 0):     # up to two more quotes belong to a multi-line
+                        if j < n and text[j] == c:               # string's content: """a""""" is a"" (TOML)
+                            j += 1
+                    break
+                if d == "\n":
+                    if len(q) == 1:              # an unterminated string: tomllib says so
+                        break
+                    line += 1
+                j += 1
+            i, run = j, 0
+            continue
+        if c == "#":
+            j = text.find("\n", i)
+            i = n if j < 0 else j
+            continue
+        if c == "\n":
+            line += 1
+        if c in "[{":
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise ConfigError(f"{p}: line {line}: arrays or inline tables nested deeper than {MAX_DEPTH}")
+        elif c in "]}":
+            depth = max(0, depth - 1)
+        if c.isdigit():
+            run += 1
+            if run > MAX_DIGITS:
+                raise ConfigError(f"{p}: line {line}: a number of more than {MAX_DIGITS} digits")
+        elif c != "_":
+            run = 0
+        i += 1
+
+
+def load(path: str | Path) -> Config:
+    """Read and validate a configuration file. Raises :class:`ConfigError`, and nothing else, for any
+    content (the message names the file, the setting and the value): not UTF-8, larger than
+    :data:`MAX_BYTES`, nested deeper than :data:`MAX_DEPTH`, a number of more than :data:`MAX_DIGITS`
+    digits, not TOML, empty (what a reader sees of a file being rewritten: an intentional "every
+    default" file says so with a comment or an empty ``[processor]`` table), or a setting that does
+    not validate."""
+    p = Path(path)
+    return loads(_read(p), p)
+
+
+def loads(raw: bytes, p="<config>") -> Config:
+    """:func:`load` of a file's bytes (``p`` names it in messages); raises only :class:`ConfigError`."""
+    if len(raw) > MAX_BYTES:
+        raise ConfigError(f"{p}: larger than the {MAX_BYTES} bytes a configuration may be")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start})") from None
+    if not text.strip():
+        raise ConfigError(f"{p}: empty (a file being rewritten?); a file of every default says so with a comment "
+                          "or an empty [processor] table")
+    _prescan(text, p)
+    try:
         data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{p}: not valid TOML: {e}") from None
-    return parse(data, str(p))
+    except (ValueError, RecursionError) as e:   # TOMLDecodeError is a ValueError (as is int()'s digit limit)
+        raise ConfigError(f"{p}: not valid TOML: {str(e)[:200]}") from None
+    try:
+        return parse(data, str(p))
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}") from None
 
 
 # ---------------------------------------------------------------------------- defaults
@@ -315,7 +519,7 @@ def defaults_text() -> str:
                 out.append(f"# {k} =    # default: unset; {m}")
             else:
                 out.append(f"{k} = {_toml(d)}    # {m}; valid {_range_text(lo, hi)}")
-    out += ["", "[profiling]    # targeted profiling on alerts (needs STEPWATCH_PROFILING_KEY; docs/profiling.md)",
+    out += ["", "[profiling]    # targeted profiling on alerts (needs STEPWATCH_PROFILING_PRIVATE_KEY[_FILE]; docs/profiling.md)",
             "enabled = true    # false: no profiling commands even with a key"]
     for k, (d, lo, hi, m) in PROFILING.items():
         out.append(f"{k} = {_toml(d)}    # {m}" + (f"; valid {_range_text(lo, hi)}" if lo is not None else ""))
@@ -363,44 +567,99 @@ def retune(det, cls, old_kw: dict, new_kw: dict):
     return det
 
 
+def _profiling_plan(proc, old: Config, new: Config):
+    """What to put in force for ``[profiling]``: None (nothing changes) or ``(issuer, settings)``. The key
+    is read again (``STEPWATCH_PROFILING_PRIVATE_KEY[_FILE]``: a rotated Secret takes effect); a key
+    that cannot be read now keeps the one in force. ``enabled = false`` stops new commands (answers to
+    those sent are still stored); ``enabled = true`` on a processor that has a key starts issuing."""
+    cur = getattr(proc, "profiling", None)
+    if old.profiling == new.profiling and cur is None:
+        return None
+    from stepwatch.agents import profiling as keys
+    from stepwatch.stream.profiling import Issuer, ProfilingSettings
+    try:
+        base = ProfilingSettings.from_env()
+    except (keys.KeyError_, ValueError) as e:
+        log.error("configuration reload: the profiling key cannot be read (%s); the key in force stays", e)
+        base = ProfilingSettings(key=cur.settings.key) if cur is not None else None
+    ps = new.profiling_settings(base)
+    if ps is None:
+        if cur is None:
+            return (None, None)
+        off = ProfilingSettings(key=cur.settings.key, alert_kinds={})     # no alert kind is profiled
+        return (cur, off)
+    if cur is not None:
+        return (cur, ps)
+    if getattr(proc, "producer", None) is None:
+        raise ConfigError("cannot change at runtime: profiling.enabled (the processor has not started)")
+    return (Issuer(ps, proc.kafka, proc.producer), ps)
+
+
 def apply(proc, new: Config) -> dict:
     """Put ``new`` in force on a running :class:`~stepwatch.stream.processor.Processor` (from its loop
-    thread, between messages): live limits, then every job's detectors retuned in place (state kept;
-    see :func:`retune`), added or removed when ``enabled`` changed. Returns what changed."""
+    thread, between messages): live limits, the ``[profiling]`` policy, then every job's detectors
+    retuned in place (state kept; see :func:`retune`), added or removed when ``enabled`` changed.
+    Everything is checked before anything changes: a job whose merged settings a detector refuses
+    raises :class:`ConfigError` and nothing is applied. Returns what changed (job -> detectors)."""
     REGISTRY, _ = _registry()
     old = proc.detector_settings if isinstance(proc.detector_settings, Config) else Config()
-    for k in _LIVE:
-        setattr(proc, k, new.processor[k])
-    changed = {}
+    plans = {}
     for job, rt in proc.jobs.items():
         o, n = old.detector_settings(job), new.detector_settings(job)
         if o == n:
             continue
         have = {d.name: d for d in rt.detectors}
-        dets = []
+        plan = []
         for name, cls in REGISTRY.items():
             okw, nkw = dict(o.get(name, {})), dict(n.get(name, {}))
             on_old, on_new = okw.pop("enabled", True), nkw.pop("enabled", True)
             if not on_new:
                 continue
-            d = have.get(cls.name)
-            dets.append(retune(d, cls, okw, nkw) if d is not None and on_old else cls(**nkw))
-        rt.detectors = dets
-        changed[job] = sorted(set(o) | set(n))
+            _build_one(f"job {_show(job)}: detectors.{name}", name, nkw)     # refused before anything changes
+            plan.append((have.get(cls.name) if on_old else None, cls, okw, nkw))
+        plans[job] = (rt, plan, sorted(set(o) | set(n)))
+    prof = _profiling_plan(proc, old, new)
+    # commit (nothing above changed the processor)
+    for k in _LIVE:
+        setattr(proc, k, new.processor[k])
+    if prof is not None:
+        proc.profiling, proc.profiling_settings = prof
+    changed = {}
+    for job, (rt, plan, names) in plans.items():
+        rt.detectors = [retune(d, cls, okw, nkw) if d is not None else cls(**nkw) for d, cls, okw, nkw in plan]
+        changed[job] = names
     proc.detector_settings = new
     return changed
 
 
+def _count(proc, result: str) -> None:
+    m = getattr(getattr(proc, "metrics", None), "config_reloads", None)
+    if m is not None:
+        m.labels(result).inc()
+
+
 def reload(proc, path: str) -> bool:
-    """SIGHUP: load ``path`` and apply it; a file that does not validate is refused (logged with the
-    setting's name and valid range) and the settings in force stay. True when applied."""
+    """SIGHUP or a changed file: load ``path`` and apply it. A file that does not load (any content:
+    :func:`load` raises only :class:`ConfigError`) or cannot be applied is refused, logged with the
+    setting's name and value and counted (``stepwatch_processor_config_reloads{result="refused"}``); the
+    settings in force stay and the processor goes on. True when applied."""
     try:
         new = load(path)
+        changed = apply(proc, new)
     except ConfigError as e:
         log.error("configuration %s refused, the settings in force stay: %s", path, e)
+        _count(proc, "refused")
         return False
-    changed = apply(proc, new)
-    log.warning("configuration %s reloaded (%d job(s) retuned)", path, len(changed))
+    except Exception as e:  # noqa: BLE001 - a configuration never stops the processor (a bug here: logged)
+        log.error("configuration %s refused (internal error %s: %s), the settings in force stay", path,
+                  type(e).__name__, str(e)[:200])
+        _count(proc, "refused")
+        return False
+    _count(proc, "applied")
+    ps = getattr(proc, "profiling_settings", None)
+    prof = "off" if ps is None or not getattr(ps, "alert_kinds", None) else \
+        "on for " + ", ".join(sorted(ps.alert_kinds))
+    log.warning("configuration %s reloaded (%d job(s) retuned); targeted profiling %s", path, len(changed), prof)
     return True
 
 

@@ -64,6 +64,8 @@ class KafkaSettings:
         pw = os.environ.get("STEPWATCH_KAFKA_PASSWORD")
         path = self.password_file or os.environ.get("STEPWATCH_KAFKA_PASSWORD_FILE")
         if not pw and path:
+            from stepwatch import secretfile
+            secretfile.check(path, "--sasl-password-file" if self.password_file else "STEPWATCH_KAFKA_PASSWORD_FILE")
             with open(path, encoding="utf-8") as f:
                 pw = f.read().strip()
         return pw

@@ -358,6 +358,8 @@ def password_from_file(env=os.environ) -> None:
     path = env.get("STEPWATCH_LAKE_PASSWORD_FILE")
     if not path or os.environ.get("PGPASSWORD"):
         return
+    from stepwatch import secretfile
+    secretfile.check(path, "STEPWATCH_LAKE_PASSWORD_FILE")
     try:
         pw = Path(path).read_text().rstrip("\r\n")
     except OSError as e:

@@ -56,4 +56,7 @@ class ProcessorMetrics(Metrics):
         self.rebuilds = Counter("stepwatch_processor_job_rebuilds",
                                 "New jobs by how their state began (store, none: no history, rate_limited)",
                                 ["how"], registry=r)
+        self.config_reloads = Counter("stepwatch_processor_config_reloads",
+                                      "Configuration reloads (SIGHUP, a changed file) by result: applied, refused",
+                                      ["result"], registry=r)
         self.total_lag = 0

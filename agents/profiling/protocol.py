@@ -91,6 +91,9 @@ def _key_setting(env, name: str, file_name: str, path: str | None, what: str) ->
     raw = raw.encode() if isinstance(raw, str) else raw
     p = path or env.get(file_name)
     if not raw and p:
+        if what == "private":
+            from stepwatch import secretfile
+            secretfile.check(p, "the private key file" if path else file_name)
         raw = _read(p, what)
     if not raw:
         _old_env_error(env)

@@ -287,6 +287,9 @@ try:        # the node's boundaries (agent datagram decode, control verify): ste
     BOUNDARIES["control-verify"] = fuzz_control
 except ImportError:  # pragma: no cover - an older agents package
     pass
+from stepwatch.devtools.fuzz_config import fuzz_config  # noqa: E402 - the processor's configuration loader
+
+BOUNDARIES["config-file"] = fuzz_config
 
 
 def run_fuzz(a) -> int:
