@@ -81,6 +81,15 @@ class JobRuntime:
     axis: JobAxis = field(default_factory=JobAxis)    # where its ranks are (stream.stepaxis)
     firing: dict = field(default_factory=dict)        # alert_id -> its firing Alert, until resolved
     inflight_partition: int | None = None             # partition the job's in-flight rows arrive on
+    topology: list = field(default_factory=list)      # its topology rows as applied (a restart re-applies them)
+
+    def keep_topology(self, part: pa.Table) -> None:
+        """Keep the topology rows applied to the job's state, bounded by its ranks (the newest rows of each
+        rank are what counts; older parts go once the parts hold twice the ranks)."""
+        self.topology.append(part)
+        n = sum(t.num_rows for t in self.topology)
+        while len(self.topology) > 1 and n > 2 * max(self.state.world_size, 1) + 64:
+            n -= self.topology.pop(0).num_rows
 
 
 def _plain(t: pa.Table) -> pa.Table:
@@ -290,6 +299,7 @@ class Processor(Intake, CaughtUp):
                 rt = self._job(job)
                 w0 = rt.state.world_size
                 rt.state.set_topology(part)
+                rt.keep_topology(part)
                 stepaxis.check_budget(self, rt, w0)
                 if rt.pending:                              # steps held for it: detect them now
                     self._detect(rt, [])
@@ -506,6 +516,14 @@ class Processor(Intake, CaughtUp):
             return
         log.info("job %s: steps after its end (%s at step %d): a restart, new baselines", rt.state.job,
                  life.outcome, life.step_outcome)
+        # a new attempt: its steps (from its checkpoint, so often numbers the last attempt ran too) are its
+        # own, not duplicates of the old ones; its alignment starts afresh with the job's topology
+        old = rt.state
+        rt.state = JobState(old.job, capacity=old.capacity, lateness_ns=old.lateness_ns)
+        for t in rt.topology:
+            rt.state.set_topology(t)
+        rt.axis = JobAxis()
+        rt.pending = []
         rt.detectors = self.new_detectors(rt.state.job)
         rt.telemetry.life = JobLife()
         rt.firing.clear()

@@ -150,3 +150,46 @@ def test_a_goodbye_read_after_the_agent_saw_the_rank_go_says_how_it_ended():
     out = _judge(ctx, 3)
     assert [a.kind for a in out] == ["rank_crash"] and out[0].ranks == [1], out[0].evidence
     assert out[0].evidence["ends"]["0"]["how"] == "error"
+
+
+def test_a_restart_from_a_checkpoint_reruns_its_steps_and_every_row_is_aligned_and_judged(tmp_path):
+    """A job that finished (every rank said goodbye) starts again under the same id from its checkpoint at
+    step 60: it runs steps 60-179 again, newer in time. Those rows are the new attempt's, not duplicates of
+    the old ones: every one is kept and aligned (before: steps 60-119 were dropped as duplicates of the
+    first attempt, lost to the store and the detectors), and the new attempt's straggler is named."""
+    from stepwatch.devtools.eval import Record
+    from stepwatch.devtools.simulate import Simulation
+    from stepwatch.kafkaio import KafkaSettings
+    from stepwatch.stream.processor import Processor
+
+    t0 = 1_767_225_600 * S                          # 2026-01-01 (rows from the future are refused)
+    first = Simulation(job="rs", ranks=8, ranks_per_node=4, steps=120, step_ms=100.0, seed=5, t0_ns=t0)
+    seen = []
+    p = Processor(KafkaSettings(), tmp_path, on_alert=seen.append)
+    off = iter(range(10**6))
+
+    def send(kind, t):
+        p._handle(Record(p.kafka.topic(kind), 0, next(off), b"rs", wire.encode_arrow(t), wire.headers(kind)))
+
+    send("topology", first.topology())
+    for a in range(0, 120, 10):
+        send("steps", first.generate(a, a + 10)["steps"])
+    end = p.jobs["rs"].state.max_t_end + S // 10
+    bye = [{"job": "rs", "node": f"node-{r // 4:04d}", "rank": r, "t": end + r * 1_000_000, "source": "probe",
+            "state": "exited", "exit_code": 0} for r in range(8)]
+    send("inflight", wire.conform(pa.Table.from_pylist(bye), wire.SCHEMAS["inflight"]))
+    tick = [{"job": "rs", "node": "node-0000", "rank": 0, "t": end + 5 * S, "source": "agent", "state": "gone"}]
+    send("inflight", wire.conform(pa.Table.from_pylist(tick), wire.SCHEMAS["inflight"]))
+    assert [a.evidence.get("outcome") for a in p.events] == ["finished"]
+    dup0 = p.metrics.value(p.metrics.dropped, "duplicate")
+    # the restart, 60 s after the end, from the checkpoint at step 60; rank 5 is 40% slower from step 140
+    again = Simulation(job="rs", ranks=8, ranks_per_node=4, steps=180, step_ms=100.0, seed=6,
+                       t0_ns=end + 60 * S - 60 * 100 * 1_000_000, faults=["slow-rank:rank=5,start=140,pct=40"])
+    send("topology", again.topology())
+    for a in range(60, 180, 10):
+        send("steps", again.generate(a, a + 10)["steps"])
+    assert p.metrics.value(p.metrics.dropped, "duplicate") == dup0
+    rt = p.jobs["rs"]
+    assert rt.state.max_step == 179
+    named = [a for a in seen if a.kind == "slow_rank" and a.status == "firing"]
+    assert named and named[0].ranks == [5] and named[0].step_first >= 140, [a.line() for a in seen]
