@@ -129,6 +129,12 @@ class StepBlock:
     def __len__(self) -> int:
         return len(self.steps)
 
+    def head(self, k: int) -> "StepBlock":
+        """The block's first ``k`` steps (views)."""
+        import dataclasses
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name)[:k] for f in dataclasses.fields(self)
+                                            if getattr(self, f.name) is not None})
+
     def tail(self, k: int) -> "StepBlock":
         """The block without its first ``k`` steps (views)."""
         import dataclasses

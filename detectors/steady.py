@@ -12,8 +12,9 @@ a trend is not a warm-up forever).
 
 The detectors that judge a job against its own past (``changepoint``, ``jitter``, ``mfu``, ``comm_bw``)
 each hold a gate: they judge nothing before it opens, and the steps before the stable stretch
-(:attr:`SteadyGate.start`) are no baseline. The gate opens again (``reset``) when the job announces a
-change of its own (a new step kind, :func:`stepwatch.agents.probe.mark_step_kind`) or restarts.
+(:attr:`SteadyGate.start`) are no baseline. The gate starts over when the job announces a change of
+its own (:func:`stepwatch.agents.probe.mark_change`: the processor gives those detectors fresh instances
+at that step) or restarts.
 
 Cost: O(ranks sampled) per step (one median) until the gate opens, then nothing. State: a ring of
 ``spans x span`` numbers.

@@ -82,6 +82,7 @@ class JobRuntime:
     firing: dict = field(default_factory=dict)        # alert_id -> its firing Alert, until resolved
     inflight_partition: int | None = None             # partition the job's in-flight rows arrive on
     topology: list = field(default_factory=list)      # its topology rows as applied (a restart re-applies them)
+    changes: list = field(default_factory=list)       # steps at which the job announced a change (mark_change)
 
     def keep_topology(self, part: pa.Table) -> None:
         """Keep the topology rows applied to the job's state, bounded by its ranks (the newest rows of each
@@ -321,6 +322,7 @@ class Processor(Intake, CaughtUp):
             part = stepaxis.admit_steps(self, rt, job, part)    # bounds to where the job's ranks are
             if not part.num_rows:
                 continue
+            self._announced(rt, part)
             t0, w0 = time.perf_counter(), rt.state.world_size
             res, blocks = rt.state.ingest(part)
             self.metrics.align_seconds.observe(time.perf_counter() - t0)
@@ -472,10 +474,83 @@ class Processor(Intake, CaughtUp):
             self.metrics.steps_closed.inc(len(blk))
             if self.job_metrics is not None:
                 self.job_metrics.on_block(ctx, blk)
-        replay(rt.detectors, ctx, blocks, call=lambda det, fn, *a: self._call(rt, det, fn, *a),
-               on_block=on_block, out=lambda det, alerts, rows: self._out(rt, alerts, rows))
+        for seg, change in self._segments(rt, blocks):
+            replay(rt.detectors, ctx, seg, call=lambda det, fn, *a: self._call(rt, det, fn, *a),
+                   on_block=on_block, out=lambda det, alerts, rows: self._out(rt, alerts, rows))
+            if change is not None:
+                self._rebaseline(rt, change)
         if blocks and len(blocks[-1]):
             rt.incidents.expire(int(blocks[-1].steps[-1]))   # incidents quiet for long are closed
+
+    # ------------------------------------------------------------------ announced changes
+    #: detectors that judge a job against its own past: an announced change gives them a new baseline
+    BASELINE_DETECTORS = {"changepoint": ("regression", "recovery"), "jitter": ("jitter",),
+                          "mfu": ("mfu_regression",)}
+
+    def _announced(self, rt: JobRuntime, part: pa.Table) -> None:
+        """Steps the job marked as a change of its own (``probe.mark_change``: a phase named
+        ``change:<what>`` in the step's ``phases``): kept until the detectors reach them."""
+        if "phases" not in part.column_names:
+            return
+        ph = part.column("phases")
+        if ph.null_count == len(ph):
+            return
+        arr = ph.combine_chunks()
+        offs = arr.offsets.to_numpy(zero_copy_only=False)          # (a slice's offsets; its keys are all)
+        n = np.diff(offs)
+        if not n.sum():
+            return
+        keys = arr.keys.slice(int(offs[0]), int(offs[-1] - offs[0]))
+        hit = pc.fill_null(pc.starts_with(keys, "change:"), False).to_numpy(zero_copy_only=False)
+        if not hit.any():
+            return
+        row = np.repeat(np.arange(len(n)), n)[hit]
+        steps = np.unique(part.column("step").to_numpy(zero_copy_only=False)[row]).tolist()
+        done = rt.state.next_close if rt.state.next_close is not None else -1
+        rt.changes = sorted(set(rt.changes) | {int(s) for s in steps if s >= done})[-64:]
+
+    def _segments(self, rt: JobRuntime, blocks: list[StepBlock]):
+        """``blocks`` cut at the job's announced changes: (blocks before a change, its step) ..., (rest,
+        None)."""
+        if not rt.changes:
+            yield blocks, None
+            return
+        seg: list[StepBlock] = []
+        for b in blocks:
+            while rt.changes and len(b) and rt.changes[0] <= int(b.steps[-1]):
+                c = rt.changes.pop(0)
+                k = int(np.searchsorted(b.steps, c))
+                if k:
+                    seg.append(b.head(k))
+                yield seg, c
+                seg, b = [], b.tail(k)
+            if len(b):
+                seg.append(b)
+        yield seg, None
+
+    def _rebaseline(self, rt: JobRuntime, step: int) -> None:
+        """The job announced a change at ``step`` (a new batch size, learning-rate phase, model stage): the
+        detectors that judge it against its own past start new baselines there (a fresh warm-up gate),
+        and what they still say firing is resolved: its baseline is gone."""
+        fresh = {d.name: d for d in self.new_detectors(rt.state.job)}
+        kinds = {k for n in self.BASELINE_DETECTORS for k in self.BASELINE_DETECTORS[n]}
+        rt.detectors = [fresh[d.name] if d.name in self.BASELINE_DETECTORS and d.name in fresh else d
+                        for d in rt.detectors]
+        for d in rt.detectors:
+            if d.name == "comm_bw" and getattr(d, "_steady", None) is not None:
+                d._steady.reset()
+                d._sync_native = None
+        log.info("job %s: a change announced at step %d: new baselines for %s", rt.state.job, step,
+                 ", ".join(sorted(self.BASELINE_DETECTORS)))
+        for f in list(rt.firing.values()):
+            if f.kind not in kinds:
+                continue
+            ev = dict(f.evidence)
+            ev["resolved_by"] = f"change announced at step {step}"
+            self._emit(rt, Alert(job=f.job, kind=f.kind, status="resolved", step_first=f.step_first,
+                                 step_detected=step, t_detected=f.t_detected, ranks=list(f.ranks),
+                                 nodes=list(f.nodes), cause=f.cause, severity=f.severity, evidence=ev,
+                                 cost_pct=f.cost_pct, suggestion=f.suggestion, alert_id=f.alert_id))
 
     def _run_detector(self, rt: JobRuntime, det, fn, *args) -> None:
         """Call one detector entry point outside a replay (``tick``) and hand out what it returns, as

@@ -193,3 +193,44 @@ def test_a_restart_from_a_checkpoint_reruns_its_steps_and_every_row_is_aligned_a
     assert rt.state.max_step == 179
     named = [a for a in seen if a.kind == "slow_rank" and a.status == "firing"]
     assert named and named[0].ranks == [5] and named[0].step_first >= 140, [a.line() for a in seen]
+
+
+def _announce_run(tmp_path, announce: bool):
+    """A steady 8-rank job whose step time grows by 50% at step 150 (its batch doubled), then by 15%
+    more at step 290 (a real regression); ``announce``: its ranks marked the change at step 150
+    (``probe.mark_change("batch_size")``: the phase ``change:batch_size`` in that step's ``phases``)."""
+    from stepwatch.devtools.eval import Record
+    from stepwatch.devtools.simulate import Simulation
+    from stepwatch.kafkaio import KafkaSettings
+    from stepwatch.stream.processor import Processor
+
+    sim = Simulation(job="bs", ranks=8, ranks_per_node=4, steps=360, step_ms=100.0, seed=9,
+                     t0_ns=1_767_225_600 * S, faults=["regression:start=150,pct=50,cause=computation",
+                                                      "regression:start=290,pct=15,cause=computation"])
+    seen = []
+    p = Processor(KafkaSettings(), tmp_path, on_alert=seen.append)
+    off = iter(range(10**6))
+
+    def send(kind, t):
+        p._handle(Record(p.kafka.topic(kind), 0, next(off), b"bs", wire.encode_arrow(t), wire.headers(kind)))
+
+    send("topology", sim.topology())
+    for a in range(0, 360, 10):
+        t = sim.generate(a, a + 10)["steps"]
+        if announce and a == 150:
+            steps = t.column("step").to_pylist()
+            ph = pa.array([[("change:batch_size", 3.0)] if s == 150 else None for s in steps],
+                          type=t.schema.field("phases").type)
+            t = t.set_column(t.schema.get_field_index("phases"), "phases", ph)
+        send("steps", t)
+    return [a for a in seen if a.status == "firing" and a.kind in ("regression", "mfu_regression", "jitter")]
+
+
+def test_an_announced_change_is_a_new_baseline_not_a_regression(tmp_path):
+    """Without the announcement the batch change is a regression (right: nothing said it was meant); with
+    it, no alert for it, and the real regression 140 steps later is still found against the new level."""
+    plain = _announce_run(tmp_path / "plain", announce=False)
+    assert any(abs(a.step_first - 150) <= 3 for a in plain), [a.line() for a in plain]
+    said = _announce_run(tmp_path / "said", announce=True)
+    assert not any(abs(a.step_first - 150) <= 10 for a in said), [a.line() for a in said]
+    assert any(a.kind == "regression" and abs(a.step_first - 290) <= 3 for a in said), [a.line() for a in said]

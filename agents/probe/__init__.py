@@ -73,7 +73,7 @@ from .wire import (  # noqa: F401
 )
 
 __all__ = ["Probe", "init", "step", "begin_step", "end_step", "phase", "add_phase", "count", "stats", "flush",
-           "shutdown", "get", "auto_install", "mark_step_kind", "decode", "BadDatagram", "default_socket_dir",
+           "shutdown", "get", "auto_install", "mark_step_kind", "mark_change", "decode", "BadDatagram", "default_socket_dir",
            "transfer_ms"]
 
 _probe = Probe()
@@ -114,6 +114,12 @@ def stats() -> dict:
 def mark_step_kind(kind: str) -> None:
     """Mark the step in progress as ``kind`` (``eval``, ``checkpoint``, ...); see :meth:`Probe.mark_step_kind`."""
     _probe.mark_step_kind(kind)
+
+
+def mark_change(what: str) -> None:
+    """Announce a change of the job's own from the step in progress on (new baselines); see
+    :meth:`Probe.mark_change`."""
+    _probe.mark_change(what)
 
 
 def flush() -> None:

@@ -454,6 +454,13 @@ class Probe(Hooks, Replay, Transport, DeviceTiming):
         name = {"first": "first_step"}.get(kind, str(kind))
         self._log.add(K_MARK, self._slot_for_phase(name), _perf(), 0, 0, 0.0)
 
+    def mark_change(self, what: str) -> None:
+        """Announce a change of the job's own from the step in progress on (a new batch size, sequence
+        length, learning-rate phase, model stage): sent as the phase ``change:<what>``; the processor's
+        detectors that judge the job against its own past (change points, jitter, MFU) start new
+        baselines at this step instead of reporting the change as a regression."""
+        self.mark_step_kind("change:" + str(what)[:64])
+
     def _start_watchdog(self) -> None:
         """Once: at ``init`` in a rank process, else after the process's first step (launchers and
         DataLoader workers never start one)."""
