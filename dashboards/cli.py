@@ -112,6 +112,19 @@ def annotation_sink_from_args(a, registry=None):
     return AnnotationSink(a.grafana_url, token, registry=registry)
 
 
+LAKE_DATASOURCE_WARNING = (
+    "warning: without --snapshot-dir the datasource attaches the lake itself, with the catalog's "
+    "extension: any panel's SQL can then read files Grafana can read (sqlite_scan of grafana.db), "
+    "ATTACH the catalog and rewrite it, overwrite data files, and (PostgreSQL) connect to any host. "
+    "Run `stepwatch grafana publish --data-dir DIR --snapshot-dir SNAP` and pass --snapshot-dir SNAP "
+    f"(or set ${SNAPSHOT_ENV}): Grafana then reads only the views (docs/grafana.md, section 1)")
+
+
+def _warn_lake_datasource(cmd: str, a) -> None:
+    if not a.snapshot_dir:
+        print(f"stepwatch grafana {cmd}: {LAKE_DATASOURCE_WARNING}", file=sys.stderr, flush=True)
+
+
 def cmd_provision(a) -> int:
     from .grafana import GrafanaError, provision, read_token
     if not a.url:
@@ -121,6 +134,7 @@ def cmd_provision(a) -> int:
         print(f"stepwatch grafana provision: give --snapshot-dir (or set ${SNAPSHOT_ENV}) or --data-root "
               f"(or set ${DATA_ROOT_ENV}): the snapshot dir or the store root as Grafana sees it", file=sys.stderr)
         return 2
+    _warn_lake_datasource("provision", a)
     try:
         token, source = read_token(a.token_file)
         res = provision(a.url, token, a.data_root, folder_uid=a.folder_uid, folder_title=a.folder_title,
@@ -137,6 +151,7 @@ def cmd_provision(a) -> int:
 
 def cmd_export(a) -> int:
     from .export import export
+    _warn_lake_datasource("export", a)
     try:
         paths = export(a.out, a.data_root, folder_uid=a.folder_uid, folder_title=a.folder_title,
                        datasource_uid=a.datasource_uid, datasource_name=a.datasource_name,

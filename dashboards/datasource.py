@@ -11,8 +11,8 @@ One DuckDB datasource of the ``motherduck-duckdb-datasource`` plugin, in memory 
 empty), whose ``initSql`` is :func:`stepwatch.storage.views.view_sql` over the lake *as Grafana sees
 it* (paths inside the Grafana container, which may differ from the processor's), locked down:
 
-1. load the extensions from ``ext_dir`` (in the chart: copied from the stepwatch image by an init
-   container into ``/var/lib/stepwatch/duckdb-extensions``);
+1. load the extensions from ``ext_dir`` (``/var/lib/stepwatch/duckdb-extensions``; the Helm chart
+   never uses this kind: it gives Grafana only the snapshot);
 2. ``allowed_directories`` = the lake's data path, ``allowed_paths`` = its SQLite catalog,
    ``enable_external_access = false``, extension auto-install/auto-load off, ``lock_configuration = true``;
 3. only then attach the lake READ_ONLY and define the views.

@@ -20,6 +20,9 @@ from .grafana import FOLDER_TITLE, FOLDER_UID, with_datasource_uid
 
 DEFAULT_DATA_ROOT = "/var/lib/stepwatch/data"
 DEFAULT_DASHBOARDS_PATH = "/var/lib/grafana/dashboards/stepwatch"
+#: where the Helm chart's publisher writes the snapshot and Grafana mounts it (the chart substitutes
+#: ``<grafana.snapshot.mountPath>/snapshot`` for this path in the datasource it embeds)
+DEFAULT_SNAPSHOT_DIR = "/var/lib/stepwatch/grafana/snapshot"
 
 
 def provider_doc(folder_title: str, folder_uid: str, path: str) -> dict:

@@ -1,9 +1,10 @@
 """The Grafana files the Helm chart embeds, generated from this package (never copied by hand).
 
 The chart (``helm/stepwatch``) reads them with ``.Files.Get`` / ``.Files.Glob`` from
-``helm/stepwatch/files/grafana/``, which holds exactly what ``stepwatch grafana export`` writes with
-its defaults (data root ``/var/lib/stepwatch/data``; the chart substitutes ``grafana.dataRoot`` for
-that path in the datasource). After changing the dashboards, the datasource or the alert rules::
+``helm/stepwatch/files/grafana/``, which holds exactly what ``stepwatch grafana export --snapshot-dir
+/var/lib/stepwatch/grafana/snapshot`` writes: the datasource reads the snapshot the chart's publisher
+writes (:mod:`.snapshot`), never the lake, and the chart substitutes ``<grafana.snapshot.mountPath>/snapshot``
+for that path. After changing the dashboards, the datasource or the alert rules::
 
     python -m stepwatch.dashboards.helmfiles            # rewrites helm/stepwatch/files/grafana/
     python -m stepwatch.dashboards.helmfiles --check    # exit 1 if the chart's copies are stale
@@ -18,9 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import datasource
 from .build import check_or_write
-from .export import DEFAULT_DATA_ROOT, export
+from .export import DEFAULT_DATA_ROOT, DEFAULT_SNAPSHOT_DIR, export
 
 #: the chart in a source checkout (``<repo>/helm/stepwatch``); pass ``--chart`` elsewhere
 CHART_DIR = Path(__file__).resolve().parent.parent / "helm" / "stepwatch"
@@ -28,24 +28,12 @@ SUBDIR = Path("files") / "grafana"
 PROM_SUBDIR = Path("files") / "grafana-prometheus"
 
 
-#: placeholders of the chart's PostgreSQL-catalog datasources (the chart substitutes its values)
-CATALOG_PLACEHOLDER = "__STEPWATCH_LAKE_CATALOG__"
-DATA_PATH_PLACEHOLDER = "/__STEPWATCH_LAKE_DATA_PATH__"
-S3_PATH_PLACEHOLDER = "__STEPWATCH_LAKE_S3_PATH__"
-
-
-def expected_files(data_root: str = DEFAULT_DATA_ROOT) -> dict[str, str]:
-    """File name -> text, as ``stepwatch grafana export --data-root DATA_ROOT`` writes them, plus the
-    datasource for a PostgreSQL catalog with data on a shared volume (``datasources-postgres.yaml``)
-    or on S3 (``datasources-postgres-s3.yaml``), with placeholders the chart fills in."""
+def expected_files(snapshot_dir: str = DEFAULT_SNAPSHOT_DIR) -> dict[str, str]:
+    """File name -> text, as ``stepwatch grafana export --snapshot-dir SNAPSHOT_DIR`` writes them (the
+    chart embeds them with the default and puts its own snapshot path in place of it)."""
     with tempfile.TemporaryDirectory() as tmp:
-        files = {p.name: p.read_text(encoding="utf-8") for p in export(tmp, data_root)}
-    cat = f"postgres:{CATALOG_PLACEHOLDER}"
-    files["datasources-postgres.yaml"] = datasource.provisioning_file(
-        data_root, catalog=cat, data_path=DATA_PATH_PLACEHOLDER)
-    files["datasources-postgres-s3.yaml"] = datasource.provisioning_file(
-        data_root, catalog=cat, data_path=f"s3://{S3_PATH_PLACEHOLDER}")
-    return files
+        return {p.name: p.read_text(encoding="utf-8")
+                for p in export(tmp, DEFAULT_DATA_ROOT, snapshot_dir=snapshot_dir)}
 
 
 def expected_prometheus_files() -> dict[str, str]:

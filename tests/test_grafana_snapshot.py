@@ -198,3 +198,25 @@ def test_cli_publish_then_export_gives_a_datasource_that_reads_it(world, tmp_pat
     assert con.execute("SELECT count(*) FROM job_steps").fetchone() == (STEPS,)
     refused(con, f"SELECT * FROM sqlite_scan('{world['lake']}/lake.sqlite', 'ducklake_data_file')")
     con.close()
+
+
+@pytest.mark.parametrize("cmd", ["export", "provision"])
+def test_cli_without_snapshot_dir_warns_that_panel_sql_reaches_the_lake(cmd, tmp_path, monkeypatch, capsys):
+    """`stepwatch grafana export/provision` without --snapshot-dir still write the lake datasource, and
+    say on stderr what it exposes and what to use instead; with --snapshot-dir they say nothing of it.
+    (provision: the argument checks pass, then it fails on the unreachable URL: no traffic leaves
+    127.0.0.1.)"""
+    from stepwatch.cli import main
+    monkeypatch.delenv("STEPWATCH_GRAFANA_SNAPSHOT_DIR", raising=False)
+    token = tmp_path / "token"
+    token.write_text("t")
+    args = {"export": ["grafana", "export", "--out", str(tmp_path / "out")],
+            "provision": ["grafana", "provision", "--url", "http://127.0.0.1:9", "--token-file", str(token),
+                          "--timeout", "1"]}[cmd]
+    main(args + ["--data-root", "/var/lib/stepwatch/data"])
+    err = capsys.readouterr().err
+    assert f"stepwatch grafana {cmd}: warning: without --snapshot-dir" in err
+    for what in ("sqlite_scan", "rewrite", "catalog", "stepwatch grafana publish", "--snapshot-dir"):
+        assert what in err
+    main(args + ["--snapshot-dir", "/var/lib/stepwatch/grafana/snapshot"])
+    assert "warning" not in capsys.readouterr().err

@@ -14,19 +14,18 @@ import pytest
 import yaml
 
 from helm_helpers import (AGENT_CPU_MILLICORES, AGENT_RSS_MB, CHART, FULL, MINIMAL, NAMESPACE, PG, PUBLIC_KEY,
-                          RELEASE, VALUE_SETS, container, containers, cpu_m, env, find, mem_mb, mounts, one,
+                          RELEASE, VALUE_SETS, container, containers, cpu_m, env, find, mem_mb, mounts, notes, one,
                           pod_spec, render, rendered, volumes, with_values, workloads)
 from stepwatch.dashboards import build, helmfiles
-from stepwatch.dashboards.export import DEFAULT_DATA_ROOT
+from stepwatch.dashboards.export import DEFAULT_SNAPSHOT_DIR
 
 
 # ------------------------------------------------------------------------------ generated Grafana files
 def test_chart_grafana_files_are_what_grafana_export_writes_now(tmp_path):
     from stepwatch.cli import main
-    assert main(["grafana", "export", "--out", str(tmp_path)]) == 0
+    assert main(["grafana", "export", "--out", str(tmp_path), "--snapshot-dir", DEFAULT_SNAPSHOT_DIR]) == 0
     exported = {p.name: p.read_text(encoding="utf-8") for p in tmp_path.iterdir()}
-    embedded = {p.name: p.read_text(encoding="utf-8") for p in (CHART / "files" / "grafana").iterdir()
-                if not p.name.startswith("datasources-postgres")}     # the chart's variants (helmfiles)
+    embedded = {p.name: p.read_text(encoding="utf-8") for p in (CHART / "files" / "grafana").iterdir()}
     assert embedded == exported, ("helm/stepwatch/files/grafana is stale: run "
                                   "python -m stepwatch.dashboards.helmfiles")
     assert helmfiles.stale(CHART) == []
@@ -48,32 +47,33 @@ def test_configmap_dashboards_equal_the_generator(name):
         assert o["metadata"]["namespace"] == VALUE_SETS[name].get("grafana", {}).get("namespace", NAMESPACE)
 
 
-@pytest.mark.parametrize("name", ["defaults", "ascend-profiling"])
-def test_configmap_datasource_is_the_export_for_grafanas_data_root(name):
-    data_root = VALUE_SETS[name].get("grafana", {}).get("dataRoot", DEFAULT_DATA_ROOT)
+def _snapshot_dir(values: dict) -> str:
+    return values.get("grafana", {}).get("snapshot", {}).get("mountPath", "/var/lib/stepwatch/grafana") + "/snapshot"
+
+
+@pytest.mark.parametrize("name", ["defaults", "nvidia-sasl", "ascend-profiling", "scale-out"])
+def test_configmap_datasource_reads_the_snapshot_and_nothing_of_the_lake(name):
+    """Issue 26: Grafana's datasource is the export for the publisher's snapshot (at the chart's path),
+    opened read-only with the snapshot's lockdown as initSql: no extension, no catalog, no lake path, no
+    lake credential, in every set-up (SQLite on the store volume; PostgreSQL with data on S3)."""
+    from stepwatch.dashboards.snapshot import datasource_path, lockdown_sql
+    v, snap = VALUE_SETS[name], _snapshot_dir(VALUE_SETS[name])
     cm = one(rendered(name), "ConfigMap", f"{FULL}-grafana-datasource")
     assert cm["metadata"]["labels"]["grafana_datasource"] == "1"
-    assert cm["data"] == {"stepwatch-datasource.yaml": helmfiles.expected_files(data_root)["datasources.yaml"]}
-    ds = yaml.safe_load(cm["data"]["stepwatch-datasource.yaml"])["datasources"][0]
-    assert f"ATTACH 'ducklake:sqlite:{data_root}/lake.sqlite' AS lake (DATA_PATH '{data_root}/lake/', READ_ONLY)" \
-        in ds["jsonData"]["initSql"]
-
-
-@pytest.mark.parametrize("name", ["scale-out", "nvidia-sasl"])
-def test_configmap_datasource_with_a_postgres_catalog_is_the_export_for_grafanas_view(name):
-    """The datasource Grafana gets for a PostgreSQL catalog: its connection (a read-only role in
-    scale-out), the data path as it sees it, the same lockdown, S3 keys from Grafana's environment."""
-    from stepwatch.dashboards.datasource import init_sql
-    v = VALUE_SETS[name]
-    conn = v["grafana"].get("lake", {}).get("connection") or v["store"]["lake"]["postgres"]["connection"]
-    data_path = v["store"]["lake"].get("dataPath") or v["grafana"].get("dataRoot", DEFAULT_DATA_ROOT) + "/lake"
-    cm = one(rendered(name), "ConfigMap", f"{FULL}-grafana-datasource")
-    ds = yaml.safe_load(cm["data"]["stepwatch-datasource.yaml"])["datasources"][0]
-    assert ds["jsonData"]["initSql"] == init_sql("/var/lib/stepwatch/data", catalog=f"postgres:{conn}",
-                                                 data_path=data_path)
-    assert "__STEPWATCH" not in cm["data"]["stepwatch-datasource.yaml"]
-    if data_path.startswith("s3://"):
-        assert "KEY_ID '${AWS_ACCESS_KEY_ID}'" in ds["jsonData"]["initSql"]
+    text = cm["data"]["stepwatch-datasource.yaml"]
+    assert cm["data"] == {"stepwatch-datasource.yaml": helmfiles.expected_files(snap)["datasources.yaml"]}
+    ds = yaml.safe_load(text)["datasources"][0]
+    assert ds["jsonData"] == {"path": datasource_path(snap), "initSql": lockdown_sql(snap)}
+    assert ds["jsonData"]["path"].endswith("?access_mode=READ_ONLY")
+    lake = v.get("store", {}).get("lake", {})
+    for word in ["ATTACH", "LOAD", "ducklake", "sqlite", "postgres", "httpfs", "SECRET", "AWS_", "s3://",
+                 "lake", "/var/lib/stepwatch/data", "password", "${"] + \
+            [x for x in (lake.get("dataPath"), lake.get("postgres", {}).get("connection")) if x]:
+        assert word not in json.dumps(ds), f"the datasource of {name} names {word!r}"
+    pub = one(rendered(name), "Deployment", f"{FULL}-grafana-publisher")
+    c = container(pub, "publish")
+    assert c["args"][c["args"].index("--snapshot-dir") + 1] == snap        # the path the datasource opens
+    assert mounts(c)[snap.rsplit("/", 1)[0]]["name"] == "snapshot"
 
 
 def test_alert_rules_configmap_is_opt_in_and_generated():
@@ -399,16 +399,67 @@ def test_defaults_store_and_compaction_on_one_node():
     assert [c["name"] for c in pod_spec(proc)["containers"]] == ["processor"]
 
 
-def test_grafana_provision_job_tells_grafana_where_a_postgres_lake_is():
+@pytest.mark.parametrize("name", ["defaults", "nvidia-sasl", "ascend-profiling", "scale-out"])
+def test_grafana_publisher_is_one_non_root_read_only_writer_with_the_processors_lake(name):
+    """The publisher: one replica (Recreate: one writer of the snapshot), non-root, read-only root
+    filesystem, no capability, resources set; it reaches the lake exactly as the processor does (same
+    lake environment, store volume and catalog password file), and its snapshot volume is the PVC
+    whose claim the NOTES tell Grafana to mount read-only at the same path."""
+    objs, v = rendered(name), VALUE_SETS[name]
+    pub = one(objs, "Deployment", f"{FULL}-grafana-publisher")
+    assert pub["spec"]["replicas"] == 1 and pub["spec"]["strategy"] == {"type": "Recreate"}
+    spec = pod_spec(pub)
+    assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] == 10001
+    assert spec["automountServiceAccountToken"] is False
+    [c] = spec["containers"]
+    assert not spec.get("initContainers")
+    sc = c["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]} and sc["privileged"] is False
+    assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
+    assert c["args"][:2] == ["grafana", "publish"]
+    proc = container(one(objs, "Deployment", f"{FULL}-processor"), "processor")
+    assert c.get("env", []) == [e for e in proc.get("env", []) if e["name"].startswith(("STEPWATCH_LAKE", "STEPWATCH_S3",
+                                                                                        "AWS_"))]
+    lake_mounts = {p: m for p, m in mounts(proc).items() if m["name"] in ("data", "lake-catalog-password")}
+    assert {p: m for p, m in mounts(c).items() if m["name"] != "snapshot" and p != "/tmp"} == lake_mounts
+    assert mounts(c)["/tmp"]["name"] == "tmp" and "emptyDir" in volumes(pub)["tmp"]
+    snap_claim = volumes(pub)["snapshot"]["persistentVolumeClaim"]["claimName"]
+    existing = v.get("grafana", {}).get("snapshot", {}).get("persistence", {}).get("existingClaim")
+    assert snap_claim == (existing or f"{FULL}-grafana-snapshot")
+    assert bool(find(objs, "PersistentVolumeClaim", f"{FULL}-grafana-snapshot")) is not bool(existing)
+    grafana_notes = notes(name)[notes(name).index("4. Grafana"):]
+    mount_path = _snapshot_dir(v).rsplit("/", 1)[0]
+    assert f"mountPath: {mount_path}, readOnly: true" in grafana_notes
+    if not existing:
+        assert f"existingClaim: {snap_claim}}}" in grafana_notes
+
+
+def test_no_lake_credential_reaches_a_grafana_object():
+    """Nothing the chart gives Grafana (its ConfigMaps, in Grafana's namespace) carries the lake's
+    connection, data path or a Secret of the lake; only the publisher (release namespace) has them."""
+    objs = rendered("scale-out")
+    lake = VALUE_SETS["scale-out"]["store"]["lake"]
+    for o in objs:
+        if o["metadata"].get("namespace") == "monitoring":
+            text = yaml.safe_dump(o)
+            for secret in (lake["postgres"]["connection"], lake["dataPath"], lake["postgres"]["passwordSecret"]["name"],
+                           lake["s3"]["credentialsSecret"]["name"]):
+                assert secret not in text, f"{o['kind']} {o['metadata']['name']} names {secret!r}"
+
+
+def test_grafana_provision_job_provisions_the_snapshot_datasource():
     objs, _ = render(with_values(**{"grafana.url": "http://grafana:3000",
                                     "grafana.tokenSecret": {"name": "grafana-sa", "key": "token"},
                                     "grafana.provisionJob": {"enabled": True},
-                                    "grafana.lake": {"connection": "host=pg dbname=lake user=ro"},
+                                    "grafana.snapshot": {"mountPath": "/srv/grafana-snap"},
                                     "store.lake": {**PG, "dataPath": "s3://bkt/p",
                                                    "s3": {"credentialsSecret": {"name": "s3"}}}}))
-    env = {e["name"]: e["value"] for e in container(one(objs, "Job", f"{FULL}-grafana-provision"), "provision")["env"]}
-    assert env == {"STEPWATCH_GRAFANA_LAKE_CATALOG": "postgres:host=pg dbname=lake user=ro",
-                   "STEPWATCH_GRAFANA_LAKE_DATA_PATH": "s3://bkt/p"}
+    c = container(one(objs, "Job", f"{FULL}-grafana-provision"), "provision")
+    assert c["args"][c["args"].index("--snapshot-dir") + 1] == "/srv/grafana-snap/snapshot"
+    assert "--data-root" not in c["args"] and not c.get("env")          # no lake for Grafana's datasource
+    ds = yaml.safe_load(one(objs, "ConfigMap", f"{FULL}-grafana-datasource")["data"]["stepwatch-datasource.yaml"])
+    assert ds["datasources"][0]["jsonData"]["path"].startswith("/srv/grafana-snap/snapshot/stepwatch.duckdb?")
 
 
 def test_grafana_provision_job_is_an_opt_in_post_install_hook():
@@ -422,7 +473,7 @@ def test_grafana_provision_job_is_an_opt_in_post_install_hook():
     c = container(job, "provision")
     assert c["args"][:2] == ["grafana", "provision"]
     assert c["args"][c["args"].index("--token-file") + 1] == "/etc/stepwatch/grafana/token"
-    assert c["args"][c["args"].index("--data-root") + 1] == DEFAULT_DATA_ROOT
+    assert c["args"][c["args"].index("--snapshot-dir") + 1] == DEFAULT_SNAPSHOT_DIR
     assert volumes(job)["grafana-token"]["secret"]["secretName"] == "grafana-sa"
     assert [o["metadata"]["name"] for o in objs if o["kind"] == "ConfigMap"] == [f"{FULL}-processor-config"]
     assert "grafana-provision Job provisions" in text

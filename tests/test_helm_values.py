@@ -40,7 +40,8 @@ BAD_VALUES = [
     (with_values(**{"compaction.mode": "daily"}), "at '/compaction/mode'"),
     (with_values(**{"profiling.traceDir.hostPath": "traces"}), "at '/profiling/traceDir/hostPath'"),
     (with_values(**{"profiling.maxSteps": 0}), "at '/profiling/maxSteps': minimum: got 0, want 1"),
-    (with_values(**{"grafana.dataRoot": "data"}), "at '/grafana/dataRoot'"),
+    (with_values(**{"grafana.snapshot.mountPath": "grafana"}), "at '/grafana/snapshot/mountPath'"),
+    (with_values(**{"grafana.snapshot.mountPath": "/var/lib/it's"}), "at '/grafana/snapshot/mountPath'"),
     (with_values(**{"kafka.topics.partitionsByTopic": {"stepz": 3}}),
      "at '/kafka/topics/partitionsByTopic': additional properties 'stepz' not allowed"),
     (with_values(**{"alertmanager.urls": ["alertmanager:9093"]}), "at '/alertmanager/urls/0'"),
@@ -84,6 +85,13 @@ BAD_COMBINATIONS = [
     ({"profiling.hmacKeySecret": {"name": "k", "key": "hmac-key"}}, "profiling.hmacKeySecret was removed"),
     ({"processor.grafanaAnnotations": True}, "processor.grafanaAnnotations needs grafana.url"),
     ({"grafana.provisionJob": {"enabled": True}}, "grafana.provisionJob.enabled needs grafana.url"),
+    # issue 26: the lake datasource is gone from the chart; its old values fail with the reason
+    ({"grafana.dataRoot": "/var/lib/stepwatch/data"}, "grafana.dataRoot was removed: Grafana no longer attaches the lake"),
+    ({"grafana.lake": {"connection": "host=pg user=ro"}}, "grafana.lake was removed: Grafana no longer attaches the lake"),
+    ({"grafana.snapshot.enabled": False}, "grafana.datasource.enabled and grafana.provisionJob.enabled need "
+                                          "grafana.snapshot.enabled"),
+    ({"store.persistence.enabled": False, "compaction.mode": "sidecar"},
+     "grafana.snapshot.enabled needs store.persistence.enabled"),
     ({"agent.nodeGroups": {"nvidia": {"enabled": False}, "ascend": {"enabled": False}}},
      "no agent.nodeGroups entry is enabled"),
     ({"alertmanager.credentialsSecret": {"name": "am", "key": "credentials"}},

@@ -62,6 +62,15 @@ app.kubernetes.io/part-of: stepwatch
 {{- default .Release.Namespace .Values.grafana.namespace -}}
 {{- end -}}
 
+{{/* the Grafana snapshot: the folder the publisher writes and the datasource opens (same path in both pods) */}}
+{{- define "stepwatch.snapshotDir" -}}
+{{- printf "%s/snapshot" .Values.grafana.snapshot.mountPath -}}
+{{- end -}}
+
+{{- define "stepwatch.snapshotPvcName" -}}
+{{- default (printf "%s-grafana-snapshot" (include "stepwatch.fullname" .)) .Values.grafana.snapshot.persistence.existingClaim -}}
+{{- end -}}
+
 {{- define "stepwatch.pvcName" -}}
 {{- default (printf "%s-data" (include "stepwatch.fullname" .)) .Values.store.persistence.existingClaim -}}
 {{- end -}}
@@ -386,6 +395,17 @@ capabilities:
 {{- end -}}
 {{- if and $v.grafana.provisionJob.enabled (or (not $v.grafana.url) (not $v.grafana.tokenSecret.name)) -}}
 {{- fail "grafana.provisionJob.enabled needs grafana.url and grafana.tokenSecret.name (an existing Secret with a Grafana service-account token; Editor for dashboards and rules, Admin for the datasource)" -}}
+{{- end -}}
+{{- range $k := list "dataRoot" "lake" -}}
+{{- if hasKey $v.grafana $k -}}
+{{- fail (printf "grafana.%s was removed: Grafana no longer attaches the lake (with the catalog's extension loaded, a panel's SQL could read any file Grafana can read and rewrite the catalog). The chart's publisher copies the views into a read-only snapshot that Grafana mounts at grafana.snapshot.mountPath (docs/helm.md, section 4): drop grafana.%s and mount that volume in Grafana" $k $k) -}}
+{{- end -}}
+{{- end -}}
+{{- if and (or $v.grafana.datasource.enabled $v.grafana.provisionJob.enabled) (not $v.grafana.snapshot.enabled) -}}
+{{- fail "grafana.datasource.enabled and grafana.provisionJob.enabled need grafana.snapshot.enabled: the DuckDB datasource reads the snapshot the publisher writes (it never attaches the lake)" -}}
+{{- end -}}
+{{- if and $v.grafana.snapshot.enabled (not $v.store.persistence.enabled) (include "stepwatch.lakeVolume" .) -}}
+{{- fail "grafana.snapshot.enabled needs store.persistence.enabled (the publisher cannot reach the processor's emptyDir): enable persistence, or grafana.snapshot.enabled=false with grafana.datasource.enabled=false" -}}
 {{- end -}}
 {{- if and $v.alertmanager.credentialsSecret.name (not $v.alertmanager.urls) -}}
 {{- fail "alertmanager.credentialsSecret.name is set but alertmanager.urls is empty: list the Alertmanager URL(s) the processor posts alerts to" -}}
