@@ -111,7 +111,7 @@ class Identity:
         h = self.hello
         row = {"job": self.job, "rank": self.rank, "node": self.node, "world_size": self.world_size,
                "framework": h.get("framework"), "agent_version": f"stepwatch-{__version__}"}
-        for k in ("device", "device_type", "dtype"):
+        for k in ("device", "device_type", "dtype", "flops_source"):
             if isinstance(h.get(k), str):
                 row[k] = h[k]
         for k in ("dp", "tp", "pp", "ep", "cp"):

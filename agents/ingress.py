@@ -237,6 +237,8 @@ def check_hello(hello: dict, limits: IngressLimits) -> dict:
         v = out.get(k)
         if v is not None and not (isinstance(v, str) and len(v) <= MAX_STR):
             out.pop(k)
+    if out.get("flops_source") not in (None, "user", "counted", "analytic"):
+        out.pop("flops_source")                       # (only these three: agents/probe/flops.py)
     gs = out.get("group_sizes")
     if gs is not None:
         if isinstance(gs, dict) and len(gs) <= MAX_NAMES:

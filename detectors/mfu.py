@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from stepwatch.agents.probe.collectives import peak_tflops
+from stepwatch.agents.probe.collectives import norm_dtype, peak_tflops
 
 from .base import Alert, Detector, JobContext, StepBlock
 from .causes import nanmedian
@@ -42,18 +42,25 @@ def load_peak_table(src) -> dict[str, float]:
     return {str(k).lower(): float(v) for k, v in d.items()}
 
 
-def model_flops_per_token(info: dict) -> tuple[float | None, str]:
-    """Whole-model training FLOPs per token: ``model_flops_per_token`` from the topology, else
-    6 x parameters (dense transformer, forward + backward) with parameters = the ranks' mean
-    ``model_params`` (each rank's share) x tp x pp."""
+def model_flops_per_token(info: dict) -> tuple[float | None, str | None]:
+    """(whole-model training FLOPs per token, its source): ``model_flops_per_token`` from the topology
+    with the probe's ``flops_source`` (``user``, ``counted`` or ``analytic``: agents/probe/flops.py; a
+    figure without a source was given by the user), else 6 x parameters (``params``: dense transformer,
+    forward + backward, no attention term) with parameters = the ranks' mean ``model_params`` (each
+    rank's share) x tp x pp; (None, None) without either."""
     f = info.get("model_flops_per_token")
     if f and f > 0:
-        return float(f), "model_flops_per_token"
+        return float(f), _source(info)
     p = info.get("model_params")
     if p and p > 0:
         n = float(p) * int(info.get("tp_size") or 1) * int(info.get("pp_size") or 1)
-        return 6.0 * n, f"6 x {n:.3g} params"
-    return None, "unknown"
+        return 6.0 * n, "params"
+    return None, None
+
+
+def _source(info: dict) -> str:
+    s = info.get("flops_source")
+    return s if s in ("user", "counted", "analytic") else "user"
 
 
 
@@ -66,9 +73,12 @@ class Mfu(Detector):
     global ``tokens`` = sum of the ranks' tokens / (tp x pp) (every rank of a tensor- or pipeline-parallel
     group reports the tokens of the micro-batches it works on; context-parallel ranks are taken to report
     their own shard of the sequence); ``model_flops`` = FLOPs per token x global tokens, FLOPs per token
-    from the topology's ``model_flops_per_token`` or 6 x parameters (dense transformers; parameters =
+    from the topology's ``model_flops_per_token`` (the user's, counted with ``FlopCounterMode`` or the
+    analytic ``6N + 12 L H Q T``: agents/probe/flops.py) or 6 x parameters (dense transformers; parameters =
     mean of the ranks' ``model_params`` x tp x pp; FSDP/ZeRO-3 jobs count only a shard per rank and must
-    give ``model_flops_per_token``); without tokens, ``model_flops_per_sample`` x global samples.
+    give ``model_flops_per_token``); without tokens, ``model_flops_per_sample`` x global samples. The
+    row's ``flops_source`` says which (``user``, ``counted``, ``analytic``, ``params``) and ``dtype`` whose
+    peak was used.
     ``mfu = model_flops / (step_ms/1000 x devices x peak)`` with the device peak from
     :func:`peak_tflops` (``device_type``, ``dtype`` of the topology; override with ``peak_tflops``, a
     number or a JSON/YAML table, or the ``STEPWATCH_PEAK_TFLOPS`` environment variable).
@@ -131,8 +141,9 @@ class Mfu(Detector):
         S = len(block)
         info = ctx.info or {}
         rep = max(int(info.get("tp_size") or 1) * int(info.get("pp_size") or 1), 1)
-        fpt, _ = model_flops_per_token(info)
+        fpt, src = model_flops_per_token(info)
         flops = np.full(S, np.nan)
+        source = np.full(S, src, dtype=object)
         tokens = samples = np.full(S, np.nan)
         devices = np.sum(np.isfinite(block.step_ms), axis=1).astype(np.int64)
         if block.tokens is not None:
@@ -146,17 +157,20 @@ class Mfu(Detector):
             if fps and fps > 0:
                 use = ~np.isfinite(flops)
                 flops = np.where(use, fps * samples, flops)
+                source = np.where(use, _source(info), source)
                 if block.tokens is None:
                     devices = np.where(block.samples_ranks > 0, block.samples_ranks, devices)
         peak, self.peak_source = peak_tflops(info.get("device_type"), info.get("dtype"), self.table)
-        return tokens, samples, flops, devices, peak
+        source = np.where(np.isfinite(flops), source, None)
+        return tokens, samples, flops, devices, peak, source
 
     def update(self, ctx: JobContext, block: StepBlock) -> list[Alert]:
         S = len(block)
         if S == 0 or block.step_ms.ndim != 2 or block.step_ms.shape[1] == 0:
             return []
         med = nanmedian(block.step_ms, axis=1)
-        tokens, samples, flops, devices, peak = self._per_step(ctx, block)
+        tokens, samples, flops, devices, peak, source = self._per_step(ctx, block)
+        dt = norm_dtype((ctx.info or {}).get("dtype"))
         with np.errstate(invalid="ignore", divide="ignore"):
             mfu = flops / (med / 1e3 * np.maximum(devices, 1) * (peak or np.nan) * 1e12)
         wall = np.empty(S)
@@ -194,6 +208,8 @@ class Mfu(Detector):
                 "tokens": tokens[ok], "samples": samples[ok], "model_flops": flops[ok],
                 "peak_tflops": np.full(int(ok.sum()), np.nan if peak is None else float(peak)),
                 "mfu": mfu[ok], "data_queue_p50": q50[ok], "data_queue_empty": qempty[ok],
+                "flops_source": pa.array(source[ok].tolist(), pa.string()),
+                "dtype": pa.array([dt] * int(ok.sum()), pa.string()),
             }), self.max_pending)
         for s in np.flatnonzero(np.isfinite(mfu)):
             i = int(block.steps[s]) % len(self._mfu)
@@ -220,6 +236,7 @@ class Mfu(Detector):
             sb, sa = ev.get("segment_before"), ev.get("segment_after")
             mb, ma = self._mfu_between(*sb) if sb else None, self._mfu_between(*sa) if sa else None
             ev.update({"mfu_before": mb, "mfu_after": ma, "peak": self.peak_source,
+                       "flops_source": model_flops_per_token(ctx.info or {})[1],
                        "step_time_scaled_by_work": True})
             what = (f"MFU fell from {100 * mb:.1f}% to {100 * ma:.1f}%" if mb is not None and ma is not None
                     else "MFU fell")

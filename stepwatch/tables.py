@@ -62,6 +62,8 @@ TOPOLOGY = pa.schema([
     pa.field("model_flops_per_token", F64),
     pa.field("model_params", pa.int64()),
     pa.field("model_flops_per_sample", F64),
+    # where the FLOPs per token (sample) came from: user | counted | analytic (agents/probe/flops.py)
+    pa.field("flops_source", pa.string()),
 ])
 
 TOP_PROC = pa.struct([("pid", pa.int64()), ("name", pa.string()), ("cpu_pct", F64)])
@@ -218,6 +220,8 @@ EFFICIENCY = pa.schema([
     pa.field("mfu", F64),                   # model_flops / (step_ms * devices * peak), 0..1
     pa.field("data_queue_p50", F64),        # median DataLoader ready batches over the ranks
     pa.field("data_queue_empty", F64),      # share of reporting ranks whose queue was empty
+    pa.field("flops_source", pa.string()),  # model_flops from: user | counted | analytic | params
+    pa.field("dtype", pa.string()),         # the dtype whose peak was used (bf16, fp8, tf32, ...)
 ])
 
 #: Written by the processor: per job, analysis window (``step_lo..step_hi``), collective kind and group,

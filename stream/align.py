@@ -23,7 +23,7 @@ from stepwatch.detectors.base import JobContext, StepBlock
 FIELDS = ("step_ms", "data_ms", "compute_ms", "comm_ms", "comm_wait_ms", "gc_ms")
 COUNTS = ("tokens", "samples")
 CPU = ("cpu_ms", "cpu_wait_ms")           # optional: float32 planes made when first reported
-INFO = ("device_type", "dtype", "model_flops_per_token", "model_flops_per_sample")
+INFO = ("device_type", "dtype", "model_flops_per_token", "model_flops_per_sample", "flops_source")
 COORDS = ("dp", "tp", "cp", "ep")
 
 

@@ -63,6 +63,7 @@ from .eventlog import (  # noqa: F401
     FAST, K_BEGIN, K_BUCKET, K_COLL, K_COUNT, K_DATA, K_DCOLL, K_END, K_GC, K_MARK, K_OPT_POST, K_PHASE,
     KIND_PHASES, LOG_CAP, _fast, _nbytes, _perf, _py_coll_wrap, _py_data_wrap, _PyLog, _queue_depth, _wall,
 )
+from .flops import analytic_flops_per_token  # noqa: F401
 from .hooks import _TorchImportHook  # noqa: F401
 from .timing import MAX_DEV_CALLS, _ThreadCpu  # noqa: F401
 from .transport import HELLO_EVERY_NS, _new_instance  # noqa: F401
@@ -73,8 +74,9 @@ from .wire import (  # noqa: F401
 )
 
 __all__ = ["Probe", "init", "step", "begin_step", "end_step", "phase", "add_phase", "count", "stats", "flush",
-           "shutdown", "get", "auto_install", "mark_step_kind", "mark_change", "decode", "BadDatagram", "default_socket_dir",
-           "transfer_ms"]
+           "shutdown", "get", "auto_install", "mark_step_kind", "mark_change", "decode", "BadDatagram",
+           "default_socket_dir", "transfer_ms", "count_flops", "set_flops_per_token", "set_model_shape",
+           "analytic_flops_per_token"]
 
 _probe = Probe()
 
@@ -120,6 +122,21 @@ def mark_change(what: str) -> None:
     """Announce a change of the job's own from the step in progress on (new baselines); see
     :meth:`Probe.mark_change`."""
     _probe.mark_change(what)
+
+
+def count_flops(step_fn, *args, tokens: int | None = None, samples: int | None = None, **kwargs):
+    """Count one training step's FLOPs (``FlopCounterMode``) for MFU; see :meth:`Probe.count_flops`."""
+    return _probe.count_flops(step_fn, *args, tokens=tokens, samples=samples, **kwargs)
+
+
+def set_flops_per_token(flops: float, *, per: str = "token") -> None:
+    """The user's FLOPs per token (sample) for MFU: wins over a count and a shape."""
+    _probe.set_flops_per_token(flops, per=per)
+
+
+def set_model_shape(**kw) -> float:
+    """The analytic FLOPs per token ``6N + 12 L H Q T``; see :meth:`Probe.set_model_shape`."""
+    return _probe.set_model_shape(**kw)
 
 
 def flush() -> None:

@@ -77,21 +77,42 @@ def transfer_ms(op: str, nbytes: int, group_size: int, gbps: float) -> float:
 
 # --------------------------------------------------------------------------- device peaks
 
-#: Dense peak TFLOPS per device, by (family, dtype). Sources: NVIDIA H100 SXM5 datasheet (bf16/fp16 989,
-#: fp8 1,979, tf32 495, fp32 67; H200 has the same compute), A100 SXM datasheet (bf16/fp16 312, tf32 156,
-#: fp32 19.5), B200 HGX datasheet (bf16 2,250, fp8 4,500, dense); Huawei Ascend 910B (910B3 SKU, the common
-#: training part: ~313 fp16/bf16; 910B1/B2 are higher — override), Ascend 910C (two 910B-class dies, ~780
-#: bf16, as reported); Google Cloud TPU docs: v5e 197 bf16, v5p 459 bf16, v6e (Trillium) 918 bf16, v7x
-#: (Ironwood) 2,307 bf16 / 4,614 fp8. ``cpu`` is a nominal 1 TFLOPS so CPU test jobs get a value; it is
-#: not a measurement of anything.
+#: Dense peak TFLOPS per device, by (family, dtype): the vendors' datasheets, dense (without 2:4 sparsity:
+#: half the "with sparsity" figures NVIDIA prints):
+#:
+#: - NVIDIA H100 Tensor Core GPU datasheet (2023): H100 SXM bf16/fp16 989, fp8 1,979, tf32 495 (494.5), fp32 67;
+#:   H100 PCIe bf16/fp16 756, fp8 1,513, tf32 378, fp32 51; H100 NVL bf16/fp16 835, fp8 1,671, tf32 418, fp32 60.
+#: - NVIDIA H200 Tensor Core GPU datasheet (2024): H200 SXM the H100 SXM's compute (989 / 1,979 / 495 / 67);
+#:   H200 NVL (PCIe card) 835 / 1,671 / 418 / 60.
+#: - NVIDIA A100 Tensor Core GPU datasheet: SXM and PCIe bf16/fp16 312, tf32 156, fp32 19.5 (no fp8).
+#: - NVIDIA HGX B200 (per GPU, dense): bf16/fp16 2,250, fp8 4,500, tf32 1,100, fp32 75.
+#: - AMD Instinct MI300X datasheet: bf16/fp16 1,307.4, fp8 2,614.9, tf32 653.7, fp32 163.4 (MI325X: the same
+#:   compute).
+#: - Huawei Ascend 910B (910B3 SKU, the common training part: ~313 fp16/bf16; 910B1/B2 are higher —
+#:   override); Ascend 910C (two 910B-class dies, ~780 bf16, as reported; no public datasheet).
+#: - Google Cloud TPU documentation: v5e 197 bf16, v5p 459 bf16, v6e (Trillium) 918 bf16, v7x (Ironwood)
+#:   2,307 bf16 / 4,614 fp8.
+#: - ``cpu`` is a nominal 1 TFLOPS so CPU test jobs get a value; it is not a measurement of anything.
+#:
+#: The dtype is the topology's ``dtype``: the user's, else the one the probe saw the model's matrix products
+#: run in (autocast's or the parameters': agents/probe/flops.py), else bf16. Override with the ``mfu``
+#: detector's ``peak_tflops`` setting (``family/dtype``, ``family`` or ``*`` -> TFLOPS).
 PEAK_TFLOPS: dict[tuple[str, str], float] = {
     ("h100", "bf16"): 989.0, ("h100", "fp16"): 989.0, ("h100", "fp8"): 1979.0, ("h100", "tf32"): 495.0,
     ("h100", "fp32"): 67.0,
+    ("h100pcie", "bf16"): 756.0, ("h100pcie", "fp16"): 756.0, ("h100pcie", "fp8"): 1513.0,
+    ("h100pcie", "tf32"): 378.0, ("h100pcie", "fp32"): 51.0,
+    ("h100nvl", "bf16"): 835.0, ("h100nvl", "fp16"): 835.0, ("h100nvl", "fp8"): 1671.0, ("h100nvl", "tf32"): 418.0,
+    ("h100nvl", "fp32"): 60.0,
     ("h200", "bf16"): 989.0, ("h200", "fp16"): 989.0, ("h200", "fp8"): 1979.0, ("h200", "tf32"): 495.0,
     ("h200", "fp32"): 67.0,
+    ("h200nvl", "bf16"): 835.0, ("h200nvl", "fp16"): 835.0, ("h200nvl", "fp8"): 1671.0, ("h200nvl", "tf32"): 418.0,
+    ("h200nvl", "fp32"): 60.0,
     ("b200", "bf16"): 2250.0, ("b200", "fp16"): 2250.0, ("b200", "fp8"): 4500.0, ("b200", "tf32"): 1100.0,
     ("b200", "fp32"): 75.0,
     ("a100", "bf16"): 312.0, ("a100", "fp16"): 312.0, ("a100", "tf32"): 156.0, ("a100", "fp32"): 19.5,
+    ("mi300x", "bf16"): 1307.4, ("mi300x", "fp16"): 1307.4, ("mi300x", "fp8"): 2614.9, ("mi300x", "tf32"): 653.7,
+    ("mi300x", "fp32"): 163.4,
     ("ascend910b", "bf16"): 313.0, ("ascend910b", "fp16"): 313.0, ("ascend910b", "fp32"): 78.0,
     ("ascend910c", "bf16"): 780.0, ("ascend910c", "fp16"): 780.0,
     ("tpu-v5e", "bf16"): 197.0, ("tpu-v5p", "bf16"): 459.0, ("tpu-v6e", "bf16"): 918.0,
@@ -100,11 +121,11 @@ PEAK_TFLOPS: dict[tuple[str, str], float] = {
 }
 
 #: substrings of a lower-cased, space/dash-free ``device_type`` -> family, first match wins
-_FAMILY_PATTERNS = (("h200", "h200"), ("h100", "h100"), ("h800", "h100"), ("gh200", "h200"), ("b200", "b200"),
+_FAMILY_PATTERNS = (("h100pcie", "h100pcie"), ("h100nvl", "h100nvl"), ("h200nvl", "h200nvl"), ("h200", "h200"), ("h100", "h100"), ("h800", "h100"), ("gh200", "h200"), ("b200", "b200"),
                     ("a100", "a100"), ("a800", "a100"), ("910c", "ascend910c"), ("910b", "ascend910b"),
                     ("ascend910", "ascend910b"), ("v7x", "tpu-v7x"), ("ironwood", "tpu-v7x"),
                     ("v6e", "tpu-v6e"), ("trillium", "tpu-v6e"), ("v5p", "tpu-v5p"), ("v5e", "tpu-v5e"),
-                    ("v5litepod", "tpu-v5e"), ("cpu", "cpu"))
+                    ("v5litepod", "tpu-v5e"), ("mi300x", "mi300x"), ("mi325x", "mi300x"), ("cpu", "cpu"))
 _DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16", "fp16": "fp16", "float16": "fp16",
            "half": "fp16", "torch.float16": "fp16", "fp32": "fp32", "float32": "fp32", "float": "fp32",
            "torch.float32": "fp32", "tf32": "tf32", "fp8": "fp8", "float8": "fp8", "e4m3": "fp8", "e5m2": "fp8"}

@@ -14,6 +14,7 @@ import threading
 from . import eventlog as _ev
 from .collectives import DEFAULT_COMM_GBPS
 from .exitwatch import ExitWatch
+from .flops import Flops
 from .eventlog import K_BEGIN, K_COUNT, K_END, K_MARK, K_PHASE, KIND_PHASES, LOG_CAP, _PyLog, _perf, _wall
 from .hooks import Hooks, _TorchImportHook
 from .replay import Replay
@@ -71,7 +72,7 @@ class _StepCtx:
 _SLOT_DATA, _SLOT_COMPUTE = 0, 1
 
 
-class Probe(Hooks, Replay, Transport, DeviceTiming):
+class Probe(Hooks, Replay, Transport, DeviceTiming, Flops):
     """One per process (the module-level functions use a singleton). Lifecycle: ``init`` ->
     steps -> ``shutdown`` (also at interpreter exit)."""
 
@@ -213,7 +214,8 @@ class Probe(Hooks, Replay, Transport, DeviceTiming):
         ``LOCAL_RANK`` (else from ``torch.distributed`` at the first step, else 0/1), ``node`` from
         ``STEPWATCH_NODE`` (else the agent's node name). ``topology`` may hold ``dp, tp, pp, ep, cp,
         device, device_type, dtype, model_flops_per_token, model_params`` (also read from ``STEPWATCH_DP``
-        ...; ``model_params`` is otherwise counted from the primary optimizer at its first step).
+        ...; ``model_params`` is otherwise counted from the primary optimizer at its first step; FLOPs by
+        count or shape, and the dtype seen: ``flops.py``).
         ``comm_gbps`` (``STEPWATCH_COMM_GBPS``, default 25) is the link bandwidth of the transfer
         estimate; ``gc_row_min_ms`` (``STEPWATCH_GC_ROW_MIN_MS``, default 0) the shortest collection
         sent as a ``gc`` row (every collection is counted in the step either way); ``flush_ms``
@@ -238,6 +240,8 @@ class Probe(Hooks, Replay, Transport, DeviceTiming):
                 if v is not None:
                     extra[k] = (float(v) if k == "model_flops_per_token" else int(float(v)) if k == "model_params"
                                 else str(v))
+            if "model_flops_per_token" in extra:
+                extra["flops_source"] = "user"          # (see flops.py: the user's figure wins)
             if topology:
                 raise TypeError(f"probe.init: unknown argument(s) {', '.join(sorted(topology))}")
             self.extra = extra

@@ -465,6 +465,7 @@ class Simulation(SimTables):
             pa.array(np.full(R, 6.0 * _PARAMS)),
             pa.array(np.full(R, int(_PARAMS / (self.tp * self.pp)), np.int64)),
             pa.nulls(R, pa.float64()),
+            const("user"),                                   # flops_source: the figure above is given
         ]
         return pa.Table.from_arrays(cols, schema=TOPOLOGY)
 
