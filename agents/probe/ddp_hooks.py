@@ -84,7 +84,12 @@ class BucketTimer:
         if self.pending == 1:
             self.pending_t0 = t0
         if self.user is not None:
-            fut = self.user(self.user_state, bucket)
+            log = probe._log
+            outer, log.in_coll = log.in_coll, 1      # its collectives are the bucket's: timed once, as the bucket
+            try:
+                fut = self.user(self.user_state, bucket)
+            finally:
+                log.in_coll = outer
             unwrap = False
         else:                                   # what DDP's built-in reduction does
             tensor.div_(self.size)

@@ -5,6 +5,7 @@ program has imported it (:class:`_TorchImportHook`). :class:`Hooks` is a part of
 """
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 
@@ -13,6 +14,47 @@ from .collectives import COLLECTIVES, traffic_factor
 from .flops import watch_dtype_once
 from .eventlog import K_COLL, K_GC, K_MARK, K_PHASE, _nbytes, _perf, _py_coll_wrap, _py_data_wrap, _queue_depth
 from .wire import MAX_COMM
+
+
+# The functional collectives (torch.distributed._functional_collectives) timed, and the op each is
+# recorded as: the same ops as the torch.distributed calls they stand for.
+FUNCTIONAL = {"all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce_coalesced",
+              "all_gather_tensor": "all_gather_into_tensor", "all_gather_single": "all_gather_single",
+              "reduce_scatter_tensor": "reduce_scatter_tensor", "reduce_scatter_single": "reduce_scatter_single",
+              "all_to_all_single": "all_to_all_single", "broadcast": "broadcast"}
+
+
+def _default_group(dist):
+    """The default process group, or None before ``init_process_group``."""
+    try:
+        return dist.distributed_c10d._get_default_group()
+    except Exception:  # noqa: BLE001 - not initialized
+        return None
+
+
+def _is_compiling():
+    """``torch.compiler.is_compiling`` (True while dynamo traces: it folds it to a constant), or a
+    function returning False on a torch without it."""
+    try:
+        from torch.compiler import is_compiling
+        return is_compiling
+    except ImportError:
+        return lambda: False
+
+
+def _traceable(fn, timed, is_compiling):
+    """The function installed in place of the collective ``fn``: ``timed`` (the C or Python timing
+    wrapper) in eager code; ``fn`` itself while ``torch.compile`` traces, so that dynamo, which inlines
+    this function, sees the original collective and rewrites it to a functional collective in the graph
+    as it does without the probe (no graph break). The compiled graph's collectives are not timed."""
+    def collective(*args, **kwargs):
+        if is_compiling():
+            return fn(*args, **kwargs)
+        return timed(*args, **kwargs)
+
+    functools.update_wrapper(collective, fn)          # (name, doc, signature; __wrapped__: the original)
+    collective._stepwatch = True
+    return collective
 
 
 class _TorchImportHook:
@@ -190,8 +232,8 @@ class Hooks:
                 size = dist.get_world_size(group) if group is not None else dist.get_world_size()
             except Exception:  # noqa: BLE001
                 size = 1
-            if group is None:
-                name = "world"
+            if group is None or group is _default_group(dist):
+                name = "world"          # one name for the default group, whoever passes it (None, FSDP2's pg)
             else:
                 name = getattr(group, "group_desc", None) or getattr(group, "group_name", None) or f"pg{len(self._groups)}"
                 if name in ("default_pg", "undefined"):
@@ -263,15 +305,80 @@ class Hooks:
         w.__doc__ = getattr(fn, "__doc__", None)
         return w
 
+    def _wrap_functional(self, dist, funcol, name: str, op: str, fn):
+        """A wrapper timing the functional collective ``funcol.<name>`` (DTensor's redistributions,
+        ``clip_grad_norm_`` on FSDP2's sharded parameters, tensor-parallel code): the launch, as op ``op``
+        on its process group, with 0 wait (its result is an ``AsyncCollectiveTensor``: the wait is timed in
+        ``funcol.wait_tensor``, as ``Work.wait()``). The group (a process group, its name, a
+        ``(DeviceMesh, dim)``, ranks) is resolved to its name, as the collective resolves it."""
+        import inspect
+        try:
+            params = list(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            return None
+        g_idx = params.index("group") if "group" in params else -1
+        t_idx = params.index("tag") if "tag" in params else -1
+        log, probe_, op_id = self._log, self, self._intern(op)
+        resolve_name = getattr(funcol, "_resolve_group_name", None)
+        resolve_pg = getattr(dist.distributed_c10d, "_resolve_process_group", None)
+        if g_idx < 0 or resolve_name is None or resolve_pg is None:
+            return None
+        slots: dict[str, int] = {}          # group name -> accumulator slot
+
+        def timed(*args, **kwargs):
+            if log.in_coll:                 # inside a timed collective: the outer one counts
+                return fn(*args, **kwargs)
+            log.in_coll = 1
+            t0 = log.coll_t0 = _perf()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                t1 = _perf()
+                log.in_coll = 0
+                try:
+                    n = len(args)
+                    group = args[g_idx] if g_idx < n else kwargs.get("group")
+                    tag = args[t_idx] if 0 <= t_idx < n else kwargs.get("tag", "")
+                    gname = str(resolve_name(group, tag))
+                    s = slots.get(gname)
+                    if s is None:
+                        grp_id, size = probe_._group(dist, resolve_pg(gname))
+                        s = slots[gname] = probe_._comm_slot_for(op, op_id, grp_id, size)
+                    if s < 0:
+                        log.comm_keys_dropped += 1
+                    else:
+                        x = args[0] if n else kwargs.get("self")
+                        log.add(K_COLL, s, t0, t1, _nbytes(x), 0.0)
+                except Exception:  # noqa: BLE001 - telemetry never fails a collective
+                    pass
+
+        return timed
+
     def _patch_distributed(self, dist) -> None:
+        is_compiling = _is_compiling()
         for name in COLLECTIVES:
             fn = getattr(dist, name, None)
             if fn is None or getattr(fn, "_stepwatch", False):
                 continue
             w = self._wrap_collective(dist, name, fn)
             if w is not None:
-                w._stepwatch = True
+                w = _traceable(fn, w, is_compiling)
                 self._patch(dist, name, w)
+        try:
+            import torch.distributed._functional_collectives as funcol
+        except Exception:  # noqa: BLE001 - no functional collectives in this build
+            funcol = None
+        if funcol is not None:
+            for name, op in FUNCTIONAL.items():
+                fn = getattr(funcol, name, None)
+                if fn is None or getattr(fn, "_stepwatch", False):
+                    continue
+                w = self._wrap_functional(dist, funcol, name, op, fn)
+                if w is not None:
+                    self._patch(funcol, name, _traceable(fn, w, is_compiling))
+            wt = getattr(funcol, "wait_tensor", None)
+            if wt is not None and not getattr(wt, "_stepwatch", False):
+                self._patch(funcol, "wait_tensor", _traceable(wt, self._timed_wait(wt), is_compiling))
         dpg = getattr(dist, "destroy_process_group", None)
         if dpg is not None and not getattr(dpg, "_stepwatch", False):
             probe_ = self
@@ -285,24 +392,29 @@ class Hooks:
             self._patch(dist, "destroy_process_group", destroy_process_group)
         work = getattr(dist, "Work", None)
         if work is not None and hasattr(work, "wait"):
-            orig_wait = work.wait
-            log = self._log
-            slot = self._comm_slot_for("wait", self._intern("wait"), self._intern("async"), 1)
-            self._wait_slot = slot
-
-            def wait(w, *args, **kwargs):
-                if log.in_coll or slot < 0:
-                    return orig_wait(w, *args, **kwargs)
-                log.in_coll = 1
-                t0 = _perf()
-                try:
-                    return orig_wait(w, *args, **kwargs)
-                finally:
-                    t1 = _perf()
-                    log.in_coll = 0
-                    log.add(K_COLL, slot, t0, t1, 0, float(t1 - t0))     # all of it is waiting
-
             try:
-                self._patch(work, "wait", wait)
+                self._patch(work, "wait", self._timed_wait(work.wait))
             except (TypeError, AttributeError):
                 pass
+
+    def _timed_wait(self, orig_wait):
+        """``Work.wait()`` or ``funcol.wait_tensor``, timed as op ``wait``, group ``async``: all of it is
+        waiting."""
+        log = self._log
+        slot = self._comm_slot_for("wait", self._intern("wait"), self._intern("async"), 1)
+        self._wait_slot = slot
+
+        def wait(*args, **kwargs):
+            if log.in_coll or slot < 0:
+                return orig_wait(*args, **kwargs)
+            log.in_coll = 1
+            t0 = _perf()
+            try:
+                return orig_wait(*args, **kwargs)
+            finally:
+                t1 = _perf()
+                log.in_coll = 0
+                log.add(K_COLL, slot, t0, t1, 0, float(t1 - t0))     # all of it is waiting
+
+        wait.__wrapped__ = orig_wait
+        return wait
