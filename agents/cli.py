@@ -1,4 +1,4 @@
-"""Subcommands of the agents package: ``stepwatch agent`` and ``stepwatch wrap``.
+"""Subcommands of the agents package: ``stepwatch agent``, ``stepwatch wrap`` and ``stepwatch slurm``.
 
 ``stepwatch/cli.py`` adds them with ``register(sub)`` (``sub`` = its ``add_subparsers()`` object).
 ``python -m stepwatch.agents.cli agent|wrap …`` runs them on their own.
@@ -117,7 +117,7 @@ def add_agent_args(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub) -> None:
-    """Add ``agent`` and ``wrap`` to a ``stepwatch`` subparsers object."""
+    """Add ``agent``, ``wrap`` and ``slurm`` to a ``stepwatch`` subparsers object."""
     from stepwatch.agents.wrap import add_wrap_args
     ag = sub.add_parser("agent", help="node agent: receive the probes' records, sample the host, batch to Kafka")
     add_agent_args(ag)
@@ -125,6 +125,10 @@ def register(sub) -> None:
     w = sub.add_parser("wrap", help="run a command with its Python processes instrumented (zero-code probe)")
     add_wrap_args(w)
     w.set_defaults(func=cmd_wrap)
+    from stepwatch.agents.slurm import add_slurm_args, cmd_slurm
+    sl = sub.add_parser("slurm", help="Slurm prolog/epilog: tell this node's agent a job started or ended")
+    add_slurm_args(sl)
+    sl.set_defaults(func=cmd_slurm)
 
 
 def main(argv: list[str] | None = None) -> int:
