@@ -67,3 +67,23 @@ def test_the_epilog_body_from_its_environment():
         assert "SLURM_JOB_ID" in str(e)
     else:
         raise AssertionError("a bad job id was accepted")
+
+
+def test_the_shipped_systemd_units_are_hardened_and_pass_systemd_analyze_verify(tmp_path):
+    import shutil
+    import subprocess
+
+    import pytest
+
+    from stepwatch.agents.cli import systemd_unit
+    for name in ("agent", "processor"):
+        text = systemd_unit(name)
+        for need in ("User=stepwatch", "ProtectSystem=strict", "NoNewPrivileges=yes", "CapabilityBoundingSet=\n"):
+            assert need in text, (name, need)
+        f = tmp_path / f"stepwatch-{name}.service"
+        f.write_text(text)
+        if shutil.which("systemd-analyze") is None:
+            pytest.skip("systemd-analyze not installed (apt-get install systemd)")
+        r = subprocess.run(["systemd-analyze", "verify", str(f)], capture_output=True, text=True)
+        assert r.returncode == 0 and "stepwatch" not in r.stderr, r.stderr
+    assert "Group=stepwatch-probes" in systemd_unit("agent") and "--socket-group stepwatch-probes" in systemd_unit("agent")
