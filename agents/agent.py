@@ -320,6 +320,9 @@ class Agent:
             if typ == wirep.T_HELLO:
                 self._hello(inst, body, now, peer)
                 return
+            if typ == wirep.T_SCHED:
+                self._sched(body, peer)
+                return
         except (wirep.BadDatagram, ValueError, TypeError) as e:
             self._bad(e)
             return
@@ -376,6 +379,23 @@ class Agent:
             m.records_in.labels("comm").inc(n_c)
         if n_g:
             m.records_in.labels("gc").inc(n_g)
+
+    def _sched(self, body: dict, peer: Peer | None) -> None:
+        """A scheduler's word on a job (``stepwatch slurm prolog|epilog``, :mod:`stepwatch.agents.slurm`): an
+        ``inflight`` row with source ``slurm`` (rank 0 stands for the job; ``error`` holds the Slurm state).
+        Only root (slurmd runs the prolog and epilog as root) or the agent's own user may send it."""
+        if peer is None or peer.uid not in (0, os.getuid()):
+            self._refused("sched_not_root", f"scheduler event from uid {peer.uid if peer else '?'}: only root "
+                                            "or the agent's user may say a job started or ended")
+            return
+        from stepwatch.agents.slurm import check_sched
+        ev = check_sched(body)
+        t = ev["t"] or time.time_ns()
+        row = {"job": ev["job"], "node": self.node, "rank": 0, "t": t, "source": "slurm",
+               "state": "sched_" + ev["event"], "exit_code": ev["exit_code"], "signal": ev["signal"],
+               "error": ev["state"], "pid": peer.pid or None}
+        self.rows["inflight"][ev["job"]].append(row)
+        self.metrics.records_in.labels("inflight").inc()
 
     def _bad(self, e: Exception) -> None:
         self.bad += 1

@@ -1,4 +1,4 @@
-"""Subcommands of the agents package: ``stepwatch agent`` and ``stepwatch wrap``.
+"""Subcommands of the agents package: ``stepwatch agent``, ``stepwatch wrap`` and ``stepwatch slurm``.
 
 ``stepwatch/cli.py`` adds them with ``register(sub)`` (``sub`` = its ``add_subparsers()`` object).
 ``python -m stepwatch.agents.cli agent|wrap …`` runs them on their own.
@@ -13,7 +13,27 @@ import sys
 import threading
 
 
+def systemd_unit(name: str, exe: str | None = None) -> str:
+    """The hardened systemd unit ``stepwatch-<name>.service`` shipped in the package (agents/deploy), its
+    ``ExecStart`` pointing at ``exe`` (default: this installation's ``stepwatch``)."""
+    from importlib.resources import files
+    if name not in ("agent", "processor"):
+        raise ValueError(f"--print-systemd-unit: {name!r} is not agent or processor")
+    text = files("stepwatch.agents").joinpath("deploy", f"stepwatch-{name}.service").read_text()
+    import shutil
+    here = os.path.join(os.path.dirname(sys.executable), "stepwatch")       # this environment's, else PATH's
+    exe = exe or (here if os.access(here, os.X_OK) else shutil.which("stepwatch")) or "/usr/local/bin/stepwatch"
+    return text.replace("/usr/local/bin/stepwatch", exe)
+
+
 def cmd_agent(a) -> int:
+    if a.print_systemd_unit:
+        try:
+            print(systemd_unit(a.print_systemd_unit), end="")
+        except ValueError as e:
+            print(f"stepwatch agent: {e}", file=sys.stderr)
+            return 2
+        return 0
     import pyarrow as pa
 
     from stepwatch.agents.agent import Agent
@@ -88,6 +108,8 @@ def add_agent_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-addr", default="127.0.0.1")
     p.add_argument("--no-create-topics", action="store_true", help="do not create missing Kafka topics")
     p.add_argument("--no-kafka", action="store_true", help="receive, decode and count only; send nothing (tests, benchmarks)")
+    p.add_argument("--print-systemd-unit", metavar="agent|processor", default=None,
+                   help="print the hardened systemd unit of the agent or the processor (docs/baremetal.md) and exit")
     t = p.add_argument_group("who may send (docs/limits.md)")
     t.add_argument("--socket-mode", default=os.environ.get("STEPWATCH_SOCKET_MODE", "0660"),
                    help="mode of agent.sock (octal; default 0660: the agent's user and group)")
@@ -117,7 +139,7 @@ def add_agent_args(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub) -> None:
-    """Add ``agent`` and ``wrap`` to a ``stepwatch`` subparsers object."""
+    """Add ``agent``, ``wrap`` and ``slurm`` to a ``stepwatch`` subparsers object."""
     from stepwatch.agents.wrap import add_wrap_args
     ag = sub.add_parser("agent", help="node agent: receive the probes' records, sample the host, batch to Kafka")
     add_agent_args(ag)
@@ -125,6 +147,10 @@ def register(sub) -> None:
     w = sub.add_parser("wrap", help="run a command with its Python processes instrumented (zero-code probe)")
     add_wrap_args(w)
     w.set_defaults(func=cmd_wrap)
+    from stepwatch.agents.slurm import add_slurm_args, cmd_slurm
+    sl = sub.add_parser("slurm", help="Slurm prolog/epilog: tell this node's agent a job started or ended")
+    add_slurm_args(sl)
+    sl.set_defaults(func=cmd_slurm)
 
 
 def main(argv: list[str] | None = None) -> int:

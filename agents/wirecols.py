@@ -38,7 +38,7 @@ assert (HDR_DT.itemsize, STEP_DT.itemsize, PHASE_DT.itemsize, COMM_DT.itemsize, 
     W.HDR.size, W.STEP.size, W.PHASE.size, W.COMM.size, W.GCREC.size)
 assert tuple(n for n in STEP_DT.names if n != "_pad") == W.STEP_FIELDS
 
-_JSON_TYPES = (W.T_HELLO, W.T_PROFILE, W.T_INFLIGHT)
+_JSON_TYPES = (W.T_HELLO, W.T_PROFILE, W.T_INFLIGHT, W.T_SCHED)
 KINDS = ("steps", "comm", "gc")               # the tables :func:`tables` returns, in this order
 
 

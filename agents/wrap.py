@@ -14,8 +14,10 @@ that never imports torch pays one string comparison per top-level import. When t
 importing it loads the probe and calls :func:`stepwatch.agents.probe.auto_install` (hooks only; the
 probe stays silent until the process completes an optimizer step, so launchers such as ``torchrun``
 and DataLoader workers send nothing). Rank identity comes from ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``
-(set by torchrun), else from ``torch.distributed`` at the first step. A ``sitecustomize`` already on
-the path (e.g. Debian's) is still run after ours.
+(set by torchrun), else from ``torch.distributed`` at the first step. Under ``srun`` without torchrun,
+those (and ``MASTER_ADDR``/``MASTER_PORT`` for ``env://``, the job id = the Slurm job id) are set from
+Slurm's variables when unset (:mod:`stepwatch.agents.slurm`, docs/baremetal.md). A ``sitecustomize``
+already on the path (e.g. Debian's) is still run after ours.
 """
 from __future__ import annotations
 
@@ -134,9 +136,13 @@ def site_dir() -> Path:
     raise OSError("stepwatch wrap: found no private directory for sitecustomize.py")
 
 
-def wrap_env(env: dict | None = None, job: str | None = None, socket_dir: str | None = None) -> dict:
-    """The environment a wrapped command runs with (see the module docstring)."""
+def wrap_env(env: dict | None = None, job: str | None = None, socket_dir: str | None = None,
+             cmd: list[str] | None = None) -> dict:
+    """The environment a wrapped command runs with (see the module docstring); in a Slurm task, with the
+    rank's identity and ``env://`` rendezvous taken from Slurm's variables (:func:`stepwatch.agents.slurm.rank_env`)."""
+    from stepwatch.agents import slurm
     env = dict(os.environ if env is None else env)
+    env.update(slurm.rank_env(env, launcher=slurm.is_launcher(cmd or [])))
     d = str(site_dir())
     pp = env.get("PYTHONPATH")
     env["PYTHONPATH"] = d + (os.pathsep + pp if pp else "")
@@ -167,7 +173,11 @@ def run_wrap(a) -> int:
         print("stepwatch wrap: give a command after --, e.g. stepwatch wrap --job j1 -- torchrun train.py",
               file=sys.stderr)
         return 2
-    env = wrap_env(job=a.job, socket_dir=a.socket_dir)
+    try:
+        env = wrap_env(job=a.job, socket_dir=a.socket_dir, cmd=cmd)
+    except ValueError as e:
+        print(f"stepwatch wrap: {e}", file=sys.stderr)
+        return 2
     try:
         os.execvpe(cmd[0], cmd, env)
     except OSError as e:

@@ -106,10 +106,13 @@ class JobTelemetry:
 
     def add(self, kind: str, t: pa.Table) -> None:
         w = {"host": self.host, "gc": self.gc, "comm": self.comm, "inflight": self.inflight}.get(kind)
-        if w is not None:
-            w.add(t)
         if kind == "inflight":
             self.life.add(t)
+            if "source" in t.column_names and pc.any(pc.equal(t.column("source"), "slurm")).as_py():
+                t = t.filter(pc.invert(pc.fill_null(pc.equal(t.column("source"), "slurm"), False)))
+                # (the scheduler's word on the job is the lifecycle's; the window holds the ranks' states)
+        if w is not None and t.num_rows:
+            w.add(t)
         if kind in ("host", "inflight") and t.num_rows and "node" in t.column_names and "t" in t.column_names:
             tv = _as_int(t.column("t"))
             nd = pc.dictionary_encode(t.column("node").combine_chunks())

@@ -20,6 +20,14 @@ an abort in teardown); :class:`Lifecycle` judges the job from them, in event tim
   not clean), then the ``job_end`` event;
 * **ended while hung** - a ``job_hang`` was open when the ranks began to end (the job was killed because
   it hung): a ``job_end`` event with that outcome; the hang alert already said who and where;
+* **time_limit**, **cancelled**, **preempted**, **node_fail** - the scheduler said so: a Slurm epilog
+  (``stepwatch slurm epilog``, :mod:`stepwatch.agents.slurm`; an ``inflight`` row with source ``slurm``,
+  state ``sched_end``, the Slurm state in ``error``) reported the job ``TIMEOUT``, ``CANCELLED``, ... : a
+  ``job_end`` event with that outcome, whatever the ranks were doing (hung or not) and however they ended
+  (SIGTERM, or SIGKILL after ``KillWait``: no ``rank_crash``). For a job whose prolog was heard
+  (``sched_start``), ranks that all ended by a stop signal or without a word wait ``sched_wait_s`` for
+  the epilog's word before being judged. Any other state (``COMPLETED``, ``FAILED``) is kept in the
+  evidence (``scheduler``) of the judgement below;
 * **crashed** - the first rank to end ended abnormally (an exception, a non-zero status, a fatal signal,
   or gone without a word: SIGKILL, ``os._exit``, the OOM killer): one critical ``rank_crash`` alert,
   raised when every rank has ended or ``grace_s`` after that end while others still run (then the
@@ -134,10 +142,19 @@ class JobLife:
         self.step_outcome = -1                   # the job's newest step when it was judged
         self.crash_alert: Alert | None = None
         self.hung_ns = 0                         # a job_hang is open (since this event time): ends end a hung job
+        self.sched_start = 0                     # when the scheduler said the job started (Slurm prolog), ns
+        self.sched_end: dict | None = None       # the scheduler's word on its end: state, exit_code, signal, t
 
     def add(self, t: pa.Table) -> None:
         if t is None or not t.num_rows or "state" not in t.column_names:
             return
+        if "source" in t.column_names:
+            sched = pc.fill_null(pc.equal(t.column("source"), "slurm"), False)
+            if pc.any(sched).as_py():
+                self._add_sched(t.filter(sched))
+                t = t.filter(pc.invert(sched))
+                if not t.num_rows:
+                    return
         st = t.column("state")
         m = pc.or_(pc.equal(st, "exited"), pc.equal(st, "gone"))
         if not pc.any(m).as_py():
@@ -159,6 +176,23 @@ class JobLife:
                 self.first[r] = e                                # read: the probe's word says how
             elif have.how == "ok" and e.how in ("fatal", "error") and r not in self.later:
                 self.later[r] = e                # a clean goodbye, then the teardown failed
+
+    def _add_sched(self, t: pa.Table) -> None:
+        if pa.types.is_timestamp(t.schema.field("t").type):
+            t = t.set_column(t.column_names.index("t"), "t", t.column("t").cast(pa.int64()))
+        t = t.select([c for c in ("t", "state", "exit_code", "signal", "error") if c in t.column_names])
+        for row in t.to_pylist():
+            ts = int(row["t"])
+            if row.get("state") == "sched_start":
+                self.sched_start = self.sched_start or ts
+            elif row.get("state") == "sched_end" and self.sched_end is None:
+                self.sched_end = {"scheduler": "slurm", "state": row.get("error"), "exit_code": row.get("exit_code"),
+                                  "signal": row.get("signal"), "t_ns": ts}
+
+    def sched_stop(self) -> str | None:
+        """The outcome the scheduler's end names (time_limit, cancelled, ...), None for any other end."""
+        from stepwatch.agents.slurm import SCHED_STOPS
+        return SCHED_STOPS.get((self.sched_end or {}).get("state") or "")
 
     def ended(self, seen: np.ndarray) -> tuple[list[int], list[int]]:
         """(ranks that ended, ranks that reported and have not) among ``seen`` (ranks with a step)."""
@@ -184,22 +218,27 @@ class Lifecycle(Detector):
                                agent sees a process without a goodbye up to its tick later)
         settle_s=1.0           once every rank has ended, seconds of event time before the job is judged
                                (the ranks' last steps, fetched with their goodbyes, are read first)
+        sched_wait_s=10.0      a job whose Slurm prolog was heard, its ranks all ended by a stop signal or
+                               without a word: seconds of event time to wait for the epilog's word
     """
 
     name = "lifecycle"
 
-    def __init__(self, *, grace_s: float = 2.0, culprit_window_s: float = 5.0, settle_s: float = 1.0):
+    def __init__(self, *, grace_s: float = 2.0, culprit_window_s: float = 5.0, settle_s: float = 1.0,
+                 sched_wait_s: float = 10.0):
         if not 0 < grace_s <= 600 or not 0 < culprit_window_s <= 600 or not 0 <= settle_s <= 600:
             raise ValueError("lifecycle: need 0 < grace_s <= 600, 0 < culprit_window_s <= 600, 0 <= settle_s <= 600")
+        if not 0 <= sched_wait_s <= 600:
+            raise ValueError(f"lifecycle: sched_wait_s {sched_wait_s!r} is not within 0..600")
         self.grace_ns, self.window_ns = int(grace_s * 1e9), int(culprit_window_s * 1e9)
-        self.settle_ns = int(settle_s * 1e9)
+        self.settle_ns, self.sched_wait_ns = int(settle_s * 1e9), int(sched_wait_s * 1e9)
 
     def update(self, ctx: JobContext, block: StepBlock) -> list[Alert]:
         return []
 
     def tick(self, ctx: JobContext, now_ns: int) -> list[Alert]:
         life = getattr(ctx, "life", None)
-        if life is None or not life.first or life.outcome is not None:
+        if life is None or life.outcome is not None or not life.first and not life.sched_stop():
             return []
         last = ctx.last_step if ctx.last_step is not None else np.zeros(0, np.int64)
         seen = np.flatnonzero(last >= 0)
@@ -209,9 +248,16 @@ class Lifecycle(Detector):
         if getattr(ctx, "backlog", False) or caught_up is not None and not caught_up():
             return []                                    # its last steps may still be on their way
         done, alive = life.ended(seen)
+        stop = life.sched_stop()
+        if stop:                                         # the scheduler ended it (time limit, scancel): its word
+            now = max([int(now_ns)] + [e.t for e in life.first.values()])
+            return [self._job_end(ctx, life, stop, done, now)]
         if not done:
             return []
         now = max(int(now_ns), max(e.t for e in life.first.values()))
+        if (life.sched_start and life.sched_end is None and all(life.first[r].how in ("stop", "gone") for r in done)
+                and now - min(life.first[r].t for r in done) < self.sched_wait_ns):
+            return []                                    # a scheduler's kill, perhaps: its epilog says which
         ends = sorted(((life.first[r].t_lo, life.first[r].t, r) for r in done))
         t0, _, r0 = ends[0]
         first = life.first[r0]
@@ -350,7 +396,15 @@ class Lifecycle(Detector):
         life.outcome, life.t_outcome, life.step_outcome = outcome, now, int(ctx.max_step)
         ev = {"outcome": outcome, "ranks_ended": len(done), "ends_by_kind": codes,
               "last_step": int(ctx.max_step)}
-        words = {"finished": "finished: every rank exited with status 0",
+        if life.sched_end is not None:
+            ev["scheduler"] = dict(life.sched_end)
+        if life.hung_ns:
+            ev["hung"] = True
+        words = {"time_limit": "was ended by the scheduler at its time limit",
+                 "cancelled": "was cancelled (scancel or the scheduler)",
+                 "preempted": "was preempted by the scheduler",
+                 "node_fail": "was ended by the scheduler: a node failed",
+                 "finished": "finished: every rank exited with status 0",
                  "stopped": "was stopped: its ranks were ended by a signal (a scheduler's or a user's stop)",
                  "exit_failed": "finished its work; a rank's exit failed (see its exit_failed warning)",
                  "ended_while_hung": "was ended while it hung (see its job_hang alert)"}[outcome]

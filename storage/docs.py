@@ -54,7 +54,9 @@ ABOUT["inflight"] = ("What ranks were doing while a step ran far longer than usu
                      "goodbye is a row too (`source` = `probe`, `state` = `exited`, with `exit_code`, `signal` and "
                      "`error` — the exception, its traceback in `stack`): how each rank ended, from which the "
                      "processor tells a finished or stopped job (a `job_end` row in `alerts`) from a crash "
-                     "(`rank_crash`) and a hang (docs/detectors.md#lifecycle).")
+                     "(`rank_crash`) and a hang (docs/detectors.md#lifecycle). A Slurm prolog/epilog's word on the "
+                     "job is a row with `source` = `slurm`, `state` = `sched_start`/`sched_end`, `rank` 0 (the job), "
+                     "the Slurm state in `error` (docs/baremetal.md).")
 ABOUT["efficiency"] = ("Written by the processor's `mfu` detector: one row per job and closed step. `mfu` = "
                        "`model_flops` / (`step_ms`/1000 x `devices` x `peak_tflops` x 1e12); goodput over a window "
                        "= sum(`productive_ms`) / sum(`wall_ms`). Definitions and the peak table: docs/efficiency.md.")

@@ -70,7 +70,7 @@ from .transport import HELLO_EVERY_NS, _new_instance  # noqa: F401
 from .wire import (  # noqa: F401
     COMM, DEFAULT_FLUSH_MS, GCREC, HDR, HDR_STEP, MAGIC, MAX_BACKLOG, MAX_CALLS, MAX_COMM, MAX_DATAGRAM,
     MAX_FRAME, MAX_GC, MAX_NAMES, MAX_PENDING, MAX_PHASES, PHASE, SOCKET_NAME, STEP, STEP_FIELDS, STEP_V1,
-    T_BATCH, T_HELLO, T_INFLIGHT, T_PROFILE, VERSION, VERSIONS, BadDatagram, decode, default_socket_dir,
+    T_BATCH, T_HELLO, T_INFLIGHT, T_PROFILE, T_SCHED, VERSION, VERSIONS, BadDatagram, decode, default_socket_dir,
 )
 
 __all__ = ["Probe", "init", "step", "begin_step", "end_step", "phase", "add_phase", "count", "stats", "flush",

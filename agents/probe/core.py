@@ -24,8 +24,12 @@ from .wire import (DEFAULT_FLUSH_MS, GCREC, HDR, MAGIC, MAX_COMM, MAX_DATAGRAM, 
                    SOCKET_NAME, T_PROFILE, VERSION, default_socket_dir)
 
 
-def _env_int(name: str) -> int | None:
+def _env_int(name: str, slurm: str | None = None) -> int | None:
+    """``$name`` as an int; else (a task ``srun`` started, not a launcher such as torchrun, whose workers get
+    ``RANK`` from it) Slurm's ``$slurm``."""
     v = os.environ.get(name)
+    if v in (None, "") and slurm and os.environ.get("SLURM_JOB_ID") and not _is_launcher():
+        v = os.environ.get(slurm)
     try:
         return int(v) if v not in (None, "") else None
     except ValueError:
@@ -209,10 +213,11 @@ class Probe(Hooks, Replay, Transport, DeviceTiming, Flops):
              gc_row_min_ms: float | None = None, flush_ms: float | None = None, **topology) -> "Probe":
         """Configure the probe and (``auto``) install the PyTorch hooks. Safe to call again.
 
-        Identity defaults: ``job`` from ``STEPWATCH_JOB`` (else ``TORCHELASTIC_RUN_ID``; else the
-        agent's ``--job``), ``rank``/``world_size``/``local_rank`` from ``RANK``/``WORLD_SIZE``/
-        ``LOCAL_RANK`` (else from ``torch.distributed`` at the first step, else 0/1), ``node`` from
-        ``STEPWATCH_NODE`` (else the agent's node name). ``topology`` may hold ``dp, tp, pp, ep, cp,
+        Identity defaults: ``job`` from ``STEPWATCH_JOB`` (else ``SLURM_JOB_ID``, else
+        ``TORCHELASTIC_RUN_ID``; else the agent's ``--job``), ``rank``/``world_size``/``local_rank`` from
+        ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` (else, in a task ``srun`` started, ``SLURM_PROCID``/
+        ``SLURM_NTASKS``/``SLURM_LOCALID``; else from ``torch.distributed`` at the first step, else 0/1),
+        ``node`` from ``STEPWATCH_NODE`` (else ``SLURMD_NODENAME``, else the agent's node name). ``topology`` may hold ``dp, tp, pp, ep, cp,
         device, device_type, dtype, model_flops_per_token, model_params`` (also read from ``STEPWATCH_DP``
         ...; ``model_params`` is otherwise counted from the primary optimizer at its first step; FLOPs by
         count or shape, and the dtype seen: ``flops.py``).
@@ -223,12 +228,14 @@ class Probe(Hooks, Replay, Transport, DeviceTiming, Flops):
         (0: one datagram per step).
         """
         with self._lock:
-            self.job = job or os.environ.get("STEPWATCH_JOB") or os.environ.get("TORCHELASTIC_RUN_ID") or None
-            self.rank = rank if rank is not None else _env_int("RANK")
-            self.world_size = world_size if world_size is not None else _env_int("WORLD_SIZE")
+            env = os.environ
+            self.job = (job or env.get("STEPWATCH_JOB") or env.get("SLURM_JOB_ID") or env.get("TORCHELASTIC_RUN_ID")
+                        or None)
+            self.rank = rank if rank is not None else _env_int("RANK", "SLURM_PROCID")
+            self.world_size = world_size if world_size is not None else _env_int("WORLD_SIZE", "SLURM_NTASKS")
             self._rank_given, self._world_given = self.rank is not None, self.world_size is not None
-            self.local_rank = local_rank if local_rank is not None else _env_int("LOCAL_RANK")
-            self.node = node or os.environ.get("STEPWATCH_NODE") or None
+            self.local_rank = local_rank if local_rank is not None else _env_int("LOCAL_RANK", "SLURM_LOCALID")
+            self.node = node or env.get("STEPWATCH_NODE") or env.get("SLURMD_NODENAME") or None
             extra = {}
             for k in ("dp", "tp", "pp", "ep", "cp"):
                 v = topology.pop(k, None)
@@ -524,6 +531,14 @@ class Probe(Hooks, Replay, Transport, DeviceTiming, Flops):
                 "comm_keys_dropped": self.comm_keys_dropped + log.comm_keys_dropped, "phases_dropped": self.phases_dropped,
                 "hellos": self.hellos, "socket": self._path, "instance": self.instance,
                 "rank": self.rank, "job": self.job}
+
+
+def _is_launcher() -> bool:
+    """This process is torchrun (``torchrun`` or ``python -m torch.distributed.run``), not a rank."""
+    if os.path.basename(sys.argv[0] if sys.argv else "") == "torchrun":
+        return True
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return getattr(spec, "name", "") in ("torch.distributed.run", "torch.distributed.launch")
 
 
 def _is_rank_process() -> bool:

@@ -39,6 +39,7 @@ T_BATCH = 1
 T_HELLO = 2
 T_PROFILE = 3                         # probe -> agent: the outcome of a profiling command (HDR + JSON)
 T_INFLIGHT = 4                        # probe -> agent: the watchdog's in-flight state of an overlong step (HDR + JSON)
+T_SCHED = 5                           # scheduler -> agent: a job started / ended (Slurm prolog/epilog; HDR + JSON)
 
 HDR = struct.Struct("<HBBiiBBBB")
 STEP = struct.Struct("<qqqddddddiiqqI4xdd")
@@ -96,8 +97,9 @@ def decode(data: bytes) -> list[tuple[int, int, int, object]]:
             raise BadDatagram(f"bad magic 0x{magic:04x}")
         if ver not in VERSIONS:
             raise BadDatagram(f"unsupported version {ver}")
-        if typ in (T_HELLO, T_PROFILE, T_INFLIGHT):      # header + one JSON object, alone in its datagram
-            what = {T_HELLO: "hello", T_PROFILE: "profile result"}.get(typ, "in-flight state")
+        if typ in (T_HELLO, T_PROFILE, T_INFLIGHT, T_SCHED):   # header + one JSON object, alone in its datagram
+            what = {T_HELLO: "hello", T_PROFILE: "profile result", T_SCHED: "scheduler event"}.get(
+                typ, "in-flight state")
             if off:
                 raise BadDatagram(f"{what} after a batch frame")
             try:

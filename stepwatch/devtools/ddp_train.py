@@ -1,7 +1,8 @@
 """A standard DistributedDataParallel training script (gloo, CPU) for the tests of issue 15: it knows
 nothing of stepwatch and runs unchanged under ``stepwatch wrap``.
 
-``python ddp_train.py`` forks ``SW_NPROC`` (2) ranks that rendezvous over 127.0.0.1 on a free port (what
+Started as one rank (``RANK``, ``WORLD_SIZE`` and ``MASTER_PORT`` set: by torchrun, or by ``stepwatch wrap``
+under ``srun``) it trains as that rank (``env://``). Else ``python ddp_train.py`` forks ``SW_NPROC`` (2) ranks that rendezvous over 127.0.0.1 on a free port (what
 torchrun would do, without importing torch once per rank). Each rank pins itself to its own core
 (``os.sched_setaffinity``: rank r on the r-th core this process may use) and uses one intra-op thread,
 wraps an MLP in ``DistributedDataParallel`` and trains it with SGD on random data from a ``DataLoader``.
@@ -227,6 +228,9 @@ def _worker(rank: int, world: int, port: int) -> None:
 
 
 if __name__ == "__main__":
+    if os.environ.get("RANK") and os.environ.get("WORLD_SIZE") and os.environ.get("MASTER_PORT"):
+        train()                    # started as one rank (torchrun; srun under stepwatch wrap: docs/baremetal.md)
+        sys.exit(0)
     import socket
 
     import torch.multiprocessing as mp

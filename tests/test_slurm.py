@@ -1,0 +1,98 @@
+"""stepwatch under a real Slurm (issue 30): Debian's slurm-wlm + munge, one node on free loopback ports
+(tests/slurmcluster.py), with the node agent, the embedded broker and a processor.
+
+* ``srun -n 2 stepwatch wrap -- python ddp_train.py``: the ranks take their identity and ``env://``
+  rendezvous from Slurm (no torchrun); rank 1 sleeps in its forward pass from step 100; in the store the
+  job id is the Slurm job id, ranks 0 and 1 stepped, an incident names rank 1, and the epilog's end of the
+  job (``sched_end``, exit 0) is stored and raises no alert.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+
+from slurmcluster import SlurmCluster, why_not
+from stepwatch.agents.agent import Agent
+from stepwatch.devtools.ddp_train_path import ddp_train_file
+from stepwatch.storage.views import connect
+from stepwatch.stream.processor import Processor
+
+_WHY = why_not()
+pytestmark = pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    c = SlurmCluster()
+    try:
+        c.start()
+    except RuntimeError as e:
+        c.stop()
+        pytest.skip(f"the test Slurm did not start: {e}")
+    yield c
+    c.stop()
+
+
+def _poll(con_dir, sql: str, args: list, ok, timeout_s: float = 30.0):
+    t_end = time.monotonic() + timeout_s
+    rows = None
+    while time.monotonic() < t_end:
+        try:
+            con = connect(con_dir)
+            try:
+                rows = con.execute(sql, args).fetchall()
+            finally:
+                con.close()
+        except Exception as e:  # noqa: BLE001 - the table may not exist before the first flush
+            rows = e
+        if not isinstance(rows, Exception) and ok(rows):
+            return rows
+        time.sleep(0.3)
+    raise AssertionError(f"timed out: {sql} -> {rows!r}")
+
+
+def test_srun_ranks_are_the_slurm_job_and_its_end_is_the_epilogs(slurm, kafka, tmp_path, socket_dir):
+    pytest.importorskip("torch", reason="trains a real PyTorch model")
+    slurm.hooks(STEPWATCH_SOCKET_DIR=socket_dir)
+    agent = Agent(kafka, socket_dir=socket_dir, node=slurm.node, interval_s=0.5).start()
+    alerts = []
+    proc = Processor(kafka, tmp_path, group="g-slurm", flush_interval_s=0.3, on_alert=alerts.append)
+    stops = threading.Event(), threading.Event()
+    threads = [threading.Thread(target=agent.run, args=(stops[0],), daemon=True),
+               threading.Thread(target=proc.run, kwargs={"stop_event": stops[1]}, daemon=True)]
+    for t in threads:
+        t.start()
+    name = f"sw-{time.monotonic_ns()}"
+    try:
+        r = slurm.run("srun", "-n", "2", "-J", name, sys.executable, "-m", "stepwatch.agents.wrap",
+                      "--socket-dir", socket_dir, "--", sys.executable, ddp_train_file, timeout=120, check=False,
+                      env={"SW_STEPS": "200", "SW_PAD_MS": "30", "SW_WIDTH": "256", "SW_SLEEP_RANK": "1",
+                           "SW_SLEEP_MS": "15", "SW_SLEEP_FROM": "100"})
+        assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+        job = slurm.run("squeue", "-h", "-t", "all", "-n", name, "-o", "%i").stdout.split()
+        assert len(job) == 1 and job[0].isdigit(), job
+        job = job[0]
+        ranks = _poll(tmp_path, "SELECT DISTINCT rank FROM steps WHERE job = ? ORDER BY rank", [job],
+                      lambda rows: len(rows) == 2)
+        assert ranks == [(0,), (1,)]
+        ends = _poll(tmp_path, "SELECT state, exit_code, error, node FROM inflight WHERE job = ? AND source = 'slurm' "
+                     "ORDER BY t", [job], lambda rows: any(x[0] == "sched_end" for x in rows))
+        assert ("sched_end", 0, None, slurm.node) in ends, ends      # (the epilog reads COMPLETING: no state)
+        assert any(x[0] == "sched_start" for x in ends), ends          # the prolog's word
+        stored = _poll(tmp_path, "SELECT kind, status, ranks, evidence FROM alerts WHERE job = ?", [job],
+                       lambda rows: any(k == "job_end" for k, *_ in rows) and
+                       any(k == "slow_rank" and list(rk or []) == [1] for k, _, rk, _ in rows))
+    finally:
+        for s, t in zip(stops, threads):
+            s.set()
+            t.join(30)
+    for a in alerts:
+        print(a.line())
+    kinds = {k for k, *_ in stored}
+    assert not kinds & {"rank_crash", "job_hang", "exit_failed"}, stored     # the end raised no alert
+    import json
+    end = [json.loads(ev) for k, _, _, ev in stored if k == "job_end"]
+    assert [e["outcome"] for e in end] == ["finished"], end
