@@ -232,3 +232,18 @@ def test_c_and_python_pack_the_same_bytes(sockdir):
             assert len(phases) == len(touched) and len(gcs) == n_gc
     finally:
         p.shutdown()
+
+
+def test_a_probe_with_the_watchdog_off_shuts_down_cleanly(probe, sockdir, monkeypatch):
+    """``STEPWATCH_WATCHDOG=0``: no watchdog is started, and shutdown (at exit) does not trip on its
+    absence (it called ``.close()`` on False)."""
+    monkeypatch.setenv("STEPWATCH_WATCHDOG", "0")
+    monkeypatch.setenv("RANK", "0")
+    probe.init(job="nowd", rank=0, world_size=1, socket_dir=os.path.join(sockdir, "nowhere"), auto=False,
+               flush_ms=0)
+    for _ in range(3):
+        probe.begin_step()
+        probe.end_step()
+    probe._start_watchdog()
+    assert probe._wd is False
+    probe.shutdown()

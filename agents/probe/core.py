@@ -332,7 +332,7 @@ class Probe(Hooks, Replay, Transport, DeviceTiming, Flops):
             self._ctl_close(unlink=True)
             if not self._exitw.sent:       # at exit the signal goodbyes stay armed (an abort in teardown)
                 self._exitw.close()
-            if self._wd is not None:
+            if self._wd:                              # (False: none was started, or it is off)
                 self._wd.close()
                 self._wd = None
 
