@@ -10,6 +10,16 @@ detectors in order as a :class:`~stepwatch.detectors.base.StepBlock`.
 Memory: 6 float64 planes + 1 bool plane + 1 float32 plane (DataLoader queue) x capacity x ranks, e.g. 16,384
 ranks x 128 steps ≈ 111 MB; tokens and samples are kept as per-step sums. The CPU-starvation columns
 (``cpu_ms``, ``cpu_wait_ms``) get a float32 plane each once a producer sends them (+17 MB there).
+
+Column ``r`` of the ring is rank ``r`` (what every detector assumes), so the ring is as wide as the
+highest rank *placed*. A rank is placed (given its column) when it is below ``COLUMN_FLOOR``, or when
+at least one in ``COLUMN_DENSITY`` of the ranks up to it have reported (step or topology rows): one
+row at rank 99,999 of an 8-rank job holds 8 columns, not 100,000. Rows of a rank not placed are
+stored but not aligned (:attr:`IngestResult.unplaced`); its topology row is held and applied once it
+is placed. So the ring holds at most ``max(COLUMN_FLOOR, COLUMN_DENSITY x ranks reporting)`` columns.
+The world size a step needs to be complete (``expected``) is the one its ranks declare: the upper
+quartile of the topology rows' ``world_size`` over the distinct ranks that sent one (one row
+declaring 100,000 among 8 declaring 8 does not make the job wait for 100,000).
 """
 from __future__ import annotations
 
@@ -17,12 +27,19 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from stepwatch.detectors.base import JobContext, StepBlock
 
 FIELDS = ("step_ms", "data_ms", "compute_ms", "comm_ms", "comm_wait_ms", "gc_ms")
 COUNTS = ("tokens", "samples")
 CPU = ("cpu_ms", "cpu_wait_ms")           # optional: float32 planes made when first reported
+#: ranks below this always get their column (≈ 6.8 MB at a 128-step window)
+COLUMN_FLOOR = 1024
+#: above it, a rank gets its column once one in this many of the ranks up to it have reported
+COLUMN_DENSITY = 8
+#: the declared world size a job's ranks agree on: this quantile of their topology rows' world_size
+WORLD_Q = 0.75
 INFO = ("device_type", "dtype", "model_flops_per_token", "model_flops_per_sample", "flops_source")
 COORDS = ("dp", "tp", "cp", "ep")
 
@@ -34,6 +51,13 @@ class IngestResult:
     bad_rank: np.ndarray      # indices of rows whose rank is outside the topology
     late: int                 # rows older than the ring (stored, not aligned)
     ahead: int = 0            # rows above ``JobState.ahead_limit`` (stored, not aligned: stream.stepaxis)
+    unplaced: int = 0         # rows of ranks without a column yet (stored, not aligned: JobState.place)
+    unplaced_rank: int = -1   # the highest such rank (for the log line)
+
+
+def _quantile(v: np.ndarray) -> int:
+    k = int(WORLD_Q * (len(v) - 1))
+    return int(np.partition(v, k)[k])
 
 
 class JobState:
@@ -42,8 +66,12 @@ class JobState:
         self.capacity = capacity
         self.lateness_ns = lateness_ns
         self.topology_known = False
-        self.world_size = 0       # ranks with state (columns of the ring): the highest rank seen + 1
-        self.expected = 0         # world size the topology declares (a step is complete with this many)
+        self.world_size = 0       # ranks with state (columns of the ring): the highest rank placed + 1
+        self.expected = 0         # world size its ranks' topology rows declare (a step is complete with this many)
+        self.seen = np.zeros(0, dtype=bool)          # per column: the rank reported (steps or topology)
+        self.declared = np.zeros(0, dtype=np.int64)  # per column: world_size of the rank's topology row (0: none)
+        self.pending = np.empty(0, dtype=np.int64)   # ranks that reported but have no column yet (sorted)
+        self.held: pa.Table | None = None            # their topology rows (one per rank), applied when placed
         self.nodes = np.empty(0, dtype=object)
         self.stage = np.empty(0, dtype=np.int32)
         # other parallel coordinates (-1 unknown) and, per rank, the newest step reported and its t_end
@@ -112,37 +140,113 @@ class JobState:
         lt = np.zeros(n, dtype=np.int64)
         lt[:old] = self.last_t_end
         self.last_t_end = lt
+        sn = np.zeros(n, dtype=bool)
+        sn[:old] = self.seen
+        self.seen = sn
+        dc = np.zeros(n, dtype=np.int64)
+        dc[:old] = self.declared
+        self.declared = dc
         self.world_size = n
+
+    def place(self, rank: np.ndarray) -> None:
+        """Note that ``rank`` (int64, >= 0) reported, and give columns to the ranks that may have one:
+        below ``COLUMN_FLOOR``, or where one in ``COLUMN_DENSITY`` of the ranks up to them reported.
+        O(batch) when every rank has its column; otherwise O(columns + ranks waiting), numpy only."""
+        if not len(rank):
+            return
+        w = self.world_size
+        if int(rank.max()) < w:
+            self.seen[rank] = True
+            return
+        inside = rank < w
+        self.seen[rank[inside]] = True
+        pend = np.union1d(self.pending, rank[~inside])
+        # placing pend[i] gives columns to every rank up to it: the reported ranks below it are the
+        # columns' reported ranks plus pend[:i + 1]
+        cnt = int(np.count_nonzero(self.seen)) + np.arange(1, len(pend) + 1)
+        ok = (pend < COLUMN_FLOOR) | (cnt * COLUMN_DENSITY >= pend + 1)
+        if ok.any():
+            k = int(np.flatnonzero(ok)[-1]) + 1
+            self._resize(int(pend[k - 1]) + 1)
+            self.seen[pend[:k]] = True
+            pend = pend[k:]
+        self.pending = pend
+        if self.held is not None and self.world_size > w:
+            self._release_held()
+
+    def _release_held(self) -> None:
+        r = self.held.column("rank").to_numpy(zero_copy_only=False).astype(np.int64)
+        now = r < self.world_size
+        if now.any():
+            self._apply_topology(self.held.filter(pa.array(now)), r[now])
+            rest = self.held.filter(pa.array(~now))
+            self.held = rest if rest.num_rows else None
 
     def set_topology(self, topo: pa.Table) -> None:
         """Apply topology rows (job, rank, node, world_size, pp …) of this job.
 
-        Memory follows the ranks the rows name, not the declared world size: a row declaring
-        100,000 ranks sent by rank 0 alone allocates one rank of state."""
-        ws = int(np.max(topo.column("world_size").to_numpy(zero_copy_only=False)))
-        self.expected = max(self.expected, ws)
-        ranks = topo.column("rank").to_numpy(zero_copy_only=False).astype(np.int64)
-        ok = (ranks >= 0) & (ranks < self.expected)
-        if ok.any():
-            self._resize(int(ranks[ok].max()) + 1)
-        ranks = ranks[ok]
-        self.nodes[ranks] = np.asarray(topo.column("node").to_pylist(), dtype=object)[ok]
-        pp = topo.column("pp").to_numpy(zero_copy_only=False)
-        pp = np.where(np.isnan(pp.astype(float)), 0, pp).astype(np.int32) if len(pp) else pp
-        self.stage[ranks] = pp[ok]
-        for c in COORDS:
-            if c in topo.column_names:
-                v = topo.column(c).to_numpy(zero_copy_only=False).astype(float)
-                self.coords[c][ranks] = np.where(np.isnan(v), -1, v).astype(np.int32)[ok]
-        if "model_params" in topo.column_names:
-            v = topo.column("model_params").to_numpy(zero_copy_only=False).astype(float)[ok]
-            self.params[ranks[np.isfinite(v)]] = v[np.isfinite(v)]
+        Memory follows the ranks that report, not the declared world size nor one row's rank (see the
+        module docs): a row declaring 100,000 ranks sent by rank 0 alone allocates one rank of state;
+        a row of rank 99,999 of an 8-rank job is held (not given a column) and does not move the
+        job's world size."""
         for c in INFO:
             if c in topo.column_names:
                 vals = [v for v in topo.column(c).to_pylist() if v is not None]
                 if vals:
                     self.info[c] = max(vals) if isinstance(vals[0], float) else vals[0]
-        self.topology_known = True
+        ranks = pc.fill_null(topo.column("rank"), -1).to_numpy(zero_copy_only=False).astype(np.int64)
+        ws = pc.fill_null(topo.column("world_size"), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+        ok = (ranks >= 0) & (ranks < ws)
+        if not ok.all():
+            topo, ranks, ws = topo.filter(pa.array(ok)), ranks[ok], ws[ok]
+        if not len(ranks):
+            return
+        # one row per rank (the last): ranks with a column take it now, the others are held
+        _, last = np.unique(ranks[::-1], return_index=True)
+        if len(last) < len(ranks):
+            idx = np.sort(len(ranks) - 1 - last)
+            topo, ranks, ws = topo.take(pa.array(idx)), ranks[idx], ws[idx]
+        now = ranks < self.world_size
+        if now.any():
+            self._apply_topology(topo.filter(pa.array(now)) if not now.all() else topo, ranks[now])
+        if not now.all():
+            self._hold(topo.filter(pa.array(~now)) if now.any() else topo)
+        # the world size the ranks declare, then columns for the held ranks inside it
+        decl = self.declared[self.declared > 0]
+        if self.held is not None:
+            decl = np.concatenate([decl, self.held.column("world_size").to_numpy(zero_copy_only=False)
+                                   .astype(np.int64)])
+        self.expected = _quantile(decl) if len(decl) else 0
+        self.topology_known = self.expected > 0
+        if self.held is not None:
+            hr = self.held.column("rank").to_numpy(zero_copy_only=False).astype(np.int64)
+            self.place(hr[hr < self.expected])
+
+    def _hold(self, rows: pa.Table) -> None:
+        """Keep the topology rows of ranks without a column (the last per rank)."""
+        t = rows if self.held is None else pa.concat_tables([self.held, rows], promote_options="permissive")
+        r = t.column("rank").to_numpy(zero_copy_only=False).astype(np.int64)
+        _, last = np.unique(r[::-1], return_index=True)
+        if len(last) < len(r):
+            t = t.take(pa.array(np.sort(len(r) - 1 - last)))
+        self.held = t
+
+    def _apply_topology(self, topo: pa.Table, ranks: np.ndarray) -> None:
+        """Topology rows of ranks that have their column (``ranks``: their rank column, int64)."""
+        self.seen[ranks] = True
+        self.declared[ranks] = topo.column("world_size").to_numpy(zero_copy_only=False).astype(np.int64)
+        self.nodes[ranks] = np.asarray(topo.column("node").to_pylist(), dtype=object)
+        if "pp" in topo.column_names:
+            pp = topo.column("pp").to_numpy(zero_copy_only=False)
+            pp = np.where(np.isnan(pp.astype(float)), 0, pp).astype(np.int32) if len(pp) else pp
+            self.stage[ranks] = pp
+        for c in COORDS:
+            if c in topo.column_names:
+                v = topo.column(c).to_numpy(zero_copy_only=False).astype(float)
+                self.coords[c][ranks] = np.where(np.isnan(v), -1, v).astype(np.int32)
+        if "model_params" in topo.column_names:
+            v = topo.column("model_params").to_numpy(zero_copy_only=False).astype(float)
+            self.params[ranks[np.isfinite(v)]] = v[np.isfinite(v)]
 
     def job_info(self) -> dict:
         """Job-level facts for the efficiency analyses (see :attr:`JobContext.info`)."""
@@ -174,7 +278,7 @@ class JobState:
             span = max(1, self.capacity // 2)
             if hi - lo >= span:
                 keep = np.zeros(t.num_rows, dtype=bool)
-                bad, dups, late, ahead, blocks = [], 0, 0, 0, []
+                bad, dups, late, ahead, far, far_rank, blocks = [], 0, 0, 0, 0, -1, []
                 # only the slices that hold rows: steps 0 and 10**12 are two slices, not 10**10
                 chunk = (step.astype(np.int64) - lo) // span
                 for c in np.unique(chunk):
@@ -185,9 +289,11 @@ class JobState:
                     dups += res.duplicates
                     late += res.late
                     ahead += res.ahead
+                    far += res.unplaced
+                    far_rank = max(far_rank, res.unplaced_rank)
                     blocks += b
                 return IngestResult(keep, dups, np.concatenate(bad) if bad else np.empty(0, np.int64), late,
-                                    ahead), blocks
+                                    ahead, far, far_rank), blocks
         return self._ingest(t)
 
     def _ingest(self, t: pa.Table) -> tuple[IngestResult, list[StepBlock]]:
@@ -201,15 +307,25 @@ class JobState:
         if self.topology_known:
             bad = np.flatnonzero(rank >= self.expected)
             keep[bad] = False
-            if keep.any():
-                top_rank = int(rank[keep].max())
-                if top_rank >= self.world_size:
-                    self._resize(top_rank + 1)
+            self.place(rank[keep] if len(bad) else rank)
         else:
             bad = np.empty(0, np.int64)
-            self._resize(int(rank.max()) + 1)
+            self.place(rank)
+        # rows of ranks without a column: stored (keep stays True) but not aligned
+        n_far, far_rank = 0, -1
+        if len(rank) and int(rank.max()) >= self.world_size:
+            far = keep & (rank >= self.world_size)
+            n_far = int(far.sum())
+            if n_far:
+                far_rank = int(rank[far].max())
+                keep[far] = False
+        if not self.topology_known:
             nodes = t.column("node")
-            unknown = np.flatnonzero(self.nodes[rank] == "")
+            if n_far:
+                cand = np.flatnonzero(keep)
+                unknown = cand[self.nodes[rank[cand]] == ""]
+            else:
+                unknown = np.flatnonzero(self.nodes[rank] == "")
             if len(unknown):
                 self.nodes[rank[unknown]] = np.asarray(nodes.take(pa.array(unknown)).to_pylist(), dtype=object)
         t_end = t.column("t_end").cast(pa.int64()).to_numpy(zero_copy_only=False)
@@ -290,7 +406,9 @@ class JobState:
         blocks += self.close_ready()
         if n_ahead:
             keep |= over
-        return IngestResult(keep, n_dup, bad, n_late, n_ahead), blocks
+        if n_far:
+            keep |= far
+        return IngestResult(keep, n_dup, bad, n_late, n_ahead, n_far, far_rank), blocks
 
     # ------------------------------------------------------------------ closing
     def _evict_below(self, new_lo: int) -> None:
@@ -344,7 +462,8 @@ class JobState:
         steps = np.arange(s, end, dtype=np.int64)
         slots = steps % self.capacity
         cnt = self.count[slots]
-        complete = cnt >= max(self.world_size, self.expected)
+        # complete: every rank of the world size its ranks declare (without a topology: every column)
+        complete = cnt >= (self.expected if self.topology_known else self.world_size)
         if force:
             closable = np.ones(len(steps), dtype=bool)
         else:

@@ -49,7 +49,9 @@ class ProcessorMetrics(Metrics):
         self.flush_isolations = Counter("stepwatch_processor_flush_isolations",
                                         "Flushes that failed and were bisected by source message", registry=r)
         self.step_axis = Counter("stepwatch_processor_step_axis",
-                                 "A job's step axis: re-anchors to its ranks, rows purged then (stream.stepaxis)",
+                                 "A job's step and rank axes: re-anchors to its ranks, rows purged then (stream.stepaxis); "
+                                 "rank_unplaced: step rows stored but not aligned, their rank has no column yet "
+                                 "(stream.align)",
                                  ["event"], registry=r)
         self.jobs_evicted = Counter("stepwatch_processor_jobs_evicted", "Jobs evicted from memory (idle, budget)",
                                     registry=r)

@@ -46,7 +46,7 @@ from stepwatch.stream.caughtup import CaughtUp
 from stepwatch.stream.intake import Intake
 from stepwatch.stream.checkpoint import Checkpoint, PartitionProgress
 from stepwatch.stream.sinks import AlertOut, ConsoleSink, LakeSink, Rows, Sinks, TopicSink
-from stepwatch.stream.align import JobState
+from stepwatch.stream.align import COLUMN_DENSITY, COLUMN_FLOOR, JobState
 from stepwatch.stream.hostwait import HostWait
 from stepwatch.stream.stepaxis import JobAxis
 from stepwatch.stream.ingress import IngressLimits
@@ -329,6 +329,12 @@ class Processor(Intake, CaughtUp):
             stepaxis.check_budget(self, rt, w0)
             if res.duplicates:
                 self.metrics.dropped.labels("duplicate").inc(res.duplicates)
+            if res.unplaced:                                # stored, not aligned (stream.align.JobState.place)
+                self.metrics.step_axis.labels("rank_unplaced").inc(res.unplaced)
+                self.rlog.warning("job %s: %d step row(s) stored but not aligned: field 'rank': value %d has no "
+                                  "column (the job's ring has %d; ranks above %d get one once 1 in %d of the "
+                                  "ranks up to them report)", job, res.unplaced, res.unplaced_rank,
+                                  rt.state.world_size, COLUMN_FLOOR, COLUMN_DENSITY)
             if len(res.bad_rank):
                 bad = part.take(pa.array(res.bad_rank))
                 ws = rt.state.expected or rt.state.world_size

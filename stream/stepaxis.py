@@ -179,7 +179,12 @@ def admit_steps(proc, rt, job: str, part: pa.Table) -> pa.Table:
         part = part.filter(pa.array(~bad_all))
         ok = ~(bad_all[inside] if inside is not None else bad_all)
         rank, step, t_end = rank[ok], step[ok], t_end[ok]
-    # then the rows taken are reports of their ranks, and the anchor follows
+    # then the rows taken are reports of their ranks, and the anchor follows; only ranks with a column
+    # in the ring (stream.align: one row at rank 99,999 of an 8-rank job has none) hold a report
+    st.place(rank)
+    if len(rank) and int(rank.max()) >= st.world_size:
+        m = rank < st.world_size
+        rank, step, t_end = rank[m], step[m], t_end[m]
     ax.observe(rank, step, t_end)
     ax.refresh(lead, skew, st.max_step)
     if ax.anchor is not None:
