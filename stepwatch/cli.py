@@ -418,6 +418,14 @@ def build_parser(devtools: bool = True) -> argparse.ArgumentParser:
     be.add_argument("--messages", type=int, default=10_000, help="hostile: malformed/hostile messages to send")
     be.add_argument("--idle-exit", type=float, default=30.0,
                     help="hostile: the processor exits after this long without a new message (s)")
+    be.add_argument("--kind", choices=["messages", "jobs"], default="messages",
+                    help="hostile: malformed messages, or many job ids (ingest rate at max_jobs vs below it)")
+    be.add_argument("--jobs", type=int, default=20_000, help="hostile --kind jobs: job ids of the run at the cap")
+    be.add_argument("--baseline-jobs", type=int, default=1000, help="hostile --kind jobs: job ids of the baseline run")
+    be.add_argument("--job-rounds", type=int, default=3,
+                    help="hostile --kind jobs: messages per job id of --jobs (both runs send this many in all)")
+    be.add_argument("--max-jobs", type=int, default=None, help="hostile --kind jobs: the processor's max_jobs "
+                    "(default: its default, 10,000)")
     be.add_argument("--ranks", type=int, default=16384)
     be.add_argument("--steps", type=int, default=60, help="steps pre-produced for the throughput run")
     be.add_argument("--lag-seconds", type=int, default=30, help="length of the live (1 step/s) lag run")

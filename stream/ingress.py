@@ -69,6 +69,11 @@ class TokenBucket:
             return True
         return False
 
+    def charge(self, n: float) -> None:
+        """Spend ``n`` after the fact (a cost known only once paid, e.g. seconds): the bucket may go
+        negative and refills from there."""
+        self.tokens -= n
+
 
 class RateLimitedLog:
     """``warning`` at most ``per_s`` lines a second (burst 10); suppressed lines are counted and the

@@ -61,6 +61,10 @@ class IngressLimits:
     per second; jobs without stored history cost nothing. Over the rate a job starts cold (counted)."""
     rebuild_burst: int = 200
     """Rebuilds allowed at once before the rate applies."""
+    rebuild_time_share: float = 0.05
+    """Share of the processor's wall time spent rebuilding jobs from the store, averaged over a minute
+    (a rebuild is a few store queries, 10-200 ms: at ``rebuilds_per_s`` alone, job ids churning at
+    ``max_jobs`` turned ingest into rebuilds). Over it a job starts cold (counted ``rate_limited``)."""
     deadletter_payload_bytes: int = 1 << 20
     """Raw payload kept in a deadletter record, bytes (the rest is cut and the cut noted)."""
     deadletter_reasons: int = 5

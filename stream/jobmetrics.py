@@ -46,9 +46,19 @@ metric                                         type       meaning
                                                           not churn series; from the ``2/smoothing``-th step
 =============================================  =========  ====================================================
 
-Series per job: 5 (the summary) + 10 fixed, 2 per collective kind, 1 per (alert kind, cause) seen, at most
-``top_k`` slow ranks — the same at 64 and at 100,000 ranks. Plus, once per processor,
-``stepwatch_job_metrics_jobs`` (jobs exported).
+Series per job: 5 (the summary) + 10 fixed, 2 per collective kind (at most ``MAX_OPS`` kinds), 1 per (alert
+kind, cause) seen, at most ``top_k`` slow ranks — the same at 64 and at 100,000 ranks. Plus, once per
+processor, ``stepwatch_job_metrics_jobs`` (jobs exported) and ``stepwatch_job_metrics_jobs_left_out``.
+
+Bounds (a scrape must stay small whatever the telemetry says; docs/limits.md):
+
+* at most ``max_jobs`` jobs (500) are exported per scrape: the jobs with the most open alerts first,
+  then the most recently active. Troubled jobs are what a dashboard or an alert rule needs; among the
+  healthy ones the newest data is the most useful. The rest are left out of that scrape and counted
+  in ``stepwatch_job_metrics_jobs_left_out`` (6,000 jobs exported in full were 72,001 series, 4.8 MB);
+* every label value (job, node, op, kind, cause) is at most ``MAX_LABEL_CHARS`` (128) characters:
+  longer ones are cut and end with ``~`` and 16 hex digits of their SHA-256, so distinct values stay
+  distinct series (a node name of 200,000 characters became a label before).
 
 Lifecycle: a job enters on its first block; it **leaves the registry** (all its series vanish) when no
 block, row or alert arrived for ``job_ttl_s`` seconds (wall clock), or when :meth:`forget` is called.
@@ -56,6 +66,8 @@ Thread safety: the processor thread updates, the exporter's HTTP thread collects
 """
 from __future__ import annotations
 
+import hashlib
+import heapq
 import threading
 import time
 
@@ -69,6 +81,17 @@ POINT_KINDS = frozenset({"regression", "recovery", "mfu_regression"})
 JITTER_NEIGHBOURS = 21
 JITTER_SLOW = 1.1
 QUANTILES = (0.5, 0.99, 1.0)
+MAX_LABEL_CHARS = 128
+MAX_OPS = 16          # collective kinds exported per job (op names come from the telemetry)
+
+
+def bounded_label(v: str, limit: int = MAX_LABEL_CHARS) -> str:
+    """``v`` if at most ``limit`` characters, else its head, ``~`` and 16 hex digits of its SHA-256
+    (``limit`` characters in all: distinct long values stay distinct)."""
+    if len(v) <= limit:
+        return v
+    digest = hashlib.sha256(v.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return v[:max(limit - 17, 0)] + "~" + digest
 
 
 class _Job:
@@ -113,9 +136,12 @@ class JobMetrics:
 
     def __init__(self, registry=None, *, top_k: int = 5, window_steps: int = 256, job_ttl_s: float = 600.0,
                  smoothing: float = 0.2, margin: float = 0.03, point_hold_s: float = 900.0,
-                 clock=time.monotonic):
+                 max_jobs: int = 500, clock=time.monotonic):
         if top_k < 0 or window_steps < JITTER_NEIGHBOURS or job_ttl_s <= 0 or not 0 < smoothing <= 1:
             raise ValueError("jobmetrics: need top_k >= 0, window_steps >= 21, job_ttl_s > 0, 0 < smoothing <= 1")
+        if max_jobs < 0:
+            raise ValueError(f"jobmetrics: max_jobs must be >= 0, not {max_jobs!r}")
+        self.max_jobs = int(max_jobs)      # jobs exported per scrape (see the module docs)
         self.top_k, self.window = int(top_k), int(window_steps)
         self.job_ttl_s, self.smoothing, self.point_hold_s = float(job_ttl_s), float(smoothing), float(point_hold_s)
         self.margin = float(margin)
@@ -249,6 +275,8 @@ class JobMetrics:
         with self._lock:
             j = self._get(job)
             for op in np.unique(ops):
+                if str(op) not in j.bw and len(j.bw) >= MAX_OPS:
+                    continue
                 m = ops == op
                 b, u = bus[m], util[m]
                 j.bw[str(op)] = (float(nanmedian(b)) * 1e9 if np.isfinite(b).any() else np.nan,
@@ -345,7 +373,11 @@ class JobMetrics:
         with self._lock:
             self._expire()
             now = self.clock()
-            for job, j in sorted(self._jobs.items()):
+            chosen = self._jobs.items()
+            if len(self._jobs) > self.max_jobs:          # the most open alerts, then the most recent
+                chosen = heapq.nlargest(self.max_jobs, chosen, key=lambda kv: (len(kv[1].alerts), kv[1].touched))
+            for name, j in sorted(chosen):
+                job = bounded_label(name)
                 v = self._values(j)
                 if "quantiles" in v:
                     for q, x in v["quantiles"]:
@@ -368,8 +400,8 @@ class JobMetrics:
                 if "goodput" in v and np.isfinite(v["goodput"]):
                     fams["goodput"].add_metric([job], v["goodput"])
                 for op, (b, u) in sorted(j.bw.items()):
-                    fams["bw"].add_metric([job, op], b)
-                    fams["bw_ratio"].add_metric([job, op], u)
+                    fams["bw"].add_metric([job, bounded_label(op)], b)
+                    fams["bw_ratio"].add_metric([job, bounded_label(op)], u)
                 firing: dict[tuple[str, str], int] = dict.fromkeys(j.combos, 0)
                 for aid, (kind, cause, hold) in list(j.alerts.items()):
                     if hold is not None and now > hold:
@@ -377,12 +409,15 @@ class JobMetrics:
                         continue
                     firing[(kind, cause)] = firing.get((kind, cause), 0) + 1
                 for (kind, cause), n in sorted(firing.items()):
-                    fams["alerts"].add_metric([job, kind, cause], n)
+                    fams["alerts"].add_metric([job, bounded_label(kind), bounded_label(cause)], n)
                 for rank, node, sec in v.get("slowest", ()):
-                    fams["slow"].add_metric([job, str(rank), node], sec)
-            njobs = len(self._jobs)
+                    fams["slow"].add_metric([job, str(rank), bounded_label(node)], sec)
+            njobs, left_out = len(chosen), len(self._jobs) - len(chosen)
         yield from fams.values()
-        yield GaugeMetricFamily("stepwatch_job_metrics_jobs", "Jobs whose metrics this processor exports", njobs)
+        yield GaugeMetricFamily("stepwatch_job_metrics_jobs", "Jobs whose metrics this scrape exports", njobs)
+        yield GaugeMetricFamily("stepwatch_job_metrics_jobs_left_out",
+                                "Jobs with metrics left out of this scrape (over the job metrics' max_jobs)",
+                                left_out)
 
 
 def _q(q: float) -> str:
@@ -396,6 +431,9 @@ def add_args(p) -> None:
                    help="slowest ranks exported per job (rank and node labels; 0: none)")
     g.add_argument("--job-metrics-ttl", type=float, default=600.0, metavar="S",
                    help="seconds without data after which a job's series leave the registry")
+    g.add_argument("--job-metrics-max-jobs", type=int, default=500, metavar="N",
+                   help="jobs exported per scrape: the most open alerts first, then the most recently active "
+                        "(the rest are counted in stepwatch_job_metrics_jobs_left_out)")
 
 
 def configure_from_args(jm: JobMetrics | None, a) -> None:
@@ -403,4 +441,7 @@ def configure_from_args(jm: JobMetrics | None, a) -> None:
         return
     if a.job_metrics_top_k < 0 or a.job_metrics_ttl <= 0:
         raise SystemExit("stepwatch process: --job-metrics-top-k must be >= 0 and --job-metrics-ttl > 0")
+    if a.job_metrics_max_jobs < 0:
+        raise SystemExit(f"stepwatch process: --job-metrics-max-jobs must be >= 0, not {a.job_metrics_max_jobs}")
     jm.top_k, jm.job_ttl_s = int(a.job_metrics_top_k), float(a.job_metrics_ttl)
+    jm.max_jobs = int(a.job_metrics_max_jobs)

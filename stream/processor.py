@@ -25,6 +25,7 @@ import logging
 import re
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -57,6 +58,7 @@ from stepwatch.stream.metrics import ProcessorMetrics
 log = logging.getLogger("stepwatch.processor")
 
 INPUT_TOPICS = catalog.INPUT_TOPICS
+REBUILD_TIME_WINDOW_S = 60.0     # rebuild_time_share is averaged over this long (the time bucket's burst)
 
 
 def _build_detectors(settings, job: str | None = None):
@@ -115,9 +117,17 @@ class Processor(Intake, CaughtUp):
         self.extras = ingress.ExtraColumns(self.limits)
         self.rlog = ingress.RateLimitedLog(log, self.limits.log_per_s)
         self.rebuild_bucket = ingress.TokenBucket(self.limits.rebuilds_per_s, self.limits.rebuild_burst)
+        # seconds of rebuilding allowed: a share of the wall time, averaged over a minute (a rebuild is
+        # store queries, ~10-200 ms: 20 a second could take all of it when job ids churn at max_jobs)
+        self.rebuild_time = ingress.TokenBucket(self.limits.rebuild_time_share,
+                                                self.limits.rebuild_time_share * REBUILD_TIME_WINDOW_S)
         self._dl: ingress.MessageDeadletter | None = None   # what went wrong with the message in hand
         self._src = None                                     # (topic, partition, offset) of that message
-        self.job_seen: dict[str, float] = {}                 # job -> monotonic time of its last message
+        # job -> monotonic time of its last message, least recently active first (_job moves a job to
+        # the end), so eviction takes jobs from the front: O(1) per job, not a sort of all of them.
+        # Entries of jobs no longer held (fencing drops them all) are skipped and removed when reached.
+        self.job_seen: OrderedDict[str, float] = OrderedDict()
+        self._wide: set[str] = set()      # jobs whose ring is wider than stepaxis.SPARSE_MIN_WIDTH ranks
         self.store = ParquetStore(data_dir).init()
         self.group = group
         self.flush_interval_s = flush_interval_s
@@ -301,7 +311,7 @@ class Processor(Intake, CaughtUp):
                 w0 = rt.state.world_size
                 rt.state.set_topology(part)
                 rt.keep_topology(part)
-                stepaxis.check_budget(self, rt, w0)
+                self._widened(rt, w0)
                 if rt.pending:                              # steps held for it: detect them now
                     self._detect(rt, [])
             self._buffer("topology", t)
@@ -326,7 +336,7 @@ class Processor(Intake, CaughtUp):
             t0, w0 = time.perf_counter(), rt.state.world_size
             res, blocks = rt.state.ingest(part)
             self.metrics.align_seconds.observe(time.perf_counter() - t0)
-            stepaxis.check_budget(self, rt, w0)
+            self._widened(rt, w0)
             if res.duplicates:
                 self.metrics.dropped.labels("duplicate").inc(res.duplicates)
             if res.unplaced:                                # stored, not aligned (stream.align.JobState.place)
@@ -398,6 +408,7 @@ class Processor(Intake, CaughtUp):
 
     def _job(self, job: str) -> JobRuntime:
         self.job_seen[job] = time.monotonic()
+        self.job_seen.move_to_end(job)
         rt = self.jobs.get(job)
         if rt is None:
             if len(self.jobs) >= self.limits.max_jobs:
@@ -406,16 +417,27 @@ class Processor(Intake, CaughtUp):
                             _build_detectors(self.detector_settings, job))
             self.jobs[job] = rt
             # a burst of made-up job ids must not stall ingest: only jobs with stored history are
-            # rebuilt from the store, at a bounded rate
+            # rebuilt from the store, at a bounded rate and a bounded share of the time
             if not self._has_history(job):
                 self.metrics.rebuilds.labels("none").inc()
-            elif self.rebuild_bucket.take():
+            elif self.rebuild_time.take(0.0) and self.rebuild_bucket.take():
                 self.metrics.rebuilds.labels("store").inc()
+                t0, w0 = time.monotonic(), rt.state.world_size
                 self._rebuild(rt)
+                self.rebuild_time.charge(time.monotonic() - t0)
+                self._widened(rt, w0)
             else:
                 self.metrics.rebuilds.labels("rate_limited").inc()
-                self.rlog.warning("job %s starts cold: over rebuilds_per_s=%g", job, self.limits.rebuilds_per_s)
+                self.rlog.warning("job %s starts cold: over rebuilds_per_s=%g or rebuild_time_share=%g", job,
+                                  self.limits.rebuilds_per_s, self.limits.rebuild_time_share)
         return rt
+
+    def _widened(self, rt: JobRuntime, old_width: int) -> None:
+        """After a job's ring may have widened: note a wide one (the candidates for sparse-first
+        eviction, so eviction need not look at every job) and hold the state budget (stream.stepaxis)."""
+        if rt.state.world_size > stepaxis.SPARSE_MIN_WIDTH:
+            self._wide.add(rt.state.job)
+        stepaxis.check_budget(self, rt, old_width)
 
     def _has_history(self, job: str) -> bool:
         """Whether the store may hold rows of ``job`` (its partition folders exist)."""
@@ -423,39 +445,63 @@ class Processor(Intake, CaughtUp):
 
     def _evict_jobs(self, room: int = 0) -> None:
         """Close and forget jobs idle for ``job_idle_evict_s``, and the least recently active ones
-        while more than ``max_jobs - room`` jobs or ``max_state_bytes`` of rings are held."""
+        while more than ``max_jobs - room`` jobs or ``max_state_bytes`` of rings are held; sparse rings
+        (a row at a high rank of a made-up job: stepaxis.sparse) go first. O(jobs evicted) with
+        ``job_seen`` in activity order, plus, below the job cap, one sum of the rings' sizes."""
         if not self.jobs:
             return
         lim = self.limits
         now = time.monotonic()
-        idle = [j for j in self.jobs if now - self.job_seen.get(j, now) > lim.job_idle_evict_s]
-        over = len(self.jobs) - len(idle) + room - lim.max_jobs
-        size = 0
-        if over <= 0 and len(self.jobs) > 1:
+        seen, gone = self.job_seen, []
+
+        def take(j: str) -> None:
+            gone.append((j, self.jobs.pop(j)))
+            seen.pop(j, None)
+            self._wide.discard(j)
+
+        def oldest() -> str | None:
+            while seen:
+                j, t = next(iter(seen.items()))
+                if j in self.jobs:
+                    return j
+                seen.popitem(last=False)            # no longer held (fenced): drop the stale entry
+            return None
+
+        while (j := oldest()) is not None and now - seen[j] > lim.job_idle_evict_s:
+            take(j)
+
+        def sparse_first():
+            wide = [j for j in self._wide if j in self.jobs and stepaxis.sparse(self.jobs[j])]
+            yield from sorted(wide, key=lambda j: seen.get(j, 0.0))
+            while (j := oldest()) is not None:
+                yield j
+
+        over = len(self.jobs) + room - lim.max_jobs
+        if over > 0:
+            for j in sparse_first():
+                if over <= 0:
+                    break
+                if j in self.jobs:
+                    take(j)
+                    over -= 1
+        elif len(self.jobs) > 1:
             size = sum(rt.state.state_bytes() for rt in self.jobs.values())
-        if over > 0 or size > lim.max_state_bytes:
-            # sparse rings first (a row at a high rank of a made-up job), then the least recently active
-            rest = sorted((j for j in self.jobs if j not in set(idle)),
-                          key=lambda j: (not stepaxis.sparse(self.jobs[j]), self.job_seen.get(j, 0)))
-            k = max(over, 0)
-            extra = rest[:k]
             if size > lim.max_state_bytes:
-                freed = sum(self.jobs[j].state.state_bytes() for j in extra)
-                for j in rest[k:-1]:
-                    if size - freed <= lim.max_state_bytes:
+                for j in sparse_first():
+                    if size <= lim.max_state_bytes or len(self.jobs) <= 1:
                         break
-                    extra.append(j)
-                    freed += self.jobs[j].state.state_bytes()
-            idle += extra
-        for j in idle:
-            rt = self.jobs.pop(j)
-            self.job_seen.pop(j, None)
+                    if j in self.jobs:
+                        size -= self.jobs[j].state.state_bytes()
+                        take(j)
+        for j, rt in gone:
             try:
                 if rt.state.open_steps():
                     self._detect(rt, rt.state.close_ready(force=True))
                 self._host_settled(rt, force=True)
             except Exception:  # noqa: BLE001 - eviction never stops the processor
                 log.exception("closing evicted job %s", j)
+            if self.job_metrics is not None:        # its series go too: they are bounded by max_jobs
+                self.job_metrics.forget(j)
             self.metrics.jobs_evicted.inc()
 
     def _rebuild(self, rt: JobRuntime) -> None:
@@ -724,7 +770,9 @@ class Processor(Intake, CaughtUp):
         return {"rows_in": m.value(m.records_in), "rows_out": m.value(m.records_out),
                 "deadletter": m.value(m.dropped, "deadletter"), "duplicates": m.value(m.dropped, "duplicate"),
                 "alerts": len(self.alerts), "lag": getattr(m, "total_lag", 0),
-                "jobs": len(self.jobs), "rows_out_steps": m.value(m.records_out, "steps"),
+                "jobs": len(self.jobs), "jobs_evicted": m.value(m.jobs_evicted),
+                "rebuilds": {h: m.value(m.rebuilds, h) for h in ("store", "none", "rate_limited")},
+                "rows_out_steps": m.value(m.records_out, "steps"),
                 "t_first_data": self.t_first_data, "t_last_flush": self.t_last_flush,
                 "cpu_first_data": getattr(self, "cpu_first_data", None), "cpu_last_flush": getattr(self, "cpu_last_flush", None),
                 "flush_s": sum(x.value for c in m.flush_seconds.collect() for x in c.samples if x.name.endswith("_sum"))}
