@@ -242,3 +242,28 @@ def test_receiver_refuses_unauthenticated_malformed_and_oversized_posts_and_rate
     assert m.get_sample_value("stepwatch_act_alerts_ignored_total") == 2
     with pytest.raises(Exception, match="not a host name"):
         command("slurm", "drain", "n1 state=resume", "r")
+
+
+def test_the_documented_receiver_passes_amtool_and_routes_node_kinds_to_stepwatch_act(tmp_path):
+    import re
+    from pathlib import Path
+
+    from promstack import AMTOOL
+    if not AMTOOL:
+        pytest.skip(MISSING_AM + " (amtool)")
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "baremetal.md").read_text()
+    block = next(b for b in re.findall(r"```yaml\n(.*?)```", doc, re.S) if "stepwatch-act" in b)
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    cfg = tmp_path / "alertmanager.yml"
+    cfg.write_text(block.replace("/etc/alertmanager/stepwatch-act.token", str(token)))
+    r = subprocess.run([AMTOOL, "check-config", str(cfg)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
+
+    def route(*labels):
+        r = subprocess.run([AMTOOL, "config", "routes", "test", f"--config.file={cfg}", *labels],
+                           capture_output=True, text=True, timeout=60)
+        return r.stdout.strip()
+    assert route("source=stepwatch", "alertname=slow_node", "incident=inc-1") == "stepwatch-act"
+    assert route("source=stepwatch", "alertname=rank_crash", "incident=inc-1") == "stepwatch-act"
+    assert route("source=stepwatch", "alertname=slow_rank", "incident=inc-1") == "default"
