@@ -484,6 +484,7 @@ class Receiver:
         class H(http.server.BaseHTTPRequestHandler):
             server_version = "stepwatch-act"
             sys_version = ""
+            timeout = 10                      # a client that stalls mid-request loses its thread after 10 s
 
             def _answer(self, code: int, text: str, result: str, headers: dict | None = None):
                 outer.actor.metrics.requests.labels(result).inc()

@@ -139,7 +139,7 @@ def test_alertmanager_webhook_drains_the_slurm_node_after_two_incidents_and_undo
         assert sorted(rows[0]["incidents"]) == ["inc-d000000000000001", "inc-d000000000000002"]
         want = f"update nodename={node} state=drain 'reason=stepwatch: slow_node inc-d00000000000000"
         assert want in rows[0]["command"] and rows[0]["command"].split()[0].endswith("scontrol")
-        assert any("would run:" in x and want in x for x in dry.lines), dry.lines
+        wait_until(lambda: any("would run:" in x and want in x for x in dry.lines), 10, "the printed command")
         assert _state(slurm, node) == "idle"
 
         # ---- executed: one incident is not enough; the second drains the node
@@ -166,7 +166,7 @@ def test_alertmanager_webhook_drains_the_slurm_node_after_two_incidents_and_undo
         assert refused[0]["reason"] == "cooldown" and f"action {done[0]['id']}" in refused[0]["result"]
         assert "inc-1000000000000003" in refused[0]["incidents"]
         assert [r["outcome"] for r in live.store().actions()] == ["done", "refused"]
-        assert any("refused (cooldown)" in x for x in live.lines), live.lines
+        wait_until(lambda: any("refused (cooldown)" in x for x in live.lines), 10, "the printed refusal")
 
         # ---- undo by one command: the node is resumed
         u = subprocess.run([sys.executable, "-m", "stepwatch.cli", "act", "undo", str(done[0]["id"]),
