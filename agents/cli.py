@@ -139,7 +139,7 @@ def add_agent_args(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub) -> None:
-    """Add ``agent``, ``wrap`` and ``slurm`` to a ``stepwatch`` subparsers object."""
+    """Add ``agent``, ``wrap``, ``slurm`` and ``act`` to a ``stepwatch`` subparsers object."""
     from stepwatch.agents.wrap import add_wrap_args
     ag = sub.add_parser("agent", help="node agent: receive the probes' records, sample the host, batch to Kafka")
     add_agent_args(ag)
@@ -151,6 +151,10 @@ def register(sub) -> None:
     sl = sub.add_parser("slurm", help="Slurm prolog/epilog: tell this node's agent a job started or ended")
     add_slurm_args(sl)
     sl.set_defaults(func=cmd_slurm)
+    from stepwatch.agents.act import add_act_args
+    ac = sub.add_parser("act", help="opt-in: drain (Slurm) or cordon (k8s) a node that keeps failing, from "
+                        "Alertmanager's webhook (dry run unless --execute)")
+    add_act_args(ac)
 
 
 def main(argv: list[str] | None = None) -> int:

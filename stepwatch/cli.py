@@ -14,6 +14,7 @@
     stepwatch grafana provision|export dashboards, DuckDB datasource, alert rules (idempotent)
     stepwatch agent                    node agent: probes' records + host metrics -> Kafka (spools offline)
     stepwatch wrap -- CMD …            run a training command with every rank instrumented (zero-code)
+    stepwatch act serve|undo|log       opt-in Alertmanager webhook: drain/cordon a node that keeps failing
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import sys
 
 #: command -> the extra that installs what it needs
 COMMAND_EXTRA = {
-    "agent": "agent",
+    "agent": "agent", "act": "agent",
     "process": "processor", "sql": "processor", "compact": "processor", "config": "processor",
     "profile": "processor",
     "grafana": "grafana",
@@ -56,7 +56,7 @@ def without_parser(e: ModuleNotFoundError, argv: list[str] | None) -> int:
     if cmd == "wrap":                       # (the standard library only)
         from stepwatch.agents.wrap import main as wrap_main
         return wrap_main(args[args.index("wrap") + 1:])
-    if cmd == "agent":                      # an [agent]-only install: its own command line
+    if cmd in ("agent", "act"):             # an [agent]-only install: its own command line
         try:
             from stepwatch.agents.cli import main as agents_main
             return agents_main(args)
