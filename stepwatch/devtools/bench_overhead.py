@@ -61,7 +61,8 @@ def add_overhead_args(p: argparse.ArgumentParser) -> None:
 
 
 def _agent_cmd(socket_dir: str, bootstrap: str | None, metrics_port: int, plugins: str | None = None) -> list[str]:
-    cmd = [sys.executable, "-m", "stepwatch.agents.cli", "agent", "--socket-dir", socket_dir, "--interval", "1",
+    # the command the DaemonSet runs (`stepwatch agent`): its entry point, not the agents' module alone
+    cmd = [sys.executable, "-m", "stepwatch.cli", "agent", "--socket-dir", socket_dir, "--interval", "1",
            "--job", "bench-agent", "--metrics-port", str(metrics_port), "--topic-prefix", "bench.",
            "--spool-dir", os.path.join(socket_dir, "spool")]
     cmd += ["--bootstrap", bootstrap] if bootstrap else ["--no-kafka"]
