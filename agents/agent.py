@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import os
 import socket
@@ -571,6 +572,7 @@ class Agent:
                     self.tick()
                 except Exception:  # noqa: BLE001 - the agent never dies of one bad tick
                     log.exception("agent tick failed")
+                trim()
         finally:
             self.close()
 
@@ -627,6 +629,27 @@ def _ensure_ctl_dir(socket_dir: str, gid: int | None = None) -> None:
         os.chmod(d, 0o3770)
     except OSError as e:
         log.info("cannot create %s (%s): probes bind their control sockets in %s", d, e.strerror, socket_dir)
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or None (another C library)."""
+    import ctypes
+    try:
+        f = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):
+        return None
+    f.argtypes, f.restype = [ctypes.c_size_t], ctypes.c_int
+    return f
+
+
+def trim() -> None:
+    """Give the C heap's free pages back to the OS, once per tick of :meth:`Agent.run`: each tick's
+    datagrams, columns, Arrow tables and IPC buffers are freed by its end, and glibc keeps what they
+    left free in its arenas (~3 MB of the agent's resident set serving 8 ranks). ~0.1 ms a call."""
+    f = _malloc_trim()
+    if f is not None:
+        f(0)
 
 
 def _max_dgram_qlen() -> int | None:

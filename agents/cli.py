@@ -26,6 +26,15 @@ def systemd_unit(name: str, exe: str | None = None) -> str:
     return text.replace("/usr/local/bin/stepwatch", exe)
 
 
+def prepare_agent_process() -> None:
+    """Called in the agent's process before pyarrow loads: Arrow's C++ default memory pool becomes the
+    system allocator (``ARROW_DEFAULT_MEMORY_POOL``, read once as pyarrow loads). The IPC writer and its
+    LZ4 buffers allocate from that pool, not from the one :func:`pyarrow.set_memory_pool` sets; with
+    mimalloc, Arrow's default, those allocations kept ~6 MB of the agent resident. An operator's own
+    setting of the variable is kept."""
+    os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
+
+
 def cmd_agent(a) -> int:
     if a.print_systemd_unit:
         try:
@@ -158,6 +167,9 @@ def register(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else list(argv)
+    if next((x for x in args if not x.startswith("-")), None) == "agent":
+        prepare_agent_process()
     p = argparse.ArgumentParser(prog="stepwatch")
     p.add_argument("-v", "--verbose", action="count", default=0)
     register(p.add_subparsers(dest="cmd", metavar="COMMAND"))

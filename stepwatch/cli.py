@@ -294,13 +294,34 @@ def cmd_bench(a) -> int:
 DEVTOOLS = ("demo", "broker", "simulate", "bench", "eval")
 
 
-def build_parser(devtools: bool = True) -> argparse.ArgumentParser:
-    """``devtools=False``: leave out the arguments that stepwatch.devtools defines (a product command)."""
-    from stepwatch.kafkaio import add_kafka_args
+#: the node agent: it runs beside the job on every training node, so its command line is the agents' own
+#: (agents/cli.py), not the whole one, which loads every command's modules -- the processor's DuckDB lake,
+#: the Grafana client, ``pyarrow.compute`` through the wire decoder: ~55 MB of the agent's RSS
+#: (docs/agents.md, agent cost; tests/test_agent_footprint.py)
+AGENT_CMDS = ("agent",)
+
+
+def _top_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     p = argparse.ArgumentParser(prog="stepwatch", description="Streaming telemetry for large training clusters.")
     p.add_argument("--version", action="version", version=f"stepwatch {__version__}")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
-    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+    return p, p.add_subparsers(dest="cmd", metavar="COMMAND")
+
+
+def build_agent_parser() -> argparse.ArgumentParser:
+    """The command line of ``stepwatch agent``: the same options as in :func:`build_parser`, and the
+    agents' subcommands only (agents/cli.py ``register``)."""
+    from stepwatch.agents.cli import prepare_agent_process, register
+    prepare_agent_process()
+    p, sub = _top_parser()
+    register(sub)
+    return p
+
+
+def build_parser(devtools: bool = True) -> argparse.ArgumentParser:
+    """``devtools=False``: leave out the arguments that stepwatch.devtools defines (a product command)."""
+    from stepwatch.kafkaio import add_kafka_args
+    p, sub = _top_parser()
 
     d = sub.add_parser("demo", help="broker + simulated job + processor on this machine, then a post-mortem")
     d.add_argument("--real", action="store_true",
@@ -448,7 +469,10 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     cmd = next((x for x in args if not x.startswith("-")), None)
     try:
-        p = build_parser(devtools=cmd is None or cmd in DEVTOOLS)   # a product command loads no devtools module
+        if cmd in AGENT_CMDS:
+            p = build_agent_parser()
+        else:
+            p = build_parser(devtools=cmd is None or cmd in DEVTOOLS)   # a product command loads no devtools module
     except ModuleNotFoundError as e:
         if not extras.is_missing_extra(e):
             raise

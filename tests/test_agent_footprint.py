@@ -3,6 +3,7 @@
 its RSS (docs/agents.md, agent cost). Checked in a fresh interpreter on a real probe's datagrams."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -52,3 +53,81 @@ def test_the_agents_path_loads_neither_pyarrow_compute_nor_the_decoder(sockdir):
     r = subprocess.run([sys.executable, "-c", CODE, sockdir], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["[]"], r.stdout
+
+
+CLI_CODE = r"""
+import sys
+import stepwatch.agents.cli as ac
+
+def loaded(a):                                   # instead of serving: what `stepwatch agent` loaded to get here
+    import pyarrow as pa
+    heavy = ("duckdb", "stepwatch.storage.lake", "stepwatch.schema", "pyarrow.compute", "stepwatch.stream.processor",
+             "stepwatch.dashboards.grafana", "stepwatch.config")
+    print(sorted(m for m in heavy if m in sys.modules), pa.default_memory_pool().backend_name, a.socket_dir)
+    return 0
+
+ac.cmd_agent = loaded
+from stepwatch.cli import main
+sys.exit(main(["-v", "agent", "--no-kafka", "--socket-dir", sys.argv[1]]))
+"""
+
+
+def test_stepwatch_agent_builds_only_the_agents_command_line(sockdir):
+    """``stepwatch agent`` (the DaemonSet's command) loads none of the other commands' modules (the
+    processor's DuckDB lake, the Grafana client, the wire decoder and ``pyarrow.compute``: 125 -> 69 MB
+    idle), and Arrow's C++ default pool is the system allocator (mimalloc kept ~6 MB resident)."""
+    r = subprocess.run([sys.executable, "-c", CLI_CODE, sockdir], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["[]", "system", sockdir], r.stdout
+
+
+RSS_BOUND_MB = 90        # measured 74.5 MB (no Kafka, 4 ranks served); 127 MB before `stepwatch agent` built its own command line
+
+
+def test_stepwatch_agent_serving_ranks_stays_within_its_rss_bound(sockdir):
+    """The real ``stepwatch agent`` process, serving 4 probes' steps, resident set within RSS_BOUND_MB
+    (no Kafka here: ``stepwatch bench overhead`` measures it with the broker, docs/agents.md)."""
+    import re
+    import time
+    import urllib.request
+
+    from stepwatch.agents.probe import Probe, SOCKET_NAME
+    from stepwatch.devtools.broker import free_port
+
+    port = free_port()
+    agent = subprocess.Popen([sys.executable, "-m", "stepwatch.cli", "agent", "--no-kafka", "--socket-dir", sockdir,
+                              "--interval", "0.2", "--metrics-port", str(port), "--plugins", "cpu,mem,load"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    probes = []
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(sockdir, SOCKET_NAME)):
+            assert agent.poll() is None and time.monotonic() < deadline, agent.stderr.read().decode()[-2000:]
+            time.sleep(0.05)
+        probes = [Probe().init(job="fp", rank=r, world_size=4, socket_dir=sockdir, auto=False, flush_ms=50)
+                  for r in range(4)]
+
+        def steps_in() -> float:
+            try:
+                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            except OSError:
+                return 0.0
+            m = re.search(r'^stepwatch_agent_records_in_total\{kind="steps"\} ([0-9.e+]+)$', body, re.M)
+            return float(m.group(1)) if m else 0.0
+
+        while steps_in() < 4 * 50:
+            assert agent.poll() is None and time.monotonic() < deadline, "the agent did not count 200 steps"
+            for p in probes:
+                with p.step(samples=8):
+                    with p.phase("forward"):
+                        pass
+                p.flush()
+            time.sleep(0.01)
+        with open(f"/proc/{agent.pid}/smaps_rollup") as f:
+            rss_mb = int(re.search(r"^Rss:\s+(\d+) kB", f.read(), re.M).group(1)) / 1024
+        assert rss_mb <= RSS_BOUND_MB, f"stepwatch agent resident set {rss_mb:.1f} MB > {RSS_BOUND_MB} MB"
+    finally:
+        for p in probes:
+            p.shutdown()
+        agent.terminate()
+        agent.wait(15)

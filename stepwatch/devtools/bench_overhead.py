@@ -23,12 +23,13 @@ its node.
    figure without training noise. Targets: <= 20 µs/step, <= 0.5 % of a 100 ms step; judged on the
    isolated cost, the ``minimal`` loop's whole step, and both loops' in-call sums. The first line
    says which hot path ran (C, or the pure-Python fallback).
-2. **Agent cost.** ``stepwatch agent`` runs as a child process sending to the embedded broker (or,
-   with ``--no-broker``, sending nowhere), all host plug-ins at 1 Hz, while ``--agent-ranks`` (8)
+2. **Agent cost.** ``stepwatch agent`` (the DaemonSet's command, through the ``stepwatch`` entry point)
+   runs as a child process sending to the embedded broker (or, with ``--no-broker``, sending
+   nowhere), all host plug-ins at 1 Hz, while ``--agent-ranks`` (8)
    probes in this process report one step every ``--agent-step-ms`` (100 ms) each, with two
    collectives and a phase per step and a GC row every tenth step. After a warm-up, the agent's CPU
    time over ``--agent-seconds`` (30 s) is reported as % of one core, and its peak RSS. Targets:
-   <= 2 % of a core, <= 100 MB.
+   <= 1 % of a core, <= 80 MB (every MB is taken from every node of the cluster).
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-TARGET_US, TARGET_PCT, TARGET_CPU, TARGET_RSS_MB = 20.0, 0.5, 2.0, 100.0
+TARGET_US, TARGET_PCT, TARGET_CPU, TARGET_RSS_MB = 20.0, 0.5, 1.0, 80.0
 SETTLE_STEPS = 10          # untimed steps after each (re)install (hello, connect, patching): one-time, not per step
 
 
@@ -61,7 +62,8 @@ def add_overhead_args(p: argparse.ArgumentParser) -> None:
 
 
 def _agent_cmd(socket_dir: str, bootstrap: str | None, metrics_port: int, plugins: str | None = None) -> list[str]:
-    cmd = [sys.executable, "-m", "stepwatch.agents.cli", "agent", "--socket-dir", socket_dir, "--interval", "1",
+    # the command the DaemonSet runs (`stepwatch agent`): its entry point, not the agents' module alone
+    cmd = [sys.executable, "-m", "stepwatch.cli", "agent", "--socket-dir", socket_dir, "--interval", "1",
            "--job", "bench-agent", "--metrics-port", str(metrics_port), "--topic-prefix", "bench.",
            "--spool-dir", os.path.join(socket_dir, "spool")]
     cmd += ["--bootstrap", bootstrap] if bootstrap else ["--no-kafka"]
