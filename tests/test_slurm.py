@@ -1,10 +1,11 @@
 """stepwatch under a real Slurm (issue 30): Debian's slurm-wlm + munge, one node on free loopback ports
 (tests/slurmcluster.py), with the node agent, the embedded broker and a processor.
 
-* ``srun -n 2 stepwatch wrap -- python ddp_train.py``: the ranks take their identity and ``env://``
-  rendezvous from Slurm (no torchrun); rank 1 sleeps in its forward pass from step 100; in the store the
-  job id is the Slurm job id, ranks 0 and 1 stepped, an incident names rank 1, and the epilog's end of the
-  job (``sched_end``, exit 0) is stored and raises no alert.
+* ``srun -n 2 stepwatch wrap -- python ddp_train.py``, from the shell and as the step of an ``sbatch``
+  script: the ranks take their identity and ``env://`` rendezvous from Slurm (no torchrun); rank 1 sleeps
+  in its forward pass from step 100; in the store the job id is the Slurm job id, ranks 0 and 1 stepped,
+  an incident names rank 1, and the epilog's end of the job (``sched_end``, exit 0) is stored and raises
+  no alert.
 """
 from __future__ import annotations
 
@@ -54,7 +55,10 @@ def _poll(con_dir, sql: str, args: list, ok, timeout_s: float = 30.0):
     raise AssertionError(f"timed out: {sql} -> {rows!r}")
 
 
-def test_srun_ranks_are_the_slurm_job_and_its_end_is_the_epilogs(slurm, kafka, tmp_path, socket_dir):
+@pytest.mark.parametrize("launcher", ["srun", "sbatch"])
+def test_srun_ranks_are_the_slurm_job_and_its_end_is_the_epilogs(slurm, kafka, tmp_path, socket_dir, launcher):
+    """``launcher`` srun: ``srun -n 2`` from the login shell; sbatch: a batch script whose step is that
+    srun (``sbatch --wait``), as most jobs are submitted."""
     pytest.importorskip("torch", reason="trains a real PyTorch model")
     slurm.hooks(STEPWATCH_SOCKET_DIR=socket_dir)
     agent = Agent(kafka, socket_dir=socket_dir, node=slurm.node, interval_s=0.5).start()
@@ -67,10 +71,17 @@ def test_srun_ranks_are_the_slurm_job_and_its_end_is_the_epilogs(slurm, kafka, t
         t.start()
     name = f"sw-{time.monotonic_ns()}"
     try:
-        r = slurm.run("srun", "-n", "2", "-J", name, sys.executable, "-m", "stepwatch.agents.wrap",
-                      "--socket-dir", socket_dir, "--", sys.executable, ddp_train_file, timeout=120, check=False,
-                      env={"SW_STEPS": "200", "SW_PAD_MS": "30", "SW_WIDTH": "256", "SW_SLEEP_RANK": "1",
-                           "SW_SLEEP_MS": "15", "SW_SLEEP_FROM": "100"})
+        env = {"SW_STEPS": "200", "SW_PAD_MS": "30", "SW_WIDTH": "256", "SW_SLEEP_RANK": "1",
+               "SW_SLEEP_MS": "15", "SW_SLEEP_FROM": "100"}
+        step = [sys.executable, "-m", "stepwatch.agents.wrap", "--socket-dir", socket_dir, "--", sys.executable,
+                ddp_train_file]
+        if launcher == "srun":
+            r = slurm.run("srun", "-n", "2", "-J", name, *step, timeout=120, check=False, env=env)
+        else:
+            script = tmp_path / "job.sbatch"
+            script.write_text("#!/bin/bash\n#SBATCH -n 2\n" + "srun " + " ".join(step) + "\n")
+            r = slurm.run("sbatch", "--wait", "-J", name, "-o", str(tmp_path / "job.out"), str(script),
+                          timeout=120, check=False, env=env)
         assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
         job = slurm.run("squeue", "-h", "-t", "all", "-n", name, "-o", "%i").stdout.split()
         assert len(job) == 1 and job[0].isdigit(), job
