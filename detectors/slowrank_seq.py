@@ -295,12 +295,13 @@ class _SequentialTests:
         d = self._work("d")
         np.clip(old, -c1, c1, out=d)                     # = maximum(minimum(old, c1), -c1): -c1 < c1
         d -= off
-        for p in range(_P):                              # the rate from a table of those floats; one
-            n_p = off_n[p]                               # number per series once its ranks have 64 values
-            if int(n_p.min()) >= _OFFSET_STEPS:
-                d[p] *= _RATE[_OFFSET_STEPS]
-            else:
-                d[p] *= np.take(_RATE, np.minimum(n_p, _OFFSET_STEPS))
+        for p in range(_P):                              # the rate: 1 / _OFFSET_STEPS but for the few ranks
+            n_p, d_p = off_n[p], d[p]                    # with fewer values (new, or frozen under an alert)
+            few = np.flatnonzero(n_p < _OFFSET_STEPS)
+            kept = d_p[few]
+            d_p *= _RATE[_OFFSET_STEPS]
+            if len(few):
+                d_p[few] = kept * _RATE[n_p[few]]
         np.logical_not(ok, out=miss_b)
         np.copyto(d, 0.0, where=miss_b)
         off += d
