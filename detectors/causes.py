@@ -90,7 +90,9 @@ def host_gap(step_ms, data_ms, compute_ms, comm_ms, comm_wait_ms, gc_ms) -> np.n
     gap = np.array(step_ms, dtype=np.float64)  # a copy
     for p in (data_ms, compute_ms, comm_ms, comm_wait_ms, gc_ms):
         p = np.asarray(p, dtype=np.float64)
-        gap -= np.where(np.isnan(p), 0.0, p)
+        nan = np.isnan(p)
+        # a NaN phase subtracts nothing (x - 0.0 is x, signed zeros and NaN included): skipped in place
+        np.subtract(gap, p, out=gap, where=~nan if nan.any() else True)
     return np.maximum(gap, 0.0, where=~np.isnan(gap), out=gap)
 
 

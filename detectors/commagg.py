@@ -102,6 +102,7 @@ class _CommAggregate:
         self._prev_members = None
         self._prev_raw = (None, None)                         # (last batch's member codes, sorted unique)
         self._prev_keys = (None, None, None)                  # (op codes, group codes, keys) of the last batch
+        self._prev_layout = (None, None, np.zeros(0), None)   # (codes, group sizes, rows, max size) of the last
         self._nodes = (None, None, None)                      # (array seen, its copy, codes)
         self._mem_cache = (None, None, None, np.zeros(0), None)  # (members, node codes, (keys, ranks), ranks, nodes)
 
@@ -186,9 +187,10 @@ class _CommAggregate:
         else:
             grc = np.full(n, self.groups.codes(pa.array([""]))[0], dtype=np.int64)
         ok = (step != lo_int) & (rank >= 0) & (rank < rank_limit)
-        if not ok.any():
+        all_ok = bool(ok.all())
+        if not all_ok and not ok.any():
             return
-        top = int(step[ok].max())
+        top = int(step.max() if all_ok else step[ok].max())
         self.newest = top if self.newest is None else max(self.newest, top)
         ok &= step > self.newest - self.W
         if not ok.all():
@@ -197,10 +199,11 @@ class _CommAggregate:
             step, rank, time_ms, wait_ms, nbytes, count, gs, opc, grc = (
                 a[ok] for a in (step, rank, time_ms, wait_ms, nbytes, count, gs, opc, grc))
         key = self._keys(opc, grc)
-        smin = int(step.min())
+        smin, smax = int(step.min()), int(step.max())
         li = step - smin
-        nloc = int(li.max()) + 1
-        present = np.flatnonzero(np.bincount(li, minlength=nloc))
+        nloc = smax - smin + 1
+        # the usual batch holds one step: nothing to count
+        present = np.zeros(1, dtype=np.int64) if nloc == 1 else np.flatnonzero(np.bincount(li, minlength=nloc))
         slots = (smin + present) % self.W
         for p, i in zip(present.tolist(), slots.tolist()):
             if self.slot_step[i] != smin + p:
@@ -241,13 +244,21 @@ class _CommAggregate:
         fold("kwait", wait_ms[pi])
         fold("kbytes", pbytes)
         fold("kcount", pcount)
-        self.krows[slots] += np.bincount(code, minlength=M).reshape(nloc, kc)[present]
+        # rows and the largest group size per code depend on the layout only: a batch laid out like the
+        # last one (the same codes and group sizes, the usual case) takes them from it
+        pgs = gs[pi]
+        lc, lg, lrows, lgs = self._prev_layout
+        if not (lc is not None and len(lc) == len(code) and M == len(lrows) and np.array_equal(lc, code)
+                and np.array_equal(lg, pgs, equal_nan=True)):
+            lrows = np.bincount(code, minlength=M)
+            lgs = np.full(M, np.nan)
+            np.fmax.at(lgs, code, pgs)
+            self._prev_layout = (code, pgs, lrows, lgs)
+        self.krows[slots] += lrows.reshape(nloc, kc)[present]
         tmp = np.full(M, np.inf)
         np.minimum.at(tmp, code, ptime)
         self.kmin[slots] = np.minimum(self.kmin[slots], tmp.reshape(nloc, kc)[present])
-        tmp = np.full(M, np.nan)
-        np.fmax.at(tmp, code, gs[pi])
-        self.kgs[slots] = np.fmax(self.kgs[slots], tmp.reshape(nloc, kc)[present])
+        self.kgs[slots] = np.fmax(self.kgs[slots], lgs.reshape(nloc, kc)[present])
         b = np.searchsorted(_HIST_EDGES, pbytes / np.maximum(pcount, 1), side="right")
         nh = len(_HIST_NAMES)
         self.hist[slots] += np.bincount(b if nloc == 1 else pli * nh + b, weights=pcount,

@@ -176,6 +176,7 @@ class SlowRank(_SequentialTests, _AlertAssembly, Detector):
         self._perm: np.ndarray | None = None
         self._small_rank = np.zeros(0, dtype=bool)
         self._slices: list[slice] = []
+        self._scratch: dict[str, np.ndarray] = {}               # per-step work arrays (see _work)
 
     # -- state -----------------------------------------------------------------------------------
     def _reset(self, R: int) -> None:
@@ -186,6 +187,7 @@ class SlowRank(_SequentialTests, _AlertAssembly, Detector):
         self._steps = np.full(n, -1, dtype=np.int64)
         self._tend = np.zeros(n, dtype=np.int64)
         self._flag = np.zeros((n, R), dtype=bool)
+        self._fcnt = np.zeros(R, dtype=np.int16)                 # flagged slots of the ring per rank
         self._clean = np.zeros(R, dtype=np.int32)                # consecutive clean reported steps
         self._active = np.zeros(R, dtype=bool)
         self._mode = np.zeros(R, dtype=np.int8)                  # 1: fired by accumulation
@@ -310,11 +312,15 @@ class SlowRank(_SequentialTests, _AlertAssembly, Detector):
         valid = ~np.isnan(busy)
         n, k = self.n, self.k
 
-        # Persistence counts over the block at once: history = the last n ring rows + the block.
+        # Persistence counts, history = the last n ring rows + the block: the flagged steps in the n
+        # steps ending at each step, from the ring's running count (the step leaving the window out, the
+        # new one in: two vector operations per step, not a cumulative sum over n + S rows)
         order = self._order()
-        hist = np.concatenate((self._flag[order], flags))                       # (n + S, R)
-        csum = _cumsum_rows(hist)
-        counts = csum[n:] - csum[:S]                 # flagged steps in the n steps ending at each step
+        hist_row = lambda i: self._flag[order[i]] if i < n else flags[i - n]      # noqa: E731
+        counts = np.empty((S, R), dtype=np.int16)
+        c = self._fcnt
+        for s in range(S):
+            c = counts[s] = c - hist_row(s) + flags[s]
         fire_k = flags & (counts >= k)
         hist_steps = np.concatenate((self._steps[order], block.steps))
 
@@ -341,7 +347,8 @@ class SlowRank(_SequentialTests, _AlertAssembly, Detector):
             for r in cand.tolist():
                 since = self._resolved_at[r]
                 rows = slice(s + 1, s + n + 1)
-                cnt = np.count_nonzero(hist[rows, r] & (hist_steps[rows] > since))
+                hist_r = np.concatenate((self._flag[order, r], flags[:, r]))      # (n + S,)
+                cnt = np.count_nonzero(hist_r[rows] & (hist_steps[rows] > since))
                 if cnt >= k:
                     fired.append((r, 0))
                 elif fire_c[r]:
@@ -352,15 +359,15 @@ class SlowRank(_SequentialTests, _AlertAssembly, Detector):
                 # noise) would otherwise "recover" between flags and fire again within the same fault
                 clear = self._clean >= self.clear_steps
                 if use_cs and self._cs_ready:
-                    h1, h2 = self._hv()
-                    clear &= (self._cs < 0.5 * h1).reshape(_P, R).all(axis=0) & (self._csb[:R] < 0.5 * h2[:R])
+                    clear &= ((self._cs.reshape(_P, R) < 0.5 * self._h[0][:, None]).all(axis=0)
+                              & (self._csb[:R] < 0.5 * self._h[1, 0]))
                 gone = np.flatnonzero(clear & self._active)
             else:
                 gone = ()
             if not fired and not len(gone):
                 continue
             if win is None:
-                win = _Window(self, block, flags, busy, eff, z, cost)
+                win = _Window(self, block, flags, busy, eff, z, cost, phases)
             t_end = int(block.t_end[s])
             hot = None
             for r, mode in fired:
@@ -381,6 +388,7 @@ class SlowRank(_SequentialTests, _AlertAssembly, Detector):
         m = min(S, n)
         slots = (self._pos + S - m + np.arange(m)) % n
         self._flag[slots] = flags[S - m:]
+        self._fcnt = counts[S - 1]                                               # = the ring's flags per rank
         self._steps[slots] = block.steps[S - m:]
         self._tend[slots] = block.t_end[S - m:]
         self._busy[slots], self._eff[slots] = busy[S - m:], eff[S - m:]
@@ -390,5 +398,5 @@ class SlowRank(_SequentialTests, _AlertAssembly, Detector):
                 self._ph[ph][slots] = arr[S - m:]
         self._pos += S
         if self._open:
-            self._refresh_queries(block, flags, busy, eff, z, cost)
+            self._refresh_queries(block, flags, busy, eff, z, cost, phases)
         return alerts

@@ -204,7 +204,7 @@ class _AlertAssembly:
         phase_cause, ph_ev = attribute(peers, mine_ph)
         return phase_cause, ph_ev, ph_ev["phases"].get("host_gap_ms", {}).get("delta")
 
-    def _refresh_queries(self, block: StepBlock, flags, busy, eff, z, cost) -> None:
+    def _refresh_queries(self, block: StepBlock, flags, busy, eff, z, cost, phases: dict | None = None) -> None:
         """Open alerts whose host evidence may still be read again (stream/hostwait.py holds an alert's
         row until the host samples that cover its steps come, then decides its cause again with
         :attr:`Alert.host_query`): their query's phase comparison is taken again over the steps from the
@@ -218,7 +218,7 @@ class _AlertAssembly:
                  if o["alert"].host_query is not None and 0 < self._last_step - o["alert"].step_detected <= self.n]
         if not young:
             return
-        win = _Window(self, block, flags, busy, eff, z, cost)
+        win = _Window(self, block, flags, busy, eff, z, cost, phases)
         s = len(block) - 1
         for a in young:
             M = [int(x) for x in a.ranks]
@@ -297,25 +297,31 @@ class _Window:
     """The last n steps up to a step of the current block (ring rows + block rows), built lazily and
     only when an alert fires, so the common path never copies the rings."""
 
-    def __init__(self, det, block: StepBlock, flags, busy, eff, z, cost):
+    def __init__(self, det, block: StepBlock, flags, busy, eff, z, cost, phases: dict | None = None):
         self.det, self.n = det, det.n
-        order = det._order()
-        self.ring = {"flag": det._flag[order], "busy": det._busy[order],
-                     "eff": det._eff[order], "z": det._z[order], "cost": det._cost[order]}
-        self.ring.update({ph: det._ph[ph][order] for ph in PHASES})
-        self.ring_steps, self.ring_t = det._steps[order], det._tend[order]
+        # the rings are read column first (only the ranks asked for, then their slots in order): a copy
+        # of every (n, R) ring in slot order costs ~50 MB of copying at 100k ranks. The window is used
+        # while the rings stay as they are (within one update).
+        self._order = det._order()
+        self._src = {"flag": det._flag, "busy": det._busy, "eff": det._eff, "z": det._z, "cost": det._cost}
+        self._src.update({ph: det._ph[ph] for ph in PHASES})
+        self.ring_steps, self.ring_t = det._steps[self._order], det._tend[self._order]
         self.blk = {"flag": flags, "busy": busy, "eff": eff, "z": z, "cost": cost}
-        self.blk.update(phase_arrays(block))
+        self.blk.update(phases if phases is not None else phase_arrays(block))
         self.blk_steps, self.blk_t = block.steps, block.t_end
         self._stage_cache: dict[tuple, dict[str, np.ndarray]] = {}
+
+    def _ring(self, key: str, cols) -> np.ndarray:
+        """(n, len(cols)) ring values of columns ``cols``, oldest slot first."""
+        return self._src[key][:, cols][self._order]
 
     def ranks(self, s: int, M: list[int]) -> dict[str, np.ndarray]:
         """(n, len(M)) arrays of the ranks ``M`` over the window ending at block row ``s``; ``steps``
         and ``t_end`` are (n,)."""
         out = {"steps": np.concatenate((self.ring_steps, self.blk_steps[:s + 1]))[-self.n:],
                "t_end": np.concatenate((self.ring_t, self.blk_t[:s + 1]))[-self.n:]}
-        for key, ring in self.ring.items():
-            out[key] = np.concatenate((ring[:, M], self.blk[key][:s + 1, M]))[-self.n:]
+        for key in self._src:
+            out[key] = np.concatenate((self._ring(key, M), self.blk[key][:s + 1, M]))[-self.n:]
         return out
 
     def stage_phases(self, s: int, g: int, exclude=()) -> dict[str, np.ndarray]:
@@ -329,7 +335,7 @@ class _Window:
             if len(idx) > 1024:                          # peers' medians: an even sample is plenty
                 idx = idx[::-(-len(idx) // 1024)]
             self._stage_cache[(s, g, ex)] = {
-                ph: nanmedian(np.concatenate((self.ring[ph][:, idx], self.blk[ph][:s + 1, idx]))[-self.n:],
+                ph: nanmedian(np.concatenate((self._ring(ph, idx), self.blk[ph][:s + 1, idx]))[-self.n:],
                               axis=1)
                 for ph in PHASES}
         return self._stage_cache[(s, g, ex)]

@@ -14,6 +14,10 @@ from .slowrank_stats import (_DELAY, _EVERY, _MAD_TO_SIGMA, _NULL_FEW, _NULL_MIN
                              OWN_PHASES, _cusum_theta, _pooled_phi)
 
 
+#: max(1 / max(n, 1), 1 / _OFFSET_STEPS) for n = 0 .. _OFFSET_STEPS: the offset EWMA's rate after n values
+_RATE = np.maximum(1.0 / np.maximum(np.arange(_OFFSET_STEPS + 1), 1), 1.0 / _OFFSET_STEPS)
+
+
 class _SequentialTests:
     """The per-step statistics of :class:`SlowRank` (state set up by its ``_reset``)."""
 
@@ -184,8 +188,9 @@ class _SequentialTests:
                 continue
             xs = np.asarray(x, dtype=np.float64)
             xs = xs if perm is None else xs[:, perm]
-            zp = np.full((S, R), np.nan)
-            jp = np.zeros((S, R), dtype=bool)
+            # straight into the series' columns when the ranks are stage-major (no permutation)
+            zp = zv[:, p * R:(p + 1) * R] if perm is None else np.full((S, R), np.nan)
+            jp = jv[:, p * R:(p + 1) * R] if perm is None else np.zeros((S, R), dtype=bool)
             parts = []
             for sl in self._slices:
                 got = bmeds.get(sl.start)
@@ -198,55 +203,74 @@ class _SequentialTests:
                 ss = sub[:, ::-(-sub.shape[1] // _SAMPLE_COLS)] if sub.shape[1] > 2 * _SAMPLE_COLS else sub
                 med = nanmedian(ss, axis=1)[:, None]
                 mad = nanmedian(np.abs(ss - med), axis=1)[:, None]
-                dev = sub - med
                 with np.errstate(divide="ignore", invalid="ignore"):
-                    zp[:, sl] = dev / (_MAD_TO_SIGMA * np.maximum(mad, self.mad_floor * np.abs(bmed)))
+                    dev = np.subtract(sub, med, out=zp[:, sl])
+                    np.divide(dev, _MAD_TO_SIGMA * np.maximum(mad, self.mad_floor * np.abs(bmed)), out=dev)
                     parts.append((_MAD_TO_SIGMA * mad / bmed)[:, 0])
                 jp[:, sl] = enough & ~np.isnan(sub)
             if perm is not None:
                 inv = np.empty_like(perm)
                 inv[perm] = np.arange(R)
                 zp, jp = zp[:, inv], jp[:, inv]
-            zv[:, p * R:(p + 1) * R], jv[:, p * R:(p + 1) * R] = zp, jp & np.isfinite(zp)
+                zv[:, p * R:(p + 1) * R], jv[:, p * R:(p + 1) * R] = zp, jp & np.isfinite(zp)
+            else:
+                jp &= np.isfinite(zp)
             if parts:
                 with np.errstate(all="ignore"):
                     sig[:, p] = nanmedian(np.stack(parts, axis=1), axis=1)
         return zv, jv, sig
 
+    def _work(self, name: str, dtype=np.float64) -> np.ndarray:
+        """A (_P, R) scratch array of the per-step tests, kept between steps: at 100k ranks each is 4 MB,
+        and a fresh one per step and expression costs its page faults on every step."""
+        a = self._scratch.get(name)
+        if a is None or a.shape != (_P, self._R) or a.dtype != dtype:
+            a = self._scratch[name] = np.empty((_P, self._R), dtype=dtype)
+        return a
+
     def _cusum_step(self, zs: np.ndarray, judged: np.ndarray, step: int):
         """One step of the two sequential tests for every column (rank and series); returns (hot, fire)
         boolean vectors per rank (any of its series). Works on (_P, R) views, per-series settings
-        broadcast down the columns."""
+        broadcast down the columns, in scratch arrays kept between steps (the same arithmetic as the
+        plain expressions, element by element: a missing value's increment is computed and then
+        replaced by 0, as ``np.where`` did)."""
         R = self._R
         col = lambda v: np.asarray(v, dtype=np.float64)[:, None]      # noqa: E731  (_P,) -> (_P, 1)
         k1, c1, k2, c2 = (col(x) for x in self._refs())
-        u = np.where(judged, zs, np.nan).reshape(_P, R)
-        zz = u.copy()
+        jr = judged.reshape(_P, R)
+        zz = self._work("zz")                             # z where judged, else NaN
+        zz.fill(np.nan)
+        np.copyto(zz, zs.reshape(_P, R), where=jr)
         hi = col(self._off_hi)
-        u -= np.maximum(np.minimum(self._off.reshape(_P, R), hi), -hi)
-        miss = np.isnan(u)
+        u = self._work("u")                               # z less the rank's own (clipped) offset
+        np.minimum(self._off.reshape(_P, R), hi, out=u)
+        np.maximum(u, -hi, out=u)
+        np.subtract(zz, u, out=u)
+        miss = np.isnan(u, out=self._work("miss", bool))
         ready = self._cs_ready
         h1, h2 = (col(self._h[0]), col(self._h[1])) if ready else (math.inf, math.inf)
         small = self._small_rank if self._small_rank.any() else None
         active = self._active[None, :]
-        uc = np.where(miss, -np.inf, u)                   # a missing value adds nothing (clipped at 0)
+        inc_all = self._work("inc")
+        up_all, miss_b = self._work("up", bool), self._work("b", bool)
         # the small-effect test on every series; the large-effect one on the busy time only (a large
         # excess is large in the busy time whatever phase it is in: the phases are there for small ones)
         for attr, k, c, h, n_ser in (("_cs", k1, c1, h1, _P), ("_csb", k2, c2, h2, 1)):
             prev = getattr(self, attr).reshape(_P, R)[:n_ser]
             if not np.isscalar(h):
                 h = h[:n_ser]
-            inc = np.minimum(uc[:n_ser], c[:n_ser])
+            inc = np.minimum(u[:n_ser], c[:n_ser], out=inc_all[:n_ser])
             if small is not None:
                 # (a small stage's rank also clipped below: the other rank's burst is its negative outlier)
                 inc[0] = np.where(small & ~miss[0], np.maximum(inc[0], -c[0]), inc[0])
             inc -= k[:n_ser]
-            new = prev + np.where(miss[:n_ser], 0.0, inc)
-            np.maximum(new, 0.0, out=new)
-            np.minimum(new, 1.5 * h, out=new)
+            np.copyto(inc, 0.0, where=miss[:n_ser])       # a missing value adds nothing
+            up = np.less_equal(prev, 0.0, out=up_all[:n_ser])
+            prev += inc
+            np.clip(prev, 0.0, 1.5 * h, out=prev)        # = minimum(maximum(prev, 0), 1.5 h)
+            up &= np.greater(prev, 0.0, out=miss_b[:n_ser])
             frm = getattr(self, attr + "_from").reshape(_P, R)[:n_ser]
-            frm[(prev <= 0) & (new > 0)] = step
-            prev[...] = new
+            frm[up] = step
         # the null law's sample (ranks under an alert left out) and the delayed offset update
         # (ranks of a small stage also while their CUSUM is above h/2: there a suspect is a third or half of
         # the sample, and its excess would make the null law's tail, and h, its own)
@@ -257,15 +281,30 @@ class _SequentialTests:
         uf = u.ravel()
         self._samp[self._age % len(self._samp)] = np.where(out.ravel()[self._cols], np.nan, uf[self._cols])
         dslot = self._age % _DELAY
-        old = self._zring[dslot].astype(np.float64).reshape(_P, R)
+        old = self._work("old")
+        np.copyto(old, self._zring[dslot].reshape(_P, R))          # float32 -> float64
         self._zring[dslot] = zz.ravel()
         if not self._cs_ready:
             old = zz                             # warm-up: learn the offsets from every step at once
-        ok = np.isfinite(old) & ~active
+        ok = np.isfinite(old, out=self._work("ok", bool))
+        ok &= ~active
         off, off_n = self._off.reshape(_P, R), self._off_n.reshape(_P, R)
         off_n += ok
-        rate = np.maximum(1.0 / np.maximum(off_n, 1), 1.0 / _OFFSET_STEPS)
-        off += np.where(ok, rate * (np.maximum(np.minimum(np.where(ok, old, 0.0), c1), -c1) - off), 0.0)
+        # off += where(ok, rate * (clip(old, -c1, c1) - off), 0) with rate = max(1 / max(off_n, 1),
+        # 1 / _OFFSET_STEPS); what is computed where not ok is replaced by 0, as np.where did
+        d = self._work("d")
+        np.clip(old, -c1, c1, out=d)                     # = maximum(minimum(old, c1), -c1): -c1 < c1
+        d -= off
+        for p in range(_P):                              # the rate: 1 / _OFFSET_STEPS but for the few ranks
+            n_p, d_p = off_n[p], d[p]                    # with fewer values (new, or frozen under an alert)
+            few = np.flatnonzero(n_p < _OFFSET_STEPS)
+            kept = d_p[few]
+            d_p *= _RATE[_OFFSET_STEPS]
+            if len(few):
+                d_p[few] = kept * _RATE[n_p[few]]
+        np.logical_not(ok, out=miss_b)
+        np.copyto(d, 0.0, where=miss_b)
+        off += d
         if judged[:R].any():
             self._age += 1
             if self._age % _EVERY == 0:
