@@ -160,10 +160,10 @@ def rows_from_batch(ident: Identity, body) -> tuple[dict | None, list[dict], lis
     names = ident.names
     srow = None
     if step is not None:
-        if len(step) == 14:                       # a version-1 record: no CPU fields
-            step = tuple(step) + (-1.0, -1.0)
+        if len(step) < 18:                        # an older record: no CPU (v1) / comm total, exposed (v2) fields
+            step = tuple(step) + (-1.0,) * (18 - len(step))
         (n, t0, t1, step_ns, data_ns, compute_ns, comm_ns, wait_ns, gc_ns, gc_count, data_queue, samples, tokens,
-         dropped, cpu_ns, cpu_wait_ns) = step
+         dropped, cpu_ns, cpu_wait_ns, total_ns, exposed_ns) = step
         ident.dropped = dropped
         srow = dict(base, step=n, t_start=t0, t_end=t1, step_ms=step_ns / 1e6, data_ms=data_ns / 1e6,
                     compute_ms=compute_ns / 1e6, comm_ms=comm_ns / 1e6, comm_wait_ms=wait_ns / 1e6,
@@ -171,7 +171,9 @@ def rows_from_batch(ident: Identity, body) -> tuple[dict | None, list[dict], lis
                     samples=_opt(samples), tokens=_opt(tokens), data_queue=_opt(data_queue),
                     phases=[(names.get(i, f"#{i}"), ns / 1e6) for i, ns in phases] or None,
                     cpu_ms=cpu_ns / 1e6 if cpu_ns >= 0 else None,
-                    cpu_wait_ms=cpu_wait_ns / 1e6 if cpu_wait_ns >= 0 else None)
+                    cpu_wait_ms=cpu_wait_ns / 1e6 if cpu_wait_ns >= 0 else None,
+                    comm_total_ms=total_ns / 1e6 if total_ns >= 0 else None,
+                    comm_exposed_ms=exposed_ns / 1e6 if exposed_ns >= 0 else None)
     crows = []
     if comm and step is not None:
         sizes = ident.hello.get("group_sizes") if isinstance(ident.hello.get("group_sizes"), dict) else {}

@@ -28,7 +28,10 @@ HDR_DT = np.dtype([("magic", "<u2"), ("version", "u1"), ("type", "u1"), ("instan
 STEP_DT = np.dtype([("step", "<i8"), ("t_start", "<i8"), ("t_end", "<i8"), ("step_ns", "<f8"), ("data_ns", "<f8"),
                     ("compute_ns", "<f8"), ("comm_ns", "<f8"), ("comm_wait_ns", "<f8"), ("gc_ns", "<f8"),
                     ("gc_count", "<i4"), ("data_queue", "<i4"), ("samples", "<i8"), ("tokens", "<i8"),
-                    ("probe_dropped", "<u4"), ("_pad", "V4"), ("cpu_ns", "<f8"), ("cpu_wait_ns", "<f8")])
+                    ("probe_dropped", "<u4"), ("_pad", "V4"), ("cpu_ns", "<f8"), ("cpu_wait_ns", "<f8"),
+                    ("comm_total_ns", "<f8"), ("comm_exposed_ns", "<f8")])
+#: the fields an older STEP record lacks (null: -1), per wire version
+_LACKS = {1: ("cpu_ns", "cpu_wait_ns", "comm_total_ns", "comm_exposed_ns"), 2: ("comm_total_ns", "comm_exposed_ns")}
 PHASE_DT = np.dtype([("name", "<u2"), ("_pad", "V6"), ("ns", "<f8")])
 COMM_DT = np.dtype([("op", "<u2"), ("group", "<u2"), ("_pad", "V4"), ("calls", "<i8"), ("bytes", "<i8"),
                     ("time_ns", "<f8"), ("wait_ns", "<f8")])
@@ -72,7 +75,7 @@ def scan(data: bytes) -> tuple[int, int, list[tuple]]:
         if n_step > 1 or n_phase > W.MAX_PHASES or n_comm > W.MAX_COMM or n_gc > W.MAX_GC:
             raise W.BadDatagram(f"record counts out of range (step {n_step}, phase {n_phase}, comm {n_comm}, "
                                 f"gc {n_gc})")
-        st = W.STEP.size if ver == W.VERSION else W.STEP_V1.size
+        st = W.STEP_BY_VERSION[ver].size
         size = hdr.size + n_step * st + n_phase * W.PHASE.size + n_comm * W.COMM.size + n_gc * W.GCREC.size
         if off + size > n:
             raise W.BadDatagram(f"frame {len(out)} needs {size} bytes, {n - off} left")
@@ -160,7 +163,8 @@ def tables(chunks: list[tuple]) -> tuple[pa.Table | None, pa.Table | None, pa.Ta
     idents: list = []
     ident_ix: dict[int, int] = {}
     datas, base = [], 0
-    s2, s1, s_own, s_v1 = [], [], [], []          # step offsets (version 2 / 1), owner, order of the v1 ones
+    s_cur, s_own = [], []                         # step offsets (current version), owner
+    s_old: dict[int, tuple[list, list]] = {}      # older versions: (their offsets, their order among the steps)
     p_off, p_step = [], []                        # phase offsets, index of their step
     c_off, c_own, c_step = [], [], []             # comm offsets, owner, index of their step
     g_off, g_own = [], []
@@ -176,12 +180,12 @@ def tables(chunks: list[tuple]) -> tuple[pa.Table | None, pa.Table | None, pa.Ta
             p = base + off + hs
             if n_step:
                 if ver == W.VERSION:
-                    s2.append(p)
-                    p += W.STEP.size
+                    s_cur.append(p)
                 else:
-                    s_v1.append(n_steps)
-                    s1.append(p)
-                    p += W.STEP_V1.size
+                    offs, order = s_old.setdefault(ver, ([], []))
+                    offs.append(p)
+                    order.append(n_steps)
+                p += W.STEP_BY_VERSION[ver].size
                 s_own.append(oi)
                 for _ in range(n_phase):
                     p_off.append(p)
@@ -204,13 +208,14 @@ def tables(chunks: list[tuple]) -> tuple[pa.Table | None, pa.Table | None, pa.Ta
     steps = None
     if n_steps:
         st = np.zeros(n_steps, STEP_DT)
-        v1 = np.zeros(n_steps, bool)
-        v1[s_v1] = True
-        st[~v1] = _gather(u8, s2, STEP_DT)
-        if s1:
-            old = _gather(u8, s1, STEP_DT, W.STEP_V1.size)
-            old["cpu_ns"] = old["cpu_wait_ns"] = -1.0
-            st[v1] = old
+        cur = np.ones(n_steps, bool)
+        for ver, (offs, order) in s_old.items():
+            cur[order] = False
+            old = _gather(u8, offs, STEP_DT, W.STEP_BY_VERSION[ver].size)
+            for f in _LACKS[ver]:
+                old[f] = -1.0
+            st[order] = old
+        st[cur] = _gather(u8, s_cur, STEP_DT)
         own = np.asarray(s_own, np.int32)
         steps = steps_table(idents, own, st, _gather(u8, p_off, PHASE_DT), np.asarray(p_step, np.int64))
         comm = comm_table(idents, np.asarray(c_own, np.int32), st["step"][np.asarray(c_step, np.int64)],
@@ -239,13 +244,15 @@ def steps_table(idents: list, own: np.ndarray, st: np.ndarray, ph: np.ndarray, p
     null[:n] = counts == 0                      # (from_arrays' mask= would load pyarrow.compute to invert it)
     phases = pa.MapArray.from_arrays(pa.array(offsets, pa.int32(), mask=null), keys, pa.array(ph["ns"] / 1e6, pa.float64()))
     cpu, cw = st["cpu_ns"], st["cpu_wait_ns"]
+    tot, exp = st["comm_total_ns"], st["comm_exposed_ns"]
     cols = _base(idents, own) + [
         pa.array(st["step"], pa.int64()), pa.array(st["t_start"], wire.TS), pa.array(st["t_end"], wire.TS),
         pa.array(st["step_ns"] / 1e6), pa.array(st["data_ns"] / 1e6), pa.array(st["compute_ns"] / 1e6),
         pa.array(st["comm_ns"] / 1e6), pa.array(st["comm_wait_ns"] / 1e6), pa.array(st["gc_ns"] / 1e6),
         pa.array(st["gc_count"], pa.int32()), _opt(st["samples"], pa.int64()), _opt(st["tokens"], pa.int64()),
         phases, _opt(st["data_queue"], pa.int32()),
-        pa.array(cpu / 1e6, pa.float64(), mask=cpu < 0), pa.array(cw / 1e6, pa.float64(), mask=cw < 0)]
+        pa.array(cpu / 1e6, pa.float64(), mask=cpu < 0), pa.array(cw / 1e6, pa.float64(), mask=cw < 0),
+        pa.array(tot / 1e6, pa.float64(), mask=tot < 0), pa.array(exp / 1e6, pa.float64(), mask=exp < 0)]
     return pa.Table.from_arrays(cols, schema=wire.STEPS)
 
 

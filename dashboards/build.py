@@ -56,7 +56,8 @@ MS = "ms"
 # but filtered before aggregating so that only the time range's files and row groups are read).
 PER_STEP = """SELECT job, step, max(t_end) AS t_end, median(step_ms) AS step_ms, max(step_ms) AS step_ms_max,
          median(step_ms - coalesce(comm_wait_ms, 0)) AS busy_p50, max(step_ms - coalesce(comm_wait_ms, 0)) AS busy_max,
-         sum(tokens) AS tokens, sum(samples) AS samples, count(*) AS ranks, count(DISTINCT node) AS nodes
+         sum(tokens) AS tokens, sum(samples) AS samples, count(*) AS ranks, count(DISTINCT node) AS nodes,
+         median(comm_exposed_ms) AS comm_exposed, median(comm_total_ms) AS comm_total
   FROM steps WHERE {where} AND $__timeFilter(t_end) GROUP BY job, step"""
 # Adds local_med: the median step time of the 21 steps around each step (the jitter reference).
 LOCAL_MEDIAN = """SELECT *, median(step_ms) OVER (PARTITION BY job ORDER BY step
@@ -111,19 +112,27 @@ def overview() -> Dashboard:
                      max(t_end) AS last_seen, median(step_ms) AS step_p50_ms, max(step_ms_max) AS step_max_ms,
                      sum(tokens) / (sum(step_ms) / 1000) AS tokens_per_s,
                      sum(samples) / (sum(step_ms) / 1000) AS samples_per_s,
-                     100 * avg(CASE WHEN step_ms > 1.1 * local_med THEN 1 ELSE 0 END) AS jitter_pct
+                     100 * avg(CASE WHEN step_ms > 1.1 * local_med THEN 1 ELSE 0 END) AS jitter_pct,
+                     100 * sum(comm_exposed) / nullif(sum(step_ms) FILTER (WHERE comm_exposed IS NOT NULL), 0)
+                         AS comm_exposed_pct,
+                     100 - 100 * sum(comm_exposed) / nullif(sum(comm_total), 0) AS comm_hidden_pct
               FROM w GROUP BY job),
         o AS (SELECT job, count(*) AS firing_alerts FROM ({open_alerts_sql(JOB_MANY)}) GROUP BY job)
         SELECT j.job, j.ranks, j.nodes, j.steps, j.last_step, j.last_seen, round(j.step_p50_ms, 1) AS step_p50_ms,
                round(j.step_max_ms, 1) AS step_max_ms, round(j.tokens_per_s) AS tokens_per_s,
                round(j.samples_per_s, 1) AS samples_per_s, round(j.jitter_pct, 2) AS jitter_pct,
+               round(j.comm_exposed_pct, 1) AS comm_exposed_pct, round(j.comm_hidden_pct, 1) AS comm_hidden_pct,
                coalesce(o.firing_alerts, 0) AS firing_alerts
         FROM j LEFT JOIN o USING (job) ORDER BY j.job""",
             ("job", "ranks", "nodes", "steps", "last_step", "last_seen", "step_p50_ms", "step_max_ms",
-             "tokens_per_s", "samples_per_s", "jitter_pct", "firing_alerts"),
+             "tokens_per_s", "samples_per_s", "jitter_pct", "comm_exposed_pct", "comm_hidden_pct", "firing_alerts"),
             w=24, h=7, links={"job": LINK_JOB},
-            units={"step_p50_ms": MS, "step_max_ms": MS, "jitter_pct": "percent"},
-            description="One row per job in the range; click a job for its dashboard.")
+            units={"step_p50_ms": MS, "step_max_ms": MS, "jitter_pct": "percent", "comm_exposed_pct": "percent",
+                   "comm_hidden_pct": "percent"},
+            description="One row per job in the range; click a job for its dashboard. comm_exposed_pct: the "
+                        "share of the step time that communication added (not hidden behind compute); "
+                        "comm_hidden_pct: the share of the communication that overlapped compute (DDP's "
+                        "buckets during backward). Empty for producers that do not report them.")
 
     d.timeseries("Step time p50 / max", f"""
         WITH s AS ({_per_step(JOB_MANY)})

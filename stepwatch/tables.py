@@ -42,6 +42,10 @@ STEPS = pa.schema([
     # CPU starvation: the step-ending thread's CPU time, and its time runnable but waiting for a CPU
     pa.field("cpu_ms", F64),
     pa.field("cpu_wait_ms", F64),
+    # exposed communication: the step's communication in flight (the union of its collectives' intervals)
+    # and the part of it not hidden behind compute (what held the step; null: not reported)
+    pa.field("comm_total_ms", F64),
+    pa.field("comm_exposed_ms", F64),
 ])
 
 TOPOLOGY = pa.schema([
@@ -314,7 +318,8 @@ SCHEMAS: dict[str, pa.Schema] = {
 #: Columns that are durations (ms) or sizes: finite and >= 0 when present.
 NONNEGATIVE: dict[str, tuple[str, ...]] = {
     "steps": ("step_ms", "data_ms", "compute_ms", "comm_ms", "comm_wait_ms", "gc_ms", "gc_count",
-              "samples", "tokens", "rank", "step", "data_queue", "cpu_ms", "cpu_wait_ms"),
+              "samples", "tokens", "rank", "step", "data_queue", "cpu_ms", "cpu_wait_ms",
+              "comm_total_ms", "comm_exposed_ms"),
     "topology": ("rank", "world_size", "dp", "tp", "pp", "ep", "cp", "model_flops_per_token",
                  "model_params", "model_flops_per_sample"),
     "host": ("cpu_util", "cpu_iowait", "cpu_steal", "load1", "mem_used", "mem_available",

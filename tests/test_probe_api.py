@@ -20,28 +20,34 @@ torch = pytest.importorskip("torch", reason="the automatic hooks instrument PyTo
 # --------------------------------------------------------------------------- layout
 
 def test_struct_sizes_are_fixed_and_documented():
-    assert (P.HDR.size, P.STEP.size, P.PHASE.size, P.COMM.size, P.GCREC.size) == (16, 120, 16, 40, 40)
-    assert P.STEP_V1.size == 104 and P.STEP.format.startswith(P.STEP_V1.format)    # v2 = v1 + 2 doubles
+    assert (P.HDR.size, P.STEP.size, P.PHASE.size, P.COMM.size, P.GCREC.size) == (16, 136, 16, 40, 40)
+    assert P.STEP_V1.size == 104 and P.STEP_V2.format.startswith(P.STEP_V1.format)    # v2 = v1 + 2 doubles
+    assert P.STEP_V2.size == 120 and P.STEP.format.startswith(P.STEP_V2.format)       # v3 = v2 + 2 doubles
     assert P.HDR_STEP.size == P.HDR.size + P.STEP.size
-    assert P.MAX_FRAME == 16 + 120 + 8 * 16 + 16 * 40 + 16 * 40
+    assert P.MAX_FRAME == 16 + 136 + 8 * 16 + 16 * 40 + 16 * 40
     assert P.MAX_DATAGRAM >= 10 * P.MAX_FRAME
 
 
 def test_decode_rejects_malformed_datagrams():
-    good = P.HDR.pack(P.MAGIC, 2, P.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(P.STEP.size)
+    good = P.HDR.pack(P.MAGIC, 3, P.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(P.STEP.size)
     assert decode(good)[0][3][0][0] == 0
     assert len(decode(good + good)) == 2                                       # frames back to back
     # a version-1 frame (probes before the CPU fields): read, with the CPU fields null (-1)
     v1 = P.HDR.pack(P.MAGIC, 1, P.T_BATCH, 1, 0, 1, 0, 0, 0) + P.STEP_V1.pack(*range(1, 14), 0)
     (_, _, _, (st, _, _, _)), = decode(v1)
-    assert len(st) == len(P.STEP_FIELDS) and st[:3] == (1, 2, 3) and st[-2:] == (-1.0, -1.0)
-    assert len(decode(v1 + good)) == 2
+    assert len(st) == len(P.STEP_FIELDS) and st[:3] == (1, 2, 3) and st[-4:] == (-1.0,) * 4
+    # a version-2 frame (probes before the comm total/exposed fields): read, with those null (-1)
+    v2 = P.HDR.pack(P.MAGIC, 2, P.T_BATCH, 1, 0, 1, 0, 0, 0) + P.STEP_V2.pack(*range(1, 14), 0, 5.0, 6.0)
+    (_, _, _, (st, _, _, _)), = decode(v2)
+    assert len(st) == len(P.STEP_FIELDS) and st[-4:] == (5.0, 6.0, -1.0, -1.0)
+    assert len(decode(v1 + v2 + good)) == 3
     bad = [b"", b"xx", good[:-1], good + b"\0",
            struct.pack("<H", 0x1234) + good[2:],                               # magic
            P.HDR.pack(P.MAGIC, 9, P.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(P.STEP.size),   # version
            P.HDR.pack(P.MAGIC, 1, 7, 1, 0, 0, 0, 0, 0),                         # type
-           P.HDR.pack(P.MAGIC, 2, P.T_BATCH, 1, 0, 2, 0, 0, 0) + bytes(2 * P.STEP.size),  # two steps
+           P.HDR.pack(P.MAGIC, 3, P.T_BATCH, 1, 0, 2, 0, 0, 0) + bytes(2 * P.STEP.size),  # two steps
            P.HDR.pack(P.MAGIC, 2, P.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(P.STEP_V1.size),    # v2 needs 120 bytes
+           P.HDR.pack(P.MAGIC, 3, P.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(P.STEP_V2.size),    # v3 needs 136 bytes
            P.HDR.pack(P.MAGIC, 1, P.T_BATCH, 1, 0, 0, 99, 0, 0),                 # counts out of range
            P.HDR.pack(P.MAGIC, 1, P.T_HELLO, 1, 0, 0, 0, 0, 0) + b"{not json",
            P.HDR.pack(P.MAGIC, 1, P.T_HELLO, 1, 0, 0, 0, 0, 0) + b"[1, 2]",
@@ -205,6 +211,7 @@ def test_c_and_python_pack_the_same_bytes(sockdir):
         ]
         for ci, (calls, touched, compute, n_gc) in enumerate(cases):
             cpu = (-1.0, -1.0) if ci == 0 else (41_000_000.0, -1.0) if ci == 1 else (12_345_678.0, 3_456_789.0)
+            hidden = 0.0 if ci < 2 else 7_654_321.0 + ci          # DDP buckets' time behind backward
             ph, used = p._ph_ns, p._ph_used
             for i in range(P.MAX_PHASES):
                 ph[i], used[i] = 0, False
@@ -218,17 +225,19 @@ def test_c_and_python_pack_the_same_bytes(sockdir):
                 P.GCREC.pack_into(p._gcbuf, P.HDR.size + j * P.GCREC.size, 10**18 + j, 5e5, 2, 100 + j, 0)
             args = (7, 10**18, 10**18 + 50_000_000, 50_000_000, 800_000 if n_gc else 0, n_gc, 3, 32, -1)
             p._buf[:] = bytes(len(p._buf))
-            end_py = p._pack_py(0, *args, list(calls), n_gc, *cpu)
+            end_py = p._pack_py(0, *args, list(calls), n_gc, *cpu, hidden)
             py = bytes(p._buf[:end_py])
             p._buf[:] = bytes(len(p._buf))
             end_c = P._fast.pack_step(p._buf, 0, p.instance, p.rank, *args[:4], ph[0], ph[1] if used[1] else -1,
                                       *args[4:], p.dropped, p._ph_touched, ph, p._phase_ids, list(calls),
                                       p._c_traffic, p._ns_per_byte, p._comm_key,
-                                      p._gcmv[16:16 + n_gc * P.GCREC.size] if n_gc else None, *cpu)
+                                      p._gcmv[16:16 + n_gc * P.GCREC.size] if n_gc else None, *cpu, hidden)
             assert end_c == end_py and bytes(p._buf[:end_c]) == py, (calls, touched, compute, n_gc)
             (typ, inst, rank, (st, phases, comm, gcs)), = decode(py)
             assert rank == 3 and st[0] == 7 and st[13] == 5 and len(comm) == len({c[0] for c in calls})
-            assert st[14:] == cpu
+            assert st[14:16] == cpu
+            exposed = st[6] + st[7]                             # comm + wait: what held the step
+            assert st[16:] == (exposed + hidden, exposed) and (exposed > 0) == bool(calls)
             assert len(phases) == len(touched) and len(gcs) == n_gc
     finally:
         p.shutdown()

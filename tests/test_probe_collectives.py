@@ -307,9 +307,12 @@ def test_bucket_tail_is_the_exposed_part_split_by_the_bandwidth_model(probe, soc
     probe.init(job="tail", rank=0, world_size=2, socket_dir=sockdir, auto=False, comm_gbps=1.0)
     s = probe._comm_slot_for("all_reduce", probe._intern("all_reduce"), probe._intern("world"), 2)
     calls = []
-    buckets = {s: [3, 3000, 2_000_000, 9_000_000, 1000]}      # last launch at 2 ms, last done at 9 ms
-    probe._bucket_calls(calls, buckets)
+    # last launch at 2 ms, last done at 9 ms; the buckets were in flight 0-1.5 ms and 1.8-9 ms
+    buckets = {s: [3, 3000, 2_000_000, 9_000_000, 1000,
+                   [(1_800_000, 8_000_000), (0, 1_500_000), (2_000_000, 9_000_000), (500_000, 1_000_000)]]}
+    hidden = probe._bucket_calls(calls, buckets)
     assert buckets == {}
+    assert hidden == (1_500_000 + 7_200_000) - 7_000_000      # the union less the tail: behind backward
     (slot, cnt, nbytes, t, w), = calls
     tr = 1000 * 1.0 * 1.0                                     # all_reduce over 2 ranks: 1 byte on the wire per byte; 1 B/ns
     assert (slot, cnt, nbytes, t) == (s, 3, 3000, 7_000_000) and w == pytest.approx(7_000_000 - tr)

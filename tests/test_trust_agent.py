@@ -37,7 +37,7 @@ def step_frame(inst: int, rank: int, step: int) -> bytes:
     t = time.time_ns()
     return HDR_STEP.pack(MAGIC, VERSION, T_BATCH, inst, rank, 1, 0, 0, 0,
                          step, t - 10_000_000, t, 10e6, 0.0, 10e6, 0.0, 0.0, 0.0, 0, -1, -1, -1, 0,
-                         -1.0, -1.0)                    # CPU time and run-queue wait: not measured
+                         -1.0, -1.0, -1.0, -1.0)        # CPU time, run-queue wait, comm total/exposed: not measured
 
 
 def steps_of(items, job):

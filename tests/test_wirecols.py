@@ -132,28 +132,32 @@ def test_version1_frames_and_frames_without_a_step():
                                                                                    -1, -1, -1, 9)
           + P.PHASE.pack(5, 2e6) + P.COMM.pack(1, 2, 3, 4096, 1e6, 0.5e6) + P.GCREC.pack(15, 2e6, 2, 10, 0))
     v2 = (P.HDR.pack(P.MAGIC, 2, P.T_BATCH, inst, 3, 1, 0, 0, 0)
-          + P.STEP.pack(6, 2, 3, 1e6, 0, 1e6, 0, 0, 0, 0, 4, 8, 100, 11, 3e5, -1.0))
+          + P.STEP_V2.pack(6, 2, 3, 1e6, 0, 1e6, 0, 0, 0, 0, 4, 8, 100, 11, 3e5, -1.0))
+    v3 = (P.HDR.pack(P.MAGIC, 3, P.T_BATCH, inst, 3, 1, 0, 0, 0)
+          + P.STEP.pack(7, 3, 4, 1e6, 0, 1e6, 0, 0, 0, 0, 4, 8, 100, 12, 3e5, -1.0, 4e5, 1e5))
     alone = (P.HDR.pack(P.MAGIC, 2, P.T_BATCH, inst, 3, 0, 1, 2, 0) + P.COMM.pack(1, 2, 1, 8, 1.0, 0.0)
              + P.GCREC.pack(20, 1e6, 0, 1, 0) + P.GCREC.pack(21, 1e6, 1, 2, 0))      # gc burst: no step, no comm row
-    grams = [hello, v1 + v2, alone]
+    grams = [hello, v1 + v2 + v3, alone]
     rows, cols = _by_rows(grams), _by_columns(grams)
     for a, b in zip(rows, cols):
         _same(a, b)
-    s = cols[0].select(["cpu_ms", "phases"]).to_pylist()
-    assert [r["cpu_ms"] for r in s] == [None, 0.3] and s[0]["phases"] == [("fwd", 2.0)] and s[1]["phases"] is None
+    s = cols[0].select(["cpu_ms", "phases", "comm_total_ms", "comm_exposed_ms"]).to_pylist()
+    assert [r["cpu_ms"] for r in s] == [None, 0.3, 0.3] and s[0]["phases"] == [("fwd", 2.0)] and s[1]["phases"] is None
+    assert [(r["comm_total_ms"], r["comm_exposed_ms"]) for r in s] == [(None, None), (None, None), (0.4, 0.1)]
     assert cols[1].num_rows == 1 and cols[2].num_rows == 3
-    _, _, frames = wirecols.scan(v1 + v2)
-    assert wirecols.last_dropped(v1 + v2, frames) == 11
+    _, _, frames = wirecols.scan(v1 + v2 + v3)
+    assert wirecols.last_dropped(v1 + v2 + v3, frames) == 12
 
 
 def test_scan_rejects_what_decode_rejects():
-    good = P.HDR.pack(P.MAGIC, 2, P.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(P.STEP.size)
-    assert wirecols.scan(good + good)[2] == [(0, 1, 2, 1, 0, 0, 0), (136, 1, 2, 1, 0, 0, 0)]
+    good = P.HDR.pack(P.MAGIC, 3, P.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(P.STEP.size)
+    assert wirecols.scan(good + good)[2] == [(0, 1, 3, 1, 0, 0, 0), (152, 1, 3, 1, 0, 0, 0)]
     bad = [b"", b"xx", good[:-1], good + b"\0", struct.pack("<H", 0x1234) + good[2:],
            P.HDR.pack(P.MAGIC, 9, P.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(P.STEP.size),
            P.HDR.pack(P.MAGIC, 1, 7, 1, 0, 0, 0, 0, 0),
-           P.HDR.pack(P.MAGIC, 2, P.T_BATCH, 1, 0, 2, 0, 0, 0) + bytes(2 * P.STEP.size),
+           P.HDR.pack(P.MAGIC, 3, P.T_BATCH, 1, 0, 2, 0, 0, 0) + bytes(2 * P.STEP.size),
            P.HDR.pack(P.MAGIC, 2, P.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(P.STEP_V1.size),
+           P.HDR.pack(P.MAGIC, 3, P.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(P.STEP_V2.size),
            P.HDR.pack(P.MAGIC, 1, P.T_BATCH, 1, 0, 0, 99, 0, 0),
            good + P.HDR.pack(P.MAGIC, 1, P.T_HELLO, 1, 0, 0, 0, 0, 0) + b"{}", good + good[:20]]
     for b in bad:

@@ -8,7 +8,7 @@
 #endif
 
 #define MAX_SLOTS 16                    /* probe.MAX_COMM */
-#define HDR_STEP_SIZE 136
+#define HDR_STEP_SIZE 152
 #define PHASE_SIZE 16
 #define COMM_SIZE 40
 
@@ -16,14 +16,16 @@ static inline void put(char *p, const void *v, size_t n) { memcpy(p, v, n); }
 
 /* pack_step(buf, off, inst, rank, step, t0w, wall, step_ns, data_ns, compute_ns, gc_ns, gc_count, dq,
  *           samples, tokens, dropped, touched, ph, ids, calls, traffic, nspb, keys, gcrows, cpu_ns,
- *           cpu_wait_ns) -> new off
+ *           cpu_wait_ns[, hidden_ns]) -> new off
  * One step's frame, byte for byte what Probe._replay packs in Python (HDR_STEP, PHASE per touched
  * slot, COMM per accumulator slot in order of first call, the GC rows): the calls are summed per slot,
- * a call without a known wait split with the bandwidth model, compute_ns < 0 derived. */
+ * a call without a known wait split with the bandwidth model, compute_ns < 0 derived. The step's exposed
+ * communication is comm + wait (what the calls held the step), its total that plus hidden_ns (DDP buckets'
+ * time behind backward, Replay._bucket_calls; 0 when not given). */
 PyObject *probefast_pack_step(PyObject *self, PyObject *const *a, Py_ssize_t nargs)
 {
-    if (nargs != 26) {
-        PyErr_Format(PyExc_TypeError, "pack_step takes 26 arguments, got %zd", nargs);
+    if (nargs != 26 && nargs != 27) {
+        PyErr_Format(PyExc_TypeError, "pack_step takes 26 or 27 arguments, got %zd", nargs);
         return NULL;
     }
     long long off = PyLong_AsLongLong(a[1]);
@@ -39,6 +41,7 @@ PyObject *probefast_pack_step(PyObject *self, PyObject *const *a, Py_ssize_t nar
     double nspb = PyFloat_AsDouble(a[21]);
     PyObject *gcrows = a[23];
     double cpu_ns = PyFloat_AsDouble(a[24]), cpu_wait_ns = PyFloat_AsDouble(a[25]);
+    double hidden_ns = nargs > 26 ? PyFloat_AsDouble(a[26]) : 0.0;
     if (PyErr_Occurred())
         return NULL;
     if (!PyList_Check(touched) || !PyList_Check(ph) || !PyList_Check(ids) || !PyList_Check(calls) ||
@@ -121,7 +124,7 @@ PyObject *probefast_pack_step(PyObject *self, PyObject *const *a, Py_ssize_t nar
     uint8_t b;
     int32_t i32;
     put(p, &magic, 2);
-    b = 2; put(p + 2, &b, 1);                                 /* version */
+    b = 3; put(p + 2, &b, 1);                                 /* version */
     b = 1; put(p + 3, &b, 1);                                 /* T_BATCH */
     i32 = (int32_t)inst; put(p + 4, &i32, 4);
     i32 = (int32_t)rank; put(p + 8, &i32, 4);
@@ -147,6 +150,9 @@ PyObject *probefast_pack_step(PyObject *self, PyObject *const *a, Py_ssize_t nar
     uint32_t u32 = (uint32_t)dropped; put(p + 112, &u32, 4);
     put(p + 120, &cpu_ns, 8);
     put(p + 128, &cpu_wait_ns, 8);
+    double exposed_ns = comm_ns + wait_ns, total_ns = exposed_ns + hidden_ns;
+    put(p + 136, &total_ns, 8);
+    put(p + 144, &exposed_ns, 8);
     p += HDR_STEP_SIZE;
     for (Py_ssize_t i = 0; i < nphase; i++) {
         Py_ssize_t slot = PyLong_AsSsize_t(PyList_GET_ITEM(touched, i));

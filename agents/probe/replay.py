@@ -122,7 +122,7 @@ class Replay:
                     t1 = t0 + self._dev_time(int(b), t1 - t0)
                 bk = buckets.get(slot)
                 if bk is None:
-                    buckets[slot] = [1, a, t0, t1, a]
+                    buckets[slot] = [1, a, t0, t1, a, [(t0, t1)]]
                 else:
                     bk[0] += 1
                     bk[1] += a
@@ -130,6 +130,8 @@ class Replay:
                         bk[2], bk[4] = t0, a
                     if t1 > bk[3]:
                         bk[3] = t1
+                    if len(bk[5]) < MAX_CALLS:          # (beyond: the rest count as exposed, see _bucket_calls)
+                        bk[5].append((t0, t1))
                 continue
             if kind == K_OPT_POST:
                 if t0:                                  # the optimizer phase (any optimizer)
@@ -179,8 +181,7 @@ class Replay:
             step_ns = t0 - t0p                          # its CPU time and run-queue wait: at this
             cpu_ns = step_ns * rate_c if rate_c >= 0 else -1.0     # replay's rates (see _cpu_sample)
             cw_ns = step_ns * rate_w if rate_w >= 0 else -1.0
-            if buckets:
-                self._bucket_calls(calls, buckets)
+            hidden_ns = self._bucket_calls(calls, buckets) if buckets else 0.0
             if self._connected or t0 - self._t_connect >= self.reconnect_ns:
                 if not self._identity_ready:
                     self._resolve_identity()
@@ -193,10 +194,11 @@ class Replay:
                     boff = pack(buf, boff, inst, self.rank, step, t0w, wall, t0 - t0p, ph[0],
                                 ph[1] if used[1] else -1, gc_ns, gc_count, dq, samples, tokens, self.dropped,
                                 touched, ph, ids, calls, traffic, nspb, keys,
-                                self._gcmv[16:16 + n_gc * GCREC.size] if n_gc else None, cpu_ns, cw_ns)
+                                self._gcmv[16:16 + n_gc * GCREC.size] if n_gc else None, cpu_ns, cw_ns,
+                                hidden_ns)
                 else:
                     boff = self._pack_py(boff, step, t0w, wall, t0 - t0p, gc_ns, gc_count, dq, samples, tokens,
-                                         calls, n_gc, cpu_ns, cw_ns)
+                                         calls, n_gc, cpu_ns, cw_ns, hidden_ns)
                 self._n_gc = 0
                 self._frames += 1
             else:                                        # nobody listens (a reconnect was tried < 1 s ago)
@@ -226,18 +228,34 @@ class Replay:
         self._gc_ns, self._gc_count, self._data_queue = gc_ns, gc_count, dq
         self._samples, self._tokens, self._step = samples, tokens, step
 
-    def _bucket_calls(self, calls: list, buckets: dict) -> None:
-        """The step's DDP buckets as one call per slot (and clear them). The reducer launches each
-        bucket's all-reduce while backward goes on, so most of their time overlaps computation; what held
-        the step is the tail from the last launch (the end of backward) to the last completion. That tail
+    def _bucket_calls(self, calls: list, buckets: dict) -> float:
+        """The step's DDP buckets as one call per slot (and clear them); returns the ns of their
+        communication hidden behind backward. The reducer launches each bucket's all-reduce while
+        backward goes on, so most of their time overlaps computation; what held the step (the exposed
+        part) is the tail from the last launch (the end of backward) to the last completion. That tail
         is the call's time, split into transfer (the last bucket's payload at ``comm_gbps``) and waiting
-        for peers; count and bytes are all the buckets'."""
+        for peers; count and bytes are all the buckets'. The communication in flight is the union of the
+        buckets' intervals (launch to completion): the tail is its last part, the rest of it overlapped
+        backward (the hidden ns returned; the frame's ``comm_total_ns`` is the exposed ns plus these)."""
         nspb, traffic = self._ns_per_byte, self._c_traffic
-        for s, (count, nbytes, last_launch, last_done, last_bytes) in buckets.items():
+        hidden = 0.0
+        for s, (count, nbytes, last_launch, last_done, last_bytes, spans) in buckets.items():
             tail = last_done - last_launch if last_done > last_launch else 0
             tr = last_bytes * traffic[s] * nspb
             calls.append((s, count, nbytes, tail, float(tail - tr) if tail > tr else 0.0))
+            spans.sort()
+            union, lo, hi = 0, spans[0][0], spans[0][1]          # the union of the intervals before the tail
+            for t0, t1 in spans:
+                if t0 > hi:
+                    union += hi - lo
+                    lo, hi = t0, t1
+                elif t1 > hi:
+                    hi = t1
+            union += hi - lo
+            if union > tail:
+                hidden += union - tail
         buckets.clear()
+        return float(hidden)
 
     def _squash_calls(self) -> None:
         """A step with very many collectives: sum its calls so far per slot (bounded memory)."""
@@ -269,9 +287,11 @@ class Replay:
 
     def _pack_py(self, boff: int, step: int, t0w: int, wall: int, step_ns: int, gc_ns: int, gc_count: int,
                  dq: int, samples: int, tokens: int, calls: list, n_gc: int, cpu_ns: float = -1.0,
-                 cw_ns: float = -1.0) -> int:
+                 cw_ns: float = -1.0, hidden_ns: float = 0.0) -> int:
         """One step's frame at ``boff`` in the datagram buffer, in Python (``_probefast.pack_step`` does
-        the same in C, byte for byte); returns the new offset."""
+        the same in C, byte for byte); returns the new offset. The exposed communication is what the
+        calls held the step (comm + wait: a blocking collective, an async one's launch and ``wait()``,
+        the DDP buckets' tail); the total adds ``hidden_ns``, the buckets' time behind backward."""
         buf, mv, inst = self._buf, self._mv, self.instance
         ph, used, touched = self._ph_ns, self._ph_used, self._ph_touched
         ids, keys = self._phase_ids, self._comm_key
@@ -299,7 +319,8 @@ class Replay:
         HDR_STEP.pack_into(buf, boff, MAGIC, VERSION, T_BATCH, inst, self.rank, 1,
                            len(comms) if comms else 1 if one else 0, n_gc, len(touched),
                            step, t0w, wall, step_ns, data_ns, compute_ns, comm_ns, wait_ns, gc_ns,
-                           gc_count, dq, samples, tokens, self.dropped & 0xFFFFFFFF, cpu_ns, cw_ns)
+                           gc_count, dq, samples, tokens, self.dropped & 0xFFFFFFFF, cpu_ns, cw_ns,
+                           comm_ns + wait_ns + hidden_ns, comm_ns + wait_ns)
         boff += HDR_STEP.size
         for i in touched:
             PHASE.pack_into(buf, boff, ids[i], ph[i])

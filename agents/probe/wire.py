@@ -8,13 +8,16 @@ Layout (little-endian). A datagram is a hello
 alone, or one or more batch frames back to back; a frame is ``HDR`` followed by its records:
 
 ====================  =========================================================================
-``HDR``  16 bytes     magic ``0x5357``, version 2, type (1 batch frame, 2 hello), instance id
+``HDR``  16 bytes     magic ``0x5357``, version 3, type (1 batch frame, 2 hello), instance id
                       (int32, random per probe), rank (int32), n_step (0/1), n_comm, n_gc, n_phase; types 3
                       (profile result) and 4 (in-flight state) are ``HDR`` + JSON like a hello
-``STEP`` 120 bytes    step, t_start ns, t_end ns, step/data/compute/comm/comm_wait/gc ns, gc_count,
+``STEP`` 136 bytes    step, t_start ns, t_end ns, step/data/compute/comm/comm_wait/gc ns, gc_count,
                       data_queue (-1 = null), samples, tokens (-1 = null), frames the probe
                       dropped so far (uint32), the step-ending thread's CPU ns and
-                      run-queue wait ns (float64, -1 = null; version 1 frames end before them)
+                      run-queue wait ns (float64, -1 = null; version 1 frames end before them), the
+                      step's communication in flight (the union of its collectives' intervals) and
+                      the part of it not hidden behind compute, ns (float64, -1 = null; version 1
+                      and 2 frames end before them)
 ``PHASE`` 16 bytes    name id, ns   (``n_phase`` of them)
 ``COMM`` 40 bytes     op id, group id, calls, bytes, time ns, wait ns   (``n_comm``)
 ``GCREC`` 40 bytes    t_end ns, duration ns, generation, collected, uncollectable   (``n_gc``)
@@ -33,8 +36,9 @@ import os
 import struct
 
 MAGIC = 0x5357
-VERSION = 2                           # 2: STEP carries the main thread's CPU time and run-queue wait
-VERSIONS = (1, 2)                     # what decode() reads (a version-1 STEP has neither: null)
+VERSION = 3                           # 2: STEP carries the main thread's CPU time and run-queue wait;
+                                      # 3: and the step's total and exposed communication
+VERSIONS = (1, 2, 3)                  # what decode() reads (an older STEP lacks the later fields: null)
 T_BATCH = 1
 T_HELLO = 2
 T_PROFILE = 3                         # probe -> agent: the outcome of a profiling command (HDR + JSON)
@@ -42,9 +46,11 @@ T_INFLIGHT = 4                        # probe -> agent: the watchdog's in-flight
 T_SCHED = 5                           # scheduler -> agent: a job started / ended (Slurm prolog/epilog; HDR + JSON)
 
 HDR = struct.Struct("<HBBiiBBBB")
-STEP = struct.Struct("<qqqddddddiiqqI4xdd")
-STEP_V1 = struct.Struct("<qqqddddddiiqqI4x")                      # (version-1 probes: no CPU fields)
-HDR_STEP = struct.Struct("<HBBiiBBBB" + "qqqddddddiiqqI4xdd")   # both at once: one call per step
+STEP = struct.Struct("<qqqddddddiiqqI4xdddd")
+STEP_V2 = struct.Struct("<qqqddddddiiqqI4xdd")                   # (version-2 probes: no comm total/exposed)
+STEP_V1 = struct.Struct("<qqqddddddiiqqI4x")                      # (version-1 probes: no CPU fields either)
+STEP_BY_VERSION = {1: STEP_V1, 2: STEP_V2, 3: STEP}
+HDR_STEP = struct.Struct("<HBBiiBBBB" + "qqqddddddiiqqI4xdddd")   # both at once: one call per step
 PHASE = struct.Struct("<H6xd")
 COMM = struct.Struct("<HH4xqqdd")
 GCREC = struct.Struct("<qdB7xqq")
@@ -76,8 +82,9 @@ class BadDatagram(ValueError):
 
 
 STEP_FIELDS = ("step", "t_start", "t_end", "step_ns", "data_ns", "compute_ns", "comm_ns", "comm_wait_ns",
-               "gc_ns", "gc_count", "data_queue", "samples", "tokens", "probe_dropped", "cpu_ns", "cpu_wait_ns")
-_NO_CPU = (-1.0, -1.0)
+               "gc_ns", "gc_count", "data_queue", "samples", "tokens", "probe_dropped", "cpu_ns", "cpu_wait_ns",
+               "comm_total_ns", "comm_exposed_ns")
+_MISSING = {1: (-1.0,) * 4, 2: (-1.0,) * 2, 3: ()}      # the fields an older STEP lacks: -1 (null)
 
 
 def decode(data: bytes) -> list[tuple[int, int, int, object]]:
@@ -114,7 +121,7 @@ def decode(data: bytes) -> list[tuple[int, int, int, object]]:
         if n_step > 1 or n_phase > MAX_PHASES or n_comm > MAX_COMM or n_gc > MAX_GC:
             raise BadDatagram(f"record counts out of range (step {n_step}, phase {n_phase}, comm {n_comm}, "
                               f"gc {n_gc})")
-        st = STEP if ver == VERSION else STEP_V1
+        st = STEP_BY_VERSION[ver]
         size = HDR.size + n_step * st.size + n_phase * PHASE.size + n_comm * COMM.size + n_gc * GCREC.size
         if off + size > n:
             raise BadDatagram(f"frame {len(out)} needs {size} bytes, {n - off} left")
@@ -122,8 +129,7 @@ def decode(data: bytes) -> list[tuple[int, int, int, object]]:
         step = None
         if n_step:
             step = st.unpack_from(data, p)
-            if st is STEP_V1:
-                step += _NO_CPU
+            step += _MISSING[ver]
             p += st.size
         phases = []
         for _ in range(n_phase):

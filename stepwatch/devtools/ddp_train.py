@@ -11,7 +11,10 @@ all-reduce.
 
 Settings (environment):
 
-- ``SW_STEPS`` (300) steps; ``SW_WIDTH`` (384) hidden width; ``SW_BATCH`` (64);
+- ``SW_STEPS`` (300) steps; ``SW_WIDTH`` (384) hidden width; ``SW_DEPTH`` (1) hidden width x width layers;
+  ``SW_BATCH`` (64);
+- ``SW_BUCKET_MB`` (DDP's default, 25): DDP's gradient bucket size (``bucket_cap_mb``): small buckets are
+  all-reduced one by one while backward goes on (their communication overlaps compute);
 - ``SW_PAD_MS`` (0): every forward pass also sleeps this long (time on a device, as the host sees it:
   the rank's thread waits off the CPU);
 - ``SW_SLEEP_RANK`` / ``SW_SLEEP_MS`` / ``SW_SLEEP_FROM``: that rank's forward pass sleeps that long
@@ -56,10 +59,11 @@ from torch.utils.data import DataLoader, TensorDataset
 class SleepyForward(torch.nn.Module):
     """The model; its forward sleeps ``sleep_ms`` once ``armed`` (the injected fault)."""
 
-    def __init__(self, width: int):
+    def __init__(self, width: int, depth: int = 1):
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(128, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
-                                       torch.nn.ReLU(), torch.nn.Linear(width, 10))
+        hidden = [m for _ in range(depth) for m in (torch.nn.Linear(width, width), torch.nn.ReLU())]
+        self.net = torch.nn.Sequential(torch.nn.Linear(128, width), torch.nn.ReLU(), *hidden,
+                                       torch.nn.Linear(width, 10))
         self.sleep_ms = 0.0
 
     def forward(self, x):
@@ -127,10 +131,12 @@ def train() -> None:
     os.sched_setaffinity(0, {cores[rank % len(cores)]})
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = SleepyForward(width).to(dev)
+    model = SleepyForward(width, int(os.environ.get("SW_DEPTH", "1"))).to(dev)
     model.sleep_ms = pad_ms
     if mode == "ddp":
-        net = torch.nn.parallel.DistributedDataParallel(model)
+        bucket_mb = os.environ.get("SW_BUCKET_MB")
+        net = torch.nn.parallel.DistributedDataParallel(
+            model, **({"bucket_cap_mb": float(bucket_mb)} if bucket_mb else {}))
     elif mode == "fsdp":
         from torch.distributed.fsdp import FullyShardedDataParallel
         net = FullyShardedDataParallel(model, device_id=None)

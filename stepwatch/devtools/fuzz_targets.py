@@ -160,7 +160,7 @@ def _datagram_strategy():
                        st.sampled_from([0, 0, 0, -1, -8, 3]), st.binary(min_size=1, max_size=96))
     batch = st.lists(frames, min_size=1, max_size=3).map(b"".join)
     valid = st.builds(lambda i, n, t: HDR.pack(MAGIC, VERSION, T_BATCH, i, 0, 1, 0, 0, 0) + STEP.pack(
-        n, t, t + 1, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0, -1, -1, -1, 0, 1.0, 0.0), st.sampled_from([1, 2, 3]),
+        n, t, t + 1, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0, -1, -1, -1, 0, 1.0, 0.0, 0.0, 0.0), st.sampled_from([1, 2, 3]),
         st.integers(0, 10**6), st.integers(0, 2**62))
 
     def flip(b, pos, bit):

@@ -530,7 +530,7 @@ def hostile_datagrams(n: int, good_inst: int, seed: int = 16) -> list[bytes]:
     def frame(inst, rank, step):
         t = time.time_ns()
         return HDR_STEP.pack(MAGIC, VERSION, T_BATCH, inst, rank, 1, 0, 0, 0, step, t - 10_000_000, t, 10e6, 0.0,
-                             10e6, 0.0, 0.0, 0.0, 0, -1, -1, -1, 0, -1.0, -1.0)
+                             10e6, 0.0, 0.0, 0.0, 0, -1, -1, -1, 0, -1.0, -1.0, -1.0, -1.0)
     fixed = [hello(1001, job="evil", rank=2**31, world_size=2**31 + 1), frame(1001, 0, 1),
              hello(1002, job="evil", rank=0, world_size=4, dp=2**40), hello(1003, job="evil", rank=5, world_size=4),
              hello(1004, job="x" * 5000, rank=0, world_size=1), hello(1005, job="evil", rank=0, world_size=4,
