@@ -92,7 +92,8 @@ RANGES: dict[str, dict[str, tuple]] = {
                 "max_pending": (1, 10_000_000)},
     "dataloader": {"window": (1, 100000), "every": (1, 100000), "min_steps": (1, 100000), "empty_share": (0.0, 1.0),
                    "min_data_share": (0.0, 1.0), "job_share": (0.0, 1.0), "clear": (1, 100000)},
-    "lifecycle": {"grace_s": (0.001, 600.0), "culprit_window_s": (0.001, 600.0), "settle_s": (0.0, 600.0)},
+    "lifecycle": {"grace_s": (0.001, 600.0), "culprit_window_s": (0.001, 600.0), "settle_s": (0.0, 600.0),
+                  "sched_wait_s": (0.0, 600.0)},
 }
 
 

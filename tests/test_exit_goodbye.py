@@ -80,3 +80,51 @@ def test_every_way_a_rank_ends_leaves_the_right_word(socket_dir, case):
         assert len(byes) == 2 and byes[1]["signal"] == int(signal.SIGABRT), byes
     if case == "sigterm":
         assert byes[0]["pid"] and byes[0]["pid"] != os.getpid()
+
+
+def test_the_goodbye_waits_a_little_for_room_in_a_busy_agents_queue(tmp_path):
+    """The agent's socket queue is full when the rank ends (a busy agent: 4 ranks on 2 loaded cores lost a
+    goodbye, and a clean end read as a failed exit): the goodbye waits up to GOODBYE_WAIT_S for room
+    instead of being dropped; here the 'agent' drains its queue 0.3 s later and gets it."""
+    import socket
+    import threading
+
+    from stepwatch.agents.probe import Probe, exitwatch
+    from stepwatch.agents.probe.wire import HDR, T_INFLIGHT
+
+    path = str(tmp_path / "agent.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    srv.bind(path)
+    p = Probe().init(job="j", rank=1, world_size=2, socket_dir=str(tmp_path), auto=False, flush_ms=0)
+    try:
+        p.begin_step()
+        p.end_step()
+        filler = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        filler.setblocking(False)
+        filler.connect(path)
+        try:
+            while True:                                  # the agent's queue: full
+                filler.send(b"x" * 64)
+        except BlockingIOError:
+            pass
+        got = []
+
+        def drain():
+            time.sleep(0.3)
+            srv.settimeout(0.2)
+            try:
+                while True:
+                    got.append(srv.recv(65536))
+            except (socket.timeout, OSError):
+                pass
+        t = threading.Thread(target=drain)
+        t.start()
+        p._connected = True
+        p._exitw.at_exit()
+        t.join()
+        byes = [d for d in got if len(d) > HDR.size and HDR.unpack(d[:HDR.size])[2] == T_INFLIGHT
+                and b'"exited"' in d]
+        assert len(byes) == 1 and exitwatch.GOODBYE_WAIT_S >= 0.5, (len(got), [d[:40] for d in got[-3:]])
+    finally:
+        p.shutdown()
+        srv.close()

@@ -29,6 +29,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import traceback
 
 from .eventlog import _wall
@@ -39,6 +40,8 @@ SIGNALS = tuple(int(getattr(signal, n)) for n in ("SIGTERM", "SIGHUP", "SIGQUIT"
                                                      "SIGBUS", "SIGFPE", "SIGILL", "SIGXCPU")
                 if hasattr(signal, n))
 MAX_STACK = 3072
+#: how long the goodbye at interpreter exit may wait for room in the agent's queue (s)
+GOODBYE_WAIT_S = 1.0
 
 
 class ExitWatch:
@@ -139,10 +142,19 @@ class ExitWatch:
         body["step"] = int(p._step)
         s = self._socket()
         if s is not None:
-            try:
-                s.send(self._datagram(body))
-            except OSError:
-                pass
+            # the process is ending: the goodbye may wait a little for room in the agent's queue (a busy
+            # agent: 4 ranks on 2 loaded cores lost one, and the job's clean end read as a failed exit)
+            data, end = self._datagram(body), time.monotonic() + GOODBYE_WAIT_S
+            while True:
+                try:
+                    s.send(data)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= end:
+                        break
+                    time.sleep(0.005)
+                except OSError:
+                    break
 
     def after_fork(self) -> None:
         """A forked child is not the rank that armed the handlers (the C side checks the pid too)."""
