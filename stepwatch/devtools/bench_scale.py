@@ -63,14 +63,9 @@ def _pct(x, q) -> float:
 
 
 def run_scale_bench(a) -> int:
-    import psutil
-
     from stepwatch.devtools.bench import _processor
     from stepwatch.devtools.broker import EmbeddedBroker, free_port
-    from stepwatch.devtools.simsend import send_simulation
-    from stepwatch.devtools.simulate import Simulation
-    from stepwatch.kafkaio import KafkaSettings, ensure_topics, make_producer
-    from stepwatch.storage.views import connect
+    from stepwatch.kafkaio import KafkaSettings, ensure_topics
 
     ranks, seconds = int(a.ranks), int(a.seconds or 300)
     if ranks < 1 or seconds < 1:
@@ -92,8 +87,7 @@ def run_scale_bench(a) -> int:
         p = _processor(broker.bootstrap, s.prefix, data, "bench-scale", core, idle_exit=None,
                        extra=("--metrics-port", str(port)))
         try:
-            res.update(_run(a, p, s, data, port, ranks, seconds, rpm, psutil, send_simulation, Simulation,
-                            make_producer, connect))
+            res.update(_run(a, p, s, data, port, ranks, seconds, rpm))
         finally:
             if p.poll() is None:
                 p.terminate()
@@ -106,14 +100,21 @@ def run_scale_bench(a) -> int:
     if st_path.exists():
         st = json.loads(st_path.read_text())
         res["processor_rows_out"] = st["rows_out"]
-    _report(res, base)
+    _report(res)
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1, default=float))
     return 0
 
 
-def _run(a, p, s, data, port, ranks, seconds, rpm, psutil, send_simulation, Simulation, make_producer,
-         connect) -> dict:
+def _run(a, p, s, data: Path, port: int, ranks: int, seconds: int, rpm: int) -> dict:
+    """The live job against the running processor ``p``; returns the figures."""
+    import psutil
+
+    from stepwatch.devtools.simsend import send_simulation
+    from stepwatch.devtools.simulate import Simulation
+    from stepwatch.kafkaio import make_producer
+    from stepwatch.storage.views import connect
+
     # ---------------------------------------------------------------- ready: a tiny job stored
     prod = make_producer(s, linger_ms=5)
     send_simulation(Simulation(job=WARM_JOB, ranks=8, steps=1, seed=0), prod, s, rows_per_message=rpm)
@@ -276,7 +277,7 @@ def _run(a, p, s, data, port, ranks, seconds, rpm, psutil, send_simulation, Simu
     }
 
 
-def _report(r: dict, base: Path) -> None:
+def _report(r: dict) -> None:
     sent, stored = r.get("rows_sent", {}), r.get("rows_stored", {})
     wall = r.get("produce_s", float("nan"))
     print(f"\nsent {sum(sent.values()):,} rows in {wall:.1f}s (from step 0's start) => {r.get('rows_sent_per_s', 0):,.0f} rows/s "
