@@ -5,8 +5,8 @@
     stepwatch simulate                 send a simulated cluster's telemetry to Kafka (faults + labels)
     stepwatch process                  the stream processor (consumer group -> Parquet, alerts)
     stepwatch sql "SELECT …"           DuckDB over the Parquet store
-    stepwatch bench ingest|query|overhead|detectors|changepoint  throughput and lag into Parquet; canned-query
-                                       times at scale; probe and agent overhead; detector cost per step;
+    stepwatch bench ingest|scale|query|overhead|detectors|changepoint  throughput and lag into Parquet; a big live job
+                                       end to end; canned-query times at scale; probe and agent overhead; detector cost per step;
                                        change-point finders on generated labelled series
     stepwatch bench fuzz|hostile       100,000 fuzzed inputs per boundary; 10,000 hostile Kafka messages
     stepwatch eval                     the labelled scenario suite through the processor: recall, precision, delay
@@ -278,6 +278,11 @@ def _profiling_bench(a) -> int:
     return run_profiling_bench(a)
 
 
+def _scale_bench(a) -> int:
+    from stepwatch.devtools.bench_scale import run_scale_bench
+    return run_scale_bench(a)
+
+
 def cmd_bench(a) -> int:
     from stepwatch.devtools import bench
     from stepwatch.devtools.bench_overhead import run_overhead_bench
@@ -286,7 +291,8 @@ def cmd_bench(a) -> int:
     from stepwatch.devtools.hostile import run_hostile_bench
     return {"ingest": bench.run_bench, "query": bench.run_query_bench, "overhead": run_overhead_bench,
             "detectors": run_detector_bench, "profiling": _profiling_bench,
-            "changepoint": bench.run_changepoint_bench, "fuzz": run_fuzz, "hostile": run_hostile_bench}[a.what](a)
+            "changepoint": bench.run_changepoint_bench, "fuzz": run_fuzz, "hostile": run_hostile_bench,
+            "scale": _scale_bench}[a.what](a)
 
 
 # ---------------------------------------------------------------------------- parser
@@ -433,7 +439,7 @@ def build_parser(devtools: bool = True) -> argparse.ArgumentParser:
 
     be = sub.add_parser("bench", help="benchmarks that print figures")
     be.add_argument("what", choices=["ingest", "query", "overhead", "detectors", "profiling", "changepoint",
-                                     "fuzz", "hostile"])
+                                     "fuzz", "hostile", "scale"])
     be.add_argument("--inputs", type=int, default=100_000, help="fuzz: inputs per boundary")
     be.add_argument("--seed", type=int, default=0, help="fuzz: hypothesis seed")
     be.add_argument("--boundary", default=None, help="fuzz: only this boundary (stepwatch.devtools.fuzz.BOUNDARIES)")
@@ -453,7 +459,11 @@ def build_parser(devtools: bool = True) -> argparse.ArgumentParser:
     be.add_argument("--lag-seconds", type=int, default=30, help="length of the live (1 step/s) lag run")
     be.add_argument("--rows-per-message", type=int, default=4096)
     be.add_argument("--burst-jobs", type=int, default=1000, help="ingest: new jobs in the one-flush burst")
-    be.add_argument("--seconds", type=int, default=3600, help="query bench: steps (1 step/s) to generate")
+    be.add_argument("--seconds", type=int, default=None,
+                    help="query bench: steps (1 step/s) to generate (3600); scale: seconds of the live job (300)")
+    be.add_argument("--drain", type=float, default=60.0,
+                    help="scale: seconds to wait, after the last step was sent, for every step to be queryable")
+    be.add_argument("--json", default=None, help="scale: also write the figures here (JSON)")
     be.add_argument("--data-dir", default=None, help="default: a temporary folder")
     if devtools:
         from stepwatch.devtools.bench_overhead import add_overhead_args

@@ -25,12 +25,13 @@ import numpy as np
 
 
 def _processor(bootstrap: str, prefix: str, data: Path, group: str, core: int, idle_exit: float | None,
-               flush_interval: float = 1.0) -> subprocess.Popen:
+               flush_interval: float = 1.0, extra: tuple = ()) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "stepwatch.cli", "process", "--bootstrap", bootstrap, "--topic-prefix", prefix,
            "--data-dir", str(data), "--group", group, "-q", "--stats-json", str(data / "_stats.json"),
            "--flush-interval", str(flush_interval)]
     if idle_exit:
         cmd += ["--idle-exit", str(idle_exit)]
+    cmd += list(extra)
     env = dict(os.environ, OMP_NUM_THREADS="1", ARROW_NUM_THREADS="1")
     return subprocess.Popen(cmd, env=env, preexec_fn=lambda: os.sched_setaffinity(0, {core}),
                             stdout=subprocess.DEVNULL, stderr=open(data / "_processor.log", "wb"))
@@ -247,7 +248,7 @@ def run_query_bench(a) -> int:
     from stepwatch.storage.views import connect
 
     base = Path(a.data_dir or tempfile.mkdtemp(prefix="stepwatch-qbench-"))
-    seconds = a.seconds
+    seconds = a.seconds or 3600
     print(f"stepwatch bench query: {a.ranks:,} ranks x {seconds:,} steps (1 step/s) -> {base}")
     if (base / "lake.sqlite").exists() and connect(base).execute(
             "SELECT count(*) FROM steps WHERE job = 'bench-hour'").fetchall()[0][0]:
