@@ -58,7 +58,7 @@ def _poll(con_dir, sql: str, args: list, ok, timeout_s: float = 30.0):
 @pytest.mark.parametrize("launcher", ["srun", "sbatch"])
 def test_srun_ranks_are_the_slurm_job_and_its_end_is_the_epilogs(slurm, kafka, tmp_path, socket_dir, launcher):
     """``launcher`` srun: ``srun -n 2`` from the login shell; sbatch: a batch script whose step is that
-    srun (``sbatch --wait``), as most jobs are submitted."""
+    srun, submitted and waited for, as most jobs are."""
     pytest.importorskip("torch", reason="trains a real PyTorch model")
     slurm.hooks(STEPWATCH_SOCKET_DIR=socket_dir)
     agent = Agent(kafka, socket_dir=socket_dir, node=slurm.node, interval_s=0.5).start()
@@ -80,8 +80,21 @@ def test_srun_ranks_are_the_slurm_job_and_its_end_is_the_epilogs(slurm, kafka, t
         else:
             script = tmp_path / "job.sbatch"
             script.write_text("#!/bin/bash\n#SBATCH -n 2\n" + "srun " + " ".join(step) + "\n")
-            r = slurm.run("sbatch", "--wait", "-J", name, "-o", str(tmp_path / "job.out"), str(script),
-                          timeout=120, check=False, env=env)
+            # (not `sbatch --wait`: it polls the job's state at growing intervals, ~30 s more here)
+            sub = slurm.run("sbatch", "--parsable", "-J", name, "-o", str(tmp_path / "job.out"), str(script),
+                            timeout=30, env=env)
+            jid = sub.stdout.strip().split(";")[0]
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                st = slurm.run("scontrol", "-o", "show", "job", jid, check=False, timeout=10).stdout
+                state = next((w.split("=", 1)[1] for w in st.split() if w.startswith("JobState=")), "")
+                if state and state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+                    break
+                time.sleep(0.5)
+            code = next((w.split("=", 1)[1] for w in st.split() if w.startswith("ExitCode=")), "?")
+            r = type(sub)(sub.args, 0 if state == "COMPLETED" and code.startswith("0:") else 1,
+                          (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else "",
+                          f"{state} {code}")
         assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
         job = slurm.run("squeue", "-h", "-t", "all", "-n", name, "-o", "%i").stdout.split()
         assert len(job) == 1 and job[0].isdigit(), job
