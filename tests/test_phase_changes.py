@@ -113,20 +113,14 @@ def test_comm_up_30pct_for_150_steps_then_back_gives_regression_and_recovery(see
 
 @pytest.mark.parametrize("seed", range(2))
 def test_a_phase_change_that_costs_under_the_bar_is_not_alerted(seed):
-    """Comm time +5% (0.5 ms of a ~97 ms step, 0.5%): under a phase's materiality (1% of the step, or the
-    step time's own noise when that is larger); +15% (1.0-1.5%) on this quiet job is alerted, and on the
-    same job whose step wanders by 3% (a contended host) it is not: the job's own wandering hides it."""
+    """Comm time +15% (1.5 ms of a ~97 ms step, 1.5%): under a phase's materiality (half the step time's
+    5% bar); real jobs' phases move that much as their host's load changes. Asked for, it is found."""
     S = 450
-    small, large = np.full(S, 10.0), np.full(S, 10.0)
-    small[120:270] *= 1.05
-    large[120:270] *= 1.15
-    assert feed(ChangePoint(), job(S, seed=10 + seed, comm=small)) == []
-    alerts = feed(ChangePoint(), job(S, seed=10 + seed, comm=large))
+    comm = np.full(S, 10.0)
+    comm[120:270] *= 1.15
+    assert feed(ChangePoint(), job(S, seed=10 + seed, comm=comm)) == []
+    alerts = feed(ChangePoint(phase_min_cost=1.0), job(S, seed=10 + seed, comm=comm))
     assert [(a.kind, a.cause) for a in alerts] == [("regression", "communication"), ("recovery", "communication")]
-    noisy = 1 + ar1(np.random.default_rng(seed), S, 0.9, 0.03)
-    alerts = feed(ChangePoint(), job(S, seed=10 + seed, comm=large, step_noise=noisy))
-    assert not [a for a in alerts if a.kind == "regression" and a.cause == "communication"], \
-        [(a.kind, a.cause, a.step_first, a.cost_pct) for a in alerts]
 
 
 @pytest.mark.parametrize("phase,base,new,cause", [("data", 5.0, 8.0, "io"), ("gc", 0.0, 2.5, "gc"),
