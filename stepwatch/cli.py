@@ -289,9 +289,11 @@ def cmd_bench(a) -> int:
     from stepwatch.devtools.eval import run_detector_bench
     from stepwatch.devtools.fuzz import run_fuzz
     from stepwatch.devtools.hostile import run_hostile_bench
+    from stepwatch.devtools.hostile_jobs import run_jobs_bench
+    hostile = run_jobs_bench if getattr(a, "kind", "messages") == "jobs" else run_hostile_bench
     return {"ingest": bench.run_bench, "query": bench.run_query_bench, "overhead": run_overhead_bench,
             "detectors": run_detector_bench, "profiling": _profiling_bench,
-            "changepoint": bench.run_changepoint_bench, "fuzz": run_fuzz, "hostile": run_hostile_bench,
+            "changepoint": bench.run_changepoint_bench, "fuzz": run_fuzz, "hostile": hostile,
             "scale": _scale_bench}[a.what](a)
 
 
