@@ -151,3 +151,20 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP Over
                 p.kill()
                 p.wait(5)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def started():
+    """A module fixture's body: the cluster, started (the test skips, saying why, where it cannot be),
+    stopped after its tests: ``yield from started()``."""
+    import pytest
+    why = why_not()
+    if why:
+        pytest.skip(why)
+    c = SlurmCluster()
+    try:
+        c.start()
+    except RuntimeError as e:
+        c.stop()
+        pytest.skip(f"the test Slurm did not start: {e}")
+    yield c
+    c.stop()

@@ -23,7 +23,7 @@ import urllib.request
 import pytest
 
 from promstack import ALERTMANAGER, MISSING_AM, Alertmanager, wait_until
-from slurmcluster import SlurmCluster, why_not
+from slurmcluster import started
 from stepwatch.agents.act import Actor, ActMetrics, Policy, Receiver, Store, command
 from stepwatch.dashboards.alertmanager import postable_alert
 from stepwatch.detectors.base import Alert
@@ -90,17 +90,7 @@ class ActProcess:
 
 @pytest.fixture(scope="module")
 def slurm():
-    why = why_not()
-    if why:
-        pytest.skip(why)
-    c = SlurmCluster()
-    try:
-        c.start()
-    except RuntimeError as e:
-        c.stop()
-        pytest.skip(f"the test Slurm did not start: {e}")
-    yield c
-    c.stop()
+    yield from started()
 
 
 @pytest.mark.skipif(not ALERTMANAGER, reason=MISSING_AM)

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from slurmcluster import SlurmCluster, why_not
+from slurmcluster import started, why_not
 from stepwatch.agents.agent import Agent
 from stepwatch.devtools.ddp_train_path import ddp_train_file
 from stepwatch.storage.views import connect
@@ -27,14 +27,7 @@ pytestmark = pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
 
 @pytest.fixture(scope="module")
 def slurm():
-    c = SlurmCluster()
-    try:
-        c.start()
-    except RuntimeError as e:
-        c.stop()
-        pytest.skip(f"the test Slurm did not start: {e}")
-    yield c
-    c.stop()
+    yield from started()
 
 
 def _poll(con_dir, sql: str, args: list, ok, timeout_s: float = 30.0):
