@@ -152,24 +152,30 @@ def test_a_goodbye_read_after_the_agent_saw_the_rank_go_says_how_it_ended():
     assert out[0].evidence["ends"]["0"]["how"] == "error"
 
 
-def test_a_restart_from_a_checkpoint_reruns_its_steps_and_every_row_is_aligned_and_judged(tmp_path):
-    """A job that finished (every rank said goodbye) starts again under the same id from its checkpoint at
-    step 60: it runs steps 60-179 again, newer in time. Those rows are the new attempt's, not duplicates of
-    the old ones: every one is kept and aligned (before: steps 60-119 were dropped as duplicates of the
-    first attempt, lost to the store and the detectors), and the new attempt's straggler is named."""
+def _processor(tmp_path, job: str):
+    """A real processor fed as its consumer loop feeds it: (processor, send(kind, table), alerts seen)."""
     from stepwatch.devtools.eval import Record
-    from stepwatch.devtools.simulate import Simulation
     from stepwatch.kafkaio import KafkaSettings
     from stepwatch.stream.processor import Processor
-
-    t0 = 1_767_225_600 * S                          # 2026-01-01 (rows from the future are refused)
-    first = Simulation(job="rs", ranks=8, ranks_per_node=4, steps=120, step_ms=100.0, seed=5, t0_ns=t0)
     seen = []
     p = Processor(KafkaSettings(), tmp_path, on_alert=seen.append)
     off = iter(range(10**6))
 
     def send(kind, t):
-        p._handle(Record(p.kafka.topic(kind), 0, next(off), b"rs", wire.encode_arrow(t), wire.headers(kind)))
+        p._handle(Record(p.kafka.topic(kind), 0, next(off), job.encode(), wire.encode_arrow(t), wire.headers(kind)))
+    return p, send, seen
+
+
+def test_a_restart_from_a_checkpoint_reruns_its_steps_and_every_row_is_aligned_and_judged(tmp_path):
+    """A job that finished (every rank said goodbye) starts again under the same id from its checkpoint at
+    step 60: it runs steps 60-179 again, newer in time. Those rows are the new attempt's, not duplicates of
+    the old ones: every one is kept and aligned (before: steps 60-119 were dropped as duplicates of the
+    first attempt, lost to the store and the detectors), and the new attempt's straggler is named."""
+    from stepwatch.devtools.simulate import Simulation
+
+    t0 = 1_767_225_600 * S                          # 2026-01-01 (rows from the future are refused)
+    first = Simulation(job="rs", ranks=8, ranks_per_node=4, steps=120, step_ms=100.0, seed=5, t0_ns=t0)
+    p, send, seen = _processor(tmp_path, "rs")
 
     send("topology", first.topology())
     for a in range(0, 120, 10):
@@ -199,20 +205,12 @@ def _announce_run(tmp_path, announce: bool):
     """A steady 8-rank job whose step time grows by 50% at step 150 (its batch doubled), then by 15%
     more at step 290 (a real regression); ``announce``: its ranks marked the change at step 150
     (``probe.mark_change("batch_size")``: the phase ``change:batch_size`` in that step's ``phases``)."""
-    from stepwatch.devtools.eval import Record
     from stepwatch.devtools.simulate import Simulation
-    from stepwatch.kafkaio import KafkaSettings
-    from stepwatch.stream.processor import Processor
 
     sim = Simulation(job="bs", ranks=8, ranks_per_node=4, steps=360, step_ms=100.0, seed=9,
                      t0_ns=1_767_225_600 * S, faults=["regression:start=150,pct=50,cause=computation",
                                                       "regression:start=290,pct=15,cause=computation"])
-    seen = []
-    p = Processor(KafkaSettings(), tmp_path, on_alert=seen.append)
-    off = iter(range(10**6))
-
-    def send(kind, t):
-        p._handle(Record(p.kafka.topic(kind), 0, next(off), b"bs", wire.encode_arrow(t), wire.headers(kind)))
+    p, send, seen = _processor(tmp_path, "bs")
 
     send("topology", sim.topology())
     for a in range(0, 360, 10):
