@@ -97,10 +97,12 @@ def _run(kafka, tmp_path, socket_dir, job, env, signal_at_step=None, settle_s=HA
     # straggle, reported rightly), and the job-wide change in its incident, are not this test's subject
     real = {a.incident_id for a in alerts if a.kind == "slow_rank" and a.status == "firing"
             and all(straggle_is_real(out, r, a.step_first, a.step_detected) for r in a.ranks)}
+    # (and the same alerts' later words: the resolution the job's end sends is the same alert id)
+    ids = {a.alert_id for a in alerts if a.incident_id in real}
     for a in alerts:
-        if a.incident_id in real:
+        if a.incident_id in real or a.alert_id in ids:
             print(f"(confirmed by the script's own clock: {a.line()[:120]})")
-    alerts = [a for a in alerts if a.incident_id not in real]
+    alerts = [a for a in alerts if a.incident_id not in real and a.alert_id not in ids]
     return p.returncode, err, events, alerts, (t_end or t_exit)
 
 
