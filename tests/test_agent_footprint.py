@@ -81,12 +81,39 @@ def test_stepwatch_agent_builds_only_the_agents_command_line(sockdir):
     assert r.stdout.split() == ["[]", "system", sockdir], r.stdout
 
 
-RSS_BOUND_MB = 90        # measured 74.5 MB (no Kafka, 4 ranks served); 127 MB before `stepwatch agent` built its own command line
+# The resident set has two parts. What the agent's own work adds while serving ranks is ours and small (measured
+# +7 MB: 70.3 MB idle -> 77.3 MB serving 4 ranks). What it costs at rest (Python, Arrow's and numpy's libraries,
+# the allocator) also depends on the machine: the same commit read 77 MB here and 108 MB on CI's machine. So the
+# growth has a tight bound and the whole a loose one; what the agent loads is checked exactly above (DuckDB, the
+# lake and pyarrow.compute took it to 125-145 MB), and `stepwatch bench overhead` reports the figure with Kafka.
+GROWTH_BOUND_MB = 20
+RSS_BOUND_MB = 160
+
+
+def _rss_mb(pid: int) -> float:
+    import re
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        return int(re.search(r"^Rss:\s+(\d+) kB", f.read(), re.M).group(1)) / 1024
+
+
+def _largest_mappings(pid: int, n: int = 8) -> str:
+    """The resident set by mapping (a failure says where the memory is)."""
+    import collections
+    by, cur = collections.Counter(), "[anon]"
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and not head[0].endswith(":"):
+                cur = head[5].rsplit("/", 1)[-1] if len(head) > 5 else "[anon]"
+            elif head and head[0] == "Rss:":
+                by[cur] += int(head[1])
+    return ", ".join(f"{k} {v / 1024:.1f} MB" for k, v in by.most_common(n))
 
 
 def test_stepwatch_agent_serving_ranks_stays_within_its_rss_bound(sockdir):
-    """The real ``stepwatch agent`` process, serving 4 probes' steps, resident set within RSS_BOUND_MB
-    (no Kafka here: ``stepwatch bench overhead`` measures it with the broker, docs/agents.md)."""
+    """The real ``stepwatch agent`` process serving 4 probes' steps: its resident set grows by at most
+    GROWTH_BOUND_MB over the idle agent's, and stays within RSS_BOUND_MB (no Kafka here: ``stepwatch bench
+    overhead`` measures it with the broker, docs/agents.md)."""
     import re
     import time
     import urllib.request
@@ -101,20 +128,21 @@ def test_stepwatch_agent_serving_ranks_stays_within_its_rss_bound(sockdir):
     probes = []
     try:
         deadline = time.monotonic() + 60
-        while not os.path.exists(os.path.join(sockdir, SOCKET_NAME)):
-            assert agent.poll() is None and time.monotonic() < deadline, agent.stderr.read().decode()[-2000:]
-            time.sleep(0.05)
-        probes = [Probe().init(job="fp", rank=r, world_size=4, socket_dir=sockdir, auto=False, flush_ms=50)
-                  for r in range(4)]
 
         def steps_in() -> float:
             try:
                 body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
             except OSError:
-                return 0.0
+                return -1.0
             m = re.search(r'^stepwatch_agent_records_in_total\{kind="steps"\} ([0-9.e+]+)$', body, re.M)
             return float(m.group(1)) if m else 0.0
 
+        while not os.path.exists(os.path.join(sockdir, SOCKET_NAME)) or steps_in() < 0:
+            assert agent.poll() is None and time.monotonic() < deadline, agent.stderr.read().decode()[-2000:]
+            time.sleep(0.05)
+        idle_mb = _rss_mb(agent.pid)
+        probes = [Probe().init(job="fp", rank=r, world_size=4, socket_dir=sockdir, auto=False, flush_ms=50)
+                  for r in range(4)]
         while steps_in() < 4 * 50:
             assert agent.poll() is None and time.monotonic() < deadline, "the agent did not count 200 steps"
             for p in probes:
@@ -123,9 +151,11 @@ def test_stepwatch_agent_serving_ranks_stays_within_its_rss_bound(sockdir):
                         pass
                 p.flush()
             time.sleep(0.01)
-        with open(f"/proc/{agent.pid}/smaps_rollup") as f:
-            rss_mb = int(re.search(r"^Rss:\s+(\d+) kB", f.read(), re.M).group(1)) / 1024
-        assert rss_mb <= RSS_BOUND_MB, f"stepwatch agent resident set {rss_mb:.1f} MB > {RSS_BOUND_MB} MB"
+        rss_mb = _rss_mb(agent.pid)
+        where = _largest_mappings(agent.pid)
+        assert rss_mb - idle_mb <= GROWTH_BOUND_MB, \
+            f"serving 4 ranks grew the agent from {idle_mb:.1f} to {rss_mb:.1f} MB (> +{GROWTH_BOUND_MB}): {where}"
+        assert rss_mb <= RSS_BOUND_MB, f"stepwatch agent resident set {rss_mb:.1f} MB > {RSS_BOUND_MB} MB: {where}"
     finally:
         for p in probes:
             p.shutdown()
