@@ -5,10 +5,8 @@
     stepwatch simulate                 send a simulated cluster's telemetry to Kafka (faults + labels)
     stepwatch process                  the stream processor (consumer group -> Parquet, alerts)
     stepwatch sql "SELECT …"           DuckDB over the Parquet store
-    stepwatch bench ingest|scale|query|overhead|detectors|changepoint  throughput and lag into Parquet; a big live job
-                                       end to end; canned-query times at scale; probe and agent overhead; detector cost per step;
-                                       change-point finders on generated labelled series
-    stepwatch bench fuzz|hostile       100,000 fuzzed inputs per boundary; 10,000 hostile Kafka messages
+    stepwatch bench NAME               benchmarks, one subcommand each with its own options (stepwatch bench --help):
+                                       ingest, query, scale, detectors, changepoint, overhead, profiling, fuzz, hostile
     stepwatch eval                     the labelled scenario suite through the processor: recall, precision, delay
     stepwatch report --job J           HTML post-mortem; stepwatch compact: compaction and retention
     stepwatch grafana provision|export dashboards, DuckDB datasource, alert rules (idempotent)
@@ -258,7 +256,7 @@ def cmd_compact(a) -> int:
         time.sleep(a.every)
 
 
-# ---------------------------------------------------------------------------- demo / bench
+# ---------------------------------------------------------------------------- demo
 def cmd_demo(a) -> int:
     if a.real:
         from stepwatch.devtools.demo import run_real_demo
@@ -271,30 +269,6 @@ def cmd_demo(a) -> int:
     return run_demo(ranks=a.ranks or 1024, steps=a.steps or 300, data_dir=a.data_dir or "./stepwatch-data/demo",
                     slow_rank=613 if a.slow_rank is None else a.slow_rank, regression_step=a.regression_step,
                     seed=a.seed)
-
-
-def _profiling_bench(a) -> int:
-    from stepwatch.devtools.bench_profiling import run_profiling_bench
-    return run_profiling_bench(a)
-
-
-def _scale_bench(a) -> int:
-    from stepwatch.devtools.bench_scale import run_scale_bench
-    return run_scale_bench(a)
-
-
-def cmd_bench(a) -> int:
-    from stepwatch.devtools import bench
-    from stepwatch.devtools.bench_overhead import run_overhead_bench
-    from stepwatch.devtools.eval import run_detector_bench
-    from stepwatch.devtools.fuzz import run_fuzz
-    from stepwatch.devtools.hostile import run_hostile_bench
-    from stepwatch.devtools.hostile_jobs import run_jobs_bench
-    hostile = run_jobs_bench if getattr(a, "kind", "messages") == "jobs" else run_hostile_bench
-    return {"ingest": bench.run_bench, "query": bench.run_query_bench, "overhead": run_overhead_bench,
-            "detectors": run_detector_bench, "profiling": _profiling_bench,
-            "changepoint": bench.run_changepoint_bench, "fuzz": run_fuzz, "hostile": hostile,
-            "scale": _scale_bench}[a.what](a)
 
 
 # ---------------------------------------------------------------------------- parser
@@ -439,40 +413,9 @@ def build_parser(devtools: bool = True) -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_compact)
     q.set_defaults(func=cmd_sql)
 
-    be = sub.add_parser("bench", help="benchmarks that print figures")
-    be.add_argument("what", choices=["ingest", "query", "overhead", "detectors", "profiling", "changepoint",
-                                     "fuzz", "hostile", "scale"])
-    be.add_argument("--inputs", type=int, default=100_000, help="fuzz: inputs per boundary")
-    be.add_argument("--seed", type=int, default=0, help="fuzz: hypothesis seed")
-    be.add_argument("--boundary", default=None, help="fuzz: only this boundary (stepwatch.devtools.fuzz.BOUNDARIES)")
-    be.add_argument("--messages", type=int, default=10_000, help="hostile: malformed/hostile messages to send")
-    be.add_argument("--idle-exit", type=float, default=30.0,
-                    help="hostile: the processor exits after this long without a new message (s)")
-    be.add_argument("--kind", choices=["messages", "jobs"], default="messages",
-                    help="hostile: malformed messages, or many job ids (ingest rate at max_jobs vs below it)")
-    be.add_argument("--jobs", type=int, default=20_000, help="hostile --kind jobs: job ids of the run at the cap")
-    be.add_argument("--baseline-jobs", type=int, default=1000, help="hostile --kind jobs: job ids of the baseline run")
-    be.add_argument("--job-rounds", type=int, default=3,
-                    help="hostile --kind jobs: messages per job id of --jobs (both runs send this many in all)")
-    be.add_argument("--max-jobs", type=int, default=None, help="hostile --kind jobs: the processor's max_jobs "
-                    "(default: its default, 10,000)")
-    be.add_argument("--ranks", type=int, default=16384)
-    be.add_argument("--steps", type=int, default=60, help="steps pre-produced for the throughput run")
-    be.add_argument("--lag-seconds", type=int, default=30, help="length of the live (1 step/s) lag run")
-    be.add_argument("--rows-per-message", type=int, default=4096)
-    be.add_argument("--burst-jobs", type=int, default=1000, help="ingest: new jobs in the one-flush burst")
-    be.add_argument("--seconds", type=int, default=None,
-                    help="query bench: steps (1 step/s) to generate (3600); scale: seconds of the live job (300)")
-    be.add_argument("--drain", type=float, default=60.0,
-                    help="scale: seconds to wait, after the last step was sent, for every step to be queryable")
-    be.add_argument("--json", default=None, help="scale: also write the figures here (JSON)")
-    be.add_argument("--data-dir", default=None, help="default: a temporary folder")
     if devtools:
-        from stepwatch.devtools.bench_overhead import add_overhead_args
-        add_overhead_args(be)
-        from stepwatch.devtools.bench_profiling import add_profiling_args
-        add_profiling_args(be)
-    be.set_defaults(func=cmd_bench)
+        from stepwatch.devtools.benchcli import register as register_bench
+        register_bench(sub)          # `stepwatch bench NAME`: one subcommand per benchmark, its own options
     return p
 
 
@@ -489,7 +432,13 @@ def main(argv: list[str] | None = None) -> int:
         if not extras.is_missing_extra(e):
             raise
         return extras.without_parser(e, argv)
-    a = p.parse_args(argv)
+    a, extra = p.parse_known_args(argv)
+    if extra:                                # as parse_args, but said by the bench's own parser
+        bench = getattr(a, "bench_parser", None)
+        if bench is None:
+            p.error(f"unrecognized arguments: {' '.join(extra)}")
+        from stepwatch.devtools.benchcli import unknown
+        bench.error(unknown(a, extra))
     _setup_logging(a.verbose)
     if not getattr(a, "func", None):
         p.print_help()

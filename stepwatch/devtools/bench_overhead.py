@@ -50,12 +50,13 @@ SETTLE_STEPS = 10          # untimed steps after each (re)install (hello, connec
 
 
 def add_overhead_args(p: argparse.ArgumentParser) -> None:
-    """Options of ``stepwatch bench overhead`` (names chosen not to clash with ``bench ingest``'s)."""
-    p.add_argument("--rounds", type=int, default=80, help="rounds of interleaved blocks per loop")
-    p.add_argument("--block-steps", type=int, default=100, help="steps per block")
-    p.add_argument("--agent-ranks", type=int, default=8, help="probes served by the agent")
-    p.add_argument("--agent-seconds", type=float, default=30.0, help="measured agent run")
-    p.add_argument("--agent-step-ms", type=float, default=100.0, help="step period of the served probes")
+    """Options of ``stepwatch bench overhead`` (and of ``python -m stepwatch.devtools.bench_overhead``)."""
+    p.add_argument("--rounds", type=int, default=80, help="rounds of interleaved blocks per loop (default %(default)s)")
+    p.add_argument("--block-steps", type=int, default=100, help="steps per block (default %(default)s)")
+    p.add_argument("--agent-ranks", type=int, default=8, help="probes served by the agent (default %(default)s)")
+    p.add_argument("--agent-seconds", type=float, default=30.0, help="measured agent run, s (default %(default)s)")
+    p.add_argument("--agent-step-ms", type=float, default=100.0,
+                   help="step period of the served probes, ms (default %(default)s)")
     p.add_argument("--no-broker", action="store_true", help="agent without Kafka (decode and count only)")
     p.add_argument("--skip-agent", action="store_true", help="only the probe overhead")
     p.add_argument("--skip-probe", action="store_true", help="only the agent cost")
@@ -451,7 +452,7 @@ def agent_cost(ranks: int, seconds: float, step_ms: float, broker: bool, out=pri
 
 def run_overhead_bench(a) -> int:
     """Entry point of ``stepwatch bench overhead`` (options: :func:`add_overhead_args`)."""
-    g = lambda k, d: getattr(a, k, d)   # noqa: E731 - works with the shared ``bench`` parser too
+    g = lambda k, d: getattr(a, k, d)   # noqa: E731 - a Namespace without the options runs the defaults
     print(f"stepwatch bench overhead: {os.cpu_count()} CPUs, python {sys.version.split()[0]}")
     if not g("skip_probe", False):
         try:

@@ -32,10 +32,16 @@ SLOW_FROM = 150           # the slow rank's extra work starts here: a healthy ba
 
 
 def add_profiling_args(p) -> None:
-    p.add_argument("--prof-ranks", type=int, default=4, help="profiling bench: gloo ranks")
-    p.add_argument("--prof-steps", type=int, default=10, help="profiling bench: steps profiled")
-    p.add_argument("--prof-step-ms", type=float, default=50.0, help="profiling bench: padded step time")
-    p.add_argument("--prof-extra-ms", type=float, default=20.0, help="profiling bench: slow_op on rank 1")
+    """Options of ``stepwatch bench profiling`` (the ``--prof-`` names are those it had when every bench
+    shared one list of options; both spellings work)."""
+    p.add_argument("--ranks", "--prof-ranks", dest="prof_ranks", type=int, default=4,
+                   help="gloo ranks (default %(default)s)")
+    p.add_argument("--steps", "--prof-steps", dest="prof_steps", type=int, default=10,
+                   help="steps profiled (default %(default)s)")
+    p.add_argument("--step-ms", "--prof-step-ms", dest="prof_step_ms", type=float, default=50.0,
+                   help="padded step time, ms (default %(default)s)")
+    p.add_argument("--extra-ms", "--prof-extra-ms", dest="prof_extra_ms", type=float, default=20.0,
+                   help="extra work in slow_op on rank 1 from step %d, ms (default %%(default)s)" % SLOW_FROM)
 
 
 def _med(x) -> float:
