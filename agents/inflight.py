@@ -1,7 +1,7 @@
 """The node agent's part of hang localization: ``inflight`` rows.
 
 * :func:`row_from_probe` turns a probe's ``T_INFLIGHT`` datagram (its watchdog's view of an overlong
-  step, see :mod:`stepwatch.agents.watchdog`) into an ``inflight`` row (``source`` = ``probe``).
+  step, see :mod:`stepwatch.agents.probe.watchdog`) into an ``inflight`` row (``source`` = ``probe``).
 * :class:`Liveness` is the agent's own view of its ranks, for the rank that cannot speak: at every tick
   it looks at the process of every rank it served recently (the pid from its hello) in
   ``$HOST_PROC/<pid>/stat``: a process that is **stopped** (state ``T``/``t``: SIGSTOP, a debugger) or

@@ -317,8 +317,8 @@ def job() -> Dashboard:
 
 
 def _efficiency_panels(d: Dashboard) -> None:
-    """MFU and goodput, bus bandwidth vs peak per group, message sizes, DataLoader queue depth (issue 9;
-    the tables are written by the processor's efficiency detectors, see docs/efficiency.md)."""
+    """MFU and goodput, bus bandwidth vs peak per group, message sizes, DataLoader queue depth (the
+    tables are written by the processor's efficiency detectors, see docs/efficiency.md)."""
     d.row("Efficiency")
     d.timeseries("MFU and goodput", f"""
         SELECT {bucket('t_end')} AS time, 100 * median(mfu) AS "MFU %",

@@ -1,7 +1,7 @@
 """Hang localization: from the ranks' in-flight states, the rank(s) a hung job waits for.
 
 In a real hang the ranks have usually finished the same step: most are blocked inside the next
-collective, waiting for the one(s) that never arrive. The probe's watchdog (:mod:`stepwatch.agents.watchdog`)
+collective, waiting for the one(s) that never arrive. The probe's watchdog (:mod:`stepwatch.agents.probe.watchdog`)
 reports, for a step that runs far longer than usual, what its rank is doing: in collective *op* of
 process group *group* with the group's sequence number *seq*, in the DataLoader, or in compute, with the
 main thread's Python stack. The node agent adds what it sees of a rank that cannot speak

@@ -1,4 +1,4 @@
-"""A job's step and time axis, decided by its ranks, never by one row (issue 16, docs/limits.md).
+"""A job's step and time axis, decided by its ranks, never by one row (docs/limits.md).
 
 A job's position is where **its ranks** are, not where the newest row says it is. Each rank's
 report (the step of its newest row in time, and that row's ``t_end``) is kept; the job's *anchor* is the upper quartile of

@@ -18,7 +18,7 @@ from stepwatch import schema as wire
 from stepwatch.agents import probe as P
 from stepwatch.agents.agent import Agent
 from stepwatch.agents.inflight import Liveness, process_state
-from stepwatch.agents.watchdog import Watchdog
+from stepwatch.agents.probe.watchdog import Watchdog
 from stepwatch.detectors import hang
 from stepwatch.detectors.base import JobContext
 from stepwatch.detectors.context import JobTelemetry

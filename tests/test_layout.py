@@ -1,7 +1,6 @@
 """The checkout cannot shadow the install with a partial package: its ``stepwatch/`` links the design's
 top-level folders (agents/, stream/, detectors/, storage/, dashboards/), so running from the repository root
-imports the whole package, whatever is installed (issue 29: `python -c "import stepwatch.probe"` from the root
-failed against a plain ``pip install .``)."""
+imports the whole package, whatever is installed (a plain ``pip install .`` included)."""
 from __future__ import annotations
 
 import os

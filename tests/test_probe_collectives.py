@@ -237,7 +237,7 @@ def test_ddp_bucket_all_reduces_are_timed_through_a_comm_hook(probe, rx, sockdir
     gradients as without the probe) and reports one all_reduce per step with the buckets' bytes."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from stepwatch.agents import ddp_hooks
+    from stepwatch.agents.probe import ddp_hooks
     assert ddp_hooks.K_BUCKET == P.K_BUCKET
     torch.manual_seed(0)
     ref = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),

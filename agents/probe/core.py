@@ -157,7 +157,7 @@ class Probe(Hooks, Replay, Transport, DeviceTiming, Flops):
         self._seq = [0] * MAX_COMM            # collectives replayed per comm slot (per-group sequence numbers)
         self._wait_slot = -1                  # the slot of Work.wait() (no collective of its own)
         self._marks: dict[int, int] = {}      # kind phase slot -> perf ns it was marked in the open step
-        self._wd = None                       # the watchdog (stepwatch.agents.watchdog), after the first step
+        self._wd = None                       # the watchdog (stepwatch.agents.probe.watchdog), after the first step
 
     @property
     def _ctl_active(self) -> bool:

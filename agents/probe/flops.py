@@ -1,4 +1,4 @@
-"""FLOPs per token (or sample) for MFU, and the compute dtype, told by the training process (issue 27).
+"""FLOPs per token (or sample) for MFU, and the compute dtype, told by the training process.
 
 Where the MFU detector's FLOPs come from, best first; the hello says which (``flops_source``, stored in the
 ``topology`` and ``efficiency`` tables):

@@ -439,7 +439,7 @@ def cp_methods() -> dict:
     """The finders compared by ``stepwatch bench changepoint``: ``find()`` with its defaults, ruptures'
     binary segmentation and PELT with textbook settings (l2 cost, ruptures' default ``min_size=2`` and
     ``jump=5``, the BIC penalty ``2 sigma^2 log n`` with sigma from the MAD of the first differences),
-    and predicting no change. ``find() white`` is ``find()`` with the defaults it had before issue 15 (a
+    and predicting no change. ``find() white`` is ``find()`` with a
     white-noise penalty, no local-trend confirmation)."""
     import ruptures as rpt
 

@@ -1,4 +1,4 @@
-"""A standard DistributedDataParallel training script (gloo, CPU) for the tests of issue 15: it knows
+"""A standard DistributedDataParallel training script (gloo, CPU) for the real-run tests: it knows
 nothing of stepwatch and runs unchanged under ``stepwatch wrap``.
 
 Started as one rank (``RANK``, ``WORLD_SIZE`` and ``MASTER_PORT`` set: by torchrun, or by ``stepwatch wrap``

@@ -402,7 +402,7 @@ HANG_KINDS = ("rank-hang", "job-hang")
 #: a hang is found within the stall detector's default hang threshold (30 s) + 5 s
 HANG_DELAY_MAX_S = 30.0 + 5.0
 
-#: the goals (issue 15): precision is over incidents (one per fault), 5% stragglers have their own bound
+#: the goals: precision is over incidents (one per fault), 5% stragglers have their own bound
 TARGETS = [("recall", ">=", 0.99), ("precision", ">=", 0.99), ("localised", ">=", 0.99), ("cause", ">=", 0.95),
            ("median_delay_steps", "<=", 3), ("delay_5pct_steps", "<=", 8), ("small_delay_steps", "<=", 10),
            ("clean_alerts", "==", 0), ("stage_fp", "==", 0), ("false_job_hang", "==", 0),

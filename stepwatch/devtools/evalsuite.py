@@ -74,14 +74,14 @@ def _suite() -> list[Scenario]:
         S("clean-16k", [], ranks=16384, steps=160, seed=41),
         S("slow-5pct-16k", ["slow-rank:rank=12345,pct=5,start=60"], ranks=16384, steps=160, seed=42),
         S("cpu-contention-16k", ["cpu-contention:rank=8000,pct=20,start=60"], ranks=16384, steps=160, seed=43),
-        # efficiency analyses (issue 9): each judged also on its diagnosis (kind and remedy text)
+        # efficiency analyses: each judged also on its diagnosis (kind and remedy text)
         S("small-messages", ["small-messages:start=0,pct=10"], seed=51, steps=120, comm=True,
           note="gradient all-reduce in 2,048 calls of ~1 MiB per step, no tensor fusion"),
         S("slow-link", ["slow-link:rank=5,pct=60,start=40"], seed=52, steps=120, tp=8, comm=True,
           note="one of 8 DP groups (128 ranks, one per node) at 40% of its link bandwidth"),
         S("dataloader-starved", ["dataloader-starved:start=0,pct=25"], seed=53, steps=120,
           note="prefetch queue empty, data wait 25% of every step"),
-        # hang localization from in-flight states (issue 18): every rank stops at the same step
+        # hang localization from in-flight states: every rank stops at the same step
         S("hang-python", ["job-hang:rank=77,start=150"], seed=61, inflight="python",
           note="rank 77 stuck in a Python function, the rest in all_reduce; all finished the same step"),
         S("hang-mismatch", ["job-hang:rank=500,start=150"], seed=62, inflight="mismatch",

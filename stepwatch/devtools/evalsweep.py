@@ -21,7 +21,7 @@ Reported: **false incidents per 10,000 clean job-steps** (incidents none of whos
 over the clean scenarios' steps), and **detection power against effect / noise**: the share of faults found
 and decided within 8 steps of their first step, per bin of the fault's effect in units of the noise sd the
 detector faces (a straggler: its busy-time excess over the per-rank noise sd of busy time; a phase change:
-its step-time excess over the job's step-to-step sd). Goals (issue 25): <= 1 false incident per 10,000
+its step-time excess over the job's step-to-step sd). Goals: <= 1 false incident per 10,000
 clean job-steps; power >= 0.95 for persistent effects of >= 4 noise sd.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Fuzzing the agent-side boundaries (issue 16) with ``hypothesis``: structured hostile inputs, counted.
+"""Fuzzing the agent-side boundaries with ``hypothesis``: structured hostile inputs, counted.
 
 - :func:`fuzz_datagram` — the node agent's datagram decode (:meth:`stepwatch.agents.agent.Agent.handle`
   and the Arrow tables of :meth:`~stepwatch.agents.agent.Agent.tick`): hellos with every field of

@@ -1,10 +1,10 @@
-"""In-flight states of a simulated job (issue 18): what probes' watchdogs and agents send while a step
+"""In-flight states of a simulated job: what probes' watchdogs and agents send while a step
 runs long or the job hangs (:func:`setup_inflight`, :func:`with_inflight`)."""
 from __future__ import annotations
 
 import numpy as np
 
-# ----------------------------------------------------------------------------- in-flight states (issue 18)
+# ----------------------------------------------------------------------------- in-flight states ----------
 
 #: what the stuck rank of a ``job-hang`` with a rank does, for :func:`with_inflight`
 HANG_MODES = ("python", "mismatch", "sigstop")
