@@ -232,6 +232,13 @@ class Detector:
         steps: what began before that replay window is known only from them. Nothing is emitted for
         them. Default: nothing."""
 
+    def on_context(self, ctx: JobContext, kind: str) -> list[Alert]:
+        """Rows of a context table (``comm``) reached the job's window (``ctx.comm``) after its steps:
+        Kafka orders nothing across topics, so a step's comm rows may come after the step closed. The
+        processor calls this for the detectors that override it; a replay feeds the rows before the
+        block instead. Default: nothing."""
+        return []
+
     def tick(self, ctx: JobContext, now_ns: int) -> list[Alert]:
         """Event time of the job moved to ``now_ns`` (host samples or step rows arrived) without
         necessarily closing a step. Detectors that judge silence (a hang) override this; it must be

@@ -3,6 +3,8 @@ against the link's peak, stored in ``comm_bw``; diagnoses ``comm_small_messages`
 ``comm_sync_bound``."""
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -46,6 +48,15 @@ class CommBandwidth(Detector):
       ranks' noise makes them wait: two ranks on a busy host) is so by nature: its ``comm_bw`` rows say
       ``sync-bound``, no alert; only an episode after ``clear`` evaluations without it is alerted.
 
+    A window comes due when its step closes, and is analysed once its comm rows are in (Kafka orders
+    nothing across topics: the processor handles a poll's steps before its comm rows, and a fast job's
+    steps close long before them): at once when the job's newest comm step is at least the window's last
+    step plus ``lag``, else when comm rows arrive (:meth:`on_context`) or event time moves (:meth:`tick`);
+    a window whose rows never come is dropped when its steps leave the aggregate. Rows are written for
+    any window with a step of comm rows; findings need ``min_steps`` of them. When every rank of the job
+    has ended (:meth:`end`), the windows still due are analysed with what they have and the steps after
+    the last window written get one last window (rows only): a job shorter than a window has its rows.
+
     Nothing is judged before the job's step time is steady (:mod:`~stepwatch.detectors.steady`): the
     analysis windows start at the stable stretch.
 
@@ -67,6 +78,7 @@ class CommBandwidth(Detector):
         link_gbps=None       peak bus bandwidth per link type, GB/s (overrides LINK_GBPS)
         link=None            force one link type for every group
         max_pending=8192     comm_bw rows kept until the processor drains them
+        max_due=64           windows come due waiting for their comm rows (beyond: the oldest gives way)
     """
 
     name = "comm_bw"
@@ -76,7 +88,7 @@ class CommBandwidth(Detector):
                  small_div: float = 16.0, small_share: float = 0.5, min_calls: int = 4,
                  min_comm_share: float = 0.1, slow_ratio: float = 0.5, min_peers: int = 3,
                  sync_share: float = 0.6, sync_margin: float = 0.1, straggler_share: float = 0.1, clear: int = 3, link_gbps=None,
-                 link=None, max_pending: int = 8192):
+                 link=None, max_pending: int = 8192, max_due: int = 64):
         if window < 2 or every < 1 or lag < 0 or min_steps < 1 or clear < 1 or min_peers < 1:
             raise ValueError("comm_bw: need window >= 2, every >= 1, lag >= 0, min_steps >= 1, clear >= 1, "
                              "min_peers >= 1")
@@ -86,6 +98,7 @@ class CommBandwidth(Detector):
         self.sync_share, self.straggler_share = float(sync_share), float(straggler_share)
         self.sync_margin = float(sync_margin)
         self.link_gbps, self.link, self.max_pending = dict(link_gbps or {}), link, int(max_pending)
+        self.max_due = max(int(max_due), 1)
         self._eps = _Episodes(int(clear))
         self._steady = SteadyGate()               # nothing judged in the warm-up (detectors.steady)
         self._sync_native: bool | None = None     # sync-bound at the first steady evaluation: the job's own way
@@ -100,6 +113,9 @@ class CommBandwidth(Detector):
         self._agg: _CommAggregate | None = None     # rows folded as they arrive (see _pull)
         self._win = None                            # the comm window they come from
         self._last = None                           # its newest part already folded
+        self._due: deque = deque(maxlen=self.max_due)   # windows come due, waiting for their comm rows
+        self._hi_done: int | None = None            # the newest window end with rows written
+        self._ended = False                         # the job's end was seen (:meth:`end`)
 
     def drain_rows(self) -> dict[str, pa.Table]:
         if not self._pending:
@@ -147,7 +163,6 @@ class CommBandwidth(Detector):
         if not self._steady.steady:
             self._steady.warm(block)
         med = nanmedian(block.step_ms, axis=1)
-        out = []
         for s in range(S):
             i = self._n % len(self._st)
             self._st[i], self._ms[i], self._te[i] = block.steps[s], med[s], block.t_end[s]
@@ -155,38 +170,111 @@ class CommBandwidth(Detector):
             b = int(block.steps[s]) // self.every
             if b != self._bucket:
                 self._bucket = b
-                if getattr(ctx, "comm", None) is not None and len(ctx.comm):
-                    out += self._evaluate(ctx, int(block.steps[s]))
+                self._come_due(int(block.steps[s]))
+        return self._drain_due(ctx)
+
+    def tick(self, ctx: JobContext, now_ns: int) -> list[Alert]:
+        """Event time moved (host samples, the ranks' goodbyes): windows whose comm rows came since are
+        analysed; once every rank of the job has ended, the rest (:meth:`end`)."""
+        if not self._due and (self._ended or not _job_ended(ctx)):
+            return []
+        self._pull(ctx)
+        out = self._drain_due(ctx)
+        if not self._ended and _job_ended(ctx):
+            out += self.end(ctx, wait=True)
         return out
 
-    def _evaluate(self, ctx: JobContext, step_now: int) -> list[Alert]:
-        hi = step_now - self.lag
-        lo = hi - self.window + 1
-        # its rows are measured always; findings are judged only past the warm-up (no evidence before)
-        judge = self._steady.steady and lo >= self._steady.start
-        m = (self._st >= lo) & (self._st <= hi)
-        if m.sum() < self.min_steps:
+    def on_context(self, ctx: JobContext, kind: str) -> list[Alert]:
+        """Comm rows reached the job's window (Kafka orders nothing across topics: a poll's steps are
+        handled before its comm rows, and a fast job's steps close long before): the windows that came
+        due waiting for them are analysed now."""
+        if kind != "comm":
             return []
+        return self.tick(ctx, 0)
+
+    def end(self, ctx: JobContext, wait: bool = False) -> list[Alert]:
+        """The job ended: every window still due is analysed with the rows it has, and the steps after
+        the last window written get a last window (``window`` steps up to the newest closed step, at
+        least one step of comm rows; measured, not judged): a job shorter than a window, or whose
+        last steps no window reached, has its rows. ``wait``: only once its comm rows have caught up
+        with its steps (the newest comm step at least the newest closed step minus ``lag``). Once."""
+        if self._ended or self._n == 0:
+            return []
+        self._pull(ctx)
+        top = int(self._st.max())
+        newest = getattr(getattr(ctx, "comm", None), "newest", None)
+        if wait and newest is not None and newest < top - self.lag:
+            return []
+        self._ended = True
+        out = self._drain_due(ctx, final=True)
+        if self._hi_done is None or top > self._hi_done:
+            w = self._window(top + self.lag, top)
+            if w is not None:
+                out += self._evaluate(ctx, *w, tail=True)
+        return out
+
+    def _window(self, step_now: int, hi: int | None = None) -> tuple | None:
+        """The analysis window that comes due at ``step_now`` (``lag`` steps back unless ``hi``), from the
+        ring of recent steps: (lo, hi, median step time, t_end of hi, its first step, step_now, t_end of the
+        newest step, steps in it); None without a step in it."""
+        hi = step_now - self.lag if hi is None else hi
+        lo = hi - self.window + 1
+        m = (self._st >= lo) & (self._st <= hi)
+        n = int(m.sum())
+        if not n:
+            return None
+        step_ms = float(np.nanmedian(self._ms[m])) if np.isfinite(self._ms[m]).any() else float("nan")
+        t_hi = int(self._te[m][np.argmax(self._st[m])])
+        t_now = int(self._te[(self._n - 1) % len(self._st)])
+        return lo, hi, step_ms, t_hi, int(self._st[m].min()), step_now, t_now, n
+
+    def _come_due(self, step_now: int) -> None:
+        w = self._window(step_now)
+        if w is not None and w[-1] >= self.min_steps:
+            self._due.append(w)
+
+    def _drain_due(self, ctx: JobContext, final: bool = False) -> list[Alert]:
+        """Analyse the windows due, oldest first, once their comm rows are in: the job's newest comm step
+        is at least the window's last step plus ``lag`` (as when the window came due with its rows on
+        time), or the window's first steps are leaving the aggregate, or ``final``. A window waits
+        otherwise (at most ``max_due`` of them: the oldest gives way)."""
+        out: list[Alert] = []
+        if not self._due:
+            return out
+        newest = getattr(getattr(ctx, "comm", None), "newest", None)
+        agg = self._agg
+        floor = agg.newest - agg.W if agg is not None and agg.newest is not None else None
+        while self._due:
+            w = self._due[0]
+            if not (final or newest is None or newest >= w[1] + self.lag or floor is not None and w[0] <= floor):
+                break
+            self._due.popleft()
+            if getattr(ctx, "comm", None) is not None and len(ctx.comm):
+                out += self._evaluate(ctx, *w)
+        return out
+
+    def _evaluate(self, ctx: JobContext, lo: int, hi: int, step_ms: float, t_hi: int, step_first: int,
+                  step_now: int, t_now: int, n_steps: int, tail: bool = False) -> list[Alert]:
+        # its rows are measured always; findings are judged only past the warm-up (no evidence before),
+        # over at least ``min_steps`` steps of comm rows, and never on the last window of an ended job
         t = None
         if self._agg is None:
             t = ctx.comm.select(lo, hi)
             if t is None:
                 return []
-        step_ms = float(np.nanmedian(self._ms[m])) if np.isfinite(self._ms[m]).any() else float("nan")
-        t_hi = int(self._te[m][np.argmax(self._st[m])])
         fam = device_family((ctx.info or {}).get("device_type"))
         if self._agg is not None:
             res = self._agg.analyse(lo, hi, ctx.nodes, fam, step_ms, self.link_gbps, self.link)
         else:
             res = comm_analysis(t, ctx.nodes, fam, step_ms, self.link_gbps, self.link)
-        if not res or res.get("steps", 0) < self.min_steps:
+        if not res or res.get("steps", 0) < 1:
             return []
+        judge = (not tail and self._steady.steady and lo >= self._steady.start
+                 and res["steps"] >= self.min_steps)
         g = res.get("groups")
         present: set = set()
         alerts: list[Alert] = []
         diag = np.full(len(g["op"]) if g else 0, None, dtype=object)
-        step_first = int(self._st[m].min())
-        t_now = int(self._te[(self._n - 1) % len(self._st)])
         comm_share = res.get("comm_share") or 0.0
         if g:
             # small messages (job-wide)
@@ -257,6 +345,7 @@ class CommBandwidth(Detector):
                     self._sync_native = False            # it went away: a later episode is a change
         if g:
             k = len(g["op"])
+            self._hi_done = hi if self._hi_done is None else max(self._hi_done, hi)
             _pending_add(self._pending, pa.table({
                 "job": pa.array([ctx.job] * k, pa.string()), "step_lo": pa.array(np.full(k, lo, np.int64)),
                 "step_hi": pa.array(np.full(k, hi, np.int64)),
@@ -336,6 +425,16 @@ class CommBandwidth(Detector):
                                  f"straggler: the ranks that wait least are {who}; compare their phases "
                                  "(data, compute, host gap) and balance the work (pipeline stages, uneven "
                                  "batches). " + SUGGESTIONS["parallelism"]))
+
+
+def _job_ended(ctx) -> bool:
+    """Every rank of the job has ended (its goodbye, or the agent saw it go), or its end was judged."""
+    life = getattr(ctx, "life", None)
+    if life is None:
+        return False
+    if life.outcome is not None:
+        return True
+    return bool(life.first) and len(life.first) >= max(int(getattr(ctx, "world_size", 0) or 0), 1)
 
 
 def _peer_medians(g: dict, bus: np.ndarray, min_peers: int):

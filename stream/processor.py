@@ -375,6 +375,12 @@ class Processor(Intake, CaughtUp):
             elif kind == "inflight":                     # a watchdog's report, a rank's end: judged now
                 rt.inflight_partition = self._src[1] if self._src else rt.inflight_partition
                 self._tick(rt)
+            elif kind == "comm" and not rt.replaying:    # rows of steps that may have closed already
+                ctx = None
+                for det in rt.detectors:
+                    if type(det).on_context is not Detector.on_context:
+                        ctx = ctx or self._ctx(rt)
+                        self._run_detector(rt, det, det.on_context, ctx, kind)
 
     def _ctx(self, rt: JobRuntime) -> JobContext:
         ctx = rt.state.context()
