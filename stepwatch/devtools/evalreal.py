@@ -266,6 +266,25 @@ def _step_axis(data: Path, job: str, steps: int) -> tuple[np.ndarray, float]:
     return starts, med
 
 
+def _comm_summary(data: Path, job: str) -> str:
+    """The job's timed collectives and its bus bandwidth rows: every job whose collectives are timed gets
+    ``comm_bw`` rows (docs/efficiency.md)."""
+    from stepwatch.storage.views import connect
+    con = connect(data)
+    try:
+        calls, timed = con.execute('SELECT coalesce(sum("count"), 0), count(*) FROM comm WHERE job = ?', [job]).fetchone()
+        n, bw, algbw = con.execute("SELECT count(*), median(busbw_gbps), median(algbw_gbps) FROM comm_bw WHERE job = ?",
+                                   [job]).fetchone()
+    except Exception as e:  # noqa: BLE001 - a store without the table says so
+        return f"comm: {type(e).__name__}: {str(e)[:120]}"
+    finally:
+        con.close()
+    if not n:
+        return f"{int(calls)} collective call(s) in {timed} comm row(s), no comm_bw rows"
+    return (f"{int(calls)} collective call(s) in {timed} comm row(s), {n} comm_bw row(s): median bus bandwidth "
+            f"{bw or 0:.1f} GB/s (algorithm {algbw or 0:.1f} GB/s)")
+
+
 def run_real(a) -> int:
     if getattr(a, "spool", None):
         return run_spool(a)
@@ -389,6 +408,7 @@ def run_spool(a) -> int:
         scored.append((res, s))
         ends = ", ".join(f"job_end {e.evidence.get('outcome')}" for e in proc.events if e.job == job) or "no job_end"
         print(f"  {job:<16} step {step_ms:.1f} ms: {len(s['firing'])} alert(s), {ends}")
+        print(f"      {_comm_summary(base / 'data', job)}")
         for e in emitted.get(job, []):
             print(f"      [{e.alert.incident_id}] {e.alert.line()[:260]}")
     print("")
