@@ -8,7 +8,8 @@
   raises no alert.
 * an ``sbatch`` job whose ranks step until Slurm ends it, by ``scancel`` or at its time limit: the epilog's end
   says CANCELLED / TIMEOUT (read once Slurm settled it: the epilog itself runs while the job is COMPLETING), the
-  job's end is ``cancelled`` / ``time_limit`` and no hang alert fires.
+  job's end is ``cancelled`` / ``time_limit`` and no hang alert fires; the ranks' topology rows name the Slurm
+  job and step (``sacct -j <job>.0``).
 """
 from __future__ import annotations
 
@@ -152,6 +153,9 @@ def test_a_job_slurm_cancelled_or_timed_out_is_that_not_a_hang(slurm, kafka, tmp
         jid = sub.stdout.strip().split(";")[0]
         _poll(tmp_path, "SELECT rank, count(*) FROM steps WHERE job = ? GROUP BY rank", [jid],
               lambda rows: len(rows) == 2 and all(n >= 5 for _, n in rows))
+        topo = _poll(tmp_path, "SELECT DISTINCT rank, slurm_job, slurm_step FROM topology WHERE job = ? ORDER BY rank",
+                     [jid], lambda rows: len(rows) == 2)
+        assert topo == [(0, int(jid), 0), (1, int(jid), 0)], topo       # sacct -j <job>.0: the srun step
         if end == "scancel":
             slurm.run("scancel", jid)
             want_state, want_outcome = "CANCELLED", "cancelled"
