@@ -115,8 +115,8 @@ class Identity:
         for k in ("device", "device_type", "dtype", "flops_source"):
             if isinstance(h.get(k), str):
                 row[k] = h[k]
-        for k in ("dp", "tp", "pp", "ep", "cp"):
-            if isinstance(h.get(k), int):
+        for k in ("dp", "tp", "pp", "ep", "cp", "slurm_job", "slurm_step"):
+            if isinstance(h.get(k), int) and not isinstance(h.get(k), bool):
                 row[k] = h[k]
         for k in ("model_flops_per_token", "model_flops_per_sample"):
             if isinstance(h.get(k), (int, float)) and not isinstance(h.get(k), bool):

@@ -225,6 +225,10 @@ def check_hello(hello: dict, limits: IngressLimits) -> dict:
         v = out.get(k)
         if v is not None and not _int_ok(v, 0, INT32_MAX):
             raise ValueError(f"hello: {k} is not an integer in 0..{INT32_MAX}")
+    for k in ("slurm_job", "slurm_step"):            # the Slurm job and step (uint32): sacct's JobID
+        v = out.get(k)
+        if v is not None and not _int_ok(v, 0, 2**32 - 1):
+            raise ValueError(f"hello: {k} {str(v)[:24]!r} is not an integer in 0..{2**32 - 1}")
     mp = out.get("model_params")
     if mp is not None and not _int_ok(mp, 0, INT64_MAX):
         raise ValueError("hello: model_params is not an integer in int64 range")

@@ -12,8 +12,9 @@ torch.distributed.run``) under ``srun`` gets only the job and node: it sets its 
 
 **Life** (:func:`sched_message`): ``stepwatch slurm prolog|epilog`` (run by slurmd as root) sends the node's
 agent one ``T_SCHED`` datagram: the job started, or ended with its exit code and Slurm state (``COMPLETED``,
-``FAILED``, ``CANCELLED``, ``TIMEOUT``, ...; ``scontrol show job``). The agent makes it an ``inflight`` row
-with ``source`` = ``slurm`` (see :mod:`stepwatch.detectors.lifecycle`).
+``FAILED``, ``CANCELLED``, ``TIMEOUT``, ...: ``scontrol show job`` once the job is no longer ``COMPLETING``,
+read by a child the epilog leaves behind, :func:`final_state`). The agent makes it an ``inflight`` row with
+``source`` = ``slurm`` (see :mod:`stepwatch.detectors.lifecycle`).
 """
 from __future__ import annotations
 
@@ -91,8 +92,13 @@ def rank_env(env: dict, launcher: bool = False) -> dict:
 
 
 # -- prolog / epilog ---------------------------------------------------------------------------------
-def job_state(job_id: str, scontrol: str | None = None) -> str | None:
-    """The job's Slurm state (``JobState=`` of ``scontrol show job -o``), e.g. ``CANCELLED``."""
+#: ``Reason=`` of a job Slurm is ending for its time limit (FAIL_TIMEOUT) or its deadline (FAIL_DEADLINE)
+_LIMIT_REASONS = {"TimeLimit": "TIMEOUT", "DeadLine": "DEADLINE"}
+
+
+def show_job(job_id: str, scontrol: str | None = None) -> tuple[str, str] | str | None:
+    """``(JobState, Reason)`` of ``scontrol show job -o <id>``; ``"gone"`` when the controller no longer
+    knows the job (``MinJobAge`` passed); None when scontrol is missing or failed."""
     exe = scontrol or shutil.which("scontrol")
     if not exe:
         return None
@@ -101,9 +107,47 @@ def job_state(job_id: str, scontrol: str | None = None) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     m = re.search(r"\bJobState=([A-Z_]+)", out.stdout)
-    # slurmd's Epilog runs while the job is COMPLETING (Slurm 22.05 prints that flag, not the final state):
-    # no state then (give it with --state, e.g. from an EpilogSlurmctld that knows it)
-    return m.group(1) if m and m.group(1) != "COMPLETING" else None
+    if m:
+        r = re.search(r"\bReason=(\S+)", out.stdout)
+        return m.group(1), r.group(1) if r else ""
+    return "gone" if "Invalid job id" in out.stderr else None
+
+
+def _settled(st) -> str | None:
+    """The end state a ``show_job`` answer names (None: not yet known). A job still ``COMPLETING`` (the node's
+    Epilog runs then) whose Reason is ``TimeLimit``/``DeadLine`` is ending for that: ``TIMEOUT``/``DEADLINE``."""
+    if not isinstance(st, tuple):
+        return None
+    state, reason = st
+    return _LIMIT_REASONS.get(reason) if state == "COMPLETING" else state
+
+
+def job_state(job_id: str, scontrol: str | None = None) -> str | None:
+    """The job's Slurm state now (``JobState=`` of ``scontrol show job -o``), e.g. ``CANCELLED``; None while
+    it is ``COMPLETING`` (unless its Reason says time limit: ``TIMEOUT``) or when it cannot be read."""
+    return _settled(show_job(job_id, scontrol))
+
+
+def final_state(job_id: str, wait_s: float = 60.0, scontrol: str | None = None, poll_s: float = 0.1) -> str | None:
+    """The job's end state once Slurm has settled it. slurmd's ``Epilog`` runs while the job is
+    ``COMPLETING``, and Slurm 22.05 prints that flag, not the end state, until every node's Epilog and the
+    ``EpilogSlurmctld`` are done (neither gets the state in its environment): so this polls ``scontrol show
+    job`` (every 0.1 s, growing to 2 s) until the job is no longer ``COMPLETING``, for at most ``wait_s``.
+    None when it never settled (or the controller forgot it) and its Reason did not name the time limit."""
+    exe = scontrol or shutil.which("scontrol")
+    if not exe:
+        return None
+    t_end = time.monotonic() + wait_s
+    best = None
+    while True:
+        st = show_job(job_id, exe)
+        if isinstance(st, tuple) and st[0] != "COMPLETING":
+            return st[0]
+        best = _settled(st) or best
+        if st == "gone" or time.monotonic() + poll_s > t_end:
+            return best
+        time.sleep(poll_s)
+        poll_s = min(poll_s * 1.5, 2.0)
 
 
 def sched_body(event: str, env: dict, state: str | None = None) -> dict:
@@ -163,15 +207,67 @@ def send(body: dict, socket_dir: str | None = None) -> None:
         s.sendto(data, path)
 
 
+def detach(work) -> bool:
+    """Run ``work()`` in a child that outlives this process (the epilog returns at once): its own session (slurmd
+    kills the epilog's process group when the epilog ends), stdin/stdout on /dev/null (slurmd may read the
+    epilog's output until it closes), stderr kept only when it is a file. True in the parent once the child
+    has left the process group; the child never returns."""
+    import stat
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(w)
+        os.read(r, 1)                                     # the child has its own session
+        os.close(r)
+        return True
+    code = 0
+    try:
+        os.close(r)
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, 0)
+        os.dup2(null, 1)
+        if not stat.S_ISREG(os.fstat(2).st_mode):
+            os.dup2(null, 2)
+        os.write(w, b"1")
+        os.close(w)
+        work()
+    except BaseException as e:  # noqa: BLE001 - the child ends here, whatever happened
+        code = 1
+        try:
+            print(f"stepwatch slurm epilog: {e}", file=__import__("sys").stderr, flush=True)
+        except Exception:  # noqa: BLE001
+            pass
+    finally:
+        os._exit(code)
+
+
 def cmd_slurm(a) -> int:
     """``stepwatch slurm prolog|epilog``: tell this node's agent the job started / ended (never fails the job:
-    a prolog that exits non-zero drains the node, so every error is printed and 0 returned)."""
+    a prolog that exits non-zero drains the node, so every error is printed and 0 returned). The epilog, unless
+    given ``--state`` or ``--wait-s 0``, leaves a detached child that sends the end once Slurm has settled the
+    job's state (:func:`final_state`: after this epilog has returned) and returns at once."""
     import sys
     env = dict(os.environ)
     try:
-        state = (a.state or job_state(env.get("SLURM_JOB_ID", ""))) if a.event == "epilog" else None
-        body = sched_body("start" if a.event == "prolog" else "end", env, state)
-        send(body, a.socket_dir)
+        if a.event == "prolog":
+            send(sched_body("start", env), a.socket_dir)
+            return 0
+        body = sched_body("end", env, a.state)           # checked now: errors go to the epilog's stderr
+        if a.state or a.wait_s <= 0:
+            if not a.state:
+                st = job_state(body["job"])
+                if st:
+                    body["state"] = st
+            send(body, a.socket_dir)
+            return 0
+
+        def follow():
+            st = final_state(body["job"], a.wait_s)
+            if st:
+                body["state"] = st
+            send(body, a.socket_dir)
+        detach(follow)
     except (ValueError, OSError) as e:
         print(f"stepwatch slurm {a.event}: {e}", file=sys.stderr)
     return 0
@@ -180,8 +276,12 @@ def cmd_slurm(a) -> int:
 def add_slurm_args(p) -> None:
     p.add_argument("event", choices=("prolog", "epilog"), help="which script runs this (slurmd's Prolog/Epilog)")
     p.add_argument("--socket-dir", default=None, help="the node agent's socket directory (env STEPWATCH_SOCKET_DIR)")
-    p.add_argument("--state", default=None, help="epilog: the job's Slurm state (TIMEOUT, CANCELLED, ...; default: "
-                                                 "scontrol show job's JobState, unless it reads COMPLETING)")
+    p.add_argument("--state", default=None, help="epilog: the job's Slurm state (TIMEOUT, CANCELLED, ...), sent at "
+                                                 "once (default: Slurm's, once it has settled: see --wait-s)")
+    p.add_argument("--wait-s", type=float, default=60.0,
+                   help="epilog: how long a detached child waits for Slurm to settle the job's end state (it reads "
+                        "COMPLETING while the epilogs run) before sending the end without it (default 60; 0: send "
+                        "at once, no state unless the Reason names the time limit)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,6 +68,10 @@ TOPOLOGY = pa.schema([
     pa.field("model_flops_per_sample", F64),
     # where the FLOPs per token (sample) came from: user | counted | analytic (agents/probe/flops.py)
     pa.field("flops_source", pa.string()),
+    # the Slurm job and step this rank runs in (SLURM_JOB_ID, SLURM_STEP_ID; null outside Slurm): join sacct's
+    # JobID "<slurm_job>.<slurm_step>" (docs/baremetal.md)
+    pa.field("slurm_job", pa.int64()),
+    pa.field("slurm_step", pa.int64()),
 ])
 
 TOP_PROC = pa.struct([("pid", pa.int64()), ("name", pa.string()), ("cpu_pct", F64)])

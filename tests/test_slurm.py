@@ -4,8 +4,12 @@
 * ``srun -n 2 stepwatch wrap -- python ddp_train.py``, from the shell and as the step of an ``sbatch``
   script: the ranks take their identity and ``env://`` rendezvous from Slurm (no torchrun); rank 1 sleeps
   in its forward pass from step 100; in the store the job id is the Slurm job id, ranks 0 and 1 stepped,
-  an incident names rank 1, and the epilog's end of the job (``sched_end``, exit 0) is stored and raises
-  no alert.
+  an incident names rank 1, and the epilog's end of the job (``sched_end``, exit 0, COMPLETED) is stored and
+  raises no alert.
+* an ``sbatch`` job whose ranks step until Slurm ends it, by ``scancel`` or at its time limit: the epilog's end
+  says CANCELLED / TIMEOUT (read once Slurm settled it: the epilog itself runs while the job is COMPLETING), the
+  job's end is ``cancelled`` / ``time_limit`` and no hang alert fires; the ranks' topology rows name the Slurm
+  job and step (``sacct -j <job>.0``).
 """
 from __future__ import annotations
 
@@ -97,7 +101,7 @@ def test_srun_ranks_are_the_slurm_job_and_its_end_is_the_epilogs(slurm, kafka, t
         assert ranks == [(0,), (1,)]
         ends = _poll(tmp_path, "SELECT state, exit_code, error, node FROM inflight WHERE job = ? AND source = 'slurm' "
                      "ORDER BY t", [job], lambda rows: any(x[0] == "sched_end" for x in rows))
-        assert ("sched_end", 0, None, slurm.node) in ends, ends      # (the epilog reads COMPLETING: no state)
+        assert ("sched_end", 0, "COMPLETED", slurm.node) in ends, ends   # (the state once Slurm settled it)
         assert any(x[0] == "sched_start" for x in ends), ends          # the prolog's word
         stored = _poll(tmp_path, "SELECT kind, status, ranks, evidence FROM alerts WHERE job = ?", [job],
                        lambda rows: any(k == "job_end" for k, *_ in rows) and
@@ -113,3 +117,70 @@ def test_srun_ranks_are_the_slurm_job_and_its_end_is_the_epilogs(slurm, kafka, t
     import json
     end = [json.loads(ev) for k, _, _, ev in stored if k == "job_end"]
     assert [e["outcome"] for e in end] == ["finished"], end
+
+
+RANKS_PY = """import sys, time
+from stepwatch import probe
+probe.init(socket_dir=sys.argv[1], auto=False, flush_ms=0)      # job, rank, world: Slurm's (srun)
+while True:
+    with probe.step():
+        time.sleep(0.05)
+"""
+HANG_S = 4.0
+
+
+@pytest.mark.parametrize("end", ["scancel", "time_limit"])
+def test_a_job_slurm_cancelled_or_timed_out_is_that_not_a_hang(slurm, kafka, tmp_path, socket_dir, end):
+    """Two ranks (``srun -n 2`` in an ``sbatch`` job) step until Slurm ends the job: ``scancel``, or its time
+    limit (``scontrol update EndTime=`` one second ahead: slurmctld checks limits every 30 s). The epilog runs
+    while the job is COMPLETING; the end it sends, once Slurm settled the state, says CANCELLED / TIMEOUT, and
+    the job's end is ``cancelled`` / ``time_limit``, with no hang alert (the hang threshold is 4 s) and no crash."""
+    slurm.hooks(STEPWATCH_SOCKET_DIR=socket_dir)
+    agent = Agent(kafka, socket_dir=socket_dir, node=slurm.node, interval_s=0.5).start()
+    proc = Processor(kafka, tmp_path, group=f"g-slurm-{end}", flush_interval_s=0.3, on_alert=lambda a: None,
+                     detector_settings={"stall": {"hang_s": HANG_S}})
+    stops = threading.Event(), threading.Event()
+    threads = [threading.Thread(target=agent.run, args=(stops[0],), daemon=True),
+               threading.Thread(target=proc.run, kwargs={"stop_event": stops[1]}, daemon=True)]
+    for t in threads:
+        t.start()
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS_PY)
+    jid = None
+    try:
+        sub = slurm.run("sbatch", "--parsable", "-n", "2", "-o", str(tmp_path / "job.out"), "--wrap",
+                        f"srun {sys.executable} {script} {socket_dir}", timeout=30)
+        jid = sub.stdout.strip().split(";")[0]
+        _poll(tmp_path, "SELECT rank, count(*) FROM steps WHERE job = ? GROUP BY rank", [jid],
+              lambda rows: len(rows) == 2 and all(n >= 5 for _, n in rows))
+        topo = _poll(tmp_path, "SELECT DISTINCT rank, slurm_job, slurm_step FROM topology WHERE job = ? ORDER BY rank",
+                     [jid], lambda rows: len(rows) == 2)
+        assert topo == [(0, int(jid), 0), (1, int(jid), 0)], topo       # sacct -j <job>.0: the srun step
+        if end == "scancel":
+            slurm.run("scancel", jid)
+            want_state, want_outcome = "CANCELLED", "cancelled"
+        else:
+            soon = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() + 1))
+            slurm.run("scontrol", "update", f"jobid={jid}", f"EndTime={soon}")
+            want_state, want_outcome = "TIMEOUT", "time_limit"
+        ends = _poll(tmp_path, "SELECT error, exit_code, node FROM inflight WHERE job = ? AND source = 'slurm' "
+                     "AND state = 'sched_end'", [jid], lambda rows: len(rows) == 1, timeout_s=45)
+        assert ends[0][0] == want_state and ends[0][2] == slurm.node, ends
+        q = "SELECT kind, evidence FROM alerts WHERE job = ?"
+        _poll(tmp_path, q, [jid], lambda rows: any(k == "job_end" for k, _ in rows))
+        t_end = time.monotonic() + HANG_S + 2      # a false hang alert would have fired by now (no event to wait on)
+        while time.monotonic() < t_end:
+            time.sleep(0.5)
+        stored = _poll(tmp_path, q, [jid], lambda rows: True)
+    finally:
+        if jid:
+            slurm.run("scancel", jid, check=False)
+        for s, t in zip(stops, threads):
+            s.set()
+            t.join(30)
+    import json
+    kinds = [k for k, _ in stored]
+    assert not set(kinds) & {"job_hang", "rank_crash", "exit_failed"}, stored
+    end_ev = [json.loads(ev) for k, ev in stored if k == "job_end"]
+    assert [e["outcome"] for e in end_ev] == [want_outcome], end_ev
+    assert end_ev[0]["scheduler"]["state"] == want_state, end_ev

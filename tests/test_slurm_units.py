@@ -69,6 +69,32 @@ def test_the_epilog_body_from_its_environment():
         raise AssertionError("a bad job id was accepted")
 
 
+
+def test_the_topology_row_names_the_slurm_job_and_step_for_sacct(monkeypatch, tmp_path):
+    """A rank srun started says its Slurm job and step (SLURM_JOB_ID, SLURM_STEP_ID) in its hello; the agent's
+    topology row keeps them (``sacct -j <slurm_job>.<slurm_step>``), also when the stepwatch job is named
+    otherwise; a hello whose step is not a Slurm id (uint32) is refused, naming the field."""
+    import pytest
+
+    from stepwatch.agents.agent import identity_from_hello
+    from stepwatch.agents.probe import Probe
+    for k, v in dict(TASK, SLURM_STEP_ID="3").items():
+        monkeypatch.setenv(k, v)
+    p = Probe().init(job="llama-run", socket_dir=str(tmp_path), auto=False, flush_ms=0)
+    try:
+        hello = p.hello_payload()
+    finally:
+        p.shutdown()
+    assert (hello["slurm_job"], hello["slurm_step"], hello["rank"]) == (4242, 3, 1)
+    row = identity_from_hello(hello, "n0", None).topology_row()
+    assert (row["job"], row["slurm_job"], row["slurm_step"]) == ("llama-run", 4242, 3)
+    topo = wire.conform(pa.Table.from_pylist([row]), wire.SCHEMAS["topology"])
+    assert topo.column("slurm_step").type == pa.int64() and topo.column("slurm_step").to_pylist() == [3]
+    for bad in (-1, 2**32, "3", True):
+        with pytest.raises(ValueError, match="slurm_step"):
+            identity_from_hello(dict(hello, slurm_step=bad), "n0", None)
+
+
 def test_the_shipped_systemd_units_are_hardened_and_pass_systemd_analyze_verify(tmp_path):
     import shutil
     import subprocess

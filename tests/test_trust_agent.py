@@ -355,3 +355,43 @@ def test_ids_may_not_end_in_a_newline(socket_dir):
         cmd = dict(profiling.new_command("cj", "n1", [0], 2, "py-spy", "t", cmd_id="c1"), **{field: bad})
         with pytest.raises(profiling.BadCommand, match=f"bad {field}"):
             profiling.parse_command(profiling.canonical(cmd))
+
+
+def _slurm_hook_as(path_dir: str, event: str, state: str, uid: int | None = None, groups: str = "") -> str:
+    """The real ``stepwatch slurm prolog|epilog`` (``--state`` given: it sends at once) for job 777, run as
+    root or as ``uid`` with supplementary ``groups``; returns its stderr."""
+    argv = [sys.executable, "-m", "stepwatch.agents.slurm", event, "--socket-dir", path_dir, "--state", state]
+    if uid is not None:
+        argv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", f"--groups={groups}",
+                "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search"] + argv
+    env = dict(os.environ, SLURM_JOB_ID="777", SLURM_JOB_EXIT_CODE2="0:15", SLURMD_NODENAME="n1")
+    r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, cwd="/")
+    assert r.returncode == 0, r.stderr
+    return r.stderr
+
+
+def test_only_root_may_say_a_slurm_job_started_or_ended(socket_dir):
+    """A member of the socket's group (any training user) can send on agent.sock, but a scheduler's word on a job
+    (``T_SCHED``: the prolog's start, the epilog's end with its Slurm state) from it would let it say its own hung
+    job, or another's, was cancelled or timed out: the agent refuses it (``sched_not_root``) and stores nothing;
+    the same command run as root (slurmd runs the prolog and epilog as root) is stored."""
+    agent = Agent(None, socket_dir=socket_dir, node="n1", interval_s=0.2, plugins=[], socket_group=10001).start()
+    m = agent.metrics
+    try:
+        for event in ("prolog", "epilog"):
+            assert _slurm_hook_as(socket_dir, event, "TIMEOUT", uid=UID, groups="10001") == ""   # sent
+        t_end = time.monotonic() + 10
+        while m.value(m.dropped, "sched_not_root") < 2 and time.monotonic() < t_end:
+            agent.drain()
+            time.sleep(0.05)
+        assert m.value(m.dropped, "sched_not_root") == 2
+        assert not agent.rows["inflight"].get("777")
+        _slurm_hook_as(socket_dir, "epilog", "CANCELLED")                                          # root
+        while not agent.rows["inflight"].get("777") and time.monotonic() < t_end + 10:
+            agent.drain()
+            time.sleep(0.05)
+        (row,) = agent.rows["inflight"]["777"]
+        assert (row["source"], row["state"], row["error"], row["signal"]) == ("slurm", "sched_end", "CANCELLED", 15)
+        assert m.value(m.dropped, "sched_not_root") == 2
+    finally:
+        agent.close()

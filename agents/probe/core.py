@@ -24,6 +24,9 @@ from .wire import (DEFAULT_FLUSH_MS, GCREC, HDR, MAGIC, MAX_COMM, MAX_DATAGRAM, 
                    SOCKET_NAME, T_PROFILE, VERSION, default_socket_dir)
 
 
+SLURM_ID_MAX = 2**32 - 1       # Slurm's job and step ids are uint32 (the batch step is 4294967294)
+
+
 def _env_int(name: str, slurm: str | None = None) -> int | None:
     """``$name`` as an int; else (a task ``srun`` started, not a launcher such as torchrun, whose workers get
     ``RANK`` from it) Slurm's ``$slurm``."""
@@ -217,7 +220,8 @@ class Probe(Hooks, Replay, Transport, DeviceTiming, Flops):
         ``TORCHELASTIC_RUN_ID``; else the agent's ``--job``), ``rank``/``world_size``/``local_rank`` from
         ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` (else, in a task ``srun`` started, ``SLURM_PROCID``/
         ``SLURM_NTASKS``/``SLURM_LOCALID``; else from ``torch.distributed`` at the first step, else 0/1),
-        ``node`` from ``STEPWATCH_NODE`` (else ``SLURMD_NODENAME``, else the agent's node name). ``topology`` may hold ``dp, tp, pp, ep, cp,
+        ``node`` from ``STEPWATCH_NODE`` (else ``SLURMD_NODENAME``, else the agent's node name); the topology's
+        ``slurm_job``/``slurm_step`` from ``SLURM_JOB_ID``/``SLURM_STEP_ID`` (to join ``sacct``). ``topology`` may hold ``dp, tp, pp, ep, cp,
         device, device_type, dtype, model_flops_per_token, model_params`` (also read from ``STEPWATCH_DP``
         ...; ``model_params`` is otherwise counted from the primary optimizer at its first step; FLOPs by
         count or shape, and the dtype seen: ``flops.py``).
@@ -247,6 +251,10 @@ class Probe(Hooks, Replay, Transport, DeviceTiming, Flops):
                 if v is not None:
                     extra[k] = (float(v) if k == "model_flops_per_token" else int(float(v)) if k == "model_params"
                                 else str(v))
+            for k, var in (("slurm_job", "SLURM_JOB_ID"), ("slurm_step", "SLURM_STEP_ID")):
+                v = env.get(var) or ""
+                if v.isdigit() and int(v) <= SLURM_ID_MAX:     # the Slurm job and step, for sacct (topology)
+                    extra[k] = int(v)
             if "model_flops_per_token" in extra:
                 extra["flops_source"] = "user"          # (see flops.py: the user's figure wins)
             if topology:

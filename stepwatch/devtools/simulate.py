@@ -466,6 +466,7 @@ class Simulation(SimTables):
             pa.array(np.full(R, int(_PARAMS / (self.tp * self.pp)), np.int64)),
             pa.nulls(R, pa.float64()),
             const("user"),                                   # flops_source: the figure above is given
+            pa.nulls(R, pa.int64()), pa.nulls(R, pa.int64()),   # slurm_job, slurm_step: not under Slurm
         ]
         return pa.Table.from_arrays(cols, schema=TOPOLOGY)
 
