@@ -198,3 +198,27 @@ def test_postgres_password_from_a_file_is_used_and_never_printed(postgres, tmp_p
         assert pw not in r.stdout + r.stderr
         if not ok:
             assert "password authentication failed" in r.stderr
+
+
+def test_interleaved_sorted_messages_are_ordered_by_their_chunks_not_copied(tmp_path):
+    """A flush holds the messages of several partitions interleaved, each message a sorted run: the
+    store orders the runs (no row copied) and the file is sorted as SORT_COLUMNS says; runs whose
+    key ranges overlap are sorted row by row."""
+    from stepwatch.storage.store import _sort_order
+    a, b, c = steps("j", 0, 2), steps("j", 2, 2), steps("j", 4, 2)
+    t = pa.concat_tables([c, a, b])                     # partitions read in another order
+    cols = ["job", "step", "rank"]
+    out = _sort_order(t, cols)
+    assert isinstance(out, pa.Table)
+    assert out.column("step").to_pylist() == sorted(t.column("step").to_pylist())
+    # the same buffers, reordered: nothing copied
+    assert [ch.buffers()[1].address for ch in out.column("step").chunks] == \
+        [ch.buffers()[1].address for ch in (a, b, c) for ch in [ch.column("step").chunks[0]]]
+    overlap = pa.concat_tables([steps("j", 1, 2), steps("j", 0, 2)])      # steps 1-2 and 0-1
+    assert not isinstance(_sort_order(overlap, cols), pa.Table)
+    st = LakeStore(tmp_path).init()
+    st.write_flush({"steps": [c, a, b, overlap]}, {})
+    con = connect(tmp_path)
+    for f, in con.execute("SELECT data_file FROM ducklake_list_files('lake', 'steps')").fetchall():
+        got = con.execute(f"SELECT list([step, rank]) FROM read_parquet('{f}')").fetchone()[0]
+        assert got == sorted(got)
