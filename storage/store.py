@@ -420,9 +420,17 @@ class LakeStore:
             if col.null_count:
                 ns = np.where(np.isnan(ns), 0, ns)
             day = pa.array((ns.astype(np.int64) // day_ns).astype(np.int32)).cast(pa.date32())
-        cols = [c.cast(pa.timestamp("us", tz="UTC"), safe=False) if pa.types.is_timestamp(c.type) else c
-                for c in t.columns]
-        return pa.Table.from_arrays(cols + [day], names=t.column_names + ["date"])
+        # a column of the table's schema that no row of the batch has (cpu_ms of a producer that does not
+        # measure it) is left out: INSERT BY NAME stores NULL for it without scanning it (~8% of a steps
+        # INSERT whose 5 optional columns are all null)
+        known = wire.SCHEMAS[name].names if name in wire.SCHEMAS else ()
+        names, cols = [], []
+        for n, c in zip(t.column_names, t.columns):
+            if c.null_count == len(c) and n in known:
+                continue
+            names.append(n)
+            cols.append(c.cast(pa.timestamp("us", tz="UTC"), safe=False) if pa.types.is_timestamp(c.type) else c)
+        return pa.Table.from_arrays(cols + [day], names=names + ["date"])
 
     def write_flush(self, tables: dict[str, list[pa.Table]], markers: dict[tuple[str, int], Marker],
                     received_ns: int | None = None, generation: int | None = None) -> int:

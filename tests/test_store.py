@@ -222,3 +222,17 @@ def test_interleaved_sorted_messages_are_ordered_by_their_chunks_not_copied(tmp_
     for f, in con.execute("SELECT data_file FROM ducklake_list_files('lake', 'steps')").fetchall():
         got = con.execute(f"SELECT list([step, rank]) FROM read_parquet('{f}')").fetchone()[0]
         assert got == sorted(got)
+
+
+def test_a_schema_column_no_row_has_is_not_scanned_and_reads_null(tmp_path):
+    """cpu_ms null in every row of a batch: the batch handed to DuckDB leaves it out (INSERT BY NAME
+    stores NULL), a column some row has is kept, and both read back as sent."""
+    st = LakeStore(tmp_path).init()
+    t = steps("n", 0, 2)
+    t = t.set_column(t.schema.get_field_index("gc_ms"), "gc_ms", pa.array([None, 1.5] + [None] * 6, pa.float64()))
+    prepared = st._prepare("steps", t, 0)
+    assert "cpu_ms" not in prepared.column_names and "phases" not in prepared.column_names
+    assert "gc_ms" in prepared.column_names and "date" in prepared.column_names
+    st.write_flush({"steps": [t]}, {})
+    con = connect(tmp_path)
+    assert con.execute("SELECT count(*), count(cpu_ms), count(phases), sum(gc_ms) FROM steps").fetchone() == (8, 0, 0, 1.5)
