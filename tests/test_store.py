@@ -198,3 +198,41 @@ def test_postgres_password_from_a_file_is_used_and_never_printed(postgres, tmp_p
         assert pw not in r.stdout + r.stderr
         if not ok:
             assert "password authentication failed" in r.stderr
+
+
+def test_interleaved_sorted_messages_are_ordered_by_their_chunks_not_copied(tmp_path):
+    """A flush holds the messages of several partitions interleaved, each message a sorted run: the
+    store orders the runs (no row copied) and the file is sorted as SORT_COLUMNS says; runs whose
+    key ranges overlap are sorted row by row."""
+    from stepwatch.storage.store import _sort_order
+    a, b, c = steps("j", 0, 2), steps("j", 2, 2), steps("j", 4, 2)
+    t = pa.concat_tables([c, a, b])                     # partitions read in another order
+    cols = ["job", "step", "rank"]
+    out = _sort_order(t, cols)
+    assert isinstance(out, pa.Table)
+    assert out.column("step").to_pylist() == sorted(t.column("step").to_pylist())
+    # the same buffers, reordered: nothing copied
+    assert [ch.buffers()[1].address for ch in out.column("step").chunks] == \
+        [ch.buffers()[1].address for ch in (a, b, c) for ch in [ch.column("step").chunks[0]]]
+    overlap = pa.concat_tables([steps("j", 1, 2), steps("j", 0, 2)])      # steps 1-2 and 0-1
+    assert not isinstance(_sort_order(overlap, cols), pa.Table)
+    st = LakeStore(tmp_path).init()
+    st.write_flush({"steps": [c, a, b, overlap]}, {})
+    con = connect(tmp_path)
+    for f, in con.execute("SELECT data_file FROM ducklake_list_files('lake', 'steps')").fetchall():
+        got = con.execute(f"SELECT list([step, rank]) FROM read_parquet('{f}')").fetchone()[0]
+        assert got == sorted(got)
+
+
+def test_a_schema_column_no_row_has_is_not_scanned_and_reads_null(tmp_path):
+    """cpu_ms null in every row of a batch: the batch handed to DuckDB leaves it out (INSERT BY NAME
+    stores NULL), a column some row has is kept, and both read back as sent."""
+    st = LakeStore(tmp_path).init()
+    t = steps("n", 0, 2)
+    t = t.set_column(t.schema.get_field_index("gc_ms"), "gc_ms", pa.array([None, 1.5] + [None] * 6, pa.float64()))
+    prepared = st._prepare("steps", t, 0)
+    assert "cpu_ms" not in prepared.column_names and "phases" not in prepared.column_names
+    assert "gc_ms" in prepared.column_names and "date" in prepared.column_names
+    st.write_flush({"steps": [t]}, {})
+    con = connect(tmp_path)
+    assert con.execute("SELECT count(*), count(cpu_ms), count(phases), sum(gc_ms) FROM steps").fetchone() == (8, 0, 0, 1.5)
