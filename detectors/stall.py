@@ -33,10 +33,15 @@ class Stall(Detector):
     (``ctx.caught_up()``: the processor compares the consumer's position on the job's steps partition with
     the broker's end offset) and, cheaply before that, not while ``ctx.backlog`` says the consumer lags on
     it. Any interleaving a consumer group can produce thus delays a hang alert but never makes one; a hang
-    in progress when a processor restarts is reported as soon as the threshold is passed. The alert names
+    in progress when a processor restarts is reported as soon as the threshold is passed. The ranks' own
+    in-flight reports (the probe's watchdog, the agent) prove a hang without that proof (:meth:`_watchdog`):
+    when at least ``min_reporting`` of the ranks say they are inside a step whose end was not read, for at
+    least the threshold (by the ``elapsed_ms`` of their own reports), the job hangs whatever the lag of its
+    steps topic: within the threshold and one report interval of the in-flight topic's event time. The alert names
     the rank(s) whose last step is older than the rest (the rank that stopped first, the others then
-    blocked in the collective waiting for it) when they are fewer than half of the ranks; it resolves
-    when a newer step arrives.
+    blocked in the collective waiting for it) when they are fewer than half of the ranks (only when the
+    steps were read to their end; else the in-flight states name them); it resolves when a step newer than
+    every step known begun (the newest step read, the step the ranks report in progress - 1) arrives.
     Cause: ``communication`` (ranks blocked in a collective); a rank/node stall has no cause in the
     taxonomy (``unknown``) and suggests what to check.
 
@@ -77,6 +82,7 @@ class Stall(Detector):
         self._hang: Alert | None = None
         self._node_key, self._node_grp = None, None   # ranks grouped by node (job-hang watermarks)
         self._hang_top = -1                      # newest step when the hang fired
+        self._wd_key, self._wd = None, None      # the watchdog judgement of the in-flight window (cache)
 
     def _reset(self, R: int) -> None:
         self._R = R
@@ -235,6 +241,54 @@ class Stall(Detector):
         return int(per[i]), {"judged": "per_node", "nodes_judged": int(live.sum()),
                              "least_silent_node": str(names[live][i])}
 
+    def _watchdog(self, ctx: JobContext, thr: int) -> tuple[int, dict, set, int] | None:
+        """The ranks' own word on a hang: their newest in-flight rows (the probe's watchdog, the agent)
+        say that at least ``min_reporting`` of the ranks that reported steps are inside a step they have
+        not ended (a probe row in ``collective`` / ``compute`` / ``data`` for a step newer than the
+        rank's last step read; or the agent's ``stopped`` / ``silent``). Returns ``(silence, how, kinds,
+        step in progress)``, the silence being the least ``elapsed_ms`` of the stuck probe rows (each
+        rank's step has lasted that long at its own report's time), or None. It needs neither the steps
+        topic read to its end nor host samples: a report is timestamped by the rank itself and is read
+        from the in-flight topic, so a steps topic read behind neither delays it nor fakes it (a rank
+        whose steps are merely unread sends no such report; one whose step did end sends ``done``, and
+        a report for a step whose end was read is stale)."""
+        w = getattr(ctx, "inflight", None)
+        if w is None or not len(w):
+            return None
+        key = (id(w), w.rows, int(w.newest), int(ctx.max_step), int(ctx.steps_event_ns))
+        if key == self._wd_key:
+            return self._wd
+        self._wd_key, self._wd = key, None
+        t = hang.latest(ctx, int(ctx.steps_event_ns))
+        if t is None or not {"elapsed_ms", "step", "state", "source"} <= set(t.column_names):
+            return None
+        R = int(ctx.world_size)
+        rank = hang._ints(t.column("rank"))
+        state, source = hang._str(t, "state"), hang._str(t, "source")
+        step = hang._ints(t.column("step"))
+        el = t.column("elapsed_ms").to_numpy(zero_copy_only=False).astype(float)   # null: nan
+        last = ctx.last_step if ctx.last_step is not None and len(ctx.last_step) == R else None
+        ok = (rank >= 0) & (rank < R)
+        mine = np.full(len(rank), -1, np.int64)
+        if last is not None:
+            mine[ok] = np.asarray(last)[rank[ok]]
+        probe = ok & (source == "probe") & np.isin(state, ("collective", "compute", "data")) & (step >= 0) \
+            & (step > mine) & np.isfinite(el)
+        agent = ok & (source == "agent") & np.isin(state, ("stopped", "silent"))
+        n_seen = int(np.count_nonzero(np.asarray(last) >= 0)) if last is not None else R
+        n_stuck = int(np.count_nonzero(probe | agent))
+        if not probe.any() or n_stuck < max(1, int(np.ceil(self.min_reporting * max(n_seen, 1)))):
+            return None
+        kinds: set[str] = set()
+        if "step_kind" in t.column_names:
+            for v in set(hang._str(t, "step_kind")[probe].tolist()) - {""}:
+                kinds |= {hang.STEP_KINDS.get(k.strip(), k.strip()) for k in v.split(",") if k.strip()}
+        silent = int(np.min(el[probe]) * 1e6)
+        how = {"judged": "watchdog", "ranks_stuck": n_stuck, "ranks_reporting_steps": n_seen,
+               "watchdog_report_t": int(hang._ints(t.column("t"))[probe | agent].max())}
+        self._wd = (silent, how, kinds, int(step[probe].max()))
+        return self._wd
+
     def tick(self, ctx: JobContext, now_ns: int) -> list[Alert]:
         top = int(ctx.max_step)
         if top < 0:
@@ -252,12 +306,25 @@ class Stall(Detector):
             return []
         host = int(ctx.host_event_ns)
         steps_t = int(ctx.steps_event_ns)
-        if host <= 0 or steps_t <= 0 or ctx.backlog:
+        if host <= 0 or steps_t <= 0:
             return []
         life = getattr(ctx, "life", None)
         if life is not None and life.holds_hang():         # a rank ended: the job's end or a crash
             return []                                      # (detectors.lifecycle), not a hang
-        thr = self.threshold_ns()
+        thr0 = self.threshold_ns()
+        caught_up = getattr(ctx, "caught_up", None)
+        # the ranks' own reports first: they prove a hang whatever order the topics are read in
+        wd = self._watchdog(ctx, thr0)
+        if wd is not None:
+            silent, how, kinds, _ = wd
+            thr = max([thr0] + [int(self.hang_kind_s[k] * 1e9) for k in kinds if k in self.hang_kind_s])
+            if silent >= thr:
+                read = caught_up is None or bool(caught_up())
+                return self._raise(ctx, top, host, steps_t, silent, thr, how, kinds, read,
+                                   caught_up is not None and read)
+        if ctx.backlog:
+            return []
+        thr = thr0
         if host - steps_t < thr:                           # necessary for every node to be silent: O(1)
             return []
         silent, how = self._silence(ctx, thr)
@@ -265,20 +332,30 @@ class Stall(Detector):
             return []
         # event time says the steps stopped; that holds only if the steps source has been read to its end
         # (Kafka orders nothing across topics: host samples may be read far ahead of the steps)
-        caught_up = getattr(ctx, "caught_up", None)
         if caught_up is not None and not caught_up():
             return []
         kinds = hang.kinds_in_progress(ctx, steps_t)       # a long step by design: its kind's threshold
         thr = max([thr] + [int(self.hang_kind_s[k] * 1e9) for k in kinds if k in self.hang_kind_s])
         if silent < thr:
             return []
+        return self._raise(ctx, top, host, steps_t, silent, thr, how, kinds, True, caught_up is not None)
+
+    def _raise(self, ctx: JobContext, top: int, host: int, steps_t: int, silent: int, thr: int, how: dict,
+               kinds: set, read: bool, proven: bool) -> list[Alert]:
+        """The ``job_hang`` alert. ``read``: the job's steps are taken as read to their end (else the
+        ranks' last steps read say nothing of who stopped first: only their in-flight states do);
+        ``proven``: the processor said so (``ctx.caught_up()``)."""
+        life = getattr(ctx, "life", None)
         last = ctx.last_step if ctx.last_step is not None else np.zeros(0, np.int64)
         seen = np.flatnonzero(last >= 0)
         ev = {"silent_s": round(silent / 1e9, 1), "threshold_s": round(thr / 1e9, 1), "newest_step": top,
-              "ranks_reporting_before": int(len(seen)), "steps_read_to_end": caught_up is not None, **how}
+              "ranks_reporting_before": int(len(seen)), "steps_read_to_end": bool(proven), **how}
         culprit: list[int] = []
         step_first = top + 1
-        if len(seen):
+        if len(seen) and not read:
+            step_first = int(last[seen].max()) + 1
+            ev["stopped_first"] = []
+        elif len(seen):
             ls = last[seen]
             lo, hi = int(ls.min()), int(ls.max())
             step_first = lo + 1
@@ -302,11 +379,13 @@ class Stall(Detector):
             ev.update(loc["evidence"])
             culprit = loc["ranks"] or culprit
         inflight_step = hang.step_in_progress(ctx, steps_t)
-        if inflight_step is not None and inflight_step > step_first:
+        if read and inflight_step is not None and inflight_step > step_first:
             # the ranks' watchdogs say which step they are stuck in: steps finished before the hang may still
             # wait in their probes (sent with the next step end, which does not come)
             ev["stored_steps_up_to"] = step_first - 1
             step_first = inflight_step
+        elif not read and inflight_step is not None:
+            step_first = inflight_step         # the steps are read behind: the step the ranks say they are in
         nodes_ = sorted({ctx.node_of(r) for r in culprit} - {""})
         if nodes_:
             ev["host_samples"] = _node_host_state(ctx, nodes_, host)
@@ -316,7 +395,8 @@ class Stall(Detector):
                   cause="communication", severity="critical", evidence=ev, cost_pct=100.0,
                   suggestion=(loc or {}).get("suggestion") or HANG_SUGGESTION,
                   alert_id=stable_id(ctx.job, "job_hang", culprit, step_first))
-        self._hang, self._hang_top = a, top
+        # over when a step newer than every step known begun ends (not when older steps read late come)
+        self._hang, self._hang_top = a, max(top, (inflight_step or 0) - 1)
         if life is not None:
             life.hung_ns = host                            # ranks that end now end a hung job
         return [a]
