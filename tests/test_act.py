@@ -28,6 +28,8 @@ from stepwatch.agents.act import Actor, ActMetrics, Policy, Receiver, Store, com
 from stepwatch.dashboards.alertmanager import postable_alert
 from stepwatch.detectors.base import Alert
 
+pytestmark = pytest.mark.integration
+
 TOKEN = "act-token-0123456789"
 
 

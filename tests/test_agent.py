@@ -22,6 +22,8 @@ from stepwatch.devtools.broker import free_port
 from stepwatch.kafkaio import KafkaSettings, make_consumer
 from stepwatch.stream.processor import _plain     # timestamps as int ns (no pandas needed)
 
+pytestmark = pytest.mark.integration
+
 NPU_SMI = """\
 +------------------------------------------------------------------------------------------------+
 | npu-smi 24.1.rc1.b030            Version: 24.1.rc1.b030                                        |

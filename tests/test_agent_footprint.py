@@ -7,6 +7,9 @@ import os
 import subprocess
 import sys
 
+import pytest
+pytestmark = [pytest.mark.realrun, pytest.mark.slow]
+
 CODE = r"""
 import os, socket, sys
 from stepwatch.agents import agent, control, shipper, wirecols         # what `stepwatch agent` imports

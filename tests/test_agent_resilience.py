@@ -18,6 +18,8 @@ from stepwatch.devtools.broker import EmbeddedBroker, free_port
 from stepwatch.kafkaio import KafkaSettings
 from stepwatch.stream.processor import Processor
 
+pytestmark = [pytest.mark.realrun, pytest.mark.slow]
+
 pytest.importorskip("torch", reason="these tests train a real PyTorch model (pip install torch==2.13.0)")
 
 import trainrun  # noqa: E402 - tests/trainrun.py

@@ -27,6 +27,8 @@ from stepwatch.stream.alertfanout import attach
 from stepwatch.kafkaio import KafkaSettings, ensure_topics, make_producer
 from stepwatch.stream.processor import Processor
 
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
 JOB = "amjob"
 SLOW = 13
 USER, PASSWORD = "stepwatch", "s3cret-pass"

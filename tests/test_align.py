@@ -4,6 +4,9 @@ import pyarrow as pa
 from stepwatch import schema as wire
 from stepwatch.stream.align import JobState
 
+import pytest
+pytestmark = pytest.mark.unit
+
 
 def rows(steps, ranks, step_ms=100.0, wait=None, t_end=None, job="j"):
     steps = np.asarray(steps)

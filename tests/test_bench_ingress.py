@@ -4,6 +4,9 @@ import json
 
 from stepwatch.devtools import bench_ingress
 
+import pytest
+pytestmark = pytest.mark.unit
+
 
 def test_bench_ingress_runs_tiny_and_stores_every_step_row(capsys):
     assert bench_ingress.main(["--ranks", "64", "--steps", "12", "--flush-rows", "300", "--parts"]) == 0

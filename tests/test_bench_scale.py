@@ -8,6 +8,9 @@ import math
 
 from stepwatch.cli import main
 
+import pytest
+pytestmark = pytest.mark.integration
+
 
 def test_bench_scale_tiny_job_end_to_end(tmp_path, capsys):
     out = tmp_path / "scale.json"

@@ -10,6 +10,9 @@ from stepwatch.storage import store
 from stepwatch import kafkaio
 from stepwatch.stream import ingress, processor
 
+import pytest
+pytestmark = pytest.mark.unit
+
 
 def test_every_table_has_one_schema_with_its_columns():
     assert set(catalog.BY_NAME) == set(wire.SCHEMAS) | {"control"}

@@ -10,6 +10,9 @@ from stepwatch.detectors.base import JobContext
 from stepwatch.detectors.causes import decide, gc_evidence, host_evidence
 from stepwatch.detectors.context import JobTelemetry, Window
 
+import pytest
+pytestmark = pytest.mark.unit
+
 NS = 10**9
 
 

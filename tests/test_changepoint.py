@@ -10,6 +10,8 @@ import pytest
 from stepwatch.detectors.base import JobContext, StepBlock
 from stepwatch.detectors.changepoint import ChangePoint, find, median_filter, noise_sigma
 
+pytestmark = pytest.mark.unit
+
 
 # -- find() ------------------------------------------------------------------------------------------
 def series(rng, n, changes=(), base=100.0, sd=0.02, spikes_every=0, tail=0.0):

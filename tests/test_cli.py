@@ -14,6 +14,8 @@ import pytest
 
 from stepwatch.devtools.broker import free_port
 
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
 SW = [sys.executable, "-m", "stepwatch.cli"]
 
 

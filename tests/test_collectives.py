@@ -13,6 +13,8 @@ from stepwatch.agents.probe import collectives as C
 from stepwatch.agents.probe import decode
 from stepwatch.detectors import efficiency as E
 
+pytestmark = pytest.mark.unit
+
 # bytes on the wire per payload byte for n ranks (ring algorithms; all_gather's payload is the rank's shard)
 RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_reduce_coalesced": lambda n: 2 * (n - 1) / n,
         "all_gather": lambda n: n - 1, "all_gather_into_tensor": lambda n: n - 1,

@@ -22,6 +22,8 @@ from stepwatch.storage.lake import Lake
 from stepwatch.storage.store import LakeStore
 from stepwatch.storage.views import connect, query
 
+pytestmark = pytest.mark.integration
+
 RANKS = 64
 
 

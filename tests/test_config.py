@@ -21,6 +21,8 @@ from stepwatch import config as swconfig
 from stepwatch.detectors.registry import REGISTRY, settings_of
 from stepwatch.detectors.stall import Stall
 
+pytestmark = pytest.mark.integration
+
 
 def _cli(*args, **kw):
     return subprocess.run([sys.executable, "-m", "stepwatch.cli", *args], capture_output=True, text=True, timeout=120,

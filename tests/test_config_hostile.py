@@ -21,6 +21,8 @@ from hypothesis import strategies as st
 from stepwatch import config as swconfig
 from stepwatch.devtools.fuzz_config import VALID, config_strategy, mutate_config
 
+pytestmark = pytest.mark.integration
+
 BAD = {      # name -> (bytes, what the refusal says)
     "not-utf8": (b"[detectors.jitter]\nenabled = \xff\xfe\n", "not UTF-8 (byte 0xff at offset 29)"),
     "deep": (b"[processor]\nx = " + b"[" * 5000 + b"]" * 5000 + b"\n", "nested deeper than 32"),

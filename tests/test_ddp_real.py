@@ -46,6 +46,8 @@ from stepwatch.devtools.realrun import HOG, realtime
 from stepwatch.agents.wrap import wrap_env
 from stepwatch.storage.views import connect
 
+pytestmark = [pytest.mark.realrun, pytest.mark.slow]
+
 pytest.importorskip("torch", reason="the DDP tests train a real PyTorch model (pip install torch==2.13.0)")
 
 from test_distributed import Running  # noqa: E402 - tests/test_distributed.py: agent + processor on threads

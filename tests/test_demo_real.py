@@ -6,6 +6,8 @@ import pytest
 
 from stepwatch.cli import main
 
+pytestmark = [pytest.mark.realrun, pytest.mark.slow]
+
 pytest.importorskip("torch", reason="demo --real trains a real PyTorch model (pip install torch==2.13.0)")
 
 

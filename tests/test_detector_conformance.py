@@ -14,6 +14,8 @@ import pytest
 from stepwatch.detectors.base import Alert, Detector, JobContext, StepBlock
 from stepwatch.detectors.registry import REGISTRY, build, settings_of
 
+pytestmark = pytest.mark.unit
+
 NAMES = sorted(REGISTRY)
 FIELDS = ("step_ms", "data_ms", "compute_ms", "comm_ms", "comm_wait_ms", "gc_ms")
 

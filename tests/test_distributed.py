@@ -19,6 +19,8 @@ from stepwatch.agents.agent import Agent
 from stepwatch.storage.views import connect
 from stepwatch.stream.processor import Processor
 
+pytestmark = [pytest.mark.realrun, pytest.mark.slow]
+
 pytest.importorskip("torch", reason="the distributed test trains a real PyTorch model (pip install torch==2.13.0)")
 
 import trainrun  # noqa: E402 - tests/trainrun.py

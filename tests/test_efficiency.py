@@ -18,6 +18,8 @@ from stepwatch.detectors.efficiency import (
 )
 from stepwatch.stream.align import JobState
 
+pytestmark = pytest.mark.unit
+
 FIELDS = ("step_ms", "data_ms", "compute_ms", "comm_ms", "comm_wait_ms", "gc_ms")
 TS = pa.timestamp("ns", tz="UTC")
 

@@ -8,6 +8,8 @@ import pytest
 
 from stepwatch.storage.views import connect
 
+pytestmark = [pytest.mark.realrun, pytest.mark.slow]
+
 pytest.importorskip("torch", reason="trains a real PyTorch model (pip install torch==2.13.0)")
 
 import trainrun  # noqa: E402 - tests/trainrun.py

@@ -12,6 +12,8 @@ import pytest
 from stepwatch.devtools.eval import SCENARIOS, Scenario, run_detector_bench, run_scenario, score, totals
 from stepwatch.devtools.evalcli import register, report
 
+pytestmark = [pytest.mark.unit, pytest.mark.slow]
+
 SMALL = [
     Scenario("t-clean-pp2", [], ranks=128, steps=120, seed=1, pp=2, checkpoint_every=20),
     Scenario("t-slow", ["slow-rank:rank=77,pct=20,start=40,end=80"], ranks=128, steps=110, seed=2),

@@ -8,6 +8,8 @@ import pytest
 
 from stepwatch.devtools.simulate import Simulation, parse_fault
 
+pytestmark = pytest.mark.unit
+
 R, RPN, S = 64, 8, 40
 
 

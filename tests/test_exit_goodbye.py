@@ -16,6 +16,8 @@ import pytest
 from stepwatch.agents.agent import Agent
 from stepwatch.agents.probe import eventlog
 
+pytestmark = pytest.mark.unit
+
 PRELUDE = textwrap.dedent("""
     import os, signal, sys, time
     from stepwatch.agents.probe import Probe

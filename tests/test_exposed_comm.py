@@ -20,6 +20,8 @@ import pytest
 
 from stepwatch.storage.views import connect
 
+pytestmark = [pytest.mark.realrun, pytest.mark.slow]
+
 pytest.importorskip("torch", reason="trains a real PyTorch model (pip install torch==2.13.0)")
 
 from stepwatch.agents.wrap import wrap_env  # noqa: E402

@@ -9,6 +9,8 @@ import math
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.unit
+
 torch = pytest.importorskip("torch", reason="counts a real PyTorch model (pip install torch==2.13.0)")
 import torch.nn.functional as F  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402

@@ -7,6 +7,8 @@ import pytest
 
 from stepwatch.devtools.fuzz import BOUNDARIES
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("name", ["kafka-message"])
 def test_fuzz_boundary_bounded_budget(name):

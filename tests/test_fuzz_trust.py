@@ -8,6 +8,8 @@ import logging
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 pytest.importorskip("hypothesis", reason="the fuzzers use hypothesis (pip install hypothesis)")
 
 from stepwatch.devtools.fuzz_targets import fuzz_control, fuzz_datagram  # noqa: E402

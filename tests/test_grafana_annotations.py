@@ -15,6 +15,9 @@ from grafana_fake import (T_DETECTED, T_FIRST, FakeGrafana, grafana, optional_sp
 from stepwatch.dashboards.annotations import AnnotationSink, annotation_payload
 from stepwatch.dashboards.cli import add_annotation_args, annotation_sink_from_args
 
+import pytest
+pytestmark = pytest.mark.unit
+
 T_FIRST, T_DET = T_FIRST, T_DETECTED
 alert = sample_alert
 

@@ -19,6 +19,8 @@ from stepwatch.detectors.base import Alert
 from stepwatch.storage.store import ParquetStore
 from stepwatch.storage import extensions
 
+pytestmark = pytest.mark.unit
+
 T0 = 1_735_689_600 * 10**9          # 2025-01-01T00:00:00Z, step 0 starts here
 STEPS, RANKS = 120, 64
 SLOW_RANK, CONTENDED_RANK = 13, 9

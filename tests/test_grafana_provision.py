@@ -22,6 +22,8 @@ from stepwatch.dashboards.grafana import (GrafanaAuthError, GrafanaConflictError
                                           TOKEN_FILE_ENV, contains, provision, read_token)
 from stepwatch.dashboards.datasource import init_sql
 
+pytestmark = pytest.mark.unit
+
 ROOT = "/var/lib/stepwatch/data"
 N_OBJECTS = 1 + 1 + len(build.BUILDERS) + len(alerting.ALERT_KINDS)
 

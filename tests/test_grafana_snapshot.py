@@ -24,6 +24,8 @@ from stepwatch.storage.store import ParquetStore
 from test_grafana_dashboards import (CHECKS, INTERVAL_MS, RANGE, RANKS, STEPS, T0, make_alerts,  # noqa: F401
                                      variables_for)
 
+pytestmark = pytest.mark.unit
+
 
 def grafana_connect(provisioning_yaml: str) -> duckdb.DuckDBPyConnection:
     """What the DuckDB plugin does with the provisioned datasource: open ``jsonData.path`` with its DSN

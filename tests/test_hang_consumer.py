@@ -11,6 +11,9 @@ from kafka import KafkaProducer
 from stepwatch.devtools.scenarios_indep import IndepJob, IndepScenario
 from stepwatch.stream.processor import Processor
 
+import pytest
+pytestmark = pytest.mark.integration
+
 
 def _produce(kafka, job: IndepJob, msgs) -> dict:
     prod = KafkaProducer(bootstrap_servers=kafka.bootstrap, max_request_size=64 << 20, linger_ms=5)

@@ -14,6 +14,8 @@ import yaml
 from helm_helpers import FULL, NAMESPACE, ROOT, VALUE_SETS, container, find, mounts, one, _parse, rendered, volumes
 from stepwatch.dashboards import helmfiles
 
+pytestmark = pytest.mark.unit
+
 
 # ------------------------------------------------------------------------- Prometheus and Alertmanager
 def test_alertmanager_urls_credentials_and_job_metrics_reach_the_processor():

@@ -10,6 +10,8 @@ import pytest
 
 from helm_helpers import CHART, VALUE_SETS, containers, _parse, render, rendered, with_values, workloads
 
+pytestmark = pytest.mark.integration
+
 
 # ------------------------------------------------------------------ the flags exist in the real CLIs
 def _agent_parser() -> argparse.ArgumentParser:

@@ -19,6 +19,8 @@ from helm_helpers import (AGENT_CPU_MILLICORES, AGENT_RSS_MB, CHART, FULL, MINIM
 from stepwatch.dashboards import build, helmfiles
 from stepwatch.dashboards.export import DEFAULT_SNAPSHOT_DIR
 
+pytestmark = pytest.mark.unit
+
 
 # ------------------------------------------------------------------------------ generated Grafana files
 def test_chart_grafana_files_are_what_grafana_export_writes_now(tmp_path):

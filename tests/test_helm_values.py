@@ -11,6 +11,8 @@ import yaml
 from helm_helpers import (CHART, FULL, K8S_VERSION, MINIMAL, NAMESPACE, PG, PUBLIC_KEY, RELEASE, VALUE_SETS, _chart,
                           notes, render, with_values)
 
+pytestmark = pytest.mark.unit
+
 
 # ------------------------------------------------------------------------------------ lint, schema
 @pytest.mark.parametrize("name", list(VALUE_SETS))

@@ -10,6 +10,9 @@ from types import SimpleNamespace
 
 from stepwatch.devtools.hostile import run_hostile_bench
 
+import pytest
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
 
 def test_hostile_stream_through_the_real_broker_processor_and_agent(tmp_path, capsys):
     # the processor's idle exit: the stream is pre-sent and the agent ships a host sample every 0.2 s

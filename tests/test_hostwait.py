@@ -13,6 +13,9 @@ from stepwatch.storage.views import connect
 from stepwatch.kafkaio import KafkaSettings
 from stepwatch.stream.processor import Processor
 
+import pytest
+pytestmark = pytest.mark.unit
+
 T0 = 1_767_225_600_000_000_000
 
 

@@ -7,6 +7,9 @@ import json
 from stepwatch.detectors.base import Alert
 from stepwatch.detectors.incidents import Incidents, incident_id
 
+import pytest
+pytestmark = pytest.mark.unit
+
 J = "job-i"
 
 

@@ -23,6 +23,8 @@ from stepwatch.detectors import hang
 from stepwatch.detectors.base import JobContext
 from stepwatch.detectors.context import JobTelemetry
 
+pytestmark = pytest.mark.unit
+
 torch = pytest.importorskip("torch", reason="the probe's automatic hooks instrument PyTorch")
 
 from probe_helpers import Rx, gloo, probe, rx, split  # noqa: E402,F401 - shared fixtures

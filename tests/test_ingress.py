@@ -23,6 +23,8 @@ from stepwatch.storage.views import connect
 from stepwatch.kafkaio import make_producer
 from stepwatch.stream.processor import Processor
 
+pytestmark = pytest.mark.integration
+
 NOW = time.time_ns()
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,6 +9,9 @@ from stepwatch.detectors.base import JobContext, StepBlock
 from stepwatch.detectors.context import JobTelemetry
 from stepwatch.detectors.jitter import Jitter
 
+import pytest
+pytestmark = pytest.mark.unit
+
 R = 64
 STEP_NS = 1_000_000_000
 

@@ -18,6 +18,9 @@ from stepwatch.kafkaio import KafkaSettings
 from stepwatch.stream.ingress import IngressLimits
 from stepwatch.stream.processor import Processor
 
+import pytest
+pytestmark = pytest.mark.unit
+
 NOW = time.time_ns() - 600 * 10**9
 
 

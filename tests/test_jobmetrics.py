@@ -12,6 +12,8 @@ from stepwatch.detectors.base import Alert
 from stepwatch.stream.jobmetrics import JobMetrics
 from test_slowrank import make_block, make_ctx
 
+pytestmark = pytest.mark.integration
+
 
 class Clock:
     t = 1000.0

@@ -19,6 +19,8 @@ from stepwatch.storage.store import LakeStore
 from stepwatch.storage.views import connect
 from stepwatch.kafkaio import KafkaSettings, ensure_topics, make_producer
 
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
 JOBS = 4
 
 

@@ -11,6 +11,9 @@ from stepwatch.detectors.lifecycle import JobLife, Lifecycle
 from stepwatch.detectors.stall import Stall
 from stepwatch import schema as wire
 
+import pytest
+pytestmark = pytest.mark.unit
+
 S = 1_000_000_000
 T0 = 1_800_000_000 * S
 

@@ -32,6 +32,8 @@ from stepwatch.agents.wrap import wrap_env
 from stepwatch.storage.views import connect
 from stepwatch.stream.processor import Processor
 
+pytestmark = [pytest.mark.realrun, pytest.mark.slow]
+
 pytest.importorskip("torch", reason="trains a real PyTorch model (pip install torch==2.13.0)")
 
 SCRIPT = Path(ddp_train_file)

@@ -11,6 +11,8 @@ import pytest
 from stepwatch.detectors.base import JobContext, StepBlock
 from stepwatch.detectors.changepoint import ChangePoint
 
+pytestmark = pytest.mark.unit
+
 R = 32
 
 

@@ -20,6 +20,8 @@ from stepwatch.storage.views import connect
 from stepwatch.kafkaio import make_producer, send_table
 from stepwatch.stream.processor import Processor
 
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
 
 def run_processor(kafka, data, group, until, timeout=120, **kw):
     """Run an in-process processor until ``until(proc)`` is true; returns it (closed)."""

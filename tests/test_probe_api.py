@@ -14,6 +14,8 @@ from probe_helpers import Rx, probe, rx, split  # noqa: F401 - shared fixtures (
 from stepwatch.agents import probe as P
 from stepwatch.agents.probe import BadDatagram, Probe, decode, transfer_ms
 
+pytestmark = pytest.mark.unit
+
 torch = pytest.importorskip("torch", reason="the automatic hooks instrument PyTorch (pip install torch==2.13.0)")
 
 

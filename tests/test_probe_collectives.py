@@ -10,6 +10,8 @@ import pytest
 from probe_helpers import gloo, probe, rx, split  # noqa: F401 - shared fixtures (sockdir: conftest.py)
 from stepwatch.agents import probe as P
 
+pytestmark = pytest.mark.unit
+
 torch = pytest.importorskip("torch", reason="the automatic hooks instrument PyTorch (pip install torch==2.13.0)")
 
 

@@ -16,6 +16,8 @@ import pytest
 from probe_helpers import rx, split  # noqa: F401 - shared fixtures (sockdir: conftest.py)
 from stepwatch.agents import probe as P
 
+pytestmark = [pytest.mark.realrun, pytest.mark.slow]
+
 torch = pytest.importorskip("torch", reason="the automatic hooks instrument PyTorch (pip install torch==2.13.0)")
 
 WORLD = 2

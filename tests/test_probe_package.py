@@ -13,6 +13,9 @@ from stepwatch.agents import probe as P
 
 from probe_helpers import Rx, rx, split  # noqa: F401 - shared fixtures (sockdir: conftest.py)
 
+import pytest
+pytestmark = pytest.mark.unit
+
 PKG = Path(P.__file__).parent
 
 

@@ -18,6 +18,8 @@ from stepwatch.detectors.base import Alert
 from stepwatch.stream.align import JobState
 from stepwatch.stream.profiling import Issuer, ProfilingSettings, choose_ranks, command_diff
 
+pytestmark = pytest.mark.unit
+
 NODE = "node-a"
 PEM, PUB = profiling.keygen()
 KEY = profiling.load_private_key(env={profiling.ENV_PRIVATE: PEM.decode()})      # the processor's

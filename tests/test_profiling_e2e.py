@@ -28,6 +28,8 @@ from stepwatch.storage.views import connect
 from stepwatch.stream.processor import Processor
 from stepwatch.stream.profiling import ProfilingSettings
 
+pytestmark = [pytest.mark.realrun, pytest.mark.slow]
+
 pytest.importorskip("torch", reason="the end-to-end test trains a real PyTorch model (pip install torch==2.13.0)")
 
 TRAIN = Path(__file__).with_name("profile_train.py")

@@ -24,7 +24,8 @@ from stepwatch.devtools.simulate import Simulation
 from stepwatch.kafkaio import KafkaSettings, ensure_topics, make_producer, send_table
 from stepwatch.stream.processor import Processor
 
-pytestmark = pytest.mark.skipif(not (PROMETHEUS and PROMTOOL), reason=MISSING_PROM)
+pytestmark = [pytest.mark.integration, pytest.mark.slow,
+              pytest.mark.skipif(not (PROMETHEUS and PROMTOOL), reason=MISSING_PROM)]
 
 SIZES = {"pj1024": (1024, 777), "pj64": (64, 37)}      # job -> (ranks, slow rank)
 STEPS = 70

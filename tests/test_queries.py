@@ -6,6 +6,8 @@ from stepwatch.storage import queries
 from stepwatch.storage.views import connect
 from stepwatch.storage.views import query as views_query
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):

@@ -21,6 +21,9 @@ from stepwatch.kafkaio import KafkaSettings
 from stepwatch.storage.views import connect
 from stepwatch.stream.processor import Processor
 
+import pytest
+pytestmark = pytest.mark.unit
+
 T0 = 1_767_225_600_000_000_000
 OUTLIER = 99_999
 STEPS = 140           # a job without topology has its closed steps judged once 128 are held

@@ -7,6 +7,9 @@ from stepwatch.storage.store import ParquetStore
 from stepwatch.kafkaio import KafkaSettings
 from stepwatch.stream.processor import Processor
 
+import pytest
+pytestmark = pytest.mark.unit
+
 
 def test_rebuild_replays_window_and_does_not_repeat_stored_alerts(tmp_path):
     sim = Simulation(job="rb", ranks=128, steps=300, seed=5, faults=["slow-rank:rank=100,pct=30,start=40"])

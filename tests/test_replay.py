@@ -11,6 +11,9 @@ from stepwatch.detectors.registry import REGISTRY, build
 from stepwatch.detectors.replay import Feed, block_slice, replay
 from stepwatch.stream.align import JobState
 
+import pytest
+pytestmark = pytest.mark.unit
+
 
 def test_every_detector_declares_its_alerts_and_row_tables():
     for name, cls in REGISTRY.items():

@@ -7,6 +7,8 @@ import pytest
 
 from stepwatch.devtools.bench import build_query_store
 
+pytestmark = pytest.mark.unit
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]

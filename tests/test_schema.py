@@ -5,6 +5,8 @@ import pytest
 
 from stepwatch import schema as wire
 
+pytestmark = pytest.mark.unit
+
 TS = wire.TS
 
 

@@ -11,6 +11,8 @@ import pytest
 from stepwatch.devtools.simulate import Fault, Simulation, parse_fault
 from stepwatch.schema import GC, HOST, STEPS, TOPOLOGY, validate
 
+pytestmark = pytest.mark.unit
+
 R, RPN, STEPS_N = 64, 8, 60
 T0 = 1_700_000_000 * 10**9
 SEED = 7

@@ -18,6 +18,9 @@ from stepwatch.kafkaio import make_consumer, make_producer
 from stepwatch.stream.processor import Processor
 from stepwatch.stream.sinks import ConsoleSink, LakeSink, NotifierSink, TopicSink
 
+import pytest
+pytestmark = pytest.mark.integration
+
 
 class Recorded(Processor):
     """The real processor; the real store, producer and consumer, each call noted before it is made."""

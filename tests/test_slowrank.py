@@ -9,6 +9,8 @@ import pytest
 from stepwatch.detectors.base import JobContext, StepBlock
 from stepwatch.detectors.slowrank import SlowRank
 
+pytestmark = pytest.mark.unit
+
 
 # -- synthetic synchronous training ------------------------------------------------------------------
 def make_ctx(R: int, per_node: int = 8, pp: int = 1, job: str = "job-a") -> JobContext:

@@ -14,6 +14,8 @@ from stepwatch.detectors.slowrank import OWN_PHASES, SlowRank
 from stepwatch.devtools.scenarios_indep import IndepJob, IndepScenario
 from stepwatch.stream.align import JobState
 
+pytestmark = pytest.mark.unit
+
 FIELDS = ("step_ms", "data_ms", "compute_ms", "comm_ms", "comm_wait_ms", "gc_ms")
 
 

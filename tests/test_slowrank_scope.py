@@ -8,6 +8,8 @@ import pytest
 from stepwatch.detectors.slowrank import SlowRank
 from test_slowrank import _small_job, firing, make_ctx, noisy, run
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("R", [3, 4])
 def test_a_noisy_neighbour_on_the_node_does_not_turn_a_straggler_into_a_slow_node(R):

@@ -12,6 +12,9 @@ import numpy as np
 from stepwatch.detectors.base import JobContext, StepBlock
 from stepwatch.detectors.slowrank import SlowRank
 
+import pytest
+pytestmark = pytest.mark.unit
+
 R, STEP = 4, 50.0
 
 

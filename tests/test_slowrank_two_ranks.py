@@ -13,6 +13,9 @@ import numpy as np
 from stepwatch.detectors.base import JobContext, StepBlock
 from stepwatch.detectors.slowrank import SlowRank
 
+import pytest
+pytestmark = pytest.mark.unit
+
 TRACE = Path(__file__).with_name("data") / "ddp_sleep_2ranks.csv"
 COLS = ("step_ms", "data_ms", "compute_ms", "comm_ms", "comm_wait_ms", "gc_ms")
 

@@ -22,7 +22,8 @@ from stepwatch.storage.views import connect
 from stepwatch.stream.processor import Processor
 
 _WHY = why_not()
-pytestmark = pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(_WHY is not None, reason=_WHY or "")]
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,9 @@ from stepwatch.detectors.lifecycle import Lifecycle
 
 from test_lifecycle import S, T0, _ctx, _end
 
+import pytest
+pytestmark = pytest.mark.unit
+
 TASK = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_NTASKS": "2",
         "SLURM_LOCALID": "1", "SLURMD_NODENAME": "gpu07", "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NODELIST": "gpu07"}
 

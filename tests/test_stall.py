@@ -10,6 +10,9 @@ import numpy as np
 from stepwatch.detectors.base import JobContext, StepBlock
 from stepwatch.detectors.stall import Stall
 
+import pytest
+pytestmark = pytest.mark.unit
+
 R = 32
 NS = 1_000_000_000
 

@@ -10,6 +10,8 @@ from stepwatch.detectors.changepoint import ChangePoint
 from stepwatch.detectors.jitter import Jitter
 from stepwatch.detectors.steady import SteadyGate
 
+pytestmark = pytest.mark.unit
+
 R = 8
 
 

@@ -12,6 +12,8 @@ from stepwatch import schema as wire
 from stepwatch.storage.store import Fenced, LakeStore, Marker, ranges
 from stepwatch.storage.views import connect
 
+pytestmark = pytest.mark.integration
+
 
 def steps(job, step0, n, ranks=4):
     import numpy as np

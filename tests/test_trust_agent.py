@@ -18,6 +18,8 @@ import pytest
 from stepwatch.agents.agent import Agent
 from stepwatch.agents.probe import HDR, HDR_STEP, MAGIC, T_BATCH, T_HELLO, VERSION, Probe
 
+pytestmark = pytest.mark.unit
+
 UID, GID = 20002, 20002          # a training user that is not in the socket's group
 
 

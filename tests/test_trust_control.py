@@ -19,6 +19,8 @@ from stepwatch.agents.agent import Agent
 from stepwatch.agents.probe import Probe
 from stepwatch.kafkaio import make_producer
 
+pytestmark = pytest.mark.integration
+
 NODE = "node-a"
 PEM, PUB = profiling.keygen()
 PRIV = profiling.load_private_key(env={profiling.ENV_PRIVATE: PEM.decode()})

@@ -30,6 +30,8 @@ from stepwatch.devtools.broker import free_port
 from stepwatch.kafkaio import make_consumer, make_producer
 from stepwatch.stream.profiling import Issuer, ProfilingSettings
 
+pytestmark = pytest.mark.integration
+
 pytest.importorskip("torch", reason="the probe profiles a real PyTorch loop (pip install torch==2.13.0)")
 helm_python = pytest.importorskip("helm_python", reason="renders the chart (pip install helm-python-sdk)")
 

@@ -22,6 +22,8 @@ from stepwatch.agents.shipper import Shipper, Spool
 from stepwatch.devtools.broker import EmbeddedBroker, free_port
 from stepwatch.kafkaio import KafkaSettings, make_consumer
 
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
 
 @pytest.fixture
 def small_disk():

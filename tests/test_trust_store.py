@@ -20,7 +20,8 @@ from stepwatch.storage.store import LakeStore, Marker
 OTHER = 65534                      # nobody
 HOLD_S = 3.0                       # how long the other uid holds the lock when it gets it
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another uid")
+pytestmark = [pytest.mark.unit,
+              pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another uid")]
 
 
 @pytest.fixture

@@ -23,7 +23,8 @@ VICTIM, ATTACKER, GROUP = 65534, 65533, 64242
 CHECKPOINT = b"model weights, epoch 41\n"
 PRIVATE_PREFIX = ".stepwatch-u"             # <trace dir>/.stepwatch-u<uid>: the documented private directory
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to start processes under other uids")
+pytestmark = [pytest.mark.unit,
+              pytest.mark.skipif(os.geteuid() != 0, reason="needs root to start processes under other uids")]
 
 # The victim: a training process of uid VICTIM running real torch profiles (ProfileRun: kineto's
 # export, the summary child, the rename) into each trace directory given, one after the other.

@@ -17,6 +17,8 @@ from stepwatch.agents import wirecols
 from stepwatch.agents.agent import identity_from_hello, rows_from_batch
 from stepwatch.agents.probe import BadDatagram, Probe, decode
 
+pytestmark = pytest.mark.unit
+
 
 def _raw(d: str):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
