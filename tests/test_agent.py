@@ -18,7 +18,7 @@ from stepwatch.agents import probe as P
 from stepwatch.agents.agent import Agent, AgentMetrics, identity_from_hello, rows_from_batch, safe_job
 from stepwatch.agents.probe import Probe
 from stepwatch.agents.shipper import Shipper, Spool
-from stepwatch.devtools.broker import free_port
+from testkit import free_port
 from stepwatch.kafkaio import KafkaSettings, make_consumer
 from stepwatch.stream.processor import _plain     # timestamps as int ns (no pandas needed)
 

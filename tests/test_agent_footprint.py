@@ -95,7 +95,7 @@ def test_stepwatch_agent_serving_ranks_stays_within_its_rss_bound(sockdir):
     import urllib.request
 
     from stepwatch.agents.probe import Probe, SOCKET_NAME
-    from stepwatch.devtools.broker import free_port
+    from testkit import free_port
 
     port = free_port()
     agent = subprocess.Popen([sys.executable, "-m", "stepwatch.cli", "agent", "--no-kafka", "--socket-dir", sockdir,

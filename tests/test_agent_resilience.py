@@ -14,7 +14,8 @@ import pytest
 
 from stepwatch.agents.agent import Agent
 from stepwatch.storage.views import connect
-from stepwatch.devtools.broker import EmbeddedBroker, free_port
+from stepwatch.devtools.broker import EmbeddedBroker
+from testkit import free_port
 from stepwatch.kafkaio import KafkaSettings
 from stepwatch.stream.processor import Processor
 

@@ -184,7 +184,7 @@ def test_a_dead_alertmanager_neither_blocks_the_caller_nor_its_partner(tmp_path)
     if not ALERTMANAGER:
         pytest.skip(MISSING_AM)
     live = Alertmanager(tmp_path / "live").start(_route_config(None))
-    from promstack import free_port
+    from testkit import free_port
     dead = f"http://127.0.0.1:{free_port()}"
     sink = AlertmanagerSink([dead, live.url], resend_interval_s=60, backoff_s=0.05, backoff_max_s=0.2)
     try:

@@ -9,6 +9,7 @@ from stepwatch import schema as wire
 from stepwatch.detectors.base import JobContext
 from stepwatch.detectors.causes import decide, gc_evidence, host_evidence
 from stepwatch.detectors.context import JobTelemetry, Window
+from testkit import job_context
 
 import pytest
 pytestmark = pytest.mark.unit
@@ -33,7 +34,7 @@ def host_rows(n_nodes=10, t=(1, 2, 3), foreign_on=None, slow_dev=None, everywher
 
 
 def ctx_with(host=None, gc=None) -> JobContext:
-    ctx = JobContext("j", 40, np.array([f"n{r // 4}" for r in range(40)], dtype=object), np.zeros(40, np.int32))
+    ctx = job_context(40, per_node=4)
     tel = JobTelemetry()
     if host is not None:
         tel.add("host", host)

@@ -9,6 +9,7 @@ import pytest
 
 from stepwatch.detectors.base import JobContext, StepBlock
 from stepwatch.detectors.changepoint import ChangePoint, find, median_filter, noise_sigma
+from testkit import alerts_of, job_context
 
 pytestmark = pytest.mark.unit
 
@@ -127,8 +128,7 @@ R = 32
 
 
 def ctx(pp: int = 1) -> JobContext:
-    return JobContext(job="job-cp", world_size=R, nodes=np.array([f"n{r // 8}" for r in range(R)], dtype=object),
-                      stage=(np.arange(R) * pp // R).astype(np.int32))
+    return job_context(R, 8, pp, job="job-cp")
 
 
 def blocks(job_factor, data=None, block_size=10, seed=0, nan_steps=(), rank_factor=None):
@@ -163,13 +163,7 @@ def job_noise(rng, S, spikes=True):
 
 
 def feed(det, gen, pp: int = 1):
-    out = []
-    c = ctx(pp)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")           # the detector must not leak numpy warnings
-        for b in gen:
-            out += det.update(c, b)
-    return out
+    return alerts_of(det, ctx(pp), gen, strict=True)           # the detector must not leak numpy warnings
 
 
 @pytest.mark.parametrize("seed", range(6))

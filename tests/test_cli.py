@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from stepwatch.devtools.broker import free_port
+from testkit import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

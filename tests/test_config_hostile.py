@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from stepwatch import config as swconfig
 from stepwatch.devtools.fuzz_config import VALID, config_strategy, mutate_config
+from testkit import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -135,10 +136,7 @@ def test_sighup_with_each_bad_file_keeps_the_processor_and_its_settings(kafka, t
     a_text = "[processor]\nflush_interval_s = 0.3\nlateness_s = 0.5\n[detectors.jitter]\nenabled = false\n" \
              "[profiling]\nenabled = false\n"
     cfg.write_text(a_text)
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     p = subprocess.Popen([sys.executable, "-m", "stepwatch.cli", "-v", "process", "--bootstrap", kafka.bootstrap,
                           "--topic-prefix", kafka.prefix, "--data-dir", str(tmp_path / "data"), "--group", "g-hcfg",
                           "--config", str(cfg), "--metrics-port", str(port), "--metrics-addr", "127.0.0.1"],

@@ -13,6 +13,7 @@ import pytest
 
 from stepwatch.detectors.base import Alert, Detector, JobContext, StepBlock
 from stepwatch.detectors.registry import REGISTRY, build, settings_of
+from testkit import job_context
 
 pytestmark = pytest.mark.unit
 
@@ -22,9 +23,7 @@ FIELDS = ("step_ms", "data_ms", "compute_ms", "comm_ms", "comm_wait_ms", "gc_ms"
 
 # -- synthetic synchronous job -----------------------------------------------------------------------
 def make_ctx(R: int = 64, per_node: int = 8, pp: int = 1) -> JobContext:
-    return JobContext(job="conf-job", world_size=R,
-                      nodes=np.array([f"node{r // per_node:02d}" for r in range(R)], dtype=object),
-                      stage=(np.arange(R) * pp // R).astype(np.int32))
+    return job_context(R, per_node, pp, job="conf-job", node="node{:02d}")
 
 
 def synth(S: int, R: int = 64, seed: int = 0, straggler=None, regression=None, nan_frac=0.0,

@@ -17,6 +17,7 @@ from stepwatch.detectors.efficiency import (
     model_flops_per_token, peak_tflops,
 )
 from stepwatch.stream.align import JobState
+from testkit import job_context
 
 pytestmark = pytest.mark.unit
 
@@ -25,8 +26,7 @@ TS = pa.timestamp("ns", tz="UTC")
 
 
 def ctx_of(R: int, per_node: int = 4, **info) -> JobContext:
-    return JobContext(job="eff", world_size=R, nodes=np.array([f"n{r // per_node}" for r in range(R)], dtype=object),
-                      stage=np.zeros(R, np.int32), info=info)
+    return job_context(R, per_node, job="eff", info=info)
 
 
 def block(steps, step_ms, R, t_end=None, data_ms=None, **extra) -> StepBlock:

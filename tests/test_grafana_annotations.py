@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import socket
 import threading
 import time
 
@@ -14,6 +13,7 @@ from grafana_fake import (T_DETECTED, T_FIRST, FakeGrafana, grafana, optional_sp
                           sample_alert)
 from stepwatch.dashboards.annotations import AnnotationSink, annotation_payload
 from stepwatch.dashboards.cli import add_annotation_args, annotation_sink_from_args
+from testkit import free_port
 
 import pytest
 pytestmark = pytest.mark.unit
@@ -74,10 +74,7 @@ def test_retries_with_backoff_until_grafana_answers(grafana):
 
 
 def test_retries_through_connection_refused(optional_spec):
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()                                   # nothing listens: connection refused
+    port = free_port()                          # nothing listens: connection refused
     sink = AnnotationSink(f"http://127.0.0.1:{port}", FakeGrafana.token, backoff_s=0.02, backoff_max_s=0.05)
     sink.submit(alert())
     assert wait_for(lambda: sink.stats()["retried"] >= 2)

@@ -7,7 +7,6 @@ import argparse
 import copy
 import json
 import re
-import socket
 
 import pytest
 
@@ -18,6 +17,7 @@ from stepwatch.dashboards.annotations import AnnotationSink
 from stepwatch.dashboards.cli import register
 from stepwatch.dashboards.datasource import DATASOURCE_UID, PLUGIN_ID, provisioning_doc
 from stepwatch.dashboards.export import export
+from testkit import free_port
 from stepwatch.dashboards.grafana import (GrafanaAuthError, GrafanaConflictError, GrafanaError, TOKEN_ENV,
                                           TOKEN_FILE_ENV, contains, provision, read_token)
 from stepwatch.dashboards.datasource import init_sql
@@ -192,10 +192,7 @@ def test_server_errors_and_unreachable_grafana_are_clear(grafana):
     grafana.fail("GET", r"^/api/folders/", 500, {"message": "database is locked"})
     with pytest.raises(GrafanaError, match="500: database is locked"):
         provision(grafana.url, grafana.token, ROOT)
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
+    port = free_port()
     with pytest.raises(GrafanaError, match="cannot reach Grafana"):
         provision(f"http://127.0.0.1:{port}", "t", ROOT, timeout=2)
 

@@ -22,6 +22,7 @@ from stepwatch.agents.watchdog import Watchdog
 from stepwatch.detectors import hang
 from stepwatch.detectors.base import JobContext
 from stepwatch.detectors.context import JobTelemetry
+from testkit import job_context
 
 pytestmark = pytest.mark.unit
 
@@ -167,8 +168,7 @@ def _ctx(R: int, rows: list[dict]) -> JobContext:
     tel = JobTelemetry()
     t = pa.Table.from_pylist([dict(job="j", node=f"n{r['rank'] // 4}", **r) for r in rows], schema=wire.INFLIGHT)
     tel.add("inflight", t)
-    ctx = JobContext(job="j", world_size=R, nodes=np.array([f"n{r // 4}" for r in range(R)], dtype=object),
-                     stage=np.zeros(R, np.int32), last_step=np.full(R, 19), last_t_end=np.zeros(R, np.int64))
+    ctx = job_context(R, 4, last_step=np.full(R, 19), last_t_end=np.zeros(R, np.int64))
     tel.attach(ctx)
     return ctx
 

@@ -5,9 +5,10 @@ import numpy as np
 import pyarrow as pa
 
 from stepwatch import schema as wire
-from stepwatch.detectors.base import JobContext, StepBlock
+from stepwatch.detectors.base import JobContext
 from stepwatch.detectors.context import JobTelemetry
 from stepwatch.detectors.jitter import Jitter
+from testkit import alerts_of, job_context, step_blocks
 
 import pytest
 pytestmark = pytest.mark.unit
@@ -17,8 +18,7 @@ STEP_NS = 1_000_000_000
 
 
 def ctx_() -> JobContext:
-    return JobContext(job="jit", world_size=R, nodes=np.array([f"n{r // 8}" for r in range(R)], dtype=object),
-                      stage=np.zeros(R, np.int32))
+    return job_context(R, 8, job="jit")
 
 
 def job(S, seed=0, gc_pause=None, slow_rank=None, ckpt_every=0, stall=None, shift=None, gc_in_gap=False):
@@ -60,13 +60,7 @@ def job(S, seed=0, gc_pause=None, slow_rank=None, ckpt_every=0, stall=None, shif
 
 
 def feed(det, arr, size=10, ctx=None):
-    ctx = ctx or ctx_()
-    S = arr["step_ms"].shape[0]
-    out = []
-    for i in range(0, S, size):
-        st = np.arange(i, min(S, i + size))
-        out += det.update(ctx, StepBlock(st, (st + 1) * STEP_NS, **{k: v[st] for k, v in arr.items()}))
-    return out
+    return alerts_of(det, ctx or ctx_(), step_blocks(arr, size, STEP_NS))
 
 
 def firing(alerts):

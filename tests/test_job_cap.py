@@ -124,9 +124,7 @@ def test_per_job_series_are_capped_and_label_values_bounded(tmp_path):
     name is 200,000 characters: a scrape over HTTP holds at most the cap's jobs (500) per family plus
     the count of jobs left out, and the node label is 128 characters. Before: 72,001 series for
     6,000 jobs (4.8 MB) and the whole node name as a label."""
-    import sys
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-    from test_slowrank import make_block, make_ctx
+    from testkit import make_block, make_ctx
     p = processor(tmp_path)
     jm = p.job_metrics
     block = make_block(np.arange(4), np.full((4, 8), 100.0))

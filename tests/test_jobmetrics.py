@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from promstack import PROMTOOL, promtool_check_metrics
 from stepwatch.detectors.base import Alert
 from stepwatch.stream.jobmetrics import JobMetrics
-from test_slowrank import make_block, make_ctx
+from testkit import make_block, make_ctx
 
 pytestmark = pytest.mark.integration
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from stepwatch.detectors.base import JobContext
 from stepwatch.detectors.lifecycle import JobLife, Lifecycle
 from stepwatch.detectors.stall import Stall
 from stepwatch import schema as wire
+from testkit import job_context
 
 import pytest
 pytestmark = pytest.mark.unit
@@ -19,8 +19,7 @@ T0 = 1_800_000_000 * S
 
 
 def _ctx(R=4, last=50):
-    ctx = JobContext(job="j", world_size=R, nodes=np.array([f"n{r // 2}" for r in range(R)], dtype=object),
-                     stage=np.zeros(R, np.int32))
+    ctx = job_context(R, 2)
     ctx.last_step = np.full(R, last, np.int64)
     ctx.last_t_end = np.full(R, T0, np.int64)
     ctx.max_step, ctx.steps_event_ns = last, T0

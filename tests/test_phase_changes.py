@@ -3,13 +3,13 @@ recoveries of data wait, communication, GC and host time that move the step time
 reported once with the phase's cause; and no regression/recovery flapping on a noisy step time."""
 from __future__ import annotations
 
-import warnings
 
 import numpy as np
 import pytest
 
-from stepwatch.detectors.base import JobContext, StepBlock
+from stepwatch.detectors.base import JobContext
 from stepwatch.detectors.changepoint import ChangePoint
+from testkit import alerts_of, job_context, step_blocks
 
 pytestmark = pytest.mark.unit
 
@@ -17,8 +17,7 @@ R = 32
 
 
 def ctx(R: int = R) -> JobContext:
-    return JobContext(job="job-ph", world_size=R, nodes=np.array([f"n{r // 8}" for r in range(R)], dtype=object),
-                      stage=np.zeros(R, dtype=np.int32))
+    return job_context(R, 8, job="job-ph")
 
 
 def ar1(rng, S, phi, sd):
@@ -59,17 +58,7 @@ def job(S, seed=0, comm=None, data=None, gc=None, gap=None, step_noise=None, R=R
 
 
 def feed(det, arrays, block_size=7):
-    S, R = arrays["step_ms"].shape
-    out = []
-    c = ctx(R)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        for i in range(0, S, block_size):
-            sl = slice(i, min(S, i + block_size))
-            steps = np.arange(sl.start, sl.stop, dtype=np.int64)
-            out += det.update(c, StepBlock(steps=steps, t_end=(steps + 1) * 10**8,
-                                           **{k: v[sl] for k, v in arrays.items()}))
-    return out
+    return alerts_of(det, ctx(arrays["step_ms"].shape[1]), step_blocks(arrays, block_size), strict=True)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -259,13 +248,7 @@ def test_a_recovery_that_undoes_no_reported_regression_is_not_alerted():
 def _feed_from(det, arrays, start, stop, block_size=7):
     """Steps ``start``..``stop`` of ``arrays`` (their own step numbers), as a processor that met the job
     there would see them."""
-    c = ctx(arrays["step_ms"].shape[1])
-    out = []
-    for i in range(start, stop, block_size):
-        steps = np.arange(i, min(stop, i + block_size), dtype=np.int64)
-        out += det.update(c, StepBlock(steps=steps, t_end=(steps + 1) * 10**8,
-                                       **{k: v[steps] for k, v in arrays.items()}))
-    return out
+    return alerts_of(det, ctx(arrays["step_ms"].shape[1]), step_blocks(arrays, block_size, start=start, stop=stop))
 
 
 def test_a_processor_rebuilt_after_a_regression_reports_its_recovery_from_the_stored_alert():

@@ -1,47 +1,17 @@
 """SlowRank: stragglers against their pipeline-stage peers, persistence, resolution, NaN, cost."""
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import pytest
 
-from stepwatch.detectors.base import JobContext, StepBlock
+from stepwatch.detectors.base import JobContext
 from stepwatch.detectors.slowrank import SlowRank
+from testkit import make_block, make_ctx
 
 pytestmark = pytest.mark.unit
 
 
-# -- synthetic synchronous training ------------------------------------------------------------------
-def make_ctx(R: int, per_node: int = 8, pp: int = 1, job: str = "job-a") -> JobContext:
-    nodes = np.array([f"node{r // per_node:03d}" for r in range(R)], dtype=object)
-    stage = (np.arange(R) * pp // R).astype(np.int32)
-    return JobContext(job=job, world_size=R, nodes=nodes, stage=stage)
-
-
-def make_block(steps, compute, data=5.0, comm=10.0, gc=0.0, host=2.0, step_ns=100_000_000) -> StepBlock:
-    """Synchronous steps: each rank's own work (data + compute + gc + host gap) then a collective of
-    ``comm`` ms; the step ends when the slowest rank arrives, so step_ms = max over ranks of
-    (own + comm) and comm_wait = step_ms - own - comm. NaN compute = the rank did not report."""
-    compute = np.asarray(compute, dtype=np.float64)
-    S, R = compute.shape
-
-    def full(v):
-        return np.broadcast_to(np.asarray(v, dtype=np.float64), (S, R)).copy()
-
-    data, comm, gc, host = full(data), full(comm), full(gc), full(host)
-    own = data + compute + gc + host
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)   # all-NaN steps
-        step_row = np.nanmax(own + comm, axis=1, keepdims=True) if R else np.zeros((S, 1))
-    step = np.broadcast_to(step_row, (S, R)).copy()
-    missing = np.isnan(compute)
-    step[missing] = np.nan
-    for a in (data, comm, gc):
-        a[missing] = np.nan
-    steps = np.asarray(steps, dtype=np.int64)
-    return StepBlock(steps=steps, t_end=(steps + 1) * step_ns, step_ms=step, data_ms=data,
-                     compute_ms=compute, comm_ms=comm, comm_wait_ms=step - own - comm, gc_ms=gc)
+# -- synthetic synchronous training: make_ctx, make_block (testkit) ------------------------------
 
 
 def run(det, ctx, compute, block_size=25, **kw):

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from stepwatch.detectors.base import JobContext, StepBlock
+from stepwatch.detectors.base import StepBlock
 from stepwatch.detectors.slowrank import SlowRank
+from testkit import job_context
 
 import pytest
 pytestmark = pytest.mark.unit
@@ -31,8 +32,7 @@ def _run(extra_gc, extra_compute, steps=120, seed=0):
     arr = dict(step_ms=np.repeat(step, R, axis=1), data_ms=np.full((steps, R), 0.2), compute_ms=compute,
                comm_ms=wait + 0.3, comm_wait_ms=wait, gc_ms=gc)
     t_end = (np.arange(steps, dtype=np.int64) + 1) * 50_000_000
-    ctx = JobContext(job="small", world_size=R, nodes=np.array(["node-a"] * R, dtype=object),
-                     stage=np.zeros(R, np.int32))
+    ctx = job_context(R, per_node=R, job="small", node="node-a")
     det, out = SlowRank(), []
     for i in range(0, steps, 4):
         st = np.arange(i, min(steps, i + 4))

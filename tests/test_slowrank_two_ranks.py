@@ -10,8 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
-from stepwatch.detectors.base import JobContext, StepBlock
+from stepwatch.detectors.base import StepBlock
 from stepwatch.detectors.slowrank import SlowRank
+from testkit import job_context
 
 import pytest
 pytestmark = pytest.mark.unit
@@ -30,8 +31,7 @@ def test_the_healthy_rank_of_a_two_rank_stage_is_never_named():
         t_end[s] = max(t_end[s], int(r["t_end_ns"]))
         for c in COLS:
             arr[c][s, k] = float(r[c])
-    ctx = JobContext(job="ddp", world_size=R, nodes=np.array(["node-a"] * R, dtype=object),
-                     stage=np.zeros(R, np.int32))
+    ctx = job_context(R, per_node=R, job="ddp", node="node-a")
     det, out = SlowRank(), []
     for i in range(0, S, 8):                       # the agent ships a few steps at a time
         st = np.arange(i, min(S, i + 8))

@@ -9,6 +9,7 @@ import numpy as np
 
 from stepwatch.detectors.base import JobContext, StepBlock
 from stepwatch.detectors.stall import Stall
+from testkit import job_context
 
 import pytest
 pytestmark = pytest.mark.unit
@@ -18,8 +19,7 @@ NS = 1_000_000_000
 
 
 def ctx_(**kw) -> JobContext:
-    return JobContext(job="st", world_size=R, nodes=np.array([f"n{r // 8}" for r in range(R)], dtype=object),
-                      stage=np.zeros(R, np.int32), **kw)
+    return job_context(R, 8, job="st", **kw)
 
 
 def block(steps, missing=()):

@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stepwatch.detectors.base import JobContext, StepBlock
+from stepwatch.detectors.base import StepBlock
 from stepwatch.detectors.changepoint import ChangePoint
 from stepwatch.detectors.jitter import Jitter
 from stepwatch.detectors.steady import SteadyGate
+from testkit import job_context
 
 pytestmark = pytest.mark.unit
 
@@ -16,8 +17,7 @@ R = 8
 
 
 def _ctx():
-    return JobContext(job="j", world_size=R, nodes=np.array([f"n{r}" for r in range(R)], dtype=object),
-                      stage=np.zeros(R, np.int32))
+    return job_context(R, per_node=1)
 
 
 def _blocks(step, comm=None, wait=None, size=5):

@@ -8,21 +8,12 @@ import pyarrow as pa
 import pyarrow.compute  # noqa: F401 - pa.compute
 import pytest
 
-from stepwatch import schema as wire
 from stepwatch.storage.store import Fenced, LakeStore, Marker, ranges
 from stepwatch.storage.views import connect
+from testkit import TESTS
+from testkit import store_steps as steps
 
 pytestmark = pytest.mark.integration
-
-
-def steps(job, step0, n, ranks=4):
-    import numpy as np
-    s = np.repeat(np.arange(step0, step0 + n), ranks)
-    r = np.tile(np.arange(ranks), n)
-    t = pa.table({"job": [job] * len(s), "node": ["n0"] * len(s), "rank": r.astype("int32"), "step": s,
-                  "t_end": pa.array(1_795_000_000_000_000_000 + s * 10**9).cast(wire.TS),
-                  "step_ms": np.full(len(s), 100.0)})
-    return wire.conform(t, wire.STEPS)
 
 
 def test_flush_writes_rows_and_offsets_in_one_snapshot(tmp_path):
@@ -57,8 +48,8 @@ def test_a_writer_killed_before_commit_leaves_nothing_visible(tmp_path):
     """Killed after writing its Parquet files, before the catalog commit: neither rows nor offsets
     are visible; the next flush of the same messages stores them once."""
     code = f"""
-import sys; sys.path.insert(0, {str(os.path.dirname(__file__))!r})
-from test_store import steps
+import sys; sys.path.insert(0, {str(TESTS)!r})
+from testkit import store_steps as steps
 from stepwatch.storage.store import LakeStore, Marker
 st = LakeStore({str(tmp_path)!r}).init(); st.cluster = "c1"
 st.write_flush({{"steps": [steps("a", 0, 5)]}}, {{("t.steps", 1): Marker(7)}})
@@ -185,7 +176,7 @@ def test_postgres_password_from_a_file_is_used_and_never_printed(postgres, tmp_p
     hba = postgres.base / "data" / "pg_hba.conf"
     hba.write_text("host all pwuser 127.0.0.1/32 scram-sha-256\n" + hba.read_text())
     subprocess.run(psql + ["-c", "SELECT pg_reload_conf()"], check=True, capture_output=True)
-    code = ("import sys; sys.path.insert(0, 'tests'); from test_store import steps\n"
+    code = (f"import sys; sys.path.insert(0, {str(TESTS)!r}); from testkit import store_steps as steps\n"
             "from stepwatch.storage.lake import Lake; from stepwatch.storage.store import LakeStore\n"
             "lake = Lake.from_dir(sys.argv[1]); print(lake.describe())\n"
             "st = LakeStore(lake).init(); st.write_flush({'steps': [steps('j', 0, 1)]}, {}); print('stored')\n")

@@ -26,7 +26,7 @@ import yaml
 
 from stepwatch import schema as wire
 from stepwatch.agents import profiling
-from stepwatch.devtools.broker import free_port
+from testkit import free_port
 from stepwatch.kafkaio import make_consumer, make_producer
 from stepwatch.stream.profiling import Issuer, ProfilingSettings
 

@@ -19,7 +19,8 @@ from stepwatch import schema as wire
 from stepwatch.agents.agent import Agent
 from stepwatch.agents.probe import Probe
 from stepwatch.agents.shipper import Shipper, Spool
-from stepwatch.devtools.broker import EmbeddedBroker, free_port
+from stepwatch.devtools.broker import EmbeddedBroker
+from testkit import free_port
 from stepwatch.kafkaio import KafkaSettings, make_consumer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

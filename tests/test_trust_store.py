@@ -13,7 +13,7 @@ import tempfile
 import time
 
 import pytest
-from test_store import steps
+from testkit import store_steps as steps
 
 from stepwatch.storage.store import LakeStore, Marker
 
