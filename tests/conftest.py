@@ -86,10 +86,11 @@ KINDS = ("unit", "integration", "realrun")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Every test carries exactly one kind (its module's pytestmark): `make test` runs the kinds in two
-    steps selected by marker, so a test without one would run in neither."""
+    """Every test carries exactly one kind (its module's pytestmark), and lives in the folder of that
+    name: `make test` runs the kinds in two steps selected by marker, so a test without one would run
+    in neither."""
     bad = [f"{it.nodeid}: {kinds or 'none'}" for it in items
-           if len(kinds := [k for k in KINDS if it.get_closest_marker(k)]) != 1]
+           if len(kinds := [k for k in KINDS if it.get_closest_marker(k)]) != 1 or it.path.parent.name != kinds[0]]
     if bad:
-        raise pytest.UsageError("each test needs exactly one kind marker of " + ", ".join(KINDS) + ":\n  "
-                                + "\n  ".join(bad))
+        raise pytest.UsageError("each test needs exactly one kind marker of " + ", ".join(KINDS)
+                                + ", the name of its folder (tests/<kind>/):\n  " + "\n  ".join(bad))

@@ -27,6 +27,7 @@ from slurmcluster import started
 from stepwatch.agents.act import Actor, ActMetrics, Policy, Receiver, Store, command
 from stepwatch.dashboards.alertmanager import postable_alert
 from stepwatch.detectors.base import Alert
+from testkit import ROOT
 
 pytestmark = pytest.mark.integration
 
@@ -238,12 +239,11 @@ def test_receiver_refuses_unauthenticated_malformed_and_oversized_posts_and_rate
 
 def test_the_documented_receiver_passes_amtool_and_routes_node_kinds_to_stepwatch_act(tmp_path):
     import re
-    from pathlib import Path
 
     from promstack import AMTOOL
     if not AMTOOL:
         pytest.skip(MISSING_AM + " (amtool)")
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "baremetal.md").read_text()
+    doc = (ROOT / "docs" / "baremetal.md").read_text()
     block = next(b for b in re.findall(r"```yaml\n(.*?)```", doc, re.S) if "stepwatch-act" in b)
     token = tmp_path / "token"
     token.write_text(TOKEN)

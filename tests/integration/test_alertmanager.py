@@ -26,6 +26,7 @@ from stepwatch.detectors.base import Alert
 from stepwatch.stream.alertfanout import attach
 from stepwatch.kafkaio import KafkaSettings, ensure_topics, make_producer
 from stepwatch.stream.processor import Processor
+from testkit import ROOT
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -207,8 +208,7 @@ def test_a_dead_alertmanager_neither_blocks_the_caller_nor_its_partner(tmp_path)
 def test_the_documented_route_passes_amtool(tmp_path):
     import re
     import subprocess
-    from pathlib import Path
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "alerting.md").read_text()
+    doc = (ROOT / "docs" / "alerting.md").read_text()
     block = next(b for b in re.findall(r"```yaml\n(.*?)```", doc, re.S) if b.startswith("route:"))
     cfg = tmp_path / "alertmanager.yml"
     cfg.write_text(block)

@@ -11,7 +11,6 @@ import resource
 import threading
 import time
 import tomllib
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -22,11 +21,11 @@ from stepwatch import schema as wire
 from stepwatch.storage.views import connect
 from stepwatch.kafkaio import make_producer
 from stepwatch.stream.processor import Processor
+from testkit import ROOT
 
 pytestmark = pytest.mark.integration
 
 NOW = time.time_ns()
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(kafka, data, until, timeout=90, **kw):

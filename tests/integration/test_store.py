@@ -10,7 +10,7 @@ import pytest
 
 from stepwatch.storage.store import Fenced, LakeStore, Marker, ranges
 from stepwatch.storage.views import connect
-from testkit import TESTS
+from testkit import ROOT, TESTS
 from testkit import store_steps as steps
 
 pytestmark = pytest.mark.integration
@@ -142,7 +142,7 @@ def test_docs_tables_md_matches_the_code():
     from pathlib import Path
 
     from stepwatch.storage.docs import tables_markdown
-    doc = Path(__file__).resolve().parents[1] / "docs" / "tables.md"
+    doc = ROOT / "docs" / "tables.md"
     assert doc.read_text() == tables_markdown(), \
         "docs/tables.md is stale: python -m stepwatch.storage.docs > docs/tables.md"
 

@@ -26,7 +26,7 @@ import yaml
 
 from stepwatch import schema as wire
 from stepwatch.agents import profiling
-from testkit import free_port
+from testkit import ROOT, free_port
 from stepwatch.kafkaio import make_consumer, make_producer
 from stepwatch.stream.profiling import Issuer, ProfilingSettings
 
@@ -39,7 +39,7 @@ AGENT_UID = AGENT_GID = 10001
 TRAIN_UID = 20002
 OTHER_UID = 30003
 NODE = "node-k8s"
-CHART = os.path.join(os.path.dirname(__file__), "..", "helm", "stepwatch")
+CHART = str(ROOT / "helm" / "stepwatch")
 PEM, PUB = profiling.keygen()
 if shutil.which("setpriv") is None:
     pytest.skip("setpriv (util-linux) is not installed", allow_module_level=True)

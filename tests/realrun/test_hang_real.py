@@ -31,13 +31,14 @@ from stepwatch.agents.agent import Agent
 from stepwatch.agents.wrap import wrap_env
 from stepwatch.storage.views import connect
 from stepwatch.stream.processor import Processor
+from testkit import TESTS
 
 pytestmark = [pytest.mark.realrun, pytest.mark.slow]
 
 pytest.importorskip("torch", reason="trains a real PyTorch model (pip install torch)")
 
 HANG_S = 4.0            # the processor's hang threshold, from the configuration file
-SCRIPT = Path(__file__).with_name("hang_train.py")
+SCRIPT = TESTS / "hang_train.py"
 
 
 def _config(path: Path) -> swconfig.Config:

@@ -26,13 +26,14 @@ from stepwatch.agents.agent import Agent
 from stepwatch.agents.wrap import wrap_env
 from stepwatch.storage.views import connect
 from stepwatch.stream.processor import Processor
+from testkit import TESTS
 from stepwatch.stream.profiling import ProfilingSettings
 
 pytestmark = [pytest.mark.realrun, pytest.mark.slow]
 
 pytest.importorskip("torch", reason="the end-to-end test trains a real PyTorch model (pip install torch==2.13.0)")
 
-TRAIN = Path(__file__).with_name("profile_train.py")
+TRAIN = TESTS / "profile_train.py"
 PEM, PUB = prof.keygen()
 KEY = prof.load_private_key(env={prof.ENV_PRIVATE: PEM.decode()})       # the processor signs
 KEYS = prof.load_public_keys(env={prof.ENV_PUBLIC: PUB})                 # agents and probes verify

@@ -6,18 +6,17 @@ its recent self while it is still faster than its peer)."""
 from __future__ import annotations
 
 import csv
-from pathlib import Path
 
 import numpy as np
 
 from stepwatch.detectors.base import StepBlock
 from stepwatch.detectors.slowrank import SlowRank
-from testkit import job_context
+from testkit import DATA, job_context
 
 import pytest
 pytestmark = pytest.mark.unit
 
-TRACE = Path(__file__).with_name("data") / "ddp_sleep_2ranks.csv"
+TRACE = DATA / "ddp_sleep_2ranks.csv"
 COLS = ("step_ms", "data_ms", "compute_ms", "comm_ms", "comm_wait_ms", "gc_ms")
 
 
