@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean bench
+.PHONY: demo test test-fast install clean bench
 
 $(STAMP): pyproject.toml setup.py $(wildcard agents/probe/_probefast*)
 	$(PY) -m venv $(VENV)
@@ -17,9 +17,17 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/stepwatch demo
 
+# Two steps, both must pass (a step that collects nothing exits 5: a failure too). First the fast one:
+# tests/unit and tests/integration (real servers on loopback); then tests/realrun, the real training
+# runs and measured timings, serially and on their own so that no other test loads the machine under them.
 test: $(STAMP)
 	BIN=$(BIN) .ci/lint-imports    # the layers (import-linter contracts in pyproject.toml)
-	$(BIN)/python -m pytest -q --durations=25 tests
+	$(BIN)/python -m pytest -q --durations=25 -m "unit or integration" tests; fast=$$?; \
+	$(BIN)/python -m pytest -q --durations=15 -m realrun tests; real=$$?; \
+	echo "make test: unit+integration step exit $$fast, realrun step exit $$real"; [ $$fast = 0 ] && [ $$real = 0 ]
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q --durations=25 -m "(unit or integration) and not slow" tests
 
 bench: $(STAMP)
 	$(BIN)/stepwatch bench ingest

@@ -80,3 +80,17 @@ def pg_lake(postgres, tmp_path):
                     "-d", "postgres", "-c", f"CREATE DATABASE {db}"], check=True, capture_output=True)
     return Lake.make(f"postgres:host=127.0.0.1 port={postgres.port} user={postgres.user} dbname={db}",
                      str(tmp_path / "lakedata"))
+
+
+KINDS = ("unit", "integration", "realrun")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test carries exactly one kind (its module's pytestmark), and lives in the folder of that
+    name: `make test` runs the kinds in two steps selected by marker, so a test without one would run
+    in neither."""
+    bad = [f"{it.nodeid}: {kinds or 'none'}" for it in items
+           if len(kinds := [k for k in KINDS if it.get_closest_marker(k)]) != 1 or it.path.parent.name != kinds[0]]
+    if bad:
+        raise pytest.UsageError("each test needs exactly one kind marker of " + ", ".join(KINDS)
+                                + ", the name of its folder (tests/<kind>/):\n  " + "\n  ".join(bad))

@@ -1,4 +1,4 @@
-"""A real gloo training run (4 ranks, CPU) in which one rank hangs: tests/test_hang_real.py runs it under
+"""A real gloo training run (4 ranks, CPU) in which one rank hangs: tests/realrun/test_hang_real.py runs it under
 ``stepwatch wrap`` with a node agent, the broker and the processor. It knows nothing of stepwatch.
 
 ``SW_HANG`` says how rank ``SW_HANG_RANK`` hangs at step ``SW_HANG_STEP`` while the others block in the

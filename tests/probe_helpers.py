@@ -1,4 +1,4 @@
-"""Shared by the probe's tests (tests/test_probe_*.py, test_probe_package.py, test_inflight.py): a fake
+"""Shared by the probe's tests (tests/*/test_probe_*.py, test_probe_package.py, test_inflight.py): a fake
 agent (a bound Unix datagram socket), the ``rx``, ``probe`` (the C and the Python hot path) and ``gloo``
 fixtures, and ``split`` (decoded datagrams -> rows)."""
 from __future__ import annotations

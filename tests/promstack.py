@@ -7,7 +7,6 @@ from __future__ import annotations
 import http.server
 import json
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -18,6 +17,8 @@ from pathlib import Path
 
 import yaml
 
+from testkit import free_port  # noqa: F401 - (test modules import it from here too)
+
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
 ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
@@ -27,12 +28,6 @@ MISSING_AM = ("Debian's prometheus-alertmanager package is not installed (apt-ge
               "no alertmanager binary")
 
 
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def http_get(url: str, timeout: float = 5.0, headers: dict | None = None) -> bytes:

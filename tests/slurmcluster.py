@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from testkit import free_port
+
 BINARIES = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "sinfo", "scontrol")
 
 
@@ -29,12 +31,6 @@ def why_not() -> str | None:
     if os.getuid() != 0:
         return "the test Slurm runs its daemons as root (SlurmUser=root); not root here"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class SlurmCluster:
@@ -58,7 +54,7 @@ class SlurmCluster:
             f.write_text(f"#!/bin/sh\n[ -r {d}/hooks.env ] && . {d}/hooks.env && export STEPWATCH_SOCKET_DIR\n"
                          f"exec {sys.executable} -m stepwatch.agents.slurm {ev} 2>>{d}/log/{ev}.err\n")
             f.chmod(0o755)
-        ctl, sd = _free_port(), _free_port()
+        ctl, sd = free_port(), free_port()
         (d / "slurm.conf").write_text(f"""ClusterName=swtest
 SlurmctldHost={self.node}(127.0.0.1)
 SlurmctldPort={ctl}

@@ -1,0 +1,85 @@
+import numpy as np
+import pyarrow as pa
+
+from stepwatch import schema as wire
+from stepwatch.stream.align import JobState
+
+import pytest
+pytestmark = pytest.mark.unit
+
+
+def rows(steps, ranks, step_ms=100.0, wait=None, t_end=None, job="j"):
+    steps = np.asarray(steps)
+    ranks = np.asarray(ranks)
+    n = len(steps)
+    te = t_end if t_end is not None else steps * 1_000_000_000
+    cols = {
+        "job": [job] * n, "node": [f"n{r // 8}" for r in ranks], "rank": ranks.astype(np.int32),
+        "step": steps.astype(np.int64), "t_end": pa.array(np.asarray(te, np.int64)).cast(wire.TS),
+        "step_ms": np.full(n, step_ms),
+        "comm_wait_ms": np.full(n, 5.0) if wait is None else wait,
+    }
+    return wire.conform(pa.table(cols), wire.STEPS)
+
+
+def topo(ws, pp=1):
+    r = np.arange(ws)
+    return pa.table({"job": ["j"] * ws, "rank": r.astype(np.int32), "node": [f"n{x // 8}" for x in r],
+                     "world_size": np.full(ws, ws, np.int32), "pp": (r // (ws // pp)).astype(np.int32)})
+
+
+def test_complete_steps_close_in_order_with_all_ranks():
+    st = JobState("j", capacity=16)
+    st.set_topology(topo(16, pp=2))
+    res, blocks = st.ingest(rows(np.repeat([0, 1], 16), np.tile(np.arange(16), 2)))
+    assert res.keep.all() and res.duplicates == 0
+    assert [list(b.steps) for b in blocks] == [[0, 1]]
+    assert blocks[0].step_ms.shape == (2, 16)
+    assert not np.isnan(blocks[0].step_ms).any()
+    assert list(st.context().stage) == [0] * 8 + [1] * 8
+
+
+def test_incomplete_step_waits_then_closes_on_lateness():
+    st = JobState("j", capacity=16, lateness_ns=5_000_000_000)
+    st.set_topology(topo(8))
+    _, blocks = st.ingest(rows([0] * 7, range(7)))   # rank 7 missing
+    assert blocks == []
+    # event time moves 6 s past step 0 (steps 1..6 complete): step 0 closes with rank 7 NaN
+    s = np.repeat(np.arange(1, 7), 8)
+    _, blocks = st.ingest(rows(s, np.tile(np.arange(8), 6)))
+    closed = np.concatenate([b.steps for b in blocks])
+    assert list(closed) == [0, 1, 2, 3, 4, 5, 6]
+    assert np.isnan(blocks[0].step_ms[0, 7]) and not np.isnan(blocks[0].step_ms[0, 6])
+
+
+def test_duplicates_dropped_inside_batch_and_across_batches():
+    st = JobState("j", capacity=16)
+    st.set_topology(topo(4))
+    res, _ = st.ingest(rows([0, 0, 0], [1, 1, 2]))
+    assert list(res.keep) == [True, False, True] and res.duplicates == 1
+    res, _ = st.ingest(rows([0, 0], [1, 3]))
+    assert list(res.keep) == [False, True] and res.duplicates == 1
+
+
+def test_rank_outside_topology_is_flagged():
+    st = JobState("j", capacity=8)
+    st.set_topology(topo(4))
+    res, _ = st.ingest(rows([0, 0], [1, 9]))
+    assert list(res.keep) == [True, False] and list(res.bad_rank) == [1]
+
+
+def test_ring_bounded_and_forced_close_when_stream_runs_ahead():
+    st = JobState("j", capacity=8)
+    st.set_topology(topo(4))
+    _, b1 = st.ingest(rows([0], [0]))          # step 0 incomplete
+    _, b2 = st.ingest(rows(np.repeat(np.arange(1, 20), 4), np.tile(np.arange(4), 19)))
+    closed = np.concatenate([b.steps for b in b1 + b2])
+    assert list(closed) == list(range(20))
+    assert st.planes["step_ms"].shape == (8, 4)
+
+
+def test_world_size_inferred_without_topology():
+    st = JobState("j", capacity=8)
+    _, blocks = st.ingest(rows([3, 3, 3], [0, 1, 5]))
+    assert st.world_size == 6 and not st.topology_known
+    assert st.nodes[5] == "n0"
