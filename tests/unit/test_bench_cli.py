@@ -10,6 +10,9 @@ import pytest
 
 from stepwatch.cli import build_parser, main
 
+pytestmark = pytest.mark.unit
+
+
 BENCHES = ("ingest", "query", "scale", "detectors", "changepoint", "overhead", "profiling", "fuzz", "hostile")
 
 

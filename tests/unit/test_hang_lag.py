@@ -3,12 +3,17 @@ others. The ranks' own watchdog reports prove a hang within the threshold and on
 the steps topic's lag; a rank whose steps are merely unread, or whose reported step did end, is no hang."""
 from __future__ import annotations
 
+import pytest
+
 import numpy as np
 
 from stepwatch.detectors.base import JobContext, StepBlock
 from stepwatch.detectors.context import JobTelemetry
 from stepwatch.detectors.stall import Stall
 from stepwatch.devtools import scenarios_indep
+
+pytestmark = [pytest.mark.unit, pytest.mark.slow]
+
 
 NS = 1_000_000_000
 LAG_S = 60

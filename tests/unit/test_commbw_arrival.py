@@ -29,6 +29,9 @@ from stepwatch.stream.processor import Processor
 
 from probe_helpers import Rx  # noqa: E402 - tests/probe_helpers.py
 
+pytestmark = [pytest.mark.unit, pytest.mark.slow]
+
+
 CALL_BYTES = 43 * 2**20 // 3           # 43 MiB of gradients a step, in 3 all_reduces
 DEV_MS = 2.5                           # each call's time on the device (its events)
 

@@ -3,13 +3,18 @@ top-level folders (agents/, stream/, detectors/, storage/, dashboards/), so runn
 imports the whole package, whatever is installed (a plain ``pip install .`` included)."""
 from __future__ import annotations
 
+import pytest
+
 import os
 import subprocess
 import sys
 import sysconfig
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.unit
+
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_running_from_the_repository_root_imports_the_whole_package():
