@@ -153,6 +153,7 @@ class Processor(Intake, CaughtUp):
         self.progress: dict[tuple[str, int], PartitionProgress] = {}
         self.last_flush = time.monotonic()
         self.last_data = time.monotonic()
+        self._last_retick = 0.0                          # _retick_ended_jobs
         self.consumer = None
         self.producer = None
         self.stop_event = threading.Event()
@@ -287,6 +288,8 @@ class Processor(Intake, CaughtUp):
                         continue
                     prog.consumed.append(msg.offset)
                 self.process_message(msg)
+        if not n:
+            self._retick_ended_jobs()
         if n:
             self.last_data = time.monotonic()
             if self.t_first_data is None:
@@ -389,6 +392,21 @@ class Processor(Intake, CaughtUp):
             ctx.backlog = self._lag_by_tp.get((self.kafka.topic("steps"), rt.steps_partition), 0) > 0
         ctx.caught_up = lambda: self._caught_up(rt)
         return ctx
+
+    def _retick_ended_jobs(self) -> None:
+        """After an empty poll (at most once a second): tell the detectors again the event time of the jobs
+        whose ranks have said goodbye but whose end is not judged yet. That judgement waits until the job's
+        partitions are read to their end, and is asked at the job's own rows: when the goodbyes and the
+        last rows came in one burst (a spool replayed, a consumer catching up), no later row of that job
+        may come to ask again, and the stall detector would read the ended job's silence as a hang."""
+        now = time.monotonic()
+        if now - self._last_retick < 1.0:
+            return
+        self._last_retick = now
+        for rt in list(self.jobs.values()):
+            life = rt.telemetry.life
+            if life.first and life.outcome is None:
+                self._tick(rt)
 
     def _tick(self, rt: JobRuntime) -> None:
         """Tell the detectors the job's event time (newest step end or host sample) moved."""
