@@ -69,6 +69,11 @@ BENCHES = {
     "profiling": ("targeted profiling: alert -> trace latency",
                   "Real gloo ranks of tests/profile_train.py under a node agent, a processor with profiling "
                   "on: latency from the alert to the trace and the diff, step times before, during, after."),
+    "gpu": ("the GPU check: MFU's FLOPs, wrap's overhead, device-timed jobs spooled",
+            "GPT-2-124M-shaped runs plain/wrapped/plain/wrapped (overhead, FLOPs counted vs 6N + 12LHQT) and "
+            "three ddp_train jobs under wrap, one node agent spooling (a GPU machine has no broker): the spool "
+            "comes back as <out>/spool.tgz for `stepwatch eval --real --spool`. Without CUDA: tiny shapes on "
+            "the CPU, nothing judged."),
     "fuzz": ("fuzzed inputs per boundary: crashes and hangs",
              "Every boundary (or --boundary) fed --inputs generated inputs; any crash or hang is a failure."),
     "hostile": ("hostile Kafka messages; many job ids at the cap",
@@ -133,6 +138,10 @@ def register(subparsers) -> argparse.ArgumentParser:
     p = _add(sub, "profiling", _call("stepwatch.devtools.bench_profiling", "run_profiling_bench"), owners)
     add_profiling_args(p)
     _data_dir(p)
+
+    from stepwatch.devtools.bench_gpu import add_gpu_args
+    p = _add(sub, "gpu", _call("stepwatch.devtools.bench_gpu", "run_gpu_bench"), owners)
+    add_gpu_args(p)
 
     p = _add(sub, "fuzz", _fuzz, owners)
     _opt(p, "--inputs", type=int, default=100_000, help="inputs per boundary")
