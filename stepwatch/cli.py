@@ -423,6 +423,10 @@ def main(argv: list[str] | None = None) -> int:
     from stepwatch import extras             # (a command whose extra is not installed: say which one)
     args = sys.argv[1:] if argv is None else list(argv)
     cmd = next((x for x in args if not x.startswith("-")), None)
+    words = [x for x in args if not x.startswith("-")]
+    if words[:2] == ["bench", "gpu"]:        # a GPU machine's image: torch and the agent's packages, no DuckDB
+        from stepwatch.devtools.bench_gpu import main as gpu_main
+        return gpu_main(args[args.index("gpu") + 1:])
     try:
         if cmd in AGENT_CMDS:
             p = build_agent_parser()

@@ -13,7 +13,7 @@ from stepwatch.cli import build_parser, main
 pytestmark = pytest.mark.unit
 
 
-BENCHES = ("ingest", "query", "scale", "detectors", "changepoint", "overhead", "profiling", "fuzz", "hostile")
+BENCHES = ("ingest", "query", "scale", "detectors", "changepoint", "overhead", "profiling", "gpu", "fuzz", "hostile")
 
 
 def _exit(argv, capsys) -> tuple[int, str, str]:
@@ -108,3 +108,15 @@ def test_each_form_parses_to_what_its_bench_reads_and_runs_that_bench(argv, valu
     ran = []
     monkeypatch.setattr(importlib.import_module(module), fn, lambda ns: ran.append(ns) or 0)
     assert a.func(a) == 0 and ran == [a]
+
+
+def test_bench_gpu_needs_neither_duckdb_nor_the_processors_packages():
+    """A GPU machine's training image has torch and the agent's packages, not DuckDB: `stepwatch bench gpu`
+    builds its own command line (the whole one imports the processor's modules)."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['duckdb'] = None; sys.modules['ruptures'] = None; "
+            "from stepwatch.cli import main; sys.exit(main(['-v', 'bench', 'gpu', '--help']))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "--gpt-steps" in r.stdout and "--jobs" in r.stdout and "stepwatch bench gpu" in r.stdout
