@@ -69,7 +69,7 @@ BENCHES = {
     "profiling": ("targeted profiling: alert -> trace latency",
                   "Real gloo ranks of tests/profile_train.py under a node agent, a processor with profiling "
                   "on: latency from the alert to the trace and the diff, step times before, during, after."),
-    "gpu": ("the GPU check: MFU's FLOPs, wrap overhead, spooled jobs",
+    "gpu": ("GPU check: MFU FLOPs, wrap overhead, spooled jobs",
             "GPT-2-124M-shaped runs plain/wrapped/plain/wrapped (overhead, FLOPs counted vs 6N + 12LHQT) and "
             "three ddp_train jobs under wrap, one node agent spooling (a GPU machine has no broker): the spool "
             "comes back as <out>/spool.tgz for `stepwatch eval --real --spool`. Without CUDA: tiny shapes on "
