@@ -27,12 +27,22 @@ def systemd_unit(name: str, exe: str | None = None) -> str:
 
 
 def prepare_agent_process() -> None:
-    """Called in the agent's process before pyarrow loads: Arrow's C++ default memory pool becomes the
-    system allocator (``ARROW_DEFAULT_MEMORY_POOL``, read once as pyarrow loads). The IPC writer and its
-    LZ4 buffers allocate from that pool, not from the one :func:`pyarrow.set_memory_pool` sets; with
-    mimalloc, Arrow's default, those allocations kept ~6 MB of the agent resident. An operator's own
-    setting of the variable is kept."""
+    """Called in the agent's process before numpy and pyarrow load (each variable is read once, as its
+    library loads; an operator's own setting is kept):
+
+    - ``ARROW_DEFAULT_MEMORY_POOL=system``: Arrow's C++ default memory pool becomes the system allocator.
+      The IPC writer and its LZ4 buffers allocate from that pool, not from the one
+      :func:`pyarrow.set_memory_pool` sets; with mimalloc, Arrow's default, those allocations kept ~6 MB
+      of the agent resident.
+    - ``JE_ARROW_MALLOC_CONF=background_thread:false``: Arrow's bundled jemalloc, no longer the pool, still
+      starts its purging thread as pyarrow loads; not started, one thread less.
+    - ``OPENBLAS_NUM_THREADS=1``: numpy's OpenBLAS starts a thread per core as numpy loads (up to 64 on a
+      training node); the agent multiplies no matrices.
+
+    :func:`cmd_agent` also sizes Arrow's CPU thread pool to one thread (see there)."""
     os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
+    os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
 def cmd_agent(a) -> int:
@@ -49,6 +59,10 @@ def cmd_agent(a) -> int:
     # a long-lived small process: give freed Arrow buffers back to the OS (malloc) instead of keeping
     # them in jemalloc/mimalloc arenas (~6 MB less resident)
     pa.set_memory_pool(pa.system_memory_pool())
+    # the IPC writer compresses a batch's buffers on Arrow's CPU pool, one thread per core by default: each
+    # thread keeps its own malloc arena (+7 MB resident at 64 threads, 0.9 MB at 2); the agent's batches
+    # are small, one thread compresses them
+    pa.set_cpu_count(1)
     from stepwatch.kafkaio import settings_from_args
     s = None if a.no_kafka else settings_from_args(a)
     from stepwatch.agents.ingress import IngressLimits
@@ -147,23 +161,37 @@ def add_agent_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-profiling", action="store_true", help="ignore profiling commands even with a key")
 
 
-def register(sub) -> None:
-    """Add ``agent``, ``wrap``, ``slurm`` and ``act`` to a ``stepwatch`` subparsers object."""
-    from stepwatch.agents.wrap import add_wrap_args
-    ag = sub.add_parser("agent", help="node agent: receive the probes' records, sample the host, batch to Kafka")
-    add_agent_args(ag)
-    ag.set_defaults(func=cmd_agent)
-    w = sub.add_parser("wrap", help="run a command with its Python processes instrumented (zero-code probe)")
-    add_wrap_args(w)
-    w.set_defaults(func=cmd_wrap)
-    from stepwatch.agents.slurm import add_slurm_args, cmd_slurm
-    sl = sub.add_parser("slurm", help="Slurm prolog/epilog: tell this node's agent a job started or ended")
-    add_slurm_args(sl)
-    sl.set_defaults(func=cmd_slurm)
-    from stepwatch.agents.act import add_act_args
-    ac = sub.add_parser("act", help="opt-in: drain (Slurm) or cordon (k8s) a node that keeps failing, from "
-                        "Alertmanager's webhook (dry run unless --execute)")
-    add_act_args(ac)
+#: the agents' subcommands, in the order ``stepwatch --help`` lists them
+COMMANDS = ("agent", "wrap", "slurm", "act")
+
+
+def register(sub, commands: tuple[str, ...] = COMMANDS) -> None:
+    """Add ``commands`` (default all: ``agent``, ``wrap``, ``slurm`` and ``act``) to a ``stepwatch``
+    subparsers object. Each command's own module is imported only when it is added: ``stepwatch agent``
+    adds the agent alone, so the node agent does not load ``act`` (sqlite3, the webhook's HTTP server),
+    ``wrap`` or ``slurm`` (~1.1 MB of its RSS, docs/agents.md, agent cost)."""
+    for name in commands:
+        if name not in COMMANDS:
+            raise ValueError(f"register: command {name!r} is not one of {', '.join(COMMANDS)}")
+    if "agent" in commands:
+        ag = sub.add_parser("agent", help="node agent: receive the probes' records, sample the host, batch to Kafka")
+        add_agent_args(ag)
+        ag.set_defaults(func=cmd_agent)
+    if "wrap" in commands:
+        from stepwatch.agents.wrap import add_wrap_args
+        w = sub.add_parser("wrap", help="run a command with its Python processes instrumented (zero-code probe)")
+        add_wrap_args(w)
+        w.set_defaults(func=cmd_wrap)
+    if "slurm" in commands:
+        from stepwatch.agents.slurm import add_slurm_args, cmd_slurm
+        sl = sub.add_parser("slurm", help="Slurm prolog/epilog: tell this node's agent a job started or ended")
+        add_slurm_args(sl)
+        sl.set_defaults(func=cmd_slurm)
+    if "act" in commands:
+        from stepwatch.agents.act import add_act_args
+        ac = sub.add_parser("act", help="opt-in: drain (Slurm) or cordon (k8s) a node that keeps failing, from "
+                            "Alertmanager's webhook (dry run unless --execute)")
+        add_act_args(ac)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         prepare_agent_process()
     p = argparse.ArgumentParser(prog="stepwatch")
     p.add_argument("-v", "--verbose", action="count", default=0)
-    register(p.add_subparsers(dest="cmd", metavar="COMMAND"))
+    cmd = next((x for x in args if not x.startswith("-")), None)
+    register(p.add_subparsers(dest="cmd", metavar="COMMAND"), ("agent",) if cmd == "agent" else COMMANDS)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING - 10 * a.verbose,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)

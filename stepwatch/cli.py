@@ -292,11 +292,12 @@ def _top_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
 
 def build_agent_parser() -> argparse.ArgumentParser:
     """The command line of ``stepwatch agent``: the same options as in :func:`build_parser`, and the
-    agents' subcommands only (agents/cli.py ``register``)."""
+    agent's subcommand only (agents/cli.py ``register``: not ``act``, ``wrap``, ``slurm``, whose modules
+    the agent does not need)."""
     from stepwatch.agents.cli import prepare_agent_process, register
     prepare_agent_process()
     p, sub = _top_parser()
-    register(sub)
+    register(sub, AGENT_CMDS)
     return p
 
 

@@ -65,7 +65,8 @@ import stepwatch.agents.cli as ac
 def loaded(a):                                   # instead of serving: what `stepwatch agent` loaded to get here
     import pyarrow as pa
     heavy = ("duckdb", "stepwatch.storage.lake", "stepwatch.schema", "pyarrow.compute", "stepwatch.stream.processor",
-             "stepwatch.dashboards.grafana", "stepwatch.config")
+             "stepwatch.dashboards.grafana", "stepwatch.config", "stepwatch.agents.act", "sqlite3",
+             "stepwatch.agents.wrap")
     print(sorted(m for m in heavy if m in sys.modules), pa.default_memory_pool().backend_name, a.socket_dir)
     return 0
 
@@ -78,7 +79,8 @@ sys.exit(main(["-v", "agent", "--no-kafka", "--socket-dir", sys.argv[1]]))
 def test_stepwatch_agent_builds_only_the_agents_command_line(sockdir):
     """``stepwatch agent`` (the DaemonSet's command) loads none of the other commands' modules (the
     processor's DuckDB lake, the Grafana client, the wire decoder and ``pyarrow.compute``: 125 -> 69 MB
-    idle), and Arrow's C++ default pool is the system allocator (mimalloc kept ~6 MB resident)."""
+    idle; the agents' own ``act`` with sqlite3, and ``wrap``: 1.1 MB), and Arrow's C++ default pool is the
+    system allocator (mimalloc kept ~6 MB resident)."""
     r = subprocess.run([sys.executable, "-c", CLI_CODE, sockdir], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["[]", "system", sockdir], r.stdout
@@ -159,6 +161,69 @@ def test_stepwatch_agent_serving_ranks_stays_within_its_rss_bound(sockdir):
         assert rss_mb - idle_mb <= GROWTH_BOUND_MB, \
             f"serving 4 ranks grew the agent from {idle_mb:.1f} to {rss_mb:.1f} MB (> +{GROWTH_BOUND_MB}): {where}"
         assert rss_mb <= RSS_BOUND_MB, f"stepwatch agent resident set {rss_mb:.1f} MB > {RSS_BOUND_MB} MB: {where}"
+    finally:
+        for p in probes:
+            p.shutdown()
+        agent.terminate()
+        agent.wait(15)
+
+
+def _counter(port: int, family: str) -> float:
+    """The sum of a counter family on the agent's /metrics (-1 while it does not answer)."""
+    import re
+    import urllib.request
+    try:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    except OSError:
+        return -1.0
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{family}(?:{{[^}}]*}})? ([0-9.e+]+)$", body, re.M))
+
+
+# the agent's own threads: main, the datagram reader, the host sampler, the Prometheus server, Kafka's sender
+# and its admin/metadata helpers; Arrow's CPU pool (one per core), OpenBLAS's (one per core) and jemalloc's
+# purger are not among them
+THREAD_BOUND = 8
+
+
+def test_stepwatch_agent_threads_do_not_grow_with_the_cores(sockdir, kafka):
+    """The real ``stepwatch agent`` sending probes' steps to Kafka, in an environment that sizes Arrow's
+    and OpenBLAS's thread pools to 8 cores (``OMP_NUM_THREADS=8``, as on a training node's core count):
+    it runs at most THREAD_BOUND threads (6 here; it ran 14: Arrow's pool compressed the IPC buffers on 8 threads,
+    each keeping a malloc arena, +7 MB resident at 64 threads), and jemalloc's background thread is not
+    started (docs/agents.md, agent cost)."""
+    import time
+
+    from stepwatch.agents.probe import Probe, SOCKET_NAME
+    from testkit import free_port
+
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="8")
+    for k in ("OPENBLAS_NUM_THREADS", "JE_ARROW_MALLOC_CONF", "ARROW_DEFAULT_MEMORY_POOL"):
+        env.pop(k, None)
+    agent = subprocess.Popen([sys.executable, "-m", "stepwatch.cli", "agent", "--bootstrap", kafka.bootstrap,
+                              "--topic-prefix", kafka.prefix, "--socket-dir", sockdir, "--interval", "0.2",
+                              "--metrics-port", str(port), "--plugins", "cpu,mem"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    probes = []
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(sockdir, SOCKET_NAME)) or \
+                _counter(port, "stepwatch_agent_records_in_total") < 0:
+            assert agent.poll() is None and time.monotonic() < deadline, agent.stderr.read().decode()[-2000:]
+            time.sleep(0.05)
+        probes = [Probe().init(job="thr", rank=r, world_size=2, socket_dir=sockdir, auto=False, flush_ms=50)
+                  for r in range(2)]
+        while _counter(port, "stepwatch_agent_records_out_total") < 40:     # encoded and acknowledged by Kafka
+            assert agent.poll() is None and time.monotonic() < deadline, "the agent sent no 40 rows to Kafka"
+            for p in probes:
+                with p.step(samples=8):
+                    with p.phase("forward"):
+                        pass
+                p.flush()
+            time.sleep(0.02)
+        tasks = os.listdir(f"/proc/{agent.pid}/task")
+        names = sorted(open(f"/proc/{agent.pid}/task/{t}/comm").read().strip() for t in tasks)
+        assert "jemalloc_bg_thd" not in names and len(names) <= THREAD_BOUND, f"{len(names)} threads: {names}"
     finally:
         for p in probes:
             p.shutdown()
