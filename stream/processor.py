@@ -172,11 +172,6 @@ class Processor(Intake, CaughtUp):
         # the sinks get it as AlertOut(restored=True): stream.rebuild)
         self.on_alert_restored: Callable[[Alert], None] | None = self.job_metrics.on_alert
 
-    # the store sink's buffers (stream.stepaxis, stream.fencing, the fuzz harness and tests read them)
-    buffers = property(lambda self: self.lake.buffers, lambda self, v: setattr(self.lake, "buffers", v))
-    buffer_src = property(lambda self: self.lake.buffer_src, lambda self, v: setattr(self.lake, "buffer_src", v))
-    buffered_rows = property(lambda self: self.lake.rows, lambda self, v: setattr(self.lake, "rows", v))
-
     # ------------------------------------------------------------------ kafka lifecycle
     def start(self) -> None:
         _build_detectors(self.detector_settings)   # import detector libraries (ruptures) now, not mid-stream
@@ -296,7 +291,7 @@ class Processor(Intake, CaughtUp):
                 self.t_first_data = time.time()
                 self.cpu_first_data = time.process_time()   # bench ingest: CPU per row on a shared machine
         now = time.monotonic()
-        if self.buffered_rows >= self.max_buffer_rows or now - self.last_flush >= self.flush_interval_s:
+        if self.lake.rows >= self.max_buffer_rows or now - self.last_flush >= self.flush_interval_s:
             self._close_idle_jobs()
             self._evict_jobs()
             for rt in self.jobs.values():

@@ -130,7 +130,7 @@ def run(a) -> dict:
         if prof:
             prof.disable()
         cpu_msg += _cpu() - c
-        if p.buffered_rows >= a.flush_rows:
+        if p.lake.rows >= a.flush_rows:
             c = _cpu()
             p._flush()
             cpu_flush += _cpu() - c
