@@ -17,10 +17,11 @@ import pytest
 import yaml
 
 from stepwatch import schema
-from stepwatch.dashboards import datasource, macros, snapshot
+from stepwatch.dashboards import datasource, snapshot
 from stepwatch.devtools.simulate import Simulation
 from stepwatch.storage.store import ParquetStore
 
+import grafana_macros as macros   # tests/grafana_macros.py
 from test_grafana_dashboards import (CHECKS, INTERVAL_MS, RANGE, RANKS, STEPS, T0, make_alerts,  # noqa: F401
                                      variables_for)
 
