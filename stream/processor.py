@@ -95,12 +95,6 @@ class JobRuntime:
             n -= self.topology.pop(0).num_rows
 
 
-def _plain(t: pa.Table) -> pa.Table:
-    """Timestamps as int ns so rows convert to Python without pandas (deadletter payloads)."""
-    cols = [c.cast(pa.int64()) if pa.types.is_timestamp(c.type) else c for c in t.columns]
-    return pa.Table.from_arrays(cols, names=t.column_names)
-
-
 class Processor(Intake, CaughtUp):
     """Kafka consumer group -> decode (:class:`~stepwatch.stream.intake.Intake`) -> align -> detect ->
     sinks, checkpointed (see the module docs); read-to-end proofs and lag: :class:`~stepwatch.stream.caughtup.CaughtUp`."""
