@@ -91,16 +91,6 @@ def node_partition(node: str, partitions: int) -> int:
     return (murmur2(node.encode()) & 0x7FFFFFFF) % partitions
 
 
-def decode_control(payload: bytes, public_keys: dict) -> dict:
-    """The verified command of one ``control`` message (raises profiling.BadCommand)."""
-    return profiling.open_envelope(payload, public_keys)
-
-
-def encode_control(cmd: dict, private_key) -> bytes:
-    """The sealed envelope of ``cmd`` (the value of one ``control`` message)."""
-    return profiling.seal(cmd, private_key)
-
-
 
 def _per_minute_ok(window: collections.deque, now: int, limit: int) -> bool:
     """A sliding one-minute window of event times (ns): True, and ``now`` recorded, while fewer than

@@ -7,7 +7,6 @@ alert annotations.
 * :mod:`.grafana` — :func:`~.grafana.provision` over the HTTP API (grafana-client), idempotent;
 * :mod:`.export` — the same as files (ConfigMap-ready) for Helm or file provisioning;
 * :mod:`.annotations` — :class:`~.annotations.AnnotationSink`, alerts as annotations, non-blocking;
-* :mod:`.macros` — Grafana's macro/variable expansion for the DuckDB plugin, for tests and docs;
 * :mod:`.cli` — ``stepwatch grafana provision|export`` (:func:`~.cli.register`).
 
 See docs/grafana.md.

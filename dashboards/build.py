@@ -25,7 +25,7 @@ teams without the DuckDB plugin: the same builder with PromQL over the processor
 
 Conventions: times are filtered with ``$__timeFilter(<time column>)`` and bucketed on
 ``$__interval_ms`` (:func:`.panels.bucket`); a single-valued ``job`` is written ``'${job}'`` and a
-multi-valued one ``IN (${job})`` (see :mod:`.macros` for how Grafana expands them). The "jitter
+multi-valued one ``IN (${job})`` (``tests/grafana_macros.py`` expands them as Grafana does). The "jitter
 ratio" is the field's: the share of steps slower than 1.1x the median of the 21 steps around them.
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A :class:`Dashboard` collects panels laid out on Grafana's 24-column grid, template variables and
 annotation queries. Every SQL it embeds (panel targets, SQL annotations, query variables) is also
 recorded as a :class:`SqlCheck` naming the columns Grafana will read from the result, so that tests
-can run each one against a real store after Grafana's macro expansion (:mod:`.macros`).
+can run each one against a real store after Grafana's macro expansion (``tests/grafana_macros.py``).
 """
 from __future__ import annotations
 

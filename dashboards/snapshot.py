@@ -87,13 +87,6 @@ def lockdown_sql(snapshot_dir: str) -> str:
     ])
 
 
-def parse_path(path: str) -> tuple[str, dict]:
-    """A datasource ``path`` as go-duckdb reads it: the file and the DSN parameters as DuckDB config."""
-    file, _, query = path.partition("?")
-    cfg = dict(kv.split("=", 1) for kv in query.split("&") if kv)
-    return file, cfg
-
-
 def views_file_sql(data_dir: str) -> list[str]:
     """The statements of ``stepwatch.duckdb``: one view per table over its Parquet file (as Grafana
     sees it), plus the derived views of :mod:`stepwatch.storage.views`."""

@@ -135,8 +135,3 @@ class JobTelemetry:
         ctx.life = self.life
         ctx.host_event_ns = self.host_event_ns
         ctx.host_node_ns = self.host_node_ns
-
-
-def filter_in(t: pa.Table, column: str, values) -> pa.Table:
-    """Rows of ``t`` whose ``column`` is one of ``values``."""
-    return t.filter(pc.is_in(t.column(column), value_set=pa.array(list(values), type=t.column(column).type)))

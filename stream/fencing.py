@@ -38,7 +38,7 @@ def drop_buffers(proc) -> None:
 def lost(proc, partitions) -> None:
     """``on_partitions_lost``: the group already gave these partitions to others; do not commit."""
     log.warning("lost %d partitions (membership expired): dropping %d buffered rows, no commit",
-                len(partitions), proc.buffered_rows)
+                len(partitions), proc.lake.rows)
     drop_buffers(proc)
     for tp in partitions:
         proc.progress.pop((tp.topic, tp.partition), None)
@@ -47,7 +47,7 @@ def lost(proc, partitions) -> None:
 
 def fenced(proc, e) -> None:
     """A flush was rejected by the lake (:class:`~stepwatch.storage.store.Fenced`)."""
-    log.warning("%s: dropping %d buffered rows; re-reading from the stored positions", e, proc.buffered_rows)
+    log.warning("%s: dropping %d buffered rows; re-reading from the stored positions", e, proc.lake.rows)
     drop_buffers(proc)
     consumer = proc.consumer
     from kafka.structs import TopicPartition

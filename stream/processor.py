@@ -95,12 +95,6 @@ class JobRuntime:
             n -= self.topology.pop(0).num_rows
 
 
-def _plain(t: pa.Table) -> pa.Table:
-    """Timestamps as int ns so rows convert to Python without pandas (deadletter payloads)."""
-    cols = [c.cast(pa.int64()) if pa.types.is_timestamp(c.type) else c for c in t.columns]
-    return pa.Table.from_arrays(cols, names=t.column_names)
-
-
 class Processor(Intake, CaughtUp):
     """Kafka consumer group -> decode (:class:`~stepwatch.stream.intake.Intake`) -> align -> detect ->
     sinks, checkpointed (see the module docs); read-to-end proofs and lag: :class:`~stepwatch.stream.caughtup.CaughtUp`."""
@@ -171,11 +165,6 @@ class Processor(Intake, CaughtUp):
         # called with each alert still open in the store when a job is rebuilt (the job metrics count it;
         # the sinks get it as AlertOut(restored=True): stream.rebuild)
         self.on_alert_restored: Callable[[Alert], None] | None = self.job_metrics.on_alert
-
-    # the store sink's buffers (stream.stepaxis, stream.fencing, the fuzz harness and tests read them)
-    buffers = property(lambda self: self.lake.buffers, lambda self, v: setattr(self.lake, "buffers", v))
-    buffer_src = property(lambda self: self.lake.buffer_src, lambda self, v: setattr(self.lake, "buffer_src", v))
-    buffered_rows = property(lambda self: self.lake.rows, lambda self, v: setattr(self.lake, "rows", v))
 
     # ------------------------------------------------------------------ kafka lifecycle
     def start(self) -> None:
@@ -296,7 +285,7 @@ class Processor(Intake, CaughtUp):
                 self.t_first_data = time.time()
                 self.cpu_first_data = time.process_time()   # bench ingest: CPU per row on a shared machine
         now = time.monotonic()
-        if self.buffered_rows >= self.max_buffer_rows or now - self.last_flush >= self.flush_interval_s:
+        if self.lake.rows >= self.max_buffer_rows or now - self.last_flush >= self.flush_interval_s:
             self._close_idle_jobs()
             self._evict_jobs()
             for rt in self.jobs.values():

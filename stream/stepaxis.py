@@ -232,7 +232,7 @@ def reanchor(proc, rt, job: str, anchor: int) -> None:
 
 def purge_buffered(proc, job: str, above: int) -> list[tuple[object, pa.Table]]:
     """Remove buffered step rows of ``job`` with a step above ``above``; [(source, rows)]."""
-    pieces, srcs = proc.buffers.get("steps", []), proc.buffer_src.get("steps", [])
+    pieces, srcs = proc.lake.buffers.get("steps", []), proc.lake.buffer_src.get("steps", [])
     out: dict = {}
     for i, t in enumerate(pieces):
         if not t.num_rows or srcs[i] == proc._src:
@@ -243,7 +243,7 @@ def purge_buffered(proc, job: str, above: int) -> list[tuple[object, pa.Table]]:
             continue
         pieces[i] = t.filter(pc.invert(m))
         gone = t.filter(m)
-        proc.buffered_rows -= gone.num_rows
+        proc.lake.rows -= gone.num_rows
         out[srcs[i]] = pa.concat_tables([out[srcs[i]], gone]) if srcs[i] in out else gone
         proc.metrics.step_axis.labels("purged").inc(gone.num_rows)
     return list(out.items())
@@ -255,7 +255,7 @@ def _deadletter_later(proc, src, rows: pa.Table, reason: str) -> None:
     as the payload."""
     if src is None:
         return
-    dl, dsrc = proc.buffers.get("deadletter", []), proc.buffer_src.get("deadletter", [])
+    dl, dsrc = proc.lake.buffers.get("deadletter", []), proc.lake.buffer_src.get("deadletter", [])
     for i, s in enumerate(dsrc):
         if s == src and dl[i].num_rows == 1:
             t = dl[i]

@@ -4,6 +4,8 @@ detector fed block by block, and a steps table for the store. Importable from an
 pytest puts tests/ (the folder of tests/conftest.py) on ``sys.path``."""
 from __future__ import annotations
 
+import importlib.util
+import sys
 import warnings
 from pathlib import Path
 
@@ -17,6 +19,18 @@ from stepwatch.devtools.broker import free_port  # noqa: F401 - the one free-por
 TESTS = Path(__file__).resolve().parent      # the helper modules and scripts (hang_train.py, ...) and data/
 ROOT = TESTS.parent                          # the repository (docs/, helm/)
 DATA = TESTS / "data"
+TOOLS = ROOT / "tools"                       # the repository's tools, outside the package (README: layout)
+
+
+def tool(name: str):
+    """The module ``tools/<name>.py`` (a script of the repository, not importable from the package)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def job_context(R: int, per_node: int = 8, pp: int = 1, job: str = "j", node: str = "n{}", **kw) -> JobContext:

@@ -1,9 +1,12 @@
 """Development tools, kept out of the product's import path: the cluster simulator (``simulate``, ``simsend``),
-the benchmarks (``bench``, ``bench_overhead``, ``bench_jobmetrics``, ``bench_profiling``), the demo
+the benchmarks (``bench``, ``bench_scale``, ``bench_overhead``, ``bench_profiling``), the demo
 (``demo``, ``demo_train``), the labelled evaluation (``eval``, ``scenarios_indep``), the fuzzing and hostile
 generators (``fuzz``, ``fuzz_targets``, ``hostile``) and the embedded Kafka-protocol broker (``broker``).
 
 No product module (the probe, the agent, the stream processor, the detectors, the store, the dashboards)
 imports this package; only the ``stepwatch`` command's dispatch loads it, lazily, for ``stepwatch demo``,
 ``simulate``, ``bench``, ``eval`` and ``broker`` (an import-linter contract in pyproject.toml checks it).
+
+Every module here is reached from one of those commands (tests/unit/test_layout.py): a script that only
+tests, docs or a one-off measurement runs lives in the repository's ``tools/`` (not installed) or ``tests/``.
 """

@@ -211,9 +211,7 @@ def fuzz_kafka_message(n: int, seed: int = 0, hang_s: float = HANG_S, progress=N
         except Exception as e:  # noqa: BLE001
             res["crashes"] += 1
             note("flush", repr(e))
-            proc.buffers.clear()
-            proc.buffer_src.clear()
-            proc.buffered_rows = 0
+            proc.lake.drop()
 
     old = signal.signal(signal.SIGALRM, _alarm)
     off = [0]
@@ -227,7 +225,7 @@ def fuzz_kafka_message(n: int, seed: int = 0, hang_s: float = HANG_S, progress=N
         off[0] += 1
         msg = SimpleNamespace(topic=topics[kind], partition=0, offset=off[0], key=key, value=value,
                               headers=headers, timestamp=0)
-        before_dl = len(proc.buffers.get("deadletter", ()))
+        before_dl = len(proc.lake.buffers.get("deadletter", ()))
         t0 = time.perf_counter()
         signal.setitimer(signal.ITIMER_REAL, hang_s)
         try:
@@ -244,7 +242,7 @@ def fuzz_kafka_message(n: int, seed: int = 0, hang_s: float = HANG_S, progress=N
         res["slowest_s"] = max(res["slowest_s"], dt)
         res["tried"] += 1
         res["kinds"][kind] = res["kinds"].get(kind, 0) + 1
-        dls = proc.buffers.get("deadletter", [])[before_dl:]
+        dls = proc.lake.buffers.get("deadletter", [])[before_dl:]
         if len(dls) > 1:
             res["crashes"] += 1
             note("two deadletter records", str([d.column("reason")[0] for d in dls]))
@@ -257,7 +255,7 @@ def fuzz_kafka_message(n: int, seed: int = 0, hang_s: float = HANG_S, progress=N
                 res["crashes"] += 1
                 note("internal error", r)
         if res["tried"] % FLUSH_EVERY == 0:
-            res["stored_rows"] += sum(t.num_rows for t in proc.buffers.get("steps", []))
+            res["stored_rows"] += sum(t.num_rows for t in proc.lake.buffers.get("steps", []))
             flush()
             if progress:
                 progress(res)
@@ -265,7 +263,7 @@ def fuzz_kafka_message(n: int, seed: int = 0, hang_s: float = HANG_S, progress=N
     t_start = time.perf_counter()
     try:
         one()
-        res["stored_rows"] += sum(t.num_rows for t in proc.buffers.get("steps", []))
+        res["stored_rows"] += sum(t.num_rows for t in proc.lake.buffers.get("steps", []))
         flush()
     finally:
         signal.signal(signal.SIGALRM, old)

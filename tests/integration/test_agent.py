@@ -20,9 +20,14 @@ from stepwatch.agents.probe import Probe
 from stepwatch.agents.shipper import Shipper, Spool
 from testkit import free_port
 from stepwatch.kafkaio import KafkaSettings, make_consumer
-from stepwatch.stream.processor import _plain     # timestamps as int ns (no pandas needed)
 
 pytestmark = pytest.mark.integration
+
+
+def _plain(t: pa.Table) -> pa.Table:
+    """Timestamps as int ns so rows convert to Python without pandas."""
+    cols = [c.cast(pa.int64()) if pa.types.is_timestamp(c.type) else c for c in t.columns]
+    return pa.Table.from_arrays(cols, names=t.column_names)
 
 NPU_SMI = """\
 +------------------------------------------------------------------------------------------------+

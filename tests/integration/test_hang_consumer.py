@@ -140,7 +140,7 @@ def test_a_rejoin_that_reads_again_from_the_stored_offsets_is_not_read_to_the_en
         assert _poll_until(proc, lambda: proc._all_caught_up() and sc.job in proc.jobs)
         proc._flush()                                   # stored up to here, with the offsets
         _produce(kafka, job, [m for m in msgs if m.produce_ns > t_cut])
-        assert _poll_until(proc, lambda: proc.buffered_rows > 0 and proc._all_caught_up())
+        assert _poll_until(proc, lambda: proc.lake.rows > 0 and proc._all_caught_up())
         from stepwatch.stream import fencing
         tps = list(proc.consumer.assignment())
         fencing.lost(proc, tps)                         # what kafka-python calls after the session expired

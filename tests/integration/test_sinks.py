@@ -142,7 +142,7 @@ def test_a_detector_row_output_goes_to_the_table_it_declares(tmp_path):
     _, blocks = rt.state.ingest(sim.generate(0, 12)["steps"])
     blocks += rt.state.close_ready(force=True)
     p._detect(rt, blocks)
-    assert sum(t.num_rows for t in p.buffers["efficiency"]) == len([b for b in blocks if len(b)]) > 0
+    assert sum(t.num_rows for t in p.lake.buffers["efficiency"]) == len([b for b in blocks if len(b)]) > 0
     bad = Writes(out="nope")
     bad.update(None, blocks[0])
     try:

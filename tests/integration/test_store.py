@@ -10,7 +10,7 @@ import pytest
 
 from stepwatch.storage.store import Fenced, LakeStore, Marker, ranges
 from stepwatch.storage.views import connect
-from testkit import ROOT, TESTS
+from testkit import ROOT, TESTS, tool
 from testkit import store_steps as steps
 
 pytestmark = pytest.mark.integration
@@ -139,12 +139,9 @@ def test_a_claim_racing_an_old_owners_commits_sees_every_commit_that_landed(tmp_
 
 
 def test_docs_tables_md_matches_the_code():
-    from pathlib import Path
-
-    from stepwatch.storage.docs import tables_markdown
     doc = ROOT / "docs" / "tables.md"
-    assert doc.read_text() == tables_markdown(), \
-        "docs/tables.md is stale: python -m stepwatch.storage.docs > docs/tables.md"
+    assert doc.read_text() == tool("tablesdoc").tables_markdown(), \
+        "docs/tables.md is stale: python tools/tablesdoc.py > docs/tables.md"
 
 
 def test_step_summary_adds_up_to_the_step_rows_across_flushes(tmp_path):

@@ -1,10 +1,12 @@
-"""Smoke test of ``python -m stepwatch.devtools.bench_ingress`` (the processor's message path apart from
+"""Smoke test of ``python tools/bench_ingress.py`` (the processor's message path apart from
 the broker): it runs tiny, stores every step row and prints its JSON line. No figure is asserted."""
 import json
 
-from stepwatch.devtools import bench_ingress
-
 import pytest
+
+from testkit import tool
+
+bench_ingress = tool("bench_ingress")      # tools/bench_ingress.py
 pytestmark = pytest.mark.unit
 
 

@@ -215,7 +215,7 @@ def test_processor_resend_through_the_callback_leaves_one_annotation(grafana, tm
     proc.profiling = SimpleNamespace(on_results=lambda t: [
         (SimpleNamespace(alert=a, cmd_id=diff["cmd_id"], job=a.job), diff)])
     proc._profile_results(None)
-    assert list(proc.buffers) == ["profile_diffs"]                  # the comparison is stored as well
+    assert list(proc.lake.buffers) == ["profile_diffs"]                  # the comparison is stored as well
     assert sink.close(5)
     assert len(grafana.annotations) == 1 and "profile 3f2a9c0e1b7d4a55" in grafana.annotations[0]["text"]
     assert grafana.violations == []

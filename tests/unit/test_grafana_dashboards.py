@@ -12,12 +12,14 @@ import pytest
 
 from stepwatch import schema
 from stepwatch.devtools.simulate import Simulation
-from stepwatch.dashboards import build, macros
+from stepwatch.dashboards import build
 from stepwatch.dashboards.alerting import ALERT_KINDS, POINT_KINDS, alert_rules, rule_sql
 from stepwatch.dashboards.datasource import DATASOURCE_UID, PLUGIN_ID, init_sql
 from stepwatch.detectors.base import Alert
 from stepwatch.storage.store import ParquetStore
 from stepwatch.storage import extensions
+
+import grafana_macros as macros   # tests/grafana_macros.py: Grafana's expansion of a panel's SQL
 
 pytestmark = pytest.mark.unit
 

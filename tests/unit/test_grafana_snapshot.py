@@ -4,6 +4,7 @@ exact settings of the provisioning file stepwatch exports (parsed, as the plugin
 the settings is refused, while every panel's SQL still returns rows."""
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -17,21 +18,29 @@ import pytest
 import yaml
 
 from stepwatch import schema
-from stepwatch.dashboards import datasource, macros, snapshot
+from stepwatch.dashboards import datasource, snapshot
 from stepwatch.devtools.simulate import Simulation
 from stepwatch.storage.store import ParquetStore
 
+import grafana_macros as macros   # tests/grafana_macros.py
 from test_grafana_dashboards import (CHECKS, INTERVAL_MS, RANGE, RANKS, STEPS, T0, make_alerts,  # noqa: F401
                                      variables_for)
 
 pytestmark = pytest.mark.unit
 
 
+def parse_path(path: str) -> tuple[str, dict]:
+    """A datasource ``path`` as go-duckdb reads it: the file and the DSN parameters as DuckDB config (also
+    run in GRAFANA_SIDE's process, which has only its source)."""
+    file, _, query = path.partition("?")
+    return file, dict(kv.split("=", 1) for kv in query.split("&") if kv)
+
+
 def grafana_connect(provisioning_yaml: str) -> duckdb.DuckDBPyConnection:
     """What the DuckDB plugin does with the provisioned datasource: open ``jsonData.path`` with its DSN
     parameters as configuration, then run ``initSql``."""
     ds = yaml.safe_load(provisioning_yaml)["datasources"][0]
-    file, cfg = snapshot.parse_path(ds["jsonData"]["path"])
+    file, cfg = parse_path(ds["jsonData"]["path"])
     con = duckdb.connect(file, config=cfg)
     con.execute(ds["jsonData"]["initSql"])
     return con
@@ -81,7 +90,7 @@ def test_the_provisioned_datasource_names_no_lake_and_no_extension(world):
     text = ds["path"] + ds["initSql"]
     for word in ("ducklake", "sqlite", "postgres", "LOAD", "INSTALL", "ATTACH", "lake.sqlite"):
         assert word not in text
-    assert snapshot.parse_path(ds["path"])[1] == {"access_mode": "READ_ONLY"}
+    assert parse_path(ds["path"])[1] == {"access_mode": "READ_ONLY"}
 
 
 def test_every_attack_of_the_issue_is_refused(world):
@@ -146,11 +155,11 @@ def test_a_new_publish_is_seen_without_reconnecting(world, tmp_path):
 GRAFANA_SIDE = r"""
 import json, os, sys
 import duckdb, yaml
-from stepwatch.dashboards import snapshot
+""" + inspect.getsource(parse_path) + r"""
 ds = yaml.safe_load(open(sys.argv[1]).read())["datasources"][0]["jsonData"]
 if os.geteuid() == 0:
     os.setgid(65534); os.setuid(65534)          # Grafana runs as its own user, not the publisher's
-file, cfg = snapshot.parse_path(ds["path"])
+file, cfg = parse_path(ds["path"])
 con = duckdb.connect(file, config=cfg)
 con.execute(ds["initSql"])
 snap = sys.argv[2]

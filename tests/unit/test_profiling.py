@@ -12,7 +12,8 @@ import pytest
 
 from stepwatch.agents import profiling
 from stepwatch.agents.agent import Agent
-from stepwatch.agents.control import decode_control, encode_control, node_partition
+from stepwatch.agents.control import node_partition
+from stepwatch.agents.profiling import open_envelope as decode_control, seal as encode_control
 from stepwatch.agents.probe import Probe, decode, T_PROFILE
 from stepwatch.detectors.base import Alert
 from stepwatch.stream.align import JobState

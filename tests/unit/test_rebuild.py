@@ -23,7 +23,7 @@ def test_rebuild_replays_window_and_does_not_repeat_stored_alerts(tmp_path):
     rt = p1._job("rb")
     assert rt.state.world_size == 128 and rt.state.max_step == 69
     assert [(a.kind, a.ranks, a.step_first) for a in seen] == [("slow_rank", [100], 40)]
-    st.write_flush({"alerts": list(p1.buffers["alerts"])}, {})
+    st.write_flush({"alerts": list(p1.lake.buffers["alerts"])}, {})
 
     # second processor (restart / partition moved): same replay, but the alert is already stored
     seen2 = []
@@ -46,8 +46,8 @@ def test_rebuild_hands_the_stored_open_alerts_to_the_jobs_detectors(tmp_path, mo
     st.write_flush({"topology": [sim.topology()], "steps": [sim.generate(0, 70)["steps"]]}, {})
     p1 = Processor(KafkaSettings(), tmp_path)
     p1._job("rb2")
-    st.write_flush({"alerts": list(p1.buffers["alerts"])}, {})
-    stored = [r["alert_id"] for t in p1.buffers["alerts"] for r in t.to_pylist()]
+    st.write_flush({"alerts": list(p1.lake.buffers["alerts"])}, {})
+    stored = [r["alert_id"] for t in p1.lake.buffers["alerts"] for r in t.to_pylist()]
     handed = []
     orig = ChangePoint.restore_open
     monkeypatch.setattr(ChangePoint, "restore_open", lambda self, alerts: (handed.append(list(alerts)),

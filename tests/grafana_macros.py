@@ -1,4 +1,5 @@
-"""Grafana's query-time rewriting of a panel's SQL for the DuckDB datasource, done in Python.
+"""Grafana's query-time rewriting of a panel's SQL for the DuckDB datasource, done in Python (a test
+helper: the tests import it as ``grafana_macros``; not part of the package).
 
 What Grafana does to ``rawSql`` before DuckDB sees it happens in two stages, and :func:`expand`
 reproduces both so that tests can run every panel's SQL exactly as Grafana would send it:

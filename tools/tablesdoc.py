@@ -1,6 +1,6 @@
 """Generates ``docs/tables.md`` from the schemas and the view definitions, so the documented
 schema is the schema (a test fails when the checked-in file differs; regenerate with
-``python -m stepwatch.storage.docs > docs/tables.md``)."""
+``python tools/tablesdoc.py > docs/tables.md``). A tool of the repository, not part of the package."""
 from __future__ import annotations
 
 from stepwatch.catalog import NATURAL_KEYS
@@ -157,7 +157,7 @@ VIEWS = {
 
 def tables_markdown() -> str:
     out = ["# Tables and views", "",
-           "Generated from the code by `python -m stepwatch.storage.docs`; do not edit by hand. The tables, their",
+           "Generated from the code by `python tools/tablesdoc.py`; do not edit by hand. The tables, their",
            "natural keys, time and sort columns are listed once, in `stepwatch/catalog.py` (the lake sorts by",
            "job first); their columns in `stepwatch/tables.py` (re-exported by the codec, `stepwatch/schema.py`).", "",
            LAKE.strip(), "",

@@ -1,4 +1,5 @@
-"""Cost of the per-job metrics: ``python -m stepwatch.devtools.bench_jobmetrics [--ranks 1024,16384,100000]``.
+"""Cost of the per-job metrics: ``python tools/bench_jobmetrics.py [--ranks 1024,16384,100000]``
+(a tool of the repository, not part of the package).
 
 Prints the CPU time of :meth:`JobMetrics.on_block` per closed block (1 and 4 steps, one rank 30% slow)
 and of one scrape of all jobs. CPU time (``time.process_time``), so that other processes on a shared
@@ -28,7 +29,7 @@ def _block(steps: np.ndarray, R: int, rng) -> StepBlock:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m stepwatch.devtools.bench_jobmetrics")
+    ap = argparse.ArgumentParser(prog="python tools/bench_jobmetrics.py")
     ap.add_argument("--ranks", default="1024,16384,100000")
     ap.add_argument("--blocks", type=int, default=30)
     a = ap.parse_args(argv)

@@ -1,7 +1,7 @@
 """CPU cost of the processor's per-message path (ingress, alignment, detectors) apart from the store.
 
-``python -m stepwatch.devtools.bench_ingress`` (or this file run by another checkout's interpreter, to
-compare two versions on the same machine): the ``stepwatch bench ingest`` throughput job
+``python tools/bench_ingress.py`` (a tool of the repository, not part of the package; run by another
+checkout's interpreter, it compares two versions on the same machine): the ``stepwatch bench ingest`` throughput job
 (``--ranks`` x ``--steps``, 4,096-row Arrow messages, as :func:`stepwatch.devtools.simsend.send_simulation`
 encodes them) is encoded in memory, then fed to one :class:`Processor` through
 ``process_message`` (the entry point ``poll_once`` calls for each Kafka record), flushing to a fresh
@@ -130,7 +130,7 @@ def run(a) -> dict:
         if prof:
             prof.disable()
         cpu_msg += _cpu() - c
-        if p.buffered_rows >= a.flush_rows:
+        if p.lake.rows >= a.flush_rows:
             c = _cpu()
             p._flush()
             cpu_flush += _cpu() - c
