@@ -53,8 +53,7 @@ def main(argv: list[str]) -> int:
     """``stepwatch bench gpu`` on a GPU machine's training image, which has torch and the agent's packages
     but not the processor's (DuckDB): its own command line, without building the whole one."""
     import argparse
-    from stepwatch.devtools.benchcli import BENCHES
-    p = argparse.ArgumentParser(prog="stepwatch bench gpu", description=BENCHES["gpu"][1])
+    p = argparse.ArgumentParser(prog="stepwatch bench gpu", description=__doc__.split("\n\n")[0])
     add_gpu_args(p)
     return run_gpu_bench(p.parse_args(argv))
 

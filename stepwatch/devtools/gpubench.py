@@ -1,4 +1,4 @@
-"""``python tools/gpubench.py``: the GPU check of MFU's FLOPs and of wrap's overhead.
+"""``python -m stepwatch.devtools.gpubench``: the GPU check of MFU's FLOPs and of wrap's overhead.
 
 A GPT of nanoGPT's GPT-2-124M shape (12 layers x 12 heads x 768, block 1,024, batch ``SW_BATCH`` 32,
 vocabulary 50,304, tied embeddings, ``scaled_dot_product_attention``, bf16 autocast, fused AdamW) trains
@@ -9,9 +9,8 @@ step under ``FlopCounterMode``, :func:`stepwatch.agents.probe.flops.analytic_flo
 against the device's bf16 peak from the probe's table. On a CPU it runs a tiny shape (2 x 2 x 64, block
 128) so the script itself is tested here.
 
-Run it plain and under ``stepwatch wrap`` back to back (see docs/eval.md, "GPU runs"): plain, wrapped,
-plain: the wrap overhead is the wrapped median against the two plain ones. A tool of the repository, not part
-of the package.
+``stepwatch bench gpu`` (:mod:`stepwatch.devtools.bench_gpu`) runs it plain, wrapped, plain, wrapped: the wrap
+overhead is the wrapped runs' mean against the plain ones'.
 """
 from __future__ import annotations
 
