@@ -141,10 +141,10 @@ def values(settings, kw: dict, owner: str, ranges: bool = True) -> dict[str, obj
             for s in settings}
 
 
-def bind(obj, settings, kw: dict, owner: str) -> dict[str, object]:
+def bind(obj, settings, kw: dict, owner: str, ranges: bool = True) -> dict[str, object]:
     """Set every setting of ``settings`` on ``obj`` as an attribute (``kw``'s value, validated, or the
     default) and keep them all in ``obj.settings``; returns that dict."""
-    vals = values(settings, kw, owner)
+    vals = values(settings, kw, owner, ranges)
     for k, v in vals.items():
         setattr(obj, k, v)
     obj.settings = vals
