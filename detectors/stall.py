@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 
 from . import hang
-from .settings import Setting
 from .base import Alert, Detector, JobContext, StepBlock, stable_id
 from .causes import HANG_SUGGESTION, STALL_SUGGESTION, nanmedian
+from .settings import Setting
 
 
 class Stall(Detector):
