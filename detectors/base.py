@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .settings import Configurable
+
 
 @dataclass
 class JobContext:
@@ -198,8 +200,10 @@ def stable_id(job: str, kind: str, ranks, step_first: int) -> str:
     return hashlib.sha1(key.encode()).hexdigest()[:16]
 
 
-class Detector:
-    """Base class. Subclasses set ``name`` and implement :meth:`update`.
+class Detector(Configurable):
+    """Base class. Subclasses set ``name``, declare their settings in ``SETTINGS`` (a tuple of
+    :class:`~stepwatch.detectors.settings.Setting`; ``__init__(self, **kw)`` calls ``self._bind(kw)``,
+    which sets them as attributes and calls ``_derive()``) and implement :meth:`update`.
 
     Detectors keep bounded state (fixed-size windows), are deterministic for the same input, and
     tolerate NaN (missing ranks) anywhere in the block.

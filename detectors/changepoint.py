@@ -10,6 +10,7 @@ import warnings
 import numpy as np
 
 from .base import Alert, Detector, JobContext, StepBlock
+from .settings import Setting
 from .causes import (PHASE_CAUSE, PHASES, SUGGESTIONS, attribute, confirm_shift, job_host_shift, nanmedian,
                      phase_arrays)
 # the offline search, re-exported: ``from stepwatch.detectors.changepoint import find`` keeps working
@@ -119,95 +120,83 @@ class ChangePoint(Detector):
     alerted. A whole pipeline stage getting slower moves its stage median and is still reported, with
     cause ``parallelism`` (stage imbalance: the other stages wait for it).
 
-    Settings (keyword arguments, defaults):
-        window=200       steps kept (bounded memory: a few (window,) and (window, 7) arrays)
-        every=1          run the search when the step number enters a new multiple of ``every`` (and
-                         at the end of a block of several steps); 1: decide per step
-        min_size=4       minimum segment length in steps (also the reporting tolerance): smooth // 2 + 2,
-                         the shortest segment no burst that the median pre-filter lets through can fill;
-                         a change is decided 3 steps after it starts at the earliest
-        min_effect=0.05  minimum relative change of the median step time
-        min_t=5.0        minimum shift in units of its standard error
-        penalty_c=6.0    penalty constant of :func:`find` (``c * sigma^2 * log n``)
-        smooth=5         running-median width of :func:`find` (removes checkpoint spikes)
-        phase_sample=256 ranks sampled (evenly strided) for the phase medians used in attribution
-        critical_pct=10  regressions costing more than this (% step time) are ``critical``
-        defer_stragglers=True  leave changes caused by a few slow ranks to ``slow_rank`` (see above)
-        recovery_needs_regression=True  a ``recovery`` is alerted only while a reported regression has not
-                         been undone (open, or among the last 8 remembered and not matched by a recovery):
-                         a job that gets faster with none (the machine's other processes settling after
-                         start-up; seen on real gloo DDP ranks 20-80 steps in) undoes no fault, and its
-                         break stays known, never reported later
-        floor_share=0.5  the 25th percentile must move by this share of the median's effect (0: off)
-        persist=0.8      share of each segment's steps that must lie on its side of the midpoint
-        phases=True      also watch each phase's job-level series (see above)
-        phase_min_effect=0.10  minimum relative change of a phase (against the lower of the two levels)
-        phase_min_share=0.002  minimum change of a phase as a share of the median step time (materiality:
-                         2 ms of a 1 s step; a phase is judged on its own effect, see phase_min_effect,
-                         against an upper bound of its noise, see _sigma_upper)
-        phase_small_share=0.01, phase_small_effect=1.0  a phase change below ``phase_small_share`` of the
-                         step time (one that barely moves the throughput) is material only when the phase
-                         itself at least doubled or halved (relative effect >= ``phase_small_effect``): GC
-                         that tripled is a leak worth naming at 0.3% of the step; a sub-millisecond data
-                         wait that wanders by 30-50% on a busy host (seen on real gloo ranks) is not
-        min_steps=40     steps the window must hold before a change is judged (a noise estimate needs them)
-        warmup=10        the job's first steps seen are left out of every series: allocator growth,
-                         autotuning, compilation, DDP's bucket rebuild and a DataLoader filling its queue
-                         make them no steady state (not a "before" to compare with)
-        phase_min_cost=None  a phase-led regression is alerted only when it costs at least this % of the step,
-                         or the step time's own noise before it (robust sd, % of the level) when larger
-                         (None: half the step time's own bar, 50 x min_effect = 2.5%: on real 2-rank DDP
-                         runs of a shared host the phases wander by 2.1-2.2% of the step for tens of
-                         steps, which no one acts on; at 1% a clean run got 4 such regressions)
-        phase_step_share=0.25  ... and the step time carried at least this share of the phase's growth (a
-                         phase that grew while the others shrank, as when one rank's run-queue wait rises and
-                         the others wait less for it, cost the job nothing)
-        comm_transfer=False  judge communication by its transfer where the producer's split cannot show it
-                         (see _transfer). Off by default: on real 2-rank gloo DDP runs the least time in
-                         collectives wandered by 2.5 ms for ~30 steps of a clean lead-in (a false
-                         communication regression in tests/test_ddp_real.py); not yet measured on a real
-                         degraded link
-        steady=True      beyond that, nothing is judged until the job's step time is steady (its own
-                         stability says when: detectors.steady); the warm-up's end is a known break, and
-                         no change inside the warm-up is alerted
+    Settings: :attr:`SETTINGS` (the list below is made from it).
     """
 
     name = "changepoint"
     _PH = PHASES + ("comm_wait_ms",)
     _FIELDS = ("step_ms", "data_ms", "compute_ms", "comm_ms", "comm_wait_ms", "gc_ms")
 
-    def __init__(self, *, window: int = 200, every: int = 1, min_size: int = 4, min_effect: float = 0.05,
-                 min_t: float = 5.0, penalty_c: float = PENALTY_C, smooth: int = 5,
-                 phase_sample: int = 256, critical_pct: float = 10.0, defer_stragglers: bool = True,
-                 recovery_needs_regression: bool = True,
-                 floor_share: float = 0.5, persist: float = 0.8, phases: bool = True,
-                 phase_min_effect: float = 0.10, phase_min_share: float = 0.002,
-                 phase_small_share: float = 0.01, phase_small_effect: float = 1.0, min_steps: int = 40,
-                 warmup: int = 10, steady: bool = True, phase_min_cost: float | None = None,
-                 phase_step_share: float = 0.25, comm_transfer: bool = False):
-        if window < 4 * min_size or min_size < 2:
-            raise ValueError("changepoint: need min_size >= 2 and window >= 4 * min_size")
-        if every < 1 or phase_sample < 1:
-            raise ValueError("changepoint: every and phase_sample must be >= 1")
-        self.window, self.every, self.min_size = int(window), int(every), int(min_size)
-        self.min_effect, self.min_t, self.penalty_c = float(min_effect), float(min_t), float(penalty_c)
-        self.smooth, self.phase_sample, self.critical_pct = int(smooth), int(phase_sample), float(critical_pct)
-        self.defer_stragglers = bool(defer_stragglers)
-        self.recovery_needs_regression = bool(recovery_needs_regression)
-        self.floor_share = float(floor_share)
-        if not 0.5 <= persist <= 1.0:
-            raise ValueError("changepoint: persist must be in [0.5, 1]")
-        self.persist, self.phases = float(persist), bool(phases)
-        self.min_steps = int(min_steps)
-        self.warmup, self._seen = max(0, int(warmup)), 0
-        self._steady = SteadyGate() if steady else None    # warm-up judged by the data (detectors.steady)
+    SETTINGS = (
+        Setting("window", 200, 10, 100000, "steps", "steps kept (bounded memory: a few (window,) and (window, 7) "
+                "arrays); at least 4 x min_size", live=False),
+        Setting("every", 1, 1, 100000, "steps", "run the search when the step number enters a new multiple of "
+                "``every`` (and at the end of a block of several steps); 1: decide per step"),
+        Setting("min_size", 4, 1, 10000, "steps", "minimum segment length in steps (also the reporting tolerance): "
+                "smooth // 2 + 2, the shortest segment no burst that the median pre-filter lets through can fill; "
+                "a change is decided 3 steps after it starts at the earliest; at least 2", live=False),
+        Setting("min_effect", 0.05, 0.0, 10.0, "share", "minimum relative change of the median step time"),
+        Setting("min_t", 5.0, 0.0, None, "standard errors", "minimum shift in units of its standard error"),
+        Setting("penalty_c", PENALTY_C, 0.0, None, "", "penalty constant of :func:`find` (``c * sigma^2 * log n``)"),
+        Setting("smooth", 5, 1, 1001, "steps", "running-median width of :func:`find` (removes checkpoint spikes)",
+                live=False),
+        Setting("phase_sample", 256, 1, None, "ranks", "ranks sampled (evenly strided) for the phase medians used "
+                "in attribution", live=False),
+        Setting("critical_pct", 10.0, 0.0, 100.0, "%", "regressions costing more than this (% step time) are "
+                "``critical``"),
+        Setting("defer_stragglers", True, unit="switch", meaning="leave changes caused by a few slow ranks to "
+                "``slow_rank`` (see above)"),
+        Setting("recovery_needs_regression", True, unit="switch", meaning="a ``recovery`` is alerted only while a "
+                "reported regression has not been undone (open, or among the last 8 remembered and not matched by "
+                "a recovery): a job that gets faster with none (the machine's other processes settling after "
+                "start-up; seen on real gloo DDP ranks 20-80 steps in) undoes no fault, and its break stays known, "
+                "never reported later"),
+        Setting("floor_share", 0.5, 0.0, 1.0, "share", "the 25th percentile must move by this share of the median's "
+                "effect (0: off)"),
+        Setting("persist", 0.8, 0.0, 1.0, "share", "share of each segment's steps that must lie on its side of the "
+                "midpoint (0.5 .. 1)"),
+        Setting("phases", True, unit="switch", meaning="also watch each phase's job-level series (see above)"),
+        Setting("phase_min_effect", 0.10, 0.0, 10.0, "share", "minimum relative change of a phase (against the "
+                "lower of the two levels)"),
+        Setting("phase_min_share", 0.002, 0.0, 1.0, "share of the step", "minimum change of a phase as a share of "
+                "the median step time (materiality: 2 ms of a 1 s step; a phase is judged on its own effect, see "
+                "phase_min_effect, against an upper bound of its noise, see _sigma_upper)"),
+        Setting("phase_small_share", 0.01, 0.0, 1.0, "share of the step", "a phase change below this share of the "
+                "step time (one that barely moves the throughput) is material only when the phase itself at least "
+                "doubled or halved (``phase_small_effect``): GC that tripled is a leak worth naming at 0.3% of the "
+                "step; a sub-millisecond data wait that wanders by 30-50% on a busy host (seen on real gloo ranks) "
+                "is not"),
+        Setting("phase_small_effect", 1.0, 0.0, 100.0, "share", "the relative effect a phase change below "
+                "``phase_small_share`` needs"),
+        Setting("min_steps", 40, 1, 100000, "steps", "steps the window must hold before a change is judged (a noise "
+                "estimate needs them)", live=False),
+        Setting("warmup", 10, 0, 100000, "steps", "the job's first steps seen are left out of every series: "
+                "allocator growth, autotuning, compilation, DDP's bucket rebuild and a DataLoader filling its queue "
+                "make them no steady state (not a \"before\" to compare with)"),
+        Setting("steady", True, unit="switch", meaning="beyond that, nothing is judged until the job's step time is "
+                "steady (its own stability says when: detectors.steady); the warm-up's end is a known break, and "
+                "no change inside the warm-up is alerted", live=False),
+        Setting("phase_min_cost", None, 0.0, 100.0, "% of the step", "a phase-led regression is alerted only when "
+                "it costs at least this % of the step, or the step time's own noise before it (robust sd, % of the "
+                "level) when larger (unset: half the step time's own bar, 50 x min_effect = 2.5%: on real 2-rank "
+                "DDP runs of a shared host the phases wander by 2.1-2.2% of the step for tens of steps, which no "
+                "one acts on; at 1% a clean run got 4 such regressions)", kind=float),
+        Setting("phase_step_share", 0.25, 0.0, 10.0, "share", "... and the step time carried at least this share "
+                "of the phase's growth (a phase that grew while the others shrank, as when one rank's run-queue "
+                "wait rises and the others wait less for it, cost the job nothing)"),
+        Setting("comm_transfer", False, unit="switch", meaning="judge communication by its transfer where the "
+                "producer's split cannot show it (see _transfer). Off by default: on real 2-rank gloo DDP runs the "
+                "least time in collectives wandered by 2.5 ms for ~30 steps of a clean lead-in (a false "
+                "communication regression in tests/test_ddp_real.py); not yet measured on a real degraded link",
+                live=False),
+    )
+
+    def __init__(self, **kw):
+        self._bind(kw)
+        self._seen = 0
+        self._steady = SteadyGate() if self.steady else None    # warm-up judged by the data (detectors.steady)
         self._steady_marked = False
-        # a phase names its cause before the step time moves much, but costs at least half the step time's bar
-        self.phase_min_cost = 50.0 * self.min_effect if phase_min_cost is None else float(phase_min_cost)
-        self.phase_step_share = float(phase_step_share)
-        self._xfer: bool | None = None if comm_transfer else False   # comm judged by its transfer (_transfer)
-        self.phase_min_effect, self.phase_min_share = float(phase_min_effect), float(phase_min_share)
-        self.phase_small_share, self.phase_small_effect = float(phase_small_share), float(phase_small_effect)
+        self._xfer: bool | None = None if self.comm_transfer else False   # comm judged by its transfer (_transfer)
         W = self.window
         self._val = np.full(W, np.nan)                  # median step_ms per step
         self._step = np.zeros(W, dtype=np.int64)
@@ -225,6 +214,18 @@ class ChangePoint(Detector):
         self._open: dict[str, dict] = {}
         self._held: dict[str, list[int]] = {}          # per series, first steps of candidates it held back
         self._newest: int | None = None
+
+    def _derive(self) -> None:
+        if self.window < 4 * self.min_size or self.min_size < 2:
+            raise ValueError("changepoint: need min_size >= 2 and window >= 4 * min_size")
+        if self.every < 1 or self.phase_sample < 1:
+            raise ValueError("changepoint: every and phase_sample must be >= 1")
+        if not 0.5 <= self.persist <= 1.0:
+            raise ValueError("changepoint: persist must be in [0.5, 1]")
+        self.warmup = max(0, self.settings["warmup"])
+        # a phase names its cause before the step time moves much, but costs at least half the step time's bar
+        cost = self.settings["phase_min_cost"]
+        self.phase_min_cost = 50.0 * self.min_effect if cost is None else cost
 
     # -- streaming ---------------------------------------------------------------------------
     def update(self, ctx: JobContext, block: StepBlock) -> list[Alert]:

@@ -13,6 +13,8 @@ from stepwatch.agents.probe.collectives import device_family
 
 from .steady import SteadyGate
 from .base import Alert, Detector, JobContext, StepBlock
+from . import settings
+from .settings import Setting
 from .busbw import comm_analysis
 from .causes import SUGGESTIONS, nanmedian
 from .commagg import _CommAggregate
@@ -60,46 +62,43 @@ class CommBandwidth(Detector):
     Nothing is judged before the job's step time is steady (:mod:`~stepwatch.detectors.steady`): the
     analysis windows start at the stable stretch.
 
-    Settings (keyword arguments, defaults):
-        window=20            steps per analysis window
-        every=10             analyse when the step number enters a new multiple of this
-        lag=2                newest steps left out (their comm rows may still be on the way)
-        min_steps=8          steps of comm rows a window needs
-        small_div=16         "small" = below the link's saturation size / this
-        small_share=0.5      share of calls that must be small
-        min_calls=4          calls per rank and step for small messages to matter
-        min_comm_share=0.1   collectives' share of the step time for small-messages / sync-bound
-        slow_ratio=0.5       slow link: bus bandwidth below this x the peers' median
-        min_peers=3          peer groups needed to judge a slow link
-        sync_share=0.6       sync-bound: wait / time in collectives at least this
-        sync_margin=0.1      a job within this below sync_share is sync-bound by nature too (hysteresis)
-        straggler_share=0.1  sync-bound is left to slow_rank when this few ranks explain the wait
-        clear=3              evaluations without the finding to resolve
-        link_gbps=None       peak bus bandwidth per link type, GB/s (overrides LINK_GBPS)
-        link=None            force one link type for every group
-        max_pending=8192     comm_bw rows kept until the processor drains them
-        max_due=64           windows come due waiting for their comm rows (beyond: the oldest gives way)
+    Settings: :attr:`SETTINGS` (the list below is made from it).
     """
 
     name = "comm_bw"
     outputs = {"alerts": "alerts", "comm_bw": "comm_bw"}          # rows: drain_rows()["comm_bw"]
 
-    def __init__(self, *, window: int = 20, every: int = 10, lag: int = 2, min_steps: int = 8,
-                 small_div: float = 16.0, small_share: float = 0.5, min_calls: int = 4,
-                 min_comm_share: float = 0.1, slow_ratio: float = 0.5, min_peers: int = 3,
-                 sync_share: float = 0.6, sync_margin: float = 0.1, straggler_share: float = 0.1, clear: int = 3, link_gbps=None,
-                 link=None, max_pending: int = 8192, max_due: int = 64):
-        if window < 2 or every < 1 or lag < 0 or min_steps < 1 or clear < 1 or min_peers < 1:
-            raise ValueError("comm_bw: need window >= 2, every >= 1, lag >= 0, min_steps >= 1, clear >= 1, "
-                             "min_peers >= 1")
-        self.window, self.every, self.lag, self.min_steps = int(window), int(every), int(lag), int(min_steps)
-        self.small_div, self.small_share, self.min_calls = float(small_div), float(small_share), int(min_calls)
-        self.min_comm_share, self.slow_ratio, self.min_peers = float(min_comm_share), float(slow_ratio), int(min_peers)
-        self.sync_share, self.straggler_share = float(sync_share), float(straggler_share)
-        self.sync_margin = float(sync_margin)
-        self.link_gbps, self.link, self.max_pending = dict(link_gbps or {}), link, int(max_pending)
-        self.max_due = max(int(max_due), 1)
-        self._eps = _Episodes(int(clear))
+    SETTINGS = (
+        Setting("window", 20, 1, 100000, "steps", "steps per analysis window (at least 2)", live=False),
+        Setting("every", 10, 1, 100000, "steps", "analyse when the step number enters a new multiple of this"),
+        Setting("lag", 2, 0, 1000, "steps", "newest steps left out (their comm rows may still be on the way)",
+                live=False),
+        Setting("min_steps", 8, 1, 100000, "steps", "steps of comm rows a window needs", live=False),
+        Setting("small_div", 16.0, 1.0, None, "", "\"small\" = below the link's saturation size / this"),
+        Setting("small_share", 0.5, 0.0, 1.0, "share", "share of calls that must be small"),
+        Setting("min_calls", 4, 1, None, "calls", "calls per rank and step for small messages to matter"),
+        Setting("min_comm_share", 0.1, 0.0, 1.0, "share of the step", "collectives' share of the step time for "
+                "small-messages / sync-bound"),
+        Setting("slow_ratio", 0.5, 0.0, 1.0, "x peers", "slow link: bus bandwidth below this x the peers' median"),
+        Setting("min_peers", 3, 1, None, "groups", "peer groups needed to judge a slow link"),
+        Setting("sync_share", 0.6, 0.0, 1.0, "share", "sync-bound: wait / time in collectives at least this"),
+        Setting("sync_margin", 0.1, 0.0, 1.0, "share", "a job within this below sync_share is sync-bound by nature "
+                "too (hysteresis)"),
+        Setting("straggler_share", 0.1, 0.0, 1.0, "share of the ranks", "sync-bound is left to slow_rank when this "
+                "few ranks explain the wait"),
+        Setting("clear", 3, 1, 100000, "evaluations", "evaluations without the finding to resolve", live=False),
+        Setting("link_gbps", None, unit="GB/s", meaning="peak bus bandwidth per link type, a table (overrides "
+                "LINK_GBPS)", check=settings.table_of_positive),
+        Setting("link", None, meaning="force one link type for every group", check=settings.short_name),
+        Setting("max_pending", 8192, 1, 10_000_000, "rows", "comm_bw rows kept until the processor drains them",
+                live=False),
+        Setting("max_due", 64, 1, 1_000_000, "windows", "windows come due waiting for their comm rows (beyond: the "
+                "oldest gives way)", live=False),
+    )
+
+    def __init__(self, **kw):
+        self._bind(kw)
+        self._eps = _Episodes(self.clear)
         self._steady = SteadyGate()               # nothing judged in the warm-up (detectors.steady)
         self._sync_native: bool | None = None     # sync-bound at the first steady evaluation: the job's own way
         self._sync_clear = 0                      # evaluations since without it
@@ -116,6 +115,13 @@ class CommBandwidth(Detector):
         self._due: deque = deque(maxlen=self.max_due)   # windows come due, waiting for their comm rows
         self._hi_done: int | None = None            # the newest window end with rows written
         self._ended = False                         # the job's end was seen (:meth:`end`)
+
+    def _derive(self) -> None:
+        if self.window < 2 or self.every < 1 or self.lag < 0 or self.min_steps < 1 or self.clear < 1 or \
+                self.min_peers < 1:
+            raise ValueError("comm_bw: need window >= 2, every >= 1, lag >= 0, min_steps >= 1, clear >= 1, "
+                             "min_peers >= 1")
+        self.link_gbps = dict(self.settings["link_gbps"] or {})
 
     def drain_rows(self) -> dict[str, pa.Table]:
         if not self._pending:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from .base import Alert, Detector, JobContext, StepBlock
+from .settings import Setting
 from .causes import DATALOADER_SUGGESTION, queue_evidence
 from .effcommon import _Episodes, _r
 
@@ -54,32 +55,36 @@ class DataLoader(Detector):
     the ranks and nodes. Resolves after ``clear`` evaluations without. The remedy names the DataLoader
     settings: num_workers, prefetch_factor, pin_memory, persistent_workers.
 
-    Settings (keyword arguments, defaults):
-        window=20            steps per evaluation
-        every=10             evaluate when the step number enters a new multiple of this
-        min_steps=8          reported steps a rank needs in the window
-        empty_share=0.8      share of steps with an empty queue
-        min_data_share=0.1   data wait as a share of the step time
-        job_share=0.5        share of starved ranks for a job-wide alert
-        clear=2              evaluations without to resolve
+    Settings: :attr:`SETTINGS` (the list below is made from it).
     """
 
     name = "dataloader"
 
-    def __init__(self, *, window: int = 20, every: int = 10, min_steps: int = 8, empty_share: float = 0.8,
-                 min_data_share: float = 0.1, job_share: float = 0.5, clear: int = 2):
-        if window < 2 or every < 1 or min_steps < 1 or not 0 < empty_share <= 1 or clear < 1:
-            raise ValueError("dataloader: need window >= 2, every >= 1, min_steps >= 1, 0 < empty_share <= 1, "
-                             "clear >= 1")
-        self.window, self.every, self.min_steps = int(window), int(every), int(min_steps)
-        self.empty_share, self.min_data_share, self.job_share = float(empty_share), float(min_data_share), float(job_share)
-        self._eps = _Episodes(int(clear))
+    SETTINGS = (
+        Setting("window", 20, 1, 100000, "steps", "steps per evaluation (at least 2)", live=False),
+        Setting("every", 10, 1, 100000, "steps", "evaluate when the step number enters a new multiple of this"),
+        Setting("min_steps", 8, 1, 100000, "steps", "reported steps a rank needs in the window", live=False),
+        Setting("empty_share", 0.8, 0.0, 1.0, "share", "share of steps with an empty queue (above 0)"),
+        Setting("min_data_share", 0.1, 0.0, 1.0, "share of the step", "data wait as a share of the step time"),
+        Setting("job_share", 0.5, 0.0, 1.0, "share of the ranks", "share of starved ranks for a job-wide alert"),
+        Setting("clear", 2, 1, 100000, "evaluations", "evaluations without to resolve", live=False),
+    )
+
+    def __init__(self, **kw):
+        self._bind(kw)
+        self._eps = _Episodes(self.clear)
         self._R = -1
         self._q = self._d = None
         self._st = np.full(self.window, -1, dtype=np.int64)
         self._te = np.zeros(self.window, dtype=np.int64)
         self._n = 0
         self._bucket = None
+
+    def _derive(self) -> None:
+        if self.window < 2 or self.every < 1 or self.min_steps < 1 or not 0 < self.empty_share <= 1 or \
+                self.clear < 1:
+            raise ValueError("dataloader: need window >= 2, every >= 1, min_steps >= 1, 0 < empty_share <= 1, "
+                             "clear >= 1")
 
     def _reset(self, R: int) -> None:
         self._R = R

@@ -8,6 +8,7 @@ from collections import Counter, deque
 import numpy as np
 
 from .base import Alert, Detector, JobContext, StepBlock
+from .settings import Setting
 from .causes import PHASE_CAUSE, SUGGESTIONS, host_gap, nanmedian
 from .steady import SteadyGate
 
@@ -54,45 +55,43 @@ class Jitter(Detector):
     Work per step: O(R) for the busiest rank plus medians over at most 256 sampled ranks. State: rings
     of the last ``history`` steps (a few numbers per step).
 
-    Settings (keyword arguments, defaults):
-        threshold=1.1          a step is slow above this multiple of its baseline
-        window=20              judged steps the ratio is taken over
-        ratio=0.2              fire at this share of slow steps in the window (4 of 20)
-        clear_window=40        resolve when at most one of this many steps was slow
-        baseline=21            steps of the trailing median baseline
-        spike=1.3              an isolated slow step above this multiple is reported as a spike
-        min_periods=4          lattice points in a row that make a checkpoint cadence
-        min_every=5            shortest checkpoint period (steps) recognised
-        alarm_checkpoints=False  count checkpoint steps as slow steps
-        history=256            steps kept for evidence and the long-run ratio
-        native_alpha=0.001     ... and only when that many slow steps in the window are this unlikely at the
-                               job's own long-run rate of slow steps (see _unusual): heavy tails by nature
-                               are not an episode
-        steady=True            nothing is judged until the job's step time is steady (detectors.steady: its
-                               own stability says when the warm-up ended); slow steps count from the
-                               stable stretch on
-        warmup=20              the job's first steps seen are not judged nor a baseline: allocator growth,
-                               autotuning, compilation and DDP's bucket rebuild make them no steady state
+    Settings: :attr:`SETTINGS` (the list below is made from it).
     """
 
     name = "jitter"
 
-    def __init__(self, *, threshold: float = 1.1, window: int = 20, ratio: float = 0.2, clear_window: int = 40,
-                 baseline: int = 21, spike: float = 1.3, min_periods: int = 4, min_every: int = 5,
-                 alarm_checkpoints: bool = False, history: int = 256, warmup: int = 20, steady: bool = True,
-                 native_alpha: float = 1e-3):
-        if threshold <= 1 or not 0 < ratio <= 1 or window < 2 or baseline < 3 or min_periods < 2:
-            raise ValueError("jitter: need threshold > 1, 0 < ratio <= 1, window >= 2, baseline >= 3, "
-                             "min_periods >= 2")
-        if history < max(window, clear_window, baseline) + 5 or clear_window < 2:
-            raise ValueError("jitter: history must exceed window, clear_window and baseline")
-        self.threshold, self.window, self.ratio = float(threshold), int(window), float(ratio)
-        self.native_alpha = float(native_alpha)
-        self.clear_window, self.baseline, self.spike = int(clear_window), int(baseline), float(spike)
-        self.min_periods, self.alarm_checkpoints, self.history = int(min_periods), bool(alarm_checkpoints), int(history)
-        self.min_every = max(2, int(min_every))
-        self.warmup, self._seen = max(0, int(warmup)), 0
-        self._steady = SteadyGate(min_steps=self.warmup) if steady else None   # warm-up judged by the data
+    SETTINGS = (
+        Setting("threshold", 1.1, 1.0, None, "x baseline", "a step is slow above this multiple of its baseline "
+                "(above 1)"),
+        Setting("window", 20, 1, 100000, "steps", "judged steps the ratio is taken over (at least 2)", live=False),
+        Setting("ratio", 0.2, 0.0, 1.0, "share", "fire at this share of slow steps in the window (4 of 20)"),
+        Setting("clear_window", 40, 1, 100000, "steps", "resolve when at most one of this many steps was slow "
+                "(at least 2)", live=False),
+        Setting("baseline", 21, 1, 100000, "steps", "steps of the trailing median baseline (at least 3)",
+                live=False),
+        Setting("spike", 1.3, 1.0, None, "x baseline", "an isolated slow step above this multiple is reported as "
+                "a spike"),
+        Setting("min_periods", 4, 2, 1000, "periods", "lattice points in a row that make a checkpoint cadence",
+                live=False),
+        Setting("min_every", 5, 1, 100000, "steps", "shortest checkpoint period (steps) recognised (at least 2)"),
+        Setting("alarm_checkpoints", False, unit="switch", meaning="count checkpoint steps as slow steps"),
+        Setting("history", 256, 8, 1000000, "steps", "steps kept for evidence and the long-run ratio (more than "
+                "window, clear_window and baseline + 5)", live=False),
+        Setting("warmup", 20, 0, 100000, "steps", "the job's first steps seen are not judged nor a baseline: "
+                "allocator growth, autotuning, compilation and DDP's bucket rebuild make them no steady state",
+                live=False),
+        Setting("steady", True, unit="switch", meaning="nothing is judged until the job's step time is steady "
+                "(detectors.steady: its own stability says when the warm-up ended); slow steps count from the "
+                "stable stretch on", live=False),
+        Setting("native_alpha", 1e-3, 0.0, 1.0, "probability", "... and only when that many slow steps in the "
+                "window are this unlikely at the job's own long-run rate of slow steps (see _unusual): heavy "
+                "tails by nature are not an episode"),
+    )
+
+    def __init__(self, **kw):
+        self._bind(kw)
+        self.warmup, self._seen = max(0, self.warmup), 0
+        self._steady = SteadyGate(min_steps=self.warmup) if self.steady else None   # warm-up judged by the data
         H = self.history
         self._n = 0
         self._step = np.full(H, -1, dtype=np.int64)
@@ -114,6 +113,15 @@ class Jitter(Detector):
         self._flags: deque = deque()                  # [step, slow, checkpoint] of recent judged steps
         self._keep = max(self.window, self.clear_window)
         self._nat = [0, 0]                            # judged steps and slow ones that left the flags (not firing)
+
+    def _derive(self) -> None:
+        if self.threshold <= 1 or not 0 < self.ratio <= 1 or self.window < 2 or self.baseline < 3 or \
+                self.min_periods < 2:
+            raise ValueError("jitter: need threshold > 1, 0 < ratio <= 1, window >= 2, baseline >= 3, "
+                             "min_periods >= 2")
+        if self.history < max(self.window, self.clear_window, self.baseline) + 5 or self.clear_window < 2:
+            raise ValueError("jitter: history must exceed window, clear_window and baseline")
+        self.min_every = max(2, self.settings["min_every"])
 
     # -- helpers ---------------------------------------------------------------------------------
     def _last(self, m: int) -> np.ndarray:

@@ -55,6 +55,7 @@ import pyarrow.compute as pc
 
 from . import hang
 from .base import Alert, Detector, JobContext, StepBlock, stable_id
+from .settings import Setting
 
 STOP_SIGNALS = {int(_signal.SIGTERM), int(_signal.SIGINT), int(_signal.SIGHUP)}
 #: how an exception a rank raises reads when it is a peer's death seen through a collective
@@ -211,27 +212,28 @@ class JobLife:
 class Lifecycle(Detector):
     """Judges how a job ended (see the module docs) on every tick of its event time.
 
-    Settings (keyword arguments, defaults):
-        grace_s=2.0            after a rank ended abnormally, seconds of event time the others may take to
-                               end too before a crash is raised with them still running
-        culprit_window_s=5.0   abnormal ends this close after the first are weighed for the culprit (the
-                               agent sees a process without a goodbye up to its tick later)
-        settle_s=1.0           once every rank has ended, seconds of event time before the job is judged
-                               (the ranks' last steps, fetched with their goodbyes, are read first)
-        sched_wait_s=10.0      a job whose Slurm prolog was heard, its ranks all ended by a stop signal or
-                               without a word: seconds of event time to wait for the epilog's word
+    Settings: :attr:`SETTINGS` (the list below is made from it).
     """
 
     name = "lifecycle"
 
-    def __init__(self, *, grace_s: float = 2.0, culprit_window_s: float = 5.0, settle_s: float = 1.0,
-                 sched_wait_s: float = 10.0):
-        if not 0 < grace_s <= 600 or not 0 < culprit_window_s <= 600 or not 0 <= settle_s <= 600:
-            raise ValueError("lifecycle: need 0 < grace_s <= 600, 0 < culprit_window_s <= 600, 0 <= settle_s <= 600")
-        if not 0 <= sched_wait_s <= 600:
-            raise ValueError(f"lifecycle: sched_wait_s {sched_wait_s!r} is not within 0..600")
-        self.grace_ns, self.window_ns = int(grace_s * 1e9), int(culprit_window_s * 1e9)
-        self.settle_ns, self.sched_wait_ns = int(settle_s * 1e9), int(sched_wait_s * 1e9)
+    SETTINGS = (
+        Setting("grace_s", 2.0, 0.001, 600.0, "s", "after a rank ended abnormally, seconds of event time the others "
+                "may take to end too before a crash is raised with them still running"),
+        Setting("culprit_window_s", 5.0, 0.001, 600.0, "s", "abnormal ends this close after the first are weighed "
+                "for the culprit (the agent sees a process without a goodbye up to its tick later)"),
+        Setting("settle_s", 1.0, 0.0, 600.0, "s", "once every rank has ended, seconds of event time before the job "
+                "is judged (the ranks' last steps, fetched with their goodbyes, are read first)"),
+        Setting("sched_wait_s", 10.0, 0.0, 600.0, "s", "a job whose Slurm prolog was heard, its ranks all ended by a "
+                "stop signal or without a word: seconds of event time to wait for the epilog's word"),
+    )
+
+    def __init__(self, **kw):
+        self._bind(kw)
+
+    def _derive(self) -> None:
+        self.grace_ns, self.window_ns = int(self.grace_s * 1e9), int(self.culprit_window_s * 1e9)
+        self.settle_ns, self.sched_wait_ns = int(self.settle_s * 1e9), int(self.sched_wait_s * 1e9)
 
     def update(self, ctx: JobContext, block: StepBlock) -> list[Alert]:
         return []

@@ -13,7 +13,9 @@ import pyarrow as pa
 
 from stepwatch.agents.probe.collectives import norm_dtype, peak_tflops
 
+from . import settings
 from .base import Alert, Detector, JobContext, StepBlock
+from .settings import Setting
 from .causes import nanmedian
 from .effcommon import _pending_add
 
@@ -97,38 +99,47 @@ class Mfu(Detector):
     constant number of tokens per step it fires with ``regression``; when the tokens per step change it
     is the one that tells a slower model from more work. Steps without MFU are skipped.
 
-    Settings (keyword arguments, defaults):
-        peak_tflops=None   peak override: a number (all devices), a dict or a JSON/YAML file path
-        baseline=21        steps in the goodput baseline median
-        slow=1.1           a step slower than this x the baseline is anomalous (excess not productive)
-        min_effect=0.05    minimum relative MFU change to alert
-        min_t=5.0          minimum shift in standard errors
-        window=200         steps kept for the change-point search
-        critical_pct=10    MFU drops costing more are ``critical``
-        max_pending=8192   efficiency rows kept until the processor drains them
+    Settings: :attr:`SETTINGS` (the list below is made from it).
     """
 
     name = "mfu"
     outputs = {"alerts": "alerts", "efficiency": "efficiency"}    # rows: drain_rows()["efficiency"]
 
-    def __init__(self, *, peak_tflops=None, baseline: int = 21, slow: float = 1.1, min_effect: float = 0.05,
-                 min_t: float = 5.0, window: int = 200, critical_pct: float = 10.0, max_pending: int = 8192):
-        from .changepoint import ChangePoint
-        if baseline < 1 or slow <= 1.0 or max_pending < 1:
-            raise ValueError("mfu: need baseline >= 1, slow > 1, max_pending >= 1")
-        src = peak_tflops if peak_tflops is not None else os.environ.get("STEPWATCH_PEAK_TFLOPS")
-        self.table = load_peak_table(src)
-        self.baseline, self.slow, self.max_pending = int(baseline), float(slow), int(max_pending)
-        self._cp = ChangePoint(window=window, min_effect=min_effect, min_t=min_t, critical_pct=critical_pct,
-                               phases=False)
+    SETTINGS = (
+        Setting("peak_tflops", None, unit="TFLOPS", meaning="peak override: a number (all devices), a table or "
+                "a JSON/YAML file path (unset: $STEPWATCH_PEAK_TFLOPS, then the built-in table)",
+                check=settings.peak_tflops),
+        Setting("baseline", 21, 1, 100000, "steps", "steps in the goodput baseline median", live=False),
+        Setting("slow", 1.1, 1.0, None, "x baseline", "a step slower than this x the baseline is anomalous "
+                "(excess not productive; above 1)"),
+        Setting("min_effect", 0.05, 0.0, 10.0, "share", "minimum relative MFU change to alert"),
+        Setting("min_t", 5.0, 0.0, None, "standard errors", "minimum shift in standard errors"),
+        Setting("window", 200, 10, 100000, "steps", "steps kept for the change-point search", live=False),
+        Setting("critical_pct", 10.0, 0.0, 100.0, "%", "MFU drops costing more are ``critical``"),
+        Setting("max_pending", 8192, 1, 10_000_000, "rows", "efficiency rows kept until the processor drains "
+                "them", live=False),
+    )
+
+    def __init__(self, **kw):
+        self._bind(kw)
         self._hist = np.full(self.baseline, np.nan)      # previous step medians (goodput baseline)
         self._nh = 0
         self._last_t = None
         self._flops_ref = None                           # model FLOPs per device of the first MFU step
-        self._mfu = np.full(int(window) + 8, np.nan)     # recent MFU by step (evidence)
-        self._mfu_step = np.full(int(window) + 8, -1, dtype=np.int64)
+        self._mfu = np.full(self.window + 8, np.nan)     # recent MFU by step (evidence)
+        self._mfu_step = np.full(self.window + 8, -1, dtype=np.int64)
         self._pending: list[pa.Table] = []
         self.peak_source = ""
+
+    def _derive(self) -> None:
+        from .changepoint import ChangePoint
+        if self.baseline < 1 or self.slow <= 1.0 or self.max_pending < 1:
+            raise ValueError("mfu: need baseline >= 1, slow > 1, max_pending >= 1")
+        src = self.peak_tflops if self.peak_tflops is not None else os.environ.get("STEPWATCH_PEAK_TFLOPS")
+        self.table = load_peak_table(src)
+        cp = dict(window=self.window, min_effect=self.min_effect, min_t=self.min_t, critical_pct=self.critical_pct,
+                  phases=False)     # the MFU series' change points: retuned with these settings, state kept
+        self._cp = settings.retune(self._cp, cp) if hasattr(self, "_cp") else ChangePoint(**cp)
 
     def drain_rows(self) -> dict[str, pa.Table]:
         if not self._pending:

@@ -1,7 +1,7 @@
 """The detectors the processor runs, in one explicit dict (no registration by import side effects).
 
-Each detector class documents its settings and defaults in its docstring and takes them as keyword
-arguments; :func:`build` makes one instance of every registered detector (per job) from a settings
+Each detector class declares its settings once, in ``SETTINGS`` (:mod:`.settings`: name, default, range,
+unit, meaning, whether a change applies at runtime), and takes them as keyword arguments; :func:`build` makes one instance of every registered detector (per job) from a settings
 mapping such as the ``detectors:`` section of the processor configuration::
 
     build({"slow_rank": {"k": 3, "n": 8}, "changepoint": {"min_effect": 0.1}})
@@ -10,10 +10,8 @@ A detector can be left out with ``{"name": {"enabled": False}}``.
 """
 from __future__ import annotations
 
-import functools
-import inspect
-
 from .base import Detector
+from .settings import defaults
 from .changepoint import ChangePoint
 from .commbw import CommBandwidth
 from .dataloader import DataLoader
@@ -36,16 +34,8 @@ REGISTRY: dict[str, type[Detector]] = {
 
 
 def settings_of(cls: type[Detector]) -> dict[str, object]:
-    """The keyword settings a detector class accepts, with their defaults."""
-    return dict(_settings_of(cls))
-
-
-@functools.cache
-def _settings_of(cls: type[Detector]) -> dict[str, object]:
-    # read once per class: build() runs for every new job, and inspect.signature took ~1 ms of the
-    # ~2 ms a new job cost when job ids churn at max_jobs
-    return {p.name: p.default for p in inspect.signature(cls.__init__).parameters.values()
-            if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    """The keyword settings a detector class accepts, with their defaults (from its ``SETTINGS``)."""
+    return defaults(cls.SETTINGS)
 
 
 def build(settings: dict[str, dict] | None = None) -> list[Detector]:

@@ -10,6 +10,7 @@ import math
 import numpy as np
 
 from .base import Alert, Detector, JobContext, StepBlock
+from .settings import Setting
 from .causes import PHASES, nanmedian, phase_arrays
 from .slowrank_alerts import _AlertAssembly, _Window
 from .slowrank_seq import _SequentialTests
@@ -116,59 +117,47 @@ class SlowRank(_SequentialTests, _AlertAssembly, Detector):
     only for ranks with an event. State: a few (n, R) rings and (R,) vectors. A change of the number of
     ranks resets the state (open alerts are dropped, not resolved).
 
-    Settings (keyword arguments, defaults):
-        k=5              flagged steps needed within the last ``n`` to fire
-        n=13             persistence window (steps)
-        clear_steps=10   consecutive clean steps to resolve
-        z_min=4.0        robust z-score threshold
-        min_effect=0.05  relative busy-time excess over the stage median for a flag
-        mad_floor=0.005  MAD floor as a fraction of the stage median
-        min_peers=5      reporting ranks a stage needs on a step to be judged (narrower stages: pairwise)
-        critical_pct=10  alerts whose cost exceeds this (% throughput) are ``critical``
-        small_effect=0.02  least relative excess per step the CUSUMs count; 0 disables them
-        ref_z=1.5        reference k of the small-effect CUSUM (robust sd), at least small_effect/sigma
-        span_z=1.5       its clip above the reference (the most one step adds)
-        big_ref_z=3.0    reference of the large-effect CUSUM (at least twice the small one's)
-        big_span_z=4.0   its clip above the reference
-        alpha=1e-7       false-alarm bound per rank and step that sets h (Wald/Lorden, see above)
-        node_share=0.5   share of a node's ranks that must be hot for one ``slow_node`` alert
-        group_share=0.5  share of a data-parallel group that must be hot for one ``slow_group`` alert
-        member_share=0.5 a hot co-member joins a node/group alert only with at least this share of the
-                         firing rank's median excess over its evidence steps, then of the median excess
-                         of the members that passed
-        min_alert_effect=0.01  least median excess (of the busy time and of the step time) of any alert
-        small_alert_effect=0.08  least median busy-time excess of an alert on a rank of a small stage
-                         (fewer than ``min_peers`` ranks, judged pairwise: see ``_material_effect``)
+    Settings: :attr:`SETTINGS` (the list below is made from it).
     """
 
     name = "slow_rank"
 
-    def __init__(self, *, k: int = 5, n: int = 13, clear_steps: int = 10, z_min: float = 4.0,
-                 min_effect: float = 0.05, mad_floor: float = 0.005, min_peers: int = 5,
-                 critical_pct: float = 10.0, small_effect: float = 0.02, ref_z: float = 1.5,
-                 span_z: float = 1.5, big_ref_z: float = 3.0, big_span_z: float = 4.0,
-                 alpha: float = 1e-7, node_share: float = 0.5, group_share: float = 0.5,
-                 member_share: float = 0.5, min_alert_effect: float = 0.01, small_alert_effect: float = 0.08):
-        if not (1 <= k <= n):
-            raise ValueError(f"slow_rank: need 1 <= k <= n (k={k}, n={n})")
-        if clear_steps < 1 or min_peers < 2:
-            raise ValueError("slow_rank: clear_steps must be >= 1 and min_peers >= 2")
-        if (small_effect < 0 or min(ref_z, span_z, big_ref_z, big_span_z) <= 0 or big_ref_z < ref_z
-                or not 0 < alpha < 0.01):
-            raise ValueError("slow_rank: need small_effect >= 0, positive ref_z/span_z/big_ref_z/big_span_z, "
-                             "big_ref_z >= ref_z, 0 < alpha < 0.01")
-        if not (0 < node_share <= 1 and 0 < group_share <= 1 and 0 <= member_share <= 1):
-            raise ValueError("slow_rank: node_share and group_share must be in (0, 1], member_share in [0, 1]")
-        if min_alert_effect < 0 or small_alert_effect < 0:
-            raise ValueError("slow_rank: min_alert_effect and small_alert_effect must be >= 0")
-        self.k, self.n, self.clear_steps = int(k), int(n), int(clear_steps)
-        self.z_min, self.min_effect, self.mad_floor = float(z_min), float(min_effect), float(mad_floor)
-        self.min_peers, self.critical_pct = int(min_peers), float(critical_pct)
-        self.small_effect, self.ref_z, self.span_z = float(small_effect), float(ref_z), float(span_z)
-        self.big_ref_z, self.big_span_z, self.alpha = float(big_ref_z), float(big_span_z), float(alpha)
-        self.node_share, self.group_share = float(node_share), float(group_share)
-        self.member_share, self.min_alert_effect = float(member_share), float(min_alert_effect)
-        self.small_alert_effect = float(small_alert_effect)
+    SETTINGS = (
+        Setting("k", 5, 1, 1000, "steps", "flagged steps needed within the last ``n`` to fire"),
+        Setting("n", 13, 1, 1000, "steps", "persistence window (sizes the flag rings)", live=False),
+        Setting("clear_steps", 10, 1, 100000, "steps", "consecutive clean steps to resolve"),
+        Setting("z_min", 4.0, 0.0, None, "robust z", "robust z-score threshold"),
+        Setting("min_effect", 0.05, 0.0, 10.0, "share", "relative busy-time excess over the stage median for a flag"),
+        Setting("mad_floor", 0.005, 0.0, 1.0, "share", "MAD floor as a fraction of the stage median"),
+        Setting("min_peers", 5, 1, None, "ranks", "reporting ranks a stage needs on a step to be judged (narrower "
+                "stages: pairwise; at least 2; fixed with the stage layout)", live=False),
+        Setting("critical_pct", 10.0, 0.0, 100.0, "%", "alerts whose cost exceeds this (% throughput) are ``critical``"),
+        Setting("small_effect", 0.02, 0.0, 1.0, "share", "least relative excess per step the CUSUMs count; 0 disables them"),
+        Setting("ref_z", 1.5, 0.0, 100.0, "robust z", "reference k of the small-effect CUSUM (robust sd), at least "
+                "small_effect/sigma"),
+        Setting("span_z", 1.5, 0.0, 100.0, "robust z", "its clip above the reference (the most one step adds; "
+                "fixed at the first step)", live=False),
+        Setting("big_ref_z", 3.0, 0.0, 100.0, "robust z", "reference of the large-effect CUSUM (at least the small "
+                "one's)"),
+        Setting("big_span_z", 4.0, 0.0, 100.0, "robust z", "its clip above the reference (fixed at the first step)",
+                live=False),
+        Setting("alpha", 1e-7, 1e-15, 0.5, "probability", "false-alarm bound per rank and step that sets h "
+                "(Wald/Lorden, see above; below 0.01)"),
+        Setting("node_share", 0.5, 0.0, 1.0, "share", "share of a node's ranks that must be hot for one "
+                "``slow_node`` alert"),
+        Setting("group_share", 0.5, 0.0, 1.0, "share", "share of a data-parallel group that must be hot for one "
+                "``slow_group`` alert"),
+        Setting("member_share", 0.5, 0.0, 1.0, "share", "a hot co-member joins a node/group alert only with at "
+                "least this share of the firing rank's median excess over its evidence steps, then of the "
+                "median excess of the members that passed"),
+        Setting("min_alert_effect", 0.01, 0.0, 1.0, "share", "least median excess (of the busy time and of the "
+                "step time) of any alert"),
+        Setting("small_alert_effect", 0.08, 0.0, 1.0, "share", "least median busy-time excess of an alert on a "
+                "rank of a small stage (fewer than ``min_peers`` ranks, judged pairwise: see ``_material_effect``)"),
+    )
+
+    def __init__(self, **kw):
+        self._bind(kw)
         self._R = -1
         self._stage_key: np.ndarray | None = None
         self._groups: list[np.ndarray | None] = []
@@ -177,6 +166,21 @@ class SlowRank(_SequentialTests, _AlertAssembly, Detector):
         self._small_rank = np.zeros(0, dtype=bool)
         self._slices: list[slice] = []
         self._scratch: dict[str, np.ndarray] = {}               # per-step work arrays (see _work)
+
+    def _derive(self) -> None:
+        k, n = self.k, self.n
+        if not (1 <= k <= n):
+            raise ValueError(f"slow_rank: need 1 <= k <= n (k={k}, n={n})")
+        if self.clear_steps < 1 or self.min_peers < 2:
+            raise ValueError("slow_rank: clear_steps must be >= 1 and min_peers >= 2")
+        if (self.small_effect < 0 or min(self.ref_z, self.span_z, self.big_ref_z, self.big_span_z) <= 0
+                or self.big_ref_z < self.ref_z or not 0 < self.alpha < 0.01):
+            raise ValueError("slow_rank: need small_effect >= 0, positive ref_z/span_z/big_ref_z/big_span_z, "
+                             "big_ref_z >= ref_z, 0 < alpha < 0.01")
+        if not (0 < self.node_share <= 1 and 0 < self.group_share <= 1 and 0 <= self.member_share <= 1):
+            raise ValueError("slow_rank: node_share and group_share must be in (0, 1], member_share in [0, 1]")
+        if self.min_alert_effect < 0 or self.small_alert_effect < 0:
+            raise ValueError("slow_rank: min_alert_effect and small_alert_effect must be >= 0")
 
     # -- state -----------------------------------------------------------------------------------
     def _reset(self, R: int) -> None:

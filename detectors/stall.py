@@ -6,6 +6,7 @@ import numpy as np
 from . import hang
 from .base import Alert, Detector, JobContext, StepBlock, stable_id
 from .causes import HANG_SUGGESTION, STALL_SUGGESTION, nanmedian
+from .settings import Setting
 
 
 class Stall(Detector):
@@ -49,33 +50,30 @@ class Stall(Detector):
     run a threshold past its steps (then O(R) per host batch, and one broker round trip to confirm).
     State: (R,) vectors, a ring of the last 64 step times and the open alerts.
 
-    Settings (keyword arguments, defaults):
-        k=3                consecutive closed steps a rank must miss while its peers report
-        min_reporting=0.5  share of the ranks that must report a closed step for it to count
-        hang_s=30.0        job hang: seconds of host event time without a new step, at least ...
-        hang_steps=10      ... this many median step times
-        max_alerts=8       more newly stalled ranks/nodes than this at one step give one alert
-        hang_first_s=1800.0  job hang: seconds at least while the step in progress is a process's first
-        hang_eval_s=1800.0   ... while it contains evaluation
-        hang_checkpoint_s=1800.0  ... while it contains a checkpoint save
-                           (the step's kinds come from the ranks' in-flight states; see detectors.hang, which
-                           also names the ranks the job waits for)
+    Settings: :attr:`SETTINGS` (the list below is made from it).
     """
 
     name = "stall"
 
-    def __init__(self, *, k: int = 3, min_reporting: float = 0.5, hang_s: float = 30.0, hang_steps: int = 10,
-                 max_alerts: int = 8, hang_first_s: float = 1800.0, hang_eval_s: float = 1800.0,
-                 hang_checkpoint_s: float = 1800.0):
-        if k < 1 or not 0 < min_reporting <= 1 or hang_s <= 0 or hang_steps < 1 or max_alerts < 1:
-            raise ValueError("stall: need k >= 1, 0 < min_reporting <= 1, hang_s > 0, hang_steps >= 1, "
-                             "max_alerts >= 1")
-        if min(hang_first_s, hang_eval_s, hang_checkpoint_s) <= 0:
-            raise ValueError("stall: need hang_first_s, hang_eval_s, hang_checkpoint_s > 0")
-        self.hang_kind_s = {"first": float(hang_first_s), "eval": float(hang_eval_s),
-                            "checkpoint": float(hang_checkpoint_s)}
-        self.k, self.min_reporting = int(k), float(min_reporting)
-        self.hang_s, self.hang_steps, self.max_alerts = float(hang_s), int(hang_steps), int(max_alerts)
+    SETTINGS = (
+        Setting("k", 3, 1, 100000, "steps", "consecutive closed steps a rank must miss while its peers report"),
+        Setting("min_reporting", 0.5, 0.01, 1.0, "share", "share of the ranks that must report a closed step for "
+                "it to count"),
+        Setting("hang_s", 30.0, 0.1, None, "s", "job hang: seconds of host event time without a new step, at "
+                "least ..."),
+        Setting("hang_steps", 10, 1, 1000000, "step times", "... this many median step times"),
+        Setting("max_alerts", 8, 1, 10000, "alerts", "more newly stalled ranks/nodes than this at one step give "
+                "one alert"),
+        Setting("hang_first_s", 1800.0, 0.1, None, "s", "job hang: seconds at least while the step in progress is "
+                "a process's first"),
+        Setting("hang_eval_s", 1800.0, 0.1, None, "s", "... while it contains evaluation"),
+        Setting("hang_checkpoint_s", 1800.0, 0.1, None, "s", "... while it contains a checkpoint save (the step's "
+                "kinds come from the ranks' in-flight states; see detectors.hang, which also names the ranks the "
+                "job waits for)"),
+    )
+
+    def __init__(self, **kw):
+        self._bind(kw)
         self._R = -1
         self._ms = np.full(64, np.nan)          # median step time of recent steps (ring)
         self._ms_n = 0
@@ -83,6 +81,16 @@ class Stall(Detector):
         self._node_key, self._node_grp = None, None   # ranks grouped by node (job-hang watermarks)
         self._hang_top = -1                      # newest step when the hang fired
         self._wd_key, self._wd = None, None      # the watchdog judgement of the in-flight window (cache)
+
+    def _derive(self) -> None:
+        if self.k < 1 or not 0 < self.min_reporting <= 1 or self.hang_s <= 0 or self.hang_steps < 1 or \
+                self.max_alerts < 1:
+            raise ValueError("stall: need k >= 1, 0 < min_reporting <= 1, hang_s > 0, hang_steps >= 1, "
+                             "max_alerts >= 1")
+        if min(self.hang_first_s, self.hang_eval_s, self.hang_checkpoint_s) <= 0:
+            raise ValueError("stall: need hang_first_s, hang_eval_s, hang_checkpoint_s > 0")
+        self.hang_kind_s = {"first": self.hang_first_s, "eval": self.hang_eval_s,
+                            "checkpoint": self.hang_checkpoint_s}
 
     def _reset(self, R: int) -> None:
         self._R = R

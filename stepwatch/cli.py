@@ -111,7 +111,7 @@ def cmd_process(a) -> int:
     from stepwatch.stream.profiling import settings_from_env
     p = Processor(s, a.data_dir, group=a.group, detector_settings=cfg, limits=limits,
                   profiling=cfg.profiling_settings(settings_from_env()) if cfg else "env",
-                  **{"flush_interval_s": 1.0, "lateness_s": 10.0, **swconfig.processor_kwargs(cfg, a)})
+                  **swconfig.processor_kwargs(cfg, a))
     configure_from_args(p.job_metrics, a)
     try:
         sink = annotation_sink_from_args(a, registry=p.metrics.registry)   # None without --grafana-url
@@ -351,9 +351,11 @@ def build_parser(devtools: bool = True) -> argparse.ArgumentParser:
     add_kafka_args(pr)
     pr.add_argument("--data-dir", default=DEFAULT_DATA)
     pr.add_argument("--group", default="stepwatch-processor")
-    pr.add_argument("--flush-interval", type=float, default=None, help="seconds between store flushes (1)")
-    pr.add_argument("--lateness", type=float, default=None,
-                    help="seconds of event time before an incomplete step closes (10)")
+    from stepwatch.stream.settings import PROCESSOR as proc_settings     # stdlib only: the declarations
+    ps = {st.name: st for st in proc_settings}
+    for flag, name in (("--flush-interval", "flush_interval_s"), ("--lateness", "lateness_s")):
+        pr.add_argument(flag, type=float, default=None, help=f"{ps[name].meaning} ({ps[name].default:g}; "
+                        f"wins over [processor] {name})")
     pr.add_argument("--config", default=None, help="configuration file (TOML; default $STEPWATCH_CONFIG): detector "
                     "settings, limits, profiling policy; reloaded on SIGHUP (docs/configuration.md)")
     pr.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")

@@ -4,7 +4,11 @@
 prints every setting with its default, valid range and meaning; ``stepwatch config check FILE`` validates a
 file. The processor reloads it on SIGHUP: new settings apply from the next step, detector state is kept
 (see :func:`apply`); a file that does not validate is refused with the setting's name and valid range,
-and the settings in force stay. The layout (docs/configuration.md)::
+and the settings in force stay. Every setting is declared once where it is used (a detector's
+``SETTINGS``, :data:`stepwatch.stream.settings.PROCESSOR`; :mod:`stepwatch.detectors.settings`): its
+default, range, unit, meaning and whether a change applies at runtime come from there, here as in
+``stepwatch config defaults``, docs/configuration.md and the detectors' signatures. The layout
+(docs/configuration.md)::
 
     [processor]                     # limits
     flush_interval_s = 1.0
@@ -24,35 +28,25 @@ and the settings in force stay. The layout (docs/configuration.md)::
 from __future__ import annotations
 
 import fnmatch
-import inspect
 import logging
 import math
-import os
 import re
-import stat
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from stepwatch.configfile import (MAX_BYTES, MAX_DEPTH, MAX_DIGITS, MAX_MESSAGE, ConfigError,  # noqa: F401
                                  decode, read_bytes)
+from stepwatch.detectors import settings as _settings
+from stepwatch.detectors.settings import Setting, SettingError, range_text as _range_text, show as _show
+from stepwatch.stream.settings import PROCESSOR as _PROCESSOR_SETTINGS
 
 log = logging.getLogger("stepwatch.config")
 
 INF = math.inf
 
-#: the processor's limits: name -> (default, lo, hi, meaning). ``live``: applied on reload to running jobs.
-PROCESSOR = {
-    "flush_interval_s": (1.0, 0.05, 3600.0, "seconds between store flushes (live)"),
-    "max_buffer_rows": (1_000_000, 1000, 100_000_000, "rows buffered before a flush is forced (live)"),
-    "lateness_s": (10.0, 0.0, 3600.0, "seconds of event time before an incomplete step closes (new jobs)"),
-    "window_steps": (128, 8, 65536, "steps x ranks kept per job in the alignment ring (new jobs)"),
-    "replay_steps": (256, 0, 65536, "steps replayed from the store into a job's fresh detectors (new jobs)"),
-    "idle_close_s": (5.0, 0.1, 3600.0, "seconds without input after which open steps are closed (live)"),
-}
-_LIVE = ("flush_interval_s", "max_buffer_rows", "idle_close_s")
+#: the processor's limits, name -> :class:`~stepwatch.detectors.settings.Setting` (declared in
+#: :mod:`stepwatch.stream.settings`). ``live``: applied on reload to running jobs, else to new jobs.
+PROCESSOR: dict[str, Setting] = {st.name: st for st in _PROCESSOR_SETTINGS}
 
 #: targeted profiling policy: name -> (default, lo, hi, meaning); ``on`` is a table alert kind -> profiler
 PROFILING = {
@@ -64,69 +58,8 @@ PROFILING = {
 }
 PROFILERS = ("torch", "py-spy", "host")
 
-#: valid ranges of the detectors' settings (lo, hi; None: unbounded); the defaults and meanings come
-#: from the detector classes (their keyword defaults and the "Settings" part of their docstrings)
-RANGES: dict[str, dict[str, tuple]] = {
-    "slow_rank": {"k": (1, 1000), "n": (1, 1000), "clear_steps": (1, 100000), "z_min": (0.0, None),
-                  "min_effect": (0.0, 10.0), "mad_floor": (0.0, 1.0), "min_peers": (1, None),
-                  "critical_pct": (0.0, 100.0), "small_effect": (0.0, 1.0),
-                  "node_share": (0.0, 1.0), "group_share": (0.0, 1.0), "ref_z": (0.0, 100.0),
-                  "span_z": (0.0, 100.0), "big_ref_z": (0.0, 100.0), "big_span_z": (0.0, 100.0),
-                  "alpha": (1e-15, 0.5), "member_share": (0.0, 1.0), "min_alert_effect": (0.0, 1.0),
-                  "small_alert_effect": (0.0, 1.0)},
-    "changepoint": {"window": (10, 100000), "every": (1, 100000), "min_size": (1, 10000), "min_effect": (0.0, 10.0),
-                    "min_t": (0.0, None), "penalty_c": (0.0, None), "smooth": (1, 1001), "phase_sample": (1, None),
-                    "critical_pct": (0.0, 100.0), "floor_share": (0.0, 1.0), "persist": (0.0, 1.0),
-                    "phase_min_effect": (0.0, 10.0), "phase_min_share": (0.0, 1.0), "phase_small_share": (0.0, 1.0), "phase_small_effect": (0.0, 100.0), "min_steps": (1, 100000), "warmup": (0, 100000),
-                    "phase_min_cost": (0.0, 100.0), "phase_step_share": (0.0, 10.0)},
-    "jitter": {"threshold": (1.0, None), "window": (1, 100000), "ratio": (0.0, 1.0), "native_alpha": (0.0, 1.0), "clear_window": (1, 100000),
-               "baseline": (1, 100000), "spike": (1.0, None), "min_periods": (2, 1000), "min_every": (1, 100000),
-               "history": (8, 1000000), "warmup": (0, 100000)},
-    "stall": {"k": (1, 100000), "min_reporting": (0.01, 1.0), "hang_s": (0.1, None), "hang_steps": (1, 1000000),
-              "max_alerts": (1, 10000), "hang_first_s": (0.1, None), "hang_eval_s": (0.1, None),
-              "hang_checkpoint_s": (0.1, None)},
-    "mfu": {"baseline": (1, 100000), "slow": (1.0, None), "min_effect": (0.0, 10.0), "min_t": (0.0, None),
-            "window": (10, 100000), "critical_pct": (0.0, 100.0), "max_pending": (1, 10_000_000)},
-    "comm_bw": {"window": (1, 100000), "every": (1, 100000), "lag": (0, 1000), "min_steps": (1, 100000),
-                "small_div": (1.0, None), "small_share": (0.0, 1.0), "min_calls": (1, None),
-                "min_comm_share": (0.0, 1.0), "slow_ratio": (0.0, 1.0), "min_peers": (1, None),
-                "sync_share": (0.0, 1.0), "sync_margin": (0.0, 1.0), "straggler_share": (0.0, 1.0), "clear": (1, 100000),
-                "max_pending": (1, 10_000_000)},
-    "dataloader": {"window": (1, 100000), "every": (1, 100000), "min_steps": (1, 100000), "empty_share": (0.0, 1.0),
-                   "min_data_share": (0.0, 1.0), "job_share": (0.0, 1.0), "clear": (1, 100000)},
-    "lifecycle": {"grace_s": (0.001, 600.0), "culprit_window_s": (0.001, 600.0), "settle_s": (0.0, 600.0),
-                  "sched_wait_s": (0.0, 600.0)},
-}
-
-
-#: settings that size a detector's memory (rings, windows, caps; some are allocated only at the first step,
-#: so comparing fresh instances cannot tell): changing one gives that detector a fresh start on reload
-RESIZING: dict[str, set[str]] = {
-    "slow_rank": {"n"},
-    "changepoint": {"window", "smooth", "phase_sample", "min_size", "min_steps"},
-    "jitter": {"window", "clear_window", "baseline", "history", "min_periods"},
-    "mfu": {"window", "baseline", "max_pending"},
-    "comm_bw": {"window", "lag", "min_steps", "max_pending"},
-    "dataloader": {"window", "min_steps"},
-}
-
-
 MAX_JOBS = 1000                     # [[jobs]] entries (each is validated by building its detectors)
 MAX_PATTERN = 256                   # characters of a [[jobs]] match pattern
-
-
-def _show(v, n: int = 60) -> str:
-    """``repr(v)`` for a message, at most ``n`` characters (control characters escaped by repr; an int too
-    large to print in decimal by its size)."""
-    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 128:
-        return f"<a {v.bit_length()}-bit integer>"
-    if isinstance(v, (dict, list)):
-        return f"<a {'table' if isinstance(v, dict) else 'array'} of {len(v)}>"
-    try:
-        r = repr(v)
-    except Exception:  # noqa: BLE001 - a value that cannot be shown is named by its type
-        return f"<{type(v).__name__}>"
-    return r if len(r) <= n else r[:n - 1] + "…"
 
 
 def _name(k) -> str:
@@ -140,96 +73,23 @@ def _registry():
     return REGISTRY, settings_of
 
 
-def meanings(cls) -> dict[str, str]:
-    """A detector's setting -> meaning, from the "Settings" part of its docstring."""
-    doc = inspect.getdoc(cls) or ""
-    out: dict[str, str] = {}
-    part = doc.split("Settings (keyword arguments, defaults):", 1)
-    if len(part) < 2:
-        return out
-    last = None
-    for line in part[1].splitlines():
-        m = re.match(r"^\s{0,8}([a-z_][a-z0-9_]*)=(\S+)\s+(.*)$", line)
-        if m:
-            last = m.group(1)
-            out[last] = m.group(3).strip()
-        elif last and line.strip() and line.startswith(" " * 10):
-            out[last] += " " + line.strip()
-        elif not line.strip():
-            last = None
-    return out
-
-
-def _range_text(lo, hi) -> str:
-    if lo is None and hi is None:
-        return "any"
-    if hi is None:
-        return f">= {lo}"
-    if lo is None:
-        return f"<= {hi}"
-    return f"{lo} .. {hi}"
-
-
 def _check_value(where: str, v, default, lo, hi):
-    """``v`` checked against the type of ``default`` and [lo, hi]; returns it (ints as int)."""
-    if isinstance(default, bool) or (default is None and isinstance(v, bool)):
-        if not isinstance(v, bool):
-            raise ConfigError(f"{where}: must be true or false, not {_show(v)}")
-        return v
-    if isinstance(default, (int, float)) or lo is not None or hi is not None:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not math.isfinite(v)):
-            raise ConfigError(f"{where}: must be a number in {_range_text(lo, hi)}, not {_show(v)}")
-        if isinstance(default, int) and not isinstance(default, bool) and isinstance(v, float) and \
-                not v.is_integer():
-            raise ConfigError(f"{where}: must be a whole number in {_range_text(lo, hi)}, not {_show(v)}")
-        if (lo is not None and v < lo) or (hi is not None and v > hi) or (isinstance(v, int) and abs(v) >= 2**63):
-            raise ConfigError(f"{where}: {_show(v)} is out of range (valid: {_range_text(lo, hi)})")
-        return int(v) if isinstance(default, int) and not isinstance(default, bool) else v
-    return v
+    """``v`` checked against the type of ``default`` and [lo, hi] (the ``[profiling]`` table's and
+    ``enabled``); returns it (ints as int)."""
+    return _setting_value(Setting(where, default, lo, hi), v, where)
 
 
-def _positive(where: str, v):
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1e300 or \
-            (isinstance(v, float) and not math.isfinite(v)):
-        raise ConfigError(f"{where}: must be a number > 0, not {_show(v)}")
-    return float(v)
-
-
-def _table_of_positive(where: str, v) -> dict:
-    if not isinstance(v, dict) or len(v) > 64:
-        raise ConfigError(f"{where}: must be a table of at most 64 name = number, not {_show(v)}")
-    return {k: _positive(f"{where}.{_name(k)}", x) for k, x in v.items()}
-
-
-def _peak_tflops(where: str, v):
-    """mfu.peak_tflops: a number, a table, or the path of a JSON/YAML file, a regular one of at most
-    64 KiB (the detector reads it: never a FIFO or device to wait on)."""
-    if isinstance(v, dict):
-        return _table_of_positive(where, v)
-    if isinstance(v, str):
-        try:
-            st = os.stat(v)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"{where}: {_show(v)}: cannot read: {getattr(e, 'strerror', None) or e}") from None
-        if not stat.S_ISREG(st.st_mode) or st.st_size > 65536:
-            raise ConfigError(f"{where}: {_show(v)} is not a regular file of at most 65536 bytes")
-        return v
-    return _positive(where, v)
-
-
-def _short_str(where: str, v):
-    if not isinstance(v, str) or len(v) > 64:
-        raise ConfigError(f"{where}: must be a name of at most 64 characters, not {_show(v)}")
-    return v
-
-
-#: settings that are not numbers or switches: (detector, setting) -> validator(where, value) -> value
-FREEFORM = {("mfu", "peak_tflops"): _peak_tflops, ("comm_bw", "link_gbps"): _table_of_positive,
-            ("comm_bw", "link"): _short_str}
+def _setting_value(st: Setting, v, where: str):
+    """``v`` checked by its declaration (type, range, or a free-form setting's validator), as a
+    :class:`ConfigError` naming ``where`` and the value."""
+    try:
+        return st.validate(v, where)
+    except SettingError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _detectors(raw, where: str) -> dict[str, dict]:
-    REGISTRY, settings_of = _registry()
+    REGISTRY, _ = _registry()
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: must be a table of detectors")
     out = {}
@@ -238,18 +98,16 @@ def _detectors(raw, where: str) -> dict[str, dict]:
             raise ConfigError(f"{where}.{_name(name)}: unknown detector (known: {', '.join(REGISTRY)})")
         if not isinstance(kw, dict):
             raise ConfigError(f"{where}.{name}: must be a table of settings, not {_show(kw)}")
-        defaults = settings_of(REGISTRY[name])
-        rng = RANGES.get(name, {})
+        declared = _settings.table(REGISTRY[name].SETTINGS)
         clean = {}
         for k, v in kw.items():
             w = f"{where}.{name}.{_name(k)}"
             if k == "enabled":
                 clean[k] = _check_value(w, v, True, None, None)
                 continue
-            if k not in defaults:
-                raise ConfigError(f"{w}: unknown setting (known: enabled, {', '.join(defaults)})")
-            lo, hi = rng.get(k, (None, None))
-            clean[k] = FREEFORM[(name, k)](w, v) if (name, k) in FREEFORM else _check_value(w, v, defaults[k], lo, hi)
+            if k not in declared:
+                raise ConfigError(f"{w}: unknown setting (known: enabled, {', '.join(declared)})")
+            clean[k] = _setting_value(declared[k], v, w)
         _build_one(f"{where}.{name}", name, clean)     # the detector's own cross-checks
         out[name] = clean
     return out
@@ -267,7 +125,7 @@ def _build_one(where: str, name: str, kw: dict):
 
 @dataclass
 class Config:
-    processor: dict = field(default_factory=lambda: {k: v[0] for k, v in PROCESSOR.items()})
+    processor: dict = field(default_factory=lambda: {k: st.default for k, st in PROCESSOR.items()})
     detectors: dict = field(default_factory=dict)          # detector -> settings (only those the file sets)
     jobs: list = field(default_factory=list)               # [(pattern, {detector: settings})], file order
     profiling: dict = field(default_factory=dict)          # the [profiling] table as given (validated)
@@ -312,8 +170,7 @@ def parse(data: dict, path: str | None = None) -> Config:
     for k, v in proc.items():
         if k not in PROCESSOR:
             raise ConfigError(f"processor.{_name(k)}: unknown setting (known: {', '.join(PROCESSOR)})")
-        d, lo, hi, _ = PROCESSOR[k]
-        c.processor[k] = _check_value(f"processor.{k}", v, d, lo, hi)
+        c.processor[k] = _setting_value(PROCESSOR[k], v, f"processor.{k}")
     c.detectors = _detectors(data.get("detectors", {}), "detectors")
     jobs = data.get("jobs", [])
     if not isinstance(jobs, list):
@@ -398,25 +255,35 @@ def _toml(v) -> str:
     return str(v)
 
 
+def _sections():
+    """``(section, settings, what a change does when not live)`` of every declared setting, in file order."""
+    REGISTRY, _ = _registry()
+    yield "processor", tuple(PROCESSOR.values()), "new jobs"
+    for name, cls in REGISTRY.items():
+        yield f"detectors.{name}", cls.SETTINGS, "restarts the detector"
+
+
+def _comment(st: Setting, later: str) -> str:
+    m = st.meaning + (f" ({st.unit})" if st.unit and st.unit != "switch" else "")
+    valid = f"; valid {st.valid}" if st.type in (int, float) else ""
+    return f"{m}{valid}; on reload: {'live' if st.live else later}"
+
+
 def defaults_text() -> str:
     """Every setting with its default, valid range and meaning, as a TOML file (what ``stepwatch config
-    defaults`` prints; loading it gives the defaults)."""
-    REGISTRY, settings_of = _registry()
+    defaults`` prints; loading it gives the defaults). Made from the settings' declarations."""
     out = ["# stepwatch processor configuration: every setting with its default.",
            "# Use: stepwatch process --config FILE (reloaded on SIGHUP). Settings left out keep their default.",
-           "", "[processor]"]
-    for k, (d, lo, hi, m) in PROCESSOR.items():
-        out.append(f"{k} = {_toml(d)}    # {m}; valid {_range_text(lo, hi)}")
-    for name, cls in REGISTRY.items():
-        out += ["", f"[detectors.{name}]", "enabled = true    # false: the detector does not run"]
-        mean = meanings(cls)
-        for k, d in settings_of(cls).items():
-            lo, hi = RANGES.get(name, {}).get(k, (None, None))
-            m = mean.get(k, "")
-            if d is None:
-                out.append(f"# {k} =    # default: unset; {m}")
+           "# 'on reload: live': a change applies to running jobs with their detector state kept."]
+    for sec, decl, later in _sections():
+        out += ["", f"[{sec}]"]
+        if sec.startswith("detectors."):
+            out.append("enabled = true    # false: the detector does not run")
+        for st in decl:
+            if st.default is None:
+                out.append(f"# {st.name} =    # default: unset; {_comment(st, later)}")
             else:
-                out.append(f"{k} = {_toml(d)}    # {m}; valid {_range_text(lo, hi)}")
+                out.append(f"{st.name} = {_toml(st.default)}    # {_comment(st, later)}")
     out += ["", "[profiling]    # targeted profiling on alerts (needs STEPWATCH_PROFILING_PRIVATE_KEY[_FILE]; docs/profiling.md)",
             "enabled = true    # false: no profiling commands even with a key"]
     for k, (d, lo, hi, m) in PROFILING.items():
@@ -430,39 +297,37 @@ def defaults_text() -> str:
     return "\n".join(out)
 
 
+def _md(text: str) -> str:
+    return text.replace("``", "`").replace("|", "\\|")
+
+
+def defaults_markdown() -> str:
+    """The settings tables of docs/configuration.md (``stepwatch config defaults --markdown``), made from
+    the same declarations; a test keeps the page equal to it."""
+    out = []
+    for sec, decl, later in _sections():
+        out += [f"#### `[{sec}]`", "", "| setting | default | valid | unit | on reload | meaning |",
+                "|---|---|---|---|---|---|"]
+        for st in decl:
+            d = "unset" if st.default is None else _toml(st.default)
+            valid = st.valid if st.type in (int, float) else ("true, false" if st.type is bool else "see meaning")
+            out.append(f"| `{st.name}` | {d} | {valid} | {st.unit} | {'live' if st.live else later} | "
+                       f"{_md(st.meaning)} |")
+        out.append("")
+    return "\n".join(out)
+
+
 # ---------------------------------------------------------------------------- applying to a processor
 
-def _same(a, b) -> bool:
-    if a is b:
-        return True
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.shape == b.shape and \
-            a.dtype == b.dtype and bool(np.array_equal(a, b, equal_nan=a.dtype.kind == "f"))
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001
-        return False
-
-
 def retune(det, cls, old_kw: dict, new_kw: dict):
-    """``det`` with ``new_kw`` in force and its state kept: the attributes a fresh detector built with
-    ``new_kw`` has differently from one built with ``old_kw`` are the settings (and what derives from
-    them); only those are replaced. When a setting of :data:`RESIZING` changes, or such an attribute is an
-    array or a bounded deque, the settings size the detector's memory and a fresh detector is returned."""
-    if old_kw == new_kw:
-        return det
-    a, b = cls(**old_kw), cls(**new_kw)
-    sizing = RESIZING.get(getattr(cls, "name", ""), set())
-    if any(old_kw.get(k, object()) != new_kw.get(k, object()) for k in sizing & (set(old_kw) | set(new_kw))):
-        log.info("detector %s: new settings resize its state; it starts afresh", cls.name)
-        return b
-    changed = [k for k in b.__dict__ if k not in a.__dict__ or not _same(a.__dict__[k], b.__dict__[k])]
-    if any(isinstance(b.__dict__[k], (np.ndarray, deque)) for k in changed):
-        log.info("detector %s: new settings resize its state; it starts afresh", getattr(det, "name", cls))
-        return b
-    for k in changed:
-        setattr(det, k, b.__dict__[k])
-    return det
+    """``det`` (a ``cls`` built with ``old_kw``) with ``new_kw`` in force: when only ``live`` settings
+    change they are set on it and its derived attributes recomputed (its state kept: baselines, counters,
+    rings, open alerts); a change of one that is not ``live`` (it sizes the detector's memory or is baked
+    into its state) gives a fresh detector (:func:`stepwatch.detectors.settings.retune`)."""
+    out = _settings.retune(det, new_kw)
+    if out is not det:
+        log.info("detector %s: a setting that is not live changed; it starts afresh", cls.name)
+    return out
 
 
 def _profiling_plan(proc, old: Config, new: Config):
@@ -495,7 +360,8 @@ def _profiling_plan(proc, old: Config, new: Config):
 
 def apply(proc, new: Config) -> dict:
     """Put ``new`` in force on a running :class:`~stepwatch.stream.processor.Processor` (from its loop
-    thread, between messages): live limits, the ``[profiling]`` policy, then every job's detectors
+    thread, between messages): its limits (the live ones at once, the others for new jobs), the
+    ``[profiling]`` policy, then every job's detectors
     retuned in place (state kept; see :func:`retune`), added or removed when ``enabled`` changed.
     Everything is checked before anything changes: a job whose merged settings a detector refuses
     raises :class:`ConfigError` and nothing is applied. Returns what changed (job -> detectors)."""
@@ -518,8 +384,7 @@ def apply(proc, new: Config) -> dict:
         plans[job] = (rt, plan, sorted(set(o) | set(n)))
     prof = _profiling_plan(proc, old, new)
     # commit (nothing above changed the processor)
-    for k in _LIVE:
-        setattr(proc, k, new.processor[k])
+    proc.retune(new.processor)           # the live limits now, the others for jobs started from now on
     if prof is not None:
         proc.profiling, proc.profiling_settings = prof
     changed = {}
@@ -595,7 +460,8 @@ class FileWatch:
 
 def processor_kwargs(cfg: Config | None, a=None) -> dict:
     """``Processor`` keyword arguments: the file's limits, where ``stepwatch process`` was not given the
-    corresponding flag (``--flush-interval``, ``--lateness``: a flag given wins)."""
+    corresponding flag (``--flush-interval``, ``--lateness``: a flag given wins); those in neither keep the
+    declared defaults (:mod:`stepwatch.stream.settings`)."""
     kw = dict(cfg.processor) if cfg is not None else {}
     for flag, k in (("flush_interval", "flush_interval_s"), ("lateness", "lateness_s")):
         v = getattr(a, flag, None) if a is not None else None
@@ -607,7 +473,9 @@ def processor_kwargs(cfg: Config | None, a=None) -> dict:
 def register(sub) -> None:
     c = sub.add_parser("config", help="the processor's configuration file: print the defaults, check a file")
     cs = c.add_subparsers(dest="config_cmd", metavar="ACTION")
-    cs.add_parser("defaults", help="print every setting with its default, valid range and meaning (TOML)")
+    df = cs.add_parser("defaults", help="print every setting with its default, valid range and meaning (TOML)")
+    df.add_argument("--markdown", action="store_true",
+                    help="print the settings tables of docs/configuration.md instead")
     ck = cs.add_parser("check", help="validate a configuration file")
     ck.add_argument("file")
     ck.add_argument("--job", help="also print the detector settings that apply to this job")
@@ -618,7 +486,7 @@ def _cmd(a) -> int:
     import json
     import sys
     if a.config_cmd == "defaults":
-        sys.stdout.write(defaults_text())
+        sys.stdout.write(defaults_markdown() if getattr(a, "markdown", False) else defaults_text())
         return 0
     if a.config_cmd == "check":
         try:

@@ -54,6 +54,8 @@ from stepwatch.stream.ingress import IngressLimits
 from stepwatch.stream.jobmetrics import JobMetrics
 from stepwatch.kafkaio import KafkaSettings, ensure_topics, make_consumer, make_producer
 from stepwatch.stream.metrics import ProcessorMetrics
+from stepwatch.stream.settings import PROCESSOR
+from stepwatch.detectors.settings import bind as bind_settings
 
 log = logging.getLogger("stepwatch.processor")
 
@@ -99,13 +101,15 @@ class Processor(Intake, CaughtUp):
     """Kafka consumer group -> decode (:class:`~stepwatch.stream.intake.Intake`) -> align -> detect ->
     sinks, checkpointed (see the module docs); read-to-end proofs and lag: :class:`~stepwatch.stream.caughtup.CaughtUp`."""
 
-    def __init__(self, kafka: KafkaSettings, data_dir: str | Path, group: str = "stepwatch-processor",
-                 flush_interval_s: float = 1.0, max_buffer_rows: int = 1_000_000,
-                 lateness_s: float = 10.0, window_steps: int = 128, replay_steps: int = 256,
+    #: the limits (:mod:`stepwatch.stream.settings`): keyword arguments of the constructor, the ``[processor]``
+    #: table of the configuration file. Code may pass values beyond the file's ranges (a test's
+    #: ``flush_interval_s=1e9``: never by time); their types are checked.
+    SETTINGS = PROCESSOR
+
+    def __init__(self, kafka: KafkaSettings, data_dir: str | Path, group: str = "stepwatch-processor", *,
                  detector_settings: dict | None = None,
                  on_alert: Callable[[Alert], None] | None = None, metrics: ProcessorMetrics | None = None,
-                 create_topics: bool = True, idle_close_s: float = 5.0, profiling="env",
-                 limits: IngressLimits | None = None):
+                 create_topics: bool = True, profiling="env", limits: IngressLimits | None = None, **settings):
         self.kafka = kafka
         self.limits = limits or IngressLimits()      # the Kafka boundary's bounds (stream.ingress, docs/limits.md)
         self.extras = ingress.ExtraColumns(self.limits)
@@ -124,16 +128,13 @@ class Processor(Intake, CaughtUp):
         self._wide: set[str] = set()      # jobs whose ring is wider than stepaxis.SPARSE_MIN_WIDTH ranks
         self.store = ParquetStore(data_dir).init()
         self.group = group
-        self.flush_interval_s = flush_interval_s
-        self.max_buffer_rows = max_buffer_rows
-        self.lateness_ns = int(lateness_s * 1e9)
-        self.window_steps = window_steps      # alignment ring (steps x ranks in memory)
-        self.replay_steps = replay_steps      # steps replayed from the store into fresh detectors
+        # flush_interval_s, max_buffer_rows, idle_close_s; lateness_s, window_steps (alignment ring, steps x
+        # ranks in memory), replay_steps (steps replayed from the store into fresh detectors): for new jobs
+        self.retune(settings)
         self.detector_settings = detector_settings
         self.on_alert = on_alert
         self.metrics = metrics or ProcessorMetrics()
         self.create_topics = create_topics
-        self.idle_close_s = idle_close_s
         if profiling == "env":                      # on when STEPWATCH_PROFILING_PRIVATE_KEY[_FILE] holds a key
             from stepwatch.stream.profiling import settings_from_env
             profiling = settings_from_env()
@@ -165,6 +166,14 @@ class Processor(Intake, CaughtUp):
         # called with each alert still open in the store when a job is rebuilt (the job metrics count it;
         # the sinks get it as AlertOut(restored=True): stream.rebuild)
         self.on_alert_restored: Callable[[Alert], None] | None = self.job_metrics.on_alert
+
+    def retune(self, kw: dict) -> None:
+        """Put the limits ``kw`` in force (those left out: their defaults); a reload calls this too. The
+        ``live`` ones act at once; ``lateness_s``, ``window_steps`` and ``replay_steps`` on the jobs
+        started after (a running job keeps its alignment ring). Raises
+        :class:`~stepwatch.detectors.settings.SettingError` (the field and the value) for a wrong type."""
+        vals = bind_settings(self, PROCESSOR, kw, "processor", ranges=False)
+        self.lateness_ns = int(vals["lateness_s"] * 1e9)
 
     # ------------------------------------------------------------------ kafka lifecycle
     def start(self) -> None:

@@ -221,9 +221,8 @@ def test_sighup_applies_a_per_job_override_on_the_next_step_and_refuses_a_bad_fi
 
 
 def test_every_numeric_detector_setting_has_a_valid_range():
-    """A setting added to a detector needs its range in stepwatch.config.RANGES (else it is refused with no
-    range to name, and `stepwatch config defaults` says "valid any")."""
-    missing = [f"{n}.{k}" for n, cls in REGISTRY.items() for k, d in settings_of(cls).items()
-               if isinstance(d, (int, float)) and not isinstance(d, bool) and k not in swconfig.RANGES.get(n, {})]
-    stale = [f"{n}.{k}" for n, r in swconfig.RANGES.items() for k in r if k not in settings_of(REGISTRY[n])]
-    assert not missing and not stale, (missing, stale)
+    """A setting added to a detector declares its range with it (else a file could set any number, and
+    `stepwatch config defaults` says "valid any")."""
+    missing = [f"{n}.{st.name}" for n, cls in REGISTRY.items() for st in cls.SETTINGS
+               if st.type in (int, float) and st.lo is None and st.hi is None]
+    assert not missing, missing
