@@ -2,7 +2,7 @@
 
 Every few hundred events (or ``flush_ms``, 500 ms), :meth:`Replay._drain` hands the event log to
 :meth:`Replay._replay`, which applies the events in order to the step state (what the hooks would have done
-live, but warm and in a tight loop) and packs every finished step as one fixed-size frame (:mod:`.wire`)
+live, but warm and in a tight loop) and packs every finished step as one fixed-size frame (:mod:`stepwatch.wire.datagram`)
 into the probe's datagram buffer: ``_probefast.pack_step`` in C, or :meth:`Replay._pack_py`, byte for byte
 the same. :class:`Replay` is a part of :class:`~.core.Probe` (its state lives there).
 """
@@ -13,7 +13,7 @@ import threading
 from . import eventlog as _ev
 from .eventlog import (K_BEGIN, K_BUCKET, K_COLL, K_COUNT, K_DATA, K_DCOLL, K_END, K_GC, K_MARK, K_OPT_POST,
                        K_PHASE, _perf)
-from .wire import (COMM, GCREC, HDR, HDR_STEP, MAGIC, MAX_CALLS, MAX_DATAGRAM, MAX_FRAME, MAX_GC, MAX_PENDING,
+from stepwatch.wire.datagram import (COMM, GCREC, HDR, HDR_STEP, MAGIC, MAX_CALLS, MAX_DATAGRAM, MAX_FRAME, MAX_GC, MAX_PENDING,
                    PHASE, T_BATCH, VERSION)
 
 _OPENING = frozenset((K_DATA, K_COLL, K_DCOLL, K_BUCKET))   # events that open a step in automatic mode

@@ -23,13 +23,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from stepwatch.catalog import NATURAL_KEYS, TELEMETRY  # noqa: F401 - re-exported
-from stepwatch.tables import (  # noqa: F401 - re-exported: the schemas live in stepwatch/tables.py
-    ARROW_CT, JSON_CT, EPOCH, VERSION, TS, F64, STEPS, TOPOLOGY, TOP_PROC, ACCEL, HOST, GC, COMM, INFLIGHT, ALERTS,
-    DEADLETTER, RANK_MINUTES, STEP_SUMMARY, EFFICIENCY, COMM_BW, CONTROL, PROFILES, PROFILE_DIFFS, SCHEMAS,
-    NONNEGATIVE, JOB_RE, JOB_PATTERN,
-)
-from stepwatch.wireenc import _json_default, encode_arrow, encode_json, headers  # noqa: F401 - re-exported
+from stepwatch.wire.catalog import TELEMETRY
+from stepwatch.wire.tables import (ARROW_CT, EPOCH, F64, JOB_PATTERN, JOB_RE, JSON_CT, NONNEGATIVE, SCHEMAS,
+                                   VERSION)
 
 
 class WireError(ValueError):

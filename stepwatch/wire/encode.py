@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pyarrow as pa
 
-from stepwatch.tables import ARROW_CT, VERSION  # noqa: F401 - ARROW_CT: the default content type, for callers
+from stepwatch.wire.tables import ARROW_CT, VERSION
 
 def encode_arrow(table: pa.Table | pa.RecordBatch, compression: str | None = "lz4") -> bytes:
     """One Arrow IPC stream holding the rows. Buffers are LZ4-compressed by default: it decodes
