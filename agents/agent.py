@@ -317,7 +317,7 @@ class Agent:
             self._refused("peer_not_allowed", f"uid {peer.uid} gid {peer.gid} is not allowed")
             return
         try:
-            typ, inst, frames = columns.scan(data)   # batch frames: headers only, records read at the tick
+            typ, inst, frames = datagram.scan(data)   # batch frames: headers only, records read at the tick
             if typ != datagram.T_BATCH:
                 frames = datagram.decode(data)
                 typ, inst, _, body = frames[0]

@@ -1,16 +1,17 @@
 """The node agent's columnar decoder of the probe's datagrams.
 
-The probe's frames (layout: :mod:`stepwatch.agents.probe.wire`) are fixed-size records, so the agent reads
+The probe's frames (layout: :mod:`stepwatch.wire.datagram`) are fixed-size records, so the agent reads
 them as numpy structured arrays over the same bytes (:data:`STEP_DT`, :data:`PHASE_DT`, :data:`COMM_DT`,
 :data:`GCREC_DT`, checked against the structs at import) instead of a dict per row:
 
-- :func:`scan` walks one datagram's frame headers (the only per-frame Python work), validating them as
-  :func:`~stepwatch.agents.probe.wire.decode` does, without unpacking a record;
+- :func:`stepwatch.wire.datagram.scan` (the one walk over the frame headers, which
+  :func:`~stepwatch.wire.datagram.decode` also uses) validates each datagram as it arrives, without
+  unpacking a record;
 - :class:`BatchColumns` keeps the scanned datagrams of each job until the agent's tick, then gathers every
   record of the tick with one fancy index per record type and builds the ``steps``, ``comm`` and ``gc``
   Arrow tables column by column (:func:`steps_table`, :func:`comm_table`, :func:`gc_table`).
 
-Rows are the same as :func:`stepwatch.agents.agent.rows_from_batch` gives (tests/test_wirecols.py checks
+Rows are the same as :func:`stepwatch.agents.agent.rows_from_batch` gives (tests/unit/test_wirecols.py checks
 it, value for value).
 """
 from __future__ import annotations
@@ -41,47 +42,7 @@ assert (HDR_DT.itemsize, STEP_DT.itemsize, PHASE_DT.itemsize, COMM_DT.itemsize, 
     datagram.HDR.size, datagram.STEP.size, datagram.PHASE.size, datagram.COMM.size, datagram.GCREC.size)
 assert tuple(n for n in STEP_DT.names if n != "_pad") == datagram.STEP_FIELDS
 
-_JSON_TYPES = (datagram.T_HELLO, datagram.T_PROFILE, datagram.T_INFLIGHT, datagram.T_SCHED)
 KINDS = ("steps", "comm", "gc")               # the tables :func:`tables` returns, in this order
-
-
-def scan(data: bytes) -> tuple[int, int, list[tuple]]:
-    """``(type, instance, frames)`` of one datagram: for a batch datagram ``frames`` holds, per frame,
-    ``(offset, instance, version, n_step, n_phase, n_comm, n_gc)`` (nothing is unpacked); for the JSON
-    types (hello, profile result, in-flight state) it is empty (:func:`~.probe.wire.decode` reads them).
-    Raises :class:`~.probe.wire.BadDatagram` where ``decode`` would."""
-    n = len(data)
-    hdr = datagram.HDR
-    if n < hdr.size:
-        raise datagram.BadDatagram(f"short datagram ({n} bytes)")
-    magic, ver, typ, inst, rank, n_step, n_comm, n_gc, n_phase = hdr.unpack_from(data, 0)
-    if magic == datagram.MAGIC and ver in datagram.VERSIONS and typ in _JSON_TYPES:
-        return typ, inst, []
-    out = []
-    off = 0
-    while off < n:
-        if n - off < hdr.size:
-            raise datagram.BadDatagram(f"{n - off} stray bytes after frame {len(out)}")
-        magic, ver, typ, inst, rank, n_step, n_comm, n_gc, n_phase = hdr.unpack_from(data, off)
-        if magic != datagram.MAGIC:
-            raise datagram.BadDatagram(f"bad magic 0x{magic:04x}")
-        if ver not in datagram.VERSIONS:
-            raise datagram.BadDatagram(f"unsupported version {ver}")
-        if typ in _JSON_TYPES:
-            what = {datagram.T_HELLO: "hello", datagram.T_PROFILE: "profile result"}.get(typ, "in-flight state")
-            raise datagram.BadDatagram(f"{what} after a batch frame")
-        if typ != datagram.T_BATCH:
-            raise datagram.BadDatagram(f"unknown frame type {typ}")
-        if n_step > 1 or n_phase > datagram.MAX_PHASES or n_comm > datagram.MAX_COMM or n_gc > datagram.MAX_GC:
-            raise datagram.BadDatagram(f"record counts out of range (step {n_step}, phase {n_phase}, comm {n_comm}, "
-                                f"gc {n_gc})")
-        st = datagram.STEP_BY_VERSION[ver].size
-        size = hdr.size + n_step * st + n_phase * datagram.PHASE.size + n_comm * datagram.COMM.size + n_gc * datagram.GCREC.size
-        if off + size > n:
-            raise datagram.BadDatagram(f"frame {len(out)} needs {size} bytes, {n - off} left")
-        out.append((off, inst, ver, n_step, n_phase, n_comm, n_gc))
-        off += size
-    return datagram.T_BATCH, out[0][1], out
 
 
 def last_dropped(data: bytes, frames: list[tuple]) -> int | None:

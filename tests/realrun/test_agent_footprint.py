@@ -14,7 +14,7 @@ CODE = r"""
 import os, socket, sys
 from stepwatch.agents import agent, control, shipper                  # what `stepwatch agent` imports
 from stepwatch.agents.probe import Probe
-from stepwatch.wire import columns
+from stepwatch.wire import columns, datagram
 from stepwatch.wire.datagram import SOCKET_NAME, T_HELLO, decode
 from stepwatch.wire.encode import encode_arrow
 from stepwatch import kafkaio
@@ -41,7 +41,7 @@ while True:
 p.shutdown()
 idents, bc = {}, columns.BatchColumns()
 for g in grams:
-    typ, inst, frames = columns.scan(g)
+    typ, inst, frames = datagram.scan(g)
     if typ == T_HELLO:
         idents[inst] = agent.identity_from_hello(decode(g)[0][3], "n1", None)
     else:

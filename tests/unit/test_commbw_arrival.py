@@ -99,7 +99,7 @@ def _device_job(sockdir: str, job: str, ranks: int, steps: int) -> dict[str, pa.
         os.unlink(os.path.join(sockdir, P.SOCKET_NAME))
     idents, bc, topo = {}, columns.BatchColumns(), []
     for d in datagrams:
-        typ, inst, frames = columns.scan(d)
+        typ, inst, frames = datagram.scan(d)
         if typ == datagram.T_HELLO:
             idents[inst] = identity_from_hello(decode(d)[0][3], "gpu-node", None)
             topo.append(idents[inst].topology_row())
