@@ -1,4 +1,4 @@
-"""Wire contract v1 (docs/wire-format.md) as code.
+"""The processor's decoder of wire contract v1 (docs/wire-format.md).
 
 Every telemetry message on Kafka carries one batch of rows of one kind (``steps``, ``topology``,
 ``host``, ``gc``, ``comm``; the processor itself writes ``alerts`` and ``deadletter``). A message is
@@ -11,7 +11,8 @@ sizes bytes.
 :func:`decode` turns a payload into a table conformed to the v1 schema (unknown extra columns kept,
 missing nullable columns filled with nulls) and splits it into valid rows and rejected rows, each
 rejection naming the field and the value. Everything is columnar (pyarrow compute); nothing loops
-per row except to format the (few) rejection messages.
+per row except to format the (few) rejection messages. The schemas are :mod:`stepwatch.wire.tables`; the
+producers' half (encode, headers) is :mod:`stepwatch.wire.encode`, which never imports this module.
 """
 from __future__ import annotations
 
