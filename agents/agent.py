@@ -3,11 +3,11 @@
 Lifecycle: :meth:`Agent.start` binds ``<socket_dir>/agent.sock`` (``AF_UNIX``, ``SOCK_DGRAM``; a stale
 file left by a dead agent is replaced, a live agent is refused) and starts a receiver thread that only
 moves datagrams into a bounded in-memory queue. Every ``interval_s`` (1 s) :meth:`Agent.tick` decodes
-the queued datagrams (:func:`stepwatch.agents.probe.decode`; a bad one is counted and skipped, never
+the queued datagrams (:mod:`stepwatch.wire.columns`, :func:`stepwatch.wire.datagram.decode`; a bad one is counted and skipped, never
 fatal), samples the host through the plug-ins of :mod:`stepwatch.agents.hostmetrics`, and hands one
 Arrow table per (kind, job) to the :class:`~stepwatch.agents.shipper.Shipper`: ``topology`` first,
 then ``steps``, ``gc``, ``comm`` and ``host``, each keyed by job with the ``schema`` headers of
-``stepwatch.schema``. When Kafka is unreachable the shipper spools to a bounded directory and replays
+``stepwatch.wire.encode``. When Kafka is unreachable the shipper spools to a bounded directory and replays
 in order when it returns. :meth:`Agent.close` does a last tick and removes the socket file.
 
 Identity. A probe introduces itself with a *hello* datagram (job, rank, world size, device, the table of
@@ -41,10 +41,11 @@ from pathlib import Path
 import pyarrow as pa
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from stepwatch import __version__, catalog
-from stepwatch import tables as wire   # the Arrow schemas alone: the codec (schema.py) loads pyarrow.compute, ~9 MB of RSS
-from stepwatch.agents import probe as wirep
-from stepwatch.agents import wirecols
+from stepwatch import __version__
+from stepwatch.wire import catalog
+from stepwatch.wire import tables as wire  # the Arrow schemas alone: the decoder (wire.decode) loads pyarrow.compute, ~9 MB of RSS
+from stepwatch.wire import datagram
+from stepwatch.wire import columns
 from stepwatch.agents.hostmetrics import PluginRunner, build_runners, sample
 from stepwatch.agents.inflight import Liveness, RateBound, row_from_probe
 from stepwatch.agents.profiling import safe_job   # one copy: the probe and the control channel use it too
@@ -154,7 +155,7 @@ def _opt(v: int) -> int | None:
 def rows_from_batch(ident: Identity, body) -> tuple[dict | None, list[dict], list[dict]]:
     """(steps row or None, comm rows, gc rows) of one decoded batch datagram, in the wire's columns and
     units (the datagram carries durations in ns; rows carry ms). The agent itself decodes into columns
-    (agents/wirecols.py); this row form is the reference tests/test_wirecols.py holds it to."""
+    (stepwatch/wire/columns.py); this row form is the reference tests/unit/test_wirecols.py holds it to."""
     step, phases, comm, gcs = body
     base = {"job": ident.job, "node": ident.node, "rank": ident.rank}
     names = ident.names
@@ -197,8 +198,8 @@ class Agent:
                  metrics: AgentMetrics | None = None, create_topics: bool = True, socket_mode: int = 0o660,
                  send_timeout_s: float = 5.0, retry_s: float = 2.0, max_queue: int = 100_000,
                  socket_group=None, limits: IngressLimits | None = None):
-        self.socket_dir = socket_dir or wirep.default_socket_dir()
-        self.path = os.path.join(self.socket_dir, wirep.SOCKET_NAME)
+        self.socket_dir = socket_dir or datagram.default_socket_dir()
+        self.path = os.path.join(self.socket_dir, datagram.SOCKET_NAME)
         self.node = node or os.environ.get("STEPWATCH_NODE") or os.environ.get("NODE_NAME") or socket.gethostname()
         self.job = job
         self.interval_s = interval_s
@@ -220,7 +221,7 @@ class Agent:
         self.pending: dict[int, collections.deque] = {}
         self._topo_sent: dict[tuple[str, int], tuple] = {}
         self.rows: dict[str, dict[str, list]] = {k: collections.defaultdict(list) for k in KINDS}
-        self.batches = wirecols.BatchColumns()      # the probes' step/comm/gc frames, decoded into columns per tick
+        self.batches = columns.BatchColumns()      # the probes' step/comm/gc frames, decoded into columns per tick
         self.stop_event = threading.Event()
         self._rx: threading.Thread | None = None
         self._t_host = -1e18
@@ -289,7 +290,7 @@ class Agent:
             if len(q) >= self.max_queue or self._q_in - self._q_out + len(data) > cap:
                 m.dropped.labels("queue_full").inc()
                 continue
-            if (peer is not None and len(data) > 3 and data[3] == wirep.T_HELLO
+            if (peer is not None and len(data) > 3 and data[3] == datagram.T_HELLO
                     and self.limits.job_binding == "cgroup"):
                 peer = dataclasses.replace(peer, scope=self._scopes.get(peer.pid))   # now: it may exit before the tick
             self._q_in += len(data)
@@ -316,17 +317,17 @@ class Agent:
             self._refused("peer_not_allowed", f"uid {peer.uid} gid {peer.gid} is not allowed")
             return
         try:
-            typ, inst, frames = wirecols.scan(data)   # batch frames: headers only, records read at the tick
-            if typ != wirep.T_BATCH:
-                frames = wirep.decode(data)
+            typ, inst, frames = datagram.scan(data)   # batch frames: headers only, records read at the tick
+            if typ != datagram.T_BATCH:
+                frames = datagram.decode(data)
                 typ, inst, _, body = frames[0]
-            if typ == wirep.T_HELLO:
+            if typ == datagram.T_HELLO:
                 self._hello(inst, body, now, peer)
                 return
-            if typ == wirep.T_SCHED:
+            if typ == datagram.T_SCHED:
                 self._sched(body, peer)
                 return
-        except (wirep.BadDatagram, ValueError, TypeError) as e:
+        except (datagram.BadDatagram, ValueError, TypeError) as e:
             self._bad(e)
             return
         ident = self.idents.get(inst)
@@ -334,13 +335,13 @@ class Agent:
             self._refused("peer_mismatch", f"process {peer.pid} (uid {peer.uid}) sent frames of probe instance "
                                            f"{inst}, which belongs to process {ident.peer.pid}")
             return
-        if typ == wirep.T_PROFILE:
+        if typ == datagram.T_PROFILE:
             if self.control is not None:
                 self.control.on_result(ident, body)
             return
         if ident is None or any(f[1] != inst for f in frames):
             if ident is not None:
-                self._bad(wirep.BadDatagram("frames of several probe instances in one datagram"))
+                self._bad(datagram.BadDatagram("frames of several probe instances in one datagram"))
                 return
             pend = self.pending.get(inst)
             if pend is None:
@@ -359,7 +360,7 @@ class Agent:
             self._pending_bytes += len(data)
             return
         ident.t_seen = now
-        if typ == wirep.T_INFLIGHT:                  # a probe's watchdog: an overlong step (agents.inflight)
+        if typ == datagram.T_INFLIGHT:                  # a probe's watchdog: an overlong step (agents.inflight)
             bye = body.get("state") == "exited"      # ... or its goodbye (probe.exitwatch): at most 2, never cut
             if bye and inst in self._byes and self._byes[inst] >= 2 or \
                     not bye and not self._inflight_rate.allow(inst, now):
@@ -375,7 +376,7 @@ class Agent:
             except ValueError as e:
                 self._bad(e)
             return
-        n_s, n_c, n_g = self.batches.add(ident, data, frames)   # columns at the tick (agents/wirecols.py)
+        n_s, n_c, n_g = self.batches.add(ident, data, frames)   # columns at the tick (stepwatch/wire/columns.py)
         if n_s:
             m.records_in.labels("steps").inc(n_s)
         if n_c:
@@ -532,9 +533,9 @@ class Agent:
                     t = self._table(kind, job, rows)
                     if t is not None:
                         items.append((kind, job, t))
-            if kind in wirecols.KINDS:
-                items += [(kind, job, t[wirecols.KINDS.index(kind)]) for job, t in cols.items()
-                          if t[wirecols.KINDS.index(kind)] is not None]
+            if kind in columns.KINDS:
+                items += [(kind, job, t[columns.KINDS.index(kind)]) for job, t in cols.items()
+                          if t[columns.KINDS.index(kind)] is not None]
         if self.shipper is not None:
             self.shipper.ship(items)
         self.ticks += 1

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from stepwatch import catalog
+from stepwatch.wire import catalog
 
 log = logging.getLogger("stepwatch.agent.ship")
 

@@ -200,7 +200,7 @@ def check_sched(body: dict) -> dict:
 
 def send(body: dict, socket_dir: str | None = None) -> None:
     """Send one ``T_SCHED`` datagram to the node agent's socket (raises OSError when it is not there)."""
-    from stepwatch.agents.probe.wire import HDR, MAGIC, SOCKET_NAME, T_SCHED, VERSION, default_socket_dir
+    from stepwatch.wire.datagram import HDR, MAGIC, SOCKET_NAME, T_SCHED, VERSION, default_socket_dir
     path = os.path.join(socket_dir or default_socket_dir(), SOCKET_NAME)
     data = HDR.pack(MAGIC, VERSION, T_SCHED, 0, 0, 0, 0, 0, 0) + json.dumps(body).encode()
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:

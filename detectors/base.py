@@ -211,7 +211,7 @@ class Detector(Configurable):
 
     name = "detector"
     #: Every output of the detector, output name -> the table of the store it goes to
-    #: (:mod:`stepwatch.catalog`): ``alerts`` (what :meth:`update` and :meth:`tick` return) for all of
+    #: (:mod:`stepwatch.wire.catalog`): ``alerts`` (what :meth:`update` and :meth:`tick` return) for all of
     #: them; a detector that also writes rows declares each output :meth:`drain_rows` returns. The
     #: processor and :func:`stepwatch.detectors.replay.replay` read this, never guess.
     outputs: dict[str, str] = {"alerts": "alerts"}

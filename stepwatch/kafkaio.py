@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from stepwatch import catalog
-from stepwatch import wireenc as wire   # the encoder alone (the decoder loads pyarrow.compute: the agent never decodes)
+from stepwatch.wire import catalog
+from stepwatch.wire.encode import encode_arrow, encode_json, headers   # the encoder alone: the agent never decodes
+from stepwatch.wire.tables import ARROW_CT                               # (wire.decode loads pyarrow.compute)
 
 TOPIC_NAMES = catalog.TOPICS
 
@@ -180,7 +181,7 @@ def make_consumer(s: KafkaSettings, group: str, **kw):
 
 
 def send_table(producer, s: KafkaSettings, kind: str, table: pa.Table, max_rows: int = 4096,
-               content_type: str = wire.ARROW_CT):
+               content_type: str = ARROW_CT):
     """Send a table as Arrow IPC messages of at most ``max_rows`` rows, keyed by job.
 
     Rows must belong to one job per call (the key). Returns the list of send futures.
@@ -190,10 +191,10 @@ def send_table(producer, s: KafkaSettings, kind: str, table: pa.Table, max_rows:
     job = table.column("job")[0].as_py()
     key = job.encode()
     topic = s.topic(kind)
-    hdr = wire.headers(kind, content_type)
+    hdr = headers(kind, content_type)
     futs = []
     for off in range(0, table.num_rows, max_rows):
         part = table.slice(off, max_rows)
-        payload = wire.encode_arrow(part) if content_type == wire.ARROW_CT else wire.encode_json(part.to_pylist())
+        payload = encode_arrow(part) if content_type == ARROW_CT else encode_json(part.to_pylist())
         futs.append(producer.send(topic, payload, key=key, headers=hdr))
     return futs

@@ -1,6 +1,6 @@
 """The store: a DuckLake, the system of record (docs/tables.md).
 
-Every table of :mod:`stepwatch.schema` is a DuckLake table of the same name, plus a ``date`` column
+Every table of :mod:`stepwatch.wire.tables` is a DuckLake table of the same name, plus a ``date`` column
 (UTC day of the table's event time, see :data:`TIME_COLUMN`) and partitioned by ``date`` only:
 data files land under ``<data path>/main/<table>/date=<day>/`` (zstd Parquet, rows sorted within a
 file as :data:`SORT_COLUMNS` says, the job first), one file per table per flush however many jobs it
@@ -40,8 +40,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
-from stepwatch import schema as wire
-from stepwatch import catalog
+from stepwatch.wire import tables as wire
+from stepwatch.wire import catalog
 from stepwatch.storage.lake import Lake, lake_of, lit
 
 log = logging.getLogger("stepwatch.store")

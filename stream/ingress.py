@@ -4,7 +4,7 @@ Every boundary is a contract with bounds (``docs/limits.md``): a message that br
 them costs its sender one deadletter record, never the pipeline. This module holds the row bounds and
 rate limits; the settings (:class:`IngressLimits`, one dataclass so a config file can fill it, in
 ``stream/ingress_limits.py``) and the other checks the processor calls around
-:func:`stepwatch.schema.decode` live in their own modules (``ingress_sizes.py``,
+:func:`stepwatch.wire.decode.decode` live in their own modules (``ingress_sizes.py``,
 ``ingress_columns.py``, ``ingress_deadletter.py``) and are re-exported here:
 
 - :func:`check_arrow_sizes`: before anything is decompressed, the IPC stream's record-batch
@@ -40,8 +40,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from stepwatch import catalog
-from stepwatch import schema as wire
+from stepwatch.wire import catalog
+from stepwatch.wire import tables as wire
 # the settings and each kind of bound live in their own modules; re-exported so ``ingress.X`` keeps working
 from stepwatch.stream.ingress_columns import ExtraColumns, _storable  # noqa: F401
 from stepwatch.stream.ingress_deadletter import (MessageDeadletter, isolate_failing_sources,  # noqa: F401

@@ -8,7 +8,7 @@ import re
 
 import pyarrow as pa
 
-from stepwatch import schema as wire
+from stepwatch.wire import tables as wire
 from stepwatch.stream.ingress_limits import IngressLimits
 
 _NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}\Z")

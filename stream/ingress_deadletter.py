@@ -11,7 +11,7 @@ import tempfile
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from stepwatch import schema as wire
+from stepwatch.wire import tables as wire
 from stepwatch.stream.ingress_limits import IngressLimits
 
 # ------------------------------------------------------------------------------ deadletter records

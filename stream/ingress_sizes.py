@@ -11,7 +11,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from stepwatch import schema as wire
+from stepwatch.wire import tables as wire
+from stepwatch.wire.decode import WireError
 from stepwatch.stream.ingress_limits import IngressLimits
 
 _I32, _U32, _U16, _I64 = struct.Struct("<i"), struct.Struct("<I"), struct.Struct("<H"), struct.Struct("<q")
@@ -69,17 +70,17 @@ def _batch_sizes(meta: bytes, body) -> tuple[int, int]:
         vec = fb.deref(p)
         n = _U32.unpack_from(meta, vec)[0]
         if n > (len(meta) - vec) // 16:
-            raise wire.WireError("malformed Arrow IPC metadata (buffer count)")
+            raise WireError("malformed Arrow IPC metadata (buffer count)")
         mv = memoryview(body) if body is not None else memoryview(b"")
         blen = len(mv)
         start = vec + 4
         for k, (off, ln) in enumerate(_QQ.iter_unpack(meta[start:start + 16 * n])):
             if off < 0 or ln < 0 or off + ln > blen:
-                raise wire.WireError(f"malformed Arrow IPC metadata (buffer {k} outside the body)")
+                raise WireError(f"malformed Arrow IPC metadata (buffer {k} outside the body)")
             if compressed and ln >= 8:
                 u = _I64.unpack_from(mv, off)[0]
                 if u < -1:
-                    raise wire.WireError("malformed Arrow IPC metadata (negative uncompressed length)")
+                    raise WireError("malformed Arrow IPC metadata (negative uncompressed length)")
                 total += ln - 8 if u == -1 else u
             else:
                 total += ln
@@ -92,7 +93,7 @@ def check_arrow_sizes(payload: bytes, limits: IngressLimits) -> None:
     try:
         reader = pa.ipc.MessageReader.open_stream(pa.py_buffer(payload))
     except Exception as e:  # noqa: BLE001 - any reader failure is a bad message
-        raise wire.WireError(f"undecodable Arrow IPC stream: {e}") from None
+        raise WireError(f"undecodable Arrow IPC stream: {e}") from None
     total = rows = 0
     while True:
         try:
@@ -100,7 +101,7 @@ def check_arrow_sizes(payload: bytes, limits: IngressLimits) -> None:
         except StopIteration:
             break
         except Exception as e:  # noqa: BLE001
-            raise wire.WireError(f"undecodable Arrow IPC stream: {e}") from None
+            raise WireError(f"undecodable Arrow IPC stream: {e}") from None
         if m is None:
             break
         if m.type == "schema":
@@ -108,17 +109,17 @@ def check_arrow_sizes(payload: bytes, limits: IngressLimits) -> None:
         try:
             size, n = _batch_sizes(m.metadata.to_pybytes(), m.body)
         except (struct.error, IndexError, ValueError) as e:
-            raise wire.WireError(f"malformed Arrow IPC metadata: {e}") from None
+            raise WireError(f"malformed Arrow IPC metadata: {e}") from None
         if size < 0 or n < 0:
-            raise wire.WireError("malformed Arrow IPC metadata (negative size)")
+            raise WireError("malformed Arrow IPC metadata (negative size)")
         total += size
         if m.type == "record batch":
             rows += n
         if total > limits.max_decoded_bytes:
-            raise wire.WireError(f"message decodes to more than max_decoded_bytes={limits.max_decoded_bytes:,} "
+            raise WireError(f"message decodes to more than max_decoded_bytes={limits.max_decoded_bytes:,} "
                                  f"bytes ({len(payload):,} bytes on the wire)")
         if rows > limits.max_rows_per_message:
-            raise wire.WireError(f"message holds more than max_rows_per_message={limits.max_rows_per_message:,} rows")
+            raise WireError(f"message holds more than max_rows_per_message={limits.max_rows_per_message:,} rows")
 
 
 def check_size(value: bytes | None, content_type, limits: IngressLimits) -> None:
@@ -128,7 +129,7 @@ def check_size(value: bytes | None, content_type, limits: IngressLimits) -> None
     ct = content_type.decode("utf-8", "replace") if isinstance(content_type, (bytes, bytearray)) else (content_type or "")
     cap = limits.max_json_bytes if ct.split(";")[0].strip() == wire.JSON_CT else limits.max_message_bytes
     if len(value) > cap:
-        raise wire.WireError(f"message of {len(value):,} bytes (over {cap:,}: max_message_bytes / max_json_bytes)")
+        raise WireError(f"message of {len(value):,} bytes (over {cap:,}: max_message_bytes / max_json_bytes)")
 
 
 def _has_amplifying(t: pa.DataType) -> bool:
@@ -147,25 +148,25 @@ def _expanded_bytes(col: pa.ChunkedArray) -> int:
         if pa.types.is_dictionary(t):
             d = ch.dictionary
             if _has_amplifying(d.type):
-                raise wire.WireError("nested dictionary encodings are not accepted")
+                raise WireError("nested dictionary encodings are not accepted")
             if pa.types.is_binary(d.type) or pa.types.is_string(d.type) or pa.types.is_large_string(d.type) \
                     or pa.types.is_large_binary(d.type):
                 lens = pc.fill_null(pc.binary_length(d), 0).to_numpy(zero_copy_only=False).astype(np.int64)
                 idx = ch.indices.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
                 if len(lens) and len(idx) and (idx.min() < 0 or idx.max() >= len(lens)):
-                    raise wire.WireError("dictionary index out of range")
+                    raise WireError("dictionary index out of range")
                 total += int(lens[idx].sum()) if len(lens) else 0
             elif d.type.num_fields == 0 and hasattr(d.type, "bit_width") and d.type.bit_width:
                 total += len(ch) * d.type.bit_width // 8
             else:
-                raise wire.WireError(f"dictionary-encoded {d.type} columns are not accepted")
+                raise WireError(f"dictionary-encoded {d.type} columns are not accepted")
         elif t in (pa.string_view(), pa.binary_view()):
             views = ch.buffers()[1]                # 16-byte views; the first 4 bytes: the length
             if views is not None and len(ch):
                 lens = np.frombuffer(views, dtype=np.int32)[ch.offset * 4:(ch.offset + len(ch)) * 4:4]
                 total += int(np.abs(lens.astype(np.int64)).sum())
         else:
-            raise wire.WireError(f"columns of type {t} are not accepted")
+            raise WireError(f"columns of type {t} are not accepted")
         total += len(ch) * 8
     return total
 
@@ -175,11 +176,11 @@ def check_expansion(table: pa.Table, limits: IngressLimits) -> None:
     (a 1-value dictionary of 1 MB repeated on a million rows is a terabyte), or if the message has
     more than ``max_columns`` columns."""
     if table.num_columns > limits.max_columns:
-        raise wire.WireError(f"message has {table.num_columns} columns (max_columns={limits.max_columns})")
+        raise WireError(f"message has {table.num_columns} columns (max_columns={limits.max_columns})")
     total = 0
     for col in table.columns:
         if _has_amplifying(col.type):
             total += _expanded_bytes(col)
             if total > limits.max_decoded_bytes:
-                raise wire.WireError(f"message expands to more than max_decoded_bytes={limits.max_decoded_bytes:,} "
+                raise WireError(f"message expands to more than max_decoded_bytes={limits.max_decoded_bytes:,} "
                                      "bytes (dictionary/view encoding)")

@@ -16,7 +16,8 @@ import time
 
 import pyarrow as pa
 
-from stepwatch import schema as wire
+from stepwatch.wire import tables as wire
+from stepwatch.wire import decode as decoder   # (its attribute: `stepwatch bench ingress --parts` times decode)
 from stepwatch.stream import ingress, stepaxis
 from stepwatch.stream.sinks import Message
 
@@ -52,11 +53,11 @@ class Intake:
         lim = self.limits
         try:
             ingress.check_size(msg.value, hdr.get("content-type"), lim)
-            d = wire.decode(msg.value, hdr.get("content-type"), hdr.get("schema"),
-                            check_arrow=lambda p: ingress.check_arrow_sizes(p, lim), prepare=self._prepare)
+            d = decoder.decode(msg.value, hdr.get("content-type"), hdr.get("schema"),
+                                    check_arrow=lambda p: ingress.check_arrow_sizes(p, lim), prepare=self._prepare)
             if d.kind != kind:
-                raise wire.WireError(f"schema header {d.kind!r} does not match topic {msg.topic!r}")
-        except wire.WireError as e:
+                raise decoder.WireError(f"schema header {d.kind!r} does not match topic {msg.topic!r}")
+        except decoder.WireError as e:
             self._deadletter(msg, str(e), None, None)
             return
         except Exception as e:  # noqa: BLE001 - a bad message must never stop the processor
@@ -80,7 +81,7 @@ class Intake:
             self._route(kind, d.table, msg)
 
     def _prepare(self, kind: str, raw: pa.Table) -> pa.Table:
-        """Ingress hook of :func:`wire.decode`: expansion bounds, then extra columns."""
+        """Ingress hook of :func:`stepwatch.wire.decode.decode`: expansion bounds, then extra columns."""
         ingress.check_expansion(raw, self.limits)
         before = dict(self.extras.dropped)
         t = self.extras.apply(kind, raw)

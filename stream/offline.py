@@ -8,7 +8,8 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from stepwatch import schema as wire
+from stepwatch.wire import tables as wire
+from stepwatch.wire.decode import conform
 from stepwatch.detectors.commbw import CommBandwidth
 from stepwatch.detectors.context import JobTelemetry
 from stepwatch.detectors.mfu import Mfu
@@ -29,7 +30,7 @@ def efficiency_tables(topology: pa.Table | None, steps: pa.Table, comm: pa.Table
     if topology is not None and topology.num_rows:
         st.set_topology(topology)
     tel = JobTelemetry()
-    _, blocks = st.ingest(wire.conform(steps, wire.STEPS))
+    _, blocks = st.ingest(conform(steps, wire.STEPS))
     blocks += st.close_ready(force=True)
     ctx = st.context()
     tel.attach(ctx)
@@ -37,7 +38,7 @@ def efficiency_tables(topology: pa.Table | None, steps: pa.Table, comm: pa.Table
 
     def keep(det, alerts, rows):
         for k, v in rows.items():
-            out.setdefault(k, []).append(wire.conform(v, wire.SCHEMAS[k]))
+            out.setdefault(k, []).append(conform(v, wire.SCHEMAS[k]))
     feeds = [Feed("comm", comm)] if comm is not None and comm.num_rows else []
     # mfu reads no comm rows, comm_bw nothing of mfu's: one pass each gives what the interleaved stream gives
     replay([Mfu(**settings.get("mfu", {}))], ctx, blocks, out=keep)

@@ -34,13 +34,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from stepwatch import schema as wire
+from stepwatch.wire import tables as wire
+from stepwatch.wire.decode import conform
 from stepwatch.detectors.base import Alert, Detector, JobContext, StepBlock
 from stepwatch.detectors.context import JobTelemetry
 from stepwatch.detectors.incidents import Incidents
 from stepwatch.detectors.lifecycle import EVENT_KINDS, JobLife
 from stepwatch.detectors.replay import drain, replay
-from stepwatch import catalog
+from stepwatch.wire import catalog
 from stepwatch.storage.store import Fenced, Marker, ParquetStore
 from stepwatch.stream import fencing, ingress, rebuild, stepaxis
 from stepwatch.stream.caughtup import CaughtUp
@@ -651,7 +652,7 @@ class Processor(Intake, CaughtUp):
         """A detector's outputs (declared in its class: stepwatch.detectors.base.Detector.outputs)."""
         for table, t in rows.items():
             if t.num_rows and not rt.replaying:          # replayed steps' rows are already stored
-                self._buffer(table, wire.conform(t, wire.SCHEMAS[table]))
+                self._buffer(table, conform(t, wire.SCHEMAS[table]))
         for a in alerts:
             self._emit(rt, a)
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from stepwatch import schema as wire
+from stepwatch.wire import tables as wire
 from stepwatch.agents import profiling
 
 log = logging.getLogger("stepwatch.processor.profiling")

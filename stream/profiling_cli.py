@@ -141,14 +141,14 @@ def _watch(s):
 
 
 def _poll(c, cmd_id: str) -> list[dict]:
-    from stepwatch import schema as wire
+    from stepwatch.wire.decode import WireError, decode
     out = []
     for msgs in c.poll(timeout_ms=500).values():
         for m in msgs:
             hdr = dict(m.headers or [])
             try:
-                d = wire.decode(m.value, hdr.get("content-type"), hdr.get("schema"))
-            except wire.WireError:
+                d = decode(m.value, hdr.get("content-type"), hdr.get("schema"))
+            except WireError:
                 continue
             t = d.table
             cols = [c_.cast("int64") if str(c_.type).startswith("timestamp") else c_ for c_ in t.columns]

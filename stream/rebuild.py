@@ -14,7 +14,8 @@ import logging
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from stepwatch import schema as wire
+from stepwatch.wire import tables as wire
+from stepwatch.wire.decode import conform
 from stepwatch.storage.views import connect as views_connect
 from stepwatch.stream.alertfanout import open_alerts
 from stepwatch.stream.sinks import AlertOut, NotifierSink
@@ -61,7 +62,7 @@ def rebuild(proc, rt) -> None:
                            params=[job, lo, int(top) + proc.window_steps // 2]).to_arrow_table()
             if hist.num_rows:
                 warm_context(con, rt, hist)
-                hist = wire.conform(hist.drop_columns([c for c in ("date",) if c in hist.column_names]),
+                hist = conform(hist.drop_columns([c for c in ("date",) if c in hist.column_names]),
                                     wire.STEPS)
                 rt.replaying = True
                 try:
@@ -88,7 +89,7 @@ def warm_context(con, rt, hist: pa.Table) -> None:
             t = con.sql(f"SELECT * FROM {kind} WHERE job = ? AND epoch_ns(t) >= ? ORDER BY t",
                         params=[rt.state.job, lo]).to_arrow_table()
             if t.num_rows:
-                rt.telemetry.add(kind, wire.conform(t.drop_columns([c for c in ("date",) if c in t.column_names]),
+                rt.telemetry.add(kind, conform(t.drop_columns([c for c in ("date",) if c in t.column_names]),
                                                     schema))
     except Exception:  # noqa: BLE001 - evidence is optional; the steps replay is what matters
         log.info("could not warm the host/gc context of job %s from the store", rt.state.job, exc_info=True)

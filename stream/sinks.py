@@ -41,7 +41,8 @@ from types import SimpleNamespace
 
 import pyarrow as pa
 
-from stepwatch import schema as wire
+from stepwatch.wire import tables as wire
+from stepwatch.wire.encode import encode_arrow
 from stepwatch.detectors.base import Alert
 from stepwatch.storage.store import Fenced
 from stepwatch.stream import ingress
@@ -219,7 +220,7 @@ class TopicSink(Sink):
         if isinstance(batch, Message):
             p.send(self.kafka.topic(batch.kind), batch.value, key=batch.key, headers=batch.headers)
         elif not batch.restored:
-            p.send(self.kafka.topic("alerts"), wire.encode_arrow(batch.arrow()), key=batch.alert.job.encode(),
+            p.send(self.kafka.topic("alerts"), encode_arrow(batch.arrow()), key=batch.alert.job.encode(),
                    headers=[("content-type", wire.ARROW_CT.encode()), ("schema", b"alerts/1")])
         else:
             return

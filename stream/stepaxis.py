@@ -34,7 +34,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from stepwatch import schema as wire
+from stepwatch.wire import tables as wire
+from stepwatch.wire.encode import encode_arrow
 from stepwatch.stream import ingress
 from stepwatch.stream.sinks import Message
 
@@ -264,7 +265,7 @@ def _deadletter_later(proc, src, rows: pa.Table, reason: str) -> None:
             dl[i] = t.set_column(k, t.schema.field(k), pa.array([(was + "; " + reason)[:4000]], t.schema.field(k).type))
             return
     topic, part, off = src
-    msg = SimpleNamespace(topic=topic, partition=part, offset=off, key=None, value=wire.encode_arrow(rows),
+    msg = SimpleNamespace(topic=topic, partition=part, offset=off, key=None, value=encode_arrow(rows),
                           headers=[])
     d = ingress.MessageDeadletter()
     d.add(reason, n=rows.num_rows)

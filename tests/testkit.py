@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from stepwatch import schema as wire
+from stepwatch.wire import tables as wire
+from stepwatch.wire.decode import conform
 from stepwatch.detectors.base import JobContext, StepBlock
 from stepwatch.devtools.broker import free_port  # noqa: F401 - the one free-port helper (tests use it from here)
 
@@ -97,4 +98,4 @@ def store_steps(job, step0, n, ranks=4) -> pa.Table:
     t = pa.table({"job": [job] * len(s), "node": ["n0"] * len(s), "rank": r.astype("int32"), "step": s,
                   "t_end": pa.array(1_795_000_000_000_000_000 + s * 10**9).cast(wire.TS),
                   "step_ms": np.full(len(s), 100.0)})
-    return wire.conform(t, wire.STEPS)
+    return conform(t, wire.STEPS)

@@ -3,8 +3,8 @@ schema is the schema (a test fails when the checked-in file differs; regenerate 
 ``python tools/tablesdoc.py > docs/tables.md``). A tool of the repository, not part of the package."""
 from __future__ import annotations
 
-from stepwatch.catalog import NATURAL_KEYS
-from stepwatch.schema import SCHEMAS
+from stepwatch.wire.catalog import NATURAL_KEYS
+from stepwatch.wire.tables import SCHEMAS
 from stepwatch.storage.lake import Lake
 from stepwatch.storage.store import JOBS, LAKE_OPTIONS, OFFSETS, SORT_COLUMNS, TIME_COLUMN
 from stepwatch.storage.views import view_sql
@@ -158,8 +158,8 @@ VIEWS = {
 def tables_markdown() -> str:
     out = ["# Tables and views", "",
            "Generated from the code by `python tools/tablesdoc.py`; do not edit by hand. The tables, their",
-           "natural keys, time and sort columns are listed once, in `stepwatch/catalog.py` (the lake sorts by",
-           "job first); their columns in `stepwatch/tables.py` (re-exported by the codec, `stepwatch/schema.py`).", "",
+           "natural keys, time and sort columns are listed once, in `stepwatch/wire/catalog.py` (the lake sorts by",
+           "job first); their columns in `stepwatch/wire/tables.py` (the processor decodes with `stepwatch/wire/decode.py`).", "",
            LAKE.strip(), "",
            "Times are UTC; durations are float64 milliseconds; sizes are bytes.", ""]
     for t, s in SCHEMAS.items():

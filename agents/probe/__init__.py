@@ -39,7 +39,7 @@ Cost and safety. Inside a step every hook only reads the clock and appends one f
 a preallocated log (:mod:`.eventlog`; in C, ``_probefast.Log``, built from ``agents/probe/_probefast.c``
 where a compiler exists). Every few hundred events (or ``flush_ms``, 500 ms) the replay
 (:mod:`.replay`) turns them into steps, warm, and packs each finished step as a fixed-size *frame*
-(:mod:`.wire`) into one preallocated buffer. Frames are sent together as one datagram on a
+(:mod:`stepwatch.wire.datagram`) into one preallocated buffer. Frames are sent together as one datagram on a
 non-blocking ``AF_UNIX``/``SOCK_DGRAM`` socket connected to ``<socket_dir>/agent.sock``
 (:mod:`.transport`): a 100 ms step pays a system call every fifth step, a 1 s step every step. When the
 agent is absent, or its queue stays full past a small backlog, frames are dropped and counted
@@ -51,10 +51,35 @@ This package imports only the standard library (torch is touched only when the p
 ``lint-imports`` checks it), so ``pip install stepwatch`` (no extras) installs the probe alone and
 ``stepwatch wrap`` can load it into any Python process, even by its directory
 (``STEPWATCH_PROBE_FILE``). Modules: :mod:`.core` (``Probe``), :mod:`.hooks`, :mod:`.eventlog`,
-:mod:`.replay`, :mod:`.transport`, :mod:`.timing`, :mod:`.collectives`, :mod:`.wire` (the datagram and its
-decoder), :mod:`.watchdog` (in-flight state of an overlong step), :mod:`.ddp_hooks` (DDP buckets).
+:mod:`.replay`, :mod:`.transport`, :mod:`.timing`, :mod:`.collectives`, :mod:`.watchdog` (in-flight state
+of an overlong step), :mod:`.ddp_hooks` (DDP buckets). The datagram's layout, encoder and decoder are
+:mod:`stepwatch.wire.datagram` (the standard library only too; its names are re-exported here).
 """
 from __future__ import annotations
+
+
+def _datagram_by_file() -> None:
+    """Loaded by its directory where ``stepwatch`` is not importable (``stepwatch wrap``'s
+    ``STEPWATCH_PROBE_FILE``): ``stepwatch.wire.datagram`` is then read from its file, two folders above
+    this package (``stepwatch/agents/probe`` -> ``stepwatch/wire/datagram.py``), so that the modules here
+    import it by its one name."""
+    import importlib.util
+    import os
+    import sys
+    try:
+        import stepwatch.wire.datagram  # noqa: F401
+        return
+    except ImportError:
+        pass
+    f = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "wire",
+                     "datagram.py")
+    spec = importlib.util.spec_from_file_location("stepwatch.wire.datagram", f)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["stepwatch.wire.datagram"] = mod
+    spec.loader.exec_module(mod)
+
+
+_datagram_by_file()
 
 from . import eventlog  # noqa: F401 - (``eventlog._fast``: which hot path new probes use)
 from .collectives import DEFAULT_COMM_GBPS, traffic_factor, transfer_ms  # noqa: F401
@@ -67,7 +92,7 @@ from .flops import analytic_flops_per_token  # noqa: F401
 from .hooks import _TorchImportHook  # noqa: F401
 from .timing import MAX_DEV_CALLS, _ThreadCpu  # noqa: F401
 from .transport import HELLO_EVERY_NS, _new_instance  # noqa: F401
-from .wire import (  # noqa: F401
+from stepwatch.wire.datagram import (  # noqa: E402, F401
     COMM, DEFAULT_FLUSH_MS, GCREC, HDR, HDR_STEP, MAGIC, MAX_BACKLOG, MAX_CALLS, MAX_COMM, MAX_DATAGRAM,
     MAX_FRAME, MAX_GC, MAX_NAMES, MAX_PENDING, MAX_PHASES, PHASE, SOCKET_NAME, STEP, STEP_FIELDS, STEP_V1, STEP_V2,
     T_BATCH, T_HELLO, T_INFLIGHT, T_PROFILE, T_SCHED, VERSION, VERSIONS, BadDatagram, decode, default_socket_dir,

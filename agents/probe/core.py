@@ -20,7 +20,7 @@ from .hooks import Hooks, _TorchImportHook
 from .replay import Replay
 from .timing import DeviceTiming, _ThreadCpu
 from .transport import HELLO_EVERY_NS, Transport, _new_instance
-from .wire import (DEFAULT_FLUSH_MS, GCREC, HDR, MAGIC, MAX_COMM, MAX_DATAGRAM, MAX_GC, MAX_NAMES, MAX_PHASES,
+from stepwatch.wire.datagram import (DEFAULT_FLUSH_MS, GCREC, HDR, MAGIC, MAX_COMM, MAX_DATAGRAM, MAX_GC, MAX_NAMES, MAX_PHASES,
                    SOCKET_NAME, T_PROFILE, VERSION, default_socket_dir)
 
 

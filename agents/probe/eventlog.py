@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 
-from .wire import DEFAULT_FLUSH_MS
+from stepwatch.wire.datagram import DEFAULT_FLUSH_MS
 
 LOG_CAP = 1024                        # hot-path events held before a replay is forced (see _PyLog)
 

@@ -33,7 +33,7 @@ import time
 import traceback
 
 from .eventlog import _wall
-from .wire import HDR, MAGIC, T_INFLIGHT, VERSION
+from stepwatch.wire.datagram import HDR, MAGIC, T_INFLIGHT, VERSION
 
 #: signals whose default action ends the process and that a handler can see
 SIGNALS = tuple(int(getattr(signal, n)) for n in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGABRT", "SIGSEGV",

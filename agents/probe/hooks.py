@@ -13,7 +13,7 @@ from . import eventlog as _ev
 from .collectives import COLLECTIVES, traffic_factor
 from .flops import watch_dtype_once
 from .eventlog import K_COLL, K_GC, K_MARK, K_PHASE, _nbytes, _perf, _py_coll_wrap, _py_data_wrap, _queue_depth
-from .wire import MAX_COMM
+from stepwatch.wire.datagram import MAX_COMM
 
 
 # The functional collectives (torch.distributed._functional_collectives) timed, and the op each is

@@ -2,9 +2,9 @@
 
 Every few hundred events (or ``flush_ms``, 500 ms), :meth:`Replay._drain` hands the event log to
 :meth:`Replay._replay`, which applies the events in order to the step state (what the hooks would have done
-live, but warm and in a tight loop) and packs every finished step as one fixed-size frame (:mod:`.wire`)
-into the probe's datagram buffer: ``_probefast.pack_step`` in C, or :meth:`Replay._pack_py`, byte for byte
-the same. :class:`Replay` is a part of :class:`~.core.Probe` (its state lives there).
+live, but warm and in a tight loop) and packs every finished step as one fixed-size frame (:mod:`stepwatch.wire.datagram`)
+into the probe's datagram buffer: ``_probefast.pack_step`` in C, or :meth:`Replay._pack_py` (the step's values,
+packed by :func:`stepwatch.wire.datagram.pack_frame`), byte for byte the same. :class:`Replay` is a part of :class:`~.core.Probe` (its state lives there).
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import threading
 from . import eventlog as _ev
 from .eventlog import (K_BEGIN, K_BUCKET, K_COLL, K_COUNT, K_DATA, K_DCOLL, K_END, K_GC, K_MARK, K_OPT_POST,
                        K_PHASE, _perf)
-from .wire import (COMM, GCREC, HDR, HDR_STEP, MAGIC, MAX_CALLS, MAX_DATAGRAM, MAX_FRAME, MAX_GC, MAX_PENDING,
-                   PHASE, T_BATCH, VERSION)
+from stepwatch.wire.datagram import (GCREC, HDR, MAGIC, MAX_CALLS, MAX_DATAGRAM, MAX_FRAME, MAX_GC, MAX_PENDING,
+                                     T_BATCH, VERSION, pack_frame)
 
 _OPENING = frozenset((K_DATA, K_COLL, K_DCOLL, K_BUCKET))   # events that open a step in automatic mode
                                                             # (and K_OPT_POST with a pre-hook time)
@@ -292,7 +292,7 @@ class Replay:
         the same in C, byte for byte); returns the new offset. The exposed communication is what the
         calls held the step (comm + wait: a blocking collective, an async one's launch and ``wait()``,
         the DDP buckets' tail); the total adds ``hidden_ns``, the buckets' time behind backward."""
-        buf, mv, inst = self._buf, self._mv, self.instance
+        buf, inst = self._buf, self.instance
         ph, used, touched = self._ph_ns, self._ph_used, self._ph_touched
         ids, keys = self._phase_ids, self._comm_key
         traffic, nspb = self._c_traffic, self._ns_per_byte
@@ -316,30 +316,19 @@ class Replay:
             compute_ns = step_ns - data_ns - comm_ns - wait_ns - gc_ns - (cw_ns if cw_ns > 0 else 0.0)
             if compute_ns < 0:
                 compute_ns = 0
-        HDR_STEP.pack_into(buf, boff, MAGIC, VERSION, T_BATCH, inst, self.rank, 1,
-                           len(comms) if comms else 1 if one else 0, n_gc, len(touched),
-                           step, t0w, wall, step_ns, data_ns, compute_ns, comm_ns, wait_ns, gc_ns,
-                           gc_count, dq, samples, tokens, self.dropped & 0xFFFFFFFF, cpu_ns, cw_ns,
-                           comm_ns + wait_ns + hidden_ns, comm_ns + wait_ns)
-        boff += HDR_STEP.size
-        for i in touched:
-            PHASE.pack_into(buf, boff, ids[i], ph[i])
-            boff += 16
         if one:
             k, count, nbytes, tt, wait = one
-            op, grp = keys[k]
-            COMM.pack_into(buf, boff, op, grp, count, nbytes, tt, wait)
-            boff += 40
+            comm = ((*keys[k], count, nbytes, tt, wait),)
         elif comms:
-            for k, (count, nbytes, tt, wait) in comms.items():
-                op, grp = keys[k]
-                COMM.pack_into(buf, boff, op, grp, count, nbytes, tt, wait)
-                boff += 40
-        if n_gc:
-            k = n_gc * GCREC.size
-            mv[boff:boff + k] = self._gcmv[16:16 + k]
-            boff += k
-        return boff
+            comm = [(*keys[k], count, nbytes, tt, wait) for k, (count, nbytes, tt, wait) in comms.items()]
+        else:
+            comm = ()
+        return pack_frame(buf, boff, inst, self.rank,
+                          (step, t0w, wall, step_ns, data_ns, compute_ns, comm_ns, wait_ns, gc_ns, gc_count, dq,
+                           samples, tokens, self.dropped & 0xFFFFFFFF, cpu_ns, cw_ns, comm_ns + wait_ns + hidden_ns,
+                           comm_ns + wait_ns),
+                          [(ids[i], ph[i]) for i in touched], comm,
+                          self._gcmv[16:16 + n_gc * GCREC.size] if n_gc else ())
 
     def _kind_phases(self, t_end: int, t_start: int) -> None:
         """Replay, at a step end: the kinds marked in the step become phases (ms from the mark to the

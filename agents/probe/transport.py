@@ -8,7 +8,7 @@ import os
 import sys
 
 from .eventlog import _perf, _wall
-from .wire import HDR, MAGIC, MAX_BACKLOG, T_HELLO, VERSION
+from stepwatch.wire.datagram import HDR, MAGIC, MAX_BACKLOG, T_HELLO, VERSION
 
 HELLO_EVERY_NS = 10_000_000_000       # identity re-sent every 10-20 s (an agent restart learns it again)
 

@@ -292,7 +292,7 @@ _UNSAFE_JOB = re.compile(r"[^A-Za-z0-9._:@+-]")
 
 
 def safe_job(job: str | None, default: str = "default") -> str:
-    """A job id usable as a folder name (``JOB_RE``, = ``stepwatch.schema.JOB_RE``): unsafe characters
+    """A job id usable as a folder name (``JOB_RE``, = ``stepwatch.wire.tables.JOB_RE``): unsafe characters
     become '_'. The job id the agent gives a probe's job; here (standard library only) so that the
     probe, the agent and its control channel share one copy."""
     j = (job or "").strip() or default

@@ -168,7 +168,7 @@ def _comm_from_steps(steps):
     """One all_reduce row per rank per step, derived from the step rows (bench data only)."""
     import pyarrow as pa
 
-    from stepwatch import schema as wire
+    from stepwatch.wire import tables as wire
     n = steps.num_rows
     cols = {"job": steps.column("job"), "node": steps.column("node"), "rank": steps.column("rank"),
             "step": steps.column("step"), "op": pa.array(["all_reduce"] * 1, pa.string()).take(pa.array(np.zeros(n, np.int64))),
@@ -184,7 +184,7 @@ def build_query_store(root: Path, ranks: int, seconds: int, chunk: int = 60, see
     would hold it (one file per table per ``chunk`` steps), with alerts from the real detectors."""
     import pyarrow as pa
 
-    from stepwatch import schema as wire
+    from stepwatch.wire import tables as wire
     from stepwatch.devtools.simulate import Simulation
     from stepwatch.detectors.registry import build
     from stepwatch.storage.store import ParquetStore

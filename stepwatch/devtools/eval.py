@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from stepwatch import catalog
+from stepwatch.wire import catalog
 # the suite (scenarios and what may report each fault) lives in evalsuite.py, the command and its report in evalcli.py
 from stepwatch.devtools.evalsuite import COMPATIBLE, DIAGNOSIS, SCENARIOS, T0_NS, Scenario  # noqa: F401
 
@@ -90,7 +90,7 @@ class _Msg:
 def _sim_messages(sim, rows_per_message: int, host_first: bool, inflight=None) -> tuple[list, int]:
     """The simulator's telemetry as agents send it: per step its steps/host/gc/comm messages (at most
     ``rows_per_message`` rows each), produced when the step ends; the topology first."""
-    from stepwatch import schema as wire
+    from stepwatch.wire.encode import encode_arrow, headers
     msgs: list[_Msg] = []
     ends = _step_starts(sim)[1:].tolist() + [None]
     step_rows = 0
@@ -98,7 +98,7 @@ def _sim_messages(sim, rows_per_message: int, host_first: bool, inflight=None) -
     def add(kind, table, t):
         for off in range(0, table.num_rows, rows_per_message):
             part = table.slice(off, rows_per_message)
-            msgs.append(_Msg(kind, 0, int(t), wire.encode_arrow(part), part.num_rows, len(msgs)))
+            msgs.append(_Msg(kind, 0, int(t), encode_arrow(part), part.num_rows, len(msgs)))
 
     add("topology", sim.topology(), T0_NS - 1)
     t_sim = 0.0
@@ -194,7 +194,7 @@ def run_scenario(sc, data_dir: Path, rows_per_message: int = 4096, flush_every: 
 
     proc.caught_up_hook = caught_up
     key = jobname.encode()
-    from stepwatch import schema as wire
+    from stepwatch.wire.encode import headers
     offsets: dict[tuple[str, int], int] = {}
     flush_ns = int(flush_every * info["step_ms"] * 1e6)
     next_flush = None
@@ -211,7 +211,7 @@ def run_scenario(sc, data_dir: Path, rows_per_message: int = 4096, flush_every: 
         read[k] += 1
         o = offsets.get(k, 0)
         offsets[k] = o + 1
-        proc._handle(Record(kafka.topic(m.kind), m.partition, o, key, m.payload, wire.headers(m.kind)))
+        proc._handle(Record(kafka.topic(m.kind), m.partition, o, key, m.payload, headers(m.kind)))
     for rt in proc.jobs.values():                   # end of stream: what the idle timer does
         proc._detect(rt, rt.state.close_ready(force=True), force=True)
     proc._flush()

@@ -23,7 +23,9 @@ from types import SimpleNamespace
 import numpy as np
 import pyarrow as pa
 
-from stepwatch import schema as wire
+from stepwatch.wire import tables as wire
+from stepwatch.wire.catalog import TELEMETRY
+from stepwatch.wire.encode import encode_arrow, encode_json
 
 HANG_S = 5.0
 FLUSH_EVERY = 1000
@@ -140,16 +142,16 @@ def _strategies():
 
     @st.composite
     def message(draw):
-        kind = draw(st.sampled_from(list(wire.TELEMETRY)))
+        kind = draw(st.sampled_from(list(TELEMETRY)))
         t = draw(table(kind))
         enc = draw(st.sampled_from(["lz4", "zstd", None, "json"]))
         ct = wire.JSON_CT if enc == "json" else wire.ARROW_CT
         try:
             if enc == "json":
-                value = wire.encode_json([{k: (v if not isinstance(v, (bytes, bytearray)) else v.hex())
+                value = encode_json([{k: (v if not isinstance(v, (bytes, bytearray)) else v.hex())
                                            for k, v in r.items()} for r in t.to_pylist()])
             else:
-                value = wire.encode_arrow(t, compression=enc) if t.num_columns else b""
+                value = encode_arrow(t, compression=enc) if t.num_columns else b""
         except Exception:  # noqa: BLE001 - unencodable draws become bytes
             value = draw(st.binary(max_size=64))
         mut = draw(st.integers(0, 11))
@@ -193,7 +195,7 @@ def fuzz_kafka_message(n: int, seed: int = 0, hang_s: float = HANG_S, progress=N
     proc.store.fsync = False
     from stepwatch.stream.processor import _build_detectors
     _build_detectors(None)                 # import the detectors' libraries before the clock runs
-    topics = {k: proc.kafka.topic(k) for k in wire.TELEMETRY}
+    topics = {k: proc.kafka.topic(k) for k in TELEMETRY}
     res = {"boundary": "kafka-message", "tried": 0, "crashes": 0, "hangs": 0, "deadletter": 0, "stored_rows": 0,
            "flushes": 0, "examples": [], "reasons": {}, "kinds": {}, "slowest_s": 0.0}
     internal = ("internal error",)

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from stepwatch import schema as wire
+from stepwatch.wire import tables as wire
+from stepwatch.wire.encode import encode_arrow, headers
 
 GiB = 1 << 30
 
@@ -58,11 +59,11 @@ def _keys(t: pa.Table) -> pa.Table:
 
 
 def _hdr(kind="steps", ct=wire.ARROW_CT):
-    return wire.headers(kind, ct)
+    return headers(kind, ct)
 
 
 def _arrow(t, compression="zstd") -> bytes:
-    return wire.encode_arrow(t, compression=compression)
+    return encode_arrow(t, compression=compression)
 
 
 # ------------------------------------------------------------------------------ bombs (built once)

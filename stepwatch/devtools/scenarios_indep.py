@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from stepwatch import catalog
+from stepwatch.wire import catalog
 
 T0_NS = 1_767_225_600_000_000_000          # 2026-01-01T00:00:00Z
 TS = pa.timestamp("ns", tz="UTC")

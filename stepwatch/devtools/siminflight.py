@@ -26,7 +26,7 @@ def setup_inflight(sim: "Simulation", hang: str | None = None, long_steps: dict 
 
 def _table(d: dict):
     import pyarrow as pa
-    from stepwatch.schema import INFLIGHT
+    from stepwatch.wire.tables import INFLIGHT
     n = len(d["rank"])
     return pa.Table.from_pydict({f.name: d.get(f.name, [None] * n) for f in INFLIGHT}, schema=INFLIGHT)
 

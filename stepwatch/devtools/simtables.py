@@ -8,7 +8,7 @@ import pyarrow as pa
 from stepwatch.agents.probe.collectives import LINK_GBPS, bus_factor
 from stepwatch.devtools.simmodel import (_COMM, _DATA, _FOREIGN, _FOREIGN_CORES, _FOREIGN_PID, _LINK_UTIL, _PY_PID0,
                                          _SMALL_CALLS, _TOP_N)
-from stepwatch.schema import ACCEL, COMM, GC, HOST, STEPS, TOP_PROC
+from stepwatch.wire.tables import ACCEL, COMM, GC, HOST, STEPS, TOP_PROC
 
 # --------------------------------------------------------------------------- arrow helpers
 

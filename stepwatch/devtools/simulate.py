@@ -3,7 +3,7 @@
 :class:`Simulation` produces what the node agents of a cluster would send for one job (docs/wire-format.md):
 ``topology`` (one row per rank), ``steps`` (one row per rank per step), ``host`` (one row per node
 per step) and ``gc`` (one row per Python garbage collection), as Arrow tables in the wire schemas of
-:mod:`stepwatch.schema`, plus ground-truth labels of the injected faults for evaluating detectors.
+:mod:`stepwatch.wire.tables`, plus ground-truth labels of the injected faults for evaluating detectors.
 
 Model of one step (all durations float64 milliseconds)
 ------------------------------------------------------
@@ -109,7 +109,7 @@ import pyarrow as pa
 
 from stepwatch import __version__
 from stepwatch.agents.probe.collectives import LINK_GBPS, bus_factor  # noqa: F401 (re-exported: one traffic model)
-from stepwatch.schema import COMM, GC, HOST, STEPS, TOPOLOGY, JOB_RE
+from stepwatch.wire.tables import COMM, GC, HOST, STEPS, TOPOLOGY, JOB_RE
 # the model (fault specs, nominal constants), the table builders and the in-flight states live beside this module
 from stepwatch.devtools.simmodel import (FAULT_KINDS, REGRESSION_CAUSES, Fault, _check_fault, parse_fault,  # noqa: F401
                                          _BLIP_P, _CALIB_STEPS, _COMM, _COMPUTE, _DATA, _FOREIGN, _GAP, _GC_GEN_MS,

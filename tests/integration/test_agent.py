@@ -12,7 +12,8 @@ from collections import namedtuple
 import pyarrow as pa
 import pytest
 
-from stepwatch import schema as wire
+from stepwatch.wire import tables as wire
+from stepwatch.wire.decode import decode, validate
 from stepwatch.agents import hostmetrics as hm
 from stepwatch.agents import probe as P
 from stepwatch.agents.agent import Agent, AgentMetrics, identity_from_hello, rows_from_batch, safe_job
@@ -240,9 +241,8 @@ def _send(path: str, data: bytes) -> None:
 def test_safe_job_and_identity_validation():
     assert safe_job("llama-70b") == "llama-70b" and safe_job(None) == "default"
     assert safe_job("my job/1") == "my_job_1" and safe_job("_x") == "j_x"
-    from stepwatch import schema
     from stepwatch.agents import profiling       # safe_job lives there (standard library only, for the probe)
-    assert profiling.JOB_RE.pattern == schema.JOB_RE.pattern, "the probe's copy of the job id rule drifted"
+    assert profiling.JOB_RE.pattern == wire.JOB_RE.pattern, "the probe's copy of the job id rule drifted"
     ident = identity_from_hello({"job": "j", "rank": 2, "world_size": 4, "names": {"1": "all_reduce"}}, "n1", None)
     assert ident.node == "n1" and ident.names == {1: "all_reduce"}
     for bad in ({"rank": -1, "world_size": 4}, {"rank": 4, "world_size": 4}, {"rank": "0", "world_size": 4},
@@ -263,7 +263,7 @@ def test_rows_from_batch_maps_names_and_nulls():
                   "bytes": 4096, "time_ms": 1.0, "wait_ms": 0.8}]
     assert g[0]["generation"] == 2 and g[0]["t"] == 15 and g[0]["duration_ms"] == 2.0
     t = pa.Table.from_pylist([s], schema=wire.STEPS)
-    assert wire.validate("steps", t)[1] == []
+    assert validate("steps", t)[1] == []
 
 
 def test_bad_datagrams_are_counted_never_fatal(sockdir):
@@ -335,7 +335,7 @@ def _consume(kafka: KafkaSettings, kinds, want: dict, timeout=30.0):
             for tp, msgs in c.poll(timeout_ms=300).items():
                 for m in msgs:
                     h = dict(m.headers)
-                    d = wire.decode(m.value, h["content-type"], h["schema"])
+                    d = decode(m.value, h["content-type"], h["schema"])
                     assert d.rejected == []
                     got[d.kind].append((m.key, h, d.table))
     finally:

@@ -16,7 +16,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stepwatch import schema as wire
+from stepwatch.wire import tables as wire
+from stepwatch.wire.decode import conform
 from stepwatch.storage import compact
 from stepwatch.storage.lake import Lake
 from stepwatch.storage.store import LakeStore
@@ -35,7 +36,7 @@ def steps(job, step0, n, day: date | None = None):
     t = pa.table({"job": [job] * len(s), "node": [f"n{x // 8}" for x in r], "rank": r.astype("int32"),
                   "step": s, "t_end": pa.array(base + s * 10**9).cast(wire.TS),
                   "step_ms": np.full(len(s), 100.0), "comm_wait_ms": (r % 7).astype(float)})
-    return wire.conform(t, wire.STEPS)
+    return conform(t, wire.STEPS)
 
 
 def files(lake, table="steps"):

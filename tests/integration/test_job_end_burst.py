@@ -10,7 +10,9 @@ import time
 import pyarrow as pa
 from kafka import KafkaProducer
 
-from stepwatch import schema as wire
+from stepwatch.wire import tables as wire
+from stepwatch.wire.decode import conform
+from stepwatch.wire.encode import encode_arrow
 from stepwatch.devtools.scenarios_indep import IndepJob, IndepScenario
 from stepwatch.stream.processor import Processor
 
@@ -26,7 +28,7 @@ def _send(prod, kafka, kind: str, job: str, payload: bytes) -> None:
 
 
 def _inflight(rows: list[dict]) -> bytes:
-    return wire.encode_arrow(wire.conform(pa.Table.from_pylist(rows), wire.SCHEMAS["inflight"]))
+    return encode_arrow(conform(pa.Table.from_pylist(rows), wire.SCHEMAS["inflight"]))
 
 
 def _why(proc, job):

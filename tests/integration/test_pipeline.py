@@ -13,7 +13,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from stepwatch import schema as wire
+from stepwatch.wire import tables as wire
+from stepwatch.wire.encode import encode_arrow, encode_json, headers
 from stepwatch.devtools.simsend import send_simulation
 from stepwatch.devtools.simulate import Simulation
 from stepwatch.storage.views import connect
@@ -167,20 +168,20 @@ def test_malformed_messages_go_to_deadletter_and_good_ones_are_stored(kafka, tmp
     tables = sim.generate(0, 30)
     good = tables["steps"]
     topic = kafka.topic("steps")
-    hdr = wire.headers("steps")
+    hdr = headers("steps")
     bad_msgs = [
         (b"\x00\x01garbage\xff\xfe", hdr),                                           # not Arrow
-        (wire.encode_arrow(tables["host"].slice(0, 5)), hdr),                          # host rows on steps/1
-        (wire.encode_json([{"job": "mixed", "node": "node-0000", "rank": 1, "step": 999, "t_end": 1,
+        (encode_arrow(tables["host"].slice(0, 5)), hdr),                          # host rows on steps/1
+        (encode_json([{"job": "mixed", "node": "node-0000", "rank": 1, "step": 999, "t_end": 1,
                             "step_ms": "NaN"},
                            {"job": "mixed", "node": "node-0000", "rank": 2, "step": 999, "t_end": 1,
                             "step_ms": 10.0, "data_ms": -4.0}]),
-         wire.headers("steps", wire.JSON_CT)),                                        # NaN / negative
-        (wire.encode_json([{"job": "", "node": "n", "rank": 0, "step": 1, "t_end": 1, "step_ms": 1.0},
+         headers("steps", wire.JSON_CT)),                                        # NaN / negative
+        (encode_json([{"job": "", "node": "n", "rank": 0, "step": 1, "t_end": 1, "step_ms": 1.0},
                            {"job": "../../etc", "node": "n", "rank": 0, "step": 1, "t_end": 1, "step_ms": 1.0}]),
-         wire.headers("steps", wire.JSON_CT)),                                        # unknown / unsafe job
-        (wire.encode_json([{"job": "mixed", "node": "n", "rank": 5000, "step": 1, "t_end": 1, "step_ms": 1.0}]),
-         wire.headers("steps", wire.JSON_CT)),                                        # rank outside topology
+         headers("steps", wire.JSON_CT)),                                        # unknown / unsafe job
+        (encode_json([{"job": "mixed", "node": "n", "rank": 5000, "step": 1, "t_end": 1, "step_ms": 1.0}]),
+         headers("steps", wire.JSON_CT)),                                        # rank outside topology
         (b"[]", [("content-type", b"application/json"), ("schema", b"steps/7")]),      # wrong schema version
     ]
     # interleave: good batch, bad message, good batch, ...

@@ -9,7 +9,7 @@ import time
 
 import pyarrow as pa
 
-from stepwatch import schema as wire
+from stepwatch.wire import tables as wire
 from stepwatch.devtools.simsend import send_simulation
 from stepwatch.devtools.simulate import Simulation
 from stepwatch.storage.views import connect

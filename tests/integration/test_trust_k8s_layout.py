@@ -24,7 +24,7 @@ import time
 import pytest
 import yaml
 
-from stepwatch import schema as wire
+from stepwatch.wire.decode import decode
 from stepwatch.agents import profiling
 from testkit import ROOT, free_port
 from stepwatch.kafkaio import make_consumer, make_producer
@@ -212,7 +212,7 @@ def test_one_profile_end_to_end_in_the_charts_layout(kafka, tmp_path):
             for msgs in watch.poll(timeout_ms=500).values():
                 for msg in msgs:
                     h = dict(msg.headers)
-                    t = wire.decode(msg.value, h["content-type"], h["schema"]).table
+                    t = decode(msg.value, h["content-type"], h["schema"]).table
                     for r in t.select(["cmd_id", "status", "steps", "node", "uri", "bytes", "detail"]).to_pylist():
                         if r["cmd_id"] == cmd_id and r["status"] != "busy":
                             row = r

@@ -15,7 +15,8 @@ import zlib
 
 import pytest
 
-from stepwatch import schema as wire
+from stepwatch.wire import tables as wire
+from stepwatch.wire.decode import decode
 from stepwatch.agents.agent import Agent
 from stepwatch.agents.probe import Probe
 from stepwatch.agents.shipper import Shipper, Spool
@@ -68,7 +69,7 @@ def consume_steps(kafka: KafkaSettings, job: str, want: int, timeout=60.0) -> li
             for _, msgs in c.poll(timeout_ms=300).items():
                 for m in msgs:
                     h = dict(m.headers)
-                    d = wire.decode(m.value, h["content-type"], h["schema"])
+                    d = decode(m.value, h["content-type"], h["schema"])
                     t = d.table
                     if t.num_rows and t.column("job")[0].as_py() == job:
                         steps += t.column("step").to_pylist()
@@ -76,7 +77,7 @@ def consume_steps(kafka: KafkaSettings, job: str, want: int, timeout=60.0) -> li
         for _, msgs in c.poll(timeout_ms=500).items():          # nothing more than wanted
             for m in msgs:
                 h = dict(m.headers)
-                t = wire.decode(m.value, h["content-type"], h["schema"]).table
+                t = decode(m.value, h["content-type"], h["schema"]).table
                 if t.num_rows and t.column("job")[0].as_py() == job:
                     steps += t.column("step").to_pylist()
     finally:
@@ -189,7 +190,7 @@ def test_spool_writes_are_fsynced(tmp_path):
     """Each spooled file is fsynced before its rename, and the directory after (strace shows the calls)."""
     if shutil.which("strace") is None:
         pytest.skip("strace is not installed")
-    code = ("import pyarrow as pa; from stepwatch import schema as w; from stepwatch.agents.shipper import Spool; "
+    code = ("import pyarrow as pa; from stepwatch.wire import tables as w; from stepwatch.agents.shipper import Spool; "
             f"s = Spool({str(tmp_path / 'sp')!r}); "
             "s.put('steps', 'j', pa.Table.from_pylist([{'job': 'j', 'node': 'n', 'rank': 0, 'step': 1, 't_end': 1, "
             "'step_ms': 1.0}], schema=w.STEPS))")

@@ -1,5 +1,5 @@
 """The node agent's memory: its whole path (datagrams -> columns -> Arrow IPC for Kafka) runs without
-``pyarrow.compute`` and without the decoder half of the codec (``stepwatch.schema``), which cost ~9 MB of
+``pyarrow.compute`` and without the processor's decoder (``stepwatch.wire.decode``), which cost ~9 MB of
 its RSS (docs/agents.md, agent cost). Checked in a fresh interpreter on a real probe's datagrams."""
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ pytestmark = [pytest.mark.realrun, pytest.mark.slow]
 
 CODE = r"""
 import os, socket, sys
-from stepwatch.agents import agent, control, shipper, wirecols         # what `stepwatch agent` imports
-from stepwatch.agents.probe import Probe, SOCKET_NAME, T_HELLO, decode
+from stepwatch.agents import agent, control, shipper                  # what `stepwatch agent` imports
+from stepwatch.agents.probe import Probe
+from stepwatch.wire import columns, datagram
+from stepwatch.wire.datagram import SOCKET_NAME, T_HELLO, decode
+from stepwatch.wire.encode import encode_arrow
 from stepwatch import kafkaio
-from stepwatch import wireenc
 
 d = sys.argv[1]
 rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -37,9 +39,9 @@ while True:
     except BlockingIOError:
         break
 p.shutdown()
-idents, bc = {}, wirecols.BatchColumns()
+idents, bc = {}, columns.BatchColumns()
 for g in grams:
-    typ, inst, frames = wirecols.scan(g)
+    typ, inst, frames = datagram.scan(g)
     if typ == T_HELLO:
         idents[inst] = agent.identity_from_hello(decode(g)[0][3], "n1", None)
     else:
@@ -47,8 +49,8 @@ for g in grams:
 (job, (steps, comm, gcs)), = bc.take().items()
 assert steps.num_rows == 12 and comm.num_rows == 12, (steps.num_rows, comm.num_rows)
 assert steps.column("phases").null_count == 8
-blob = wireenc.encode_arrow(steps) + wireenc.encode_arrow(comm)
-print(sorted(m for m in ("pyarrow.compute", "stepwatch.schema") if m in sys.modules))
+blob = encode_arrow(steps) + encode_arrow(comm)
+print(sorted(m for m in ("pyarrow.compute", "stepwatch.wire.decode") if m in sys.modules))
 """
 
 
@@ -64,7 +66,7 @@ import stepwatch.agents.cli as ac
 
 def loaded(a):                                   # instead of serving: what `stepwatch agent` loaded to get here
     import pyarrow as pa
-    heavy = ("duckdb", "stepwatch.storage.lake", "stepwatch.schema", "pyarrow.compute", "stepwatch.stream.processor",
+    heavy = ("duckdb", "stepwatch.storage.lake", "stepwatch.wire.decode", "pyarrow.compute", "stepwatch.stream.processor",
              "stepwatch.dashboards.grafana", "stepwatch.config", "stepwatch.agents.act", "sqlite3",
              "stepwatch.agents.wrap")
     print(sorted(m for m in heavy if m in sys.modules), pa.default_memory_pool().backend_name, a.socket_dir)

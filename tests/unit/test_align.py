@@ -1,7 +1,8 @@
 import numpy as np
 import pyarrow as pa
 
-from stepwatch import schema as wire
+from stepwatch.wire import tables as wire
+from stepwatch.wire.decode import conform
 from stepwatch.stream.align import JobState
 
 import pytest
@@ -19,7 +20,7 @@ def rows(steps, ranks, step_ms=100.0, wait=None, t_end=None, job="j"):
         "step_ms": np.full(n, step_ms),
         "comm_wait_ms": np.full(n, 5.0) if wait is None else wait,
     }
-    return wire.conform(pa.table(cols), wire.STEPS)
+    return conform(pa.table(cols), wire.STEPS)
 
 
 def topo(ws, pp=1):

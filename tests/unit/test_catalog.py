@@ -1,10 +1,12 @@
-"""The table catalog (stepwatch/catalog.py) is the one list of tables and topics: every table has exactly
+"""The table catalog (stepwatch/wire/catalog.py) is the one list of tables and topics: every table has exactly
 one Arrow schema, its key/time/sort columns exist in it, and the parts that used to keep their own lists
 read the catalog's."""
 import pyarrow as pa
 
-from stepwatch import catalog
-from stepwatch import schema as wire
+from stepwatch.wire import catalog
+from stepwatch.wire import tables as wire
+from stepwatch.wire.catalog import NATURAL_KEYS, TELEMETRY
+from stepwatch.wire.decode import parse_schema_header
 from stepwatch.agents import agent
 from stepwatch.storage import store
 from stepwatch import kafkaio
@@ -33,7 +35,7 @@ def test_derived_lists():
     assert set(catalog.RANKED) == set(catalog.INPUT_TOPICS) - {"host"}
     assert "control" not in catalog.TABLES and "rank_minutes" in catalog.TABLES
     for k in catalog.INPUT_TOPICS:                  # the processor can decode everything it subscribes to
-        assert wire.parse_schema_header(f"{k}/1") == (k, 1)
+        assert parse_schema_header(f"{k}/1") == (k, 1)
 
 
 def test_parts_read_the_catalog():
@@ -43,4 +45,4 @@ def test_parts_read_the_catalog():
     assert store.TIME_COLUMN is catalog.TIME_COLUMN
     assert ingress._RANKED is catalog.RANKED
     assert agent.KINDS is catalog.INPUT_TOPICS
-    assert wire.NATURAL_KEYS is catalog.NATURAL_KEYS and wire.TELEMETRY is catalog.TELEMETRY
+    assert NATURAL_KEYS is catalog.NATURAL_KEYS and TELEMETRY is catalog.TELEMETRY

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from stepwatch import schema as wire
+from stepwatch.wire import tables as wire
+from stepwatch.wire.decode import conform
 from stepwatch.detectors.base import JobContext
 from stepwatch.detectors.causes import decide, gc_evidence, host_evidence
 from stepwatch.detectors.context import JobTelemetry, Window
@@ -30,7 +31,7 @@ def host_rows(n_nodes=10, t=(1, 2, 3), foreign_on=None, slow_dev=None, everywher
                     "clock_mhz": 1400.0 if (n, i) == slow_dev else 1980.0, "power_w": 300.0} for i in range(4)]
             rows.append({"job": "j", "node": f"n{n}", "t": ti * NS, "cpu_util": 90.0 if n == foreign_on else 10.0,
                          "cpu_iowait": 0.3, "load1": 12.0, "rdma_retrans": 0, "top_procs": procs, "accel": acc})
-    return wire.conform(pa.Table.from_pylist(rows), wire.HOST)
+    return conform(pa.Table.from_pylist(rows), wire.HOST)
 
 
 def ctx_with(host=None, gc=None) -> JobContext:
@@ -64,7 +65,7 @@ def test_down_clocked_accelerator_names_computation_over_phases():
 
 
 def test_gc_records_and_comm_rules():
-    gc = wire.conform(pa.Table.from_pylist(
+    gc = conform(pa.Table.from_pylist(
         [{"job": "j", "node": "n1", "rank": 5, "t": (s * NS) + 1, "generation": 2, "duration_ms": 40.0}
          for s in range(10)]), wire.GC)
     ctx = ctx_with(gc=gc)
@@ -112,7 +113,7 @@ def test_measured_run_queue_wait_decides_contention_and_the_new_process_comes_fi
         if ti >= 30:                                                           # from t=30 s on the same node
             procs.append({"pid": 999, "name": "cpu-hog", "cpu_pct": 45.0})
         rows.append({"job": "j", "node": "node-a", "t": ti * NS, "cpu_util": 80.0, "top_procs": procs})
-    ctx = ctx_with(wire.conform(pa.Table.from_pylist(rows), wire.HOST))
+    ctx = ctx_with(conform(pa.Table.from_pylist(rows), wire.HOST))
     ctx.nodes = np.array(["node-a", "node-a"], dtype=object)
     unmeasured = host_evidence(ctx, ["node-a"], 30 * NS, 39 * NS)
     assert "cpu_wait_reported" not in unmeasured

@@ -16,12 +16,13 @@ import os
 import pyarrow as pa
 import pytest
 
-from stepwatch import schema as wire
-from stepwatch.agents import wirecols
+from stepwatch.wire import tables as wire
+from stepwatch.wire.encode import encode_arrow, headers
+from stepwatch.wire import columns
 from stepwatch.agents.agent import identity_from_hello
 from stepwatch.agents import probe as P
 from stepwatch.agents.probe import Probe, decode
-from stepwatch.agents.probe import wire as W
+from stepwatch.wire import datagram
 from stepwatch.devtools.eval import Record, _NullProducer
 from stepwatch.kafkaio import KafkaSettings
 from stepwatch.storage.views import connect
@@ -96,14 +97,14 @@ def _device_job(sockdir: str, job: str, ranks: int, steps: int) -> dict[str, pa.
                 break
         rx.close()
         os.unlink(os.path.join(sockdir, P.SOCKET_NAME))
-    idents, bc, topo = {}, wirecols.BatchColumns(), []
+    idents, bc, topo = {}, columns.BatchColumns(), []
     for d in datagrams:
-        typ, inst, frames = wirecols.scan(d)
-        if typ == W.T_HELLO:
+        typ, inst, frames = datagram.scan(d)
+        if typ == datagram.T_HELLO:
             idents[inst] = identity_from_hello(decode(d)[0][3], "gpu-node", None)
             topo.append(idents[inst].topology_row())
             continue
-        if typ == W.T_BATCH:
+        if typ == datagram.T_BATCH:
             bc.add(idents[inst], d, frames)
     (_, (st, cm, _)), = bc.take().items()
     return {"topology": pa.Table.from_pylist(topo, schema=wire.TOPOLOGY), "steps": st, "comm": cm}
@@ -121,8 +122,8 @@ class _Processor:
 
     def send(self, job: str, kind: str, t: pa.Table) -> None:
         o = self.off[kind] = self.off.get(kind, -1) + 1
-        self.p.process_message(Record(self.kafka.topic(kind), 0, o, job.encode(), wire.encode_arrow(t),
-                                      wire.headers(kind)))
+        self.p.process_message(Record(self.kafka.topic(kind), 0, o, job.encode(), encode_arrow(t),
+                                      headers(kind)))
 
     def poll(self, job: str, tabs: dict[str, pa.Table]) -> None:
         for kind in ("topology", "steps", "comm"):

@@ -9,7 +9,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from stepwatch import schema as wire
+from stepwatch.wire import tables as wire
+from stepwatch.wire.decode import conform
 from stepwatch.detectors.base import JobContext, StepBlock
 from stepwatch.detectors.context import JobTelemetry
 from stepwatch.detectors.efficiency import (
@@ -207,7 +208,7 @@ def test_slow_link_names_the_group_its_ranks_and_nodes():
     assert a.evidence["busbw_gbps"] == pytest.approx(a.evidence["peers_median_busbw_gbps"] / 3, rel=1e-3)
     bw = det.drain_rows()["comm_bw"]
     assert set(bw.column("diagnosis").to_pylist()) == {None, "slow-link"}
-    assert wire.conform(bw, wire.COMM_BW).num_rows == bw.num_rows
+    assert conform(bw, wire.COMM_BW).num_rows == bw.num_rows
 
 
 def test_small_messages_and_sync_bound():
@@ -336,7 +337,7 @@ def test_alignment_keeps_token_sums_queue_depths_and_topology_facts():
                   "step": pa.array([3, 3], pa.int64()), "t_end": pa.array([10, 11], pa.int64()).cast(TS),
                   "step_ms": [5.0, 5.0], "tokens": pa.array([100, 50], pa.int64()),
                   "data_queue": pa.array([0, 2], pa.int32())})
-    _, blocks = st.ingest(wire.conform(t, wire.STEPS))
+    _, blocks = st.ingest(conform(t, wire.STEPS))
     b = blocks[0]
     assert b.tokens.tolist() == [150.0] and b.tokens_ranks.tolist() == [2] and b.samples is None
     assert b.data_queue.tolist() == [[0.0, 2.0]]

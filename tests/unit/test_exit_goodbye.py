@@ -92,7 +92,7 @@ def test_the_goodbye_waits_a_little_for_room_in_a_busy_agents_queue(tmp_path):
     import threading
 
     from stepwatch.agents.probe import Probe, exitwatch
-    from stepwatch.agents.probe.wire import HDR, T_INFLIGHT
+    from stepwatch.wire.datagram import HDR, T_INFLIGHT
 
     path = str(tmp_path / "agent.sock")
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

@@ -24,7 +24,8 @@ from stepwatch.detectors.efficiency import Mfu, peak_tflops  # noqa: E402
 from stepwatch.stream.align import JobState  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
-from stepwatch import schema as wire  # noqa: E402
+from stepwatch.wire import tables as wire
+from stepwatch.wire.decode import conform
 
 torch.set_num_threads(1)
 T, D, L, H, V = 1024, 64, 2, 4, 1024          # block 1,024; tiny in width, depth and vocabulary
@@ -113,7 +114,7 @@ def efficiency_row(hello: dict, tokens=None, samples=None, step_ms=100.0) -> dic
     detector: the efficiency row of one step of one rank."""
     row = identity_from_hello(hello, "n0", None).topology_row()
     st = JobState("flops", capacity=16)
-    st.set_topology(wire.conform(pa.Table.from_pylist([row]), wire.TOPOLOGY))   # as stored
+    st.set_topology(conform(pa.Table.from_pylist([row]), wire.TOPOLOGY))   # as stored
     n = lambda v: None if v is None else np.array([float(v)])  # noqa: E731
     b = StepBlock(steps=np.array([1]), t_end=np.array([10**9]), step_ms=np.array([[step_ms]]),
                   data_ms=np.zeros((1, 1)), compute_ms=np.zeros((1, 1)), comm_ms=np.zeros((1, 1)),

@@ -10,7 +10,7 @@ import duckdb
 import pyarrow as pa
 import pytest
 
-from stepwatch import schema
+from stepwatch.wire import tables as wire
 from stepwatch.devtools.simulate import Simulation
 from stepwatch.dashboards import build
 from stepwatch.dashboards.alerting import ALERT_KINDS, POINT_KINDS, alert_rules, rule_sql
@@ -63,7 +63,7 @@ def store(tmp_path_factory):
     g = sim.generate(0, STEPS)
     steps = g["steps"]
     t_end = dict(zip(steps.column("step").to_pylist(), steps.column("t_end").cast(pa.int64()).to_pylist()))
-    alerts = pa.Table.from_pylist([a.row() for a in make_alerts(t_end)], schema=schema.ALERTS)
+    alerts = pa.Table.from_pylist([a.row() for a in make_alerts(t_end)], schema=wire.ALERTS)
     st = ParquetStore(root).init()
     from stepwatch.stream.offline import efficiency_tables
     eff = efficiency_tables(sim.topology(), steps, g["comm"])     # what the processor's efficiency detectors write

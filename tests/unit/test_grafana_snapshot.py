@@ -17,7 +17,7 @@ import pyarrow as pa
 import pytest
 import yaml
 
-from stepwatch import schema
+from stepwatch.wire import tables as wire
 from stepwatch.dashboards import datasource, snapshot
 from stepwatch.devtools.simulate import Simulation
 from stepwatch.storage.store import ParquetStore
@@ -59,7 +59,7 @@ def world():
     g = sim.generate(0, STEPS)
     steps = g["steps"]
     t_end = dict(zip(steps.column("step").to_pylist(), steps.column("t_end").cast(pa.int64()).to_pylist()))
-    alerts = pa.Table.from_pylist([a.row() for a in make_alerts(t_end)], schema=schema.ALERTS)
+    alerts = pa.Table.from_pylist([a.row() for a in make_alerts(t_end)], schema=wire.ALERTS)
     from stepwatch.stream.offline import efficiency_tables
     eff = efficiency_tables(sim.topology(), steps, g["comm"])
     st = ParquetStore(lake_dir).init()
@@ -145,7 +145,7 @@ def test_a_new_publish_is_seen_without_reconnecting(world, tmp_path):
     before = con.execute("SELECT count(*) FROM alerts").fetchone()[0]
     st = ParquetStore(world["lake"])
     extra = pa.Table.from_pylist([make_alerts({s: T0 + s * 10**9 for s in range(STEPS)})[0].row()],
-                                 schema=schema.ALERTS)
+                                 schema=wire.ALERTS)
     st.write_flush({"alerts": [extra]}, {})
     st.close()
     snapshot.publish(world["lake"], world["snap"], window_s=0)

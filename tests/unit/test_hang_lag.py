@@ -71,7 +71,7 @@ def _ctx(tel: JobTelemetry, last_step: int, host_s: float) -> JobContext:
 
 def _reports(tel: JobTelemetry, ranks, t_s: float, step: int, since_s: float, state="collective", kind=None):
     import pyarrow as pa
-    from stepwatch.schema import INFLIGHT
+    from stepwatch.wire.tables import INFLIGHT
     n = len(ranks)
     d = {"job": ["lag"] * n, "node": [f"n{r // 8}" for r in ranks], "rank": list(ranks), "t": [int(t_s * NS)] * n,
          "source": ["probe"] * n, "state": [state] * n, "step": [step] * n, "step_kind": [kind] * n,

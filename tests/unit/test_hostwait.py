@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from stepwatch import schema as wire
+from stepwatch.wire.encode import encode_arrow, headers
 from stepwatch.devtools.simulate import Simulation
 from stepwatch.devtools.eval import Record
 from stepwatch.storage.views import connect
@@ -25,11 +25,11 @@ def _feed(p: Processor, sim: Simulation, chunk: int, steps: int, host: bool = Tr
 
     def send(kind, t):
         if t.num_rows:
-            p._handle(Record(p.kafka.topic(kind), 0, off[kind], sim.job.encode(), wire.encode_arrow(t),
-                             wire.headers(kind)))
+            p._handle(Record(p.kafka.topic(kind), 0, off[kind], sim.job.encode(), encode_arrow(t),
+                             headers(kind)))
             off[kind] += 1
-    p._handle(Record(p.kafka.topic("topology"), 0, 0, sim.job.encode(), wire.encode_arrow(sim.topology()),
-                     wire.headers("topology")))
+    p._handle(Record(p.kafka.topic("topology"), 0, 0, sim.job.encode(), encode_arrow(sim.topology()),
+                     headers("topology")))
     for s in range(0, steps, chunk):
         g = sim.generate(s, min(s + chunk, steps))
         send("steps", g["steps"])

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from stepwatch import schema as wire
+from stepwatch.wire import tables as wire
 from stepwatch.agents import probe as P
 from stepwatch.agents.agent import Agent
 from stepwatch.agents.inflight import Liveness, process_state

@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from stepwatch import schema as wire
+from stepwatch.wire import tables as wire
+from stepwatch.wire.decode import conform
 from stepwatch.detectors.base import JobContext
 from stepwatch.detectors.context import JobTelemetry
 from stepwatch.detectors.jitter import Jitter
@@ -130,7 +131,7 @@ def test_gc_records_name_gc_when_the_steps_do_not_report_gc_ms():
     rows = {"job": ["jit"] * len(s), "node": [f"n{g // 8}" for g in gate[s]], "rank": gate[s].astype(np.int32),
             "t": pa.array(((s + 1) * STEP_NS - 50_000_000).astype(np.int64)).cast(wire.TS),  # in the step
             "generation": np.full(len(s), 2, np.int32), "duration_ms": np.full(len(s), 30.0)}
-    tel.add("gc", wire.conform(pa.table(rows), wire.GC))
+    tel.add("gc", conform(pa.table(rows), wire.GC))
     ctx = ctx_()
     tel.attach(ctx)
     a = firing(feed(Jitter(), arr, ctx=ctx))[0]

@@ -12,7 +12,8 @@ import pyarrow as pa
 from prometheus_client import start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
-from stepwatch import schema as wire
+from stepwatch.wire import tables as wire
+from stepwatch.wire.encode import encode_arrow, headers
 from stepwatch.devtools import hostile as H
 from stepwatch.kafkaio import KafkaSettings
 from stepwatch.stream.ingress import IngressLimits
@@ -38,7 +39,7 @@ def processor(tmp_path, **limits) -> Processor:
 def feed(p: Processor, kind: str, t: pa.Table) -> None:
     p._off += 1
     p.process_message(SimpleNamespace(topic=p.kafka.topic(kind), partition=0, offset=p._off, key=None,
-                                      value=wire.encode_arrow(t), headers=wire.headers(kind, wire.ARROW_CT),
+                                      value=encode_arrow(t), headers=headers(kind, wire.ARROW_CT),
                                       timestamp=0))
 
 

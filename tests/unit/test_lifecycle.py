@@ -8,7 +8,9 @@ import pyarrow as pa
 
 from stepwatch.detectors.lifecycle import JobLife, Lifecycle
 from stepwatch.detectors.stall import Stall
-from stepwatch import schema as wire
+from stepwatch.wire import tables as wire
+from stepwatch.wire.decode import conform
+from stepwatch.wire.encode import encode_arrow, headers
 from testkit import job_context
 
 import pytest
@@ -30,7 +32,7 @@ def _ctx(R=4, last=50):
 def _end(ctx, rank, dt_s, state="exited", **kw):
     row = {"job": "j", "node": ctx.node_of(rank), "rank": rank, "t": T0 + int(dt_s * S), "source":
            "agent" if state == "gone" else "probe", "state": state, **kw}
-    ctx.life.add(wire.conform(pa.Table.from_pylist([row]), wire.SCHEMAS["inflight"]))
+    ctx.life.add(conform(pa.Table.from_pylist([row]), wire.SCHEMAS["inflight"]))
 
 
 def _judge(ctx, at_s):
@@ -164,7 +166,7 @@ def _processor(tmp_path, job: str):
     off = iter(range(10**6))
 
     def send(kind, t):
-        p._handle(Record(p.kafka.topic(kind), 0, next(off), job.encode(), wire.encode_arrow(t), wire.headers(kind)))
+        p._handle(Record(p.kafka.topic(kind), 0, next(off), job.encode(), encode_arrow(t), headers(kind)))
     return p, send, seen
 
 
@@ -185,9 +187,9 @@ def test_a_restart_from_a_checkpoint_reruns_its_steps_and_every_row_is_aligned_a
     end = p.jobs["rs"].state.max_t_end + S // 10
     bye = [{"job": "rs", "node": f"node-{r // 4:04d}", "rank": r, "t": end + r * 1_000_000, "source": "probe",
             "state": "exited", "exit_code": 0} for r in range(8)]
-    send("inflight", wire.conform(pa.Table.from_pylist(bye), wire.SCHEMAS["inflight"]))
+    send("inflight", conform(pa.Table.from_pylist(bye), wire.SCHEMAS["inflight"]))
     tick = [{"job": "rs", "node": "node-0000", "rank": 0, "t": end + 5 * S, "source": "agent", "state": "gone"}]
-    send("inflight", wire.conform(pa.Table.from_pylist(tick), wire.SCHEMAS["inflight"]))
+    send("inflight", conform(pa.Table.from_pylist(tick), wire.SCHEMAS["inflight"]))
     assert [a.evidence.get("outcome") for a in p.events] == ["finished"]
     dup0 = p.metrics.value(p.metrics.dropped, "duplicate")
     # the restart, 60 s after the end, from the checkpoint at step 60; rank 5 is 40% slower from step 140

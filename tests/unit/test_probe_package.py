@@ -27,8 +27,9 @@ def _run(code: str, *flags: str, env: dict | None = None) -> subprocess.Complete
 def test_importing_the_probe_loads_only_the_standard_library():
     code = ("import json, sys\n"
             "import stepwatch.probe, stepwatch.agents.probe as p\n"
-            "from stepwatch.agents.probe import core, hooks, eventlog, replay, transport, timing, wire, watchdog, "
+            "from stepwatch.agents.probe import core, hooks, eventlog, replay, transport, timing, watchdog, "
             "ddp_hooks, collectives\n"
+            "from stepwatch.wire import datagram\n"
             "std = set(sys.stdlib_module_names)\n"
             "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules} - std - {'stepwatch', '__main__'})))\n"
             "print(p.FAST)\n")

@@ -250,12 +250,13 @@ class _Kafka:
 def _state(world=8, slow=5, tp=None):
     st = JobState("cj", world_size=world, capacity=16)
     import pyarrow as pa
-    from stepwatch import schema as wire
+    from stepwatch.wire import tables as wire
+    from stepwatch.wire.decode import conform
     topo = {"job": ["cj"] * world, "rank": list(range(world)), "node": [f"n{r // 4}" for r in range(world)],
             "world_size": [world] * world}
     if tp:
         topo["tp"] = [r % tp for r in range(world)]
-    st.set_topology(wire.conform(pa.table(topo), wire.TOPOLOGY))
+    st.set_topology(conform(pa.table(topo), wire.TOPOLOGY))
     for s in range(10):
         step_ms = np.full(world, 100.0)
         wait = np.full(world, 20.0)
@@ -263,8 +264,7 @@ def _state(world=8, slow=5, tp=None):
         wait[2] = 15.0                      # rank 2 is a bit busier than the others, still healthy
         rows = [{"job": "cj", "node": f"n{r // 4}", "rank": r, "step": s, "t_start": s * 10**9,
                  "t_end": s * 10**9 + 10**8, "step_ms": step_ms[r], "comm_wait_ms": wait[r]} for r in range(world)]
-        from stepwatch import schema as wire
-        st.ingest(wire.conform(pa.Table.from_pylist(rows), wire.STEPS))
+        st.ingest(conform(pa.Table.from_pylist(rows), wire.STEPS))
     return st
 
 

@@ -13,7 +13,9 @@ import numpy as np
 import psutil
 import pyarrow as pa
 
-from stepwatch import schema as wire
+from stepwatch.wire import tables as wire
+from stepwatch.wire.decode import conform
+from stepwatch.wire.encode import encode_arrow, headers
 from stepwatch.devtools.eval import Record, _NullProducer
 from stepwatch.devtools.hostile import steps_table
 from stepwatch.devtools.simulate import Simulation
@@ -42,7 +44,7 @@ def _feed(tmp_path, job: str, with_topology: bool):
 
     def send(kind, t):
         o = off[kind] = off.get(kind, -1) + 1
-        p.process_message(Record(kafka.topic(kind), 0, o, job.encode(), wire.encode_arrow(t), wire.headers(kind)))
+        p.process_message(Record(kafka.topic(kind), 0, o, job.encode(), encode_arrow(t), headers(kind)))
 
     proc = psutil.Process(os.getpid())
     rss0 = rss1 = 0
@@ -129,5 +131,5 @@ def test_a_large_job_whose_ranks_report_gets_all_its_columns():
             assert st.world_size <= max(COLUMN_FLOOR, COLUMN_DENSITY * reported), (i, st.world_size)
     assert st.world_size == R and st.expected == R and st.held is None and len(st.pending) == 0
     assert (st.nodes == np.asarray(topo.column("node").to_pylist(), dtype=object)).all()
-    res, blocks = st.ingest(wire.conform(sim.generate(0, 1)["steps"], wire.STEPS))
+    res, blocks = st.ingest(conform(sim.generate(0, 1)["steps"], wire.STEPS))
     assert res.unplaced == 0 and res.keep.all() and [len(b) for b in blocks] == [1]

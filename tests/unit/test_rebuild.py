@@ -1,7 +1,6 @@
 """A processor that meets a job for the first time rebuilds its detector state from the store."""
 import pyarrow as pa
 
-from stepwatch import schema as wire
 from stepwatch.devtools.simulate import Simulation
 from stepwatch.storage.store import ParquetStore
 from stepwatch.kafkaio import KafkaSettings

@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from stepwatch import catalog, schema as wire
+from stepwatch.wire import catalog
+from stepwatch.wire import tables as wire
 from stepwatch.devtools.simulate import Simulation
 from stepwatch.detectors.context import JobTelemetry
 from stepwatch.detectors.registry import REGISTRY, build

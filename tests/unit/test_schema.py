@@ -3,7 +3,10 @@ import math
 import pyarrow as pa
 import pytest
 
-from stepwatch import schema as wire
+from stepwatch.wire import tables as wire
+from stepwatch.wire.catalog import NATURAL_KEYS, TELEMETRY
+from stepwatch.wire.decode import WireError, decode
+from stepwatch.wire.encode import encode_arrow, encode_json
 
 pytestmark = pytest.mark.unit
 
@@ -23,7 +26,7 @@ def steps_table(n=4, **over):
 
 def test_arrow_roundtrip_conforms_and_keeps_extra_columns():
     t = steps_table().append_column("my_extra", pa.array([1, 2, 3, 4]))
-    d = wire.decode(wire.encode_arrow(t), wire.ARROW_CT, "steps/1")
+    d = decode(encode_arrow(t), wire.ARROW_CT, "steps/1")
     assert d.kind == "steps" and d.rejected == []
     assert d.table.num_rows == 4
     # every v1 column present with its v1 type, extras kept at the end
@@ -37,7 +40,7 @@ def test_arrow_roundtrip_conforms_and_keeps_extra_columns():
 def test_bad_rows_are_rejected_with_field_and_value_good_rows_kept():
     t = steps_table(step_ms=[100.0, float("nan"), -3.0, 90.0],
                     job=["j1", "j1", "j1", "../etc"])
-    d = wire.decode(wire.encode_arrow(t), wire.ARROW_CT, "steps/1")
+    d = decode(encode_arrow(t), wire.ARROW_CT, "steps/1")
     assert d.table.num_rows == 1 and d.table.column("rank").to_pylist() == [0]
     reasons = dict(d.rejected)
     assert "step_ms" in reasons[1] and "nan" in reasons[1]
@@ -48,11 +51,11 @@ def test_bad_rows_are_rejected_with_field_and_value_good_rows_kept():
 
 def test_missing_required_column_and_bad_type_name_the_field():
     t = steps_table().drop_columns(["step_ms"])
-    with pytest.raises(wire.WireError, match="'step_ms'"):
-        wire.decode(wire.encode_arrow(t), wire.ARROW_CT, "steps/1")
+    with pytest.raises(WireError, match="'step_ms'"):
+        decode(encode_arrow(t), wire.ARROW_CT, "steps/1")
     t = steps_table(rank=["a", "b", "c", "d"])
-    with pytest.raises(wire.WireError, match="'rank'"):
-        wire.decode(wire.encode_arrow(t), wire.ARROW_CT, "steps/1")
+    with pytest.raises(WireError, match="'rank'"):
+        decode(encode_arrow(t), wire.ARROW_CT, "steps/1")
 
 
 @pytest.mark.parametrize("payload,ct,hdr,match", [
@@ -65,8 +68,8 @@ def test_missing_required_column_and_bad_type_name_the_field():
     (b"[1, 2]", wire.JSON_CT, "steps/1", "array of row objects"),
 ])
 def test_whole_message_errors(payload, ct, hdr, match):
-    with pytest.raises(wire.WireError, match=match):
-        wire.decode(payload, ct, hdr)
+    with pytest.raises(WireError, match=match):
+        decode(payload, ct, hdr)
 
 
 def test_json_rows_with_int_and_iso_times():
@@ -76,7 +79,7 @@ def test_json_rows_with_int_and_iso_times():
          "phases": {"forward": 3.0, "backward": 6.0}},
         {"job": "j", "node": "n", "rank": 2, "step": 1, "t_end": "2026-01-01T00:00:00Z", "step_ms": "NaN"},
     ]
-    d = wire.decode(wire.encode_json(rows), wire.JSON_CT, "steps/1")
+    d = decode(encode_json(rows), wire.JSON_CT, "steps/1")
     assert d.table.num_rows == 2
     assert d.rejected[0][0] == 2 and "step_ms" in d.rejected[0][1]
     t_end = d.table.column("t_end").cast(pa.int64()).to_pylist()
@@ -86,19 +89,19 @@ def test_json_rows_with_int_and_iso_times():
 
 def test_json_type_error_names_field():
     rows = [{"job": "j", "node": "n", "rank": 0, "step": 1, "t_end": 5, "step_ms": "slow"}]
-    with pytest.raises(wire.WireError, match="'step_ms'.*'slow'"):
-        wire.decode(wire.encode_json(rows), wire.JSON_CT, "steps/1")
+    with pytest.raises(WireError, match="'step_ms'.*'slow'"):
+        decode(encode_json(rows), wire.JSON_CT, "steps/1")
 
 
 def test_topology_rank_must_be_below_world_size():
     t = pa.table({"job": ["j", "j"], "rank": [0, 8], "node": ["a", "b"], "world_size": [8, 8]})
-    d = wire.decode(wire.encode_arrow(t), wire.ARROW_CT, "topology/1")
+    d = decode(encode_arrow(t), wire.ARROW_CT, "topology/1")
     assert d.table.num_rows == 1
     assert "world_size 8" in d.rejected[0][1]
 
 
 def test_every_kind_has_schema_and_natural_key():
-    for k in wire.TELEMETRY:
-        assert k in wire.SCHEMAS and k in wire.NATURAL_KEYS
-        assert set(wire.NATURAL_KEYS[k]) <= set(wire.SCHEMAS[k].names)
+    for k in TELEMETRY:
+        assert k in wire.SCHEMAS and k in NATURAL_KEYS
+        assert set(NATURAL_KEYS[k]) <= set(wire.SCHEMAS[k].names)
     assert not math.isnan(0.0)

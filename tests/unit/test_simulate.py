@@ -9,7 +9,8 @@ import pyarrow.compute as pc
 import pytest
 
 from stepwatch.devtools.simulate import Fault, Simulation, parse_fault
-from stepwatch.schema import GC, HOST, STEPS, TOPOLOGY, validate
+from stepwatch.wire.tables import GC, HOST, STEPS, TOPOLOGY
+from stepwatch.wire.decode import validate
 
 pytestmark = pytest.mark.unit
 

@@ -266,7 +266,8 @@ def test_a_slow_data_parallel_group_is_one_slow_group_alert_with_cause_communica
 def test_host_evidence_turns_a_compute_straggler_into_cpu_contention():
     import pyarrow as pa
 
-    from stepwatch import schema as wire
+    from stepwatch.wire import tables as wire
+    from stepwatch.wire.decode import conform
     from stepwatch.detectors.context import JobTelemetry
     rng = np.random.default_rng(14)
     R, S = 32, 60
@@ -279,7 +280,7 @@ def test_host_evidence_turns_a_compute_straggler_into_cpu_contention():
              + ([{"pid": 666, "name": "backup-agent", "cpu_pct": 2400.0}] if n == 1 else [])}
             for s in range(S) for n in range(R // 8)]
     tel = JobTelemetry()
-    tel.add("host", wire.conform(pa.Table.from_pylist(rows), wire.HOST))
+    tel.add("host", conform(pa.Table.from_pylist(rows), wire.HOST))
     tel.attach(ctx)
     a = firing(run(SlowRank(), ctx, comp))[0]
     assert a.cause == "cpu" and a.evidence["host"]["foreign"][0]["name"] == "backup-agent"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from stepwatch import schema as wire
+from stepwatch.wire import tables as wire
+from stepwatch.wire.decode import conform
 from stepwatch.agents import slurm
 from stepwatch.agents.wrap import wrap_env
 from stepwatch.detectors.lifecycle import Lifecycle
@@ -35,7 +36,7 @@ def test_what_is_already_set_wins_and_torchrun_sets_its_own_ranks():
 def _sched(ctx, event, dt_s, state=None, exit_code=None):
     row = {"job": "j", "node": "n0", "rank": 0, "t": T0 + int(dt_s * S), "source": "slurm",
            "state": "sched_" + event, "error": state, "exit_code": exit_code}
-    ctx.life.add(wire.conform(pa.Table.from_pylist([row]), wire.SCHEMAS["inflight"]))
+    ctx.life.add(conform(pa.Table.from_pylist([row]), wire.SCHEMAS["inflight"]))
 
 
 def test_a_job_slurm_ended_at_its_time_limit_is_that_not_a_crash_or_a_hang():
@@ -91,7 +92,7 @@ def test_the_topology_row_names_the_slurm_job_and_step_for_sacct(monkeypatch, tm
     assert (hello["slurm_job"], hello["slurm_step"], hello["rank"]) == (4242, 3, 1)
     row = identity_from_hello(hello, "n0", None).topology_row()
     assert (row["job"], row["slurm_job"], row["slurm_step"]) == ("llama-run", 4242, 3)
-    topo = wire.conform(pa.Table.from_pylist([row]), wire.SCHEMAS["topology"])
+    topo = conform(pa.Table.from_pylist([row]), wire.SCHEMAS["topology"])
     assert topo.column("slurm_step").type == pa.int64() and topo.column("slurm_step").to_pylist() == [3]
     for bad in (-1, 2**32, "3", True):
         with pytest.raises(ValueError, match="slurm_step"):

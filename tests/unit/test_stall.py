@@ -163,7 +163,7 @@ def test_through_the_processor_rank_hang_and_job_hang_and_arrival_order():
 def test_a_restarted_processor_warms_the_host_context_and_still_judges_the_hang(tmp_path):
     """After a restart the job's host/GC windows come back from the store with the steps, so the hang
     of a job whose steps stopped before the restart is still found when the next host sample comes."""
-    from stepwatch import schema as wire
+    from stepwatch.wire.encode import encode_arrow, headers
     from stepwatch.devtools.simulate import Simulation
     from stepwatch.devtools.eval import Record
     from stepwatch.storage.store import ParquetStore
@@ -185,7 +185,7 @@ def test_a_restarted_processor_warms_the_host_context_and_still_judges_the_hang(
     # sample past the threshold (30 s of silence)
     for i, s in enumerate((71, 80, 90, 101)):
         more = sim.generate(s, s + 1)["host"]
-        p._handle(Record(p.kafka.topic("host"), 0, i, b"rh", wire.encode_arrow(more), wire.headers("host")))
+        p._handle(Record(p.kafka.topic("host"), 0, i, b"rh", encode_arrow(more), headers("host")))
         assert len(seen) == 1, s
     assert [(a.kind, a.ranks, a.step_first) for a in seen] == [("job_hang", [3], 40)]
     assert seen[0].evidence["silent_s"] >= 30.0 and seen[0].evidence["judged"] == "per_node"

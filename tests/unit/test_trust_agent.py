@@ -339,7 +339,8 @@ def test_ids_may_not_end_in_a_newline(socket_dir):
     newline all passed."""
     import pyarrow as pa
 
-    from stepwatch import schema
+    from stepwatch.wire import tables as wire
+    from stepwatch.wire.decode import validate
     from stepwatch.agents import profiling
     agent = Agent(None, socket_dir=socket_dir, node="n1", interval_s=0.2, plugins=[]).start()
     try:
@@ -350,8 +351,8 @@ def test_ids_may_not_end_in_a_newline(socket_dir):
     finally:
         agent.close()
     t = pa.Table.from_pylist([{"job": "victim\n", "rank": 0, "node": "n1", "world_size": 1}],
-                             schema=schema.SCHEMAS["topology"])
-    ok, reasons, _ = schema.validate("topology", t)
+                             schema=wire.SCHEMAS["topology"])
+    ok, reasons, _ = validate("topology", t)
     assert ok.num_rows == 0 and "field 'job'" in reasons[0][1], reasons
     for field, bad in (("job", "cj\n"), ("node", "n1\n"), ("cmd_id", "c1\n")):
         cmd = dict(profiling.new_command("cj", "n1", [0], 2, "py-spy", "t", cmd_id="c1"), **{field: bad})

@@ -1,4 +1,4 @@
-"""The agent's columnar decoder (agents/wirecols.py) against the row decoder it replaced (probe.decode +
+"""The agent's columnar decoder (stepwatch/wire/columns.py) against the row decoder it replaced (probe.decode +
 agent.rows_from_batch): same tables, value for value, on real probes' datagrams (both hot paths) and on
 version-1 frames; the same datagrams rejected."""
 from __future__ import annotations
@@ -11,9 +11,10 @@ import struct
 import pyarrow as pa
 import pytest
 
-from stepwatch import schema as wire
+from stepwatch.wire import tables as wire
+from stepwatch.wire.decode import validate
 from stepwatch.agents import probe as P
-from stepwatch.agents import wirecols
+from stepwatch.wire import columns, datagram
 from stepwatch.agents.agent import identity_from_hello, rows_from_batch
 from stepwatch.agents.probe import BadDatagram, Probe, decode
 
@@ -62,10 +63,10 @@ def _same(a: pa.Table, b: pa.Table) -> None:
 
 
 def _by_columns(datagrams: list[bytes], node: str = "n1"):
-    idents, bc = {}, wirecols.BatchColumns()
+    idents, bc = {}, columns.BatchColumns()
     counts = [0, 0, 0]
     for d in datagrams:
-        typ, inst, frames = wirecols.scan(d)
+        typ, inst, frames = datagram.scan(d)
         if typ == P.T_HELLO:
             idents[inst] = identity_from_hello(decode(d)[0][3], node, None)
             continue
@@ -121,7 +122,7 @@ def test_columns_equal_rows_on_real_probes(sockdir, hot_path):
     assert rows[0].num_rows == 80 and rows[1].num_rows > 0 and rows[2] is not None
     for a, b in zip(rows, cols):
         _same(a, b)
-    assert wire.validate("steps", cols[0])[1] == []
+    assert validate("steps", cols[0])[1] == []
     sizes = {(r["rank"], r["group"]): r["group_size"] for r in cols[1].to_pylist()}
     assert sizes[(0, "dp")] == 2 and sizes[(1, "dp")] is None       # from the hello that said it
 
@@ -147,13 +148,13 @@ def test_version1_frames_and_frames_without_a_step():
     assert [r["cpu_ms"] for r in s] == [None, 0.3, 0.3] and s[0]["phases"] == [("fwd", 2.0)] and s[1]["phases"] is None
     assert [(r["comm_total_ms"], r["comm_exposed_ms"]) for r in s] == [(None, None), (None, None), (0.4, 0.1)]
     assert cols[1].num_rows == 1 and cols[2].num_rows == 3
-    _, _, frames = wirecols.scan(v1 + v2 + v3)
-    assert wirecols.last_dropped(v1 + v2 + v3, frames) == 12
+    _, _, frames = datagram.scan(v1 + v2 + v3)
+    assert columns.last_dropped(v1 + v2 + v3, frames) == 12
 
 
 def test_scan_rejects_what_decode_rejects():
     good = P.HDR.pack(P.MAGIC, 3, P.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(P.STEP.size)
-    assert wirecols.scan(good + good)[2] == [(0, 1, 3, 1, 0, 0, 0), (152, 1, 3, 1, 0, 0, 0)]
+    assert datagram.scan(good + good)[2] == [(0, 1, 3, 1, 0, 0, 0), (152, 1, 3, 1, 0, 0, 0)]
     bad = [b"", b"xx", good[:-1], good + b"\0", struct.pack("<H", 0x1234) + good[2:],
            P.HDR.pack(P.MAGIC, 9, P.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(P.STEP.size),
            P.HDR.pack(P.MAGIC, 1, 7, 1, 0, 0, 0, 0, 0),
@@ -166,4 +167,4 @@ def test_scan_rejects_what_decode_rejects():
         with pytest.raises(BadDatagram):
             decode(b)
         with pytest.raises(BadDatagram):
-            wirecols.scan(b)
+            datagram.scan(b)

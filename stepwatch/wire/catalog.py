@@ -2,10 +2,11 @@
 who writes each. Every part reads its lists from here (the processor's input topics, the topics created,
 the store's tables and sort order, the ingress bounds, the agent's and simulator's kinds).
 
-The Arrow schema of each table is :data:`stepwatch.tables.SCHEMAS` ``[name]`` (re-exported by the wire codec,
-:mod:`stepwatch.schema`, that conforms rows to it); ``tests/test_catalog.py`` checks that every table here has exactly one schema there
-and that its key, time and sort columns are columns of it. This module imports only the standard library,
-so that the wire schema (and the probe, if it ever needs a table name) can read it.
+The Arrow schema of each table is :data:`stepwatch.wire.tables.SCHEMAS` ``[name]`` (the decoder,
+:mod:`stepwatch.wire.decode`, conforms rows to it); ``tests/unit/test_catalog.py`` checks that every table here
+has exactly one schema there and that its key, time and sort columns are columns of it. This module imports
+only the standard library (an import-linter contract), so that every layer of the wire package (and the
+probe, if it ever needs a table name) can read it.
 """
 from __future__ import annotations
 

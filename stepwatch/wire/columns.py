@@ -1,16 +1,17 @@
 """The node agent's columnar decoder of the probe's datagrams.
 
-The probe's frames (layout: :mod:`stepwatch.agents.probe.wire`) are fixed-size records, so the agent reads
+The probe's frames (layout: :mod:`stepwatch.wire.datagram`) are fixed-size records, so the agent reads
 them as numpy structured arrays over the same bytes (:data:`STEP_DT`, :data:`PHASE_DT`, :data:`COMM_DT`,
 :data:`GCREC_DT`, checked against the structs at import) instead of a dict per row:
 
-- :func:`scan` walks one datagram's frame headers (the only per-frame Python work), validating them as
-  :func:`~stepwatch.agents.probe.wire.decode` does, without unpacking a record;
+- :func:`stepwatch.wire.datagram.scan` (the one walk over the frame headers, which
+  :func:`~stepwatch.wire.datagram.decode` also uses) validates each datagram as it arrives, without
+  unpacking a record;
 - :class:`BatchColumns` keeps the scanned datagrams of each job until the agent's tick, then gathers every
   record of the tick with one fancy index per record type and builds the ``steps``, ``comm`` and ``gc``
   Arrow tables column by column (:func:`steps_table`, :func:`comm_table`, :func:`gc_table`).
 
-Rows are the same as :func:`stepwatch.agents.agent.rows_from_batch` gives (tests/test_wirecols.py checks
+Rows are the same as :func:`stepwatch.agents.agent.rows_from_batch` gives (tests/unit/test_wirecols.py checks
 it, value for value).
 """
 from __future__ import annotations
@@ -20,8 +21,8 @@ import collections
 import numpy as np
 import pyarrow as pa
 
-from stepwatch import tables as wire   # the Arrow schemas alone: the codec (schema.py) loads pyarrow.compute, ~9 MB of RSS
-from stepwatch.agents.probe import wire as W
+from stepwatch.wire import tables as wire  # the Arrow schemas alone: the decoder (wire.decode) loads pyarrow.compute, ~9 MB of RSS
+from stepwatch.wire import datagram
 
 HDR_DT = np.dtype([("magic", "<u2"), ("version", "u1"), ("type", "u1"), ("instance", "<i4"), ("rank", "<i4"),
                    ("n_step", "u1"), ("n_comm", "u1"), ("n_gc", "u1"), ("n_phase", "u1")])
@@ -38,57 +39,17 @@ COMM_DT = np.dtype([("op", "<u2"), ("group", "<u2"), ("_pad", "V4"), ("calls", "
 GCREC_DT = np.dtype([("t_end", "<i8"), ("duration_ns", "<f8"), ("generation", "u1"), ("_pad", "V7"),
                      ("collected", "<i8"), ("uncollectable", "<i8")])
 assert (HDR_DT.itemsize, STEP_DT.itemsize, PHASE_DT.itemsize, COMM_DT.itemsize, GCREC_DT.itemsize) == (
-    W.HDR.size, W.STEP.size, W.PHASE.size, W.COMM.size, W.GCREC.size)
-assert tuple(n for n in STEP_DT.names if n != "_pad") == W.STEP_FIELDS
+    datagram.HDR.size, datagram.STEP.size, datagram.PHASE.size, datagram.COMM.size, datagram.GCREC.size)
+assert tuple(n for n in STEP_DT.names if n != "_pad") == datagram.STEP_FIELDS
 
-_JSON_TYPES = (W.T_HELLO, W.T_PROFILE, W.T_INFLIGHT, W.T_SCHED)
 KINDS = ("steps", "comm", "gc")               # the tables :func:`tables` returns, in this order
-
-
-def scan(data: bytes) -> tuple[int, int, list[tuple]]:
-    """``(type, instance, frames)`` of one datagram: for a batch datagram ``frames`` holds, per frame,
-    ``(offset, instance, version, n_step, n_phase, n_comm, n_gc)`` (nothing is unpacked); for the JSON
-    types (hello, profile result, in-flight state) it is empty (:func:`~.probe.wire.decode` reads them).
-    Raises :class:`~.probe.wire.BadDatagram` where ``decode`` would."""
-    n = len(data)
-    hdr = W.HDR
-    if n < hdr.size:
-        raise W.BadDatagram(f"short datagram ({n} bytes)")
-    magic, ver, typ, inst, rank, n_step, n_comm, n_gc, n_phase = hdr.unpack_from(data, 0)
-    if magic == W.MAGIC and ver in W.VERSIONS and typ in _JSON_TYPES:
-        return typ, inst, []
-    out = []
-    off = 0
-    while off < n:
-        if n - off < hdr.size:
-            raise W.BadDatagram(f"{n - off} stray bytes after frame {len(out)}")
-        magic, ver, typ, inst, rank, n_step, n_comm, n_gc, n_phase = hdr.unpack_from(data, off)
-        if magic != W.MAGIC:
-            raise W.BadDatagram(f"bad magic 0x{magic:04x}")
-        if ver not in W.VERSIONS:
-            raise W.BadDatagram(f"unsupported version {ver}")
-        if typ in _JSON_TYPES:
-            what = {W.T_HELLO: "hello", W.T_PROFILE: "profile result"}.get(typ, "in-flight state")
-            raise W.BadDatagram(f"{what} after a batch frame")
-        if typ != W.T_BATCH:
-            raise W.BadDatagram(f"unknown frame type {typ}")
-        if n_step > 1 or n_phase > W.MAX_PHASES or n_comm > W.MAX_COMM or n_gc > W.MAX_GC:
-            raise W.BadDatagram(f"record counts out of range (step {n_step}, phase {n_phase}, comm {n_comm}, "
-                                f"gc {n_gc})")
-        st = W.STEP_BY_VERSION[ver].size
-        size = hdr.size + n_step * st + n_phase * W.PHASE.size + n_comm * W.COMM.size + n_gc * W.GCREC.size
-        if off + size > n:
-            raise W.BadDatagram(f"frame {len(out)} needs {size} bytes, {n - off} left")
-        out.append((off, inst, ver, n_step, n_phase, n_comm, n_gc))
-        off += size
-    return W.T_BATCH, out[0][1], out
 
 
 def last_dropped(data: bytes, frames: list[tuple]) -> int | None:
     """The probe's own drop counter from the last step record of a scanned datagram (None: no step)."""
     for off, _, _, n_step, *_ in reversed(frames):
         if n_step:
-            return W.STEP_V1.unpack_from(data, off + W.HDR.size)[13]
+            return datagram.STEP_V1.unpack_from(data, off + datagram.HDR.size)[13]
     return None
 
 
@@ -168,7 +129,7 @@ def tables(chunks: list[tuple]) -> tuple[pa.Table | None, pa.Table | None, pa.Ta
     p_off, p_step = [], []                        # phase offsets, index of their step
     c_off, c_own, c_step = [], [], []             # comm offsets, owner, index of their step
     g_off, g_own = [], []
-    hs, ps, cs, gs = W.HDR.size, W.PHASE.size, W.COMM.size, W.GCREC.size
+    hs, ps, cs, gs = datagram.HDR.size, datagram.PHASE.size, datagram.COMM.size, datagram.GCREC.size
     n_steps = 0
     for ident, data, frames in chunks:
         oi = ident_ix.get(id(ident))
@@ -179,13 +140,13 @@ def tables(chunks: list[tuple]) -> tuple[pa.Table | None, pa.Table | None, pa.Ta
         for off, _, ver, n_step, n_phase, n_comm, n_gc in frames:
             p = base + off + hs
             if n_step:
-                if ver == W.VERSION:
+                if ver == datagram.VERSION:
                     s_cur.append(p)
                 else:
                     offs, order = s_old.setdefault(ver, ([], []))
                     offs.append(p)
                     order.append(n_steps)
-                p += W.STEP_BY_VERSION[ver].size
+                p += datagram.STEP_BY_VERSION[ver].size
                 s_own.append(oi)
                 for _ in range(n_phase):
                     p_off.append(p)
@@ -211,7 +172,7 @@ def tables(chunks: list[tuple]) -> tuple[pa.Table | None, pa.Table | None, pa.Ta
         cur = np.ones(n_steps, bool)
         for ver, (offs, order) in s_old.items():
             cur[order] = False
-            old = _gather(u8, offs, STEP_DT, W.STEP_BY_VERSION[ver].size)
+            old = _gather(u8, offs, STEP_DT, datagram.STEP_BY_VERSION[ver].size)
             for f in _LACKS[ver]:
                 old[f] = -1.0
             st[order] = old

@@ -1,4 +1,4 @@
-"""Wire contract v1 (docs/wire-format.md) as code.
+"""The processor's decoder of wire contract v1 (docs/wire-format.md).
 
 Every telemetry message on Kafka carries one batch of rows of one kind (``steps``, ``topology``,
 ``host``, ``gc``, ``comm``; the processor itself writes ``alerts`` and ``deadletter``). A message is
@@ -11,7 +11,8 @@ sizes bytes.
 :func:`decode` turns a payload into a table conformed to the v1 schema (unknown extra columns kept,
 missing nullable columns filled with nulls) and splits it into valid rows and rejected rows, each
 rejection naming the field and the value. Everything is columnar (pyarrow compute); nothing loops
-per row except to format the (few) rejection messages.
+per row except to format the (few) rejection messages. The schemas are :mod:`stepwatch.wire.tables`; the
+producers' half (encode, headers) is :mod:`stepwatch.wire.encode`, which never imports this module.
 """
 from __future__ import annotations
 
@@ -23,13 +24,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from stepwatch.catalog import NATURAL_KEYS, TELEMETRY  # noqa: F401 - re-exported
-from stepwatch.tables import (  # noqa: F401 - re-exported: the schemas live in stepwatch/tables.py
-    ARROW_CT, JSON_CT, EPOCH, VERSION, TS, F64, STEPS, TOPOLOGY, TOP_PROC, ACCEL, HOST, GC, COMM, INFLIGHT, ALERTS,
-    DEADLETTER, RANK_MINUTES, STEP_SUMMARY, EFFICIENCY, COMM_BW, CONTROL, PROFILES, PROFILE_DIFFS, SCHEMAS,
-    NONNEGATIVE, JOB_RE, JOB_PATTERN,
-)
-from stepwatch.wireenc import _json_default, encode_arrow, encode_json, headers  # noqa: F401 - re-exported
+from stepwatch.wire.catalog import TELEMETRY
+from stepwatch.wire.tables import (ARROW_CT, EPOCH, F64, JOB_PATTERN, JOB_RE, JSON_CT, NONNEGATIVE, SCHEMAS,
+                                   VERSION)
 
 
 class WireError(ValueError):

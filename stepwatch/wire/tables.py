@@ -1,8 +1,8 @@
 """The Arrow schema of every table of wire contract v1 (docs/wire-format.md, docs/tables.md), with the
-value rules the codec checks (:data:`NONNEGATIVE`, :data:`JOB_RE`). The table catalog
-(:mod:`stepwatch.catalog`: names, keys, topics) names the tables; :mod:`stepwatch.schema` (the codec:
-encode, decode, validate) conforms rows to these schemas and re-exports every name here, so
-``schema.STEPS`` and ``schema.SCHEMAS`` keep working.
+value rules the decoder checks (:data:`NONNEGATIVE`, :data:`JOB_RE`), and the message's content types. The
+table catalog (:mod:`stepwatch.wire.catalog`: names, keys, topics) names the tables; producers encode rows
+of these schemas with :mod:`stepwatch.wire.encode`, and the processor's decoder
+(:mod:`stepwatch.wire.decode`) conforms what it receives to them.
 
 Units: times are UTC nanoseconds (``timestamp[ns, tz=UTC]``), durations float64 milliseconds, sizes bytes.
 """
@@ -317,7 +317,7 @@ SCHEMAS: dict[str, pa.Schema] = {
     "profile_diffs": PROFILE_DIFFS,     # suspect vs reference, per operator (the processor computes them)
     "inflight": INFLIGHT,               # in-flight state of ranks in an overlong step (probe watchdog, agent)
 }
-# TELEMETRY (kinds a producer may send) and NATURAL_KEYS live in the table catalog, stepwatch/catalog.py.
+# TELEMETRY (kinds a producer may send) and NATURAL_KEYS live in the table catalog, stepwatch/wire/catalog.py.
 
 #: Columns that are durations (ms) or sizes: finite and >= 0 when present.
 NONNEGATIVE: dict[str, tuple[str, ...]] = {

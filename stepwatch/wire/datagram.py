@@ -1,8 +1,10 @@
 """The probe -> agent datagram: its layout, the names both sides share, and its decoder.
 
-The probe packs frames with these structs (:mod:`.replay`, or ``_probefast.pack_step`` in C, byte for
-byte); the node agent decodes them with :func:`decode` (one tuple per frame) or, in columns,
-:mod:`stepwatch.agents.wirecols`. Only the standard library is used: this module is part of the probe.
+The probe packs frames with :func:`pack_frame` (its pure-Python hot path, ``agents/probe/replay.py``) or
+``_probefast.pack_step`` (C, ``agents/probe/_probefast_pack.c``), byte for byte the same
+(tests/unit/test_datagram_codec.py); the node agent walks the headers with :func:`scan` and reads the records
+with :func:`decode` (one tuple per frame) or, in columns, :mod:`stepwatch.wire.columns` (numpy over the same
+bytes). Only the standard library is used: the probe imports this module.
 
 Layout (little-endian). A datagram is a hello
 alone, or one or more batch frames back to back; a frame is ``HDR`` followed by its records:
@@ -87,49 +89,74 @@ STEP_FIELDS = ("step", "t_start", "t_end", "step_ns", "data_ns", "compute_ns", "
 _MISSING = {1: (-1.0,) * 4, 2: (-1.0,) * 2, 3: ()}      # the fields an older STEP lacks: -1 (null)
 
 
-def decode(data: bytes) -> list[tuple[int, int, int, object]]:
-    """The frames of one datagram, each ``(type, instance, rank, body)``: for a hello (always alone in
-    its datagram) the identity dict, for a batch frame ``(step_tuple | None, [(name_id, ns)],
-    [comm tuples], [gc tuples])``. Raises BadDatagram when any part does not follow the layout."""
+JSON_TYPES = (T_HELLO, T_PROFILE, T_INFLIGHT, T_SCHED)     # HDR + one JSON object, alone in its datagram
+_WHAT = {T_HELLO: "hello", T_PROFILE: "profile result", T_INFLIGHT: "in-flight state", T_SCHED: "scheduler event"}
+
+
+def scan(data: bytes) -> tuple[int, int, list[tuple]]:
+    """The one walk over a datagram's frame headers, validating them; no record is unpacked.
+
+    Returns ``(type, instance, frames)``: for a batch datagram ``frames`` holds, per frame, ``(offset,
+    instance, version, n_step, n_phase, n_comm, n_gc)``; for the JSON types (hello, profile result,
+    in-flight state, scheduler event) it is empty and the body starts at ``HDR.size``. :func:`decode`
+    unpacks the records from it; the agent gathers them into columns (:mod:`stepwatch.wire.columns`).
+    Raises BadDatagram when any part does not follow the layout."""
     n = len(data)
-    if n < HDR.size:
+    hdr = HDR
+    if n < hdr.size:
         raise BadDatagram(f"short datagram ({n} bytes)")
+    magic, ver, typ, inst, rank, n_step, n_comm, n_gc, n_phase = hdr.unpack_from(data, 0)
+    if magic == MAGIC and ver in VERSIONS and typ in JSON_TYPES:
+        return typ, inst, []
     out = []
     off = 0
     while off < n:
-        if n - off < HDR.size:
+        if n - off < hdr.size:
             raise BadDatagram(f"{n - off} stray bytes after frame {len(out)}")
-        magic, ver, typ, inst, rank, n_step, n_comm, n_gc, n_phase = HDR.unpack_from(data, off)
+        magic, ver, typ, inst, rank, n_step, n_comm, n_gc, n_phase = hdr.unpack_from(data, off)
         if magic != MAGIC:
             raise BadDatagram(f"bad magic 0x{magic:04x}")
         if ver not in VERSIONS:
             raise BadDatagram(f"unsupported version {ver}")
-        if typ in (T_HELLO, T_PROFILE, T_INFLIGHT, T_SCHED):   # header + one JSON object, alone in its datagram
-            what = {T_HELLO: "hello", T_PROFILE: "profile result", T_SCHED: "scheduler event"}.get(
-                typ, "in-flight state")
-            if off:
-                raise BadDatagram(f"{what} after a batch frame")
-            try:
-                body = json.loads(bytes(data[HDR.size:]).decode("utf-8"))
-            except (UnicodeDecodeError, ValueError) as e:
-                raise BadDatagram(f"undecodable {what}: {e}") from None
-            if not isinstance(body, dict):
-                raise BadDatagram(f"{what} is not a JSON object")
-            return [(typ, inst, rank, body)]
+        if typ in JSON_TYPES:
+            raise BadDatagram(f"{_WHAT[typ]} after a batch frame")
         if typ != T_BATCH:
             raise BadDatagram(f"unknown frame type {typ}")
         if n_step > 1 or n_phase > MAX_PHASES or n_comm > MAX_COMM or n_gc > MAX_GC:
             raise BadDatagram(f"record counts out of range (step {n_step}, phase {n_phase}, comm {n_comm}, "
                               f"gc {n_gc})")
-        st = STEP_BY_VERSION[ver]
-        size = HDR.size + n_step * st.size + n_phase * PHASE.size + n_comm * COMM.size + n_gc * GCREC.size
+        size = hdr.size + n_step * STEP_BY_VERSION[ver].size + n_phase * PHASE.size + n_comm * COMM.size \
+            + n_gc * GCREC.size
         if off + size > n:
             raise BadDatagram(f"frame {len(out)} needs {size} bytes, {n - off} left")
+        out.append((off, inst, ver, n_step, n_phase, n_comm, n_gc))
+        off += size
+    return T_BATCH, out[0][1], out
+
+
+def decode(data: bytes) -> list[tuple[int, int, int, object]]:
+    """The frames of one datagram, each ``(type, instance, rank, body)``: for a JSON type (always alone in
+    its datagram) the dict, for a batch frame ``(step_tuple | None, [(name_id, ns)], [comm tuples],
+    [gc tuples])`` (an older STEP gets the fields it lacks as -1). Raises BadDatagram when any part does not
+    follow the layout (:func:`scan`). The inverse of :func:`pack_frame`."""
+    typ, inst, frames = scan(data)
+    if typ != T_BATCH:
+        what = _WHAT[typ]
+        try:
+            body = json.loads(bytes(data[HDR.size:]).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise BadDatagram(f"undecodable {what}: {e}") from None
+        if not isinstance(body, dict):
+            raise BadDatagram(f"{what} is not a JSON object")
+        return [(typ, inst, HDR.unpack_from(data, 0)[4], body)]
+    out = []
+    for off, inst, ver, n_step, n_phase, n_comm, n_gc in frames:
+        rank = HDR.unpack_from(data, off)[4]
         p = off + HDR.size
         step = None
         if n_step:
-            step = st.unpack_from(data, p)
-            step += _MISSING[ver]
+            st = STEP_BY_VERSION[ver]
+            step = st.unpack_from(data, p) + _MISSING[ver]
             p += st.size
         phases = []
         for _ in range(n_phase):
@@ -143,6 +170,45 @@ def decode(data: bytes) -> list[tuple[int, int, int, object]]:
         for _ in range(n_gc):
             gcs.append(GCREC.unpack_from(data, p))
             p += GCREC.size
-        out.append((typ, inst, rank, (step, phases, comm, gcs)))
-        off += size
+        out.append((T_BATCH, inst, rank, (step, phases, comm, gcs)))
     return out
+
+
+def pack_frame(buf, off: int, inst: int, rank: int, step: tuple | None, phases, comm, gcs) -> int:
+    """One batch frame (of the current :data:`VERSION`) at ``off`` in the writable ``buf``; returns the offset
+    after it. ``step``: the 18 :data:`STEP_FIELDS` or None; ``phases``: ``(name_id, ns)`` pairs; ``comm``:
+    ``(op_id, group_id, calls, bytes, time_ns, wait_ns)``; ``gcs``: ``(t_end, duration_ns, generation,
+    collected, uncollectable)`` tuples, or those records already packed (bytes-like, a multiple of
+    ``GCREC.size``). The one Python encoder of the layout: the probe's pure-Python hot path packs with it,
+    and ``_probefast.pack_step`` (C) writes the same bytes (tests/unit/test_datagram_codec.py checks both,
+    and that :func:`decode` and the agent's columns read them back)."""
+    packed_gc = isinstance(gcs, (bytes, bytearray, memoryview))
+    n_gc = len(gcs) // GCREC.size if packed_gc else len(gcs)
+    n_phase, n_comm = len(phases), len(comm)
+    if step is not None:
+        HDR_STEP.pack_into(buf, off, MAGIC, VERSION, T_BATCH, inst, rank, 1, n_comm, n_gc, n_phase, *step)
+        off += HDR_STEP.size
+    else:
+        HDR.pack_into(buf, off, MAGIC, VERSION, T_BATCH, inst, rank, 0, n_comm, n_gc, n_phase)
+        off += HDR.size
+    for ph in phases:
+        PHASE.pack_into(buf, off, *ph)
+        off += PHASE.size
+    for c in comm:
+        COMM.pack_into(buf, off, *c)
+        off += COMM.size
+    if packed_gc:
+        k = n_gc * GCREC.size
+        memoryview(buf)[off:off + k] = gcs[:k]
+        off += k
+    else:
+        for g in gcs:
+            GCREC.pack_into(buf, off, *g)
+            off += GCREC.size
+    return off
+
+
+def encode_frame(inst: int, rank: int, step: tuple | None, phases=(), comm=(), gcs=()) -> bytes:
+    """One batch frame as bytes (:func:`pack_frame` into a buffer of its size)."""
+    buf = bytearray(MAX_FRAME)
+    return bytes(buf[:pack_frame(buf, 0, inst, rank, step, phases, comm, gcs)])

@@ -1,7 +1,7 @@
 """Encoding a batch of rows for the wire (docs/wire-format.md): an Arrow IPC stream or a JSON array, and
-the message's headers. The producers' half of the codec (:mod:`stepwatch.schema` re-exports it and
-decodes): it loads neither ``pyarrow.compute`` nor the validation rules, so the node agent, which only
-encodes, stays ~9 MB smaller."""
+the message's headers. The producers' half of the codec (the processor's half is :mod:`stepwatch.wire.decode`):
+it loads neither ``pyarrow.compute`` nor the validation rules, so the node agent, which only encodes, stays
+~9 MB smaller (an import-linter contract: no producer module imports ``stepwatch.wire.decode``)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pyarrow as pa
 
-from stepwatch.tables import ARROW_CT, VERSION  # noqa: F401 - ARROW_CT: the default content type, for callers
+from stepwatch.wire.tables import ARROW_CT, VERSION
 
 def encode_arrow(table: pa.Table | pa.RecordBatch, compression: str | None = "lz4") -> bytes:
     """One Arrow IPC stream holding the rows. Buffers are LZ4-compressed by default: it decodes
