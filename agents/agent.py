@@ -17,7 +17,7 @@ then dropped and counted. The socket is 0660 in the agent's group; each datagram
 pid/uid/gid (``SO_PASSCRED``), a hello is range-checked and binds its instance to that process, and
 another process cannot speak for it; a job belongs on this node to the first sender (uid and pod, Slurm job or
 cgroup; or a job token) whose hello names it, and others' hellos for it are refused while it is live
-(:mod:`stepwatch.agents.ingress`, docs/limits.md). Rows carry the node name the probe gave (``STEPWATCH_NODE``), else the
+(:mod:`stepwatch.agents.socket_trust`, docs/limits.md). Rows carry the node name the probe gave (``STEPWATCH_NODE``), else the
 agent's ``--node`` (in Kubernetes: the node name from the downward API), and the job the probe gave,
 else the agent's ``--job``, else ``default``.
 
@@ -49,7 +49,7 @@ from stepwatch.wire import columns
 from stepwatch.agents.hostmetrics import PluginRunner, build_runners, sample
 from stepwatch.agents.inflight import Liveness, RateBound, row_from_probe
 from stepwatch.agents.profiling import safe_job   # one copy: the probe and the control channel use it too
-from stepwatch.agents.ingress import (IngressLimits, Peer, ScopeCache, check_hello, describe_owner, enable_passcred,
+from stepwatch.agents.socket_trust import (IngressLimits, Peer, ScopeCache, check_hello, describe_owner, enable_passcred,
                                       owner_of, pid_alive, recv_with_peer, resolve_group)
 from stepwatch.agents.shipper import Shipper, Spool
 from stepwatch.metrics import Metrics
@@ -134,7 +134,7 @@ class Identity:
 
 def identity_from_hello(hello: dict, node: str, default_job: str | None,
                         limits: IngressLimits | None = None) -> Identity:
-    """Validate a hello (:func:`stepwatch.agents.ingress.check_hello`); raises ValueError naming the bad
+    """Validate a hello (:func:`stepwatch.agents.socket_trust.check_hello`); raises ValueError naming the bad
     field."""
     hello = check_hello(hello, limits or IngressLimits())
     token = hello.pop("_token", None)

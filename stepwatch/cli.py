@@ -89,7 +89,7 @@ def cmd_simulate(a) -> int:
 def cmd_process(a) -> int:
     from stepwatch.kafkaio import settings_from_args
     from stepwatch.stream.processor import Processor
-    from stepwatch.dashboards.cli import annotation_sink_from_args
+    from stepwatch.dashboards.grafana_cmd import annotation_sink_from_args
     from stepwatch.dashboards.grafana import GrafanaError
     from stepwatch import config as swconfig
     from stepwatch.dashboards.alertmanager import AlertmanagerError, sink_from_args as am_sink_from_args
@@ -164,7 +164,7 @@ def cmd_process(a) -> int:
 def cmd_sql(a) -> int:
     import duckdb
 
-    from stepwatch.storage.store import ParquetStore
+    from stepwatch.storage.store import LakeStore
     from stepwatch.storage.views import connect, query, view_sql
     if a.print_views:
         print(view_sql(a.data_dir))
@@ -177,7 +177,7 @@ def cmd_sql(a) -> int:
         return 0
     if a.run:
         from stepwatch.storage import queries
-        ParquetStore(a.data_dir).init()
+        LakeStore(a.data_dir).init()
         if not a.job:
             print("stepwatch sql --run: give --job", file=sys.stderr)
             return 2
@@ -193,7 +193,7 @@ def cmd_sql(a) -> int:
         print("stepwatch sql: give a query, e.g. stepwatch sql \"SELECT * FROM job_steps LIMIT 5\"",
               file=sys.stderr)
         return 2
-    ParquetStore(a.data_dir).init()
+    LakeStore(a.data_dir).init()
     try:
         cols, rows = query(connect(a.data_dir), a.query)      # (retried across a compaction swap)
     except duckdb.Error as e:
@@ -238,8 +238,8 @@ def cmd_report(a) -> int:
 # ---------------------------------------------------------------------------- compact
 def cmd_compact(a) -> int:
     from stepwatch.storage import compact
-    from stepwatch.storage.store import ParquetStore
-    ParquetStore(a.data_dir).recover()
+    from stepwatch.storage.store import LakeStore
+    LakeStore(a.data_dir).recover()
     while True:
         t = time.monotonic()
         r = compact.run(a.data_dir, target_mb=a.target_mb, min_age_s=a.min_age, retention_days=a.retention_days,
@@ -277,7 +277,7 @@ DEVTOOLS = ("demo", "broker", "simulate", "bench", "eval")
 
 
 #: the node agent: it runs beside the job on every training node, so its command line is the agents' own
-#: (agents/cli.py), not the whole one, which loads every command's modules -- the processor's DuckDB lake,
+#: (agents/commands.py), not the whole one, which loads every command's modules -- the processor's DuckDB lake,
 #: the Grafana client, ``pyarrow.compute`` through the wire decoder: ~55 MB of the agent's RSS
 #: (docs/agents.md, agent cost; tests/test_agent_footprint.py)
 AGENT_CMDS = ("agent",)
@@ -292,9 +292,9 @@ def _top_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
 
 def build_agent_parser() -> argparse.ArgumentParser:
     """The command line of ``stepwatch agent``: the same options as in :func:`build_parser`, and the
-    agent's subcommand only (agents/cli.py ``register``: not ``act``, ``wrap``, ``slurm``, whose modules
+    agent's subcommand only (agents/commands.py ``register``: not ``act``, ``wrap``, ``slurm``, whose modules
     the agent does not need)."""
-    from stepwatch.agents.cli import prepare_agent_process, register
+    from stepwatch.agents.commands import prepare_agent_process, register
     prepare_agent_process()
     p, sub = _top_parser()
     register(sub, AGENT_CMDS)
@@ -351,7 +351,7 @@ def build_parser(devtools: bool = True) -> argparse.ArgumentParser:
     add_kafka_args(pr)
     pr.add_argument("--data-dir", default=DEFAULT_DATA)
     pr.add_argument("--group", default="stepwatch-processor")
-    from stepwatch.stream.settings import PROCESSOR as proc_settings     # stdlib only: the declarations
+    from stepwatch.stream.processor_settings import PROCESSOR as proc_settings     # stdlib only: the declarations
     ps = {st.name: st for st in proc_settings}
     for flag, name in (("--flush-interval", "flush_interval_s"), ("--lateness", "lateness_s")):
         pr.add_argument(flag, type=float, default=None, help=f"{ps[name].meaning} ({ps[name].default:g}; "
@@ -366,14 +366,14 @@ def build_parser(devtools: bool = True) -> argparse.ArgumentParser:
     pr.add_argument("--stats-json", default=None, help="write final counters here on exit")
     pr.add_argument("--limit", action="append", default=[], metavar="NAME=VALUE",
                     help="an ingress bound, repeatable, e.g. max_ranks=262144 (docs/limits.md lists them)")
-    from stepwatch.dashboards.cli import add_annotation_args, register as register_grafana
+    from stepwatch.dashboards.grafana_cmd import add_annotation_args, register as register_grafana
     add_annotation_args(pr)
     from stepwatch.dashboards.alertmanager import add_args as add_alertmanager_args
     from stepwatch.stream.jobmetrics import add_args as add_job_metrics_args
     add_alertmanager_args(pr)
     add_job_metrics_args(pr)
     register_grafana(sub)
-    from stepwatch.agents.cli import register as register_agents
+    from stepwatch.agents.commands import register as register_agents
     register_agents(sub)
     if devtools:
         from stepwatch.devtools.evalcli import register as register_eval

@@ -5,7 +5,7 @@ prints every setting with its default, valid range and meaning; ``stepwatch conf
 file. The processor reloads it on SIGHUP: new settings apply from the next step, detector state is kept
 (see :func:`apply`); a file that does not validate is refused with the setting's name and valid range,
 and the settings in force stay. Every setting is declared once where it is used (a detector's
-``SETTINGS``, :data:`stepwatch.stream.settings.PROCESSOR`; :mod:`stepwatch.detectors.settings`): its
+``SETTINGS``, :data:`stepwatch.stream.processor_settings.PROCESSOR`; :mod:`stepwatch.detectors.settings`): its
 default, range, unit, meaning and whether a change applies at runtime come from there, here as in
 ``stepwatch config defaults``, docs/configuration.md and the detectors' signatures. The layout
 (docs/configuration.md)::
@@ -38,14 +38,14 @@ from stepwatch.configfile import (MAX_BYTES, MAX_DEPTH, MAX_DIGITS, MAX_MESSAGE,
                                  decode, read_bytes)
 from stepwatch.detectors import settings as _settings
 from stepwatch.detectors.settings import Setting, SettingError, range_text as _range_text, show as _show
-from stepwatch.stream.settings import PROCESSOR as _PROCESSOR_SETTINGS
+from stepwatch.stream.processor_settings import PROCESSOR as _PROCESSOR_SETTINGS
 
 log = logging.getLogger("stepwatch.config")
 
 INF = math.inf
 
 #: the processor's limits, name -> :class:`~stepwatch.detectors.settings.Setting` (declared in
-#: :mod:`stepwatch.stream.settings`). ``live``: applied on reload to running jobs, else to new jobs.
+#: :mod:`stepwatch.stream.processor_settings`). ``live``: applied on reload to running jobs, else to new jobs.
 PROCESSOR: dict[str, Setting] = {st.name: st for st in _PROCESSOR_SETTINGS}
 
 #: targeted profiling policy: name -> (default, lo, hi, meaning); ``on`` is a table alert kind -> profiler
@@ -461,7 +461,7 @@ class FileWatch:
 def processor_kwargs(cfg: Config | None, a=None) -> dict:
     """``Processor`` keyword arguments: the file's limits, where ``stepwatch process`` was not given the
     corresponding flag (``--flush-interval``, ``--lateness``: a flag given wins); those in neither keep the
-    declared defaults (:mod:`stepwatch.stream.settings`)."""
+    declared defaults (:mod:`stepwatch.stream.processor_settings`)."""
     kw = dict(cfg.processor) if cfg is not None else {}
     for flag, k in (("flush_interval", "flush_interval_s"), ("lateness", "lateness_s")):
         v = getattr(a, flag, None) if a is not None else None

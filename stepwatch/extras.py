@@ -58,7 +58,7 @@ def without_parser(e: ModuleNotFoundError, argv: list[str] | None) -> int:
         return wrap_main(args[args.index("wrap") + 1:])
     if cmd in ("agent", "act"):             # an [agent]-only install: its own command line
         try:
-            from stepwatch.agents.cli import main as agents_main
+            from stepwatch.agents.commands import main as agents_main
             return agents_main(args)
         except ModuleNotFoundError as e2:
             if not is_missing_extra(e2):

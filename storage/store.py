@@ -538,7 +538,3 @@ def _rollback(con) -> None:
         con.execute("ROLLBACK")
     except duckdb.Error:
         pass
-
-
-#: the old name (callers and other modules still import it)
-ParquetStore = LakeStore

@@ -42,7 +42,7 @@ from stepwatch.detectors.incidents import Incidents
 from stepwatch.detectors.lifecycle import EVENT_KINDS, JobLife
 from stepwatch.detectors.replay import drain, replay
 from stepwatch.wire import catalog
-from stepwatch.storage.store import Fenced, Marker, ParquetStore
+from stepwatch.storage.store import Fenced, Marker, LakeStore
 from stepwatch.stream import fencing, ingress, rebuild, stepaxis
 from stepwatch.stream.caughtup import CaughtUp
 from stepwatch.stream.intake import Intake
@@ -54,8 +54,8 @@ from stepwatch.stream.stepaxis import JobAxis
 from stepwatch.stream.ingress import IngressLimits
 from stepwatch.stream.jobmetrics import JobMetrics
 from stepwatch.kafkaio import KafkaSettings, ensure_topics, make_consumer, make_producer
-from stepwatch.stream.metrics import ProcessorMetrics
-from stepwatch.stream.settings import PROCESSOR
+from stepwatch.stream.processor_metrics import ProcessorMetrics
+from stepwatch.stream.processor_settings import PROCESSOR
 from stepwatch.detectors.settings import bind as bind_settings
 
 log = logging.getLogger("stepwatch.processor")
@@ -102,7 +102,7 @@ class Processor(Intake, CaughtUp):
     """Kafka consumer group -> decode (:class:`~stepwatch.stream.intake.Intake`) -> align -> detect ->
     sinks, checkpointed (see the module docs); read-to-end proofs and lag: :class:`~stepwatch.stream.caughtup.CaughtUp`."""
 
-    #: the limits (:mod:`stepwatch.stream.settings`): keyword arguments of the constructor, the ``[processor]``
+    #: the limits (:mod:`stepwatch.stream.processor_settings`): keyword arguments of the constructor, the ``[processor]``
     #: table of the configuration file. Code may pass values beyond the file's ranges (a test's
     #: ``flush_interval_s=1e9``: never by time); their types are checked.
     SETTINGS = PROCESSOR
@@ -127,7 +127,7 @@ class Processor(Intake, CaughtUp):
         # Entries of jobs no longer held (fencing drops them all) are skipped and removed when reached.
         self.job_seen: OrderedDict[str, float] = OrderedDict()
         self._wide: set[str] = set()      # jobs whose ring is wider than stepaxis.SPARSE_MIN_WIDTH ranks
-        self.store = ParquetStore(data_dir).init()
+        self.store = LakeStore(data_dir).init()
         self.group = group
         # flush_interval_s, max_buffer_rows, idle_close_s; lateness_s, window_steps (alignment ring, steps x
         # ranks in memory), replay_steps (steps replayed from the store into fresh detectors): for new jobs

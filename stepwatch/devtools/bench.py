@@ -187,10 +187,10 @@ def build_query_store(root: Path, ranks: int, seconds: int, chunk: int = 60, see
     from stepwatch.wire import tables as wire
     from stepwatch.devtools.simulate import Simulation
     from stepwatch.detectors.registry import build
-    from stepwatch.storage.store import ParquetStore
+    from stepwatch.storage.store import LakeStore
     from stepwatch.stream.align import JobState
 
-    st = ParquetStore(root, fsync=False).init()
+    st = LakeStore(root, fsync=False).init()
     job = "bench-hour"
     sim = Simulation(job=job, ranks=ranks, steps=seconds, seed=seed,
                      t0_ns=(time.time_ns() // 3_600_000_000_000 - 2) * 3_600_000_000_000,

@@ -179,7 +179,7 @@ def _datagram_strategy():
 def fuzz_datagram(n: int, seed: int = 0) -> dict:
     """Fuzz the agent's datagram decode with ``n`` inputs; see the module doc."""
     from stepwatch.agents.agent import Agent
-    from stepwatch.agents.ingress import IngressLimits, Peer
+    from stepwatch.agents.socket_trust import IngressLimits, Peer
     d = tempfile.mkdtemp(prefix="sw-fuzz-")
     agent = Agent(None, socket_dir=d, node="fz", plugins=[], limits=IngressLimits(max_instances=64))
     peers = [None, Peer(101, 1000, 1000), Peer(102, 1000, 1000), Peer(103, 2000, 2000)]

@@ -423,7 +423,7 @@ def test_shipper_spools_while_kafka_is_away_then_replays_in_order(kafka, tmp_pat
 def test_register_adds_agent_and_wrap_subcommands():
     import argparse
 
-    from stepwatch.agents.cli import cmd_agent, cmd_wrap, register
+    from stepwatch.agents.commands import cmd_agent, cmd_wrap, register
     p = argparse.ArgumentParser(prog="stepwatch")
     register(p.add_subparsers(dest="cmd"))
     a = p.parse_args(["agent", "--bootstrap", "k:9092", "--socket-dir", "/run/sw", "--node", "n1", "--job", "j",
@@ -439,7 +439,7 @@ def test_agent_cli_serves_until_sigterm(sockdir):
     import signal
     import subprocess
     import sys
-    p = subprocess.Popen([sys.executable, "-m", "stepwatch.agents.cli", "agent", "--no-kafka", "--socket-dir", sockdir,
+    p = subprocess.Popen([sys.executable, "-m", "stepwatch.agents.commands", "agent", "--no-kafka", "--socket-dir", sockdir,
                           "--plugins", "load", "--interval", "0.2"], stderr=subprocess.PIPE, text=True)
     path = os.path.join(sockdir, P.SOCKET_NAME)
     deadline = time.monotonic() + 60

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.integration
 
 # ------------------------------------------------------------------ the flags exist in the real CLIs
 def _agent_parser() -> argparse.ArgumentParser:
-    from stepwatch.agents.cli import register
+    from stepwatch.agents.commands import register
     p = argparse.ArgumentParser(prog="stepwatch")
     register(p.add_subparsers(dest="cmd"))
     return p

@@ -140,7 +140,7 @@ def test_efficiency_and_comm_rows():
 @pytest.mark.skipif(not PROMTOOL, reason="Debian's prometheus package (promtool) is not installed")
 def test_exposition_passes_promtool_with_processor_and_agent_metrics():
     from stepwatch.agents.agent import AgentMetrics
-    from stepwatch.stream.metrics import ProcessorMetrics
+    from stepwatch.stream.processor_metrics import ProcessorMetrics
     pm = ProcessorMetrics()
     jm = JobMetrics(pm.registry)
     feed(jm, 64, "a")

@@ -44,7 +44,7 @@ def stack(broker, tmp_path_factory):
     stop = threading.Event()
     th = threading.Thread(target=proc.run, kwargs={"stop_event": stop}, daemon=True)
     th.start()
-    agent = subprocess.Popen([sys.executable, "-m", "stepwatch.agents.cli", "agent", "--bootstrap", broker.bootstrap,
+    agent = subprocess.Popen([sys.executable, "-m", "stepwatch.agents.commands", "agent", "--bootstrap", broker.bootstrap,
                               "--topic-prefix", kafka.prefix, "--socket-dir", str(tmp / "agent"), "--plugins", "load,mem",
                               "--interval", "0.5", "--metrics-port", str(aport), "--job", "agent-host"],
                              stdout=subprocess.DEVNULL, stderr=open(tmp / "agent.log", "wb"), start_new_session=True)

@@ -62,7 +62,7 @@ def test_the_agents_path_loads_neither_pyarrow_compute_nor_the_decoder(sockdir):
 
 CLI_CODE = r"""
 import sys
-import stepwatch.agents.cli as ac
+import stepwatch.agents.commands as ac
 
 def loaded(a):                                   # instead of serving: what `stepwatch agent` loaded to get here
     import pyarrow as pa

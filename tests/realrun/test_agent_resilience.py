@@ -88,7 +88,7 @@ def test_kafka_away_for_a_while_every_step_stored_exactly_once(socket_dir, tmp_p
 
 def test_agent_killed_training_keeps_pace_probes_count_drops_and_find_the_next_agent(socket_dir, tmp_path):
     log = open(tmp_path / "agent.log", "w+")
-    first = subprocess.Popen([sys.executable, "-m", "stepwatch.agents.cli", "-v", "agent", "--no-kafka",
+    first = subprocess.Popen([sys.executable, "-m", "stepwatch.agents.commands", "-v", "agent", "--no-kafka",
                               "--socket-dir", socket_dir, "--interval", "0.5", "--plugins", "load"],
                              stdout=log, stderr=subprocess.STDOUT)
     job, steps, ranks, step_ms = "agent-dies", 200, 2, 40

@@ -17,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from probe_helpers import Rx, split  # noqa: E402
 from stepwatch.agents.agent import identity_from_hello  # noqa: E402
-from stepwatch.agents.ingress import IngressLimits, check_hello  # noqa: E402
+from stepwatch.agents.socket_trust import IngressLimits, check_hello  # noqa: E402
 from stepwatch.agents.probe import Probe, analytic_flops_per_token  # noqa: E402
 from stepwatch.detectors.base import StepBlock  # noqa: E402
 from stepwatch.detectors.efficiency import Mfu, peak_tflops  # noqa: E402

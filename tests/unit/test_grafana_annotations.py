@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from grafana_fake import (T_DETECTED, T_FIRST, FakeGrafana, grafana, optional_spec,  # noqa: F401 (fixtures)
                           sample_alert)
 from stepwatch.dashboards.annotations import AnnotationSink, annotation_payload
-from stepwatch.dashboards.cli import add_annotation_args, annotation_sink_from_args
+from stepwatch.dashboards.grafana_cmd import add_annotation_args, annotation_sink_from_args
 from testkit import free_port
 
 import pytest

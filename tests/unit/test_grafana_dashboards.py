@@ -16,7 +16,7 @@ from stepwatch.dashboards import build
 from stepwatch.dashboards.alerting import ALERT_KINDS, POINT_KINDS, alert_rules, rule_sql
 from stepwatch.dashboards.datasource import DATASOURCE_UID, PLUGIN_ID, init_sql
 from stepwatch.detectors.base import Alert
-from stepwatch.storage.store import ParquetStore
+from stepwatch.storage.store import LakeStore
 from stepwatch.storage import extensions
 
 import grafana_macros as macros   # tests/grafana_macros.py: Grafana's expansion of a panel's SQL
@@ -64,7 +64,7 @@ def store(tmp_path_factory):
     steps = g["steps"]
     t_end = dict(zip(steps.column("step").to_pylist(), steps.column("t_end").cast(pa.int64()).to_pylist()))
     alerts = pa.Table.from_pylist([a.row() for a in make_alerts(t_end)], schema=wire.ALERTS)
-    st = ParquetStore(root).init()
+    st = LakeStore(root).init()
     from stepwatch.stream.offline import efficiency_tables
     eff = efficiency_tables(sim.topology(), steps, g["comm"])     # what the processor's efficiency detectors write
     st.write_flush({"topology": [sim.topology()], "steps": [steps], "host": [g["host"]], "gc": [g["gc"]],

@@ -14,7 +14,7 @@ from grafana_fake import (T_FIRST, FakeGrafana, api_spec, grafana, optional_spec
                           sample_alert)
 from stepwatch.dashboards import alerting, build
 from stepwatch.dashboards.annotations import AnnotationSink
-from stepwatch.dashboards.cli import register
+from stepwatch.dashboards.grafana_cmd import register
 from stepwatch.dashboards.datasource import DATASOURCE_UID, PLUGIN_ID, provisioning_doc
 from stepwatch.dashboards.export import export
 from testkit import free_port

@@ -20,7 +20,7 @@ import yaml
 from stepwatch.wire import tables as wire
 from stepwatch.dashboards import datasource, snapshot
 from stepwatch.devtools.simulate import Simulation
-from stepwatch.storage.store import ParquetStore
+from stepwatch.storage.store import LakeStore
 
 import grafana_macros as macros   # tests/grafana_macros.py
 from test_grafana_dashboards import (CHECKS, INTERVAL_MS, RANGE, RANKS, STEPS, T0, make_alerts,  # noqa: F401
@@ -62,7 +62,7 @@ def world():
     alerts = pa.Table.from_pylist([a.row() for a in make_alerts(t_end)], schema=wire.ALERTS)
     from stepwatch.stream.offline import efficiency_tables
     eff = efficiency_tables(sim.topology(), steps, g["comm"])
-    st = ParquetStore(lake_dir).init()
+    st = LakeStore(lake_dir).init()
     st.write_flush({"topology": [sim.topology()], "steps": [steps], "host": [g["host"]], "gc": [g["gc"]],
                     "alerts": [alerts], "comm": [g["comm"]], **{k: [v] for k, v in eff.items()}}, {})
     st.close()
@@ -143,7 +143,7 @@ def test_every_panel_sql_returns_rows_from_the_snapshot(world, check):
 def test_a_new_publish_is_seen_without_reconnecting(world, tmp_path):
     con = world["con"]
     before = con.execute("SELECT count(*) FROM alerts").fetchone()[0]
-    st = ParquetStore(world["lake"])
+    st = LakeStore(world["lake"])
     extra = pa.Table.from_pylist([make_alerts({s: T0 + s * 10**9 for s in range(STEPS)})[0].row()],
                                  schema=wire.ALERTS)
     st.write_flush({"alerts": [extra]}, {})
@@ -195,7 +195,7 @@ def test_the_grafana_user_cannot_write_the_snapshot(world):
 
 
 def test_cli_publish_then_export_gives_a_datasource_that_reads_it(world, tmp_path):
-    from stepwatch.dashboards.cli import register
+    from stepwatch.dashboards.grafana_cmd import register
     import argparse
     ap = argparse.ArgumentParser()
     register(ap.add_subparsers())

@@ -1,5 +1,5 @@
 """Settings declared once (stepwatch.detectors.settings): each detector's ``SETTINGS`` and the processor's
-(stepwatch.stream.settings) make the constructor's signature and checks, the class docstring,
+(stepwatch.stream.processor_settings) make the constructor's signature and checks, the class docstring,
 `stepwatch config defaults`, the docs table and what a reload does with a change."""
 from __future__ import annotations
 

@@ -105,7 +105,7 @@ def test_the_shipped_systemd_units_are_hardened_and_pass_systemd_analyze_verify(
 
     import pytest
 
-    from stepwatch.agents.cli import systemd_unit
+    from stepwatch.agents.commands import systemd_unit
     for name in ("agent", "processor"):
         text = systemd_unit(name)
         for need in ("User=stepwatch", "ProtectSystem=strict", "NoNewPrivileges=yes", "CapabilityBoundingSet=\n"):

@@ -166,14 +166,14 @@ def test_a_restarted_processor_warms_the_host_context_and_still_judges_the_hang(
     from stepwatch.wire.encode import encode_arrow, headers
     from stepwatch.devtools.simulate import Simulation
     from stepwatch.devtools.eval import Record
-    from stepwatch.storage.store import ParquetStore
+    from stepwatch.storage.store import LakeStore
     from stepwatch.kafkaio import KafkaSettings
     from stepwatch.stream.processor import Processor
 
     sim = Simulation(job="rh", ranks=64, steps=90, seed=2, faults=["job-hang:rank=3,start=40"],
                      t0_ns=1_767_225_600_000_000_000)
     g = sim.generate(0, 70)                       # steps stop at 41; host samples go on to step 69
-    st = ParquetStore(tmp_path).init()
+    st = LakeStore(tmp_path).init()
     st.write_flush({"topology": [sim.topology()], "steps": [g["steps"]], "host": [g["host"]],
                     "gc": [g["gc"]]}, {})
     seen = []

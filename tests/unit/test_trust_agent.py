@@ -125,7 +125,7 @@ def test_socket_mode_and_group_let_in_only_the_group(socket_dir):
 
 
 def test_allow_uid_refuses_other_senders(socket_dir):
-    from stepwatch.agents.ingress import IngressLimits
+    from stepwatch.agents.socket_trust import IngressLimits
     agent = Agent(None, socket_dir=socket_dir, node="n1", interval_s=0.2, plugins=[], socket_mode=0o666,
                   limits=IngressLimits(allow_uids=frozenset({30003}))).start()
     try:
@@ -178,7 +178,7 @@ def test_a_rank_restarted_in_a_new_process_is_served_again(socket_dir):
 
 
 def test_the_receive_queue_is_bounded_in_bytes_and_drops_are_counted(socket_dir):
-    from stepwatch.agents.ingress import IngressLimits
+    from stepwatch.agents.socket_trust import IngressLimits
     agent = Agent(None, socket_dir=socket_dir, node="n1", interval_s=0.2, plugins=[],
                   limits=IngressLimits(max_queue_bytes=256 << 10)).start()
     try:
@@ -196,7 +196,7 @@ def test_the_receive_queue_is_bounded_in_bytes_and_drops_are_counted(socket_dir)
 
 def test_datagrams_of_unknown_instances_are_bounded(socket_dir):
     """Frames of instances that never say hello wait (bounded in bytes and instances), then go, counted."""
-    from stepwatch.agents.ingress import IngressLimits
+    from stepwatch.agents.socket_trust import IngressLimits
     agent = Agent(None, socket_dir=socket_dir, node="n1", interval_s=0.2, plugins=[],
                   limits=IngressLimits(max_pending_bytes=4096, max_instances=8)).start()
     try:
@@ -211,7 +211,7 @@ def test_datagrams_of_unknown_instances_are_bounded(socket_dir):
 
 
 def test_a_flood_of_made_up_instances_is_bounded(socket_dir):
-    from stepwatch.agents.ingress import IngressLimits
+    from stepwatch.agents.socket_trust import IngressLimits
     agent = Agent(None, socket_dir=socket_dir, node="n1", interval_s=0.2, plugins=[],
                   limits=IngressLimits(max_instances=16)).start()
     try:

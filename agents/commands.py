@@ -1,7 +1,7 @@
 """Subcommands of the agents package: ``stepwatch agent``, ``stepwatch wrap`` and ``stepwatch slurm``.
 
 ``stepwatch/cli.py`` adds them with ``register(sub)`` (``sub`` = its ``add_subparsers()`` object).
-``python -m stepwatch.agents.cli agent|wrap …`` runs them on their own.
+``python -m stepwatch.agents.commands agent|wrap …`` runs them on their own.
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def cmd_agent(a) -> int:
     pa.set_cpu_count(1)
     from stepwatch.kafkaio import settings_from_args
     s = None if a.no_kafka else settings_from_args(a)
-    from stepwatch.agents.ingress import IngressLimits
+    from stepwatch.agents.socket_trust import IngressLimits
     try:
         mode = int(a.socket_mode, 8)
     except ValueError:
