@@ -240,7 +240,7 @@ class ChangePoint(Detector):
                 return []
             block, S = block.tail(skip), S - skip
         R = block.step_ms.shape[1]
-        med = nanmedian(block.step_ms, axis=1)                                   # (S,) O(S*R)
+        med = block.step_median()                                                # (S,) O(S*R), once per block
         cols = np.arange(0, R, max(1, -(-R // self.phase_sample)))
         sub = StepBlock(block.steps, block.t_end, *(getattr(block, f)[:, cols] for f in self._FIELDS))
         ph = phase_arrays(sub)

@@ -146,7 +146,7 @@ class CommBandwidth(Detector):
         self._pull(ctx)
         if not self._steady.steady:
             self._steady.warm(block)
-        med = nanmedian(block.step_ms, axis=1)
+        med = block.step_median()
         out = []
         for s in range(S):
             i = self._n % len(self._st)

@@ -168,7 +168,7 @@ class Mfu(Detector):
         S = len(block)
         if S == 0 or block.step_ms.ndim != 2 or block.step_ms.shape[1] == 0:
             return []
-        med = nanmedian(block.step_ms, axis=1)
+        med = block.step_median()
         tokens, samples, flops, devices, peak, source = self._per_step(ctx, block)
         dt = norm_dtype((ctx.info or {}).get("dtype"))
         with np.errstate(invalid="ignore", divide="ignore"):
