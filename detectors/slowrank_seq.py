@@ -298,6 +298,9 @@ class _SequentialTests:
         for p in range(_P):                              # the rate: 1 / _OFFSET_STEPS but for the few ranks
             n_p, d_p = off_n[p], d[p]                    # with fewer values (new, or frozen under an alert)
             few = np.flatnonzero(n_p < _OFFSET_STEPS)
+            if len(few) > len(n_p) // 8:             # many (the first _OFFSET_STEPS steps): one gather of
+                d_p *= _RATE[np.minimum(n_p, _OFFSET_STEPS)]     # the rate, not fancy-indexed copies
+                continue
             kept = d_p[few]
             d_p *= _RATE[_OFFSET_STEPS]
             if len(few):
