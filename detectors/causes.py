@@ -287,7 +287,7 @@ def _foreign(t, sus: np.ndarray, seen: set | None = None, new_min: float = NEW_M
     node_row, node_names = _codes(t.column("node"))
     node = node_row[row]
     on_s = sus[row]
-    others = np.unique(node[~on_s])
+    n_others = _n_distinct(node[~on_s])
     out = []
     for c in np.unique(name_c[on_s & (cpu >= (FOREIGN_MIN_PCT if seen is None else new_min))]).tolist():
         m = on_s & (name_c == c)
@@ -297,14 +297,21 @@ def _foreign(t, sus: np.ndarray, seen: set | None = None, new_min: float = NEW_M
         big = m & (cpu >= FOREIGN_MIN_PCT)
         if not big.any() and not new:
             continue
-        n_else = len(np.unique(node[~on_s & (name_c == c)]))
-        share = n_else / len(others) if len(others) else 0.0
+        n_else = _n_distinct(node[~on_s & (name_c == c)])
+        share = n_else / n_others if n_others else 0.0
         if share > FOREIGN_MAX_SHARE:
             continue
         out.append({"node": nd, "name": str(names[c]), "pid": int(pid[k]),
                     "cpu_pct": round(float(np.median(cpu[m])), 1), "seen_elsewhere": round(share, 3), "new": new})
     out.sort(key=lambda d: (not d["new"], -d["cpu_pct"]))
     return out[:3]
+
+
+def _n_distinct(a: np.ndarray) -> int:
+    """``len(np.unique(a))`` of integer codes, by counting when they are small and non-negative."""
+    if len(a) and a.min() >= 0 and a.max() < 4 * len(a) + 1024:
+        return int(np.count_nonzero(np.bincount(a)))
+    return len(np.unique(a))
 
 
 def _accel(t, sus: np.ndarray) -> dict:
@@ -326,12 +333,13 @@ def _accel(t, sus: np.ndarray) -> dict:
         return {}
     fleet_clock, fleet_temp = _med(clock[~on_s] if (~on_s).any() else clock), _med(temp[~on_s] if (~on_s).any() else temp)
     node_row, node_names = _codes(t.column("node"))
-    node = node_row[row]
-    # the suspect nodes' slowest device: lowest median clock over the samples
-    keys = sorted({(int(n), int(i)) for n, i in zip(node[on_s], idx[on_s])})
+    # the suspect nodes' slowest device: lowest median clock over the samples (the suspect entries only)
+    si = np.flatnonzero(on_s)
+    node, idx, clock, temp = node_row[row[si]], idx[si], clock[si], temp[si]
+    keys = sorted({(int(n), int(i)) for n, i in zip(node, idx)})
     best = None
     for n, i in keys:
-        m = on_s & (node == n) & (idx == i)
+        m = (node == n) & (idx == i)
         c, tc = _med(clock[m]), _med(temp[m])
         if c is not None and (best is None or c < best[2]):
             best = (str(node_names[n]), i, c, tc)
@@ -379,16 +387,33 @@ def comm_evidence(ctx, ranks, step_lo: int, step_hi: int) -> dict:
     if not sus.any():
         return {"records": int(len(rk))}
     tm = _col(t, "time_ms")
-    op = np.asarray(t.column("op").to_pylist(), dtype=object)
-    grp = np.asarray(t.column("group").to_pylist(), dtype=object) if "group" in t.column_names else \
-        np.full(len(rk), None, dtype=object)
+    # op and group as integer codes (no Python object per row: the window holds up to 400k rows)
+    opc, op_names = _value_codes(t.column("op"))
+    if "group" in t.column_names:
+        grc, gr_names = _value_codes(t.column("group"))
+    else:
+        grc, gr_names = np.zeros(len(rk), dtype=np.int64), [None]
     out = []
-    for o in sorted(set(op[sus].tolist())):
-        m = sus & (op == o)
-        groups = sorted({str(g) for g in grp[m] if g is not None})
-        out.append({"op": str(o), "groups": groups[:4], "suspect_ms": _med(tm[m]),
-                    "others_ms": _med(tm[~sus & (op == o)])})
+    sus_op = np.unique(opc[sus]).tolist()
+    for c in sorted(sus_op, key=lambda c: op_names[c]):
+        m = sus & (opc == c)
+        groups = sorted({str(g) for g in (gr_names[x] for x in np.unique(grc[m]).tolist()) if g is not None})
+        out.append({"op": str(op_names[c]), "groups": groups[:4], "suspect_ms": _med(tm[m]),
+                    "others_ms": _med(tm[~sus & (opc == c)])})
     return {"records": int(len(rk)), "ops": out}
+
+
+def _value_codes(col) -> tuple[np.ndarray, list]:
+    """(int64 codes, values) of a column, equal values one code (null: the value None)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    d = pc.dictionary_encode(col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col)
+    names = d.dictionary.to_pylist() + [None]
+    codes = pc.fill_null(d.indices, len(names) - 1).to_numpy(zero_copy_only=False).astype(np.int64)
+    canon: dict = {}
+    remap = np.array([canon.setdefault(v, len(canon)) for v in names], dtype=np.int64)
+    return remap[codes], list(canon)
 
 
 def decide(phase_cause: str, host: dict | None = None, gc: dict | None = None, comm: dict | None = None,
