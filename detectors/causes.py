@@ -314,6 +314,13 @@ def _n_distinct(a: np.ndarray) -> int:
     return len(np.unique(a))
 
 
+def _unique_codes(a: np.ndarray) -> np.ndarray:
+    """``np.unique(a)`` of integer codes, by counting when they are small and non-negative."""
+    if len(a) and a.min() >= 0 and a.max() < 4 * len(a) + 1024:
+        return np.flatnonzero(np.bincount(a))
+    return np.unique(a)
+
+
 def _accel(t, sus: np.ndarray) -> dict:
     import pyarrow.compute as pc
 
@@ -517,10 +524,12 @@ def _new_procs(tb, ta) -> list[dict]:
         node, _ = _codes(t.column("node"))
         cpu = flat.field("cpu_pct").to_numpy(zero_copy_only=False).astype(np.float64)
         out = {}
-        n_nodes = max(len(np.unique(node)), 1)
-        for c in np.unique(nc[cpu >= FOREIGN_MIN_PCT]).tolist():
-            m = (nc == c) & (cpu >= FOREIGN_MIN_PCT)
-            out[names[c]] = (len(np.unique(node[row][m])) / n_nodes, float(np.median(cpu[m])))
+        n_nodes = max(_n_distinct(node), 1)
+        big = cpu >= FOREIGN_MIN_PCT
+        node_of = node[row]                        # each process entry's node (once, not per name)
+        for c in _unique_codes(nc[big]).tolist():
+            m = (nc == c) & big
+            out[names[c]] = (_n_distinct(node_of[m]) / n_nodes, float(np.median(cpu[m])))
         return out
     b, a = procs(tb), procs(ta)
     return [{"name": k, "nodes_share": round(v[0], 3), "cpu_pct": round(v[1], 1)}
