@@ -57,8 +57,11 @@ def queue_evidence(q) -> dict:
     """Distribution of DataLoader ready batches (``data_queue``; any shape, NaN = not reported): share of
     samples with an empty queue, share at the deepest level seen (a full queue: I/O is not the
     bottleneck), median and max depth. ``{}`` when nothing was reported."""
-    v = np.asarray(q, dtype=np.float64).ravel()
-    v = v[np.isfinite(v)]
+    v = np.asarray(q)
+    if v.dtype.kind != "f":
+        v = v.astype(np.float64)
+    v = v.ravel()
+    v = v[np.isfinite(v)].astype(np.float64, copy=False)     # (float32 depths: widened after the filter)
     if not len(v):
         return {}
     top = float(v.max())
