@@ -20,6 +20,7 @@ rank) and names the cause of the phase that grew most in absolute milliseconds.
 """
 from __future__ import annotations
 
+import copy
 import warnings
 
 import numpy as np
@@ -487,7 +488,25 @@ def job_host_shift(ctx, before: tuple[int, int], after: tuple[int, int], steps: 
     ``cpu_iowait``, ``load1``, ``rdma_retrans`` in the ``before`` and ``after`` time spans (ns), GC
     collections and pause ms per rank and step, and processes that use >= 50% of a core on at least a
     fifth of the nodes after the change but were not among their top processes before. ``{}`` when no
-    window holds both spans."""
+    window holds both spans. Computed once per state of the job's windows and spans (``changepoint`` and
+    ``mfu`` ask the same question on the step a job-wide change is reported); each caller gets its own
+    copy."""
+    w = getattr(ctx, "host", None)
+    memo = getattr(w, "memo", None)
+    if not isinstance(memo, dict):
+        return _job_host_shift(ctx, before, after, steps)
+    g = getattr(ctx, "gc", None)
+    key = ("job_host_shift", tuple(before), tuple(after), tuple(steps), int(getattr(ctx, "world_size", 0)),
+           getattr(w, "version", None), id(g), getattr(g, "version", None) if g is not None else None)
+    got = memo.get(key)
+    if got is None or got[0] is not g:
+        if len(memo) >= 16:                          # (bounded: the host window empties it on every batch)
+            memo.clear()
+        got = memo[key] = (g, _job_host_shift(ctx, before, after, steps))
+    return copy.deepcopy(got[1])
+
+
+def _job_host_shift(ctx, before: tuple[int, int], after: tuple[int, int], steps: tuple[int, int]) -> dict:
     out: dict = {}
     w = getattr(ctx, "host", None)
     if w is not None and len(w):
