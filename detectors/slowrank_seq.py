@@ -177,8 +177,15 @@ class _SequentialTests:
         a sub-millisecond wobble of a small phase is no straggler). Ranks of small stages (judged by
         ``_small_z``) are tested on their busy time only."""
         S, R = z.shape
-        zv = np.full((S, _P * R), np.nan)
-        jv = np.zeros((S, _P * R), dtype=bool)
+        # kept between blocks of the same (small) size, only read within the block: at 100k ranks a fresh
+        # 4 MB array per step paid its page faults every step
+        zv, jv = self._scratch.get("zv"), self._scratch.get("jv")
+        if zv is None or zv.shape != (S, _P * R):
+            zv, jv = np.empty((S, _P * R)), np.empty((S, _P * R), dtype=bool)
+            if S <= 8:                                   # (a long replayed block's are not kept)
+                self._scratch["zv"], self._scratch["jv"] = zv, jv
+        zv.fill(np.nan)
+        jv.fill(False)
         zv[:, :R], jv[:, :R] = z, judged
         sig = np.full((S, _P), np.nan)
         perm = self._perm
