@@ -121,12 +121,35 @@ class StepBlock:
     @property
     def busy_ms(self) -> np.ndarray:
         """Step time minus the time blocked waiting for peers; falls back to data + compute + GC pause
-        (the rank's own work that is reported) when the comm wait is not reported."""
+        (the rank's own work that is reported) when the comm wait is not reported. Computed once per
+        block (every detector gets the same block) and handed out read-only."""
+        return self._memo("busy_ms", self._busy, (self.step_ms, self.comm_wait_ms, self.data_ms,
+                                                  self.compute_ms, self.gc_ms))
+
+    def step_median(self) -> np.ndarray:
+        """(S,) median step time over the reporting ranks of each step (NaN where none reported): the
+        job's step time, which most detectors need; computed once per block (an O(R) partition per
+        step) and handed out read-only."""
+        from .causes import nanmedian
+        return self._memo("step_median", lambda: nanmedian(self.step_ms, axis=1), (self.step_ms,))
+
+    def _busy(self) -> np.ndarray:
         busy = self.step_ms - self.comm_wait_ms
         if not np.isnan(self.comm_wait_ms).any():
             return busy
         fallback = np.nan_to_num(self.data_ms) + np.nan_to_num(self.compute_ms) + np.nan_to_num(self.gc_ms)
         return np.where(np.isnan(self.comm_wait_ms), np.where(fallback > 0, fallback, self.step_ms), busy)
+
+    def _memo(self, name: str, make, inputs: tuple) -> np.ndarray:
+        # kept beside the fields (not a dataclass field): valid while the very same input arrays are set
+        memo = self.__dict__.setdefault("_derived", {})
+        got = memo.get(name)
+        if got is not None and len(got[0]) == len(inputs) and all(a is b for a, b in zip(got[0], inputs)):
+            return got[1]
+        v = np.asarray(make())
+        v.flags.writeable = False
+        memo[name] = (inputs, v)
+        return v
 
     def __len__(self) -> int:
         return len(self.steps)

@@ -20,6 +20,7 @@ rank) and names the cause of the phase that grew most in absolute milliseconds.
 """
 from __future__ import annotations
 
+import copy
 import warnings
 
 import numpy as np
@@ -57,8 +58,11 @@ def queue_evidence(q) -> dict:
     """Distribution of DataLoader ready batches (``data_queue``; any shape, NaN = not reported): share of
     samples with an empty queue, share at the deepest level seen (a full queue: I/O is not the
     bottleneck), median and max depth. ``{}`` when nothing was reported."""
-    v = np.asarray(q, dtype=np.float64).ravel()
-    v = v[np.isfinite(v)]
+    v = np.asarray(q)
+    if v.dtype.kind != "f":
+        v = v.astype(np.float64)
+    v = v.ravel()
+    v = v[np.isfinite(v)].astype(np.float64, copy=False)     # (float32 depths: widened after the filter)
     if not len(v):
         return {}
     top = float(v.max())
@@ -287,7 +291,7 @@ def _foreign(t, sus: np.ndarray, seen: set | None = None, new_min: float = NEW_M
     node_row, node_names = _codes(t.column("node"))
     node = node_row[row]
     on_s = sus[row]
-    others = np.unique(node[~on_s])
+    n_others = _n_distinct(node[~on_s])
     out = []
     for c in np.unique(name_c[on_s & (cpu >= (FOREIGN_MIN_PCT if seen is None else new_min))]).tolist():
         m = on_s & (name_c == c)
@@ -297,14 +301,28 @@ def _foreign(t, sus: np.ndarray, seen: set | None = None, new_min: float = NEW_M
         big = m & (cpu >= FOREIGN_MIN_PCT)
         if not big.any() and not new:
             continue
-        n_else = len(np.unique(node[~on_s & (name_c == c)]))
-        share = n_else / len(others) if len(others) else 0.0
+        n_else = _n_distinct(node[~on_s & (name_c == c)])
+        share = n_else / n_others if n_others else 0.0
         if share > FOREIGN_MAX_SHARE:
             continue
         out.append({"node": nd, "name": str(names[c]), "pid": int(pid[k]),
                     "cpu_pct": round(float(np.median(cpu[m])), 1), "seen_elsewhere": round(share, 3), "new": new})
     out.sort(key=lambda d: (not d["new"], -d["cpu_pct"]))
     return out[:3]
+
+
+def _n_distinct(a: np.ndarray) -> int:
+    """``len(np.unique(a))`` of integer codes, by counting when they are small and non-negative."""
+    if len(a) and a.min() >= 0 and a.max() < 4 * len(a) + 1024:
+        return int(np.count_nonzero(np.bincount(a)))
+    return len(np.unique(a))
+
+
+def _unique_codes(a: np.ndarray) -> np.ndarray:
+    """``np.unique(a)`` of integer codes, by counting when they are small and non-negative."""
+    if len(a) and a.min() >= 0 and a.max() < 4 * len(a) + 1024:
+        return np.flatnonzero(np.bincount(a))
+    return np.unique(a)
 
 
 def _accel(t, sus: np.ndarray) -> dict:
@@ -326,12 +344,13 @@ def _accel(t, sus: np.ndarray) -> dict:
         return {}
     fleet_clock, fleet_temp = _med(clock[~on_s] if (~on_s).any() else clock), _med(temp[~on_s] if (~on_s).any() else temp)
     node_row, node_names = _codes(t.column("node"))
-    node = node_row[row]
-    # the suspect nodes' slowest device: lowest median clock over the samples
-    keys = sorted({(int(n), int(i)) for n, i in zip(node[on_s], idx[on_s])})
+    # the suspect nodes' slowest device: lowest median clock over the samples (the suspect entries only)
+    si = np.flatnonzero(on_s)
+    node, idx, clock, temp = node_row[row[si]], idx[si], clock[si], temp[si]
+    keys = sorted({(int(n), int(i)) for n, i in zip(node, idx)})
     best = None
     for n, i in keys:
-        m = on_s & (node == n) & (idx == i)
+        m = (node == n) & (idx == i)
         c, tc = _med(clock[m]), _med(temp[m])
         if c is not None and (best is None or c < best[2]):
             best = (str(node_names[n]), i, c, tc)
@@ -379,16 +398,33 @@ def comm_evidence(ctx, ranks, step_lo: int, step_hi: int) -> dict:
     if not sus.any():
         return {"records": int(len(rk))}
     tm = _col(t, "time_ms")
-    op = np.asarray(t.column("op").to_pylist(), dtype=object)
-    grp = np.asarray(t.column("group").to_pylist(), dtype=object) if "group" in t.column_names else \
-        np.full(len(rk), None, dtype=object)
+    # op and group as integer codes (no Python object per row: the window holds up to 400k rows)
+    opc, op_names = _value_codes(t.column("op"))
+    if "group" in t.column_names:
+        grc, gr_names = _value_codes(t.column("group"))
+    else:
+        grc, gr_names = np.zeros(len(rk), dtype=np.int64), [None]
     out = []
-    for o in sorted(set(op[sus].tolist())):
-        m = sus & (op == o)
-        groups = sorted({str(g) for g in grp[m] if g is not None})
-        out.append({"op": str(o), "groups": groups[:4], "suspect_ms": _med(tm[m]),
-                    "others_ms": _med(tm[~sus & (op == o)])})
+    sus_op = np.unique(opc[sus]).tolist()
+    for c in sorted(sus_op, key=lambda c: op_names[c]):
+        m = sus & (opc == c)
+        groups = sorted({str(g) for g in (gr_names[x] for x in np.unique(grc[m]).tolist()) if g is not None})
+        out.append({"op": str(op_names[c]), "groups": groups[:4], "suspect_ms": _med(tm[m]),
+                    "others_ms": _med(tm[~sus & (opc == c)])})
     return {"records": int(len(rk)), "ops": out}
+
+
+def _value_codes(col) -> tuple[np.ndarray, list]:
+    """(int64 codes, values) of a column, equal values one code (null: the value None)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    d = pc.dictionary_encode(col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col)
+    names = d.dictionary.to_pylist() + [None]
+    codes = pc.fill_null(d.indices, len(names) - 1).to_numpy(zero_copy_only=False).astype(np.int64)
+    canon: dict = {}
+    remap = np.array([canon.setdefault(v, len(canon)) for v in names], dtype=np.int64)
+    return remap[codes], list(canon)
 
 
 def decide(phase_cause: str, host: dict | None = None, gc: dict | None = None, comm: dict | None = None,
@@ -452,7 +488,25 @@ def job_host_shift(ctx, before: tuple[int, int], after: tuple[int, int], steps: 
     ``cpu_iowait``, ``load1``, ``rdma_retrans`` in the ``before`` and ``after`` time spans (ns), GC
     collections and pause ms per rank and step, and processes that use >= 50% of a core on at least a
     fifth of the nodes after the change but were not among their top processes before. ``{}`` when no
-    window holds both spans."""
+    window holds both spans. Computed once per state of the job's windows and spans (``changepoint`` and
+    ``mfu`` ask the same question on the step a job-wide change is reported); each caller gets its own
+    copy."""
+    w = getattr(ctx, "host", None)
+    memo = getattr(w, "memo", None)
+    if not isinstance(memo, dict):
+        return _job_host_shift(ctx, before, after, steps)
+    g = getattr(ctx, "gc", None)
+    key = ("job_host_shift", tuple(before), tuple(after), tuple(steps), int(getattr(ctx, "world_size", 0)),
+           getattr(w, "version", None), id(g), getattr(g, "version", None) if g is not None else None)
+    got = memo.get(key)
+    if got is None or got[0] is not g:
+        if len(memo) >= 16:                          # (bounded: the host window empties it on every batch)
+            memo.clear()
+        got = memo[key] = (g, _job_host_shift(ctx, before, after, steps))
+    return copy.deepcopy(got[1])
+
+
+def _job_host_shift(ctx, before: tuple[int, int], after: tuple[int, int], steps: tuple[int, int]) -> dict:
     out: dict = {}
     w = getattr(ctx, "host", None)
     if w is not None and len(w):
@@ -492,10 +546,12 @@ def _new_procs(tb, ta) -> list[dict]:
         node, _ = _codes(t.column("node"))
         cpu = flat.field("cpu_pct").to_numpy(zero_copy_only=False).astype(np.float64)
         out = {}
-        n_nodes = max(len(np.unique(node)), 1)
-        for c in np.unique(nc[cpu >= FOREIGN_MIN_PCT]).tolist():
-            m = (nc == c) & (cpu >= FOREIGN_MIN_PCT)
-            out[names[c]] = (len(np.unique(node[row][m])) / n_nodes, float(np.median(cpu[m])))
+        n_nodes = max(_n_distinct(node), 1)
+        big = cpu >= FOREIGN_MIN_PCT
+        node_of = node[row]                        # each process entry's node (once, not per name)
+        for c in _unique_codes(nc[big]).tolist():
+            m = (nc == c) & big
+            out[names[c]] = (_n_distinct(node_of[m]) / n_nodes, float(np.median(cpu[m])))
         return out
     b, a = procs(tb), procs(ta)
     return [{"name": k, "nodes_share": round(v[0], 3), "cpu_pct": round(v[1], 1)}

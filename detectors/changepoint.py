@@ -229,9 +229,20 @@ class ChangePoint(Detector):
 
     # -- streaming ---------------------------------------------------------------------------
     def update(self, ctx: JobContext, block: StepBlock) -> list[Alert]:
+        return self.update_scaled(ctx, block, None)
+
+    def update_scaled(self, ctx: JobContext, block: StepBlock, scale: np.ndarray | None) -> list[Alert]:
+        """:meth:`update` with every duration of ``block`` multiplied by ``scale`` ((S, 1) per step, or
+        None): the same result as ``update`` of the scaled block, but only the step times (their median)
+        and the sampled ranks' phases are scaled, not all (S, R) arrays of every field (the ``mfu``
+        detector's step times normalised by the work of each step)."""
         S = len(block)
         if S == 0 or block.step_ms.ndim != 2 or block.step_ms.shape[1] == 0:
             return []
+        if scale is not None and self._steady is not None and not self._steady.steady:
+            # (the steadiness gate reads the scaled block itself: only until the job is steady)
+            block = StepBlock(block.steps, block.t_end, *(getattr(block, f) * scale for f in self._FIELDS))
+            scale = None
         if self._steady is not None and not self._steady.steady:
             self._steady.warm(block)                     # (its steps still fill the window: the stable stretch
         if self._seen < self.warmup:                     # is the first baseline) the job's first steps
@@ -240,10 +251,15 @@ class ChangePoint(Detector):
             if skip == S:
                 return []
             block, S = block.tail(skip), S - skip
+            scale = None if scale is None else scale[skip:]
         R = block.step_ms.shape[1]
-        med = nanmedian(block.step_ms, axis=1)                                   # (S,) O(S*R)
+        if scale is None:
+            med = block.step_median()                                            # (S,) O(S*R), once per block
+        else:
+            med = nanmedian(block.step_ms * scale, axis=1)
         cols = np.arange(0, R, max(1, -(-R // self.phase_sample)))
-        sub = StepBlock(block.steps, block.t_end, *(getattr(block, f)[:, cols] for f in self._FIELDS))
+        sub = StepBlock(block.steps, block.t_end, *(getattr(block, f)[:, cols] if scale is None
+                                                    else getattr(block, f)[:, cols] * scale for f in self._FIELDS))
         ph = phase_arrays(sub)
         # a phase's job-level value: the median over the sampled ranks, except for sparse phases (GC: most
         # rank-steps pause a few ms or not at all, a few pause long) where the mean is the time the job

@@ -16,7 +16,7 @@ from .base import Alert, Detector, JobContext, StepBlock
 from . import settings
 from .settings import Setting
 from .busbw import comm_analysis
-from .causes import SUGGESTIONS, nanmedian
+from .causes import SUGGESTIONS
 from .commagg import _CommAggregate
 from .effcommon import _Episodes, _pending_add, _r
 
@@ -168,7 +168,7 @@ class CommBandwidth(Detector):
         self._pull(ctx)
         if not self._steady.steady:
             self._steady.warm(block)
-        med = nanmedian(block.step_ms, axis=1)
+        med = block.step_median()
         for s in range(S):
             i = self._n % len(self._st)
             self._st[i], self._ms[i], self._te[i] = block.steps[s], med[s], block.t_end[s]

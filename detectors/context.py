@@ -44,6 +44,9 @@ class Window:
         self._parts: deque[tuple[int, int, pa.Table]] = deque()    # (key min, key max, rows)
         self.rows = 0
         self.newest = np.iinfo(np.int64).min                      # newest key seen (ever)
+        self.version = 0                                          # rows added so far (batches)
+        #: what readers derived from the rows as they are now (see causes.job_host_shift); emptied by add
+        self.memo: dict = {}
 
     def __len__(self) -> int:
         return self.rows
@@ -51,6 +54,8 @@ class Window:
     def add(self, t: pa.Table) -> None:
         if t.num_rows == 0 or self.key not in t.column_names:
             return
+        self.version += 1
+        self.memo.clear()
         if self.columns is not None:
             t = t.select([c for c in self.columns if c in t.column_names])
         if t.num_rows > self.max_rows:          # one huge batch (a rebuild): keep its newest rows

@@ -139,13 +139,13 @@ class DataLoader(Detector):
 
                 def make():
                     dshare[starved] = _nanmedian_axis0(self._d[:, starved])
-                    return self._alert(ctx, q.astype(np.float64), empty, dshare, starved, ok, ranks, step_first,
+                    return self._alert(ctx, q, empty, dshare, starved, ok, ranks, step_first,
                                        step_now, t_now)
                 alerts += self._eps.seen(key, make)
         return alerts + self._eps.sweep(present, step_now, t_now)
 
     def _alert(self, ctx, q, empty, dshare, starved, ok, ranks, step_first, step_now, t_now) -> Alert:
-        ev = queue_evidence(q[:, starved])
+        ev = queue_evidence(q if starved.all() else q[:, starved])        # (job-wide: no copy)
         ev.update({"starved_ranks": int(starved.sum()), "reporting_ranks": int(ok.sum()),
                    "data_share_of_step": _r(float(np.nanmedian(dshare[starved]))),
                    "others": queue_evidence(q[:, ok & ~starved]) if (ok & ~starved).any() else None})

@@ -179,7 +179,7 @@ class Mfu(Detector):
         S = len(block)
         if S == 0 or block.step_ms.ndim != 2 or block.step_ms.shape[1] == 0:
             return []
-        med = nanmedian(block.step_ms, axis=1)
+        med = block.step_median()
         tokens, samples, flops, devices, peak, source = self._per_step(ctx, block)
         dt = norm_dtype((ctx.info or {}).get("dtype"))
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -234,13 +234,13 @@ class Mfu(Detector):
             self._flops_ref = float(per_dev[good][0])
         k = np.where(good, self._flops_ref / np.where(good, per_dev, 1.0), np.nan)[:, None]
         fields = ("step_ms", "data_ms", "compute_ms", "comm_ms", "comm_wait_ms", "gc_ms")
-        if good.all():                            # the usual case: no (S, R) boolean-index copies
-            scaled = StepBlock(block.steps, block.t_end, *(getattr(block, f) * k for f in fields))
+        if good.all():                            # the usual case: scaled where read (ChangePoint.update_scaled)
+            found = self._cp.update_scaled(ctx, block, k)
         else:
-            scaled = StepBlock(block.steps[good], block.t_end[good],
-                               *(getattr(block, f)[good] * k[good] for f in fields))
+            found = self._cp.update(ctx, StepBlock(block.steps[good], block.t_end[good],
+                                                   *(getattr(block, f)[good] * k[good] for f in fields)))
         out = []
-        for a in self._cp.update(ctx, scaled):
+        for a in found:
             if a.kind != "regression":
                 continue                          # an MFU rise is not alerted
             ev = dict(a.evidence)

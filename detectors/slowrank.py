@@ -310,7 +310,7 @@ class SlowRank(_SequentialTests, _AlertAssembly, Detector):
             sig_step = nanmedian(np.stack(sig_parts, axis=1), axis=1) if sig_parts else np.full(S, np.nan)
         phases = phase_arrays(block)
         zv, jv, sig_ph = self._phase_z(phases, z, judged, bmeds)
-        job_step = nanmedian(block.step_ms, axis=1)[:, None]
+        job_step = block.step_median()[:, None]
         with np.errstate(divide="ignore", invalid="ignore"):
             cost = np.maximum(excess, 0.0) / job_step * 100.0                    # NaN stays NaN
         valid = ~np.isnan(busy)

@@ -177,8 +177,15 @@ class _SequentialTests:
         a sub-millisecond wobble of a small phase is no straggler). Ranks of small stages (judged by
         ``_small_z``) are tested on their busy time only."""
         S, R = z.shape
-        zv = np.full((S, _P * R), np.nan)
-        jv = np.zeros((S, _P * R), dtype=bool)
+        # kept between blocks of the same (small) size, only read within the block: at 100k ranks a fresh
+        # 4 MB array per step paid its page faults every step
+        zv, jv = self._scratch.get("zv"), self._scratch.get("jv")
+        if zv is None or zv.shape != (S, _P * R):
+            zv, jv = np.empty((S, _P * R)), np.empty((S, _P * R), dtype=bool)
+            if S <= 8:                                   # (a long replayed block's are not kept)
+                self._scratch["zv"], self._scratch["jv"] = zv, jv
+        zv.fill(np.nan)
+        jv.fill(False)
         zv[:, :R], jv[:, :R] = z, judged
         sig = np.full((S, _P), np.nan)
         perm = self._perm
@@ -298,6 +305,9 @@ class _SequentialTests:
         for p in range(_P):                              # the rate: 1 / _OFFSET_STEPS but for the few ranks
             n_p, d_p = off_n[p], d[p]                    # with fewer values (new, or frozen under an alert)
             few = np.flatnonzero(n_p < _OFFSET_STEPS)
+            if len(few) > len(n_p) // 8:             # many (the first _OFFSET_STEPS steps): one gather of
+                d_p *= _RATE[np.minimum(n_p, _OFFSET_STEPS)]     # the rate, not fancy-indexed copies
+                continue
             kept = d_p[few]
             d_p *= _RATE[_OFFSET_STEPS]
             if len(few):

@@ -1,0 +1,60 @@
+"""What detectors derive from shared inputs is computed once and cannot go stale: the step-time median
+and busy time of a block, the job-wide host shift of a state of the job's windows (issue 28)."""
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from stepwatch.detectors import causes
+from stepwatch.detectors.base import StepBlock
+from stepwatch.detectors.replay import block_slice
+from test_causes import NS, ctx_with, host_rows
+
+pytestmark = pytest.mark.unit
+
+
+def _block(S=3, R=7, seed=0):
+    rng = np.random.default_rng(seed)
+    f = [rng.uniform(10, 20, (S, R)) for _ in range(6)]
+    f[0][1, 2] = np.nan                                     # a rank that did not report a step
+    f[4][0, 3] = np.nan                                     # comm wait not reported: busy falls back
+    return StepBlock(np.arange(S), np.arange(S) * NS, *f)
+
+
+def test_step_median_and_busy_once_per_block_read_only():
+    b = _block()
+    med = b.step_median()
+    assert med is b.step_median()                           # computed once
+    np.testing.assert_array_equal(med, causes.nanmedian(b.step_ms, axis=1))
+    busy = b.busy_ms
+    assert busy is b.busy_ms
+    want = np.where(np.isnan(b.comm_wait_ms), b.data_ms + b.compute_ms + b.gc_ms, b.step_ms - b.comm_wait_ms)
+    np.testing.assert_array_equal(busy, want)
+    with pytest.raises(ValueError):
+        med[0] = 0.0                                         # shared by every detector: read-only
+    with pytest.raises(ValueError):
+        busy[0, 0] = 0.0
+    one = block_slice(b, 1, 2)                              # another block: its own values
+    np.testing.assert_array_equal(one.step_median(), med[1:2])
+    b.step_ms = b.step_ms * 2.0                             # a field replaced: computed again
+    np.testing.assert_array_equal(b.step_median(), 2.0 * med)
+
+
+def test_job_host_shift_once_per_window_state(monkeypatch):
+    ctx = ctx_with(host=host_rows(t=(1, 2, 3, 4)))
+    calls = []
+    real = causes._job_host_shift
+    monkeypatch.setattr(causes, "_job_host_shift", lambda *a: calls.append(a) or real(*a))
+    spans = ((1 * NS, 2 * NS), (3 * NS, 4 * NS), (2, 2))
+    a = causes.job_host_shift(ctx, *spans)
+    b = causes.job_host_shift(ctx, *spans)                  # changepoint and mfu, the same step
+    assert len(calls) == 1 and a == b and a["cpu_util"]["after"] == 10.0
+    a["cpu_util"]["after"] = -1.0                           # each caller its own copy
+    assert causes.job_host_shift(ctx, *spans)["cpu_util"]["after"] == 10.0
+    # a new host batch in the span (every node busy): read again, not the remembered answer
+    busy = host_rows(t=(3, 4))
+    ctx.host.add(busy.set_column(busy.schema.get_field_index("cpu_util"), "cpu_util",
+                                 pa.array([90.0] * busy.num_rows)))
+    c = causes.job_host_shift(ctx, *spans)
+    assert len(calls) == 2 and c["cpu_util"] == {"before": 10.0, "after": 50.0}
