@@ -38,7 +38,7 @@ floored at 0), any other name goes to the ``phases`` map (at most 8 names per st
 Cost and safety. Inside a step every hook only reads the clock and appends one fixed-size event to
 a preallocated log (:mod:`.eventlog`; in C, ``_probefast.Log``, built from ``agents/probe/_probefast.c``
 where a compiler exists). Every few hundred events (or ``flush_ms``, 500 ms) the replay
-(:mod:`.replay`) turns them into steps, warm, and packs each finished step as a fixed-size *frame*
+(:mod:`.fold`) turns them into steps, warm, and packs each finished step as a fixed-size *frame*
 (:mod:`stepwatch.wire.datagram`) into one preallocated buffer. Frames are sent together as one datagram on a
 non-blocking ``AF_UNIX``/``SOCK_DGRAM`` socket connected to ``<socket_dir>/agent.sock``
 (:mod:`.transport`): a 100 ms step pays a system call every fifth step, a 1 s step every step. When the
@@ -51,7 +51,7 @@ This package imports only the standard library (torch is touched only when the p
 ``lint-imports`` checks it), so ``pip install stepwatch`` (no extras) installs the probe alone and
 ``stepwatch wrap`` can load it into any Python process, even by its directory
 (``STEPWATCH_PROBE_FILE``). Modules: :mod:`.core` (``Probe``), :mod:`.hooks`, :mod:`.eventlog`,
-:mod:`.replay`, :mod:`.transport`, :mod:`.timing`, :mod:`.collectives`, :mod:`.watchdog` (in-flight state
+:mod:`.fold`, :mod:`.transport`, :mod:`.timing`, :mod:`.collectives`, :mod:`.watchdog` (in-flight state
 of an overlong step), :mod:`.ddp_hooks` (DDP buckets). The datagram's layout, encoder and decoder are
 :mod:`stepwatch.wire.datagram` (the standard library only too; its names are re-exported here).
 """

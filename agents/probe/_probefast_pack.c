@@ -1,4 +1,4 @@
-/* pack_step: one step's frame into the datagram buffer, in C (see _probefast.c and replay.py). */
+/* pack_step: one step's frame into the datagram buffer, in C (see _probefast.c and fold.py). */
 #include "_probefast.h"
 
 /* ---------------------------------------------------------------------------------- pack_step */
@@ -17,11 +17,11 @@ static inline void put(char *p, const void *v, size_t n) { memcpy(p, v, n); }
 /* pack_step(buf, off, inst, rank, step, t0w, wall, step_ns, data_ns, compute_ns, gc_ns, gc_count, dq,
  *           samples, tokens, dropped, touched, ph, ids, calls, traffic, nspb, keys, gcrows, cpu_ns,
  *           cpu_wait_ns[, hidden_ns]) -> new off
- * One step's frame, byte for byte what Probe._replay packs in Python (HDR_STEP, PHASE per touched
+ * One step's frame, byte for byte what Probe._fold packs in Python (HDR_STEP, PHASE per touched
  * slot, COMM per accumulator slot in order of first call, the GC rows): the calls are summed per slot,
  * a call without a known wait split with the bandwidth model, compute_ns < 0 derived. The step's exposed
  * communication is comm + wait (what the calls held the step), its total that plus hidden_ns (DDP buckets'
- * time behind backward, Replay._bucket_calls; 0 when not given). */
+ * time behind backward, StepFold._bucket_calls; 0 when not given). */
 PyObject *probefast_pack_step(PyObject *self, PyObject *const *a, Py_ssize_t nargs)
 {
     if (nargs != 26 && nargs != 27) {

@@ -1,6 +1,6 @@
 """The probe itself: :class:`Probe`, its set-up (``init``, fork, ``shutdown``), the explicit step API, the
 watchdog and profiling control, and its counters. Its parts live beside it: :mod:`.hooks` (torch patching),
-:mod:`.eventlog` (the hot path), :mod:`.replay` (events -> frames), :mod:`.transport` (hello, socket),
+:mod:`.eventlog` (the hot path), :mod:`.fold` (events -> frames), :mod:`.transport` (hello, socket),
 :mod:`.timing` (thread CPU, device events)."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from .exitwatch import ExitWatch
 from .flops import Flops
 from .eventlog import K_BEGIN, K_COUNT, K_END, K_MARK, K_PHASE, KIND_PHASES, LOG_CAP, _PyLog, _perf, _wall
 from .hooks import Hooks, _TorchImportHook
-from .replay import Replay
+from .fold import StepFold
 from .timing import DeviceTiming, _ThreadCpu
 from .transport import HELLO_EVERY_NS, Transport, _new_instance
 from stepwatch.wire.datagram import (DEFAULT_FLUSH_MS, GCREC, HDR, MAGIC, MAX_COMM, MAX_DATAGRAM, MAX_GC, MAX_NAMES, MAX_PHASES,
@@ -79,7 +79,7 @@ class _StepCtx:
 _SLOT_DATA, _SLOT_COMPUTE = 0, 1
 
 
-class Probe(Hooks, Replay, Transport, DeviceTiming, Flops):
+class Probe(Hooks, StepFold, Transport, DeviceTiming, Flops):
     """One per process (the module-level functions use a singleton). Lifecycle: ``init`` ->
     steps -> ``shutdown`` (also at interpreter exit)."""
 
@@ -128,7 +128,7 @@ class Probe(Hooks, Replay, Transport, DeviceTiming, Flops):
         self._group_refs: list = []
         self._c_traffic = [1.0] * MAX_COMM                 # bytes on the wire per payload byte, per slot
         self._ns_per_byte = 1.0 / DEFAULT_COMM_GBPS
-        # the hot path: hooks append events here, _replay makes steps of them (C when built, else Python)
+        # the hot path: hooks append events here, _fold makes steps of them (C when built, else Python)
         fast = _ev._fast
         self._log = (fast.Log if fast is not None else _PyLog)(LOG_CAP, self._drain, self._first_opt)
         self._replaying = False

@@ -100,7 +100,7 @@ class DeviceTiming:
             d[2].record()
 
     def _dev_time(self, tok: int, host_ns: int) -> int:
-        """Replay: the device time of a collective (ns) when its end event completed, else the
+        """Folding: the device time of a collective (ns) when its end event completed, else the
         host's (counted in ``dev_unready``); the events go back to the pool."""
         d = self._dev_calls.pop(tok, None)
         if d is None:

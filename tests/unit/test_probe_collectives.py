@@ -304,7 +304,7 @@ def test_ddp_user_comm_hook_runs_inside_the_probes_and_is_timed(probe, rx, sockd
 
 
 def test_bucket_tail_is_the_exposed_part_split_by_the_bandwidth_model(probe, sockdir):
-    """Replay: the step's buckets become one call whose time is from the last launch to the last
+    """Folding: the step's buckets become one call whose time is from the last launch to the last
     completion; the transfer part is the last bucket's payload at comm_gbps, the rest is wait."""
     probe.init(job="tail", rank=0, world_size=2, socket_dir=sockdir, auto=False, comm_gbps=1.0)
     s = probe._comm_slot_for("all_reduce", probe._intern("all_reduce"), probe._intern("world"), 2)

@@ -27,7 +27,7 @@ def _run(code: str, *flags: str, env: dict | None = None) -> subprocess.Complete
 def test_importing_the_probe_loads_only_the_standard_library():
     code = ("import json, sys\n"
             "import stepwatch.probe, stepwatch.agents.probe as p\n"
-            "from stepwatch.agents.probe import core, hooks, eventlog, replay, transport, timing, watchdog, "
+            "from stepwatch.agents.probe import core, hooks, eventlog, fold, transport, timing, watchdog, "
             "ddp_hooks, collectives\n"
             "from stepwatch.wire import datagram\n"
             "std = set(sys.stdlib_module_names)\n"

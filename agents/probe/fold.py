@@ -1,10 +1,10 @@
-"""The replay: the hot path's events become steps, and each finished step a packed frame.
+"""The fold: the hot path's events become steps, and each finished step a packed frame.
 
-Every few hundred events (or ``flush_ms``, 500 ms), :meth:`Replay._drain` hands the event log to
-:meth:`Replay._replay`, which applies the events in order to the step state (what the hooks would have done
+Every few hundred events (or ``flush_ms``, 500 ms), :meth:`StepFold._drain` hands the event log to
+:meth:`StepFold._fold`, which applies the events in order to the step state (what the hooks would have done
 live, but warm and in a tight loop) and packs every finished step as one fixed-size frame (:mod:`stepwatch.wire.datagram`)
-into the probe's datagram buffer: ``_probefast.pack_step`` in C, or :meth:`Replay._pack_py` (the step's values,
-packed by :func:`stepwatch.wire.datagram.pack_frame`), byte for byte the same. :class:`Replay` is a part of :class:`~.core.Probe` (its state lives there).
+into the probe's datagram buffer: ``_probefast.pack_step`` in C, or :meth:`StepFold._pack_py` (the step's values,
+packed by :func:`stepwatch.wire.datagram.pack_frame`), byte for byte the same. :class:`StepFold` is a part of :class:`~.core.Probe` (its state lives there).
 """
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ _OPENING = frozenset((K_DATA, K_COLL, K_DCOLL, K_BUCKET))   # events that open a
                                                             # (and K_OPT_POST with a pre-hook time)
 
 
-class Replay:
+class StepFold:
     """Events -> steps -> frames (methods of :class:`~.core.Probe`)."""
 
     def _drain(self) -> None:
-        """Replay the hot path's events into steps (and send them when due). Called by the hooks at a
+        """Fold the hot path's events into steps (and send them when due). Called by the hooks at a
         step end (see :class:`_PyLog` for when), by ``flush``/``stats``/``shutdown``, and when the log
         is full."""
         if self._replaying:
@@ -40,7 +40,7 @@ class Replay:
             if not events or not self._on:
                 return
             n0 = self.n_steps
-            self._replay(events)
+            self._fold(events)
             if self._wd is None and self.n_steps:
                 self._start_watchdog()
             if self._ctl_on and self.n_steps != n0:
@@ -68,7 +68,7 @@ class Replay:
         dt = now - prev[0]
         self._cpu_rates = ((c - prev[1]) / dt, (w - prev[2]) / dt if w >= prev[2] >= 0 else -1.0)
 
-    def _replay(self, events: list) -> None:
+    def _fold(self, events: list) -> None:
         """Apply the events, in order, to the step state: what the hooks would have done live. The
         state lives in locals while the batch is replayed (the loop runs once per event, a few
         hundred at a time; attribute traffic per event would be most of its cost)."""
@@ -331,7 +331,7 @@ class Replay:
                           self._gcmv[16:16 + n_gc * GCREC.size] if n_gc else ())
 
     def _kind_phases(self, t_end: int, t_start: int) -> None:
-        """Replay, at a step end: the kinds marked in the step become phases (ms from the mark to the
+        """Folding, at a step end: the kinds marked in the step become phases (ms from the mark to the
         step end; ``checkpoint`` also gets the time inside the save calls), and the first step of the
         process gets ``first_step`` (its length)."""
         marks = self._marks
