@@ -226,3 +226,45 @@ def test_a_schema_column_no_row_has_is_not_scanned_and_reads_null(tmp_path):
     st.write_flush({"steps": [t]}, {})
     con = connect(tmp_path)
     assert con.execute("SELECT count(*), count(cpu_ms), count(phases), sum(gc_ms) FROM steps").fetchone() == (8, 0, 0, 1.5)
+
+
+def test_steps_files_the_store_writes_span_days_keep_every_column_and_orphans_go(tmp_path, monkeypatch):
+    """The store writes the steps files itself (DIRECT_TABLES) and adds them in the flush's commit:
+    one file per day the batch spans, in DuckLake's date folder, no dictionary tried on the float
+    columns; every column reads back (a map, a producer's extra column, the date from the folder).
+    A fenced flush's file is committed nowhere: an orphan that compaction deletes."""
+    import pyarrow.parquet as pq
+    from stepwatch.storage import compact
+    t = steps("d", 0, 4)                                   # t_end 1,795,000,000 s + step: 2026-11-18
+    midnight = 1_795_046_400 * 10**9                          # 2026-11-19 00:00 UTC
+    t = t.set_column(t.schema.get_field_index("t_end"), "t_end",
+                     pa.array([midnight - 10**9 + 2 * 10**9 * (s >= 2) for s in t.column("step").to_pylist()],
+                              pa.int64()).cast(t.schema.field("t_end").type))
+    t = t.set_column(t.schema.get_field_index("data_ms"), "data_ms",
+                     pa.array([float(i % 3) for i in range(t.num_rows)]))
+    phases = pa.array([[("fwd", 1.5)]] + [None] * (t.num_rows - 1), t.schema.field("phases").type)
+    t = t.set_column(t.schema.get_field_index("phases"), "phases", phases).append_column("extra_ms", pa.array(
+        [0.25] * t.num_rows))
+    st = LakeStore(tmp_path).init()
+    st.write_flush({"steps": [t]}, {("t.steps", 0): Marker(1)}, generation=2)
+    con = connect(tmp_path)
+    assert con.execute("SELECT date::VARCHAR, count(*), min(step), max(step), count(phases), sum(extra_ms), "
+                       "bool_and(date = t_end::DATE) FROM steps GROUP BY date ORDER BY date").fetchall() == [
+        ("2026-11-18", 8, 0, 1, 1, 2.0, True), ("2026-11-19", 8, 2, 3, 0, 2.0, True)]
+    assert con.execute("SELECT phases['fwd'] FROM steps WHERE phases IS NOT NULL").fetchall() == [(1.5,)]
+    files = sorted(r[0] for r in con.execute("SELECT data_file FROM ducklake_list_files('lake', 'steps')").fetchall())
+    assert [f.split("/steps/")[1].rsplit("/", 1)[0] for f in files] == ["date=2026-11-18", "date=2026-11-19"]
+    meta = pq.ParquetFile(files[0]).metadata
+    enc = {meta.row_group(0).column(i).path_in_schema: meta.row_group(0).column(i).encodings
+           for i in range(meta.num_columns)}
+    assert "date" not in enc and not any("DICTIONARY" in e for e in enc["data_ms"]), enc
+    # an older generation is fenced: nothing committed, its file an orphan until compaction
+    on_disk = {str(p) for p in (tmp_path / "lake").rglob("*.parquet")}
+    with pytest.raises(Fenced):
+        st.write_flush({"steps": [steps("d", 9, 1)]}, {("t.steps", 0): Marker(2)}, generation=1)
+    orphans = {str(p) for p in (tmp_path / "lake").rglob("*.parquet")} - on_disk
+    assert len(orphans) == 1 and con.execute("SELECT count(*) FROM steps WHERE step = 9").fetchone() == (0,)
+    monkeypatch.setattr(compact, "ORPHAN_AGE_S", 0.0)
+    compact.run(tmp_path, grace_s=0.0)
+    assert not any(os.path.exists(p) for p in orphans)
+    assert connect(tmp_path).execute("SELECT count(*), sum(extra_ms) FROM steps").fetchone() == (16, 4.0)
