@@ -124,8 +124,8 @@ def _runner(strategy, n: int, seed: int, one, structured: int | None = None):
 def _datagram_strategy():
     from hypothesis import strategies as st
 
-    from stepwatch.agents.probe import (COMM, GCREC, HDR, MAGIC, MAX_COMM, MAX_GC, MAX_PHASES, PHASE, STEP,
-                                        T_BATCH, T_HELLO, T_PROFILE, VERSION)
+    from stepwatch.wire.datagram import (COMM, GCREC, HDR, MAGIC, MAX_COMM, MAX_GC, MAX_PHASES, PHASE, STEP,
+                                         T_BATCH, T_HELLO, T_PROFILE, VERSION)
     edge = st.sampled_from([0, 1, -1, 2**31 - 1, 2**31, 2**32, 2**53, 2**63 - 1, 2**63, -2**63, 10**30])
     ints = st.one_of(st.integers(-2**70, 2**70), edge, st.integers(0, 64))
     leaf = st.one_of(st.none(), st.booleans(), ints, st.floats(), st.text(max_size=24))
@@ -263,7 +263,7 @@ def fuzz_control(n: int, seed: int = 0) -> dict:
     """Fuzz the control-command verify on both sides with ``n`` inputs; see the module doc."""
     from stepwatch.agents import profiling as pf
     from stepwatch.agents.agent import Agent
-    from stepwatch.agents.probe import HDR, MAGIC, T_PROFILE, VERSION
+    from stepwatch.wire.datagram import HDR, MAGIC, T_PROFILE, VERSION
     pem, pub = pf.keygen()
     priv = pf.load_private_key(env={pf.ENV_PRIVATE: pem.decode()})
     other = pf.load_private_key(env={pf.ENV_PRIVATE: pf.keygen()[0].decode()})

@@ -435,7 +435,7 @@ def hostile_datagrams(n: int, good_inst: int, seed: int = 16) -> list[bytes]:
     import random
 
     from stepwatch.devtools.fuzz_targets import mutate
-    from stepwatch.agents.probe import HDR, HDR_STEP, MAGIC, T_BATCH, T_HELLO, VERSION
+    from stepwatch.wire.datagram import HDR, HDR_STEP, MAGIC, T_BATCH, T_HELLO, VERSION
 
     def hello(inst, **f):
         return HDR.pack(MAGIC, VERSION, T_HELLO, inst, 0, 0, 0, 0, 0) + _json.dumps(f).encode()

@@ -10,7 +10,8 @@ import pytest
 from stepwatch.agents import probe as P
 from stepwatch.devtools import simulate
 from stepwatch.agents.probe import collectives as C
-from stepwatch.agents.probe import decode
+from stepwatch.agents.probe import decode, eventlog
+from stepwatch.wire import datagram
 from stepwatch.detectors import efficiency as E
 
 pytestmark = pytest.mark.unit
@@ -56,16 +57,16 @@ def test_c_fast_path_and_python_split_every_kind_alike(sockdir):
     """The C hot path (``_probefast.pack_step``) takes each slot's traffic factor from
     :func:`collectives.traffic_factor`; for every collective kind, one call split by the bandwidth model packs
     the same bytes in C and in Python, and the wait is the call's time less :func:`collectives.transfer_ms`."""
-    assert P._fast is not None, "the C hot path was not built (README: a C compiler and the Python headers)"
+    assert eventlog._fast is not None, "the C hot path was not built (README: a C compiler and the Python headers)"
     kinds = list(C.COLLECTIVES)
     n, nbytes, dt = 8, 1 << 24, 9_000_000
-    for lo in range(0, len(kinds), P.MAX_COMM):
+    for lo in range(0, len(kinds), datagram.MAX_COMM):
         p = P.Probe()
         try:
             p.init(job="coll", rank=1, world_size=n, socket_dir=sockdir, auto=False, comm_gbps=10)
             grp = p._intern("dp")
             calls, want = [], {}
-            for op in kinds[lo:lo + P.MAX_COMM]:
+            for op in kinds[lo:lo + datagram.MAX_COMM]:
                 oid = p._intern(op)
                 s = p._comm_slot_for(op, oid, grp, n)
                 calls.append((s, 1, nbytes, dt, None))
@@ -75,7 +76,7 @@ def test_c_fast_path_and_python_split_every_kind_alike(sockdir):
             end_py = p._pack_py(0, *args, list(calls), 0, -1.0, -1.0)
             py = bytes(p._buf[:end_py])
             p._buf[:] = bytes(len(p._buf))
-            end_c = P._fast.pack_step(p._buf, 0, p.instance, p.rank, *args[:4], p._ph_ns[0], -1, *args[4:],
+            end_c = eventlog._fast.pack_step(p._buf, 0, p.instance, p.rank, *args[:4], p._ph_ns[0], -1, *args[4:],
                                       p.dropped, p._ph_touched, p._ph_ns, p._phase_ids, list(calls), p._c_traffic,
                                       p._ns_per_byte, p._comm_key, None, -1.0, -1.0)
             assert end_c == end_py and bytes(p._buf[:end_c]) == py

@@ -14,7 +14,8 @@ from stepwatch.agents import profiling
 from stepwatch.agents.agent import Agent
 from stepwatch.agents.control import node_partition
 from stepwatch.agents.profiling import open_envelope as decode_control, seal as encode_control
-from stepwatch.agents.probe import Probe, decode, T_PROFILE
+from stepwatch.agents.probe import Probe, decode
+from stepwatch.wire.datagram import T_PROFILE
 from stepwatch.detectors.base import Alert
 from stepwatch.stream.align import JobState
 from stepwatch.stream.profiling import Issuer, ProfilingSettings, choose_ranks, command_diff
@@ -491,7 +492,7 @@ def test_py_spy_missing_is_reported_as_failed(served, monkeypatch):
 
 
 def test_result_datagram_decodes():
-    from stepwatch.agents.probe import HDR, MAGIC, VERSION
+    from stepwatch.wire.datagram import HDR, MAGIC, VERSION
     d = HDR.pack(MAGIC, VERSION, T_PROFILE, 7, 3, 0, 0, 0, 0) + b'{"cmd_id":"c","status":"ok"}'
     assert decode(d) == [(T_PROFILE, 7, 3, {"cmd_id": "c", "status": "ok"})]
 

@@ -16,7 +16,8 @@ import time
 import pytest
 
 from stepwatch.agents.agent import Agent
-from stepwatch.agents.probe import HDR, HDR_STEP, MAGIC, T_BATCH, T_HELLO, VERSION, Probe
+from stepwatch.agents.probe import Probe
+from stepwatch.wire.datagram import HDR, HDR_STEP, MAGIC, T_BATCH, T_HELLO, VERSION
 
 pytestmark = pytest.mark.unit
 
