@@ -338,11 +338,11 @@ def _profiling_plan(proc, old: Config, new: Config):
     cur = getattr(proc, "profiling", None)
     if old.profiling == new.profiling and cur is None:
         return None
-    from stepwatch.agents import profiling as keys
+    from stepwatch.agents.profiling import protocol
     from stepwatch.stream.profiling import Issuer, ProfilingSettings
     try:
         base = ProfilingSettings.from_env()
-    except (keys.KeyError_, ValueError) as e:
+    except (protocol.KeyError_, ValueError) as e:
         log.error("configuration reload: the profiling key cannot be read (%s); the key in force stays", e)
         base = ProfilingSettings(key=cur.settings.key) if cur is not None else None
     ps = new.profiling_settings(base)

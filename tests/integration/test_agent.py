@@ -241,8 +241,8 @@ def _send(path: str, data: bytes) -> None:
 def test_safe_job_and_identity_validation():
     assert safe_job("llama-70b") == "llama-70b" and safe_job(None) == "default"
     assert safe_job("my job/1") == "my_job_1" and safe_job("_x") == "j_x"
-    from stepwatch.agents import profiling       # safe_job lives there (standard library only, for the probe)
-    assert profiling.JOB_RE.pattern == wire.JOB_RE.pattern, "the probe's copy of the job id rule drifted"
+    from stepwatch.agents.profiling import protocol   # safe_job lives there (standard library only, for the probe)
+    assert protocol.JOB_RE.pattern == wire.JOB_RE.pattern, "the probe's copy of the job id rule drifted"
     ident = identity_from_hello({"job": "j", "rank": 2, "world_size": 4, "names": {"1": "all_reduce"}}, "n1", None)
     assert ident.node == "n1" and ident.names == {1: "all_reduce"}
     for bad in ({"rank": -1, "world_size": 4}, {"rank": 4, "world_size": 4}, {"rank": "0", "world_size": 4},

@@ -190,12 +190,13 @@ def test_secret_files_other_users_can_read_are_named_in_a_warning(tmp_path, capl
     """The SASL password file, the lake's password file and the profiling signing key: 0644 is warned
     about by the variable that names it and its mode (never the content); 0600 passes quietly."""
     from stepwatch.agents import profiling
+    from stepwatch.agents.profiling import protocol
     from stepwatch.kafkaio import KafkaSettings
     from stepwatch.storage.lake import password_from_file
     pw, lk, key = tmp_path / "kafka-pw", tmp_path / "lake-pw", tmp_path / "signing.key"
     pw.write_text("hunter2-kafka\n")
     lk.write_text("hunter2-lake\n")
-    key.write_bytes(profiling.keygen()[0])
+    key.write_bytes(protocol.keygen()[0])
     monkeypatch.delenv("PGPASSWORD", raising=False)
     monkeypatch.delenv("STEPWATCH_KAFKA_PASSWORD", raising=False)
     for mode, warned in ((0o644, True), (0o600, False)):
@@ -205,13 +206,13 @@ def test_secret_files_other_users_can_read_are_named_in_a_warning(tmp_path, capl
         with caplog.at_level("WARNING", logger="stepwatch.secrets"):
             assert KafkaSettings(password_file=str(pw))._password() == "hunter2-kafka"
             password_from_file({"STEPWATCH_LAKE_PASSWORD_FILE": str(lk)})
-            assert profiling.load_private_key(env={profiling.ENV_PRIVATE_FILE: str(key)}) is not None
+            assert profiling.load_private_key(env={protocol.ENV_PRIVATE_FILE: str(key)}) is not None
         text = "\n".join(r.getMessage() for r in caplog.records if r.name == "stepwatch.secrets")
         monkeypatch.delenv("PGPASSWORD", raising=False)
         if warned:
             assert f"--sasl-password-file={pw}: a secret file whose mode 0644 lets other users read" in text
             assert f"STEPWATCH_LAKE_PASSWORD_FILE={lk}: a secret file whose mode 0644" in text
-            assert f"{profiling.ENV_PRIVATE_FILE}={key}: a secret file whose mode 0644" in text
+            assert f"{protocol.ENV_PRIVATE_FILE}={key}: a secret file whose mode 0644" in text
             assert "chmod 600" in text and "hunter2" not in text
         else:
             assert text == ""
