@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from stepwatch.agents import probe as P
-from stepwatch.devtools import simulate
 from stepwatch.agents.probe import collectives as C
 from stepwatch.agents.probe import decode, eventlog
 from stepwatch.wire import datagram
-from stepwatch.detectors import efficiency as E
+from stepwatch.detectors import busbw, commagg, commbw, mfu
+from stepwatch.devtools import simtables
 
 pytestmark = pytest.mark.unit
 
@@ -34,15 +34,17 @@ def test_traffic_of_every_kind_is_size_x_bus_factor(n):
         if op not in NO_PAYLOAD and op != "barrier":
             assert C.traffic_factor(op, n) == pytest.approx(C.size_factor(op, n) * C.bus_factor(op, n)), op
         # the detector's vectorised factors are the same function, element by element
-        assert E.bus_factor(op, np.array([n, n]))[1] == pytest.approx(C.bus_factor(op, float(n))), op
-        assert E.size_factor(op, np.array([n]))[0] == pytest.approx(C.size_factor(op, float(n))), op
+        assert busbw.bus_factor(op, np.array([n, n]))[1] == pytest.approx(C.bus_factor(op, float(n))), op
+        assert busbw.size_factor(op, np.array([n]))[0] == pytest.approx(C.size_factor(op, float(n))), op
     assert C.transfer_ms("all_reduce", 10**9, n, 25.0) == pytest.approx(2 * (n - 1) / n * 1e9 / 25e9 * 1e3)
 
 
 def test_detector_and_simulator_use_the_one_module():
-    assert E.LINK_GBPS is C.LINK_GBPS and E.PEAK_TFLOPS is C.PEAK_TFLOPS and E.SATURATE_BYTES is C.SATURATE_BYTES
-    assert E.device_family is C.device_family and E.link_type is C.link_type and E.peak_tflops is C.peak_tflops
-    assert simulate.bus_factor is C.bus_factor and simulate.LINK_GBPS is C.LINK_GBPS
+    # the detectors' and the simulator's tables and link model are the probe's (agents/probe/collectives.py)
+    assert busbw.LINK_GBPS is C.LINK_GBPS and busbw.SATURATE_BYTES is C.SATURATE_BYTES and busbw.link_type is C.link_type
+    assert commagg.LINK_GBPS is C.LINK_GBPS and commagg.SATURATE_BYTES is C.SATURATE_BYTES
+    assert commbw.device_family is C.device_family and mfu.peak_tflops is C.peak_tflops
+    assert simtables.bus_factor is C.bus_factor and simtables.LINK_GBPS is C.LINK_GBPS
     assert C.LINK_GBPS["loopback"] == C.DEFAULT_COMM_GBPS       # the probe's default model is gloo on one host
 
 
