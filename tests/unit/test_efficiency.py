@@ -359,7 +359,8 @@ def test_agent_puts_model_params_and_group_sizes_into_rows():
 
 
 def test_processor_stores_efficiency_and_comm_bw_tables(tmp_path):
-    from stepwatch.devtools.eval import Scenario, run_scenario
+    from stepwatch.devtools.eval import run_scenario
+    from stepwatch.devtools.evalsuite import Scenario
     from stepwatch.storage.views import connect
     res = run_scenario(Scenario("eff-store", [], ranks=64, steps=40, seed=3, comm=True, checkpoint_every=None),
                        tmp_path)
