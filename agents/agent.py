@@ -48,7 +48,7 @@ from stepwatch.wire import datagram
 from stepwatch.wire import columns
 from stepwatch.agents.hostmetrics import PluginRunner, build_runners, sample
 from stepwatch.agents.inflight import Liveness, RateBound, row_from_probe
-from stepwatch.agents.profiling import safe_job   # one copy: the probe and the control channel use it too
+from stepwatch.agents.profiling.protocol import safe_job   # one copy: the probe and the control channel use it too
 from stepwatch.agents.socket_trust import (IngressLimits, Peer, ScopeCache, check_hello, describe_owner, enable_passcred,
                                       owner_of, pid_alive, recv_with_peer, resolve_group)
 from stepwatch.agents.shipper import Shipper, Spool

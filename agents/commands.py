@@ -80,7 +80,8 @@ def cmd_agent(a) -> int:
                   plugins=[p for p in a.plugins.split(",") if p] if a.plugins else None,
                   create_topics=not a.no_create_topics, socket_mode=mode, socket_group=a.socket_group,
                   limits=limits)
-    from stepwatch.agents.profiling import KeyError_, load_public_keys
+    from stepwatch.agents.profiling import load_public_keys
+    from stepwatch.agents.profiling.protocol import KeyError_
     try:
         keys = None if a.no_kafka or a.no_profiling else load_public_keys()
     except KeyError_ as e:

@@ -42,12 +42,13 @@ import time
 from prometheus_client import Counter
 
 from stepwatch.agents import profiling
+from stepwatch.agents.profiling import protocol, summary
 from stepwatch.agents.shipper import fsync_dir
 
 log = logging.getLogger("stepwatch.agent.control")
 
 GRACE_S = 30.0                 # a forwarded profile with no answer this long after its deadline: expired
-TRACE_SUFFIXES = (".json.gz", ".pyspy.txt")   # the names profiling.trace_name gives
+TRACE_SUFFIXES = (".json.gz", ".pyspy.txt")   # the names summary.trace_name gives
 
 
 def prune_traces(directory: str, keep_bytes: int, protect=frozenset()) -> tuple[int, int]:
@@ -122,7 +123,7 @@ class SeenStore:
                     except (IndexError, ValueError, UnicodeDecodeError):
                         self.bad_lines += 1              # a torn last line after a crash
                         continue
-                    if exp > now and profiling.CMD_ID_RE.fullmatch(cid):
+                    if exp > now and protocol.CMD_ID_RE.fullmatch(cid):
                         self.ids[cid] = max(exp, self.ids.get(cid, 0))
         except FileNotFoundError:
             pass
@@ -225,7 +226,7 @@ class AgentControl:
         self._out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._out.setblocking(False)
         sd_real = os.path.realpath(agent.socket_dir)
-        self._ctl_dirs = {sd_real, os.path.join(sd_real, profiling.CTL_DIR)}
+        self._ctl_dirs = {sd_real, os.path.join(sd_real, protocol.CTL_DIR)}
 
     # ------------------------------------------------------------------ kafka
     def start(self) -> "AgentControl":
@@ -304,7 +305,7 @@ class AgentControl:
         now = time.time_ns() if now_ns is None else now_ns
         try:
             cmd = profiling.open_envelope(value, self._keys)
-        except profiling.BadCommand as e:
+        except protocol.BadCommand as e:
             with self.lock:
                 rows = self._refuse_unverified(e, value, now)
                 self.rows += rows
@@ -326,7 +327,7 @@ class AgentControl:
     def _job(self) -> str:
         return _safe_job(self.agent.job)
 
-    def _refuse_unverified(self, e: "profiling.BadCommand", value, now: int) -> list[dict]:
+    def _refuse_unverified(self, e: "protocol.BadCommand", value, now: int) -> list[dict]:
         """A message that is not a verified command: nothing of it is trusted, so the row carries only
         a digest of the message (as ``cmd_id``) and the reason; rate-limited like every refusal."""
         self.metrics.rejected.labels(e.reason).inc()
@@ -371,7 +372,7 @@ class AgentControl:
         if not isinstance(path, str) or len(path) > 512:
             return False
         base = os.path.basename(path)
-        if not (base.startswith(profiling.CTL_PREFIX) and base.endswith(".sock")):
+        if not (base.startswith(protocol.CTL_PREFIX) and base.endswith(".sock")):
             return False
         return os.path.realpath(os.path.dirname(path)) in self._ctl_dirs
 
@@ -449,7 +450,7 @@ class AgentControl:
         if ident is None or not isinstance(body, dict):
             return None
         now = time.time_ns() if now_ns is None else now_ns
-        status = body.get("status") if body.get("status") in profiling.STATUSES else "failed"
+        status = body.get("status") if body.get("status") in protocol.STATUSES else "failed"
         self.metrics.done.labels(status).inc()
         summ = body.get("summary")
         summ = json.dumps(summ, sort_keys=True, default=str) if summ is not None else None
@@ -472,7 +473,7 @@ class AgentControl:
                    "bytes": _i(body.get("bytes"), 0, 2**63 - 1), "summary": summ,
                    "started_at": _i(body.get("started_at"), 0, 2**63 - 1),
                    "finished_at": _i(body.get("finished_at"), 0, 2**63 - 1),
-                   "kind": body.get("kind") if body.get("kind") in profiling.PROFILER_KINDS else None,
+                   "kind": body.get("kind") if body.get("kind") in protocol.PROFILER_KINDS else None,
                    "role": body.get("role") if body.get("role") in ("suspect", "reference") else None,
                    "reason": _s(body.get("reason"), 256) or "", "detail": _s(body.get("detail"), 1024) or "",
                    "steps": _i(body.get("steps"), 0, 2**31 - 1), "t": now}
@@ -490,7 +491,7 @@ class AgentControl:
                 self.rows.append(self._row(a["cmd"], k[1], "expired", "no answer from the probe", now))
             rows, self.rows = self.rows, []
             prune, self._prune_due = self._prune_due, False
-            protect = {profiling.trace_name(j, r, a["cmd"]["cmd_id"], a["cmd"]["kind"])
+            protect = {summary.trace_name(j, r, a["cmd"]["cmd_id"], a["cmd"]["kind"])
                        for (j, r), a in self.active.items()}
         if prune:
             self.prune(protect)
@@ -519,4 +520,4 @@ def _i(v, lo: int, hi: int) -> int | None:
 
 
 def _safe_job(job) -> str:
-    return profiling.safe_job(job if isinstance(job, str) else None)
+    return protocol.safe_job(job if isinstance(job, str) else None)

@@ -13,10 +13,8 @@ from .base import Alert, Detector, JobContext, StepBlock
 from .settings import Setting
 from .causes import (PHASE_CAUSE, PHASES, SUGGESTIONS, attribute, confirm_shift, job_host_shift, nanmedian,
                      phase_arrays)
-# the offline search, re-exported: ``from stepwatch.detectors.changepoint import find`` keeps working
 from .steady import SteadyGate
-from .cpsearch import (LOCAL, PENALTY_C, RHO_MAX, TREND_T, _median, block_sigma, find,  # noqa: F401
-                       median_filter, noise_scales, noise_sigma, segment_noise)
+from .cpsearch import PENALTY_C, _median, find, noise_scales, segment_noise
 
 
 #: phases whose job-level value is the mean over the sampled ranks (see ``ChangePoint.update``)

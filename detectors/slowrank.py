@@ -2,7 +2,7 @@
 
 Split by responsibility: this module holds the detector (settings, state, the per-block loop);
 :mod:`.slowrank_seq` the per-step sequential tests and their calibration, :mod:`.slowrank_alerts` alert
-assembly, :mod:`.slowrank_stats` the constants and statistics. Names are re-exported here."""
+assembly, :mod:`.slowrank_stats` the constants and statistics."""
 from __future__ import annotations
 
 import math
@@ -14,8 +14,7 @@ from .settings import Setting
 from .causes import PHASES, nanmedian, phase_arrays
 from .slowrank_alerts import _AlertAssembly, _Window
 from .slowrank_seq import _SequentialTests
-from .slowrank_stats import (_DELAY, _EVERY, _KINDS, _MAD_TO_SIGMA, _P, _SAMPLE_COLS, _SMALL_DELAY,  # noqa: F401
-                             _NULL_MIN, _SMALL_HIST, _WARMUP, OWN_PHASES, _cumsum_rows, _cusum_theta, _pooled_phi, _r)
+from .slowrank_stats import _DELAY, _EVERY, _MAD_TO_SIGMA, _NULL_MIN, _P, _SAMPLE_COLS, _SMALL_DELAY, _SMALL_HIST
 
 
 class SlowRank(_SequentialTests, _AlertAssembly, Detector):

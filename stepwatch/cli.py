@@ -92,6 +92,7 @@ def cmd_process(a) -> int:
     from stepwatch.dashboards.grafana_cmd import annotation_sink_from_args
     from stepwatch.dashboards.grafana import GrafanaError
     from stepwatch import config as swconfig
+    from stepwatch.configfile import ConfigError
     from stepwatch.dashboards.alertmanager import AlertmanagerError, sink_from_args as am_sink_from_args
     from stepwatch.stream.alertfanout import attach
     from stepwatch.stream.jobmetrics import configure_from_args
@@ -105,7 +106,7 @@ def cmd_process(a) -> int:
     cfg_path = a.config or os.environ.get("STEPWATCH_CONFIG") or None
     try:
         cfg = swconfig.load(cfg_path) if cfg_path else None
-    except swconfig.ConfigError as e:
+    except ConfigError as e:
         print(f"stepwatch process: {e}", file=sys.stderr)
         return 2
     from stepwatch.stream.profiling import settings_from_env

@@ -34,8 +34,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stepwatch.configfile import (MAX_BYTES, MAX_DEPTH, MAX_DIGITS, MAX_MESSAGE, ConfigError,  # noqa: F401
-                                 decode, read_bytes)
+from stepwatch.configfile import ConfigError, decode, read_bytes
 from stepwatch.detectors import settings as _settings
 from stepwatch.detectors.settings import Setting, SettingError, range_text as _range_text, show as _show
 from stepwatch.stream.processor_settings import PROCESSOR as _PROCESSOR_SETTINGS
@@ -226,8 +225,8 @@ def _check_merged(c: Config) -> None:
 def load(path: str | Path) -> Config:
     """Read and validate a configuration file. Raises :class:`ConfigError`, and nothing else, for any
     content (the message names the file, the setting and the value): not UTF-8, larger than
-    :data:`MAX_BYTES`, nested deeper than :data:`MAX_DEPTH`, a number of more than :data:`MAX_DIGITS`
-    digits, not TOML, empty (what a reader sees of a file being rewritten: an intentional "every
+    :data:`~stepwatch.configfile.MAX_BYTES`, nested deeper than :data:`~stepwatch.configfile.MAX_DEPTH`, a
+    number of more than :data:`~stepwatch.configfile.MAX_DIGITS` digits, not TOML, empty (what a reader sees of a file being rewritten: an intentional "every
     default" file says so with a comment or an empty ``[processor]`` table), or a setting that does
     not validate."""
     p = Path(path)
@@ -338,11 +337,11 @@ def _profiling_plan(proc, old: Config, new: Config):
     cur = getattr(proc, "profiling", None)
     if old.profiling == new.profiling and cur is None:
         return None
-    from stepwatch.agents import profiling as keys
+    from stepwatch.agents.profiling import protocol
     from stepwatch.stream.profiling import Issuer, ProfilingSettings
     try:
         base = ProfilingSettings.from_env()
-    except (keys.KeyError_, ValueError) as e:
+    except (protocol.KeyError_, ValueError) as e:
         log.error("configuration reload: the profiling key cannot be read (%s); the key in force stays", e)
         base = ProfilingSettings(key=cur.settings.key) if cur is not None else None
     ps = new.profiling_settings(base)

@@ -14,7 +14,7 @@ answered, not expired) plus the new ones must not exceed ``max_in_flight``; othe
 
 Results arrive on ``profiles`` (the processor stores every row); :meth:`Issuer.on_results` collects
 them per command and, once a suspect and the reference both answered ``ok``, computes
-:func:`stepwatch.agents.profiling.diff` and returns it with the alert, which the processor re-emits
+:func:`stepwatch.agents.profiling.summary.diff` and returns it with the alert, which the processor re-emits
 (same ``alert_id`` and status) on the ``alerts`` topic and to its callback with a ``profile_diff``
 section in ``evidence``. That re-emission is not written to the ``alerts`` table again: the table
 keeps one row per (alert_id, status), and the diff can always be recomputed from the stored
@@ -38,6 +38,7 @@ import pyarrow as pa
 
 from stepwatch.wire import tables as wire
 from stepwatch.agents import profiling
+from stepwatch.agents.profiling import protocol, summary
 
 log = logging.getLogger("stepwatch.processor.profiling")
 
@@ -86,7 +87,7 @@ def settings_from_env(env=None) -> ProfilingSettings | None:
     """:meth:`ProfilingSettings.from_env`, logging (not raising) a key that cannot be read."""
     try:
         return ProfilingSettings.from_env(env)
-    except (profiling.KeyError_, ValueError) as e:
+    except (protocol.KeyError_, ValueError) as e:
         log.error("targeted profiling off: %s", e)
         return None
 
@@ -200,7 +201,7 @@ class Issuer:
               alert=None, ttl_s: float | None = None) -> tuple[str, list[dict]]:
         now = time.time_ns()
         ttl = self.settings.ttl_s if ttl_s is None else ttl_s
-        cmd_id = profiling.new_command(job, "-", [], 1).get("cmd_id")
+        cmd_id = protocol.new_command(job, "-", [], 1).get("cmd_id")
         ranks = list(suspects) + list(reference)
         base = {"cmd_id": cmd_id, "job": job, "kind": kind, "reason": reason, "steps": steps, "t": now}
 
@@ -221,13 +222,13 @@ class Issuer:
         for r in ranks:
             by_node.setdefault(nodes[r], []).append(r)
         try:                                     # every envelope first: a command is sent whole or not at all
-            sealed = [(node, profiling.seal(profiling.new_command(
+            sealed = [(node, profiling.seal(protocol.new_command(
                 job, node, rs, steps, kind, reason, reference=[r for r in rs if r in reference], ttl_s=ttl, now_ns=now,
                 cmd_id=cmd_id), self.settings.key)) for node, rs in by_node.items()]
         except ValueError as e:                  # over the envelope's bounds (docs/limits.md)
             return cmd_id, refused(f"command not sent: {e}")
         for node, env in sealed:
-            self.producer.send(self.kafka.topic("control"), env, key=node.encode(), headers=profiling.control_headers())
+            self.producer.send(self.kafka.topic("control"), env, key=node.encode(), headers=protocol.control_headers())
         self.producer.flush(5)
         self.pending[cmd_id] = Pending(cmd_id, job, list(suspects), list(reference), now + int(ttl * 1e9), kind,
                                        alert=alert, t_issued=time.monotonic())
@@ -264,7 +265,7 @@ def command_diff(suspects, reference, results: dict) -> dict | None:
     ref = next((r for r in reference if ok(r)), None)
     if s is None or ref is None:
         return None
-    d = profiling.diff(json.loads(results[s]["summary"]), json.loads(results[ref]["summary"]))
+    d = summary.diff(json.loads(results[s]["summary"]), json.loads(results[ref]["summary"]))
     d.update(suspect_rank=s, reference_rank=ref)
     return d
 

@@ -39,11 +39,12 @@ def cmd_profile(a) -> int:
         print("stepwatch profile: --job and --rank are required (or: stepwatch profile diff CMD_ID)", file=sys.stderr)
         return 2
     from stepwatch.agents import profiling
+    from stepwatch.agents.profiling import protocol
     from stepwatch.kafkaio import make_producer, settings_from_args
     from stepwatch.stream.profiling import Issuer, ProfilingSettings
     try:
         key = profiling.load_private_key()
-    except profiling.KeyError_ as e:
+    except protocol.KeyError_ as e:
         print(f"stepwatch profile: {e}", file=sys.stderr)
         return 2
     if key is None:
@@ -96,7 +97,7 @@ def cmd_profile(a) -> int:
     s_ok = [r for r in ranks if r in oks]
     r_ok = [r for r in refs if r in oks]
     if s_ok and r_ok:
-        from stepwatch.agents.profiling import diff, format_diff
+        from stepwatch.agents.profiling.summary import diff, format_diff
         print(f"\nsuspect rank {s_ok[0]} vs reference rank {r_ok[0]}:")
         print(format_diff(diff(json.loads(oks[s_ok[0]]["summary"]), json.loads(oks[r_ok[0]]["summary"]))))
     return 0 if want <= set(oks) else 1
@@ -109,14 +110,14 @@ def cmd_keygen(args: list[str]) -> int:
     if len(args) != 1:
         print("usage: stepwatch profile keygen DIR", file=sys.stderr)
         return 2
-    from stepwatch.agents import profiling
+    from stepwatch.agents.profiling import protocol
     d = args[0]
     os.makedirs(d, exist_ok=True)
     priv = os.path.join(d, "profiling-signing-key.pem")
     if os.path.exists(priv):
         print(f"stepwatch profile keygen: {priv} exists; not overwriting it", file=sys.stderr)
         return 1
-    pem, pub = profiling.keygen()
+    pem, pub = protocol.keygen()
     fd = os.open(priv, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(pem)
@@ -160,7 +161,7 @@ def _poll(c, cmd_id: str) -> list[dict]:
 
 
 def cmd_diff(cmd_id: str, data_dir: str) -> int:
-    from stepwatch.agents.profiling import diff, format_diff
+    from stepwatch.agents.profiling.summary import diff, format_diff
     from stepwatch.storage.views import connect
     con = connect(data_dir)
     rows = con.execute("SELECT rank, role, status, summary, uri, reason, kind FROM profiles WHERE cmd_id = ? "

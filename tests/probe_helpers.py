@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from stepwatch.agents import probe as P
-from stepwatch.agents.probe import Probe, decode
+from stepwatch.agents.probe import Probe, decode, eventlog
+from stepwatch.wire import datagram
 
 
 class Rx:
@@ -20,7 +20,7 @@ class Rx:
 
     def __init__(self, d: str, listen: bool = True):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(os.path.join(d, P.SOCKET_NAME))
+        self.sock.bind(os.path.join(d, datagram.SOCKET_NAME))
         self.got: list[bytes] = []
         self.lock = threading.Lock()
         self.stop = threading.Event()
@@ -75,10 +75,10 @@ def probe(request, monkeypatch):
     """A probe on each hot path: the C one (``_probefast``, built by ``pip install``) and the pure-Python
     fallback; both must produce the same records."""
     if request.param == "c":
-        assert P._fast is not None, ("the C hot path (stepwatch.agents._probefast) was not built: "
+        assert eventlog._fast is not None, ("the C hot path (stepwatch.agents._probefast) was not built: "
                                      "pip install needs a C compiler and the Python headers (README)")
     else:
-        monkeypatch.setattr(P.eventlog, "_fast", None)     # (the hot path new probes take)
+        monkeypatch.setattr(eventlog, "_fast", None)     # (the hot path new probes take)
     p = Probe()
     yield p
     p.shutdown()
@@ -89,14 +89,14 @@ def split(msgs):
     converted from the datagram's ns to ms."""
     hello, steps, comm, gcs = None, [], [], []
     for typ, inst, rank, body in msgs:
-        if typ == P.T_HELLO:
+        if typ == datagram.T_HELLO:
             hello = body
             continue
-        if typ != P.T_BATCH:                 # an in-flight state or the rank's goodbye
+        if typ != datagram.T_BATCH:                 # an in-flight state or the rank's goodbye
             continue
         st, phases, cm, gg = body
         if st is not None:
-            d = dict(zip(P.STEP_FIELDS, st))
+            d = dict(zip(datagram.STEP_FIELDS, st))
             for k in ("step", "data", "compute", "comm", "comm_wait", "gc"):
                 d[k + "_ms"] = d.pop(k + "_ns") / 1e6           # the datagram carries ns
             for k in ("cpu", "cpu_wait"):                       # -1: not measured

@@ -53,7 +53,9 @@ This package imports only the standard library (torch is touched only when the p
 (``STEPWATCH_PROBE_FILE``). Modules: :mod:`.core` (``Probe``), :mod:`.hooks`, :mod:`.eventlog`,
 :mod:`.fold`, :mod:`.transport`, :mod:`.timing`, :mod:`.collectives`, :mod:`.watchdog` (in-flight state
 of an overlong step), :mod:`.ddp_hooks` (DDP buckets). The datagram's layout, encoder and decoder are
-:mod:`stepwatch.wire.datagram` (the standard library only too; its names are re-exported here).
+:mod:`stepwatch.wire.datagram` (the standard library only too); of its names only the API's ``decode``,
+``BadDatagram`` and ``default_socket_dir`` are also names of this package (``__all__``): import the rest
+(``HDR``, ``MAGIC``, ...) from the module that defines them.
 """
 from __future__ import annotations
 
@@ -81,22 +83,10 @@ def _datagram_by_file() -> None:
 
 _datagram_by_file()
 
-from . import eventlog  # noqa: F401 - (``eventlog._fast``: which hot path new probes use)
-from .collectives import DEFAULT_COMM_GBPS, traffic_factor, transfer_ms  # noqa: F401
-from .core import Probe, _Phase, _SLOT_COMPUTE, _SLOT_DATA, _StepCtx, _env_int, _is_rank_process  # noqa: F401
-from .eventlog import (  # noqa: F401
-    FAST, K_BEGIN, K_BUCKET, K_COLL, K_COUNT, K_DATA, K_DCOLL, K_END, K_GC, K_MARK, K_OPT_POST, K_PHASE,
-    KIND_PHASES, LOG_CAP, _fast, _nbytes, _perf, _py_coll_wrap, _py_data_wrap, _PyLog, _queue_depth, _wall,
-)
-from .flops import analytic_flops_per_token  # noqa: F401
-from .hooks import _TorchImportHook  # noqa: F401
-from .timing import MAX_DEV_CALLS, _ThreadCpu  # noqa: F401
-from .transport import HELLO_EVERY_NS, _new_instance  # noqa: F401
-from stepwatch.wire.datagram import (  # noqa: E402, F401
-    COMM, DEFAULT_FLUSH_MS, GCREC, HDR, HDR_STEP, MAGIC, MAX_BACKLOG, MAX_CALLS, MAX_COMM, MAX_DATAGRAM,
-    MAX_FRAME, MAX_GC, MAX_NAMES, MAX_PENDING, MAX_PHASES, PHASE, SOCKET_NAME, STEP, STEP_FIELDS, STEP_V1, STEP_V2,
-    T_BATCH, T_HELLO, T_INFLIGHT, T_PROFILE, T_SCHED, VERSION, VERSIONS, BadDatagram, decode, default_socket_dir,
-)
+from .collectives import transfer_ms  # noqa: E402
+from .core import Probe, _Phase, _StepCtx  # noqa: E402
+from .flops import analytic_flops_per_token  # noqa: E402
+from stepwatch.wire.datagram import BadDatagram, decode, default_socket_dir  # noqa: E402
 
 __all__ = ["Probe", "init", "step", "begin_step", "end_step", "phase", "add_phase", "count", "stats", "flush",
            "shutdown", "get", "auto_install", "mark_step_kind", "mark_change", "decode", "BadDatagram",

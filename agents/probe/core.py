@@ -488,8 +488,8 @@ class Probe(Hooks, StepFold, Transport, DeviceTiming, Flops):
             return
         try:
             self._patch_dcp()
-            from . import watchdog                 # (given the package: the event kinds and the header)
-            self._wd = watchdog.Watchdog(self, sys.modules[__package__]).start()
+            from . import watchdog
+            self._wd = watchdog.Watchdog(self).start()
         except Exception:  # noqa: BLE001 - no watchdog, telemetry goes on
             self._wd = False
 

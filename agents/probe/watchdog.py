@@ -38,6 +38,10 @@ import socket
 import sys
 import threading
 
+from stepwatch.wire.datagram import HDR, MAGIC, T_INFLIGHT, VERSION
+
+from . import eventlog as _ev
+
 # collective functions of torch.distributed whose frame names the op the main thread is blocked in
 COLLECTIVES = frozenset((
     "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "broadcast",
@@ -78,12 +82,11 @@ def format_stack(frame, limit: int = MAX_FRAMES) -> tuple[str, list]:
 
 
 class Watchdog:
-    """One per probe (see the module docstring). ``probe`` is the :class:`~stepwatch.agents.probe.Probe`;
-    the constants of the event log (kinds, datagram header) are read from its module."""
+    """One per probe (see the module docstring). ``probe`` is the :class:`~stepwatch.agents.probe.Probe`."""
 
-    def __init__(self, probe, mod, period_s: float | None = None, min_s: float | None = None,
+    def __init__(self, probe, period_s: float | None = None, min_s: float | None = None,
                  factor: float | None = None, resend_s: float = 5.0):
-        self.p, self.m = probe, mod
+        self.p = probe
         self.period_s = period_s if period_s is not None else _env_float("STEPWATCH_WATCHDOG_S", 1.0)
         self.min_s = min_s if min_s is not None else _env_float("STEPWATCH_INFLIGHT_S", 10.0)
         self.factor = factor if factor is not None else _env_float("STEPWATCH_INFLIGHT_FACTOR", 5.0)
@@ -122,7 +125,7 @@ class Watchdog:
     def _run(self) -> None:
         while not self.stop.wait(self.period_s):
             try:
-                self.check(self.m._perf())
+                self.check(_ev._perf())
             except Exception:  # noqa: BLE001 - the watchdog never disturbs training
                 pass
 
@@ -180,7 +183,7 @@ class Watchdog:
     def state(self, now: int) -> dict | None:
         """What the main thread is doing now (see the module docstring), from the replayed state, a
         copy of the events logged since the last replay, and the main thread's stack."""
-        p, m = self.p, self.m
+        p = self.p
         try:
             events = p._log.peek()
         except Exception:  # noqa: BLE001
@@ -192,28 +195,28 @@ class Watchdog:
         seq = list(p._seq)
         last_t = p._log.last_drain
         for kind, slot, t0, t1, a, b in events:
-            if kind == m.K_COLL or kind == m.K_DCOLL or kind == getattr(m, "K_BUCKET", -1):
+            if kind == _ev.K_COLL or kind == _ev.K_DCOLL or kind == _ev.K_BUCKET:
                 seq[slot] += 1
                 last_t = t1
-            elif kind == m.K_DATA:
+            elif kind == _ev.K_DATA:
                 last_t = t1
                 if not open_ and not explicit:
                     open_, start = True, t0
-            elif kind == m.K_OPT_POST:
+            elif kind == _ev.K_OPT_POST:
                 last_t = t1
                 if not explicit and a == primary:
                     step, start, open_, kinds = step + 1, t1, True, set()
-            elif kind == m.K_BEGIN:
+            elif kind == _ev.K_BEGIN:
                 if open_:
                     step = step + 1 if a < 0 else a
                 elif a >= 0:
                     step = a
                 start, open_, kinds, last_t = t0, True, set(), t0
-            elif kind == m.K_END:
+            elif kind == _ev.K_END:
                 if open_:
                     step, open_, last_t = step + 1, False, t0
                     kinds = set()
-            elif kind == m.K_PHASE or kind == m.K_MARK:
+            elif kind == _ev.K_PHASE or kind == _ev.K_MARK:
                 name = kind_slots.get(slot)
                 if name:
                     kinds.add(name)
@@ -305,9 +308,9 @@ class Watchdog:
 
     # ------------------------------------------------------------------ sending
     def payload(self, st: dict) -> bytes:
-        p, m = self.p, self.m
+        p = self.p
         body = {k: v for k, v in st.items() if not k.startswith("_")}
-        return m.HDR.pack(m.MAGIC, m.VERSION, m.T_INFLIGHT, p.instance, p.rank or 0, 0, 0, 0, 0) + \
+        return HDR.pack(MAGIC, VERSION, T_INFLIGHT, p.instance, p.rank or 0, 0, 0, 0, 0) + \
             json.dumps(body, separators=(",", ":"), default=str).encode()
 
     def _send(self, st: dict) -> bool:

@@ -39,14 +39,10 @@ The processor's side, :mod:`stepwatch.stream.profiling` (alert -> commands, resu
 """
 from __future__ import annotations
 
-from .protocol import (  # noqa: F401
-    CMD_ID_RE, CONTENT_TYPE, CTL_DIR, CTL_PREFIX, DOMAIN, ENV_PRIVATE, ENV_PRIVATE_FILE, ENV_PUBLIC, ENV_PUBLIC_FILE,
-    ENVELOPE_HDR, INT64_MAX, JOB_RE, KEY_ID_LEN, MAGIC, MAX_BODY, MAX_ENVELOPE, MAX_KEYS, MAX_RANKS, NODE_RE, OLD_ENV,
-    PROFILER_KINDS, PYSPY_RATE, RANK_LIMIT, SIG_LEN, SIGNED_FIELDS, STATUSES, BadCommand, KeyError_, canonical,
-    control_headers, key_id, keygen, load_private_key, load_public_keys, new_command, open_envelope, parse_command,
-    public_key_text, safe_job, seal,
-)
-from .runner import ProbeControl, ProbeLimits, ProfileRun, pyspy_binary  # noqa: F401
-from .summary import (  # noqa: F401
-    TOP_N, _main, diff, format_diff, pyspy_summary, summarize_in_subprocess, torch_summary, trace_name, trace_summary,
-)
+from .protocol import MAX_BODY, canonical, load_private_key, load_public_keys, open_envelope, parse_command, seal
+from .runner import ProbeControl, ProbeLimits, ProfileRun
+
+# the package's API: the names this docstring documents; the rest is imported from its module
+# (:mod:`.protocol`, :mod:`.summary`, :mod:`.runner`)
+__all__ = ["MAX_BODY", "canonical", "load_private_key", "load_public_keys", "open_envelope", "parse_command", "seal",
+           "ProbeControl", "ProbeLimits", "ProfileRun"]

@@ -443,7 +443,7 @@ def cp_methods() -> dict:
     white-noise penalty, no local-trend confirmation)."""
     import ruptures as rpt
 
-    from stepwatch.detectors.changepoint import find, noise_sigma
+    from stepwatch.detectors.cpsearch import find, noise_sigma
 
     def rpt_method(cls):
         def f(y):

@@ -234,6 +234,8 @@ def probe_overhead(rounds: int, block_steps: int, out=print) -> dict:
     import torch.distributed as dist
 
     from stepwatch.agents import probe as P
+    from stepwatch.agents.probe import eventlog
+    from stepwatch.wire import datagram
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="sw-bench-"))
     agent_dir, empty_dir = str(work / "agent"), str(work / "empty")
@@ -253,7 +255,7 @@ def probe_overhead(rounds: int, block_steps: int, out=print) -> dict:
     results: dict = {}
     p = P.Probe()
     try:
-        _wait_socket(os.path.join(agent_dir, P.SOCKET_NAME), agent)
+        _wait_socket(os.path.join(agent_dir, datagram.SOCKET_NAME), agent)
         conds = {"off": None, "on": agent_dir, "no-agent": empty_dir}
         calls = [0, 0, 0, 0]
         per_call = {n: {c: [] for c in conds} for n in ("minimal", "mlp")}
@@ -305,7 +307,7 @@ def probe_overhead(rounds: int, block_steps: int, out=print) -> dict:
 
     def cell(o):
         return f"{o['overhead_us']:7.1f} [{o['q1']:6.1f},{o['q3']:6.1f}]"
-    out(f"probe overhead per step ({'C' if P.FAST else 'pure-Python (C extension not built)'} hot path): "
+    out(f"probe overhead per step ({'C' if eventlog.FAST else 'pure-Python (C extension not built)'} hot path): "
         f"training loops, {rounds} rounds x {block_steps} steps per condition, "
         "interleaved (µs; overhead = median over rounds of condition - off [quartiles])")
     out(f"  {'loop':<8} {'clock':<5} {'off':>8} {'on':>8} {'no-agent':>9}   {'overhead on':>24}   "
@@ -365,6 +367,7 @@ def agent_cost(ranks: int, seconds: float, step_ms: float, broker: bool, out=pri
     import psutil
 
     from stepwatch.agents import probe as P
+    from stepwatch.wire import datagram
     work = Path(tempfile.mkdtemp(prefix="sw-bench-agent-"))
     sock_dir = str(work / "sock")
     port = _free_port()
@@ -377,7 +380,7 @@ def agent_cost(ranks: int, seconds: float, step_ms: float, broker: bool, out=pri
             b = EmbeddedBroker(log_path=work / "broker.log").start()
         agent = subprocess.Popen(_agent_cmd(sock_dir, b.bootstrap if b else None, port),
                                  stdout=subprocess.DEVNULL, stderr=open(work / "agent.log", "wb"))
-        _wait_socket(os.path.join(sock_dir, P.SOCKET_NAME), agent)
+        _wait_socket(os.path.join(sock_dir, datagram.SOCKET_NAME), agent)
         ps = psutil.Process(agent.pid)
         probes = [P.Probe().init(job="bench-agent", rank=r, world_size=ranks, socket_dir=sock_dir, auto=False)
                   for r in range(ranks)]

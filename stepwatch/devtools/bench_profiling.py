@@ -66,9 +66,10 @@ def run_profiling_bench(a) -> int:
     base.mkdir(parents=True, exist_ok=True)
     sock = tempfile.mkdtemp(prefix="sw-bp-", dir="/tmp")
     from stepwatch.agents import profiling as prof
-    pem, pub = prof.keygen()                              # a fresh key pair: the processor signs, probes verify
-    key = prof.load_private_key(env={prof.ENV_PRIVATE: pem.decode()})
-    keys = prof.load_public_keys(env={prof.ENV_PUBLIC: pub})
+    from stepwatch.agents.profiling import protocol
+    pem, pub = protocol.keygen()                              # a fresh key pair: the processor signs, probes verify
+    key = prof.load_private_key(env={protocol.ENV_PRIVATE: pem.decode()})
+    keys = prof.load_public_keys(env={protocol.ENV_PUBLIC: pub})
     slow, n = 1, a.prof_steps
     print(f"stepwatch bench profiling: {a.prof_ranks} gloo ranks, step {a.prof_step_ms:.0f} ms, rank {slow} "
           f"+{a.prof_extra_ms:.0f} ms in slow_op; {n} steps of torch.profiler; {os.cpu_count()} CPUs; data in {base}")
@@ -94,7 +95,7 @@ def run_profiling_bench(a) -> int:
         out = tempfile.mkdtemp(prefix="sw-bp-out-")
         stop_file = os.path.join(out, "STOP")
         env = wrap_env(job="bench-prof", socket_dir=sock)
-        env[prof.ENV_PUBLIC] = pub
+        env[protocol.ENV_PUBLIC] = pub
         env["STEPWATCH_PROFILE_DIR"] = str(base / "traces")
         env.update(SW_NPROC=str(a.prof_ranks), SW_STEP_MS=str(a.prof_step_ms), SW_SLOW_RANK=str(slow),
                    SW_SLOW_EXTRA_MS=str(a.prof_extra_ms), SW_SLOW_FROM=str(SLOW_FROM), SW_STOP=stop_file, SW_STEPS="100000", SW_OUT=out)

@@ -32,7 +32,7 @@ faults, median delay (>= 5% faults), the 5% stragglers' and the 3% faults' delay
 clean scenarios and pipeline-stage false positives. Hangs are judged on their own delay (the stall detector's
 hang threshold, 30 s, + 5 s), not in the median. Scenarios with in-flight states (``Scenario.inflight``) also
 send what the probes' watchdogs and the node agents report during a hang or a long evaluation/checkpoint
-step (:func:`stepwatch.devtools.simulate.with_inflight`).
+step (:func:`stepwatch.devtools.siminflight.with_inflight`).
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ import numpy as np
 
 from stepwatch.wire import catalog
 # the suite (scenarios and what may report each fault) lives in evalsuite.py, the command and its report in evalcli.py
-from stepwatch.devtools.evalsuite import COMPATIBLE, DIAGNOSIS, SCENARIOS, T0_NS, Scenario  # noqa: F401
+from stepwatch.devtools.evalsuite import COMPATIBLE, DIAGNOSIS, T0_NS
 
 #: what the processor's ``_handle`` needs of a kafka-python ``ConsumerRecord``
 Record = namedtuple("Record", "topic partition offset key value headers")
@@ -107,7 +107,7 @@ def _sim_messages(sim, rows_per_message: int, host_first: bool, inflight=None) -
         tables = sim.generate(s, s + 1)
         before = []
         if inflight is not None:                    # what watchdogs and agents send during the step
-            from stepwatch.devtools.simulate import with_inflight
+            from stepwatch.devtools.siminflight import with_inflight
             before = with_inflight(sim, s, tables).pop("before")
         t_sim += time.perf_counter() - a
         st = tables.get("steps")
@@ -131,7 +131,7 @@ def _sim_messages(sim, rows_per_message: int, host_first: bool, inflight=None) -
 def run_scenario(sc, data_dir: Path, rows_per_message: int = 4096, flush_every: int = 50,
                  detector_settings: dict | None = None, host_first: bool = False, shuffle: bool = False,
                  shuffle_seed: int = 0) -> dict:
-    """Feed one scenario (a :class:`Scenario` of the simulator family or an
+    """Feed one scenario (a :class:`~stepwatch.devtools.evalsuite.Scenario` of the simulator family or an
     :class:`~stepwatch.devtools.scenarios_indep.IndepScenario`) through a real Processor; returns the labels,
     alerts (with their emission state) and timings. Messages are delivered in produce order, or with
     ``shuffle`` in a consumer-group order (:func:`stepwatch.devtools.scenarios_indep.deliveries`: every topic

@@ -12,8 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from stepwatch.devtools.eval import TARGETS, _target_ok, run_detector_bench, run_scenario, score, totals  # noqa: F401
-from stepwatch.devtools.evalreport import COLUMNS, _fmt_table, report, table_rows  # noqa: F401
+from stepwatch.devtools.eval import TARGETS, _target_ok, run_detector_bench, run_scenario, score, totals
+from stepwatch.devtools.evalreport import COLUMNS, _fmt_table, report, table_rows
 from stepwatch.devtools.evalsuite import SCENARIOS
 
 

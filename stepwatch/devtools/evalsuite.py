@@ -22,7 +22,7 @@ class Scenario:
     checkpoint_every: int | None = 100
     comm: bool = False
     note: str = ""
-    #: in-flight states as probes' watchdogs and agents send them (devtools.simulate.with_inflight): the
+    #: in-flight states as probes' watchdogs and agents send them (devtools.siminflight.with_inflight): the
     #: stuck rank of a job-hang ("python" | "mismatch" | "sigstop"), "" for long steps only; None: none
     inflight: str | None = None
     long_steps: dict = field(default_factory=dict)     # step -> (kind, extra ms): evaluation, checkpoint
@@ -37,7 +37,7 @@ class Scenario:
                          pp=self.pp, tp=self.tp, noise=self.noise, checkpoint_every=self.checkpoint_every,
                          faults=list(self.faults), t0_ns=T0_NS, comm=self.comm)
         if self.inflight is not None:
-            from stepwatch.devtools.simulate import setup_inflight
+            from stepwatch.devtools.siminflight import setup_inflight
             setup_inflight(sim, self.inflight or None, self.long_steps)
         return sim
 

@@ -7,7 +7,7 @@ thousands of digits, unicode and control characters, arrays and inline tables ne
 the rest mutations of those: the byte-level ones of :func:`stepwatch.devtools.fuzz_targets.mutate` and
 the config-specific ones of :func:`mutate_config` (truncation, as a reader sees a file mid-rewrite;
 deep nesting; 4,300+-digit integers; random unicode and invalid UTF-8; emptying). A crash is any
-exception other than :class:`~stepwatch.config.ConfigError` (goal 0); a hang an input over ``HANG_S``.
+exception other than :class:`~stepwatch.configfile.ConfigError` (goal 0); a hang an input over ``HANG_S``.
 Every 500th input goes through a real file (:func:`stepwatch.config.load`).
 """
 from __future__ import annotations
@@ -123,6 +123,7 @@ def fuzz_config(n: int, seed: int = 0) -> dict:
     from hypothesis import seed as hseed
 
     from stepwatch import config as c
+    from stepwatch.configfile import MAX_MESSAGE, ConfigError
     from stepwatch.devtools.fuzz_targets import mutate
     c.loads(VALID)                                    # (the seed is valid; also imports the detectors)
     d = tempfile.mkdtemp(prefix="sw-fuzz-cfg-")
@@ -141,9 +142,9 @@ def fuzz_config(n: int, seed: int = 0) -> dict:
             else:
                 c.loads(data, path)
             st_["accepted"] += 1
-        except c.ConfigError as e:
+        except ConfigError as e:
             st_["refused"] += 1
-            if len(str(e)) > c.MAX_MESSAGE:
+            if len(str(e)) > MAX_MESSAGE:
                 st_["crashes"] += 1
                 st_["examples"].append(f"message of {len(str(e))} characters")
         except BaseException as e:  # noqa: BLE001 - that is what we count (RecursionError, MemoryError...)

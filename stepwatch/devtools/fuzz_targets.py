@@ -124,8 +124,8 @@ def _runner(strategy, n: int, seed: int, one, structured: int | None = None):
 def _datagram_strategy():
     from hypothesis import strategies as st
 
-    from stepwatch.agents.probe import (COMM, GCREC, HDR, MAGIC, MAX_COMM, MAX_GC, MAX_PHASES, PHASE, STEP,
-                                        T_BATCH, T_HELLO, T_PROFILE, VERSION)
+    from stepwatch.wire.datagram import (COMM, GCREC, HDR, MAGIC, MAX_COMM, MAX_GC, MAX_PHASES, PHASE, STEP,
+                                         T_BATCH, T_HELLO, T_PROFILE, VERSION)
     edge = st.sampled_from([0, 1, -1, 2**31 - 1, 2**31, 2**32, 2**53, 2**63 - 1, 2**63, -2**63, 10**30])
     ints = st.one_of(st.integers(-2**70, 2**70), edge, st.integers(0, 64))
     leaf = st.one_of(st.none(), st.booleans(), ints, st.floats(), st.text(max_size=24))
@@ -221,6 +221,7 @@ def _control_strategy(priv, other):
     from hypothesis import strategies as st
 
     from stepwatch.agents import profiling as pf
+    from stepwatch.agents.profiling import protocol
     edge = st.sampled_from([0, 1, -1, 2**31 - 1, 2**31, 2**63 - 1, 2**63, 10**30, time.time_ns() + 60 * 10**9])
     ints = st.one_of(st.integers(-2**70, 2**70), edge, st.integers(0, 16))
     leaf = st.one_of(st.none(), st.booleans(), ints, st.floats(), st.text(max_size=24))
@@ -235,12 +236,12 @@ def _control_strategy(priv, other):
 
     def signed(d, raw_tail):
         b = json.dumps(d).encode() if raw_tail is None else raw_tail
-        kid = pf.key_id(priv.public_key())
-        return pf.MAGIC + kid + priv.sign(pf.DOMAIN + kid + b) + b
+        kid = protocol.key_id(priv.public_key())
+        return protocol.MAGIC + kid + priv.sign(protocol.DOMAIN + kid + b) + b
 
     def valid(i, steps, node, kind, key):
         now = time.time_ns()
-        c = pf.new_command("fz", node, [7], steps, kind, "r", ttl_s=60, now_ns=now, cmd_id=f"c{i}")
+        c = protocol.new_command("fz", node, [7], steps, kind, "r", ttl_s=60, now_ns=now, cmd_id=f"c{i}")
         return pf.seal(c, key)
 
     good = st.builds(valid, st.integers(0, 10**9), st.integers(1, 300), st.sampled_from(["fz-node", "other"]),
@@ -254,7 +255,7 @@ def _control_strategy(priv, other):
 
     flipped = st.builds(flip, good, st.integers(0, 10**6), st.integers(0, 7))
     truncated = st.builds(lambda b, k: b[:k], good, st.integers(0, 300))
-    junk = st.one_of(st.binary(max_size=300), st.binary(max_size=100).map(lambda b: pf.MAGIC + b),
+    junk = st.one_of(st.binary(max_size=300), st.binary(max_size=100).map(lambda b: protocol.MAGIC + b),
                      body.map(lambda d: json.dumps(d).encode()))
     return st.tuples(st.one_of(good, forged, flipped, truncated, junk), st.sampled_from([None, b"fz-node", b"x"]))
 
@@ -262,12 +263,13 @@ def _control_strategy(priv, other):
 def fuzz_control(n: int, seed: int = 0) -> dict:
     """Fuzz the control-command verify on both sides with ``n`` inputs; see the module doc."""
     from stepwatch.agents import profiling as pf
+    from stepwatch.agents.profiling import protocol
     from stepwatch.agents.agent import Agent
-    from stepwatch.agents.probe import HDR, MAGIC, T_PROFILE, VERSION
-    pem, pub = pf.keygen()
-    priv = pf.load_private_key(env={pf.ENV_PRIVATE: pem.decode()})
-    other = pf.load_private_key(env={pf.ENV_PRIVATE: pf.keygen()[0].decode()})
-    keys = pf.load_public_keys(env={pf.ENV_PUBLIC: pub})
+    from stepwatch.wire.datagram import HDR, MAGIC, T_PROFILE, VERSION
+    pem, pub = protocol.keygen()
+    priv = pf.load_private_key(env={protocol.ENV_PRIVATE: pem.decode()})
+    other = pf.load_private_key(env={protocol.ENV_PRIVATE: protocol.keygen()[0].decode()})
+    keys = pf.load_public_keys(env={protocol.ENV_PUBLIC: pub})
     shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
     d = tempfile.mkdtemp(prefix="sw-fuzzc-", dir=shm)
     agent = Agent(None, socket_dir=d, node="fz-node", plugins=[])
@@ -285,7 +287,7 @@ def fuzz_control(n: int, seed: int = 0) -> dict:
         try:
             pf.open_envelope(data, keys)
             return True
-        except pf.BadCommand:
+        except protocol.BadCommand:
             return False
 
     def one(x):

@@ -435,7 +435,7 @@ def hostile_datagrams(n: int, good_inst: int, seed: int = 16) -> list[bytes]:
     import random
 
     from stepwatch.devtools.fuzz_targets import mutate
-    from stepwatch.agents.probe import HDR, HDR_STEP, MAGIC, T_BATCH, T_HELLO, VERSION
+    from stepwatch.wire.datagram import HDR, HDR_STEP, MAGIC, T_BATCH, T_HELLO, VERSION
 
     def hello(inst, **f):
         return HDR.pack(MAGIC, VERSION, T_HELLO, inst, 0, 0, 0, 0, 0) + _json.dumps(f).encode()
@@ -473,14 +473,15 @@ def bad_control_messages(n: int, seed: int = 16) -> list[bytes]:
     import random
 
     from stepwatch.agents import profiling
-    other = profiling.load_private_key(env={profiling.ENV_PRIVATE: profiling.keygen()[0].decode()})
+    from stepwatch.agents.profiling import protocol
+    other = profiling.load_private_key(env={protocol.ENV_PRIVATE: protocol.keygen()[0].decode()})
     rng = random.Random(seed)
     kinds = [lambda: b'[{"cmd_id": "p", "node": "hnode", "job": "agent-h", "ranks": ["x"], "signature": "00"}]',
              lambda: b'{"node": "hnode", "ranks": [1.5], "signature": "ab"}',
              lambda: bytes(rng.getrandbits(8) for _ in range(rng.randrange(1, 400))),
-             lambda: profiling.MAGIC + bytes(200),
-             lambda: profiling.seal(profiling.new_command("agent-h", "hnode", [0], 2, "py-spy", "t"), other),
-             lambda: profiling.MAGIC + bytes(64 << 10)]
+             lambda: protocol.MAGIC + bytes(200),
+             lambda: profiling.seal(protocol.new_command("agent-h", "hnode", [0], 2, "py-spy", "t"), other),
+             lambda: protocol.MAGIC + bytes(64 << 10)]
     return [kinds[i % len(kinds)]() for i in range(n)]
 
 
@@ -516,15 +517,15 @@ def run_agent_leg(bootstrap: str, prefix: str, base, n_datagrams: int, n_control
     import subprocess
     import sys
 
-    from stepwatch.agents import profiling
+    from stepwatch.agents.profiling import protocol
     sock_dir = str(base / "agent-sock")
     os.makedirs(sock_dir, exist_ok=True)
-    _, pub = profiling.keygen()
+    _, pub = protocol.keygen()
     s = _socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    env = dict(os.environ, **{profiling.ENV_PUBLIC: pub})
+    env = dict(os.environ, **{protocol.ENV_PUBLIC: pub})
     cmd = [sys.executable, "-m", "stepwatch.cli", "agent", "--bootstrap", bootstrap, "--topic-prefix", prefix,
            "--socket-dir", sock_dir, "--node", "hnode", "--interval", "0.2", "--plugins", "cpu",
            "--metrics-port", str(port), "--metrics-addr", "127.0.0.1", "--no-create-topics"]

@@ -108,18 +108,16 @@ import numpy as np
 import pyarrow as pa
 
 from stepwatch import __version__
-from stepwatch.agents.probe.collectives import LINK_GBPS, bus_factor  # noqa: F401 (re-exported: one traffic model)
 from stepwatch.wire.tables import COMM, GC, HOST, STEPS, TOPOLOGY, JOB_RE
-# the model (fault specs, nominal constants), the table builders and the in-flight states live beside this module
-from stepwatch.devtools.simmodel import (FAULT_KINDS, REGRESSION_CAUSES, Fault, _check_fault, parse_fault,  # noqa: F401
-                                         _BLIP_P, _CALIB_STEPS, _COMM, _COMPUTE, _DATA, _FOREIGN, _GAP, _GC_GEN_MS,
-                                         _GC_GEN_P, _HANG_LAG, _JITTER_PAUSES, _KIND_CAUSE, _PARAMS, _STALL_P,
+# the model (fault specs, nominal constants) and the table builders live beside this module (the in-flight
+# states: siminflight.py)
+from stepwatch.devtools.simmodel import (Fault, _check_fault, parse_fault, _BLIP_P, _CALIB_STEPS, _COMM, _COMPUTE,
+                                         _DATA, _FOREIGN, _GAP, _GC_GEN_MS, _GC_GEN_P, _HANG_LAG, _JITTER_PAUSES, _KIND_CAUSE, _PARAMS, _STALL_P,
                                          _STORM_PER_STEP, _S_ACCEL, _S_BASE, _S_CKPT, _S_FAULT, _S_GC, _S_HOST,
                                          _S_QUEUE, _T_CLIP)
 from stepwatch.devtools.simtables import SimTables, _strings, _tiled_string_array
-from stepwatch.devtools.siminflight import HANG_MODES, setup_inflight, with_inflight  # noqa: F401
 
-__all__ = ["Fault", "parse_fault", "Simulation", "FAULT_KINDS", "REGRESSION_CAUSES"]
+__all__ = ["Simulation"]
 
 
 # --------------------------------------------------------------------------- simulation

@@ -211,7 +211,7 @@ STEP_SUMMARY = pa.schema([
     pa.field("step_ms_sum", F64),
 ])
 
-#: Written by the processor (efficiency detectors, :mod:`stepwatch.detectors.efficiency`): one row per
+#: Written by the processor (the ``mfu`` detector, :mod:`stepwatch.detectors.mfu`): one row per
 #: job and closed step with the model FLOPs, MFU and the productive share of its wall time.
 EFFICIENCY = pa.schema([
     pa.field("job", pa.string(), nullable=False),

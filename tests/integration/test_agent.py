@@ -13,9 +13,9 @@ import pyarrow as pa
 import pytest
 
 from stepwatch.wire import tables as wire
+from stepwatch.wire import datagram
 from stepwatch.wire.decode import decode, validate
 from stepwatch.agents import hostmetrics as hm
-from stepwatch.agents import probe as P
 from stepwatch.agents.agent import Agent, AgentMetrics, identity_from_hello, rows_from_batch, safe_job
 from stepwatch.agents.probe import Probe
 from stepwatch.agents.shipper import Shipper, Spool
@@ -241,8 +241,8 @@ def _send(path: str, data: bytes) -> None:
 def test_safe_job_and_identity_validation():
     assert safe_job("llama-70b") == "llama-70b" and safe_job(None) == "default"
     assert safe_job("my job/1") == "my_job_1" and safe_job("_x") == "j_x"
-    from stepwatch.agents import profiling       # safe_job lives there (standard library only, for the probe)
-    assert profiling.JOB_RE.pattern == wire.JOB_RE.pattern, "the probe's copy of the job id rule drifted"
+    from stepwatch.agents.profiling import protocol   # safe_job lives there (standard library only, for the probe)
+    assert protocol.JOB_RE.pattern == wire.JOB_RE.pattern, "the probe's copy of the job id rule drifted"
     ident = identity_from_hello({"job": "j", "rank": 2, "world_size": 4, "names": {"1": "all_reduce"}}, "n1", None)
     assert ident.node == "n1" and ident.names == {1: "all_reduce"}
     for bad in ({"rank": -1, "world_size": 4}, {"rank": 4, "world_size": 4}, {"rank": "0", "world_size": 4},
@@ -270,9 +270,9 @@ def test_bad_datagrams_are_counted_never_fatal(sockdir):
     a = Agent(None, socket_dir=sockdir, node="n1", plugins=["load"]).start()
     try:
         p = Probe().init(job="ok", rank=0, world_size=1, socket_dir=sockdir, auto=False, flush_ms=0)
-        garbage = [b"", b"hello", os.urandom(200), P.HDR.pack(P.MAGIC, 1, P.T_BATCH, 1, 0, 1, 0, 0, 0),
-                   P.HDR.pack(P.MAGIC, 1, P.T_HELLO, 1, 0, 0, 0, 0, 0) + b'{"rank": "x"}',
-                   P.HDR.pack(P.MAGIC, 1, P.T_HELLO, 1, 0, 0, 0, 0, 0) + b"\x00\xff"]
+        garbage = [b"", b"hello", os.urandom(200), datagram.HDR.pack(datagram.MAGIC, 1, datagram.T_BATCH, 1, 0, 1, 0, 0, 0),
+                   datagram.HDR.pack(datagram.MAGIC, 1, datagram.T_HELLO, 1, 0, 0, 0, 0, 0) + b'{"rank": "x"}',
+                   datagram.HDR.pack(datagram.MAGIC, 1, datagram.T_HELLO, 1, 0, 0, 0, 0, 0) + b"\x00\xff"]
         for g in garbage:
             _send(a.path, g)
         for _ in range(3):
@@ -293,11 +293,11 @@ def test_bad_datagrams_are_counted_never_fatal(sockdir):
 def test_records_before_hello_wait_for_it_and_topology_is_sent_once(sockdir):
     a = Agent(None, socket_dir=sockdir, node="n1", job="fallback", plugins=[])
     inst = 1234
-    hdr = P.HDR.pack(P.MAGIC, 1, P.T_BATCH, inst, 3, 1, 0, 0, 0)         # a version-1 probe (no CPU fields)
-    batch = hdr + P.STEP_V1.pack(5, 1, 2, 1.0, 0, 1.0, 0, 0, 0, 0, -1, -1, -1, 0)
+    hdr = datagram.HDR.pack(datagram.MAGIC, 1, datagram.T_BATCH, inst, 3, 1, 0, 0, 0)         # a version-1 probe (no CPU fields)
+    batch = hdr + datagram.STEP_V1.pack(5, 1, 2, 1.0, 0, 1.0, 0, 0, 0, 0, -1, -1, -1, 0)
     a.handle(batch)
     assert a.tick() == []                                  # held, not dropped
-    hello = P.HDR.pack(P.MAGIC, 1, P.T_HELLO, inst, 3, 0, 0, 0, 0) + b'{"rank": 3, "world_size": 4}'
+    hello = datagram.HDR.pack(datagram.MAGIC, 1, datagram.T_HELLO, inst, 3, 0, 0, 0, 0) + b'{"rank": 3, "world_size": 4}'
     a.handle(hello)
     a.handle(hello)                                        # the periodic re-send changes nothing
     items = {(k, j): t for k, j, t in a.tick()}
@@ -441,7 +441,7 @@ def test_agent_cli_serves_until_sigterm(sockdir):
     import sys
     p = subprocess.Popen([sys.executable, "-m", "stepwatch.agents.commands", "agent", "--no-kafka", "--socket-dir", sockdir,
                           "--plugins", "load", "--interval", "0.2"], stderr=subprocess.PIPE, text=True)
-    path = os.path.join(sockdir, P.SOCKET_NAME)
+    path = os.path.join(sockdir, datagram.SOCKET_NAME)
     deadline = time.monotonic() + 60
     while not os.path.exists(path) and time.monotonic() < deadline and p.poll() is None:
         time.sleep(0.05)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from stepwatch import config as swconfig
+from stepwatch import configfile
 from stepwatch.detectors.registry import REGISTRY, settings_of
 from stepwatch.detectors.stall import Stall
 
@@ -68,7 +69,7 @@ def test_defaults_print_every_setting_with_its_default_and_meaning_and_load_back
 def test_invalid_settings_are_refused_with_name_and_range(tmp_path, text, msg):
     f = tmp_path / "bad.toml"
     f.write_text(text)
-    with pytest.raises(swconfig.ConfigError) as e:
+    with pytest.raises(configfile.ConfigError) as e:
         swconfig.load(f)
     assert msg in str(e.value)
 

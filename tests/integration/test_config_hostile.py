@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stepwatch import config as swconfig
+from stepwatch import configfile
 from stepwatch.devtools.fuzz_config import VALID, config_strategy, mutate_config
 from testkit import free_port
 
@@ -38,7 +39,7 @@ def test_each_bad_file_is_a_config_error_naming_the_file(tmp_path, name):
     data, msg = BAD[name]
     f = tmp_path / "c.toml"
     f.write_bytes(data)
-    with pytest.raises(swconfig.ConfigError) as e:
+    with pytest.raises(configfile.ConfigError) as e:
         swconfig.load(f)
     assert str(e.value).startswith(f"{f}: ") and msg in str(e.value), str(e.value)
 
@@ -46,33 +47,33 @@ def test_each_bad_file_is_a_config_error_naming_the_file(tmp_path, name):
 def test_messages_name_the_setting_and_a_clipped_value(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text('[detectors.stall]\nhang_s = "' + "\\u001b[31m" * 5000 + '"\n')       # ANSI escapes
-    with pytest.raises(swconfig.ConfigError) as e:
+    with pytest.raises(configfile.ConfigError) as e:
         swconfig.load(f)
     m = str(e.value)
     assert m.startswith(f"{f}: detectors.stall.hang_s: must be a number in >= 0.1, not '\\x1b[31m")
-    assert len(m) <= swconfig.MAX_MESSAGE and "\x1b" not in m
+    assert len(m) <= configfile.MAX_MESSAGE and "\x1b" not in m
     f.write_text("[detectors.slow_rank]\nk = 0x" + "f" * 3000 + "\n")           # parses; too large to print
-    with pytest.raises(swconfig.ConfigError, match=r"slow_rank.k: <a 12000-bit integer> is out of range"):
+    with pytest.raises(configfile.ConfigError, match=r"slow_rank.k: <a 12000-bit integer> is out of range"):
         swconfig.load(f)
 
 
 def test_fifo_oversize_and_merged_cross_checks_are_refused(tmp_path):
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    with pytest.raises(swconfig.ConfigError, match="not a regular file"):
+    with pytest.raises(configfile.ConfigError, match="not a regular file"):
         swconfig.load(fifo)                                          # refused, not waited on
     big = tmp_path / "big.toml"
-    big.write_bytes(b"#" * (swconfig.MAX_BYTES + 1))
-    with pytest.raises(swconfig.ConfigError, match="larger than the 1048576"):
+    big.write_bytes(b"#" * (configfile.MAX_BYTES + 1))
+    with pytest.raises(configfile.ConfigError, match="larger than the 1048576"):
         swconfig.load(big)
     merged = tmp_path / "m.toml"          # each section alone is valid (k=5 of the defaults' n=13, n=6 of k=5 ...)
     merged.write_text("[detectors.slow_rank]\nk = 8\n[[jobs]]\nmatch = 'llama-*'\n[jobs.detectors.slow_rank]\nn = 9\n"
                       "[[jobs]]\nmatch = 'llama-7*'\n[jobs.detectors.slow_rank]\nn = 6\n")   # ... llama-7b: k=8 > n=6
-    with pytest.raises(swconfig.ConfigError, match=r"jobs\[1\].detectors.slow_rank \(over detectors.slow_rank\)"):
+    with pytest.raises(configfile.ConfigError, match=r"jobs\[1\].detectors.slow_rank \(over detectors.slow_rank\)"):
         swconfig.load(merged)
     peak = tmp_path / "p.toml"
     peak.write_text("[detectors.mfu]\npeak_tflops = '/dev/zero'\n")    # the detector would read it
-    with pytest.raises(swconfig.ConfigError, match="'/dev/zero' is not a regular file"):
+    with pytest.raises(configfile.ConfigError, match="'/dev/zero' is not a regular file"):
         swconfig.load(peak)
 
 
@@ -91,8 +92,8 @@ def test_a_comment_only_file_still_means_every_default(tmp_path):
 def test_fuzz_the_loader_raises_only_config_error(data):
     try:
         c = swconfig.loads(data, "fuzz.toml")
-    except swconfig.ConfigError as e:
-        assert len(str(e)) <= swconfig.MAX_MESSAGE and str(e).startswith("fuzz.toml: ")
+    except configfile.ConfigError as e:
+        assert len(str(e)) <= configfile.MAX_MESSAGE and str(e).startswith("fuzz.toml: ")
     else:
         assert isinstance(c, swconfig.Config)
 
@@ -190,12 +191,13 @@ def test_secret_files_other_users_can_read_are_named_in_a_warning(tmp_path, capl
     """The SASL password file, the lake's password file and the profiling signing key: 0644 is warned
     about by the variable that names it and its mode (never the content); 0600 passes quietly."""
     from stepwatch.agents import profiling
+    from stepwatch.agents.profiling import protocol
     from stepwatch.kafkaio import KafkaSettings
     from stepwatch.storage.lake import password_from_file
     pw, lk, key = tmp_path / "kafka-pw", tmp_path / "lake-pw", tmp_path / "signing.key"
     pw.write_text("hunter2-kafka\n")
     lk.write_text("hunter2-lake\n")
-    key.write_bytes(profiling.keygen()[0])
+    key.write_bytes(protocol.keygen()[0])
     monkeypatch.delenv("PGPASSWORD", raising=False)
     monkeypatch.delenv("STEPWATCH_KAFKA_PASSWORD", raising=False)
     for mode, warned in ((0o644, True), (0o600, False)):
@@ -205,13 +207,13 @@ def test_secret_files_other_users_can_read_are_named_in_a_warning(tmp_path, capl
         with caplog.at_level("WARNING", logger="stepwatch.secrets"):
             assert KafkaSettings(password_file=str(pw))._password() == "hunter2-kafka"
             password_from_file({"STEPWATCH_LAKE_PASSWORD_FILE": str(lk)})
-            assert profiling.load_private_key(env={profiling.ENV_PRIVATE_FILE: str(key)}) is not None
+            assert profiling.load_private_key(env={protocol.ENV_PRIVATE_FILE: str(key)}) is not None
         text = "\n".join(r.getMessage() for r in caplog.records if r.name == "stepwatch.secrets")
         monkeypatch.delenv("PGPASSWORD", raising=False)
         if warned:
             assert f"--sasl-password-file={pw}: a secret file whose mode 0644 lets other users read" in text
             assert f"STEPWATCH_LAKE_PASSWORD_FILE={lk}: a secret file whose mode 0644" in text
-            assert f"{profiling.ENV_PRIVATE_FILE}={key}: a secret file whose mode 0644" in text
+            assert f"{protocol.ENV_PRIVATE_FILE}={key}: a secret file whose mode 0644" in text
             assert "chmod 600" in text and "hunter2" not in text
         else:
             assert text == ""

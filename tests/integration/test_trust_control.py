@@ -15,6 +15,7 @@ import pyarrow as pa
 import pytest
 
 from stepwatch.agents import profiling
+from stepwatch.agents.profiling import protocol
 from stepwatch.agents.agent import Agent
 from stepwatch.agents.probe import Probe
 from stepwatch.kafkaio import make_producer
@@ -22,21 +23,21 @@ from stepwatch.kafkaio import make_producer
 pytestmark = pytest.mark.integration
 
 NODE = "node-a"
-PEM, PUB = profiling.keygen()
-PRIV = profiling.load_private_key(env={profiling.ENV_PRIVATE: PEM.decode()})
-KEYS = profiling.load_public_keys(env={profiling.ENV_PUBLIC: PUB})
-OTHER = profiling.load_private_key(env={profiling.ENV_PRIVATE: profiling.keygen()[0].decode()})
+PEM, PUB = protocol.keygen()
+PRIV = profiling.load_private_key(env={protocol.ENV_PRIVATE: PEM.decode()})
+KEYS = profiling.load_public_keys(env={protocol.ENV_PUBLIC: PUB})
+OTHER = profiling.load_private_key(env={protocol.ENV_PRIVATE: protocol.keygen()[0].decode()})
 
 
 @pytest.fixture(autouse=True)
 def probe_env(monkeypatch, tmp_path):
-    monkeypatch.setenv(profiling.ENV_PUBLIC, PUB)                 # what the training process is given
+    monkeypatch.setenv(protocol.ENV_PUBLIC, PUB)                 # what the training process is given
     monkeypatch.setenv("STEPWATCH_PROFILE_DIR", str(tmp_path / "traces"))
     monkeypatch.setenv("STEPWATCH_PYSPY", "/nonexistent/py-spy")   # a py-spy command ends at once, 'failed'
 
 
 def sealed(job, ranks, steps=2, kind="py-spy", key=PRIV, **kw) -> bytes:
-    return profiling.seal(profiling.new_command(job, NODE, ranks, steps, kind, "t", **kw), key)
+    return profiling.seal(protocol.new_command(job, NODE, ranks, steps, kind, "t", **kw), key)
 
 
 def _wait(cond, timeout=30.0, what=""):
@@ -111,8 +112,8 @@ def _flip(env: bytes) -> bytes:
 
 def forged_body(body: bytes, key=PRIV) -> bytes:
     """An envelope with a valid signature over an arbitrary body (what only the key holder can make)."""
-    kid = profiling.key_id(key.public_key())
-    return profiling.MAGIC + kid + key.sign(profiling.DOMAIN + kid + body) + body
+    kid = protocol.key_id(key.public_key())
+    return protocol.MAGIC + kid + key.sign(protocol.DOMAIN + kid + body) + body
 
 
 # ---------------------------------------------------------------------------- agent side, real broker
@@ -131,14 +132,14 @@ def test_no_control_message_can_stop_the_control_thread(kafka, socket_dir, tmp_p
                   b'{"node": "node-a", "ranks": [1.5], "signature": "ab"}',
                   sink.getvalue().to_pybytes(),
                   os.urandom(300),
-                  profiling.MAGIC + bytes(200),                                       # bad signature
+                  protocol.MAGIC + bytes(200),                                       # bad signature
                   sealed("cj", [0], key=OTHER),                                      # a key nobody trusts
-                  profiling.MAGIC + bytes(64 << 10),                                 # too large
+                  protocol.MAGIC + bytes(64 << 10),                                 # too large
                   _flip(sealed("cj", [0])),                                          # altered after signing
                   forged_body(b'{"ranks": ["x"], "node": "node-a"}'),                # signed, malformed
                   forged_body(b"[" * 3000)]
         produce(kafka, poison)
-        good = profiling.new_command("cj", NODE, [0], 2, "py-spy", "after-poison")
+        good = protocol.new_command("cj", NODE, [0], 2, "py-spy", "after-poison")
         produce(kafka, [profiling.seal(good, PRIV)])
         rows = n.wait_row(lambda r: r["cmd_id"] == good["cmd_id"] and r["status"] == "failed", 60,
                           "the probe's answer to the good command")
@@ -240,7 +241,7 @@ def test_the_probe_verifies_clamps_and_refuses_replays_itself(socket_dir, tmp_pa
 
 
 def test_a_probe_without_a_public_key_says_so(socket_dir, monkeypatch):
-    monkeypatch.delenv(profiling.ENV_PUBLIC)
+    monkeypatch.delenv(protocol.ENV_PUBLIC)
     n = Node(socket_dir)
     try:
         cmd = sealed("cj", [0])
@@ -255,13 +256,13 @@ def test_a_probe_without_a_public_key_says_so(socket_dir, monkeypatch):
 def test_keys_never_appear_in_errors(tmp_path):
     bad = tmp_path / "k"
     bad.write_text("-----BEGIN PRIVATE KEY-----\nQUJDREVGR0hJSktMTU5PUFFSU1RVVldYWVo=\n-----END PRIVATE KEY-----\n")
-    with pytest.raises(profiling.KeyError_) as e:
-        profiling.load_private_key(env={profiling.ENV_PRIVATE_FILE: str(bad)})
+    with pytest.raises(protocol.KeyError_) as e:
+        profiling.load_private_key(env={protocol.ENV_PRIVATE_FILE: str(bad)})
     assert "QUJD" not in str(e.value)
-    with pytest.raises(profiling.KeyError_, match="no longer used"):
+    with pytest.raises(protocol.KeyError_, match="no longer used"):
         profiling.load_public_keys(env={"STEPWATCH_PROFILING_KEY": "s" * 32})
     assert profiling.load_public_keys(env={}) is None
-    two = profiling.load_public_keys(env={profiling.ENV_PUBLIC: PUB + "," + profiling.public_key_text(OTHER)})
+    two = profiling.load_public_keys(env={protocol.ENV_PUBLIC: PUB + "," + protocol.public_key_text(OTHER)})
     assert len(two) == 2                                              # a rotation: both verify
     assert profiling.open_envelope(sealed("cj", [0], key=OTHER), two)["ranks"] == [0]
 
@@ -290,7 +291,7 @@ def test_a_restarted_probe_refuses_a_command_issued_before_it_started(socket_dir
     """Issue 26: a probe's seen ids do not survive a restart, so an old valid envelope sent straight to
     the new probe's socket (skipping the agent's durable replay log) started a profile. A command
     issued before the probe's control channel existed (beyond a 5 s clock skew) is refused."""
-    old = profiling.seal(profiling.new_command("cj", NODE, [0], 2, "py-spy", "t", ttl_s=3000,
+    old = profiling.seal(protocol.new_command("cj", NODE, [0], 2, "py-spy", "t", ttl_s=3000,
                                                now_ns=time.time_ns() - 60 * 10**9), PRIV)
     n = Node(socket_dir)
     try:

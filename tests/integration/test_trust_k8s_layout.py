@@ -26,6 +26,7 @@ import yaml
 
 from stepwatch.wire.decode import decode
 from stepwatch.agents import profiling
+from stepwatch.agents.profiling import protocol
 from testkit import ROOT, free_port
 from stepwatch.kafkaio import make_consumer, make_producer
 from stepwatch.stream.profiling import Issuer, ProfilingSettings
@@ -40,7 +41,7 @@ TRAIN_UID = 20002
 OTHER_UID = 30003
 NODE = "node-k8s"
 CHART = str(ROOT / "helm" / "stepwatch")
-PEM, PUB = profiling.keygen()
+PEM, PUB = protocol.keygen()
 if shutil.which("setpriv") is None:
     pytest.skip("setpriv (util-linux) is not installed", allow_module_level=True)
 if os.geteuid() != 0:
@@ -129,7 +130,7 @@ def test_one_profile_end_to_end_in_the_charts_layout(kafka, tmp_path):
         for e in agent_c["env"]:
             if "value" in e:
                 env[e["name"]] = on_node(e["value"]).replace("/host/proc", "/proc").replace("/host/sys", "/sys")
-        assert env[profiling.ENV_PUBLIC] == PUB and profiling.ENV_PRIVATE_FILE not in env
+        assert env[protocol.ENV_PUBLIC] == PUB and protocol.ENV_PRIVATE_FILE not in env
         alog = open(tmp_path / "agent.log", "w")
         agent = subprocess.Popen(as_user(AGENT_UID, AGENT_GID, [], [sys.executable, "-m", "stepwatch.cli", "-v", *args]),
                                  env=env, stdout=alog, stderr=subprocess.STDOUT)
@@ -149,7 +150,7 @@ def test_one_profile_end_to_end_in_the_charts_layout(kafka, tmp_path):
         tenv = {"PATH": os.environ["PATH"], "HOME": str(tmp_path)}
         for e in c["env"]:
             tenv[e["name"]] = on_node(str(e["value"])) if "value" in e else NODE       # fieldRef spec.nodeName
-        assert tenv[profiling.ENV_PUBLIC] == PUB and tenv["STEPWATCH_PROFILE_DIR"] == traces
+        assert tenv[protocol.ENV_PUBLIC] == PUB and tenv["STEPWATCH_PROFILE_DIR"] == traces
         m = {v["mountPath"]: v for v in c["volumeMounts"]}
         assert m["/run/stepwatch"]["readOnly"] is True and not m["/run/stepwatch/ctl"].get("readOnly")
         stop = tmp_path / "STOP"
@@ -193,7 +194,7 @@ def test_one_profile_end_to_end_in_the_charts_layout(kafka, tmp_path):
         assert outsider.stdout.split() == ["write-13", "unlink-13", "send-13"], outsider    # not even the socket
 
         # 4. the processor's side: a command sealed with the private key, through the broker
-        key = profiling.load_private_key(env={profiling.ENV_PRIVATE: PEM.decode()})
+        key = profiling.load_private_key(env={protocol.ENV_PRIVATE: PEM.decode()})
         watch = make_consumer(kafka, f"g-{time.time_ns()}")
         watch.subscribe([kafka.topic("profiles")])
         watch.poll(timeout_ms=1000)

@@ -125,7 +125,8 @@ def test_stepwatch_agent_serving_ranks_stays_within_its_rss_bound(sockdir):
     import time
     import urllib.request
 
-    from stepwatch.agents.probe import Probe, SOCKET_NAME
+    from stepwatch.agents.probe import Probe
+    from stepwatch.wire.datagram import SOCKET_NAME
     from testkit import free_port
 
     port = free_port()
@@ -195,7 +196,8 @@ def test_stepwatch_agent_threads_do_not_grow_with_the_cores(sockdir, kafka):
     started (docs/agents.md, agent cost)."""
     import time
 
-    from stepwatch.agents.probe import Probe, SOCKET_NAME
+    from stepwatch.agents.probe import Probe
+    from stepwatch.wire.datagram import SOCKET_NAME
     from testkit import free_port
 
     port = free_port()

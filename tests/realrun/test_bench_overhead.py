@@ -10,12 +10,12 @@ pytest.importorskip("torch", reason="the overhead bench trains real PyTorch loop
 
 
 def test_probe_overhead_bench_reports_every_condition_and_call():
-    from stepwatch.agents import probe as P
+    from stepwatch.agents.probe import eventlog
     from stepwatch.devtools.bench_overhead import CALLS, probe_overhead
     lines: list[str] = []
     res = probe_overhead(rounds=2, block_steps=5, out=lines.append)
     text = "\n".join(lines)
-    assert ("C hot path" if P.FAST else "pure-Python") in lines[0]
+    assert ("C hot path" if eventlog.FAST else "pure-Python") in lines[0]
     for loop in ("minimal", "mlp"):
         for clock in ("cpu", "wall"):
             r = res[loop][clock]

@@ -15,6 +15,7 @@ import pytest
 
 from probe_helpers import rx, split  # noqa: F401 - shared fixtures (sockdir: conftest.py)
 from stepwatch.agents import probe as P
+from stepwatch.agents.probe import eventlog
 
 pytestmark = [pytest.mark.realrun, pytest.mark.slow]
 
@@ -70,7 +71,7 @@ def _rank(rank: int, store: str, sockdir: str, q) -> None:
         os.environ["STEPWATCH_PROFILING"] = "0"
         import torch.distributed as dist
         if rank == 1:
-            P.eventlog._fast = None           # the pure-Python hot path
+            eventlog._fast = None           # the pure-Python hot path
         dist.init_process_group("gloo", store=dist.FileStore(store, WORLD), rank=rank, world_size=WORLD,
                                 timeout=datetime.timedelta(seconds=60))
         x = torch.ones(4)
@@ -114,7 +115,7 @@ def _rank(rank: int, store: str, sockdir: str, q) -> None:
 
 
 def test_compiled_collectives_do_not_break_graphs_and_eager_ones_are_recorded(rx, sockdir, tmp_path):
-    assert P._fast is not None, "the C hot path (stepwatch.agents._probefast) was not built"
+    assert eventlog._fast is not None, "the C hot path (stepwatch.agents._probefast) was not built"
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, str(tmp_path / "store"), sockdir, q)) for r in range(WORLD)]

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from stepwatch.agents import profiling as prof
+from stepwatch.agents.profiling import protocol
 from stepwatch.agents.agent import Agent
 from stepwatch.agents.wrap import wrap_env
 from stepwatch.storage.views import connect
@@ -34,15 +35,15 @@ pytestmark = [pytest.mark.realrun, pytest.mark.slow]
 pytest.importorskip("torch", reason="the end-to-end test trains a real PyTorch model (pip install torch==2.13.0)")
 
 TRAIN = TESTS / "profile_train.py"
-PEM, PUB = prof.keygen()
-KEY = prof.load_private_key(env={prof.ENV_PRIVATE: PEM.decode()})       # the processor signs
-KEYS = prof.load_public_keys(env={prof.ENV_PUBLIC: PUB})                 # agents and probes verify
+PEM, PUB = protocol.keygen()
+KEY = prof.load_private_key(env={protocol.ENV_PRIVATE: PEM.decode()})       # the processor signs
+KEYS = prof.load_public_keys(env={protocol.ENV_PUBLIC: PUB})                 # agents and probes verify
 
 
 def launch(socket_dir: str, job: str, env: dict, out: str) -> subprocess.Popen:
     full = wrap_env(job=job, socket_dir=socket_dir)
     full.update({k: str(v) for k, v in env.items()}, SW_OUT=out)
-    full[prof.ENV_PUBLIC] = PUB
+    full[protocol.ENV_PUBLIC] = PUB
     cmd = [sys.executable, "-m", "stepwatch.agents.wrap", "--", sys.executable, str(TRAIN)]
     return subprocess.Popen(cmd, env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from stepwatch.detectors.base import JobContext, StepBlock
-from stepwatch.detectors.changepoint import ChangePoint, find, median_filter, noise_sigma
+from stepwatch.detectors.changepoint import ChangePoint
+from stepwatch.detectors.cpsearch import find, median_filter, noise_sigma
 from testkit import alerts_of, job_context
 
 pytestmark = pytest.mark.unit
@@ -294,7 +295,7 @@ def test_find_keeps_an_abrupt_shift_on_a_trend_and_in_ar1_noise():
 
 
 def test_noise_scales_reads_ar1_coefficient():
-    from stepwatch.detectors.changepoint import noise_scales
+    from stepwatch.detectors.cpsearch import noise_scales
     rng = np.random.default_rng(32)
     for phi in (0.0, 0.5, 0.8):
         e = rng.standard_normal(20000)

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from stepwatch.agents import probe as P
-from stepwatch.devtools import simulate
 from stepwatch.agents.probe import collectives as C
-from stepwatch.agents.probe import decode
-from stepwatch.detectors import efficiency as E
+from stepwatch.agents.probe import decode, eventlog
+from stepwatch.wire import datagram
+from stepwatch.detectors import busbw, commagg, commbw, mfu
+from stepwatch.devtools import simtables
 
 pytestmark = pytest.mark.unit
 
@@ -33,15 +34,17 @@ def test_traffic_of_every_kind_is_size_x_bus_factor(n):
         if op not in NO_PAYLOAD and op != "barrier":
             assert C.traffic_factor(op, n) == pytest.approx(C.size_factor(op, n) * C.bus_factor(op, n)), op
         # the detector's vectorised factors are the same function, element by element
-        assert E.bus_factor(op, np.array([n, n]))[1] == pytest.approx(C.bus_factor(op, float(n))), op
-        assert E.size_factor(op, np.array([n]))[0] == pytest.approx(C.size_factor(op, float(n))), op
+        assert busbw.bus_factor(op, np.array([n, n]))[1] == pytest.approx(C.bus_factor(op, float(n))), op
+        assert busbw.size_factor(op, np.array([n]))[0] == pytest.approx(C.size_factor(op, float(n))), op
     assert C.transfer_ms("all_reduce", 10**9, n, 25.0) == pytest.approx(2 * (n - 1) / n * 1e9 / 25e9 * 1e3)
 
 
 def test_detector_and_simulator_use_the_one_module():
-    assert E.LINK_GBPS is C.LINK_GBPS and E.PEAK_TFLOPS is C.PEAK_TFLOPS and E.SATURATE_BYTES is C.SATURATE_BYTES
-    assert E.device_family is C.device_family and E.link_type is C.link_type and E.peak_tflops is C.peak_tflops
-    assert simulate.bus_factor is C.bus_factor and simulate.LINK_GBPS is C.LINK_GBPS
+    # the detectors' and the simulator's tables and link model are the probe's (agents/probe/collectives.py)
+    assert busbw.LINK_GBPS is C.LINK_GBPS and busbw.SATURATE_BYTES is C.SATURATE_BYTES and busbw.link_type is C.link_type
+    assert commagg.LINK_GBPS is C.LINK_GBPS and commagg.SATURATE_BYTES is C.SATURATE_BYTES
+    assert commbw.device_family is C.device_family and mfu.peak_tflops is C.peak_tflops
+    assert simtables.bus_factor is C.bus_factor and simtables.LINK_GBPS is C.LINK_GBPS
     assert C.LINK_GBPS["loopback"] == C.DEFAULT_COMM_GBPS       # the probe's default model is gloo on one host
 
 
@@ -56,16 +59,16 @@ def test_c_fast_path_and_python_split_every_kind_alike(sockdir):
     """The C hot path (``_probefast.pack_step``) takes each slot's traffic factor from
     :func:`collectives.traffic_factor`; for every collective kind, one call split by the bandwidth model packs
     the same bytes in C and in Python, and the wait is the call's time less :func:`collectives.transfer_ms`."""
-    assert P._fast is not None, "the C hot path was not built (README: a C compiler and the Python headers)"
+    assert eventlog._fast is not None, "the C hot path was not built (README: a C compiler and the Python headers)"
     kinds = list(C.COLLECTIVES)
     n, nbytes, dt = 8, 1 << 24, 9_000_000
-    for lo in range(0, len(kinds), P.MAX_COMM):
+    for lo in range(0, len(kinds), datagram.MAX_COMM):
         p = P.Probe()
         try:
             p.init(job="coll", rank=1, world_size=n, socket_dir=sockdir, auto=False, comm_gbps=10)
             grp = p._intern("dp")
             calls, want = [], {}
-            for op in kinds[lo:lo + P.MAX_COMM]:
+            for op in kinds[lo:lo + datagram.MAX_COMM]:
                 oid = p._intern(op)
                 s = p._comm_slot_for(op, oid, grp, n)
                 calls.append((s, 1, nbytes, dt, None))
@@ -75,7 +78,7 @@ def test_c_fast_path_and_python_split_every_kind_alike(sockdir):
             end_py = p._pack_py(0, *args, list(calls), 0, -1.0, -1.0)
             py = bytes(p._buf[:end_py])
             p._buf[:] = bytes(len(p._buf))
-            end_c = P._fast.pack_step(p._buf, 0, p.instance, p.rank, *args[:4], p._ph_ns[0], -1, *args[4:],
+            end_c = eventlog._fast.pack_step(p._buf, 0, p.instance, p.rank, *args[:4], p._ph_ns[0], -1, *args[4:],
                                       p.dropped, p._ph_touched, p._ph_ns, p._phase_ids, list(calls), p._c_traffic,
                                       p._ns_per_byte, p._comm_key, None, -1.0, -1.0)
             assert end_c == end_py and bytes(p._buf[:end_c]) == py

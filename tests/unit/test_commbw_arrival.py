@@ -20,7 +20,6 @@ from stepwatch.wire import tables as wire
 from stepwatch.wire.encode import encode_arrow, headers
 from stepwatch.wire import columns
 from stepwatch.agents.agent import identity_from_hello
-from stepwatch.agents import probe as P
 from stepwatch.agents.probe import Probe, decode
 from stepwatch.wire import datagram
 from stepwatch.devtools.eval import Record, _NullProducer
@@ -96,7 +95,7 @@ def _device_job(sockdir: str, job: str, ranks: int, steps: int) -> dict[str, pa.
             except BlockingIOError:
                 break
         rx.close()
-        os.unlink(os.path.join(sockdir, P.SOCKET_NAME))
+        os.unlink(os.path.join(sockdir, datagram.SOCKET_NAME))
     idents, bc, topo = {}, columns.BatchColumns(), []
     for d in datagrams:
         typ, inst, frames = datagram.scan(d)

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stepwatch.agents import probe as P
+from stepwatch.agents.probe import eventlog
 from stepwatch.agents.agent import identity_from_hello, rows_from_batch
 from stepwatch.wire import columns, datagram
 from stepwatch.wire import tables as wire
@@ -62,7 +63,7 @@ def _c(inst, rank, f, phases, comm, gcs) -> bytes:
     slots = list(range(len(comm)))
     calls = [(s, c[2], c[3], c[4], c[5]) for s, c in zip(slots, comm)]
     gcrows = b"".join(datagram.GCREC.pack(*g) for g in gcs) if gcs else None
-    end = P._fast.pack_step(buf, 0, inst, rank, f["step"], f["t0w"], f["wall"], f["step_ns"], f["data_ns"],
+    end = eventlog._fast.pack_step(buf, 0, inst, rank, f["step"], f["t0w"], f["wall"], f["step_ns"], f["data_ns"],
                             f["compute"], f["gc_ns"], f["gc_count"], f["dq"], f["samples"], f["tokens"], f["dropped"],
                             list(range(len(phases))), [ns for _, ns in phases], [i for i, _ in phases], calls,
                             [1.0] * len(comm), 0.0, [(c[0], c[1]) for c in comm], gcrows, f["cpu"], f["cpu_wait"],
@@ -73,7 +74,7 @@ def _c(inst, rank, f, phases, comm, gcs) -> bytes:
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(step_frames())
 def test_c_and_python_encoders_write_the_same_bytes(frame):
-    assert P._fast is not None, "the C hot path was not built (README: a C compiler and the Python headers)"
+    assert eventlog._fast is not None, "the C hot path was not built (README: a C compiler and the Python headers)"
     py, c = _python(*frame), _c(*frame)
     assert c == py, (len(c), len(py), next((i for i, (a, b) in enumerate(zip(c, py)) if a != b), None))
 

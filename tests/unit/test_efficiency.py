@@ -13,10 +13,11 @@ from stepwatch.wire import tables as wire
 from stepwatch.wire.decode import conform
 from stepwatch.detectors.base import JobContext, StepBlock
 from stepwatch.detectors.context import JobTelemetry
-from stepwatch.detectors.efficiency import (
-    CommBandwidth, DataLoader, Mfu, bus_bandwidth, comm_analysis, device_family, load_peak_table,
-    model_flops_per_token, peak_tflops,
-)
+from stepwatch.agents.probe.collectives import device_family, peak_tflops
+from stepwatch.detectors.busbw import bus_bandwidth, comm_analysis
+from stepwatch.detectors.commbw import CommBandwidth
+from stepwatch.detectors.dataloader import DataLoader
+from stepwatch.detectors.mfu import Mfu, load_peak_table, model_flops_per_token
 from stepwatch.stream.align import JobState
 from testkit import job_context
 
@@ -251,7 +252,7 @@ def test_small_messages_and_sync_bound():
 def test_incremental_comm_aggregate_matches_comm_analysis():
     """The detector folds comm rows into per-step accumulators as they arrive (any batches, late rows,
     nulls); analysing a window from those gives what comm_analysis computes over the window's raw rows."""
-    from stepwatch.detectors.efficiency import _CommAggregate
+    from stepwatch.detectors.commagg import _CommAggregate
     rng = np.random.default_rng(7)
     R = 48
     nodes = np.array([f"n{r // 4}" for r in range(R)], dtype=object)
@@ -358,7 +359,8 @@ def test_agent_puts_model_params_and_group_sizes_into_rows():
 
 
 def test_processor_stores_efficiency_and_comm_bw_tables(tmp_path):
-    from stepwatch.devtools.eval import Scenario, run_scenario
+    from stepwatch.devtools.eval import run_scenario
+    from stepwatch.devtools.evalsuite import Scenario
     from stepwatch.storage.views import connect
     res = run_scenario(Scenario("eff-store", [], ranks=64, steps=40, seed=3, comm=True, checkpoint_every=None),
                        tmp_path)

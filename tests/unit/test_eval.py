@@ -9,8 +9,10 @@ import json
 import numpy as np
 import pytest
 
-from stepwatch.devtools.eval import SCENARIOS, Scenario, run_detector_bench, run_scenario, score, totals
-from stepwatch.devtools.evalcli import register, report
+from stepwatch.devtools.eval import run_detector_bench, run_scenario, score, totals
+from stepwatch.devtools.evalcli import register
+from stepwatch.devtools.evalreport import report
+from stepwatch.devtools.evalsuite import SCENARIOS, Scenario
 
 pytestmark = [pytest.mark.unit, pytest.mark.slow]
 

@@ -6,7 +6,8 @@ import numpy as np
 import pyarrow.compute as pc
 import pytest
 
-from stepwatch.devtools.simulate import Simulation, parse_fault
+from stepwatch.devtools.simmodel import parse_fault
+from stepwatch.devtools.simulate import Simulation
 
 pytestmark = pytest.mark.unit
 

@@ -20,7 +20,8 @@ from stepwatch.agents.agent import identity_from_hello  # noqa: E402
 from stepwatch.agents.socket_trust import IngressLimits, check_hello  # noqa: E402
 from stepwatch.agents.probe import Probe, analytic_flops_per_token  # noqa: E402
 from stepwatch.detectors.base import StepBlock  # noqa: E402
-from stepwatch.detectors.efficiency import Mfu, peak_tflops  # noqa: E402
+from stepwatch.agents.probe.collectives import peak_tflops  # noqa: E402
+from stepwatch.detectors.mfu import Mfu  # noqa: E402
 from stepwatch.stream.align import JobState  # noqa: E402
 import pyarrow as pa  # noqa: E402
 

@@ -26,7 +26,8 @@ def _steps_lag(msgs, shuffle, seed=0):
 
 
 def _run(monkeypatch, tmp_path, name, faults, **kw):
-    from stepwatch.devtools.eval import Scenario, run_scenario
+    from stepwatch.devtools.eval import run_scenario
+    from stepwatch.devtools.evalsuite import Scenario
     monkeypatch.setattr(scenarios_indep, "deliveries", _steps_lag)
     sc = Scenario(name, faults, ranks=32, steps=110, seed=3, checkpoint_every=None, **kw)
     return run_scenario(sc, tmp_path, shuffle=True)

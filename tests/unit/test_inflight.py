@@ -15,10 +15,11 @@ import pyarrow as pa
 import pytest
 
 from stepwatch.wire import tables as wire
-from stepwatch.agents import probe as P
 from stepwatch.agents.agent import Agent
 from stepwatch.agents.inflight import Liveness, process_state
+from stepwatch.agents.probe import eventlog
 from stepwatch.agents.probe.watchdog import Watchdog
+from stepwatch.wire import datagram
 from stepwatch.detectors import hang
 from stepwatch.detectors.base import JobContext
 from stepwatch.detectors.context import JobTelemetry
@@ -53,11 +54,11 @@ def test_sequence_numbers_per_group_op_and_stack_of_a_running_collective(probe, 
         dist.barrier(async_op=True).wait()       # Work.wait() is no collective of its own
         w.grad = torch.ones(4)
         opt.step()
-    wd = Watchdog(probe, P, period_s=0)
+    wd = Watchdog(probe, period_s=0)
     seen = {}
 
     def inside(group):
-        seen.update(wd.state(P._perf()))
+        seen.update(wd.state(eventlog._perf()))
         return None
     fake = probe._wrap_collective(dist, "all_reduce", _fake_collective(inside))
     fake(t)                                      # (events still in the log: the watchdog peeks at them)
@@ -94,7 +95,7 @@ def test_step_kinds_first_eval_checkpoint_and_the_explicit_api(probe, rx, sockdi
     train_step()
     train_step()                                  # step 5: plain
     hello, names, steps, comm, gcs = split(rx.read())
-    kinds = {s["step"]: {names[i]: ms for i, ms in s["phases"] if names[i] in P.KIND_PHASES} for s in steps}
+    kinds = {s["step"]: {names[i]: ms for i, ms in s["phases"] if names[i] in eventlog.KIND_PHASES} for s in steps}
     assert set(kinds[0]) == {"first_step"} and kinds[0]["first_step"] > 0
     assert kinds[1] == {} and kinds[5] == {}
     assert set(kinds[2]) == {"eval"} and kinds[2]["eval"] >= 15           # from model.eval() to the step end
@@ -121,7 +122,7 @@ def test_watchdog_sends_the_state_of_an_overlong_step_and_when_it_ends(probe, rx
     stuck_in_python(1.2)
     opt.step()
     time.sleep(0.3)
-    msgs = [m for m in rx.read() if m[0] == P.T_INFLIGHT]
+    msgs = [m for m in rx.read() if m[0] == datagram.T_INFLIGHT]
     assert msgs, "no in-flight state sent"
     first, last = msgs[0][3], msgs[-1][3]
     assert first["state"] == "compute" and first["kinds"] == ["eval"] and first["elapsed_ns"] >= 0.4e9
@@ -133,13 +134,13 @@ def test_watchdog_sends_the_state_of_an_overlong_step_and_when_it_ends(probe, rx
 
 def test_agent_turns_in_flight_datagrams_into_rows_and_sees_stopped_processes(sockdir):
     ag = Agent(None, socket_dir=sockdir, node="n1")
-    ag.handle(P.HDR.pack(P.MAGIC, 1, P.T_HELLO, 7, 2, 0, 0, 0, 0) + json.dumps(
+    ag.handle(datagram.HDR.pack(datagram.MAGIC, 1, datagram.T_HELLO, 7, 2, 0, 0, 0, 0) + json.dumps(
         {"job": "j", "rank": 2, "world_size": 4, "pid": 1, "names": {}}).encode())
     body = {"state": "collective", "step": 5, "t": 1_800_000_000_000_000_000, "since": 1_799_999_999_000_000_000,
             "op": "all_reduce", "group": "world", "seq": 9, "group_size": 4, "kinds": ["eval"],
             "elapsed_ns": 2_000_000_000, "stack": "a.py:1 in f", "pid": 123}
-    ag.handle(P.HDR.pack(P.MAGIC, 1, P.T_INFLIGHT, 7, 2, 0, 0, 0, 0) + json.dumps(body).encode())
-    ag.handle(P.HDR.pack(P.MAGIC, 1, P.T_INFLIGHT, 7, 2, 0, 0, 0, 0) + json.dumps(dict(body, state="x")).encode())
+    ag.handle(datagram.HDR.pack(datagram.MAGIC, 1, datagram.T_INFLIGHT, 7, 2, 0, 0, 0, 0) + json.dumps(body).encode())
+    ag.handle(datagram.HDR.pack(datagram.MAGIC, 1, datagram.T_INFLIGHT, 7, 2, 0, 0, 0, 0) + json.dumps(dict(body, state="x")).encode())
     assert ag.bad == 1                                       # a bad state is refused
     items = {k: t for k, j, t in ag.tick()}
     r = items["inflight"].to_pylist()[0] if False else items["inflight"].drop_columns(["t", "since"]).to_pylist()[0]
@@ -226,16 +227,16 @@ def test_watchdog_of_a_rank_reports_its_first_step(probe, rx, sockdir):
     compiling(1.6)                               # (the first wake is 1 s after init)
     probe.end_step()
     time.sleep(0.3)
-    msgs = [m[3] for m in rx.read() if m[0] == P.T_INFLIGHT]
+    msgs = [m[3] for m in rx.read() if m[0] == datagram.T_INFLIGHT]
     assert msgs and msgs[0]["kinds"] == ["first"] and msgs[0]["step"] == 0, msgs
     assert msgs[0]["stack"].splitlines()[-1].endswith("in compiling") and msgs[-1]["state"] == "done"
 
 
 def test_agent_bounds_in_flight_rows_per_probe_instance(sockdir):
     ag = Agent(None, socket_dir=sockdir, node="n1")
-    ag.handle(P.HDR.pack(P.MAGIC, 1, P.T_HELLO, 9, 0, 0, 0, 0, 0) + json.dumps(
+    ag.handle(datagram.HDR.pack(datagram.MAGIC, 1, datagram.T_HELLO, 9, 0, 0, 0, 0, 0) + json.dumps(
         {"job": "j", "rank": 0, "world_size": 1, "pid": 1, "names": {}}).encode())
-    d = P.HDR.pack(P.MAGIC, 1, P.T_INFLIGHT, 9, 0, 0, 0, 0, 0) + json.dumps(
+    d = datagram.HDR.pack(datagram.MAGIC, 1, datagram.T_INFLIGHT, 9, 0, 0, 0, 0, 0) + json.dumps(
         {"state": "compute", "step": 1, "t": 1_800_000_000_000_000_000}).encode()
     for _ in range(50):                           # a flood in one instant: the burst gets through
         ag.handle(d, now=100.0)

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from probe_helpers import Rx, probe, rx, split  # noqa: F401 - shared fixtures (sockdir: conftest.py)
-from stepwatch.agents import probe as P
-from stepwatch.agents.probe import BadDatagram, Probe, decode, transfer_ms
+from stepwatch.agents.probe import BadDatagram, Probe, decode, eventlog, transfer_ms
+from stepwatch.wire import datagram
 
 pytestmark = pytest.mark.unit
 
@@ -22,39 +22,39 @@ torch = pytest.importorskip("torch", reason="the automatic hooks instrument PyTo
 # --------------------------------------------------------------------------- layout
 
 def test_struct_sizes_are_fixed_and_documented():
-    assert (P.HDR.size, P.STEP.size, P.PHASE.size, P.COMM.size, P.GCREC.size) == (16, 136, 16, 40, 40)
-    assert P.STEP_V1.size == 104 and P.STEP_V2.format.startswith(P.STEP_V1.format)    # v2 = v1 + 2 doubles
-    assert P.STEP_V2.size == 120 and P.STEP.format.startswith(P.STEP_V2.format)       # v3 = v2 + 2 doubles
-    assert P.HDR_STEP.size == P.HDR.size + P.STEP.size
-    assert P.MAX_FRAME == 16 + 136 + 8 * 16 + 16 * 40 + 16 * 40
-    assert P.MAX_DATAGRAM >= 10 * P.MAX_FRAME
+    assert (datagram.HDR.size, datagram.STEP.size, datagram.PHASE.size, datagram.COMM.size, datagram.GCREC.size) == (16, 136, 16, 40, 40)
+    assert datagram.STEP_V1.size == 104 and datagram.STEP_V2.format.startswith(datagram.STEP_V1.format)    # v2 = v1 + 2 doubles
+    assert datagram.STEP_V2.size == 120 and datagram.STEP.format.startswith(datagram.STEP_V2.format)       # v3 = v2 + 2 doubles
+    assert datagram.HDR_STEP.size == datagram.HDR.size + datagram.STEP.size
+    assert datagram.MAX_FRAME == 16 + 136 + 8 * 16 + 16 * 40 + 16 * 40
+    assert datagram.MAX_DATAGRAM >= 10 * datagram.MAX_FRAME
 
 
 def test_decode_rejects_malformed_datagrams():
-    good = P.HDR.pack(P.MAGIC, 3, P.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(P.STEP.size)
+    good = datagram.HDR.pack(datagram.MAGIC, 3, datagram.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(datagram.STEP.size)
     assert decode(good)[0][3][0][0] == 0
     assert len(decode(good + good)) == 2                                       # frames back to back
     # a version-1 frame (probes before the CPU fields): read, with the CPU fields null (-1)
-    v1 = P.HDR.pack(P.MAGIC, 1, P.T_BATCH, 1, 0, 1, 0, 0, 0) + P.STEP_V1.pack(*range(1, 14), 0)
+    v1 = datagram.HDR.pack(datagram.MAGIC, 1, datagram.T_BATCH, 1, 0, 1, 0, 0, 0) + datagram.STEP_V1.pack(*range(1, 14), 0)
     (_, _, _, (st, _, _, _)), = decode(v1)
-    assert len(st) == len(P.STEP_FIELDS) and st[:3] == (1, 2, 3) and st[-4:] == (-1.0,) * 4
+    assert len(st) == len(datagram.STEP_FIELDS) and st[:3] == (1, 2, 3) and st[-4:] == (-1.0,) * 4
     # a version-2 frame (probes before the comm total/exposed fields): read, with those null (-1)
-    v2 = P.HDR.pack(P.MAGIC, 2, P.T_BATCH, 1, 0, 1, 0, 0, 0) + P.STEP_V2.pack(*range(1, 14), 0, 5.0, 6.0)
+    v2 = datagram.HDR.pack(datagram.MAGIC, 2, datagram.T_BATCH, 1, 0, 1, 0, 0, 0) + datagram.STEP_V2.pack(*range(1, 14), 0, 5.0, 6.0)
     (_, _, _, (st, _, _, _)), = decode(v2)
-    assert len(st) == len(P.STEP_FIELDS) and st[-4:] == (5.0, 6.0, -1.0, -1.0)
+    assert len(st) == len(datagram.STEP_FIELDS) and st[-4:] == (5.0, 6.0, -1.0, -1.0)
     assert len(decode(v1 + v2 + good)) == 3
     bad = [b"", b"xx", good[:-1], good + b"\0",
            struct.pack("<H", 0x1234) + good[2:],                               # magic
-           P.HDR.pack(P.MAGIC, 9, P.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(P.STEP.size),   # version
-           P.HDR.pack(P.MAGIC, 1, 7, 1, 0, 0, 0, 0, 0),                         # type
-           P.HDR.pack(P.MAGIC, 3, P.T_BATCH, 1, 0, 2, 0, 0, 0) + bytes(2 * P.STEP.size),  # two steps
-           P.HDR.pack(P.MAGIC, 2, P.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(P.STEP_V1.size),    # v2 needs 120 bytes
-           P.HDR.pack(P.MAGIC, 3, P.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(P.STEP_V2.size),    # v3 needs 136 bytes
-           P.HDR.pack(P.MAGIC, 1, P.T_BATCH, 1, 0, 0, 99, 0, 0),                 # counts out of range
-           P.HDR.pack(P.MAGIC, 1, P.T_HELLO, 1, 0, 0, 0, 0, 0) + b"{not json",
-           P.HDR.pack(P.MAGIC, 1, P.T_HELLO, 1, 0, 0, 0, 0, 0) + b"[1, 2]",
-           P.HDR.pack(P.MAGIC, 1, P.T_HELLO, 1, 0, 0, 0, 0, 0) + b"\xff\xfe",
-           good + P.HDR.pack(P.MAGIC, 1, P.T_HELLO, 1, 0, 0, 0, 0, 0) + b"{}",      # hello after a frame
+           datagram.HDR.pack(datagram.MAGIC, 9, datagram.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(datagram.STEP.size),   # version
+           datagram.HDR.pack(datagram.MAGIC, 1, 7, 1, 0, 0, 0, 0, 0),                         # type
+           datagram.HDR.pack(datagram.MAGIC, 3, datagram.T_BATCH, 1, 0, 2, 0, 0, 0) + bytes(2 * datagram.STEP.size),  # two steps
+           datagram.HDR.pack(datagram.MAGIC, 2, datagram.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(datagram.STEP_V1.size),    # v2 needs 120 bytes
+           datagram.HDR.pack(datagram.MAGIC, 3, datagram.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(datagram.STEP_V2.size),    # v3 needs 136 bytes
+           datagram.HDR.pack(datagram.MAGIC, 1, datagram.T_BATCH, 1, 0, 0, 99, 0, 0),                 # counts out of range
+           datagram.HDR.pack(datagram.MAGIC, 1, datagram.T_HELLO, 1, 0, 0, 0, 0, 0) + b"{not json",
+           datagram.HDR.pack(datagram.MAGIC, 1, datagram.T_HELLO, 1, 0, 0, 0, 0, 0) + b"[1, 2]",
+           datagram.HDR.pack(datagram.MAGIC, 1, datagram.T_HELLO, 1, 0, 0, 0, 0, 0) + b"\xff\xfe",
+           good + datagram.HDR.pack(datagram.MAGIC, 1, datagram.T_HELLO, 1, 0, 0, 0, 0, 0) + b"{}",      # hello after a frame
            good + good[:20]]
     for b in bad:
         with pytest.raises(BadDatagram):
@@ -135,18 +135,18 @@ def test_full_agent_queue_drops_instead_of_blocking(probe, sockdir):
         elapsed = time.perf_counter() - t0
         st = probe.stats()
         # the kernel queue took a few, the backlog holds the next MAX_BACKLOG, the rest is dropped
-        assert st["backlog"] == P.MAX_BACKLOG and st["dropped_full"] > 0
+        assert st["backlog"] == datagram.MAX_BACKLOG and st["dropped_full"] > 0
         assert st["sent"] + st["hellos"] + st["backlog"] + st["dropped_full"] == 300 + 1
         assert elapsed < 3.0
         got = rx.read()                  # what was queued is intact
-        assert [m[0] for m in got] == [P.T_HELLO] + [P.T_BATCH] * (len(got) - 1)
+        assert [m[0] for m in got] == [datagram.T_HELLO] + [datagram.T_BATCH] * (len(got) - 1)
         # once the agent reads again, the backlog goes first, in order, with no gap
         steps = []
         for _ in range(4):
             probe.begin_step()
             probe.end_step()
-            steps += [m[3][0][0] for m in rx.read() if m[0] == P.T_BATCH]
-        assert steps == list(range(300 - P.MAX_BACKLOG, 304))
+            steps += [m[3][0][0] for m in rx.read() if m[0] == datagram.T_BATCH]
+        assert steps == list(range(300 - datagram.MAX_BACKLOG, 304))
         assert probe.stats()["backlog"] == 0
     finally:
         rx.close()
@@ -186,7 +186,7 @@ def test_agent_coming_back_gets_the_identity_again(probe, sockdir):
         msgs = r.read()
     finally:
         r.close()
-    assert [m[0] for m in msgs] == [P.T_HELLO, P.T_BATCH]     # hello first, so the agent can use the batch
+    assert [m[0] for m in msgs] == [datagram.T_HELLO, datagram.T_BATCH]     # hello first, so the agent can use the batch
     assert msgs[1][3][0][0] == 3
 
 
@@ -194,7 +194,7 @@ def test_c_and_python_pack_the_same_bytes(sockdir):
     """``_probefast.pack_step`` and ``Probe._pack_py`` write the same frame, byte for byte: no calls,
     one call with a known wait, one to be split by the bandwidth model, several calls over two
     slots, named phases, an explicit compute phase, GC rows."""
-    assert P._fast is not None, "the C hot path was not built (README: a C compiler and the Python headers)"
+    assert eventlog._fast is not None, "the C hot path was not built (README: a C compiler and the Python headers)"
     p = Probe()
     try:
         p.init(job="pack", rank=3, world_size=8, socket_dir=sockdir, auto=False, comm_gbps=10)
@@ -215,7 +215,7 @@ def test_c_and_python_pack_the_same_bytes(sockdir):
             cpu = (-1.0, -1.0) if ci == 0 else (41_000_000.0, -1.0) if ci == 1 else (12_345_678.0, 3_456_789.0)
             hidden = 0.0 if ci < 2 else 7_654_321.0 + ci          # DDP buckets' time behind backward
             ph, used = p._ph_ns, p._ph_used
-            for i in range(P.MAX_PHASES):
+            for i in range(datagram.MAX_PHASES):
                 ph[i], used[i] = 0, False
             p._ph_touched[:] = touched
             ph[0] = 1_234_567
@@ -224,16 +224,16 @@ def test_c_and_python_pack_the_same_bytes(sockdir):
             if compute:
                 ph[1], used[1] = 3_000_000, True
             for j in range(n_gc):
-                P.GCREC.pack_into(p._gcbuf, P.HDR.size + j * P.GCREC.size, 10**18 + j, 5e5, 2, 100 + j, 0)
+                datagram.GCREC.pack_into(p._gcbuf, datagram.HDR.size + j * datagram.GCREC.size, 10**18 + j, 5e5, 2, 100 + j, 0)
             args = (7, 10**18, 10**18 + 50_000_000, 50_000_000, 800_000 if n_gc else 0, n_gc, 3, 32, -1)
             p._buf[:] = bytes(len(p._buf))
             end_py = p._pack_py(0, *args, list(calls), n_gc, *cpu, hidden)
             py = bytes(p._buf[:end_py])
             p._buf[:] = bytes(len(p._buf))
-            end_c = P._fast.pack_step(p._buf, 0, p.instance, p.rank, *args[:4], ph[0], ph[1] if used[1] else -1,
+            end_c = eventlog._fast.pack_step(p._buf, 0, p.instance, p.rank, *args[:4], ph[0], ph[1] if used[1] else -1,
                                       *args[4:], p.dropped, p._ph_touched, ph, p._phase_ids, list(calls),
                                       p._c_traffic, p._ns_per_byte, p._comm_key,
-                                      p._gcmv[16:16 + n_gc * P.GCREC.size] if n_gc else None, *cpu, hidden)
+                                      p._gcmv[16:16 + n_gc * datagram.GCREC.size] if n_gc else None, *cpu, hidden)
             assert end_c == end_py and bytes(p._buf[:end_c]) == py, (calls, touched, compute, n_gc)
             (typ, inst, rank, (st, phases, comm, gcs)), = decode(py)
             assert rank == 3 and st[0] == 7 and st[13] == 5 and len(comm) == len({c[0] for c in calls})

@@ -8,7 +8,8 @@ import copy
 import pytest
 
 from probe_helpers import gloo, probe, rx, split  # noqa: F401 - shared fixtures (sockdir: conftest.py)
-from stepwatch.agents import probe as P
+from stepwatch.agents.probe import eventlog
+from stepwatch.wire import datagram
 
 pytestmark = pytest.mark.unit
 
@@ -67,13 +68,13 @@ def test_a_step_with_very_many_collectives_is_summed_in_bounded_memory(probe, rx
     summed per (op, group) on the spot. The frame's totals are the same either way."""
     probe.init(job="many", rank=0, world_size=4, socket_dir=sockdir, auto=False, flush_ms=0)
     ar, bc, grp = probe._intern("all_reduce"), probe._intern("broadcast"), probe._intern("dp")
-    n = 3 * P.MAX_CALLS + 7
+    n = 3 * datagram.MAX_CALLS + 7
     probe.begin_step()
     for i in range(n):
         probe._record_comm(ar if i % 3 else bc, grp, 1000, 2000, 500.0)
         # the event log is bounded (a full one is replayed at once), and so are the replayed calls
-        assert probe._log.n <= P.LOG_CAP and len(probe._calls) < P.MAX_CALLS
-    assert n > P.LOG_CAP
+        assert probe._log.n <= eventlog.LOG_CAP and len(probe._calls) < datagram.MAX_CALLS
+    assert n > eventlog.LOG_CAP
     probe.end_step()
     assert probe.stats()["events_lost"] == 0
     hello, names, steps, comm, gcs = split(rx.read())
@@ -240,7 +241,7 @@ def test_ddp_bucket_all_reduces_are_timed_through_a_comm_hook(probe, rx, sockdir
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from stepwatch.agents.probe import ddp_hooks
-    assert ddp_hooks.K_BUCKET == P.K_BUCKET
+    assert ddp_hooks.K_BUCKET == eventlog.K_BUCKET
     torch.manual_seed(0)
     ref = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
                               torch.nn.ReLU(), torch.nn.Linear(1024, 8))

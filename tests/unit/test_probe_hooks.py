@@ -13,6 +13,7 @@ import pytest
 
 from probe_helpers import probe, rx, split  # noqa: F401 - shared fixtures (sockdir: conftest.py)
 from stepwatch.agents import probe as P
+from stepwatch.wire import datagram
 
 pytestmark = pytest.mark.unit
 
@@ -98,7 +99,7 @@ def test_fork_child_is_a_new_silent_instance(probe, rx, sockdir):
     insts = {m[1] for m in msgs}
     assert len(insts) == 2 and probe.instance in insts
     child = [m for m in msgs if m[1] != probe.instance]
-    assert [m[0] for m in child] == [P.T_HELLO, P.T_BATCH]
+    assert [m[0] for m in child] == [datagram.T_HELLO, datagram.T_BATCH]
     assert child[0][3]["rank"] == 7 and child[1][3][0][0] == 0       # its own numbering from 0
 
 

@@ -32,7 +32,7 @@ def test_importing_the_probe_loads_only_the_standard_library():
             "from stepwatch.wire import datagram\n"
             "std = set(sys.stdlib_module_names)\n"
             "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules} - std - {'stepwatch', '__main__'})))\n"
-            "print(p.FAST)\n")
+            "print(eventlog.FAST)\n")
     r = _run(code)
     assert r.returncode == 0, r.stderr
     third_party, fast = r.stdout.split("\n")[:2]
@@ -65,7 +65,7 @@ def test_the_package_loads_from_its_directory_where_stepwatch_is_not_importable(
             "    with p.step(samples=8):\n"
             "        with p.phase('forward'): pass\n"
             "m.shutdown()\n"
-            "print(m.FAST, m.eventlog._fast.__name__, type(p._log).__name__)\n")
+            "print(m.eventlog.FAST, m.eventlog._fast.__name__, type(p._log).__name__)\n")
     r = _run(code, "-S", "-I")                    # no site-packages: no installed stepwatch
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["True", "stepwatch_probe._probefast", "Log"]

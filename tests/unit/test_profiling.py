@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 
 from stepwatch.agents import profiling
+from stepwatch.agents.profiling import protocol, runner, summary
 from stepwatch.agents.agent import Agent
 from stepwatch.agents.control import node_partition
 from stepwatch.agents.profiling import open_envelope as decode_control, seal as encode_control
-from stepwatch.agents.probe import Probe, decode, T_PROFILE
+from stepwatch.agents.probe import Probe, decode
+from stepwatch.wire.datagram import T_PROFILE
 from stepwatch.detectors.base import Alert
 from stepwatch.stream.align import JobState
 from stepwatch.stream.profiling import Issuer, ProfilingSettings, choose_ranks, command_diff
@@ -22,38 +24,38 @@ from stepwatch.stream.profiling import Issuer, ProfilingSettings, choose_ranks, 
 pytestmark = pytest.mark.unit
 
 NODE = "node-a"
-PEM, PUB = profiling.keygen()
-KEY = profiling.load_private_key(env={profiling.ENV_PRIVATE: PEM.decode()})      # the processor's
-KEYS = profiling.load_public_keys(env={profiling.ENV_PUBLIC: PUB})                # nodes' and probes'
-WRONG = profiling.load_private_key(env={profiling.ENV_PRIVATE: profiling.keygen()[0].decode()})
+PEM, PUB = protocol.keygen()
+KEY = profiling.load_private_key(env={protocol.ENV_PRIVATE: PEM.decode()})      # the processor's
+KEYS = profiling.load_public_keys(env={protocol.ENV_PUBLIC: PUB})                # nodes' and probes'
+WRONG = profiling.load_private_key(env={protocol.ENV_PRIVATE: protocol.keygen()[0].decode()})
 
 
 @pytest.fixture(autouse=True)
 def _probe_public_key(monkeypatch):
-    monkeypatch.setenv(profiling.ENV_PUBLIC, PUB)         # the training process verifies commands itself
+    monkeypatch.setenv(protocol.ENV_PUBLIC, PUB)         # the training process verifies commands itself
 
 
 # ---------------------------------------------------------------------------- signing
 
 def test_seal_open_round_trip_and_tampering():
-    c = profiling.new_command("j", NODE, [3, 1], 5, "torch", "alert1", reference=[1])
+    c = protocol.new_command("j", NODE, [3, 1], 5, "torch", "alert1", reference=[1])
     env = encode_control(c, KEY)
     back = decode_control(env, KEYS)
     assert back == dict(c, ranks=[1, 3])
     # the canonical form does not depend on rank order
     assert profiling.canonical(c) == profiling.canonical(dict(c, ranks=[1, 3]))
-    body = env[profiling.ENVELOPE_HDR:]
+    body = env[protocol.ENVELOPE_HDR:]
     for field, v in (("ranks", [1, 3, 4]), ("steps", 500), ("node", "node-b"), ("expires_at", c["expires_at"] + 1),
                      ("reference", [3]), ("kind", "py-spy"), ("job", "other")):
-        altered = env[:profiling.ENVELOPE_HDR] + profiling.canonical(dict(c, **{field: v}))
-        with pytest.raises(profiling.BadCommand) as e:
+        altered = env[:protocol.ENVELOPE_HDR] + profiling.canonical(dict(c, **{field: v}))
+        with pytest.raises(protocol.BadCommand) as e:
             decode_control(altered, KEYS)
         assert e.value.reason == "bad_signature", field
     assert body == profiling.canonical(c)
-    with pytest.raises(profiling.BadCommand, match="unknown_key"):
+    with pytest.raises(protocol.BadCommand, match="unknown_key"):
         decode_control(encode_control(c, WRONG), KEYS)
     for junk in (b"", b"SWC2", json.dumps(c).encode(), b"\x00" * 100):
-        with pytest.raises(profiling.BadCommand, match="bad_envelope"):
+        with pytest.raises(protocol.BadCommand, match="bad_envelope"):
             decode_control(junk, KEYS)
 
 
@@ -62,18 +64,18 @@ def test_keys_from_env_or_file(tmp_path):
     assert cmd_keygen([str(tmp_path)]) == 0
     priv = tmp_path / "profiling-signing-key.pem"
     assert os.stat(priv).st_mode & 0o777 == 0o600
-    k = profiling.load_private_key(env={profiling.ENV_PRIVATE_FILE: str(priv)})
+    k = profiling.load_private_key(env={protocol.ENV_PRIVATE_FILE: str(priv)})
     pub = (tmp_path / "profiling-public-key.txt").read_text().strip()
-    assert profiling.public_key_text(k) == pub
-    keys = profiling.load_public_keys(env={profiling.ENV_PUBLIC_FILE: str(tmp_path / "profiling-public-key.txt")})
-    c = profiling.new_command("j", NODE, [0], 1)
+    assert protocol.public_key_text(k) == pub
+    keys = profiling.load_public_keys(env={protocol.ENV_PUBLIC_FILE: str(tmp_path / "profiling-public-key.txt")})
+    c = protocol.new_command("j", NODE, [0], 1)
     assert profiling.open_envelope(profiling.seal(c, k), keys)["cmd_id"] == c["cmd_id"]
     assert cmd_keygen([str(tmp_path)]) == 1                      # never overwrites a private key
     assert profiling.load_private_key(env={}) is None
-    with pytest.raises(profiling.KeyError_, match="cannot read") as e:
-        profiling.load_public_keys(env={profiling.ENV_PUBLIC_FILE: str(tmp_path / "missing")})
-    with pytest.raises(profiling.KeyError_, match="not an Ed25519 key"):
-        profiling.load_public_keys(env={profiling.ENV_PUBLIC: "c2hvcnQ="})
+    with pytest.raises(protocol.KeyError_, match="cannot read") as e:
+        profiling.load_public_keys(env={protocol.ENV_PUBLIC_FILE: str(tmp_path / "missing")})
+    with pytest.raises(protocol.KeyError_, match="not an Ed25519 key"):
+        profiling.load_public_keys(env={protocol.ENV_PUBLIC: "c2hvcnQ="})
     assert pub not in str(e.value)
 
 
@@ -129,7 +131,7 @@ class Served:
 
     def cmd(self, ranks, key=KEY, node=NODE, **kw):
         """A sealed command (the bytes of a ``control`` message); ``key=None``: an unsealed JSON one."""
-        c = profiling.new_command(self.job, node, ranks, kw.pop("steps", 3), kw.pop("kind", "torch"),
+        c = protocol.new_command(self.job, node, ranks, kw.pop("steps", 3), kw.pop("kind", "torch"),
                                   kw.pop("reason", "a1"), **kw)
         return json.dumps(c).encode() if key is None else profiling.seal(c, key)
 
@@ -336,16 +338,16 @@ def test_summary_and_diff_of_real_torch_profiles_name_the_slow_op():
                     with record_function("slow_op"):
                         time.sleep(0.02)
                 p.step()
-        return profiling.torch_summary(p.key_averages(), 3)
+        return summary.torch_summary(p.key_averages(), 3)
 
     s, r = run(True), run(False)
     assert s["unit"] == "ms/step" and s["steps"] == 3
     top = {o["name"]: o for o in s["top"]}
     assert 15 < top["slow_op"]["self_ms"] < 200 and top["slow_op"]["calls"] == 1
-    d = profiling.diff(s, r)
+    d = summary.diff(s, r)
     assert d["slower"][0]["name"] == "slow_op" and d["slower"][0]["ratio"] is None
     assert d["delta_total_ms"] > 10                 # 20 ms of sleep per step (other operators vary on a busy machine)
-    assert "slow_op" in profiling.format_diff(d).splitlines()[3]
+    assert "slow_op" in summary.format_diff(d).splitlines()[3]
     res = {1: {"status": "ok", "summary": json.dumps(s)}, 2: {"status": "ok", "summary": json.dumps(r)}}
     assert command_diff([1], [2], res)["slower"][0]["name"] == "slow_op"
     assert command_diff([1], [3], res) is None
@@ -373,27 +375,27 @@ def test_trace_file_summary_in_a_child_process_equals_the_profilers_own(tmp_path
             step()
     path = str(tmp_path / "trace.json")
     p.export_chrome_trace(path)
-    want = {o["name"]: o for o in profiling.torch_summary(p.key_averages(), 4, top=1000)["top"]}
-    got = profiling.summarize_in_subprocess(path, 4)
+    want = {o["name"]: o for o in summary.torch_summary(p.key_averages(), 4, top=1000)["top"]}
+    got = summary.summarize_in_subprocess(path, 4)
     assert got["steps"] == 4 and got["unit"] == "ms/step"
     slow = {o["name"]: o for o in got["top"]}["slow_op"]
     assert slow["self_ms"] >= 10.0 and slow["calls"] == 1.0     # the sleep, without its child matmul
     for o in got["top"]:
         assert o["self_ms"] == pytest.approx(want[o["name"]]["self_ms"], abs=2e-4), o["name"]
     gz = str(tmp_path / "trace.json.gz")                 # the probe's way: summary + compressed copy
-    again = profiling.summarize_in_subprocess(path, 4, gzip_to=gz)
+    again = summary.summarize_in_subprocess(path, 4, gzip_to=gz)
     assert again == got and not os.path.exists(path)
     import gzip
     with gzip.open(gz, "rt") as f:
         assert json.load(f)["traceEvents"]
     with pytest.raises(RuntimeError, match="trace summary failed"):
-        profiling.summarize_in_subprocess(str(tmp_path / "missing.json"), 4)
+        summary.summarize_in_subprocess(str(tmp_path / "missing.json"), 4)
 
 
 def test_pyspy_raw_summary():
     raw = "<module> (t.py:9);train (t.py:5);slow (t.py:2) 30\n<module> (t.py:9);train (t.py:6);slow (t.py:3) 10\n" \
           "<module> (t.py:9);train (t.py:7) 20\n"
-    s = profiling.pyspy_summary(raw, steps=2, rate=100)
+    s = summary.pyspy_summary(raw, steps=2, rate=100)
     assert s["samples"] == 60 and s["top"][0] == {"name": "slow (t.py)", "self_ms": 200.0, "samples": 40}
 
 
@@ -469,7 +471,7 @@ def test_probe_runs_py_spy_or_reports_why_not(served, monkeypatch):
         while time.perf_counter() - t < 0.03:
             sum(range(2000))
 
-    if profiling.pyspy_binary() is None:
+    if runner.pyspy_binary() is None:
         pytest.skip("py-spy is not installed")
     assert ctl.handle_message(served.cmd([0], steps=20, kind="py-spy")) == []
     rows = _wait_rows(served, n_steps=200, work=busy_python_function)
@@ -491,7 +493,7 @@ def test_py_spy_missing_is_reported_as_failed(served, monkeypatch):
 
 
 def test_result_datagram_decodes():
-    from stepwatch.agents.probe import HDR, MAGIC, VERSION
+    from stepwatch.wire.datagram import HDR, MAGIC, VERSION
     d = HDR.pack(MAGIC, VERSION, T_PROFILE, 7, 3, 0, 0, 0, 0) + b'{"cmd_id":"c","status":"ok"}'
     assert decode(d) == [(T_PROFILE, 7, 3, {"cmd_id": "c", "status": "ok"})]
 

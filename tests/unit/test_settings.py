@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from stepwatch import config as swconfig
+from stepwatch import configfile
 from stepwatch.detectors.commbw import CommBandwidth
 from stepwatch.detectors.mfu import Mfu
 from stepwatch.detectors.registry import REGISTRY
@@ -60,7 +61,7 @@ def test_a_value_out_of_range_names_the_field_and_the_value(tmp_path):
     with pytest.raises(ValueError, match=r"processor\.flush_interval_s: must be a number in 0\.05 \.\. 3600\.0, "
                                          r"not 'fast'"):
         Processor(KafkaSettings(), tmp_path, create_topics=False, profiling=None, flush_interval_s="fast")
-    with pytest.raises(swconfig.ConfigError, match=r"detectors\.comm_bw\.max_due: 0 is out of range"):
+    with pytest.raises(configfile.ConfigError, match=r"detectors\.comm_bw\.max_due: 0 is out of range"):
         swconfig.loads(b"[detectors.comm_bw]\nmax_due = 0\n")
 
 

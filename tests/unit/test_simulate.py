@@ -8,7 +8,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from stepwatch.devtools.simulate import Fault, Simulation, parse_fault
+from stepwatch.devtools.simmodel import Fault, parse_fault
+from stepwatch.devtools.simulate import Simulation
 from stepwatch.wire.tables import GC, HOST, STEPS, TOPOLOGY
 from stepwatch.wire.decode import validate
 

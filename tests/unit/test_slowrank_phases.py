@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from stepwatch.detectors.base import StepBlock
-from stepwatch.detectors.slowrank import OWN_PHASES, SlowRank
+from stepwatch.detectors.slowrank import SlowRank
+from stepwatch.detectors.slowrank_stats import OWN_PHASES
 from stepwatch.devtools.scenarios_indep import IndepJob, IndepScenario
 from stepwatch.stream.align import JobState
 

@@ -139,7 +139,8 @@ def test_host_samples_read_far_ahead_of_batched_steps_are_not_a_hang():
 
 
 def _run(name, faults, order="steps-first", steps=80, ranks=64):
-    from stepwatch.devtools.eval import Scenario, run_scenario
+    from stepwatch.devtools.eval import run_scenario
+    from stepwatch.devtools.evalsuite import Scenario
     sc = Scenario(name, faults, ranks=ranks, steps=steps, seed=3)
     with tempfile.TemporaryDirectory() as d:
         return run_scenario(sc, Path(d), host_first=(order == "host-first"))

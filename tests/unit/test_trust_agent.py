@@ -16,7 +16,8 @@ import time
 import pytest
 
 from stepwatch.agents.agent import Agent
-from stepwatch.agents.probe import HDR, HDR_STEP, MAGIC, T_BATCH, T_HELLO, VERSION, Probe
+from stepwatch.agents.probe import Probe
+from stepwatch.wire.datagram import HDR, HDR_STEP, MAGIC, T_BATCH, T_HELLO, VERSION
 
 pytestmark = pytest.mark.unit
 
@@ -342,6 +343,7 @@ def test_ids_may_not_end_in_a_newline(socket_dir):
     from stepwatch.wire import tables as wire
     from stepwatch.wire.decode import validate
     from stepwatch.agents import profiling
+    from stepwatch.agents.profiling import protocol
     agent = Agent(None, socket_dir=socket_dir, node="n1", interval_s=0.2, plugins=[]).start()
     try:
         assert send_as(agent.path, [hello(8301, job="j", rank=0, world_size=1, node="n1\n")]) == "sent 1"
@@ -355,8 +357,8 @@ def test_ids_may_not_end_in_a_newline(socket_dir):
     ok, reasons, _ = validate("topology", t)
     assert ok.num_rows == 0 and "field 'job'" in reasons[0][1], reasons
     for field, bad in (("job", "cj\n"), ("node", "n1\n"), ("cmd_id", "c1\n")):
-        cmd = dict(profiling.new_command("cj", "n1", [0], 2, "py-spy", "t", cmd_id="c1"), **{field: bad})
-        with pytest.raises(profiling.BadCommand, match=f"bad {field}"):
+        cmd = dict(protocol.new_command("cj", "n1", [0], 2, "py-spy", "t", cmd_id="c1"), **{field: bad})
+        with pytest.raises(protocol.BadCommand, match=f"bad {field}"):
             profiling.parse_command(profiling.canonical(cmd))
 
 

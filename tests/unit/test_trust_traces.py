@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 
-from stepwatch.agents import profiling
+from stepwatch.agents.profiling import protocol, summary
 from stepwatch.agents.profiling.runner import ProbeLimits, ProfileRun
 
 VICTIM, ATTACKER, GROUP = 65534, 65533, 64242
@@ -146,8 +146,8 @@ def _gz_trace(path: str) -> dict:
 
 def test_another_tenant_cannot_redirect_a_trace_export(shared):
     base, home, ckpt, (dir_a, dir_b) = shared
-    cmd_a = profiling.new_command("pj", "n1", [0], 3, "torch", "a1", ttl_s=120)
-    cmd_b = profiling.new_command("pj", "n1", [0], 3, "torch", "a2", ttl_s=120)
+    cmd_a = protocol.new_command("pj", "n1", [0], 3, "torch", "a1", ttl_s=120)
+    cmd_b = protocol.new_command("pj", "n1", [0], 3, "torch", "a2", ttl_s=120)
     stem_a = os.path.join(dir_a, f"pj-r0-{cmd_a['cmd_id']}")
     # in A every name an export could predict is taken by a link to the checkpoint (the private
     # directory's name to the victim's home); in B the attacker only races
@@ -216,7 +216,7 @@ def test_a_trace_directory_others_can_write_without_the_sticky_bit_is_refused(tm
         def done(self, run):
             pass
 
-    run = ProfileRun(Ctl(), profiling.new_command("pj", "n1", [0], 3, "py-spy", "a1"), 0)
+    run = ProfileRun(Ctl(), protocol.new_command("pj", "n1", [0], 3, "py-spy", "a1"), 0)
     assert run.on_step(0) is False
     (r,) = replies
     assert r["status"] == "failed" and "writable by others and not sticky" in r["detail"] and str(d) in r["detail"]
@@ -231,7 +231,7 @@ def test_the_summary_child_never_follows_a_link_at_a_predictable_temporary_name(
     victim.write_bytes(CHECKPOINT)
     out = tmp_path / "t.json.gz"
     os.symlink(victim, str(out) + ".tmp")
-    s = profiling.summarize_in_subprocess(str(trace), 1, gzip_to=str(out))
+    s = summary.summarize_in_subprocess(str(trace), 1, gzip_to=str(out))
     assert s["top"][0]["name"] == "aten::mm"
     assert victim.read_bytes() == CHECKPOINT and os.readlink(str(out) + ".tmp") == str(victim)
     assert _gz_trace(str(out))["traceEvents"] and not trace.exists()

@@ -13,17 +13,16 @@ import pytest
 
 from stepwatch.wire import tables as wire
 from stepwatch.wire.decode import validate
-from stepwatch.agents import probe as P
 from stepwatch.wire import columns, datagram
 from stepwatch.agents.agent import identity_from_hello, rows_from_batch
-from stepwatch.agents.probe import BadDatagram, Probe, decode
+from stepwatch.agents.probe import BadDatagram, Probe, decode, eventlog
 
 pytestmark = pytest.mark.unit
 
 
 def _raw(d: str):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    s.bind(os.path.join(d, P.SOCKET_NAME))
+    s.bind(os.path.join(d, datagram.SOCKET_NAME))
     s.setblocking(False)
     return s
 
@@ -42,7 +41,7 @@ def _by_rows(datagrams: list[bytes], node: str = "n1"):
     idents, steps, comm, gcs = {}, [], [], []
     for d in datagrams:
         frames = decode(d)
-        if frames[0][0] == P.T_HELLO:
+        if frames[0][0] == datagram.T_HELLO:
             idents[frames[0][1]] = identity_from_hello(frames[0][3], node, None)
             continue
         for _, inst, _, body in frames:
@@ -67,7 +66,7 @@ def _by_columns(datagrams: list[bytes], node: str = "n1"):
     counts = [0, 0, 0]
     for d in datagrams:
         typ, inst, frames = datagram.scan(d)
-        if typ == P.T_HELLO:
+        if typ == datagram.T_HELLO:
             idents[inst] = identity_from_hello(decode(d)[0][3], node, None)
             continue
         for i, n in enumerate(bc.add(idents[inst], d, frames)):
@@ -80,7 +79,7 @@ def _by_columns(datagrams: list[bytes], node: str = "n1"):
 @pytest.fixture(params=["c", "python"])
 def hot_path(request, monkeypatch):
     if request.param == "python":
-        monkeypatch.setattr(P.eventlog, "_fast", None)
+        monkeypatch.setattr(eventlog, "_fast", None)
     return request.param
 
 
@@ -129,17 +128,17 @@ def test_columns_equal_rows_on_real_probes(sockdir, hot_path):
 
 def test_version1_frames_and_frames_without_a_step():
     inst = 77
-    hello = P.HDR.pack(P.MAGIC, 1, P.T_HELLO, inst, 3, 0, 0, 0, 0) + b'{"job": "old", "rank": 3, "world_size": 4, ' \
+    hello = datagram.HDR.pack(datagram.MAGIC, 1, datagram.T_HELLO, inst, 3, 0, 0, 0, 0) + b'{"job": "old", "rank": 3, "world_size": 4, ' \
         b'"names": {"1": "all_reduce", "2": "dp", "5": "fwd"}}'
-    v1 = (P.HDR.pack(P.MAGIC, 1, P.T_BATCH, inst, 3, 1, 1, 1, 1) + P.STEP_V1.pack(5, 1, 2, 1e6, 0, 1e6, 0, 0, 0, 0,
+    v1 = (datagram.HDR.pack(datagram.MAGIC, 1, datagram.T_BATCH, inst, 3, 1, 1, 1, 1) + datagram.STEP_V1.pack(5, 1, 2, 1e6, 0, 1e6, 0, 0, 0, 0,
                                                                                    -1, -1, -1, 9)
-          + P.PHASE.pack(5, 2e6) + P.COMM.pack(1, 2, 3, 4096, 1e6, 0.5e6) + P.GCREC.pack(15, 2e6, 2, 10, 0))
-    v2 = (P.HDR.pack(P.MAGIC, 2, P.T_BATCH, inst, 3, 1, 0, 0, 0)
-          + P.STEP_V2.pack(6, 2, 3, 1e6, 0, 1e6, 0, 0, 0, 0, 4, 8, 100, 11, 3e5, -1.0))
-    v3 = (P.HDR.pack(P.MAGIC, 3, P.T_BATCH, inst, 3, 1, 0, 0, 0)
-          + P.STEP.pack(7, 3, 4, 1e6, 0, 1e6, 0, 0, 0, 0, 4, 8, 100, 12, 3e5, -1.0, 4e5, 1e5))
-    alone = (P.HDR.pack(P.MAGIC, 2, P.T_BATCH, inst, 3, 0, 1, 2, 0) + P.COMM.pack(1, 2, 1, 8, 1.0, 0.0)
-             + P.GCREC.pack(20, 1e6, 0, 1, 0) + P.GCREC.pack(21, 1e6, 1, 2, 0))      # gc burst: no step, no comm row
+          + datagram.PHASE.pack(5, 2e6) + datagram.COMM.pack(1, 2, 3, 4096, 1e6, 0.5e6) + datagram.GCREC.pack(15, 2e6, 2, 10, 0))
+    v2 = (datagram.HDR.pack(datagram.MAGIC, 2, datagram.T_BATCH, inst, 3, 1, 0, 0, 0)
+          + datagram.STEP_V2.pack(6, 2, 3, 1e6, 0, 1e6, 0, 0, 0, 0, 4, 8, 100, 11, 3e5, -1.0))
+    v3 = (datagram.HDR.pack(datagram.MAGIC, 3, datagram.T_BATCH, inst, 3, 1, 0, 0, 0)
+          + datagram.STEP.pack(7, 3, 4, 1e6, 0, 1e6, 0, 0, 0, 0, 4, 8, 100, 12, 3e5, -1.0, 4e5, 1e5))
+    alone = (datagram.HDR.pack(datagram.MAGIC, 2, datagram.T_BATCH, inst, 3, 0, 1, 2, 0) + datagram.COMM.pack(1, 2, 1, 8, 1.0, 0.0)
+             + datagram.GCREC.pack(20, 1e6, 0, 1, 0) + datagram.GCREC.pack(21, 1e6, 1, 2, 0))      # gc burst: no step, no comm row
     grams = [hello, v1 + v2 + v3, alone]
     rows, cols = _by_rows(grams), _by_columns(grams)
     for a, b in zip(rows, cols):
@@ -153,16 +152,16 @@ def test_version1_frames_and_frames_without_a_step():
 
 
 def test_scan_rejects_what_decode_rejects():
-    good = P.HDR.pack(P.MAGIC, 3, P.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(P.STEP.size)
+    good = datagram.HDR.pack(datagram.MAGIC, 3, datagram.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(datagram.STEP.size)
     assert datagram.scan(good + good)[2] == [(0, 1, 3, 1, 0, 0, 0), (152, 1, 3, 1, 0, 0, 0)]
     bad = [b"", b"xx", good[:-1], good + b"\0", struct.pack("<H", 0x1234) + good[2:],
-           P.HDR.pack(P.MAGIC, 9, P.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(P.STEP.size),
-           P.HDR.pack(P.MAGIC, 1, 7, 1, 0, 0, 0, 0, 0),
-           P.HDR.pack(P.MAGIC, 3, P.T_BATCH, 1, 0, 2, 0, 0, 0) + bytes(2 * P.STEP.size),
-           P.HDR.pack(P.MAGIC, 2, P.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(P.STEP_V1.size),
-           P.HDR.pack(P.MAGIC, 3, P.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(P.STEP_V2.size),
-           P.HDR.pack(P.MAGIC, 1, P.T_BATCH, 1, 0, 0, 99, 0, 0),
-           good + P.HDR.pack(P.MAGIC, 1, P.T_HELLO, 1, 0, 0, 0, 0, 0) + b"{}", good + good[:20]]
+           datagram.HDR.pack(datagram.MAGIC, 9, datagram.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(datagram.STEP.size),
+           datagram.HDR.pack(datagram.MAGIC, 1, 7, 1, 0, 0, 0, 0, 0),
+           datagram.HDR.pack(datagram.MAGIC, 3, datagram.T_BATCH, 1, 0, 2, 0, 0, 0) + bytes(2 * datagram.STEP.size),
+           datagram.HDR.pack(datagram.MAGIC, 2, datagram.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(datagram.STEP_V1.size),
+           datagram.HDR.pack(datagram.MAGIC, 3, datagram.T_BATCH, 1, 0, 1, 0, 0, 0) + bytes(datagram.STEP_V2.size),
+           datagram.HDR.pack(datagram.MAGIC, 1, datagram.T_BATCH, 1, 0, 0, 99, 0, 0),
+           good + datagram.HDR.pack(datagram.MAGIC, 1, datagram.T_HELLO, 1, 0, 0, 0, 0, 0) + b"{}", good + good[:20]]
     for b in bad:
         with pytest.raises(BadDatagram):
             decode(b)
