@@ -143,7 +143,9 @@ def test_series_per_job_do_not_grow_with_ranks(stack):
 
 def test_both_exporters_are_scraped_and_pass_promtool(stack):
     prom = stack["prom"]
-    assert prom.targets_up() == {"stepwatch-processor": "up", "stepwatch-agent": "up"}
+    # "up" is the last scrape's: one that timed out on a loaded machine reads "down" until the next one
+    wait_until(lambda: prom.targets_up() == {"stepwatch-processor": "up", "stepwatch-agent": "up"}, 30,
+               f"both targets up: {prom.targets_up()}")
     assert _value(prom.query('up{job="stepwatch-agent"}')) == 1
     wait_until(lambda: prom.query('stepwatch_agent_kafka_up{job="stepwatch-agent"} == 1'), 20, "the agent's Kafka up")
     assert prom.query('stepwatch_processor_steps_closed_total{job="stepwatch-processor"}')

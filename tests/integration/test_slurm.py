@@ -93,7 +93,10 @@ def test_srun_ranks_are_the_slurm_job_and_its_end_is_the_epilogs(slurm, kafka, t
             r = type(sub)(sub.args, 0 if state == "COMPLETED" and code.startswith("0:") else 1,
                           (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else "",
                           f"{state} {code}")
-        assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+        # torch's gloo ranks sometimes abort in their teardown after the last step (SIGABRT, "terminate called
+        # without an active exception"): the job's work finished and its exit failed, which stepwatch must say
+        aborted = r.returncode != 0 and "terminate called without an active exception" in r.stdout + r.stderr
+        assert r.returncode == 0 or aborted, (r.stdout[-2000:], r.stderr[-3000:])
         job = slurm.run("squeue", "-h", "-t", "all", "-n", name, "-o", "%i").stdout.split()
         assert len(job) == 1 and job[0].isdigit(), job
         job = job[0]
@@ -102,7 +105,8 @@ def test_srun_ranks_are_the_slurm_job_and_its_end_is_the_epilogs(slurm, kafka, t
         assert ranks == [(0,), (1,)]
         ends = _poll(tmp_path, "SELECT state, exit_code, error, node FROM inflight WHERE job = ? AND source = 'slurm' "
                      "ORDER BY t", [job], lambda rows: any(x[0] == "sched_end" for x in rows))
-        assert ("sched_end", 0, "COMPLETED", slurm.node) in ends, ends   # (the state once Slurm settled it)
+        if not aborted:
+            assert ("sched_end", 0, "COMPLETED", slurm.node) in ends, ends   # (the state once Slurm settled it)
         assert any(x[0] == "sched_start" for x in ends), ends          # the prolog's word
         stored = _poll(tmp_path, "SELECT kind, status, ranks, evidence FROM alerts WHERE job = ?", [job],
                        lambda rows: any(k == "job_end" for k, *_ in rows) and
@@ -114,9 +118,13 @@ def test_srun_ranks_are_the_slurm_job_and_its_end_is_the_epilogs(slurm, kafka, t
     for a in alerts:
         print(a.line())
     kinds = {k for k, *_ in stored}
-    assert not kinds & {"rank_crash", "job_hang", "exit_failed"}, stored     # the end raised no alert
     import json
     end = [json.loads(ev) for k, _, _, ev in stored if k == "job_end"]
+    if aborted:                          # one warning that the work finished and the exit failed, no crash or hang
+        assert not kinds & {"rank_crash", "job_hang"}, stored
+        assert [e["outcome"] for e in end] == ["exit_failed"] and "exit_failed" in kinds, (end, stored)
+        return
+    assert not kinds & {"rank_crash", "job_hang", "exit_failed"}, stored     # the end raised no alert
     assert [e["outcome"] for e in end] == ["finished"], end
 
 
