@@ -167,6 +167,9 @@ class Processor(Intake, CaughtUp):
         # called with each alert still open in the store when a job is rebuilt (the job metrics count it;
         # the sinks get it as AlertOut(restored=True): stream.rebuild)
         self.on_alert_restored: Callable[[Alert], None] | None = self.job_metrics.on_alert
+        # partitions the group or the lake took away (stream.fencing)
+        self.fencing = fencing.Fencing(lake=self.lake, jobs=self.jobs, progress=self.progress,
+                                       read_to=self._read_to, store=self.store, consumer=lambda: self.consumer)
 
     def retune(self, kw: dict) -> None:
         """Put the limits ``kw`` in force (those left out: their defaults); a reload calls this too. The
@@ -203,7 +206,7 @@ class Processor(Intake, CaughtUp):
                     proc._read_to.pop((tp.topic, tp.partition), None)
 
             def on_partitions_lost(self, lost):      # the group moved on: never commit these
-                fencing.lost(proc, lost)
+                proc.fencing.lost(lost)
 
             def on_partitions_assigned(self, assigned):
                 proc._assigned(assigned)
@@ -786,7 +789,10 @@ class Processor(Intake, CaughtUp):
         """A checkpoint: flush (the store: rows and offsets in one transaction) -> produce (the topics'
         delivery) -> commit (Kafka offsets); see :mod:`stepwatch.stream.checkpoint`."""
         self.last_flush = time.monotonic()
-        Checkpoint(self).commit()
+        cp = Checkpoint(self.progress, self.consumer, self.lake, [s for s in self.sinks.sinks if s is not self.lake],
+                        self.metrics, self.fencing.fenced)
+        if cp.commit():
+            self.t_last_flush, self.cpu_last_flush = cp.committed_at
 
     def stats(self) -> dict:
         m = self.metrics
