@@ -61,6 +61,7 @@ from stepwatch.detectors.settings import bind as bind_settings
 log = logging.getLogger("stepwatch.processor")
 
 INPUT_TOPICS = catalog.INPUT_TOPICS
+IN_HAND = object()                # Processor._buffer: the rows are of the message in hand
 REBUILD_TIME_WINDOW_S = 60.0     # rebuild_time_share is averaged over this long (the time bucket's burst)
 
 
@@ -167,6 +168,10 @@ class Processor(Intake, CaughtUp):
         # called with each alert still open in the store when a job is rebuilt (the job metrics count it;
         # the sinks get it as AlertOut(restored=True): stream.rebuild)
         self.on_alert_restored: Callable[[Alert], None] | None = self.job_metrics.on_alert
+        # a job's step rows judged against where its ranks are (stream.stepaxis)
+        self.stepaxis = stepaxis.StepAxisGate(limits=self.limits, metrics=self.metrics, rlog=self.rlog,
+                                              lake=self.lake, new_detectors=self.new_detectors,
+                                              buffer=self._buffer, send=self.sinks.write, evict=self._evict_jobs)
         # partitions the group or the lake took away (stream.fencing)
         self.fencing = fencing.Fencing(lake=self.lake, jobs=self.jobs, progress=self.progress,
                                        read_to=self._read_to, store=self.store, consumer=lambda: self.consumer)
@@ -334,7 +339,7 @@ class Processor(Intake, CaughtUp):
             rt = self._job(job)
             if rt.telemetry.life.outcome is not None:           # steps after the job's end: a restart
                 self._restarted(rt, part)
-            part = stepaxis.admit_steps(self, rt, job, part)    # bounds to where the job's ranks are
+            part = self.stepaxis.admit(rt, job, part, self._dl, self._src)   # bounds to where its ranks are
             if not part.num_rows:
                 continue
             self._announced(rt, part)
@@ -421,9 +426,10 @@ class Processor(Intake, CaughtUp):
             ctx = ctx or self._ctx(rt)
             self._run_detector(rt, det, det.tick, ctx, max(ctx.steps_event_ns, ctx.host_event_ns))
 
-    def _buffer(self, table: str, t: pa.Table) -> None:
-        """Rows for the store (the lake sink buffers them until the next checkpoint)."""
-        self.sinks.write(Rows(table, t, self._src))
+    def _buffer(self, table: str, t: pa.Table, src=IN_HAND) -> None:
+        """Rows for the store (the lake sink buffers them until the next checkpoint), of the source
+        message ``src`` ((topic, partition, offset); by default the message in hand)."""
+        self.sinks.write(Rows(table, t, self._src if src is IN_HAND else src))
         if self.job_metrics is not None:
             self.job_metrics.on_rows(table, t)
 
@@ -463,7 +469,7 @@ class Processor(Intake, CaughtUp):
         eviction, so eviction need not look at every job) and hold the state budget (stream.stepaxis)."""
         if rt.state.world_size > stepaxis.SPARSE_MIN_WIDTH:
             self._wide.add(rt.state.job)
-        stepaxis.check_budget(self, rt, old_width)
+        self.stepaxis.check_budget(rt, old_width)
 
     def _has_history(self, job: str) -> bool:
         """Whether the store may hold rows of ``job`` (its partition folders exist)."""
