@@ -2,7 +2,7 @@
 import pyarrow as pa
 
 from stepwatch.devtools.simulate import Simulation
-from stepwatch.storage.store import ParquetStore
+from stepwatch.storage.store import LakeStore
 from stepwatch.kafkaio import KafkaSettings
 from stepwatch.stream.processor import Processor
 
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.unit
 
 def test_rebuild_replays_window_and_does_not_repeat_stored_alerts(tmp_path):
     sim = Simulation(job="rb", ranks=128, steps=300, seed=5, faults=["slow-rank:rank=100,pct=30,start=40"])
-    st = ParquetStore(tmp_path).init()
+    st = LakeStore(tmp_path).init()
     g = sim.generate(0, 70)
     st.write_flush({"topology": [sim.topology()], "steps": [g["steps"]]}, {})
 
@@ -41,7 +41,7 @@ def test_rebuild_hands_the_stored_open_alerts_to_the_jobs_detectors(tmp_path, mo
     alerts: the rebuild hands them over before it replays (ChangePoint uses them to report a recovery)."""
     from stepwatch.detectors.changepoint import ChangePoint
     sim = Simulation(job="rb2", ranks=128, steps=300, seed=5, faults=["slow-rank:rank=100,pct=30,start=40"])
-    st = ParquetStore(tmp_path).init()
+    st = LakeStore(tmp_path).init()
     st.write_flush({"topology": [sim.topology()], "steps": [sim.generate(0, 70)["steps"]]}, {})
     p1 = Processor(KafkaSettings(), tmp_path)
     p1._job("rb2")
