@@ -538,7 +538,8 @@ class Processor(Intake, CaughtUp):
 
     def _rebuild(self, rt: JobRuntime) -> None:
         """Warm a job's state from the store: topology, last window of steps, stored alerts (stream.rebuild)."""
-        rebuild.rebuild(self, rt)
+        rebuild.rebuild(self.store, rt, replay_steps=self.replay_steps, window_steps=self.window_steps,
+                        sinks=self.sinks, on_restored=self.on_alert_restored, call=self._call, detect=self._detect)
 
     def _detect(self, rt: JobRuntime, blocks: list[StepBlock], force: bool = False) -> None:
         # a job's topology (pipeline stages: which ranks are peers) may be read after its first steps
