@@ -186,6 +186,28 @@ class Processor:
         vals = bind_settings(self, PROCESSOR, kw, "processor", ranges=False)
         self.lateness_ns = int(vals["lateness_s"] * 1e9)
 
+    def job_detectors(self) -> dict[str, list[Detector]]:
+        """job -> its detectors (in use: do not change them; :meth:`apply_settings` does)."""
+        return {job: list(rt.detectors) for job, rt in self.jobs.items()}
+
+    def apply_settings(self, processor: dict, detector_settings, *,
+                       detectors: Callable[[str, list[Detector]], list[Detector] | None] | None = None,
+                       profiling: tuple | None = None) -> None:
+        """Put checked settings in force (a reload: :func:`stepwatch.config.apply` checks them first):
+        the ``processor`` limits (:meth:`retune`: the live ones now, the others for jobs started from
+        now on), ``profiling`` ((issuer, settings), or None: unchanged), each job's detectors as
+        ``detectors(job, current)`` returns them (None: kept), and ``detector_settings`` for the jobs
+        and detectors made from now on."""
+        self.retune(processor)
+        if profiling is not None:
+            self.profiling, self.profiling_settings = profiling
+        if detectors is not None:
+            for job, rt in self.jobs.items():
+                new = detectors(job, rt.detectors)
+                if new is not None:
+                    rt.detectors = new
+        self.detector_settings = detector_settings
+
     # ------------------------------------------------------------------ kafka lifecycle
     def start(self) -> None:
         _build_detectors(self.detector_settings)   # import detector libraries (ruptures) now, not mid-stream
