@@ -363,15 +363,17 @@ def apply(proc, new: Config) -> dict:
     ``[profiling]`` policy, then every job's detectors
     retuned in place (state kept; see :func:`retune`), added or removed when ``enabled`` changed.
     Everything is checked before anything changes: a job whose merged settings a detector refuses
-    raises :class:`ConfigError` and nothing is applied. Returns what changed (job -> detectors)."""
+    raises :class:`ConfigError` and nothing is applied; then the processor puts it in force
+    (:meth:`~stepwatch.stream.processor.Processor.apply_settings`: this module never changes its jobs).
+    Returns what changed (job -> detectors)."""
     REGISTRY, _ = _registry()
     old = proc.detector_settings if isinstance(proc.detector_settings, Config) else Config()
     plans = {}
-    for job, rt in proc.jobs.items():
+    for job, dets in proc.job_detectors().items():
         o, n = old.detector_settings(job), new.detector_settings(job)
         if o == n:
             continue
-        have = {d.name: d for d in rt.detectors}
+        have = {d.name: d for d in dets}
         plan = []
         for name, cls in REGISTRY.items():
             okw, nkw = dict(o.get(name, {})), dict(n.get(name, {}))
@@ -380,18 +382,16 @@ def apply(proc, new: Config) -> dict:
                 continue
             _build_one(f"job {_show(job)}: detectors.{name}", name, nkw)     # refused before anything changes
             plan.append((have.get(cls.name) if on_old else None, cls, okw, nkw))
-        plans[job] = (rt, plan, sorted(set(o) | set(n)))
+        plans[job] = (plan, sorted(set(o) | set(n)))
     prof = _profiling_plan(proc, old, new)
-    # commit (nothing above changed the processor)
-    proc.retune(new.processor)           # the live limits now, the others for jobs started from now on
-    if prof is not None:
-        proc.profiling, proc.profiling_settings = prof
-    changed = {}
-    for job, (rt, plan, names) in plans.items():
-        rt.detectors = [retune(d, cls, okw, nkw) if d is not None else cls(**nkw) for d, cls, okw, nkw in plan]
-        changed[job] = names
-    proc.detector_settings = new
-    return changed
+
+    def retuned(job: str, dets: list) -> list | None:
+        if job not in plans:
+            return None
+        return [retune(d, cls, okw, nkw) if d is not None else cls(**nkw) for d, cls, okw, nkw in plans[job][0]]
+    # commit (nothing above changed the processor): the processor puts it in force
+    proc.apply_settings(new.processor, new, detectors=retuned, profiling=prof)
+    return {job: names for job, (_, names) in plans.items()}
 
 
 def _count(proc, result: str) -> None:

@@ -1,10 +1,10 @@
-"""Where the processor's consumer stands, as a part of :class:`~stepwatch.stream.processor.Processor` (a
-mixin): whether a job's sources have been read to their end (the proof a silence judged on event time
+"""Where the processor's consumer stands (:class:`CaughtUp`, an object the
+:class:`~stepwatch.stream.processor.Processor` holds as ``caught``): whether a job's sources have been read to their end (the proof a silence judged on event time
 needs: docs/detectors.md, stall; and the host samples an alert waits for: :mod:`stepwatch.stream.hostwait`),
 and the consumer lag per partition (metrics, and ``ctx.backlog`` for the detectors).
 
 Without a consumer (rows handed over in order: tests, the eval) a source counts as read to its end, or as
-``caught_up_hook(topic, partition)`` says.
+``hook(topic, partition)`` says.
 """
 from __future__ import annotations
 
@@ -12,16 +12,32 @@ import time
 
 
 class CaughtUp:
-    """Read-to-end proofs and the consumer lag (see the module docs); mixed into the processor."""
+    """Read-to-end proofs and the consumer lag (see the module docs). Built by the processor with its
+    ``kafka`` settings (the topics' names), its ``metrics`` (the lag gauges) and ``consumer`` (a callable:
+    the consumer exists once the processor starts; None without one). It keeps ``read_to``
+    ((topic, partition) -> the next offset after the last message handled, set by the processor's poll
+    and dropped on a rebalance or fencing), ``lag_by_tp`` (the consumer lag per partition at the last
+    flush) and ``hook`` ((topic, partition) -> read to its end?, or None: ask the consumer)."""
 
-    def _caught_up(self, rt) -> bool:
-        """The job's steps read to their end (:meth:`_steps_caught_up`) and the in-flight states too: a
+    def __init__(self, kafka, metrics, consumer):
+        self.kafka, self.metrics, self._consumer = kafka, metrics, consumer
+        self.hook = None
+        self.read_to: dict[tuple[str, int], int] = {}
+        self.lag_by_tp: dict[tuple[str, int], int] = {}
+        self._cache: dict[tuple[str, int], tuple[float, float]] = {}
+
+    @property
+    def consumer(self):
+        return self._consumer()
+
+    def caught_up(self, rt) -> bool:
+        """The job's steps read to their end (:meth:`steps_caught_up`) and the in-flight states too: a
         step that is long by design (evaluation, checkpoint) is known so only from them."""
-        if not self._steps_caught_up(rt):
+        if not self.steps_caught_up(rt):
             return False
         topic = self.kafka.topic("inflight")
-        if self.caught_up_hook is not None:
-            return bool(self.caught_up_hook(topic, None))
+        if self.hook is not None:
+            return bool(self.hook(topic, None))
         if self.consumer is None:
             return True
         # the job's in-flight partition read to its end too: a rank's goodbye (or the agent's word that it
@@ -39,9 +55,9 @@ class CaughtUp:
                 return True                                # another processor's: nothing to wait for here
         except Exception:  # noqa: BLE001
             return True
-        return self._tp_caught_up(topic, part)
+        return self.tp_caught_up(topic, part)
 
-    def _steps_caught_up(self, rt) -> bool:
+    def steps_caught_up(self, rt) -> bool:
         """Whether the job's steps partition has been read to its end: it is assigned and not paused, and
         the messages handled reach the broker's end offset (asked at most every 0.5 s per partition) and
         the high watermark of the last fetch. The proof a silence judged on event time needs
@@ -51,20 +67,20 @@ class CaughtUp:
         topic, part = self.kafka.topic("steps"), rt.steps_partition
         if part is None:
             if self.consumer is None:
-                return self.caught_up_hook is None or all(
-                    self.caught_up_hook(topic, p) for (t, p) in list(self._read_to) if t == topic)
+                return self.hook is None or all(
+                    self.hook(topic, p) for (t, p) in list(self.read_to) if t == topic)
             try:
                 parts = [tp.partition for tp in self.consumer.assignment() if tp.topic == topic]
             except Exception:  # noqa: BLE001
                 return False
-            return bool(parts) and all(self._tp_caught_up(topic, p) for p in parts)
-        if self.caught_up_hook is not None:
-            return bool(self.caught_up_hook(topic, part))
+            return bool(parts) and all(self.tp_caught_up(topic, p) for p in parts)
+        if self.hook is not None:
+            return bool(self.hook(topic, part))
         if self.consumer is None:
             return True
-        return self._tp_caught_up(topic, part)
+        return self.tp_caught_up(topic, part)
 
-    def _all_caught_up(self) -> bool:
+    def all_caught_up(self) -> bool:
         """Every partition assigned is read to its end (and there is one). Without a consumer: yes."""
         if self.consumer is None:
             return True
@@ -72,45 +88,45 @@ class CaughtUp:
             tps = list(self.consumer.assignment())
         except Exception:  # noqa: BLE001
             return False
-        return bool(tps) and all(self._tp_caught_up(tp.topic, tp.partition) for tp in tps)
+        return bool(tps) and all(self.tp_caught_up(tp.topic, tp.partition) for tp in tps)
 
-    def _tp_caught_up(self, topic: str, part: int) -> bool:
+    def tp_caught_up(self, topic: str, part: int) -> bool:
         from kafka.structs import TopicPartition
         tp = TopicPartition(topic, part)
         try:
             if tp in self.consumer.paused() or tp not in self.consumer.assignment():
                 return False                               # not being read: no proof
             # what was handled (the consumer's position runs ahead by the records of the current poll)
-            pos = self._read_to.get((topic, part))
+            pos = self.read_to.get((topic, part))
             if pos is None:
                 pos = self.consumer.position(tp)
             now = time.monotonic()
-            hit = self._caught_up_cache.get((topic, part))
+            hit = self._cache.get((topic, part))
             if hit is None or now - hit[0] >= 0.5:         # the broker's end offset, at most every 0.5 s
                 hit = (now, self.consumer.end_offsets([tp])[tp])
-                self._caught_up_cache[(topic, part)] = hit
+                self._cache[(topic, part)] = hit
             # the high watermark of the last fetch too (some brokers answer ListOffsets with less)
             return pos >= max(hit[1], self.consumer.highwater(tp) or 0)
         except Exception:  # noqa: BLE001 - unknown (e.g. the partition is not ours): no proof
             return False
 
-    def _host_caught_up(self, rt) -> bool:
+    def host_caught_up(self, rt) -> bool:
         """Whether the job's host partition (or, before its first host row, every host partition this
         processor reads) is read to its end (stream/hostwait.py). Without a consumer: yes."""
         topic = self.kafka.topic("host")
-        if self.caught_up_hook is not None:
-            return bool(self.caught_up_hook(topic, rt.host_partition))
+        if self.hook is not None:
+            return bool(self.hook(topic, rt.host_partition))
         if self.consumer is None:
             return True
         if rt.host_partition is not None:
-            return self._tp_caught_up(topic, rt.host_partition)
+            return self.tp_caught_up(topic, rt.host_partition)
         try:
             parts = [tp.partition for tp in self.consumer.assignment() if tp.topic == topic]
         except Exception:  # noqa: BLE001
             return False
-        return bool(parts) and all(self._tp_caught_up(topic, p) for p in parts)
+        return bool(parts) and all(self.tp_caught_up(topic, p) for p in parts)
 
-    def _update_lag(self) -> None:
+    def update_lag(self) -> None:
         if self.consumer is None:
             return
         total = 0
@@ -127,7 +143,7 @@ class CaughtUp:
             if pos is None:
                 continue
             lag = max(0, hw - pos)
-            self._lag_by_tp[(tp.topic, tp.partition)] = lag
+            self.lag_by_tp[(tp.topic, tp.partition)] = lag
             total += lag
             self.metrics.lag.labels(tp.topic, str(tp.partition)).set(lag)
         self.metrics.total_lag = total

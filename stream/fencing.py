@@ -30,38 +30,49 @@ def member(consumer) -> str:
     return str(getattr(gen, "member_id", "") or "")
 
 
-def drop_buffers(proc) -> None:
-    proc.lake.drop()           # the store sink's buffers (stream.sinks.LakeSink)
-    proc.jobs.clear()          # detector state saw rows that are not stored: rebuild it from the store
+class Fencing:
+    """What the processor does when the group or the lake says it no longer owns partitions. Its
+    collaborators are passed in: the ``lake`` sink (its buffers), ``jobs`` (job -> runtime: their
+    detector state saw rows that are not stored), ``progress`` ((topic, partition) ->
+    :class:`~stepwatch.stream.checkpoint.PartitionProgress`), ``read_to`` ((topic, partition) -> the next
+    offset handled: the read-to-end proof, :class:`~stepwatch.stream.caughtup.CaughtUp`), the ``store``
+    (the stored positions) and ``consumer`` (a callable: the consumer exists once the processor starts).
+    The dicts are the processor's own, changed in place."""
 
+    def __init__(self, *, lake, jobs: dict, progress: dict, read_to: dict, store, consumer):
+        self.lake, self.jobs, self.progress, self.read_to = lake, jobs, progress, read_to
+        self.store, self.consumer = store, consumer
 
-def lost(proc, partitions) -> None:
-    """``on_partitions_lost``: the group already gave these partitions to others; do not commit."""
-    log.warning("lost %d partitions (membership expired): dropping %d buffered rows, no commit",
-                len(partitions), proc.lake.rows)
-    drop_buffers(proc)
-    for tp in partitions:
-        proc.progress.pop((tp.topic, tp.partition), None)
-        proc._read_to.pop((tp.topic, tp.partition), None)
+    def drop_buffers(self) -> None:
+        self.lake.drop()           # the store sink's buffers (stream.sinks.LakeSink)
+        self.jobs.clear()          # detector state saw rows that are not stored: rebuild it from the store
 
+    def lost(self, partitions) -> None:
+        """``on_partitions_lost``: the group already gave these partitions to others; do not commit."""
+        log.warning("lost %d partitions (membership expired): dropping %d buffered rows, no commit",
+                    len(partitions), self.lake.rows)
+        self.drop_buffers()
+        for tp in partitions:
+            self.progress.pop((tp.topic, tp.partition), None)
+            self.read_to.pop((tp.topic, tp.partition), None)
 
-def fenced(proc, e) -> None:
-    """A flush was rejected by the lake (:class:`~stepwatch.storage.store.Fenced`)."""
-    log.warning("%s: dropping %d buffered rows; re-reading from the stored positions", e, proc.lake.rows)
-    drop_buffers(proc)
-    consumer = proc.consumer
-    from kafka.structs import TopicPartition
-    for (topic, part), prog in list(proc.progress.items()):
-        tp = TopicPartition(topic, part)
-        proc._read_to.pop((topic, part), None)        # read again from the stored position: no proof
-        if (topic, part) in e.partitions:
-            proc.progress.pop((topic, part), None)
-            if consumer is not None:
-                consumer.pause(tp)
-            continue
-        prog.consumed = []
-        m = proc.store.load_marker(topic, part)
-        if consumer is not None and m is not None:
-            consumer.seek(tp, m.next)
-        if m is not None:
-            prog.marker = m
+    def fenced(self, e) -> None:
+        """A flush was rejected by the lake (:class:`~stepwatch.storage.store.Fenced`)."""
+        log.warning("%s: dropping %d buffered rows; re-reading from the stored positions", e, self.lake.rows)
+        self.drop_buffers()
+        consumer = self.consumer()
+        from kafka.structs import TopicPartition
+        for (topic, part), prog in list(self.progress.items()):
+            tp = TopicPartition(topic, part)
+            self.read_to.pop((topic, part), None)        # read again from the stored position: no proof
+            if (topic, part) in e.partitions:
+                self.progress.pop((topic, part), None)
+                if consumer is not None:
+                    consumer.pause(tp)
+                continue
+            prog.consumed = []
+            m = self.store.load_marker(topic, part)
+            if consumer is not None and m is not None:
+                consumer.seek(tp, m.next)
+            if m is not None:
+                prog.marker = m

@@ -61,6 +61,7 @@ from stepwatch.detectors.settings import bind as bind_settings
 log = logging.getLogger("stepwatch.processor")
 
 INPUT_TOPICS = catalog.INPUT_TOPICS
+IN_HAND = object()                # Processor._buffer: the rows are of the message in hand
 REBUILD_TIME_WINDOW_S = 60.0     # rebuild_time_share is averaged over this long (the time bucket's burst)
 
 
@@ -98,9 +99,12 @@ class JobRuntime:
             n -= self.topology.pop(0).num_rows
 
 
-class Processor(Intake, CaughtUp):
-    """Kafka consumer group -> decode (:class:`~stepwatch.stream.intake.Intake`) -> align -> detect ->
-    sinks, checkpointed (see the module docs); read-to-end proofs and lag: :class:`~stepwatch.stream.caughtup.CaughtUp`."""
+class Processor:
+    """Kafka consumer group -> decode (``intake``: :class:`~stepwatch.stream.intake.Intake`) -> align
+    (``stepaxis``: :class:`~stepwatch.stream.stepaxis.StepAxisGate`) -> detect -> sinks, checkpointed
+    (:class:`~stepwatch.stream.checkpoint.Checkpoint`; see the module docs); read-to-end proofs and lag:
+    ``caught`` (:class:`~stepwatch.stream.caughtup.CaughtUp`). Each stage is an object built here with
+    the collaborators it uses."""
 
     #: the limits (:mod:`stepwatch.stream.processor_settings`): keyword arguments of the constructor, the ``[processor]``
     #: table of the configuration file. Code may pass values beyond the file's ranges (a test's
@@ -113,15 +117,12 @@ class Processor(Intake, CaughtUp):
                  create_topics: bool = True, profiling="env", limits: IngressLimits | None = None, **settings):
         self.kafka = kafka
         self.limits = limits or IngressLimits()      # the Kafka boundary's bounds (stream.ingress, docs/limits.md)
-        self.extras = ingress.ExtraColumns(self.limits)
         self.rlog = ingress.RateLimitedLog(log, self.limits.log_per_s)
         self.rebuild_bucket = ingress.TokenBucket(self.limits.rebuilds_per_s, self.limits.rebuild_burst)
         # seconds of rebuilding allowed: a share of the wall time, averaged over a minute (a rebuild is
         # store queries, ~10-200 ms: 20 a second could take all of it when job ids churn at max_jobs)
         self.rebuild_time = ingress.TokenBucket(self.limits.rebuild_time_share,
                                                 self.limits.rebuild_time_share * REBUILD_TIME_WINDOW_S)
-        self._dl: ingress.MessageDeadletter | None = None   # what went wrong with the message in hand
-        self._src = None                                     # (topic, partition, offset) of that message
         # job -> monotonic time of its last message, least recently active first (_job moves a job to
         # the end), so eviction takes jobs from the front: O(1) per job, not a sort of all of them.
         # Entries of jobs no longer held (fencing drops them all) are skipped and removed when reached.
@@ -158,15 +159,24 @@ class Processor(Intake, CaughtUp):
         self.t_first_data: float | None = None      # wall time of the first message
         self.t_last_flush: float | None = None      # wall time of the last flush that wrote rows
         self._topic_kind = {kafka.topic(k): k for k in INPUT_TOPICS}
-        self._lag_by_tp: dict[tuple[str, int], int] = {}   # consumer lag per partition (last flush)
-        #: (topic, partition) -> whether it is read to its end; None: ask the consumer (see _caught_up)
-        self.caught_up_hook: Callable[[str, int], bool] | None = None
-        self._caught_up_cache: dict[tuple[str, int], tuple[float, float]] = {}
-        self._read_to: dict[tuple[str, int], int] = {}     # next offset after the last message handled
+        # whether a job's sources are read to their end, and the consumer lag (stream.caughtup); its
+        # ``hook``: (topic, partition) -> read to its end?, None: ask the consumer
+        self.caught = CaughtUp(kafka, self.metrics, lambda: self.consumer)
+        # one Kafka record decoded, bounded, routed; at most one deadletter record for it (stream.intake)
+        self.intake = Intake(topic_kind=self._topic_kind, limits=self.limits, metrics=self.metrics, rlog=self.rlog,
+                             jobs=self.jobs, route=self._route, buffer=self._buffer, send=self.sinks.write,
+                             progress=self.progress)
         self.job_metrics = JobMetrics(self.metrics.registry)   # per-job Prometheus metrics (None: off)
         # called with each alert still open in the store when a job is rebuilt (the job metrics count it;
         # the sinks get it as AlertOut(restored=True): stream.rebuild)
         self.on_alert_restored: Callable[[Alert], None] | None = self.job_metrics.on_alert
+        # a job's step rows judged against where its ranks are (stream.stepaxis)
+        self.stepaxis = stepaxis.StepAxisGate(limits=self.limits, metrics=self.metrics, rlog=self.rlog,
+                                              lake=self.lake, new_detectors=self.new_detectors,
+                                              buffer=self._buffer, send=self.sinks.write, evict=self._evict_jobs)
+        # partitions the group or the lake took away (stream.fencing)
+        self.fencing = fencing.Fencing(lake=self.lake, jobs=self.jobs, progress=self.progress,
+                                       read_to=self.caught.read_to, store=self.store, consumer=lambda: self.consumer)
 
     def retune(self, kw: dict) -> None:
         """Put the limits ``kw`` in force (those left out: their defaults); a reload calls this too. The
@@ -175,6 +185,28 @@ class Processor(Intake, CaughtUp):
         :class:`~stepwatch.detectors.settings.SettingError` (the field and the value) for a wrong type."""
         vals = bind_settings(self, PROCESSOR, kw, "processor", ranges=False)
         self.lateness_ns = int(vals["lateness_s"] * 1e9)
+
+    def job_detectors(self) -> dict[str, list[Detector]]:
+        """job -> its detectors (in use: do not change them; :meth:`apply_settings` does)."""
+        return {job: list(rt.detectors) for job, rt in self.jobs.items()}
+
+    def apply_settings(self, processor: dict, detector_settings, *,
+                       detectors: Callable[[str, list[Detector]], list[Detector] | None] | None = None,
+                       profiling: tuple | None = None) -> None:
+        """Put checked settings in force (a reload: :func:`stepwatch.config.apply` checks them first):
+        the ``processor`` limits (:meth:`retune`: the live ones now, the others for jobs started from
+        now on), ``profiling`` ((issuer, settings), or None: unchanged), each job's detectors as
+        ``detectors(job, current)`` returns them (None: kept), and ``detector_settings`` for the jobs
+        and detectors made from now on."""
+        self.retune(processor)
+        if profiling is not None:
+            self.profiling, self.profiling_settings = profiling
+        if detectors is not None:
+            for job, rt in self.jobs.items():
+                new = detectors(job, rt.detectors)
+                if new is not None:
+                    rt.detectors = new
+        self.detector_settings = detector_settings
 
     # ------------------------------------------------------------------ kafka lifecycle
     def start(self) -> None:
@@ -200,10 +232,10 @@ class Processor(Intake, CaughtUp):
                 proc._flush()
                 for tp in revoked:
                     proc.progress.pop((tp.topic, tp.partition), None)
-                    proc._read_to.pop((tp.topic, tp.partition), None)
+                    proc.caught.read_to.pop((tp.topic, tp.partition), None)
 
             def on_partitions_lost(self, lost):      # the group moved on: never commit these
-                fencing.lost(proc, lost)
+                proc.fencing.lost(lost)
 
             def on_partitions_assigned(self, assigned):
                 proc._assigned(assigned)
@@ -221,8 +253,8 @@ class Processor(Intake, CaughtUp):
             return
         for tp in assigned:
             # what was handled before is no proof now: the consumer may read this partition again from
-            # the catalog's offset (a rejoin after the session expired), so _caught_up asks its position
-            self._read_to.pop((tp.topic, tp.partition), None)
+            # the catalog's offset (a rejoin after the session expired), so CaughtUp asks its position
+            self.caught.read_to.pop((tp.topic, tp.partition), None)
             m = pos.get((tp.topic, tp.partition))
             if m is not None:
                 self.consumer.seek(tp, m.next)
@@ -260,7 +292,7 @@ class Processor(Intake, CaughtUp):
                 if on_tick:
                     on_tick(self)
                 if idle_exit_s and seen_any and time.monotonic() - self.last_data > idle_exit_s \
-                        and self._all_caught_up():
+                        and self.caught.all_caught_up():
                     break
         finally:
             self.close()
@@ -269,7 +301,7 @@ class Processor(Intake, CaughtUp):
         try:
             records = self.consumer.poll(timeout_ms=timeout_ms, max_records=2000)
         except Exception as e:  # noqa: BLE001 - a batch the client cannot decode (codec, corruption)
-            if not self._skip_undecodable(e):
+            if not self.intake.skip_undecodable(self.consumer, e):
                 raise
             records = {}
         n = 0
@@ -280,7 +312,7 @@ class Processor(Intake, CaughtUp):
             prog = self.progress.get((tp.topic, tp.partition))
             for msg in records[tp]:
                 n += 1
-                self._read_to[(tp.topic, tp.partition)] = msg.offset + 1   # handled up to here (_caught_up)
+                self.caught.read_to[(tp.topic, tp.partition)] = msg.offset + 1   # handled up to here
                 if prog is not None:
                     if prog.marker.is_done(msg.offset):
                         self.metrics.skipped.inc()
@@ -301,10 +333,15 @@ class Processor(Intake, CaughtUp):
             for rt in self.jobs.values():
                 self._host_settled(rt)
             self._flush()
-            self._update_lag()
+            self.caught.update_lag()
         return n
 
     # ------------------------------------------------------------------ messages
+    def process_message(self, msg) -> None:
+        """One Kafka record: decode, bound, route, buffer; at most one deadletter record for it
+        (:meth:`stepwatch.stream.intake.Intake.process_message`). Never raises."""
+        self.intake.process_message(msg)
+
     def _route(self, kind: str, t: pa.Table, msg) -> None:
         if kind == "topology":
             for job in pc.unique(t.column("job")).to_pylist():
@@ -331,7 +368,7 @@ class Processor(Intake, CaughtUp):
             rt = self._job(job)
             if rt.telemetry.life.outcome is not None:           # steps after the job's end: a restart
                 self._restarted(rt, part)
-            part = stepaxis.admit_steps(self, rt, job, part)    # bounds to where the job's ranks are
+            part = self.stepaxis.admit(rt, job, part, self.intake.dl, self.intake.src)   # bounds to where its ranks are
             if not part.num_rows:
                 continue
             self._announced(rt, part)
@@ -352,7 +389,7 @@ class Processor(Intake, CaughtUp):
                 ws = rt.state.expected or rt.state.world_size
                 reasons = [(int(i), f"field 'rank': {r} is outside world_size {ws} of job {job!r}")
                            for i, r in zip(res.bad_rank, bad.column("rank").to_pylist())]
-                self._deadletter(msg, None, reasons, bad)
+                self.intake.deadletter(msg, None, reasons, bad)
             if res.keep.all():
                 self._buffer("steps", part)
             elif res.keep.any():
@@ -371,11 +408,11 @@ class Processor(Intake, CaughtUp):
             rt = self._job(job)
             rt.telemetry.add(kind, part)
             if kind == "host":
-                rt.host_partition = self._src[1] if self._src else rt.host_partition
+                rt.host_partition = self.intake.src[1] if self.intake.src else rt.host_partition
                 self._tick(rt)
                 self._host_settled(rt)
             elif kind == "inflight":                     # a watchdog's report, a rank's end: judged now
-                rt.inflight_partition = self._src[1] if self._src else rt.inflight_partition
+                rt.inflight_partition = self.intake.src[1] if self.intake.src else rt.inflight_partition
                 self._tick(rt)
             elif kind == "comm" and not rt.replaying:    # rows of steps that may have closed already
                 ctx = None
@@ -388,8 +425,8 @@ class Processor(Intake, CaughtUp):
         ctx = rt.state.context()
         rt.telemetry.attach(ctx)
         if rt.steps_partition is not None:
-            ctx.backlog = self._lag_by_tp.get((self.kafka.topic("steps"), rt.steps_partition), 0) > 0
-        ctx.caught_up = lambda: self._caught_up(rt)
+            ctx.backlog = self.caught.lag_by_tp.get((self.kafka.topic("steps"), rt.steps_partition), 0) > 0
+        ctx.caught_up = lambda: self.caught.caught_up(rt)
         return ctx
 
     def _retick_ended_jobs(self) -> None:
@@ -418,9 +455,10 @@ class Processor(Intake, CaughtUp):
             ctx = ctx or self._ctx(rt)
             self._run_detector(rt, det, det.tick, ctx, max(ctx.steps_event_ns, ctx.host_event_ns))
 
-    def _buffer(self, table: str, t: pa.Table) -> None:
-        """Rows for the store (the lake sink buffers them until the next checkpoint)."""
-        self.sinks.write(Rows(table, t, self._src))
+    def _buffer(self, table: str, t: pa.Table, src=IN_HAND) -> None:
+        """Rows for the store (the lake sink buffers them until the next checkpoint), of the source
+        message ``src`` ((topic, partition, offset); by default the message in hand)."""
+        self.sinks.write(Rows(table, t, self.intake.src if src is IN_HAND else src))
         if self.job_metrics is not None:
             self.job_metrics.on_rows(table, t)
 
@@ -460,7 +498,7 @@ class Processor(Intake, CaughtUp):
         eviction, so eviction need not look at every job) and hold the state budget (stream.stepaxis)."""
         if rt.state.world_size > stepaxis.SPARSE_MIN_WIDTH:
             self._wide.add(rt.state.job)
-        stepaxis.check_budget(self, rt, old_width)
+        self.stepaxis.check_budget(rt, old_width)
 
     def _has_history(self, job: str) -> bool:
         """Whether the store may hold rows of ``job`` (its partition folders exist)."""
@@ -529,7 +567,8 @@ class Processor(Intake, CaughtUp):
 
     def _rebuild(self, rt: JobRuntime) -> None:
         """Warm a job's state from the store: topology, last window of steps, stored alerts (stream.rebuild)."""
-        rebuild.rebuild(self, rt)
+        rebuild.rebuild(self.store, rt, replay_steps=self.replay_steps, window_steps=self.window_steps,
+                        sinks=self.sinks, on_restored=self.on_alert_restored, call=self._call, detect=self._detect)
 
     def _detect(self, rt: JobRuntime, blocks: list[StepBlock], force: bool = False) -> None:
         # a job's topology (pipeline stages: which ranks are peers) may be read after its first steps
@@ -740,7 +779,7 @@ class Processor(Intake, CaughtUp):
         if not len(rt.hostwait):
             return
         for a, changed in rt.hostwait.due(rt.telemetry, rt.state.max_t_end, force=force,
-                                          caught_up=self._host_caught_up(rt)):
+                                          caught_up=self.caught.host_caught_up(rt)):
             if changed:
                 rt.incidents.refresh(a)
             row = pa.Table.from_pylist([a.row()], schema=wire.ALERTS)
@@ -786,7 +825,10 @@ class Processor(Intake, CaughtUp):
         """A checkpoint: flush (the store: rows and offsets in one transaction) -> produce (the topics'
         delivery) -> commit (Kafka offsets); see :mod:`stepwatch.stream.checkpoint`."""
         self.last_flush = time.monotonic()
-        Checkpoint(self).commit()
+        cp = Checkpoint(self.progress, self.consumer, self.lake, [s for s in self.sinks.sinks if s is not self.lake],
+                        self.metrics, self.fencing.fenced)
+        if cp.commit():
+            self.t_last_flush, self.cpu_last_flush = cp.committed_at
 
     def stats(self) -> dict:
         m = self.metrics

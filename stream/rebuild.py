@@ -23,12 +23,20 @@ from stepwatch.stream.sinks import AlertOut, NotifierSink
 log = logging.getLogger("stepwatch.processor")
 
 
-def rebuild(proc, rt) -> None:
-    """Warm ``rt`` (the processor's JobRuntime of a job) from the store: topology, last window of steps,
-    stored alerts. Never raises: a job that cannot be rebuilt starts cold."""
+def rebuild(store, rt, *, replay_steps: int, window_steps: int, sinks, on_restored, call, detect) -> None:
+    """Warm ``rt`` (the processor's JobRuntime of a job) from ``store`` (a
+    :class:`~stepwatch.storage.store.LakeStore`): topology, last window of steps, stored alerts. Never
+    raises: a job that cannot be rebuilt starts cold.
+
+    What it uses is passed in: ``replay_steps`` (steps replayed) and ``window_steps`` (the alignment
+    window: rows up to half of it past the ranks' position are read), ``sinks`` (the processor's
+    :class:`~stepwatch.stream.sinks.Sinks`: the alerts still open go to them as restored),
+    ``on_restored(alert)`` (or None: the job metrics count them), ``call(rt, det, fn, *args)`` (one
+    detector entry point, timed and guarded) and ``detect(rt, blocks)`` (the processor's detection
+    path, run with ``rt.replaying`` set)."""
     job = rt.state.job
     try:
-        con = views_connect(proc.store.root)
+        con = views_connect(store.root)
         topo = con.sql("SELECT * FROM topology WHERE job = ? QUALIFY row_number() OVER "
                        "(PARTITION BY rank ORDER BY date DESC) = 1", params=[job]).to_arrow_table()
         if topo.num_rows:
@@ -40,26 +48,26 @@ def rebuild(proc, rt) -> None:
                                       "ORDER BY t_detected", params=[job]).to_arrow_table().to_pylist())
         except Exception:  # noqa: BLE001 - a store written before incidents existed
             log.info("no incidents to warm for job %s", job, exc_info=True)
-        restore = proc.on_alert_restored
+        restore = on_restored
         try:
             still_open = open_alerts(con, job)
         except Exception:  # noqa: BLE001 - the rest of the rebuild does not need them
             log.warning("could not read the open alerts of job %s from the store", job, exc_info=True)
             still_open = []
-        if restore is not None or any(isinstance(s, NotifierSink) for s in proc.sinks.sinks):
+        if restore is not None or any(isinstance(s, NotifierSink) for s in sinks.sinks):
             for a in still_open:                           # sinks re-send them, job metrics count them
                 if restore is not None:
                     restore(a)
-                proc.sinks.write(AlertOut(a, restored=True))
+                sinks.write(AlertOut(a, restored=True))
         for det in rt.detectors:                           # what began before the replay window
-            proc._call(rt, det, det.restore_open, still_open)
+            call(rt, det, det.restore_open, still_open)
         # the job's position: where its ranks' newest steps are (stream.stepaxis; one bad row cannot place it)
         top = con.execute("SELECT quantile_disc(m, 0.75) FROM (SELECT max(step) AS m FROM steps WHERE job = ? "
                           "GROUP BY rank)", [job]).fetchall()[0][0]
         if top is not None:
-            lo = int(top) - proc.replay_steps + 1
+            lo = int(top) - replay_steps + 1
             hist = con.sql("SELECT * FROM steps WHERE job = ? AND step BETWEEN ? AND ? ORDER BY step, rank",
-                           params=[job, lo, int(top) + proc.window_steps // 2]).to_arrow_table()
+                           params=[job, lo, int(top) + window_steps // 2]).to_arrow_table()
             if hist.num_rows:
                 warm_context(con, rt, hist)
                 hist = conform(hist.drop_columns([c for c in ("date",) if c in hist.column_names]),
@@ -67,7 +75,7 @@ def rebuild(proc, rt) -> None:
                 rt.replaying = True
                 try:
                     _, blocks = rt.state.ingest(hist)
-                    proc._detect(rt, blocks)
+                    detect(rt, blocks)
                 finally:
                     rt.replaying = False
                 log.info("rebuilt job %s from store: %d rows up to step %s, %d alerts known",

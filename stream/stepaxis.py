@@ -144,58 +144,6 @@ def _steps_reason(job: str, step: np.ndarray, bad: np.ndarray, anchor: int, limi
             f"where its ranks are); max_step_jump={limit:,}")
 
 
-def admit_steps(proc, rt, job: str, part: pa.Table) -> pa.Table:
-    """Judge a job's step rows against its ranks' position before they are aligned; called by
-    ``Processor._route``. Rows too far ahead are noted on the message's deadletter record and
-    dropped; the alignment window is limited to where the ranks are, and re-anchored when it was
-    placed by rows the ranks do not confirm. Returns the rows to align and store."""
-    lim = proc.limits
-    ax: JobAxis = rt.axis
-    st = rt.state
-    step_all = part.column("step").to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-    step = step_all
-    rank = part.column("rank")
-    rank = (pc.fill_null(rank, 0) if rank.null_count else rank).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-    t_end = part.column("t_end").cast(pa.int64()).to_numpy(zero_copy_only=False)
-    ax.seed(st, int(t_end.max()) - int(lim.job_idle_evict_s * 1e9) if len(t_end) else 0)
-    lead = max(1, st.capacity // 2)
-    skew = int(lim.max_future_skew_s * 1e9)
-    if st.topology_known:                       # ranks outside the topology are refused by the ring
-        inside = rank < st.expected
-        if inside.all():
-            inside = None
-        else:
-            rank, step, t_end = rank[inside], step[inside], t_end[inside]
-    else:
-        inside = None
-    # judge against where the ranks were; a job without reports against its first batch's own ranks
-    ax.refresh(lead, skew, st.max_step)
-    anchor = ax.anchor if ax.anchor is not None else _batch_anchor(rank, step)
-    if len(step_all) and int(step_all.max()) > anchor + lim.max_step_jump:
-        bad_all = step_all > anchor + lim.max_step_jump
-        n = int(bad_all.sum())
-        proc._dl.add(_steps_reason(job, step_all, bad_all, anchor, lim.max_step_jump), n=n,
-                     keep=lim.deadletter_reasons)
-        proc.metrics.rows_rejected.labels("steps").inc(n)
-        part = part.filter(pa.array(~bad_all))
-        ok = ~(bad_all[inside] if inside is not None else bad_all)
-        rank, step, t_end = rank[ok], step[ok], t_end[ok]
-    # then the rows taken are reports of their ranks, and the anchor follows; only ranks with a column
-    # in the ring (stream.align: one row at rank 99,999 of an 8-rank job has none) hold a report
-    st.place(rank)
-    if len(rank) and int(rank.max()) >= st.world_size:
-        m = rank < st.world_size
-        rank, step, t_end = rank[m], step[m], t_end[m]
-    ax.observe(rank, step, t_end)
-    ax.refresh(lead, skew, st.max_step)
-    if ax.anchor is not None:
-        anchor = ax.anchor
-    if st.max_step > anchor + lead:
-        reanchor(proc, rt, job, anchor)
-    st.ahead_limit = anchor + lead
-    return part
-
-
 def _batch_anchor(rank: np.ndarray, step: np.ndarray) -> int:
     """The anchor of a batch alone: the quantile over its ranks of each rank's highest step."""
     if not len(step):
@@ -208,77 +156,149 @@ def _batch_anchor(rank: np.ndarray, step: np.ndarray) -> int:
     return _quantile(step[order][last])
 
 
-def reanchor(proc, rt, job: str, anchor: int) -> None:
-    """The job's alignment window lies beyond where its ranks are: forget it, and move the rows
-    still buffered that lie more than ``max_step_jump`` ahead of the ranks to the deadletter."""
-    lim = proc.limits
-    st = rt.state
-    lead = max(1, st.capacity // 2)
-    fed = st.next_close is not None and st.next_close > anchor + lead    # detectors saw those steps
-    old = st.max_step
-    st.reset_steps(anchor + lead)
-    rt.pending = [b for b in rt.pending if not len(b.steps) or int(b.steps.max()) <= anchor + lead]
-    if fed:
-        rt.detectors = proc.new_detectors(job)
-    purged = purge_buffered(proc, job, anchor + lim.max_step_jump)
-    proc.metrics.step_axis.labels("reanchor").inc()
-    proc.rlog.warning("job %s: alignment window at step %d re-anchored to its ranks' position (step %d); "
-                      "%d buffered row(s) beyond max_step_jump moved to the deadletter", job, old, anchor,
-                      sum(t.num_rows for _, t in purged))
-    for src, rows in purged:
-        step = rows.column("step").to_numpy(zero_copy_only=False).astype(np.int64)
-        reason = _steps_reason(job, step, np.ones(len(step), bool), anchor, lim.max_step_jump)
-        _deadletter_later(proc, src, rows, reason + " (found when the job's ranks reported)")
+class StepAxisGate:
+    """The processor's step-axis stage, built by it with the collaborators it uses: the ingress
+    ``limits``, the processor's ``metrics`` and rate-limited log ``rlog``, the ``lake`` sink (its
+    buffered step and deadletter rows: a re-anchor purges and amends them), ``new_detectors(job)`` (a
+    fresh set: a re-anchored job's detectors saw steps that are forgotten), ``buffer(table, rows, src)``
+    (rows for the store, of the source message ``src``), ``send(batch)`` (the sinks: the deadletter
+    topic) and ``evict()`` (hold the jobs' state budget now)."""
 
+    def __init__(self, *, limits, metrics, rlog, lake, new_detectors, buffer, send, evict):
+        self.limits, self.metrics, self.rlog, self.lake = limits, metrics, rlog, lake
+        self.new_detectors, self.buffer, self.send, self.evict = new_detectors, buffer, send, evict
 
-def purge_buffered(proc, job: str, above: int) -> list[tuple[object, pa.Table]]:
-    """Remove buffered step rows of ``job`` with a step above ``above``; [(source, rows)]."""
-    pieces, srcs = proc.lake.buffers.get("steps", []), proc.lake.buffer_src.get("steps", [])
-    out: dict = {}
-    for i, t in enumerate(pieces):
-        if not t.num_rows or srcs[i] == proc._src:
-            continue
-        m = pc.and_(pc.equal(t.column("job"), job), pc.greater(t.column("step"), above))
-        m = pc.fill_null(m, False)
-        if not pc.any(m).as_py():
-            continue
-        pieces[i] = t.filter(pc.invert(m))
-        gone = t.filter(m)
-        proc.lake.rows -= gone.num_rows
-        out[srcs[i]] = pa.concat_tables([out[srcs[i]], gone]) if srcs[i] in out else gone
-        proc.metrics.step_axis.labels("purged").inc(gone.num_rows)
-    return list(out.items())
+    def admit(self, rt, job: str, part: pa.Table, dl, src) -> pa.Table:
+        """Judge a job's step rows against its ranks' position before they are aligned; called by
+        ``Processor._route`` for the message in hand (``src``: (topic, partition, offset); ``dl``: its
+        deadletter record, :class:`~stepwatch.stream.ingress.MessageDeadletter`). Rows too far ahead are
+        noted on ``dl`` and dropped; the alignment window is limited to where the ranks are, and
+        re-anchored when it was placed by rows the ranks do not confirm. Returns the rows to align and
+        store."""
+        lim = self.limits
+        ax: JobAxis = rt.axis
+        st = rt.state
+        step_all = part.column("step").to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+        step = step_all
+        rank = part.column("rank")
+        rank = (pc.fill_null(rank, 0) if rank.null_count else rank).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+        t_end = part.column("t_end").cast(pa.int64()).to_numpy(zero_copy_only=False)
+        ax.seed(st, int(t_end.max()) - int(lim.job_idle_evict_s * 1e9) if len(t_end) else 0)
+        lead = max(1, st.capacity // 2)
+        skew = int(lim.max_future_skew_s * 1e9)
+        if st.topology_known:                       # ranks outside the topology are refused by the ring
+            inside = rank < st.expected
+            if inside.all():
+                inside = None
+            else:
+                rank, step, t_end = rank[inside], step[inside], t_end[inside]
+        else:
+            inside = None
+        # judge against where the ranks were; a job without reports against its first batch's own ranks
+        ax.refresh(lead, skew, st.max_step)
+        anchor = ax.anchor if ax.anchor is not None else _batch_anchor(rank, step)
+        if len(step_all) and int(step_all.max()) > anchor + lim.max_step_jump:
+            bad_all = step_all > anchor + lim.max_step_jump
+            n = int(bad_all.sum())
+            dl.add(_steps_reason(job, step_all, bad_all, anchor, lim.max_step_jump), n=n,
+                   keep=lim.deadletter_reasons)
+            self.metrics.rows_rejected.labels("steps").inc(n)
+            part = part.filter(pa.array(~bad_all))
+            ok = ~(bad_all[inside] if inside is not None else bad_all)
+            rank, step, t_end = rank[ok], step[ok], t_end[ok]
+        # then the rows taken are reports of their ranks, and the anchor follows; only ranks with a column
+        # in the ring (stream.align: one row at rank 99,999 of an 8-rank job has none) hold a report
+        st.place(rank)
+        if len(rank) and int(rank.max()) >= st.world_size:
+            m = rank < st.world_size
+            rank, step, t_end = rank[m], step[m], t_end[m]
+        ax.observe(rank, step, t_end)
+        ax.refresh(lead, skew, st.max_step)
+        if ax.anchor is not None:
+            anchor = ax.anchor
+        if st.max_step > anchor + lead:
+            self.reanchor(rt, job, anchor, src)
+        st.ahead_limit = anchor + lead
+        return part
 
+    def reanchor(self, rt, job: str, anchor: int, src=None) -> None:
+        """The job's alignment window lies beyond where its ranks are: forget it, and move the rows
+        still buffered (but those of the message in hand, ``src``) that lie more than ``max_step_jump``
+        ahead of the ranks to the deadletter."""
+        lim = self.limits
+        st = rt.state
+        lead = max(1, st.capacity // 2)
+        fed = st.next_close is not None and st.next_close > anchor + lead    # detectors saw those steps
+        old = st.max_step
+        st.reset_steps(anchor + lead)
+        rt.pending = [b for b in rt.pending if not len(b.steps) or int(b.steps.max()) <= anchor + lead]
+        if fed:
+            rt.detectors = self.new_detectors(job)
+        purged = self.purge_buffered(job, anchor + lim.max_step_jump, src)
+        self.metrics.step_axis.labels("reanchor").inc()
+        self.rlog.warning("job %s: alignment window at step %d re-anchored to its ranks' position (step %d); "
+                          "%d buffered row(s) beyond max_step_jump moved to the deadletter", job, old, anchor,
+                          sum(t.num_rows for _, t in purged))
+        for psrc, rows in purged:
+            step = rows.column("step").to_numpy(zero_copy_only=False).astype(np.int64)
+            reason = _steps_reason(job, step, np.ones(len(step), bool), anchor, lim.max_step_jump)
+            self.deadletter_later(psrc, rows, reason + " (found when the job's ranks reported)")
 
-def _deadletter_later(proc, src, rows: pa.Table, reason: str) -> None:
-    """A deadletter record for an earlier message (``src``) whose rows were buffered: amend its
-    record if it has one in this flush (still one per message), else add one, with the rows (Arrow)
-    as the payload."""
-    if src is None:
-        return
-    dl, dsrc = proc.lake.buffers.get("deadletter", []), proc.lake.buffer_src.get("deadletter", [])
-    for i, s in enumerate(dsrc):
-        if s == src and dl[i].num_rows == 1:
-            t = dl[i]
-            k = t.schema.get_field_index("reason")
-            was = t.column(k)[0].as_py() or ""
-            dl[i] = t.set_column(k, t.schema.field(k), pa.array([(was + "; " + reason)[:4000]], t.schema.field(k).type))
+    def purge_buffered(self, job: str, above: int, skip_src=None) -> list[tuple[object, pa.Table]]:
+        """Remove buffered step rows of ``job`` with a step above ``above`` (but those of the source
+        message ``skip_src``); [(source, rows)]."""
+        lake = self.lake
+        pieces, srcs = lake.buffers.get("steps", []), lake.buffer_src.get("steps", [])
+        out: dict = {}
+        for i, t in enumerate(pieces):
+            if not t.num_rows or srcs[i] == skip_src:
+                continue
+            m = pc.and_(pc.equal(t.column("job"), job), pc.greater(t.column("step"), above))
+            m = pc.fill_null(m, False)
+            if not pc.any(m).as_py():
+                continue
+            pieces[i] = t.filter(pc.invert(m))
+            gone = t.filter(m)
+            lake.rows -= gone.num_rows
+            out[srcs[i]] = pa.concat_tables([out[srcs[i]], gone]) if srcs[i] in out else gone
+            self.metrics.step_axis.labels("purged").inc(gone.num_rows)
+        return list(out.items())
+
+    def deadletter_later(self, src, rows: pa.Table, reason: str) -> None:
+        """A deadletter record for an earlier message (``src``) whose rows were buffered: amend its
+        record if it has one in this flush (still one per message), else add one, with the rows (Arrow)
+        as the payload."""
+        if src is None:
             return
-    topic, part, off = src
-    msg = SimpleNamespace(topic=topic, partition=part, offset=off, key=None, value=encode_arrow(rows),
-                          headers=[])
-    d = ingress.MessageDeadletter()
-    d.add(reason, n=rows.num_rows)
-    r = d.record(msg, job_of(rows), None, proc.limits, time.time_ns())
-    r["row"] = None
-    saved, proc._src = proc._src, src
-    try:
-        proc._buffer("deadletter", pa.Table.from_pylist([r], schema=wire.DEADLETTER))
-    finally:
-        proc._src = saved
-    proc.metrics.dropped.labels("deadletter").inc()
-    proc.sinks.write(Message("deadletter", r["payload"], None, [("error", r["reason"][:1000].encode()),
-                                                                ("source", f"{topic}/{part}/{off}".encode())]))
+        dl, dsrc = self.lake.buffers.get("deadletter", []), self.lake.buffer_src.get("deadletter", [])
+        for i, s in enumerate(dsrc):
+            if s == src and dl[i].num_rows == 1:
+                t = dl[i]
+                k = t.schema.get_field_index("reason")
+                was = t.column(k)[0].as_py() or ""
+                dl[i] = t.set_column(k, t.schema.field(k), pa.array([(was + "; " + reason)[:4000]], t.schema.field(k).type))
+                return
+        topic, part, off = src
+        msg = SimpleNamespace(topic=topic, partition=part, offset=off, key=None, value=encode_arrow(rows),
+                              headers=[])
+        d = ingress.MessageDeadletter()
+        d.add(reason, n=rows.num_rows)
+        r = d.record(msg, job_of(rows), None, self.limits, time.time_ns())
+        r["row"] = None
+        self.buffer("deadletter", pa.Table.from_pylist([r], schema=wire.DEADLETTER), src)
+        self.metrics.dropped.labels("deadletter").inc()
+        self.send(Message("deadletter", r["payload"], None, [("error", r["reason"][:1000].encode()),
+                                                             ("source", f"{topic}/{part}/{off}".encode())]))
+
+    def check_budget(self, rt, old_width: int) -> None:
+        """After a job's ring widened by more than 64 MiB (one row can widen it to its rank), hold the
+        ``max_state_bytes`` budget at once instead of at the next flush: a poll of 2,000 such rows would
+        otherwise allocate 2,000 rings before any eviction."""
+        st = rt.state
+        if st.world_size <= old_width or not st.world_size:
+            return
+        if (st.world_size - old_width) * (st.state_bytes() // st.world_size) >= WIDEN_CHECK_BYTES:
+            self.evict()
 
 
 def job_of(rows: pa.Table) -> str | None:
@@ -300,17 +320,6 @@ def sparse(rt) -> bool:
 
 
 WIDEN_CHECK_BYTES = 64 << 20
-
-
-def check_budget(proc, rt, old_width: int) -> None:
-    """After a job's ring widened by more than 64 MiB (one row can widen it to its rank), hold the
-    ``max_state_bytes`` budget at once instead of at the next flush: a poll of 2,000 such rows would
-    otherwise allocate 2,000 rings before any eviction."""
-    st = rt.state
-    if st.world_size <= old_width or not st.world_size:
-        return
-    if (st.world_size - old_width) * (st.state_bytes() // st.world_size) >= WIDEN_CHECK_BYTES:
-        proc._evict_jobs()
 
 
 def time_base(jobs: dict, table: pa.Table, limits):

@@ -8,7 +8,7 @@ topology first, then per step the ``steps``, ``host``, ``gc`` and ``comm`` messa
 noise, faults, per-node messages of several steps, several partitions). Each family runs in produce order
 and in a consumer-group shuffle (:func:`stepwatch.devtools.scenarios_indep.deliveries`). Messages are fed to a real
 :class:`~stepwatch.stream.processor.Processor` (temporary data folder, no broker) through its message
-handler ``_handle`` — decode, validation, alignment, detectors, incidents, alert emission — with a store
+handler ``process_message`` — decode, validation, alignment, detectors, incidents, alert emission — with a store
 flush every 50 steps of consumer time and at the end (the end of the stream force-closes the open steps,
 as the processor's idle timer does). Alerts are collected as the processor emits them, together with the job's
 event time and newest step at that moment, and scored against the labels:
@@ -49,7 +49,7 @@ from stepwatch.wire import catalog
 # the suite (scenarios and what may report each fault) lives in evalsuite.py, the command and its report in evalcli.py
 from stepwatch.devtools.evalsuite import COMPATIBLE, DIAGNOSIS, T0_NS
 
-#: what the processor's ``_handle`` needs of a kafka-python ``ConsumerRecord``
+#: what the processor's ``process_message`` needs of a kafka-python ``ConsumerRecord``
 Record = namedtuple("Record", "topic partition offset key value headers")
 
 
@@ -192,7 +192,7 @@ def run_scenario(sc, data_dir: Path, rows_per_message: int = 4096, flush_every: 
                 return False
         return True
 
-    proc.caught_up_hook = caught_up
+    proc.caught.hook = caught_up
     key = jobname.encode()
     from stepwatch.wire.encode import headers
     offsets: dict[tuple[str, int], int] = {}
@@ -211,7 +211,7 @@ def run_scenario(sc, data_dir: Path, rows_per_message: int = 4096, flush_every: 
         read[k] += 1
         o = offsets.get(k, 0)
         offsets[k] = o + 1
-        proc._handle(Record(kafka.topic(m.kind), m.partition, o, key, m.payload, headers(m.kind)))
+        proc.process_message(Record(kafka.topic(m.kind), m.partition, o, key, m.payload, headers(m.kind)))
     for rt in proc.jobs.values():                   # end of stream: what the idle timer does
         proc._detect(rt, rt.state.close_ready(force=True), force=True)
     proc._flush()

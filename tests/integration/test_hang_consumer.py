@@ -137,16 +137,15 @@ def test_a_rejoin_that_reads_again_from_the_stored_offsets_is_not_read_to_the_en
                      on_alert=lambda a: None, profiling=None)
     proc.start()
     try:
-        assert _poll_until(proc, lambda: proc._all_caught_up() and sc.job in proc.jobs)
+        assert _poll_until(proc, lambda: proc.caught.all_caught_up() and sc.job in proc.jobs)
         proc._flush()                                   # stored up to here, with the offsets
         _produce(kafka, job, [m for m in msgs if m.produce_ns > t_cut])
-        assert _poll_until(proc, lambda: proc.lake.rows > 0 and proc._all_caught_up())
-        from stepwatch.stream import fencing
+        assert _poll_until(proc, lambda: proc.lake.rows > 0 and proc.caught.all_caught_up())
         tps = list(proc.consumer.assignment())
-        fencing.lost(proc, tps)                         # what kafka-python calls after the session expired
+        proc.fencing.lost(tps)                         # what kafka-python calls after the session expired
         proc._assigned(tps)                             # and on the rejoin: seek to the stored offsets
-        assert not proc._all_caught_up()
-        assert _poll_until(proc, proc._all_caught_up)
+        assert not proc.caught.all_caught_up()
+        assert _poll_until(proc, proc.caught.all_caught_up)
         proc._flush()
     finally:
         proc.close()

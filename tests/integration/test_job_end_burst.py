@@ -38,7 +38,7 @@ def _why(proc, job):
     ctx = proc._ctx(rt)
     life = rt.telemetry.life
     return dict(first=len(life.first), outcome=life.outcome, caught_up=ctx.caught_up(), steps_caught_up=
-                proc._steps_caught_up(rt), steps_ev=ctx.steps_event_ns, host_ev=ctx.host_event_ns,
+                proc.caught.steps_caught_up(rt), steps_ev=ctx.steps_event_ns, host_ev=ctx.host_event_ns,
                 bye=max([e.t for e in life.first.values()] or [0]), max_step=rt.state.max_step,
                 parts=(rt.steps_partition, rt.inflight_partition, rt.host_partition))
 

@@ -1,4 +1,4 @@
-"""`stepwatch eval` on a small subset: the same code path (encoded messages -> Processor._handle ->
+"""`stepwatch eval` on a small subset: the same code path (encoded messages -> Processor.process_message ->
 alignment -> detectors -> alerts) and the same scoring as the full suite, at 128 ranks."""
 from __future__ import annotations
 

@@ -25,10 +25,10 @@ def _feed(p: Processor, sim: Simulation, chunk: int, steps: int, host: bool = Tr
 
     def send(kind, t):
         if t.num_rows:
-            p._handle(Record(p.kafka.topic(kind), 0, off[kind], sim.job.encode(), encode_arrow(t),
+            p.process_message(Record(p.kafka.topic(kind), 0, off[kind], sim.job.encode(), encode_arrow(t),
                              headers(kind)))
             off[kind] += 1
-    p._handle(Record(p.kafka.topic("topology"), 0, 0, sim.job.encode(), encode_arrow(sim.topology()),
+    p.process_message(Record(p.kafka.topic("topology"), 0, 0, sim.job.encode(), encode_arrow(sim.topology()),
                      headers("topology")))
     for s in range(0, steps, chunk):
         g = sim.generate(s, min(s + chunk, steps))

@@ -166,7 +166,7 @@ def _processor(tmp_path, job: str):
     off = iter(range(10**6))
 
     def send(kind, t):
-        p._handle(Record(p.kafka.topic(kind), 0, next(off), job.encode(), encode_arrow(t), headers(kind)))
+        p.process_message(Record(p.kafka.topic(kind), 0, next(off), job.encode(), encode_arrow(t), headers(kind)))
     return p, send, seen
 
 

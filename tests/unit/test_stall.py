@@ -186,7 +186,7 @@ def test_a_restarted_processor_warms_the_host_context_and_still_judges_the_hang(
     # sample past the threshold (30 s of silence)
     for i, s in enumerate((71, 80, 90, 101)):
         more = sim.generate(s, s + 1)["host"]
-        p._handle(Record(p.kafka.topic("host"), 0, i, b"rh", encode_arrow(more), headers("host")))
+        p.process_message(Record(p.kafka.topic("host"), 0, i, b"rh", encode_arrow(more), headers("host")))
         assert len(seen) == 1, s
     assert [(a.kind, a.ranks, a.step_first) for a in seen] == [("job_hang", [3], 40)]
     assert seen[0].evidence["silent_s"] >= 30.0 and seen[0].evidence["judged"] == "per_node"
