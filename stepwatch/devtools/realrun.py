@@ -95,3 +95,28 @@ def straggle_is_real(out: str, rank: int, step_first: int, step_detected: int, s
         return False
     before = cpu[max(lo - 20, 0):lo]
     return float(np.median(cpu[lo:hi]) - np.median(before)) >= share * float(np.median(step))
+
+
+def slowdown_is_real(out: str, step_first: int, step_detected: int, share: float = 0.05) -> bool:
+    """Whether the training script's own clock shows every rank working longer from ``step_first`` on, as a
+    job-wide ``regression`` of cause computation says: each rank's main-thread CPU time per step over
+    ``[step_first, step_detected]`` above its median over the 20 steps before by at least ``share`` of the
+    job's median step time. The machine slowed the whole job (its CPU's clock, a busy sibling thread), not
+    the detector. A run that short of steps before the change proves nothing (False)."""
+    reps = []
+    for f in sorted(Path(out).glob("rank*.json")):
+        try:
+            reps.append(json.loads(f.read_text()))
+        except (OSError, ValueError):
+            return False
+    if not reps:
+        return False
+    for rep in reps:
+        cpu = np.diff(np.asarray(rep.get("cpu") or [], dtype=float)) * 1e3
+        step = np.diff(np.asarray(rep.get("ends") or [], dtype=float)) * 1e3
+        lo, hi = max(int(step_first) - 1, 0), min(int(step_detected), len(cpu))
+        if hi - lo < 3 or lo < 10 or not len(step):
+            return False
+        if float(np.median(cpu[lo:hi]) - np.median(cpu[max(lo - 20, 0):lo])) < share * float(np.median(step)):
+            return False
+    return True

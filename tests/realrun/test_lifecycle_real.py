@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from stepwatch.devtools.ddp_train_path import ddp_train_file
-from stepwatch.devtools.realrun import jitter_is_real, realtime, straggle_is_real
+from stepwatch.devtools.realrun import jitter_is_real, realtime, slowdown_is_real, straggle_is_real
 from stepwatch.agents.agent import Agent
 from stepwatch.agents.wrap import wrap_env
 from stepwatch.storage.views import connect
@@ -105,6 +105,15 @@ def _run(kafka, tmp_path, socket_dir, job, env, signal_at_step=None, settle_s=HA
         if a.incident_id in real or a.alert_id in ids:
             print(f"(confirmed by the script's own clock: {a.line()[:120]})")
     alerts = [a for a in alerts if a.incident_id not in real and a.alert_id not in ids]
+    # a job-wide computation regression every rank's own CPU clock confirms (the machine slowed the whole job:
+    # CI-like runs printed +7 % from step 33 of a clean 60-step run) is reported rightly; one the clock does
+    # not show still fails the test
+    seen = {a.alert_id for a in alerts if a.kind == "regression" and a.status == "firing" and a.cause == "computation"
+            and slowdown_is_real(out, a.step_first, a.step_detected)}
+    for a in alerts:
+        if a.alert_id in seen:
+            print(f"(confirmed by the script's own clock: {a.line()[:120]})")
+    alerts = [a for a in alerts if a.alert_id not in seen]
     return p.returncode, err, events, alerts, (t_end or t_exit)
 
 
