@@ -8,8 +8,9 @@
   **silent** (running, but no datagram for ``silent_s``, 30 s: e.g. stuck in a C call that holds the GIL,
   so even its watchdog cannot run) gets a row (``source`` = ``agent``) every ``every_s`` (5 s) while the
   agent heard from it within the last ``horizon_s`` (120 s); one that is **gone** (no such process, or a
-  zombie) gets one row, unless the probe said goodbye (state ``exited``, :mod:`stepwatch.agents.probe.exitwatch`,
-which also says how it ended). A healthy rank costs one small file read
+  zombie) gets one row, at the second tick that sees it gone (dated by the first), unless the probe said goodbye
+  by then (state ``exited``, :mod:`stepwatch.agents.probe.exitwatch`, which also says how it ended: a goodbye sent
+  just before the exit can reach the agent's queue after the tick that first sees the process gone). A healthy rank costs one small file read
   per tick.
 """
 from __future__ import annotations
@@ -108,10 +109,15 @@ class Liveness:
         self.silent_s, self.every_s, self.horizon_s = silent_s, every_s, horizon_s
         self._last: dict[int, float] = {}          # probe instance -> monotonic time of its last agent row
         self._gone: set[int] = set()               # instances reported gone (once: a gone process stays gone)
+        # instances seen gone once, not yet reported -> (monotonic, wall ns) of that sighting: a process that
+        # said goodbye and exited can be gone from /proc while its goodbye still waits in the agent's queue
+        # (sent just before the exit, received after the tick drained the queue); the next tick has it
+        self._vanished: dict[int, tuple[float, int]] = {}
 
     def said_goodbye(self, inst: int) -> None:
         """The probe told how it ends (its ``exited`` row): no ``gone`` row follows for it."""
         self._gone.add(inst)
+        self._vanished.pop(inst, None)
 
     def rows(self, idents: dict, node_default: str, now: float, t_ns: int) -> list[dict]:
         out = []
@@ -124,7 +130,19 @@ class Liveness:
                 continue
             st = process_state(pid)
             if st == "gone":
+                first = self._vanished.get(inst)
+                if first is None:                          # gone without a word, for now: its goodbye may be
+                    self._vanished[inst] = (now, t_ns)     # on its way; said at the next sighting, dated this one
+                    continue
                 self._gone.add(inst)
+                del self._vanished[inst]
+                age = max(first[0] - ident.t_seen, 0.0)
+                out.append({"job": ident.job, "node": ident.node or node_default, "rank": ident.rank, "t": first[1],
+                            "source": "agent", "state": st, "elapsed_ms": age * 1e3,
+                            "since": first[1] - int(age * 1e9), "pid": pid})
+                self._last[inst] = now
+                continue
+            self._vanished.pop(inst, None)
             if st == "running":
                 if age < self.silent_s:
                     continue
@@ -136,4 +154,6 @@ class Liveness:
         for inst in [i for i in self._last if i not in idents]:
             del self._last[inst]
         self._gone &= set(idents)
+        for inst in [i for i in self._vanished if i not in idents]:
+            del self._vanished[inst]
         return out
