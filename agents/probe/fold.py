@@ -36,6 +36,8 @@ class StepFold:
             self._cpu_sample(log.last_drain)
             if not log.dev_on:
                 log.dev_on = self._accelerator_in_use()
+            if self._backlog:                     # the agent's queue was full: its room first
+                self._flush_backlog()
             events = log.drain()
             if not events or not self._on:
                 return

@@ -10,6 +10,7 @@ import sys
 from .eventlog import _perf, _wall
 from stepwatch.wire.datagram import HDR, MAGIC, MAX_BACKLOG, T_HELLO, VERSION
 
+RETRY_NS = 20_000_000                 # while datagrams wait in the backlog, step ends try again this often
 HELLO_EVERY_NS = 10_000_000_000       # identity re-sent every 10-20 s (an agent restart learns it again)
 
 
@@ -174,13 +175,18 @@ class Transport:
         if self._backlog:
             self._lost(sum(f for _, _, f in self._backlog), "no_agent")
             self._backlog.clear()
+            self._log.drain_ns = self.flush_ns
 
     def _defer(self, data, hello: bool, frames: int) -> bool:
+        """Keep a datagram the agent's full queue refused. While the backlog holds any, step ends drain
+        every ``RETRY_NS`` and the drain sends it once there is room: a deferred datagram that waited for
+        the next ``flush_ms`` doubled what a crash in between loses."""
         bl = self._backlog
         if len(bl) >= MAX_BACKLOG:
             self._lost(bl.popleft()[2], "full")
         bl.append((bytes(data), hello, frames))
         self.deferred += 1
+        self._log.drain_ns = min(self.flush_ns, RETRY_NS)
         return True
 
     def _flush_backlog(self) -> bool:
@@ -197,6 +203,7 @@ class Transport:
                 return False
             bl.popleft()
             self._counted(hello, frames)
+        self._log.drain_ns = self.flush_ns
         return True
 
     def flush(self) -> None:

@@ -5,6 +5,7 @@ DDP: test_probe_collectives.py."""
 from __future__ import annotations
 
 import os
+import socket
 import struct
 import time
 
@@ -258,3 +259,61 @@ def test_a_probe_with_the_watchdog_off_shuts_down_cleanly(probe, sockdir, monkey
     probe._start_watchdog()
     assert probe._wd is False
     probe.shutdown()
+
+
+def test_a_finished_step_waits_at_most_flush_ms_plus_a_step(probe, rx, sockdir):
+    """What a crash (``os._exit``, SIGKILL) loses is bounded: the steps not yet sent ended within
+    ``flush_ms`` of the moment plus one step. The event log is drained every ``flush_ms`` and the drain
+    sends what it folded; when the drain and the send each waited for ``flush_ms`` on their own clocks,
+    a folded step could wait a second interval in the buffer (27 steps of >= 20 ms lost in CI)."""
+    flush_ms, step_s = 100, 0.004
+    probe.init(job="bound", rank=0, world_size=1, socket_dir=sockdir, auto=False, flush_ms=flush_ms)
+    ends, worst = [], 0.0
+    for i in range(150):
+        probe.begin_step()
+        time.sleep(step_s)
+        probe.end_step()
+        ends.append(time.perf_counter())
+        unsent = probe.stats()["steps"] - probe.stats()["sent"]
+        if unsent:
+            worst = max(worst, ends[-1] - ends[-unsent])     # the oldest unsent step ended this long ago
+    bound = flush_ms / 1e3 + 3 * step_s                      # a step's length: sleep's overshoot allowed
+    assert worst <= bound, f"a finished step waited {worst * 1e3:.0f} ms unsent (flush_ms {flush_ms})"
+
+
+def test_a_datagram_the_full_queue_deferred_goes_at_the_next_step_end(probe, sockdir):
+    """The agent's queue (``max_dgram_qlen`` datagrams for every sender on the node) was full at a flush:
+    the datagram waits in the backlog. It goes at the next step end once there is room, not one
+    ``flush_ms`` later: in CI both ranks' flush at step ~48 hit a full queue and rank 1 died at step 50,
+    taking 27 finished steps it had not sent."""
+    r = Rx(sockdir, listen=False)
+    try:
+        filler = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        filler.setblocking(False)
+        filler.connect(os.path.join(sockdir, datagram.SOCKET_NAME))
+        probe.init(job="defer", rank=0, world_size=1, socket_dir=sockdir, auto=False, flush_ms=60_000)
+        probe.begin_step()
+        probe.end_step()                                 # step 0 goes at once with the hello
+        try:
+            while True:                                  # another sender fills the agent's queue
+                filler.send(b"x")
+        except BlockingIOError:
+            pass
+        for _ in range(3):
+            probe.begin_step()
+            probe.end_step()
+        probe.flush()                                    # steps 1-3: EAGAIN, into the backlog
+        assert probe.stats()["backlog"] >= 1
+        while True:                                      # the agent reads its queue again
+            try:
+                r.sock.recv(65536)
+            except BlockingIOError:
+                break
+        time.sleep(0.03)
+        probe.begin_step()
+        probe.end_step()
+        st = probe.stats()
+        assert st["backlog"] == 0 and st["sent"] == 4, st
+    finally:
+        filler.close()
+        r.close()
