@@ -143,7 +143,6 @@ class ChangePoint(Detector):
         self._last_bucket: int | None = None
         self._reported: list[int] = []                  # step_first of reported changes still in view
         self._regressions: list[dict] = []              # the last reported regressions (for transients)
-        self._last_recovery = -(1 << 62)                # first step of the last recovery alerted
         self._deferred: set[int] = set()                # of those, step-time changes left to slow_rank
         # per series, the regression still open: {"base": level before it, "level": level after the newest
         # regression of the chain, "step": that regression's first step} (hysteresis, see _open_ok)
@@ -346,12 +345,10 @@ class ChangePoint(Detector):
                 lead = max(own, key=lambda c: abs(c["after"] - c["before"]))
                 alert = self._alert(ctx, lead, [c for c in cl if c is not lead], vals, ph, step_now, t_now,
                                     steps)
-            if alert is not None and alert.kind == "recovery" and self.recovery_needs_regression and not any(
-                    r["step_first"] > self._last_recovery for r in self._regressions):
-                continue                    # a speed-up that undoes nothing reported since the last recovery
+            if alert is not None and alert.kind == "recovery" and self.recovery_needs_regression and \
+                    self._undone(lead, alert) is None:
+                continue                    # a speed-up that undoes no reported regression
             if alert is not None:
-                if alert.kind == "recovery":
-                    self._last_recovery = int(alert.step_first)
                 self._transient(alert, lead)
                 for c in cl:
                     self._chain(c)
@@ -536,16 +533,31 @@ class ChangePoint(Detector):
                                      "before": lead["before"], "after": lead["after"],
                                      "alert_id": alert.alert_id}])[-8:]
             return
+        r = self._undone(lead, alert)
+        if r is not None:
+            alert.evidence["transient"] = {"regression_step": int(r["step_first"]),
+                                           "regression_alert": r["alert_id"],
+                                           "recovery_step": int(lead["step_first"]),
+                                           "steps": int(lead["step_first"] - r["step_first"])}
+            self._regressions.remove(r)
+
+    def _undone(self, lead: dict, alert: Alert) -> dict | None:
+        """The remembered regression (newest first) that a speed-up ``lead`` undoes: one of the same series
+        whose level is back within a third of its shift of where it was, or one of the step time that the
+        job's step time is back near (a phase-led speed-up that brought the job back). A phase that only
+        shrank a little while the fault goes on (CI: comm wait 11.2 -> 9.5 ms seventy steps into a 15 ms
+        straggler, the job still 57 ms a step against 43 before) undoes nothing: it is no recovery."""
+        step_after = alert.evidence.get("step_median_after_ms", lead["after"] if lead["series"] == "step_ms"
+                                        else None)
         for r in reversed(self._regressions):
             d = r["after"] - r["before"]
-            if r["series"] == lead["series"] and r["step_first"] < lead["step_first"] and d > 0 \
-                    and abs(lead["after"] - r["before"]) <= abs(d) / 3.0:
-                alert.evidence["transient"] = {"regression_step": int(r["step_first"]),
-                                               "regression_alert": r["alert_id"],
-                                               "recovery_step": int(lead["step_first"]),
-                                               "steps": int(lead["step_first"] - r["step_first"])}
-                self._regressions.remove(r)
-                return
+            if r["step_first"] >= lead["step_first"] or not d > 0:
+                continue
+            if r["series"] == lead["series"] and abs(lead["after"] - r["before"]) <= d / 3.0:
+                return r
+            if r["series"] == "step_ms" and step_after is not None and abs(step_after - r["before"]) <= d / 3.0:
+                return r
+        return None
 
     def _times(self) -> np.ndarray:
         n, W = self._n, self.window

@@ -25,11 +25,12 @@ SETTINGS = (
             "``critical``"),
     Setting("defer_stragglers", True, unit="switch", meaning="leave changes caused by a few slow ranks to "
             "``slow_rank`` (see above)"),
-    Setting("recovery_needs_regression", True, unit="switch", meaning="a ``recovery`` is alerted only while a "
-            "reported regression has not been undone (open, or among the last 8 remembered and not matched by "
-            "a recovery): a job that gets faster with none (the machine's other processes settling after "
-            "start-up; seen on real gloo DDP ranks 20-80 steps in) undoes no fault, and its break stays known, "
-            "never reported later"),
+    Setting("recovery_needs_regression", True, unit="switch", meaning="a ``recovery`` is alerted only when it undoes a "
+            "reported regression (among the last 8 remembered and not matched by a recovery): its series, or the "
+            "job's step time, back within a third of that regression's shift of where it was. A job that gets "
+            "faster with none (the machine's other processes settling after start-up; seen on real gloo DDP ranks "
+            "20-80 steps in), or a phase that shrinks a little while the fault goes on, undoes no fault; its "
+            "break stays known, never reported later"),
     Setting("floor_share", 0.5, 0.0, 1.0, "share", "the 25th percentile must move by this share of the median's "
             "effect (0: off)"),
     Setting("persist", 0.8, 0.0, 1.0, "share", "share of each segment's steps that must lie on its side of the "

@@ -36,12 +36,14 @@ incident by these rules, in order:
    sent is never changed.
    "Onset" is the first step of the localised incident's newest fire (a rank that resolved and fired
    again within the cool-down starts a new episode of the same incident).
-4. **The same job-wide change**: a job-wide alert joins the newest job-wide incident with the same cause
+4. **The fault it ends**: a ``recovery`` that names the regression it undoes (``evidence.transient``)
+   joins that regression's incident, wherever it went (a straggler's job-wide consequence too).
+5. **The same job-wide change**: a job-wide alert joins the newest job-wide incident with the same cause
    whose newest alert is less than the cool-down old, or the localised incident (still active) that
    holds such a job-wide alert as a consequence (the job got slower again, the same way, during the
    same fault); a ``recovery`` joins the newest job-wide incident not yet recovered, whatever its cause
    (the change it undoes), and closes it.
-5. Otherwise the alert opens a new incident. Its id is derived from the alert that opened it
+6. Otherwise the alert opens a new incident. Its id is derived from the alert that opened it
    (``inc-`` + 16 hex of SHA-1 of job and that alert's stable id), so a processor that rebuilds the job
    from the store (:meth:`Incidents.seed` with the stored alerts) or replays the same steps gets the
    same id.
@@ -184,6 +186,10 @@ class Incidents:
         iid = self.by_alert.get(a.alert_id)
         if iid is not None and iid in self.incidents:
             return self.incidents[iid], "update"
+        undone = ((a.evidence or {}).get("transient") or {}).get("regression_alert") if a.kind == "recovery" else None
+        iid = self.by_alert.get(undone) if undone else None
+        if iid is not None and iid in self.incidents:         # the regression it undoes: that fault's end
+            return self.incidents[iid], "recovery"
         step = int(a.step_first)
         newest = sorted(self.incidents.values(), key=lambda i: i.step_last, reverse=True)
         ranks, nodes = set(int(r) for r in a.ranks), set(a.nodes)

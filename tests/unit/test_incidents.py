@@ -248,3 +248,24 @@ def test_a_further_job_slowdown_joins_the_fault_that_holds_the_first_one():
     other = al("regression", step_first=112, step=116, cause="io")                 # another fault
     inc.assign(other)
     assert other.incident_id != s0.incident_id
+
+
+def test_a_recovery_that_names_the_regression_it_undoes_ends_that_regressions_incident():
+    """A straggler's job-wide regression is a consequence inside the straggler's incident; its recovery, far
+    past ``lead_steps`` of the onset, names the regression it undoes (``evidence.transient``) and so ends
+    that fault, not a new incident of its own."""
+    inc = Incidents()
+    s = al("slow_rank", ranks=[1], step_first=100, step=104)
+    reg = al("regression", step_first=100, step=103, cause="computation")
+    for a in (s, reg):
+        inc.assign(a)
+    assert reg.incident_id == s.incident_id
+    rec = al("recovery", step_first=240, step=250, cause="computation")
+    rec.evidence = {"transient": {"regression_alert": reg.alert_id, "regression_step": 100,
+                                  "recovery_step": 240, "steps": 140}}
+    inc.assign(rec)
+    assert rec.incident_id == s.incident_id and rec.evidence["incident"]["role"] == "recovery"
+    # with no such link, a speed-up long after the onset is not taken as this fault's
+    other = al("recovery", step_first=262, step=270, cause="communication")
+    inc.assign(other)
+    assert other.incident_id != s.incident_id

@@ -273,3 +273,22 @@ def test_a_processor_rebuilt_after_a_regression_reports_its_recovery_from_the_st
     undone = ChangePoint()
     undone.restore_open(first + got)
     assert _feed_from(undone, arrays, 150, 360) == []
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_phase_that_shrinks_while_the_fault_goes_on_is_no_recovery(seed):
+    """A compute regression at step 100 that lasts; at step 200 the all-reduce gets 30 % shorter (the
+    network got quieter) while the job stays slow. That undoes no reported regression: no ``recovery``
+    (CI: comm wait 11.2 -> 9.5 ms seventy steps into a 15 ms straggler, the job still at 57 ms a step
+    against 43 before, was alerted as a recovery and opened an incident of its own). When the fault
+    itself goes, the recovery is alerted and names the regression it undoes."""
+    mult = np.ones(400)
+    mult[100:] = 1.3
+    comm = np.full(400, 10.0)
+    comm[200:] = 7.0
+    got = feed(ChangePoint(), job(400, seed=seed, step_noise=mult, comm=comm))
+    assert [a.kind for a in got] == ["regression"], [(a.kind, a.step_first, a.evidence["series"]) for a in got]
+    mult[300:] = 1.0                                     # now the fault goes
+    got = feed(ChangePoint(), job(400, seed=seed, step_noise=mult, comm=comm))
+    assert [a.kind for a in got] == ["regression", "recovery"], [(a.kind, a.step_first) for a in got]
+    assert got[1].evidence["transient"]["regression_alert"] == got[0].alert_id
