@@ -116,6 +116,12 @@ class CommBandwidth(Detector):
         self._hi_done: int | None = None            # the newest window end with rows written
         self._ended = False                         # the job's end was seen (:meth:`end`)
 
+    def new_baseline(self) -> None:
+        """The job announced a change of its own (``probe.mark_change``): its sync-bound baseline starts
+        again, after a fresh warm-up (what the job does when it is sync-bound is judged anew)."""
+        self._steady.reset()
+        self._sync_native = None
+
     def _derive(self) -> None:
         if self.window < 2 or self.every < 1 or self.lag < 0 or self.min_steps < 1 or self.clear < 1 or \
                 self.min_peers < 1:
