@@ -23,7 +23,7 @@ thread turns each alert into an annotation (``POST /api/annotations``) and deliv
   incident id (and profile-diff re-sends) keep the rule below;
 * **one annotation per (alert_id, status)**: the processor calls its callback again for an alert it
   already emitted, same id and status, when a targeted profile's diff arrives
-  (``evidence.profile_diff``, see ``stream/processor.py`` ``_profile_results``). The sink remembers the
+  (``evidence.profile_diff``, see ``stream/emitter.py`` ``AlertEmitter.profile_results``). The sink remembers the
   annotation id Grafana returned for the last ``remember`` keys (an LRU, 10,000 by default) and, for
   such a re-send, **updates** that annotation (``PATCH /api/annotations/{id}``: the text gains a
   ``profile …`` line per diff, the tags ``profiled``) instead of posting a second one; a re-send

@@ -20,7 +20,6 @@ and the alerts already stored, so a straggler in progress is not forgotten and a
 """
 from __future__ import annotations
 
-import json
 import logging
 import re
 import threading
@@ -30,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -39,15 +37,16 @@ from stepwatch.wire.decode import conform
 from stepwatch.detectors.base import Alert, Detector, JobContext, StepBlock
 from stepwatch.detectors.context import JobTelemetry
 from stepwatch.detectors.incidents import Incidents
-from stepwatch.detectors.lifecycle import EVENT_KINDS, JobLife
 from stepwatch.detectors.replay import drain, replay
 from stepwatch.wire import catalog
 from stepwatch.storage.store import Fenced, Marker, LakeStore
 from stepwatch.stream import fencing, ingress, rebuild, stepaxis
 from stepwatch.stream.caughtup import CaughtUp
 from stepwatch.stream.intake import Intake
+from stepwatch.stream.emitter import AlertEmitter
+from stepwatch.stream.jobchanges import JobChanges
 from stepwatch.stream.checkpoint import Checkpoint, PartitionProgress
-from stepwatch.stream.sinks import AlertOut, ConsoleSink, LakeSink, Rows, Sinks, TopicSink
+from stepwatch.stream.sinks import ConsoleSink, LakeSink, Rows, Sinks, TopicSink
 from stepwatch.stream.align import COLUMN_DENSITY, COLUMN_FLOOR, JobState
 from stepwatch.stream.hostwait import HostWait
 from stepwatch.stream.stepaxis import JobAxis
@@ -101,7 +100,9 @@ class JobRuntime:
 
 class Processor:
     """Kafka consumer group -> decode (``intake``: :class:`~stepwatch.stream.intake.Intake`) -> align
-    (``stepaxis``: :class:`~stepwatch.stream.stepaxis.StepAxisGate`) -> detect -> sinks, checkpointed
+    (``stepaxis``: :class:`~stepwatch.stream.stepaxis.StepAxisGate`; a job's announced changes and
+    restarts: ``jobchanges``, :class:`~stepwatch.stream.jobchanges.JobChanges`) -> detect -> alerts
+    (``emitter``: :class:`~stepwatch.stream.emitter.AlertEmitter`) -> sinks, checkpointed
     (:class:`~stepwatch.stream.checkpoint.Checkpoint`; see the module docs); read-to-end proofs and lag:
     ``caught`` (:class:`~stepwatch.stream.caughtup.CaughtUp`). Each stage is an object built here with
     the collaborators it uses."""
@@ -154,8 +155,6 @@ class Processor:
         self.consumer = None
         self.producer = None
         self.stop_event = threading.Event()
-        self.alerts: list[Alert] = []
-        self.events: list[Alert] = []                  # lifecycle events (job_end), the newest 1024
         self.t_first_data: float | None = None      # wall time of the first message
         self.t_last_flush: float | None = None      # wall time of the last flush that wrote rows
         self._topic_kind = {kafka.topic(k): k for k in INPUT_TOPICS}
@@ -170,6 +169,12 @@ class Processor:
         # called with each alert still open in the store when a job is rebuilt (the job metrics count it;
         # the sinks get it as AlertOut(restored=True): stream.rebuild)
         self.on_alert_restored: Callable[[Alert], None] | None = self.job_metrics.on_alert
+        # the detectors' alerts to the store and the sinks: incidents, host waits, profiles (stream.emitter)
+        self.emitter = AlertEmitter(metrics=self.metrics, job_metrics=self.job_metrics, buffer=self._buffer,
+                                    send=self.sinks.write, profiling=lambda: self.profiling,
+                                    host_caught_up=self.caught.host_caught_up)
+        # a job's announced changes and restarts: new baselines (stream.jobchanges)
+        self.jobchanges = JobChanges(new_detectors=self.new_detectors, emit=self.emitter.emit)
         # a job's step rows judged against where its ranks are (stream.stepaxis)
         self.stepaxis = stepaxis.StepAxisGate(limits=self.limits, metrics=self.metrics, rlog=self.rlog,
                                               lake=self.lake, new_detectors=self.new_detectors,
@@ -177,6 +182,16 @@ class Processor:
         # partitions the group or the lake took away (stream.fencing)
         self.fencing = fencing.Fencing(lake=self.lake, jobs=self.jobs, progress=self.progress,
                                        read_to=self.caught.read_to, store=self.store, consumer=lambda: self.consumer)
+
+    @property
+    def alerts(self) -> list[Alert]:
+        """The alerts emitted (all are stored)."""
+        return self.emitter.alerts
+
+    @property
+    def events(self) -> list[Alert]:
+        """The newest lifecycle events (``job_end``) emitted (1,024)."""
+        return self.emitter.events
 
     def retune(self, kw: dict) -> None:
         """Put the limits ``kw`` in force (those left out: their defaults); a reload calls this too. The
@@ -265,7 +280,7 @@ class Processor:
     def close(self) -> None:
         try:
             for rt in self.jobs.values():
-                self._host_settled(rt, force=True)
+                self.emitter.settle(rt, force=True)
             self._flush()
         finally:
             if self.consumer is not None:
@@ -331,7 +346,7 @@ class Processor:
             self._close_idle_jobs()
             self._evict_jobs()
             for rt in self.jobs.values():
-                self._host_settled(rt)
+                self.emitter.settle(rt)
             self._flush()
             self.caught.update_lag()
         return n
@@ -358,7 +373,7 @@ class Processor:
         if kind != "steps":
             self._buffer(kind, t)
             if kind == "profiles" and self.profiling is not None:
-                self._profile_results(t)
+                self.emitter.profile_results(t)
             if kind in ("host", "gc", "comm", "inflight"):
                 self._context(kind, t)
             return
@@ -367,11 +382,11 @@ class Processor:
             part = t if len(jobs) == 1 else t.filter(pc.equal(t.column("job"), job))
             rt = self._job(job)
             if rt.telemetry.life.outcome is not None:           # steps after the job's end: a restart
-                self._restarted(rt, part)
+                self.jobchanges.restarted(rt, part)
             part = self.stepaxis.admit(rt, job, part, self.intake.dl, self.intake.src)   # bounds to where its ranks are
             if not part.num_rows:
                 continue
-            self._announced(rt, part)
+            self.jobchanges.announced(rt, part)
             t0, w0 = time.perf_counter(), rt.state.world_size
             res, blocks = rt.state.ingest(part)
             self.metrics.align_seconds.observe(time.perf_counter() - t0)
@@ -397,7 +412,7 @@ class Processor:
             rt.steps_partition = getattr(msg, "partition", None)
             self._detect(rt, blocks)
             self._tick(rt)
-            self._host_settled(rt)
+            self.emitter.settle(rt)
 
     def _context(self, kind: str, t: pa.Table) -> None:
         """Keep host/gc/comm rows in their job's bounded windows (detector evidence); host samples
@@ -410,7 +425,7 @@ class Processor:
             if kind == "host":
                 rt.host_partition = self.intake.src[1] if self.intake.src else rt.host_partition
                 self._tick(rt)
-                self._host_settled(rt)
+                self.emitter.settle(rt)
             elif kind == "inflight":                     # a watchdog's report, a rank's end: judged now
                 rt.inflight_partition = self.intake.src[1] if self.intake.src else rt.inflight_partition
                 self._tick(rt)
@@ -558,7 +573,7 @@ class Processor:
             try:
                 if rt.state.open_steps():
                     self._detect(rt, rt.state.close_ready(force=True))
-                self._host_settled(rt, force=True)
+                self.emitter.settle(rt, force=True)
             except Exception:  # noqa: BLE001 - eviction never stops the processor
                 log.exception("closing evicted job %s", j)
             if self.job_metrics is not None:        # its series go too: they are bounded by max_jobs
@@ -588,83 +603,13 @@ class Processor:
             self.metrics.steps_closed.inc(len(blk))
             if self.job_metrics is not None:
                 self.job_metrics.on_block(ctx, blk)
-        for seg, change in self._segments(rt, blocks):
+        for seg, change in self.jobchanges.segments(rt, blocks):
             replay(rt.detectors, ctx, seg, call=lambda det, fn, *a: self._call(rt, det, fn, *a),
                    on_block=on_block, out=lambda det, alerts, rows: self._out(rt, alerts, rows))
             if change is not None:
-                self._rebaseline(rt, change)
+                self.jobchanges.rebaseline(rt, change)
         if blocks and len(blocks[-1]):
             rt.incidents.expire(int(blocks[-1].steps[-1]))   # incidents quiet for long are closed
-
-    # ------------------------------------------------------------------ announced changes
-    #: detectors that judge a job against its own past: an announced change gives them a new baseline
-    BASELINE_DETECTORS = {"changepoint": ("regression", "recovery"), "jitter": ("jitter",),
-                          "mfu": ("mfu_regression",)}
-
-    def _announced(self, rt: JobRuntime, part: pa.Table) -> None:
-        """Steps the job marked as a change of its own (``probe.mark_change``: a phase named
-        ``change:<what>`` in the step's ``phases``): kept until the detectors reach them."""
-        if "phases" not in part.column_names:
-            return
-        ph = part.column("phases")
-        if ph.null_count == len(ph):
-            return
-        arr = ph.combine_chunks()
-        offs = arr.offsets.to_numpy(zero_copy_only=False)          # (a slice's offsets; its keys are all)
-        n = np.diff(offs)
-        if not n.sum():
-            return
-        keys = arr.keys.slice(int(offs[0]), int(offs[-1] - offs[0]))
-        hit = pc.fill_null(pc.starts_with(keys, "change:"), False).to_numpy(zero_copy_only=False)
-        if not hit.any():
-            return
-        row = np.repeat(np.arange(len(n)), n)[hit]
-        steps = np.unique(part.column("step").to_numpy(zero_copy_only=False)[row]).tolist()
-        done = rt.state.next_close if rt.state.next_close is not None else -1
-        rt.changes = sorted(set(rt.changes) | {int(s) for s in steps if s >= done})[-64:]
-
-    def _segments(self, rt: JobRuntime, blocks: list[StepBlock]):
-        """``blocks`` cut at the job's announced changes: (blocks before a change, its step) ..., (rest,
-        None)."""
-        if not rt.changes:
-            yield blocks, None
-            return
-        seg: list[StepBlock] = []
-        for b in blocks:
-            while rt.changes and len(b) and rt.changes[0] <= int(b.steps[-1]):
-                c = rt.changes.pop(0)
-                k = int(np.searchsorted(b.steps, c))
-                if k:
-                    seg.append(b.head(k))
-                yield seg, c
-                seg, b = [], b.tail(k)
-            if len(b):
-                seg.append(b)
-        yield seg, None
-
-    def _rebaseline(self, rt: JobRuntime, step: int) -> None:
-        """The job announced a change at ``step`` (a new batch size, learning-rate phase, model stage): the
-        detectors that judge it against its own past start new baselines there (a fresh warm-up gate),
-        and what they still say firing is resolved: its baseline is gone."""
-        fresh = {d.name: d for d in self.new_detectors(rt.state.job)}
-        kinds = {k for n in self.BASELINE_DETECTORS for k in self.BASELINE_DETECTORS[n]}
-        rt.detectors = [fresh[d.name] if d.name in self.BASELINE_DETECTORS and d.name in fresh else d
-                        for d in rt.detectors]
-        for d in rt.detectors:
-            if d.name == "comm_bw" and getattr(d, "_steady", None) is not None:
-                d._steady.reset()
-                d._sync_native = None
-        log.info("job %s: a change announced at step %d: new baselines for %s", rt.state.job, step,
-                 ", ".join(sorted(self.BASELINE_DETECTORS)))
-        for f in list(rt.firing.values()):
-            if f.kind not in kinds:
-                continue
-            ev = dict(f.evidence)
-            ev["resolved_by"] = f"change announced at step {step}"
-            self._emit(rt, Alert(job=f.job, kind=f.kind, status="resolved", step_first=f.step_first,
-                                 step_detected=step, t_detected=f.t_detected, ranks=list(f.ranks),
-                                 nodes=list(f.nodes), cause=f.cause, severity=f.severity, evidence=ev,
-                                 cost_pct=f.cost_pct, suggestion=f.suggestion, alert_id=f.alert_id))
 
     def _run_detector(self, rt: JobRuntime, det, fn, *args) -> None:
         """Call one detector entry point outside a replay (``tick``) and hand out what it returns, as
@@ -693,124 +638,7 @@ class Processor:
             if t.num_rows and not rt.replaying:          # replayed steps' rows are already stored
                 self._buffer(table, conform(t, wire.SCHEMAS[table]))
         for a in alerts:
-            self._emit(rt, a)
-
-    def _restarted(self, rt: JobRuntime, part: pa.Table) -> None:
-        """Steps newer than the judged end of the job: the same job id started again (a restart from a
-        checkpoint). Its detectors start new baselines and its life starts over."""
-        life = rt.telemetry.life
-        t = part.column("t_end")
-        newest = pc.max(t.cast(pa.int64()) if pa.types.is_timestamp(t.type) else t).as_py()
-        if newest is None or not life.restarted(int(newest)):
-            return
-        log.info("job %s: steps after its end (%s at step %d): a restart, new baselines", rt.state.job,
-                 life.outcome, life.step_outcome)
-        # a new attempt: its steps (from its checkpoint, so often numbers the last attempt ran too) are its
-        # own, not duplicates of the old ones; its alignment starts afresh with the job's topology
-        old = rt.state
-        rt.state = JobState(old.job, capacity=old.capacity, lateness_ns=old.lateness_ns)
-        for t in rt.topology:
-            rt.state.set_topology(t)
-        rt.axis = JobAxis()
-        rt.pending = []
-        rt.detectors = self.new_detectors(rt.state.job)
-        rt.telemetry.life = JobLife()
-        rt.firing.clear()
-
-    def _event(self, rt: JobRuntime, a: Alert) -> None:
-        """A lifecycle event (``job_end``): stored with the alerts (severity info), said on the console,
-        never sent as an alert. It closes the job's incidents: alerts still firing are resolved."""
-        closed = []
-        for f in list(rt.firing.values()):
-            ev = dict(f.evidence)
-            ev["resolved_by"] = "job_end"
-            self._emit(rt, Alert(job=f.job, kind=f.kind, status="resolved", step_first=f.step_first,
-                                 step_detected=a.step_detected, t_detected=a.t_detected, ranks=list(f.ranks),
-                                 nodes=list(f.nodes), cause=f.cause, severity=f.severity, evidence=ev,
-                                 cost_pct=f.cost_pct, suggestion=f.suggestion, alert_id=f.alert_id))
-        for inc in rt.incidents.incidents.values():
-            if inc.status == "firing" or not inc.closed:
-                closed.append(inc.id)
-            inc.closed = True
-        a.evidence = dict(a.evidence, incidents_closed=closed[:32])
-        self.events.append(a)
-        del self.events[:-1024]
-        self.metrics.alerts.labels(a.kind, a.status).inc()
-        log.info("%s", a.line())
-        self._buffer("alerts", pa.Table.from_pylist([a.row()], schema=wire.ALERTS))
-
-    def _emit(self, rt: JobRuntime, a: Alert) -> None:
-        key = (a.alert_id, a.status)
-        if key in rt.alerts_seen:
-            if not a.incident_id:                           # replayed: its incident is known (seeded)
-                a.incident_id = rt.incidents.by_alert.get(a.alert_id, "")
-            return
-        rt.alerts_seen.add(key)
-        if a.kind in EVENT_KINDS:
-            self._event(rt, a)
-            return
-        if a.status == "firing":
-            rt.firing[a.alert_id] = a
-        else:
-            rt.firing.pop(a.alert_id, None)
-        rt.incidents.assign(a)                               # one incident per fault (detectors/incidents.py)
-        st = rt.state
-        sl = a.step_first % st.capacity
-        if "t_first_ns" not in a.evidence and st.slot_step[sl] == a.step_first and st.t_end[sl]:
-            a.evidence["t_first_ns"] = int(st.t_end[sl])    # lets Grafana draw the alert as a region
-        self.alerts.append(a)
-        self.metrics.alerts.labels(a.kind, a.status).inc()
-        if self.job_metrics is not None:
-            self.job_metrics.on_alert(a)
-        row = pa.Table.from_pylist([a.row()], schema=wire.ALERTS)
-        if rt.replaying or not rt.hostwait.hold(a, rt.telemetry):
-            self._buffer("alerts", row)                      # else when its host samples came (_host_settled)
-        self._notify(a, row)
-        if self.profiling is not None and a.status == "firing" and not rt.replaying:
-            self._profile_alert(rt, a)
-
-    def _notify(self, a: Alert, row: pa.Table | None = None, note: str = "") -> None:
-        """The alert to the sinks that tell people (alerts topic, console, notifiers), now."""
-        self.sinks.write(AlertOut(a, row, note=note))
-
-    def _host_settled(self, rt: JobRuntime, force: bool = False) -> None:
-        """Alerts whose row waited for the host samples of their steps (stream/hostwait.py): decided again,
-        stored, and sent again (same alert id) when their cause or foreign process changed."""
-        if not len(rt.hostwait):
-            return
-        for a, changed in rt.hostwait.due(rt.telemetry, rt.state.max_t_end, force=force,
-                                          caught_up=self.caught.host_caught_up(rt)):
-            if changed:
-                rt.incidents.refresh(a)
-            row = pa.Table.from_pylist([a.row()], schema=wire.ALERTS)
-            self._buffer("alerts", row)
-            if changed:
-                self._notify(a, row)
-
-    # ------------------------------------------------------------------ targeted profiling (stream.profiling)
-    def _profile_alert(self, rt: JobRuntime, a: Alert) -> None:
-        try:
-            rows = self.profiling.on_alert(rt.state, a)
-        except Exception:  # noqa: BLE001 - profiling never stops the processor
-            log.exception("could not issue profiling commands for alert %s", a.alert_id)
-            return
-        if rows:
-            from stepwatch.stream.profiling import profile_rows_table
-            self._buffer("profiles", profile_rows_table(rows))
-
-    def _profile_results(self, t: pa.Table) -> None:
-        """Suspect + reference summaries in: store the comparison (``profile_diffs`` table) and re-emit
-        the alert with a ``profile_diff`` section (on the alerts topic and to the callback; the alerts
-        table keeps one row per alert and status)."""
-        from stepwatch.stream.profiling import alert_with_diff, diff_rows_table
-        for p, d in self.profiling.on_results(t):
-            aid = getattr(p.alert, "alert_id", "") or ""
-            self._buffer("profile_diffs", diff_rows_table(p.job, aid, p.cmd_id, d))
-            if p.alert is None:
-                continue
-            a = alert_with_diff(p.alert, p.cmd_id, d)
-            self._notify(a, None, "profile: " + ", ".join(
-                f"{x['name']} +{x['delta_ms']:.2f} ms/step" for x in d["slower"][:3]))
+            self.emitter.emit(rt, a)
 
     def _close_idle_jobs(self) -> None:
         """Close steps of jobs whose stream went quiet (event time cannot advance without data)."""
@@ -834,7 +662,7 @@ class Processor:
         m = self.metrics
         return {"rows_in": m.value(m.records_in), "rows_out": m.value(m.records_out),
                 "deadletter": m.value(m.dropped, "deadletter"), "duplicates": m.value(m.dropped, "duplicate"),
-                "alerts": len(self.alerts), "lag": getattr(m, "total_lag", 0),
+                "alerts": self.emitter.emitted, "lag": getattr(m, "total_lag", 0),
                 "jobs": len(self.jobs), "jobs_evicted": m.value(m.jobs_evicted),
                 "rebuilds": {h: m.value(m.rebuilds, h) for h in ("store", "none", "rate_limited")},
                 "rows_out_steps": m.value(m.records_out, "steps"),

@@ -73,7 +73,7 @@ PARTS = ("stepwatch.wire.decode:decode", "stepwatch.wire.decode:_read_arrow", "s
          "stepwatch.stream.stepaxis:time_base", "stepwatch.stream.stepaxis:StepAxisGate.admit",
          "stepwatch.stream.align:JobState.ingest", "stepwatch.stream.processor:Processor._detect",
          "stepwatch.stream.processor:Processor._tick", "stepwatch.stream.processor:Processor._context",
-         "stepwatch.stream.processor:Processor._buffer", "stepwatch.stream.processor:Processor._host_settled",
+         "stepwatch.stream.processor:Processor._buffer", "stepwatch.stream.emitter:AlertEmitter.settle",
          "stepwatch.stream.intake:Intake.prepare")
 
 

@@ -201,7 +201,7 @@ def test_a_profile_diff_resend_updates_the_alerts_annotation_instead_of_adding_o
 
 
 def test_processor_resend_through_the_callback_leaves_one_annotation(grafana, tmp_path):
-    """End to end through the processor's own re-send path (Processor._profile_results), with the
+    """End to end through the processor's own re-send path (Processor.emitter.profile_results), with the
     sink as its on_alert callback, as `stepwatch process --grafana-url` wires it."""
     from types import SimpleNamespace
 
@@ -209,12 +209,12 @@ def test_processor_resend_through_the_callback_leaves_one_annotation(grafana, tm
     from stepwatch.stream.processor import Processor
     sink = AnnotationSink(grafana.url, grafana.token)
     a = alert("firing")
-    sink.submit(a, t_first_ns=T_FIRST)              # the first emission (Processor._emit)
+    sink.submit(a, t_first_ns=T_FIRST)              # the first emission (AlertEmitter.emit)
     diff = _with_diff(a).evidence["profile_diff"]
     proc = Processor(KafkaSettings(), tmp_path, on_alert=sink, profiling=None, create_topics=False)
     proc.profiling = SimpleNamespace(on_results=lambda t: [
         (SimpleNamespace(alert=a, cmd_id=diff["cmd_id"], job=a.job), diff)])
-    proc._profile_results(None)
+    proc.emitter.profile_results(None)
     assert list(proc.lake.buffers) == ["profile_diffs"]                  # the comparison is stored as well
     assert sink.close(5)
     assert len(grafana.annotations) == 1 and "profile 3f2a9c0e1b7d4a55" in grafana.annotations[0]["text"]

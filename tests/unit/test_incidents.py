@@ -77,14 +77,14 @@ def test_the_incident_id_survives_a_processor_restart(tmp_path):
     p1 = Processor(KafkaSettings(), tmp_path, on_alert=lambda a: None, profiling=None)
     rt = p1._job(J)
     s = al("slow_rank", ranks=[13])
-    p1._emit(rt, s)
+    p1.emitter.emit(rt, s)
     p1._flush()
     p2 = Processor(KafkaSettings(), tmp_path, on_alert=lambda a: None, profiling=None)   # a restart
     rt2 = p2._job(J)
     reg = al("regression", step_first=99, step=110, cause="communication")
     res = al("slow_rank", "resolved", ranks=[13], step=150, aid=s.alert_id)
-    p2._emit(rt2, reg)
-    p2._emit(rt2, res)
+    p2.emitter.emit(rt2, reg)
+    p2.emitter.emit(rt2, res)
     assert reg.incident_id == res.incident_id == s.incident_id
     p2._flush()
     from stepwatch.storage.views import connect
