@@ -22,7 +22,7 @@ from stepwatch.stream.sinks import AlertOut
 
 log = logging.getLogger("stepwatch.processor")
 
-KEEP = 1024                # lifecycle events kept in memory (the newest; all are stored)
+KEEP = 1024                # alerts and lifecycle events kept in memory (the newest; all are stored)
 
 
 def resolution(f: Alert, *, step: int, t_detected: int, by: str) -> Alert:
@@ -43,7 +43,7 @@ class AlertEmitter:
     reload replaces it) and ``host_caught_up(rt)`` (whether the job's host partition is read to its end).
     ``rt`` is the processor's runtime of one job (``Processor.JobRuntime``).
 
-    ``alerts`` are the alerts emitted and ``events`` the newest :data:`KEEP` lifecycle events (tests and
+    ``alerts`` and ``events`` are the newest :data:`KEEP` alerts and lifecycle events emitted (tests and
     tools read them); ``emitted`` counts every alert."""
 
     def __init__(self, *, metrics, job_metrics, buffer, send, profiling, host_caught_up):
@@ -74,6 +74,7 @@ class AlertEmitter:
         if "t_first_ns" not in a.evidence and st.slot_step[sl] == a.step_first and st.t_end[sl]:
             a.evidence["t_first_ns"] = int(st.t_end[sl])    # lets Grafana draw the alert as a region
         self.alerts.append(a)
+        del self.alerts[:-KEEP]
         self.emitted += 1
         self.metrics.alerts.labels(a.kind, a.status).inc()
         if self.job_metrics is not None:

@@ -185,7 +185,7 @@ class Processor:
 
     @property
     def alerts(self) -> list[Alert]:
-        """The alerts emitted (all are stored)."""
+        """The newest alerts emitted (1,024: :data:`stepwatch.stream.emitter.KEEP`; all are stored)."""
         return self.emitter.alerts
 
     @property
