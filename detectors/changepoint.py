@@ -588,7 +588,8 @@ class ChangePoint(Detector):
         # stage moving against the rest, the job's own drift moves every stage alike (one stage: the job's
         # median busy time moving, as a two-rank job's does when one of its ranks slows down)
         stages = np.asarray(ctx.stage)
-        d_rel = d_hi - float(pa[-1] - pb[-1]) if stages.size and len(np.unique(stages)) > 1 else d_hi
+        staged = bool(stages.size and len(np.unique(stages)) > 1)
+        d_rel = d_hi - float(pa[-1] - pb[-1]) if staged else d_hi
         d_lead = after - before
         # the least time in collectives over the ranks (comm + wait): the last rank to arrive waits for
         # nobody, so a straggler leaves it where it was; a slower network (or collective) moves it on every
@@ -606,9 +607,12 @@ class ChangePoint(Detector):
             series in ("step_ms", "comm_wait_ms") and cause == "parallelism"
         if shared:
             cause = "communication"
-        if (self.defer_stragglers and cause == "parallelism"
-                and not abs(d_rel) >= 0.5 * abs(d_lead)):
-            return None                     # a few slow ranks: the slow-rank detector names them
+        if self.defer_stragglers and cause == "parallelism" and (not staged or not abs(d_rel) >= 0.5 * abs(d_lead)):
+            # a few slow ranks: the slow-rank detector names them. Without pipeline stages there is no stage
+            # to be imbalanced: ranks waiting longer for each other is stragglers, or each step another rank
+            # slowest (jitter), even where the median busy time moved with them (two ranks: one slowing
+            # moves the median; real 2-rank runs of a shared host got 3-12 % comm-wait "regressions" so)
+            return None
         if series == "step_ms":
             cost = max(effect, 0.0) * 100.0
         else:
@@ -621,11 +625,20 @@ class ChangePoint(Detector):
             noise = 100.0 * 1.4826 * float(np.median(np.abs(xb - np.median(xb)))) / step_b \
                 if len(xb) >= self.min_size and step_b > 0 else 0.0
             floor = max(self.phase_min_cost, noise)
-            if kind == "regression" and floor > 0 and not (
+            # ... unless the phase's own level moved clearly: by phase_clear_sd of its own long-run noise, every
+            # step after the change outside the spread of the steps before (GC that tripled, host time up 40 %
+            # on every rank: a real change of what the job does, however little of the step it is; a shared
+            # host's wandering phases moved by 2-3 of their sd on real 2-rank runs). The step time, whose own
+            # noise hides such a change, is then not asked to carry it. Not the comm wait: a straggler's doing
+            # nor a change smaller than phase_clear_min_ms (a scheduler's time slice: what the host's scheduling
+            # does to any process; real gloo ranks' host time moved by 0.06-0.3 ms at a few us of noise)
+            clear = (self.phase_clear_sd > 0 and series != "comm_wait_ms" and d_lead >= self.phase_clear_min_ms
+                     and d_lead >= self.phase_clear_sd * float(lead["sigma"]))
+            if kind == "regression" and floor > 0 and not clear and not (
                     cost >= floor and d_step >= self.phase_step_share * d_lead):
                 # a phase that grew without the step time carrying it (the ranks' other phases took it back:
                 # one rank's run-queue wait up while the others wait less for it) or that costs next to nothing
-                # (a 0.3% regression): nothing a maintainer would act on
+                # (a 0.3% regression) and is no clear change of the phase either: nothing a maintainer would act on
                 return None
         ts = self._times()
         host_ev = job_host_shift(ctx, (int(ts[a]), int(ts[i - 1])), (int(ts[i]), int(ts[b - 1])),

@@ -61,6 +61,14 @@ SETTINGS = (
             "level) when larger (unset: half the step time's own bar, 50 x min_effect = 2.5%: on real 2-rank "
             "DDP runs of a shared host the phases wander by 2.1-2.2% of the step for tens of steps, which no "
             "one acts on; at 1% a clean run got 4 such regressions)", kind=float),
+    Setting("phase_clear_sd", 5.0, 0.0, None, "noise sd", "... or, below that cost, when the phase's level moved "
+            "by at least this many of its own noise sd (the long-run noise the t-test uses; not the comm wait, "
+            "which a straggler moves): a clear change of what the job does (GC that tripled, host time up 40 % on every "
+            "rank) however little of the step it costs; a shared host's wandering phases moved by 2-3 sd on real "
+            "2-rank runs. 0: off"),
+    Setting("phase_clear_min_ms", 1.0, 0.0, None, "ms", "... and by at least this much per step: about a "
+            "scheduler's time slice (Linux CFS: 0.75-3 ms), what a host's scheduling does to any process (the host "
+            "time of real gloo ranks moved by 0.06-0.3 ms at a few microseconds of noise)"),
     Setting("phase_step_share", 0.25, 0.0, 10.0, "share", "... and the step time carried at least this share "
             "of the phase's growth (a phase that grew while the others shrank, as when one rank's run-queue "
             "wait rises and the others wait less for it, cost the job nothing)"),
