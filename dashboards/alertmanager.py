@@ -38,7 +38,7 @@ retried with exponential backoff and jitter (``tenacity``: ``backoff_s`` doublin
 is not retried and counts as *failed*. While an Alertmanager is away, alerts wait in its queue
 (``maxsize``); when the queue is full new alerts are dropped and counted. The queues, threads, retries
 and close are :mod:`stepwatch.dashboards.sink`'s, shared with the Grafana annotation sink. Credentials: HTTP basic
-auth or a bearer token read from a file (:class:`CredentialsFile`: a file other users can read is warned
+auth or a bearer token read from a file (:func:`credentials_file`: a file other users can read is warned
 about; a replaced or rewritten file is read again before the next delivery, so a rotated Secret takes
 effect without a restart).
 
@@ -55,8 +55,6 @@ import collections
 import datetime as dt
 import json
 import logging
-import os
-import threading
 import time
 import urllib.error
 import urllib.parse
@@ -112,37 +110,14 @@ def read_credentials(path: str, kind: str = "bearer") -> str:
     raise AlertmanagerError(f"unknown Alertmanager auth kind {kind!r} (basic or bearer)")
 
 
-class CredentialsFile:
-    """The ``Authorization`` header from a credentials file (:func:`read_credentials`), read at start
-    (errors raise there) and again whenever the file is replaced or rewritten (a Kubernetes Secret swaps
-    its files on rotation): calling it before each delivery costs one ``stat``. A re-read that fails (the
-    file empty or gone mid-rewrite) keeps the header in use and logs why once; the secret is never logged."""
-
-    def __init__(self, path: str, kind: str = "bearer"):
-        self.path, self.kind = path, kind
-        self._lock = threading.Lock()
-        self._key = self._stat()
-        self._value = read_credentials(path, kind)
-
-    def _stat(self):
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return None
-        return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
-
-    def __call__(self) -> str:
-        key = self._stat()
-        if key is not None and key != self._key:
-            with self._lock:
-                if key != self._key:
-                    self._key = key
-                    try:
-                        self._value = read_credentials(self.path, self.kind)
-                        log.info("Alertmanager credentials file %s changed: read again", self.path)
-                    except AlertmanagerError as e:
-                        log.warning("%s; the credentials read before stay in use", e)
-        return self._value
+def credentials_file(path: str, kind: str = "bearer"):
+    """The ``Authorization`` header of a credentials file as a callable (:class:`stepwatch.secretfile.Reread`):
+    read at start (errors raise there) and again before a delivery whenever the file was replaced or
+    rewritten, so a rotated Secret takes effect without a restart; a file found empty or gone mid-rewrite
+    keeps the header in use."""
+    from stepwatch.secretfile import Reread
+    return Reread(path, lambda p: read_credentials(p, kind), "--alertmanager-credentials-file",
+                  errors=(AlertmanagerError,))
 
 
 def split_credentials(url: str) -> tuple[str, str | None]:
@@ -361,7 +336,7 @@ class AlertmanagerSink(QueueSink):
     """Non-blocking delivery of alerts to one or more Alertmanagers (see the module docs).
 
     ``urls``: Alertmanager base URLs (``http://host:9093``; every alert goes to each). ``authorization``:
-    an ``Authorization`` header value, or a callable giving it before each POST (:class:`CredentialsFile`). ``grafana_url``: Grafana base URL for
+    an ``Authorization`` header value, or a callable giving it before each POST (:func:`credentials_file`). ``grafana_url``: Grafana base URL for
     the dashboard link (None: no link). ``resend_interval_s``: re-send period of firing alerts;
     ``resolve_after_s``: their ``endsAt`` horizon (default 4 x the re-send period); ``point_hold_s``: how
     long a point alert stays up. ``maxsize``: queue bound per URL; ``batch``: alerts per POST;
@@ -447,7 +422,7 @@ def sink_from_args(a, registry=None) -> AlertmanagerSink | None:
     urls = getattr(a, "alertmanager", None) or []
     if not urls:
         return None
-    auth = CredentialsFile(a.alertmanager_credentials_file, a.alertmanager_auth) \
+    auth = credentials_file(a.alertmanager_credentials_file, a.alertmanager_auth) \
         if a.alertmanager_credentials_file else None
     grafana = a.grafana_link_url or getattr(a, "grafana_url", None)
     return AlertmanagerSink(urls, authorization=auth, grafana_url=grafana, resend_interval_s=a.alertmanager_resend,
