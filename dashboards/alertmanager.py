@@ -335,12 +335,12 @@ class _Worker(Lane):
 class AlertmanagerSink(QueueSink):
     """Non-blocking delivery of alerts to one or more Alertmanagers (see the module docs).
 
-    ``urls``: Alertmanager base URLs (``http://host:9093``; every alert goes to each). ``authorization``:
-    an ``Authorization`` header value, or a callable giving it before each POST (:func:`credentials_file`). ``grafana_url``: Grafana base URL for
-    the dashboard link (None: no link). ``resend_interval_s``: re-send period of firing alerts;
-    ``resolve_after_s``: their ``endsAt`` horizon (default 4 x the re-send period); ``point_hold_s``: how
-    long a point alert stays up. ``maxsize``: queue bound per URL; ``batch``: alerts per POST;
-    ``max_firing``: firing alerts re-sent at most (per URL); ``backoff_s``/``backoff_max_s``/
+    ``urls``: Alertmanager base URLs (``http://host:9093``; every alert goes to each). ``authorization``: an
+    ``Authorization`` header value, or a callable giving it before each POST (:func:`credentials_file`).
+    ``grafana_url``: Grafana base URL for the dashboard link (None: no link). ``resend_interval_s``: re-send
+    period of firing alerts; ``resolve_after_s``: their ``endsAt`` horizon (default 4 x the re-send period);
+    ``point_hold_s``: how long a point alert stays up. ``maxsize``: queue bound per URL; ``batch``: alerts per
+    POST; ``max_firing``: firing alerts re-sent at most (per URL); ``backoff_s``/``backoff_max_s``/
     ``max_attempts``: retries; ``timeout``: per-request seconds; ``registry``: where the counters live.
     """
 
