@@ -57,8 +57,8 @@ log = logging.getLogger("stepwatch.act")
 
 KINDS = ("slow_node", "rank_crash")
 #: a node name that is one host, never a Slurm host list (``n[1-64]``), a list, or a second argument
-NODE_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,251}[A-Za-z0-9])?$")
-ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+NODE_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,251}[A-Za-z0-9])?\Z")   # \Z: "$" lets a final newline in
+ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}\Z")
 MAX_ALERTS = 1000                 # alerts in one notification
 MAX_LABEL = 1024                  # characters of one label value
 REFUSALS = ("cooldown", "rate_limit", "node_state")

@@ -31,7 +31,7 @@ LAUNCHERS = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
 #: Slurm end states that are the scheduler's or a user's decision, not the job's failure
 SCHED_STOPS = {"TIMEOUT": "time_limit", "CANCELLED": "cancelled", "PREEMPTED": "preempted",
                "DEADLINE": "time_limit", "NODE_FAIL": "node_fail", "BOOT_FAIL": "node_fail"}
-_STATE = re.compile(r"^[A-Z_]{1,32}$")
+_STATE = re.compile(r"^[A-Z_]{1,32}\Z")                   # \Z: "$" lets a final newline in
 
 
 def in_step(env) -> bool:

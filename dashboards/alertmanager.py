@@ -38,7 +38,9 @@ retried with exponential backoff and jitter (``tenacity``: ``backoff_s`` doublin
 is not retried and counts as *failed*. While an Alertmanager is away, alerts wait in its queue
 (``maxsize``); when the queue is full new alerts are dropped and counted. The queues, threads, retries
 and close are :mod:`stepwatch.dashboards.sink`'s, shared with the Grafana annotation sink. Credentials: HTTP basic
-auth or a bearer token read from a file (:func:`read_credentials`).
+auth or a bearer token read from a file (:func:`credentials_file`: a file other users can read is warned
+about; a replaced or rewritten file is read again before the next delivery, so a rotated Secret takes
+effect without a restart).
 
 Prometheus metrics (on the registry passed in, e.g. the processor's), label ``url``:
 ``stepwatch_alertmanager_alerts_sent_total``, ``…_failed_total``, ``…_dropped_total``,
@@ -88,7 +90,10 @@ def _rfc3339(t_ns: int | float) -> str:
 
 def read_credentials(path: str, kind: str = "bearer") -> str:
     """The ``Authorization`` header value from a file: ``bearer`` — the file holds the token;
-    ``basic`` — the file holds ``user:password`` (one line; surrounding whitespace is ignored)."""
+    ``basic`` — the file holds ``user:password`` (one line; surrounding whitespace is ignored). A file
+    other users can read is warned about (:mod:`stepwatch.secretfile`)."""
+    from stepwatch import secretfile
+    secretfile.check(path, "--alertmanager-credentials-file")
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read().strip()
@@ -103,6 +108,16 @@ def read_credentials(path: str, kind: str = "bearer") -> str:
             raise AlertmanagerError(f"Alertmanager credentials file {path} must hold user:password for basic auth")
         return "Basic " + base64.b64encode(text.encode()).decode()
     raise AlertmanagerError(f"unknown Alertmanager auth kind {kind!r} (basic or bearer)")
+
+
+def credentials_file(path: str, kind: str = "bearer"):
+    """The ``Authorization`` header of a credentials file as a callable (:class:`stepwatch.secretfile.Reread`):
+    read at start (errors raise there) and again before a delivery whenever the file was replaced or
+    rewritten, so a rotated Secret takes effect without a restart; a file found empty or gone mid-rewrite
+    keeps the header in use."""
+    from stepwatch.secretfile import Reread
+    return Reread(path, lambda p: read_credentials(p, kind), "--alertmanager-credentials-file",
+                  errors=(AlertmanagerError,))
 
 
 def split_credentials(url: str) -> tuple[str, str | None]:
@@ -290,8 +305,9 @@ class _Worker(Lane):
         s = self.sink
         data = json.dumps(bodies).encode()
         headers = {"Content-Type": "application/json", "User-Agent": "stepwatch"}
-        if self.authorization:
-            headers["Authorization"] = self.authorization
+        auth = self.authorization() if callable(self.authorization) else self.authorization
+        if auth:
+            headers["Authorization"] = auth
 
         def once() -> None:
             req = urllib.request.Request(self.endpoint, data=data, headers=headers, method="POST")
@@ -319,16 +335,16 @@ class _Worker(Lane):
 class AlertmanagerSink(QueueSink):
     """Non-blocking delivery of alerts to one or more Alertmanagers (see the module docs).
 
-    ``urls``: Alertmanager base URLs (``http://host:9093``; every alert goes to each). ``authorization``:
-    an ``Authorization`` header value (:func:`read_credentials`). ``grafana_url``: Grafana base URL for
-    the dashboard link (None: no link). ``resend_interval_s``: re-send period of firing alerts;
-    ``resolve_after_s``: their ``endsAt`` horizon (default 4 x the re-send period); ``point_hold_s``: how
-    long a point alert stays up. ``maxsize``: queue bound per URL; ``batch``: alerts per POST;
-    ``max_firing``: firing alerts re-sent at most (per URL); ``backoff_s``/``backoff_max_s``/
+    ``urls``: Alertmanager base URLs (``http://host:9093``; every alert goes to each). ``authorization``: an
+    ``Authorization`` header value, or a callable giving it before each POST (:func:`credentials_file`).
+    ``grafana_url``: Grafana base URL for the dashboard link (None: no link). ``resend_interval_s``: re-send
+    period of firing alerts; ``resolve_after_s``: their ``endsAt`` horizon (default 4 x the re-send period);
+    ``point_hold_s``: how long a point alert stays up. ``maxsize``: queue bound per URL; ``batch``: alerts per
+    POST; ``max_firing``: firing alerts re-sent at most (per URL); ``backoff_s``/``backoff_max_s``/
     ``max_attempts``: retries; ``timeout``: per-request seconds; ``registry``: where the counters live.
     """
 
-    def __init__(self, urls, *, authorization: str | None = None, grafana_url: str | None = None,
+    def __init__(self, urls, *, authorization=None, grafana_url: str | None = None,
                  resend_interval_s: float = 60.0, resolve_after_s: float | None = None,
                  point_hold_s: float = 900.0, maxsize: int = 10_000, batch: int = 500, max_firing: int = 10_000,
                  backoff_s: float = 0.5, backoff_max_s: float = 30.0, max_attempts: int | None = None,
@@ -406,7 +422,7 @@ def sink_from_args(a, registry=None) -> AlertmanagerSink | None:
     urls = getattr(a, "alertmanager", None) or []
     if not urls:
         return None
-    auth = read_credentials(a.alertmanager_credentials_file, a.alertmanager_auth) \
+    auth = credentials_file(a.alertmanager_credentials_file, a.alertmanager_auth) \
         if a.alertmanager_credentials_file else None
     grafana = a.grafana_link_url or getattr(a, "grafana_url", None)
     return AlertmanagerSink(urls, authorization=auth, grafana_url=grafana, resend_interval_s=a.alertmanager_resend,

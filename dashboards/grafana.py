@@ -34,7 +34,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from grafana_client import GrafanaApi
 from grafana_client.client import (GrafanaClientError, GrafanaException, GrafanaServerError,
-                                   GrafanaTimeoutError, GrafanaUnauthorizedError)
+                                   GrafanaTimeoutError, GrafanaUnauthorizedError, TokenAuth)
 
 from . import alerting, build
 from .datasource import DATASOURCE_NAME, DATASOURCE_UID, PLUGIN_ID, datasource_model
@@ -84,8 +84,35 @@ def read_token(token_file: str | os.PathLike | None = None, env: dict | None = N
                        "(a service-account token with the Editor role, or Admin for datasources)")
 
 
-def make_api(url: str, token: str, timeout: float = 10.0) -> GrafanaApi:
-    """A :class:`GrafanaApi` for ``url`` (``http(s)://host[:port][/sub-path]``) with Bearer ``token``."""
+class _FileToken(TokenAuth):
+    """Bearer auth whose token comes from a :class:`stepwatch.secretfile.Reread` (read again when the
+    file changes) at each request."""
+
+    def __init__(self, reread):                      # no super().__init__: ``token`` is read, not stored
+        self._reread = reread
+
+    @property
+    def token(self) -> str:
+        return self._reread()
+
+
+def token_file_auth(path: str, what: str) -> TokenAuth:
+    """Bearer auth for requests from the token file ``path`` (named ``what`` in messages: the flag or
+    variable): read now (:class:`GrafanaError` if it cannot be) and again whenever the file is replaced or
+    rewritten, so a rotated token takes effect without a restart; a file other users can read is warned
+    about (:mod:`stepwatch.secretfile`); a file found empty mid-rewrite keeps the token in use. Like
+    :func:`read_token`'s errors, the logs name ``what``, not the path (a token pasted for a path)."""
+    from stepwatch import secretfile
+
+    def read(p):
+        secretfile.check(p, what, show_path=False)
+        return read_token(p)[0]
+    return _FileToken(secretfile.Reread(path, read, what, errors=(GrafanaError,), show_path=False))
+
+
+def make_api(url: str, token, timeout: float = 10.0) -> GrafanaApi:
+    """A :class:`GrafanaApi` for ``url`` (``http(s)://host[:port][/sub-path]``) with Bearer ``token`` (a
+    string, or :func:`token_file_auth`)."""
     if not url.startswith(("http://", "https://")):
         raise GrafanaError(f"Grafana URL {url!r} must start with http:// or https://")
     u = urlsplit(url)                 # grafana-client joins the sub-path and "api" without a slash

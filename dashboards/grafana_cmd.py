@@ -107,8 +107,12 @@ def annotation_sink_from_args(a, registry=None):
     if not getattr(a, "grafana_url", None):
         return None
     from .annotations import AnnotationSink
-    from .grafana import read_token
-    token, _ = read_token(a.grafana_token_file)
+    from .grafana import TOKEN_FILE_ENV, read_token, token_file_auth
+    path = a.grafana_token_file or os.environ.get(TOKEN_FILE_ENV)
+    if path:                          # read again when it changes: a rotated token needs no restart
+        token = token_file_auth(path, "--grafana-token-file" if a.grafana_token_file else TOKEN_FILE_ENV)
+    else:
+        token, _ = read_token()
     return AnnotationSink(a.grafana_url, token, registry=registry)
 
 

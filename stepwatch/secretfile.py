@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import threading
 
 log = logging.getLogger("stepwatch.secrets")
 
@@ -27,13 +28,50 @@ def too_open(path) -> str | None:
     return None
 
 
-def check(path, what: str) -> None:
+def check(path, what: str, show_path: bool = True) -> None:
     """Log a warning, once per file and mode, when the secret file ``path`` (named by ``what``, e.g. the
-    environment variable that points at it) is too open (see :func:`too_open`)."""
+    environment variable that points at it; and by its path unless ``show_path`` is False) is too open
+    (see :func:`too_open`)."""
     why = too_open(path)
     if why is None:
         return
     key = (str(path), why)
     if key not in _warned:
         _warned.add(key)
-        log.warning("%s=%s: a secret file whose %s", what, path, why)
+        log.warning("%s: a secret file whose %s", f"{what}={path}" if show_path else what, why)
+
+
+def _version(path):
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
+
+
+class Reread:
+    """A value read from a secret file by ``read(path)`` at start (its errors raise there) and read again,
+    when called, whenever the file was replaced or rewritten since (a Kubernetes Secret swaps its files
+    on rotation): a call costs one ``stat``. A re-read that raises one of ``errors`` (the file empty or
+    gone mid-rewrite) keeps the value in use and logs why, naming ``what`` (and the path unless
+    ``show_path`` is False), never the value."""
+
+    def __init__(self, path, read, what: str, errors: tuple = (OSError, ValueError), show_path: bool = True):
+        self.path, self._read, self._errors = path, read, errors
+        self.what = f"{what}={path}" if show_path else what
+        self._lock = threading.Lock()
+        self._version = _version(path)
+        self._value = read(path)
+
+    def __call__(self):
+        v = _version(self.path)
+        if v is not None and v != self._version:
+            with self._lock:
+                if v != self._version:
+                    self._version = v
+                    try:
+                        self._value = self._read(self.path)
+                        log.info("%s changed: read again", self.what)
+                    except self._errors as e:
+                        log.warning("%s: %s; the value read before stays in use", self.what, e)
+        return self._value

@@ -103,6 +103,9 @@ def dictionary_bomb(rows: int = 300_000, value_bytes: int = 1 << 20) -> bytes:
 CODECS = ("gzip", "snappy", "lz4", "zstd", None)
 
 
+KINDS = 29     # hostile message kinds of build_stream: message i is of kind i % KINDS
+
+
 def build_stream(n_bad: int, prefix: str = "h", good_jobs: int = 8, ranks: int = 64, seed: int = 1,
                  now_ns: int | None = None, bombs: bool = True) -> list[Item]:
     """``n_bad`` hostile messages of every kind, interleaved with good step data of ``good_jobs``
@@ -151,7 +154,7 @@ def build_stream(n_bad: int, prefix: str = "h", good_jobs: int = 8, ranks: int =
 
     def hostile(i: int) -> Item:
         job = jobs[int(rng.integers(len(jobs)))]
-        k = i % 27
+        k = i % KINDS
         one = lambda **kw: steps_table(job, [kw.get("rank", 0)], [kw.get("step", step_of[job])],
                                        kw.get("t_end", t_now))
         if k == 0:
@@ -214,11 +217,11 @@ def build_stream(n_bad: int, prefix: str = "h", good_jobs: int = 8, ranks: int =
         # small decompression bombs in their place (370 of each in 10,000 would hold 4 GB in the
         # embedded broker's memory, which is not what is being tested)
         if k == 21:
-            if i // 27 >= 20:
+            if i // KINDS >= 20:
                 return bad_whole(decompression_bomb() if bombs else b"x", _hdr(), "decompression bomb")
             return bad_whole(rows_bomb() if bombs else b"x", _hdr(), "2M-row message")
         if k == 22:
-            if i // 27 >= 20:
+            if i // KINDS >= 20:
                 return bad_whole(decompression_bomb() if bombs else b"x", _hdr(), "decompression bomb")
             return bad_whole(dictionary_bomb() if bombs else b"x", _hdr(), "dictionary bomb")
         if k == 23:
@@ -240,6 +243,12 @@ def build_stream(n_bad: int, prefix: str = "h", good_jobs: int = 8, ranks: int =
             g = steps_table(job, np.arange(ranks), np.full(ranks, s), now - 600_000_000_000 + s * 1_000_000_000)
             g2 = pa.Table.from_arrays(g.columns + [g.column("step_ms")], names=g.column_names + ["step_ms"])
             return Item("steps", _arrow(g2), _hdr(), job.encode(), rows=_keys(g), label="duplicate column name")
+        if k == 27:     # issue 26: '$' matched before a final newline, so 'job\n' passed the id pattern
+            return partial(job, one(rank=2).set_column(0, "job", pa.array([job + "\n"])), "job id ending in a newline")
+        if k == 28:     # issue 26: one topology row claiming rank 99,999 of 100,000 for a real 64-rank job
+            topo = pa.table({"job": [job], "rank": pa.array([99_999], pa.int32()), "node": ["intruder"],
+                             "world_size": pa.array([100_000], pa.int32())})
+            return Item("topology", _arrow(topo), _hdr("topology"), job.encode(), label="rank 99,999 of 100,000")
         raise AssertionError(k)
 
     # interleave: about one good message per hostile one

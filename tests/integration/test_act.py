@@ -259,3 +259,29 @@ def test_the_documented_receiver_passes_amtool_and_routes_node_kinds_to_stepwatc
     assert route("source=stepwatch", "alertname=slow_node", "incident=inc-1") == "stepwatch-act"
     assert route("source=stepwatch", "alertname=rank_crash", "incident=inc-1") == "stepwatch-act"
     assert route("source=stepwatch", "alertname=slow_rank", "incident=inc-1") == "default"
+
+
+def test_a_node_or_incident_ending_in_a_newline_is_never_acted_on(tmp_path):
+    """Issue 26 (low), the ``$`` of an id pattern matches before a final newline: an alert naming node
+    ``node-a\\n`` (or incident ``inc\\n``) posted to the real receiver was confirmed and its command built
+    with the newline; a Slurm end state ``COMPLETED\\n`` passed the agent's check."""
+    from stepwatch.agents.slurm import check_sched
+    store, metrics = Store(str(tmp_path / "state")), ActMetrics()
+    actor = Actor(store, Policy(backend="slurm", confirmations=1, max_per_hour=10, cooldown_s=60), metrics,
+                  out=io.StringIO())
+    rec = Receiver(actor, ("bearer", TOKEN.encode()), max_body=1 << 16)
+    threading.Thread(target=rec.serve_forever, daemon=True).start()
+    try:
+        body = json.dumps({"version": "4", "status": "firing", "alerts": [
+            {"status": "firing", "labels": {"alertname": "slow_node", "nodes": "node-a\n", "incident": "inc-a"}},
+            {"status": "firing", "labels": {"alertname": "slow_node", "nodes": "node-b", "incident": "inc-b\n"}}]})
+        code, text = _post(f"http://127.0.0.1:{rec.port}/", body.encode(), {"Authorization": f"Bearer {TOKEN}"})
+        assert code == 200 and json.loads(text) == [], text
+        assert store.actions() == [] and store.sightings() == []
+    finally:
+        rec.close()
+    assert metrics.registry.get_sample_value("stepwatch_act_alerts_ignored_total") == 2
+    with pytest.raises(Exception, match="not a host name"):
+        command("slurm", "drain", "node-a\n", "r")
+    with pytest.raises(ValueError, match="bad state"):
+        check_sched({"event": "end", "job": "777", "state": "COMPLETED\n"})

@@ -307,3 +307,71 @@ def test_credentials_in_the_url_become_basic_auth_and_stay_out_of_labels_and_log
     assert "s3cr" not in str(e.value)
     with pytest.raises(AlertmanagerError, match="credentials file") as e:
         AlertmanagerSink([f"http://{user}@127.0.0.1:{port}"])
+
+
+def test_a_credentials_file_others_can_read_is_warned_about_and_a_rotated_one_is_used(tmp_path, caplog):
+    """Issue 26 (low): ``--alertmanager-credentials-file`` at 0644 was accepted silently and read only at
+    start, so a rotated token (a Kubernetes Secret swapped under the mount) failed every delivery with 401
+    until a restart. Through the CLI's flags and a real HTTP server on 127.0.0.1 that accepts one token
+    at a time: the mode is warned about by the flag's name (never the token); after the file is replaced
+    the next alert goes with the new token; a file emptied mid-rewrite keeps the token in use."""
+    import argparse
+    import os
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from stepwatch.dashboards.alertmanager import add_args, sink_from_args
+
+    want = ["Bearer tok-A-1111"]
+    got, refused = [], []
+
+    class H(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            if self.headers.get("Authorization") != want[0]:
+                refused.append(self.headers.get("Authorization"))
+                self.send_response(401)
+                self.end_headers()
+                return
+            got.extend(a["labels"]["job"] for a in json.loads(body))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    cred = tmp_path / "credentials"
+    cred.write_text("tok-A-1111\n")
+    cred.chmod(0o644)
+    p = argparse.ArgumentParser()
+    add_args(p)
+    a = p.parse_args(["--alertmanager", f"http://127.0.0.1:{srv.server_address[1]}",
+                      "--alertmanager-credentials-file", str(cred)])
+    caplog.set_level("DEBUG")
+
+    def alert(job):
+        return Alert(job=job, kind="stall", status="firing", step_first=1, step_detected=2,
+                     t_detected=time.time_ns(), cause="cpu")
+    sink = sink_from_args(a)
+    try:
+        warned = [r.getMessage() for r in caplog.records if r.name == "stepwatch.secrets"]
+        assert warned == [f"--alertmanager-credentials-file={cred}: a secret file whose mode 0644 lets other "
+                          "users read or change it (at most 0600: chmod 600 it)"], warned
+        sink.submit(alert("j1"))
+        wait_until(lambda: got == ["j1"], 10, "the alert with the first token")
+        new = tmp_path / "credentials.new"                  # the Secret rotated: a new file replaces it
+        new.write_text("tok-B-2222\n")
+        new.chmod(0o600)
+        os.replace(new, cred)
+        want[0] = "Bearer tok-B-2222"
+        sink.submit(alert("j2"))
+        wait_until(lambda: got == ["j1", "j2"] or sink.stats()["failed"], 10, "the alert with the rotated token")
+        assert got == ["j1", "j2"] and not refused, (got, refused)
+        cred.write_text("")                                 # caught mid-rewrite: the token in use stays
+        sink.submit(alert("j3"))
+        wait_until(lambda: got == ["j1", "j2", "j3"] or sink.stats()["failed"], 10, "the alert mid-rewrite")
+        assert got == ["j1", "j2", "j3"] and not refused, (got, refused)
+    finally:
+        sink.close(2)
+        srv.shutdown()
+    assert "tok-A" not in caplog.text and "tok-B" not in caplog.text

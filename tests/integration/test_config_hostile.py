@@ -2,7 +2,7 @@
 ConfigError, with the file, the setting and the value named and the message bounded, for any content
 (not UTF-8, nested 5,000 deep, a 4,300-digit integer, empty as mid-rewrite, cut short, a FIFO); a real
 ``stepwatch process`` sent each of them with SIGHUP goes on with the settings in force, then applies a
-good file, ``[profiling] enabled`` included; hypothesis fuzzes the loader."""
+good file, ``[profiling] enabled`` on and off again included; hypothesis fuzzes the loader."""
 from __future__ import annotations
 
 import base64
@@ -175,6 +175,10 @@ def test_sighup_with_each_bad_file_keeps_the_processor_and_its_settings(kafka, t
         p.send_signal(signal.SIGHUP)
         err.wait(r"configuration .* reloaded \(1 job\(s\) retuned\); targeted profiling on for "
                  r"regression, slow_node, slow_rank", 30, n0)
+        n0 = len(err.lines)              # and off again: 'enabled = false' once logged "reloaded", changed nothing
+        cfg.write_text(a_text)
+        p.send_signal(signal.SIGHUP)
+        err.wait(r"configuration .* reloaded \(1 job\(s\) retuned\); targeted profiling off", 30, n0)
         assert p.poll() is None
     finally:
         prod.close()

@@ -160,6 +160,43 @@ def test_processor_flags_build_a_sink_used_as_on_alert(grafana, tmp_path):
     assert reg.get_sample_value("stepwatch_grafana_annotations_sent_total") == 1
 
 
+
+def test_a_token_file_others_can_read_is_warned_about_and_a_rotated_one_is_used(grafana, tmp_path, caplog):
+    """Issue 26 (low), as for Alertmanager's credentials file: ``--grafana-token-file`` at 0644 was
+    accepted silently and read only at start, so after the token was rotated every annotation failed
+    (401) until a restart. Now: a warning naming the flag and the mode (never the token); the file is
+    read again when replaced; a file emptied mid-rewrite keeps the token in use. Neither the token nor the
+    file's path is logged (docs/grafana.md)."""
+    import os
+    p = argparse.ArgumentParser()
+    add_annotation_args(p)
+    tok = tmp_path / "tok"
+    tok.write_text(grafana.token + "\n")
+    tok.chmod(0o644)
+    caplog.set_level("DEBUG")
+    sink = annotation_sink_from_args(p.parse_args(["--grafana-url", grafana.url, "--grafana-token-file", str(tok)]),
+                                     registry=CollectorRegistry())
+    try:
+        warned = [r.getMessage() for r in caplog.records if r.name == "stepwatch.secrets"]
+        assert warned == ["--grafana-token-file: a secret file whose mode 0644 lets other users read or "
+                          "change it (at most 0600: chmod 600 it)"], warned
+        sink(alert())
+        assert wait_for(lambda: len(grafana.annotations) == 1)
+        grafana.token = "rotated-token-9876543210"          # Grafana now takes only the new token ...
+        new = tmp_path / "tok.new"                            # ... which replaces the file, as a Secret does
+        new.write_text(grafana.token + "\n")
+        os.replace(new, tok)
+        sink(alert(kind="jitter"))
+        assert wait_for(lambda: len(grafana.annotations) == 2 or sink.stats()["failed"]), sink.stats()
+        assert len(grafana.annotations) == 2 and sink.stats()["failed"] == 0, sink.stats()
+        tok.write_text("")                                    # caught mid-rewrite: the token in use stays
+        sink(alert(kind="rank_stall"))
+        assert wait_for(lambda: len(grafana.annotations) == 3 or sink.stats()["failed"]), sink.stats()
+        assert len(grafana.annotations) == 3 and sink.stats()["failed"] == 0, sink.stats()
+    finally:
+        sink.close(5)
+    assert "rotated-token" not in caplog.text and "test-token" not in caplog.text and str(tok) not in caplog.text
+
 def _with_diff(a, cmd_id="3f2a9c0e1b7d4a55"):
     """What the processor re-sends when a profile diff arrives (stream.profiling.alert_with_diff):
     the same alert_id and status, evidence.profile_diff added."""
