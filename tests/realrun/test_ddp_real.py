@@ -335,6 +335,7 @@ def _run_fault(kafka, tmp_path, socket_dir, job: str, env: dict, hog_from: int |
             for r in reports.values():
                 assert r["probe"]["steps"] == steps and r["probe"]["dropped"] == 0, r["probe"]
             run.wait_stored(world * steps, name, timeout=90)
+            run.wait_job_end(name)
         finally:
             run.close()
         out = (connect(data), reports, hog_pid, t_hog, sent, name)

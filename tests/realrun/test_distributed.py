@@ -54,6 +54,17 @@ class Running:
             time.sleep(0.2)
         pytest.fail(f"{self.stored_steps()} of {n} step rows stored after {timeout}s; agent {self.agent.stats()}")
 
+    def wait_job_end(self, job: str, timeout: float = 30.0) -> float | None:
+        """Seconds until the processor judged ``job``'s end (its ``job_end`` event), or None after
+        ``timeout``: the end is judged ``settle_s`` of event time after the last rank ended, time the node's
+        host samples carry on after the steps are stored (closing at once left no job_end to read)."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if any(e.job == job and e.kind == "job_end" for e in list(self.proc.events)):
+                return time.monotonic() - t0
+            time.sleep(0.1)
+        return None
+
     def close(self) -> None:
         self.stop_agent.set()
         self.t_agent.join(30)
