@@ -34,6 +34,9 @@ incident by these rules, in order:
    few steps that confirmed it, and its cause is often decided again seconds later when its node's host
    samples come (stream/hostwait.py): neither is final when the alert is placed, and an incident id once
    sent is never changed.
+   A localised alert whose cause is a job-wide ``io`` or ``gc`` change still firing (not recovered) is that
+   fault on the rank it hit most (every rank reads slower; one of them, slower than its peers, is named
+   slow with cause io), however long after the change it comes.
    "Onset" is the first step of the localised incident's newest fire (a rank that resolved and fired
    again within the cool-down starts a new episode of the same incident).
 4. **The fault it ends**: a ``recovery`` that names the regression it undoes (``evidence.transient``)
@@ -215,6 +218,10 @@ class Incidents:
                 return inc, "refire" if inc.kind == a.kind else "consequence"
             if noise:
                 return None, "root"
+            for inc in newest:                               # one rank the most hit by a job-wide io/gc fault
+                if not inc.local and not inc.noise and inc.status == "firing" and not inc.quiet and \
+                        a.cause in OWN_CAUSES and inc.cause == a.cause:
+                    return inc, "consequence"
             for inc in newest:                               # the job-wide effect was seen first: its cause
                 if not inc.local and not inc.noise and inc.status == "firing" and \
                         inc.active_at(step, self.cooldown) and abs(inc.step_first - step) <= self.lead and (

@@ -269,3 +269,25 @@ def test_a_recovery_that_names_the_regression_it_undoes_ends_that_regressions_in
     other = al("recovery", step_first=262, step=270, cause="communication")
     inc.assign(other)
     assert other.incident_id != s.incident_id
+
+
+def test_a_rank_named_slow_for_the_cause_of_a_job_wide_change_still_firing_is_that_fault():
+    """Every rank reads 15 ms slower from step 120 (a job-wide io regression, not recovered); at step 196 one
+    rank, slower than its peers, is named slow_rank with cause io: the same fault on the rank it hit most
+    (eval --real, data-all: it opened an incident of its own). A compute straggler then is another fault,
+    and an io straggler after the io change recovered is a new one."""
+    inc = Incidents()
+    reg = al("regression", step_first=120, step=123, cause="io")
+    inc.assign(reg)
+    s = al("slow_rank", ranks=[1], step_first=196, step=204, cause="io")
+    inc.assign(s)
+    assert s.incident_id == reg.incident_id and s.evidence["incident"]["role"] == "consequence"
+    c = al("slow_rank", ranks=[0], step_first=200, step=206, cause="computation")
+    inc.assign(c)
+    assert c.incident_id != reg.incident_id
+    rec = al("recovery", step_first=260, step=264, cause="io")
+    inc.assign(rec)
+    assert rec.incident_id == reg.incident_id
+    late = al("slow_rank", ranks=[3], step_first=300, step=305, cause="io")
+    inc.assign(late)
+    assert late.incident_id != reg.incident_id
