@@ -187,7 +187,9 @@ def fuzz_kafka_message(n: int, seed: int = 0, hang_s: float = HANG_S, progress=N
     from stepwatch.kafkaio import KafkaSettings
     from stepwatch.stream.processor import Processor
 
-    logging.getLogger("stepwatch").setLevel(logging.CRITICAL)
+    quiet = logging.getLogger("stepwatch")              # the code under test logs its refusals; the level
+    level = quiet.level                                 # is put back after (a caller in the same process,
+    quiet.setLevel(logging.CRITICAL)                    # a test suite, lost every stepwatch warning after)
     data = tempfile.mkdtemp(prefix="stepwatch-fuzz-")
     proc = Processor(KafkaSettings(prefix="fz."), data, create_topics=False, profiling=None,
                      on_alert=lambda a: None,
@@ -269,6 +271,7 @@ def fuzz_kafka_message(n: int, seed: int = 0, hang_s: float = HANG_S, progress=N
         flush()
     finally:
         signal.signal(signal.SIGALRM, old)
+        quiet.setLevel(level)
         import shutil
         shutil.rmtree(data, ignore_errors=True)
     res["seconds"] = time.perf_counter() - t_start

@@ -174,6 +174,7 @@ def test_a_token_file_others_can_read_is_warned_about_and_a_rotated_one_is_used(
     tok.write_text(grafana.token + "\n")
     tok.chmod(0o644)
     caplog.set_level("DEBUG")
+    caplog.set_level("DEBUG", logger="stepwatch.secrets")
     sink = annotation_sink_from_args(p.parse_args(["--grafana-url", grafana.url, "--grafana-token-file", str(tok)]),
                                      registry=CollectorRegistry())
     try:
