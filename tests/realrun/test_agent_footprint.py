@@ -1,6 +1,7 @@
 """The node agent's memory: its whole path (datagrams -> columns -> Arrow IPC for Kafka) runs without
 ``pyarrow.compute`` and without the processor's decoder (``stepwatch.wire.decode``), which cost ~9 MB of
-its RSS (docs/agents.md, agent cost). Checked in a fresh interpreter on a real probe's datagrams."""
+its RSS, and without ``numpy.ma``, which ``pyarrow.array`` imports for any numpy input (1.2 MB; docs/agents.md,
+agent cost). Checked in a fresh interpreter on a real probe's datagrams."""
 from __future__ import annotations
 
 import os
@@ -50,7 +51,7 @@ for g in grams:
 assert steps.num_rows == 12 and comm.num_rows == 12, (steps.num_rows, comm.num_rows)
 assert steps.column("phases").null_count == 8
 blob = encode_arrow(steps) + encode_arrow(comm)
-print(sorted(m for m in ("pyarrow.compute", "stepwatch.wire.decode") if m in sys.modules))
+print(sorted(m for m in ("pyarrow.compute", "stepwatch.wire.decode", "numpy.ma") if m in sys.modules))
 """
 
 
