@@ -42,7 +42,8 @@ assert (HDR_DT.itemsize, STEP_DT.itemsize, PHASE_DT.itemsize, COMM_DT.itemsize, 
     datagram.HDR.size, datagram.STEP.size, datagram.PHASE.size, datagram.COMM.size, datagram.GCREC.size)
 assert tuple(n for n in STEP_DT.names if n != "_pad") == datagram.STEP_FIELDS
 
-KINDS = ("steps", "comm", "gc")               # the tables :func:`tables` returns, in this order
+KINDS = ("steps", "comm", "gc")
+F64 = pa.float64()               # the tables :func:`tables` returns, in this order
 
 
 def last_dropped(data: bytes, frames: list[tuple]) -> int | None:
@@ -76,7 +77,7 @@ def _keys(own: np.ndarray, ids: np.ndarray) -> tuple[list[tuple[int, int]], np.n
 def _strings(inv: np.ndarray, strs: list[str]) -> pa.Array:
     """``strs[inv]`` as a string column (numpy's gather: ``dictionary_decode`` would load pyarrow.compute,
     ~9 MB of the agent's RSS, for this one call)."""
-    return pa.array(np.asarray(strs, dtype=object)[inv], pa.string())
+    return pa.array([strs[i] for i in inv.tolist()], pa.string())
 
 
 def _names(idents: list, own: np.ndarray, ids: np.ndarray) -> pa.Array:
@@ -88,9 +89,25 @@ def _names(idents: list, own: np.ndarray, ids: np.ndarray) -> pa.Array:
     return _strings(inv, [idents[o].names.get(i, f"#{i}") for o, i in pairs])
 
 
+def _arr(a: np.ndarray, t: pa.DataType, null: np.ndarray | None = None) -> pa.Array:
+    """numpy values ``a`` as an Arrow array of type ``t`` of their width (a timestamp: int64 ns), ``null``
+    where ``null`` is True: Arrow's layout of a fixed-width column is the values' buffer and a validity
+    bitmap (LSB first), so the values' buffer is the column's (``from_buffers``, no copy when contiguous).
+
+    Not ``pa.array(a, t)``: for any numpy input it imports ``numpy.ma`` (~1.2 MB of the agent's resident
+    set) to check for a masked array, and where ``t`` is not ``a``'s own type it casts, and the first cast
+    builds Arrow's compute function registry (~2 MB more). The IPC bytes are the same (tests/unit/test_wirecols.py)."""
+    a = np.ascontiguousarray(a)
+    if a.dtype.itemsize * 8 != t.bit_width or a.dtype.kind not in "iuf":
+        raise TypeError(f"_arr: numpy {a.dtype} is not the layout of {t}")
+    n_null = int(np.count_nonzero(null)) if null is not None else 0
+    valid = pa.py_buffer(np.packbits(~null, bitorder="little")) if n_null else None
+    return pa.Array.from_buffers(t, len(a), [valid, pa.py_buffer(a)], null_count=n_null)
+
+
 def _opt(a: np.ndarray, t: pa.DataType) -> pa.Array:
     """Negative = null (the probe's -1)."""
-    return pa.array(a, t, mask=a < 0)
+    return _arr(a, t, a < 0)
 
 
 class BatchColumns:
@@ -191,7 +208,7 @@ def _base(idents: list, own: np.ndarray) -> list[pa.Array]:
     """The ``job``, ``node`` and ``rank`` columns of records owned by ``idents[own]``."""
     job = _strings(own, [i.job for i in idents])       # (one job per table: the agent keeps them apart)
     node = _strings(own, [i.node for i in idents])
-    rank = pa.array(np.asarray([i.rank for i in idents], np.int32)[own], pa.int32())
+    rank = _arr(np.asarray([i.rank for i in idents], np.int32)[own], pa.int32())
     return [job, node, rank]
 
 
@@ -203,17 +220,17 @@ def steps_table(idents: list, own: np.ndarray, st: np.ndarray, ph: np.ndarray, p
     keys = _names(idents, own[ph_step] if len(ph_step) else np.zeros(0, np.int32), ph["name"])
     null = np.zeros(n + 1, bool)                # a step without phases has a null map: its offset is null
     null[:n] = counts == 0                      # (from_arrays' mask= would load pyarrow.compute to invert it)
-    phases = pa.MapArray.from_arrays(pa.array(offsets, pa.int32(), mask=null), keys, pa.array(ph["ns"] / 1e6, pa.float64()))
+    phases = pa.MapArray.from_arrays(_arr(offsets, pa.int32(), null), keys, _arr(ph["ns"] / 1e6, F64))
     cpu, cw = st["cpu_ns"], st["cpu_wait_ns"]
     tot, exp = st["comm_total_ns"], st["comm_exposed_ns"]
     cols = _base(idents, own) + [
-        pa.array(st["step"], pa.int64()), pa.array(st["t_start"], wire.TS), pa.array(st["t_end"], wire.TS),
-        pa.array(st["step_ns"] / 1e6), pa.array(st["data_ns"] / 1e6), pa.array(st["compute_ns"] / 1e6),
-        pa.array(st["comm_ns"] / 1e6), pa.array(st["comm_wait_ns"] / 1e6), pa.array(st["gc_ns"] / 1e6),
-        pa.array(st["gc_count"], pa.int32()), _opt(st["samples"], pa.int64()), _opt(st["tokens"], pa.int64()),
+        _arr(st["step"], pa.int64()), _arr(st["t_start"], wire.TS), _arr(st["t_end"], wire.TS),
+        _arr(st["step_ns"] / 1e6, F64), _arr(st["data_ns"] / 1e6, F64), _arr(st["compute_ns"] / 1e6, F64),
+        _arr(st["comm_ns"] / 1e6, F64), _arr(st["comm_wait_ns"] / 1e6, F64), _arr(st["gc_ns"] / 1e6, F64),
+        _arr(st["gc_count"], pa.int32()), _opt(st["samples"], pa.int64()), _opt(st["tokens"], pa.int64()),
         phases, _opt(st["data_queue"], pa.int32()),
-        pa.array(cpu / 1e6, pa.float64(), mask=cpu < 0), pa.array(cw / 1e6, pa.float64(), mask=cw < 0),
-        pa.array(tot / 1e6, pa.float64(), mask=tot < 0), pa.array(exp / 1e6, pa.float64(), mask=exp < 0)]
+        _arr(cpu / 1e6, F64, cpu < 0), _arr(cw / 1e6, F64, cw < 0),
+        _arr(tot / 1e6, F64, tot < 0), _arr(exp / 1e6, F64, exp < 0)]
     return pa.Table.from_arrays(cols, schema=wire.STEPS)
 
 
@@ -226,17 +243,17 @@ def comm_table(idents: list, own: np.ndarray, step: np.ndarray, cm: np.ndarray) 
         v = gs.get(name) if isinstance(gs, dict) else None
         gnames.append(name)
         gsizes.append(v if isinstance(v, int) and not isinstance(v, bool) and 0 < v < 1 << 31 else -1)
-    gsize = np.asarray(gsizes, np.int64)[inv]
+    gsize = np.asarray(gsizes, np.int32)[inv]         # in range: < 2**31 or -1 (no cast, see _ts)
     cols = _base(idents, own) + [
-        pa.array(step, pa.int64()), _names(idents, own, cm["op"]), _strings(inv, gnames),
-        pa.array(cm["calls"], pa.int64()), pa.array(cm["bytes"], pa.int64()), pa.array(cm["time_ns"] / 1e6),
-        pa.array(cm["wait_ns"] / 1e6), pa.array(gsize, pa.int32(), mask=gsize < 0)]
+        _arr(step, pa.int64()), _names(idents, own, cm["op"]), _strings(inv, gnames),
+        _arr(cm["calls"], pa.int64()), _arr(cm["bytes"], pa.int64()), _arr(cm["time_ns"] / 1e6, F64),
+        _arr(cm["wait_ns"] / 1e6, F64), _opt(gsize, pa.int32())]
     return pa.Table.from_arrays(cols, schema=wire.COMM)
 
 
 def gc_table(idents: list, own: np.ndarray, g: np.ndarray) -> pa.Table:
     cols = _base(idents, own) + [
-        pa.array(g["t_end"], wire.TS), pa.array(g["generation"].astype(np.int32), pa.int32()),
-        pa.array(g["duration_ns"] / 1e6), pa.array(g["collected"], pa.int64()),
-        pa.array(g["uncollectable"], pa.int64())]
+        _arr(g["t_end"], wire.TS), _arr(g["generation"].astype(np.int32), pa.int32()),
+        _arr(g["duration_ns"] / 1e6, F64), _arr(g["collected"], pa.int64()),
+        _arr(g["uncollectable"], pa.int64())]
     return pa.Table.from_arrays(cols, schema=wire.GC)

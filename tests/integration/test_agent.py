@@ -435,6 +435,38 @@ def test_register_adds_agent_and_wrap_subcommands():
     assert w.command[-4:] == ["torchrun", "--nproc-per-node", "8", "train.py"]
 
 
+CODECS_CODE = r"""
+import argparse, sys
+from stepwatch.agents.commands import register, skip_unused_codecs
+p = argparse.ArgumentParser(prog="stepwatch")
+register(p.add_subparsers(dest="cmd"), ("agent",))
+skipped = skip_unused_codecs(p.parse_args(["agent"] + sys.argv[1:]))
+import kafka.codec, prometheus_client.exposition
+print(skipped, kafka.codec.has_snappy(), kafka.codec.has_zstd(), kafka.codec.has_lz4(),
+      prometheus_client.exposition.snappy is not None)
+"""
+
+
+@pytest.mark.parametrize("args,key,kept", [(["--no-kafka"], "k", False), (["--bootstrap", "127.0.0.1:1"], None, False),
+                                           (["--bootstrap", "127.0.0.1:1", "--no-profiling"], "k", False),
+                                           (["--bootstrap", "127.0.0.1:1"], "k", True)])
+def test_agent_leaves_out_the_codecs_only_where_it_reads_nothing_from_kafka(args, key, kept):
+    """Without profiling the agent reads nothing from Kafka (it sends uncompressed batches and pushes no
+    metrics): kafka-python's and prometheus_client's optional codecs are left out (1.8 MB of its resident
+    set). With profiling on (a public key, Kafka) its control channel's consumer keeps every installed
+    codec: the commands topic's batches may be compressed."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPWATCH_PROFILING")}
+    if key:
+        env["STEPWATCH_PROFILING_PUBLIC_KEY"] = key              # only its presence matters here
+    r = subprocess.run([sys.executable, "-c", CODECS_CODE, *args], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    want = "[] True True True True" if kept else "['snappy', 'zstandard', 'lz4'] False False False False"
+    assert r.stdout.strip() == want, (args, key, r.stdout)
+
+
 def test_agent_cli_serves_until_sigterm(sockdir):
     import signal
     import subprocess

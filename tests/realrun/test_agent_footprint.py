@@ -1,6 +1,7 @@
 """The node agent's memory: its whole path (datagrams -> columns -> Arrow IPC for Kafka) runs without
 ``pyarrow.compute`` and without the processor's decoder (``stepwatch.wire.decode``), which cost ~9 MB of
-its RSS (docs/agents.md, agent cost). Checked in a fresh interpreter on a real probe's datagrams."""
+its RSS, and without ``numpy.ma``, which ``pyarrow.array`` imports for any numpy input (1.2 MB; docs/agents.md,
+agent cost). Checked in a fresh interpreter on a real probe's datagrams."""
 from __future__ import annotations
 
 import os
@@ -50,7 +51,7 @@ for g in grams:
 assert steps.num_rows == 12 and comm.num_rows == 12, (steps.num_rows, comm.num_rows)
 assert steps.column("phases").null_count == 8
 blob = encode_arrow(steps) + encode_arrow(comm)
-print(sorted(m for m in ("pyarrow.compute", "stepwatch.wire.decode") if m in sys.modules))
+print(sorted(m for m in ("pyarrow.compute", "stepwatch.wire.decode", "numpy.ma") if m in sys.modules))
 """
 
 
@@ -61,31 +62,35 @@ def test_the_agents_path_loads_neither_pyarrow_compute_nor_the_decoder(sockdir):
 
 
 CLI_CODE = r"""
-import sys
+import sys, threading, types
 import stepwatch.agents.commands as ac
 
-def loaded(a):                                   # instead of serving: what `stepwatch agent` loaded to get here
-    import pyarrow as pa
-    heavy = ("duckdb", "stepwatch.storage.lake", "stepwatch.wire.decode", "pyarrow.compute", "stepwatch.stream.processor",
-             "stepwatch.dashboards.grafana", "stepwatch.config", "stepwatch.agents.act", "sqlite3",
-             "stepwatch.agents.wrap")
-    print(sorted(m for m in heavy if m in sys.modules), pa.default_memory_pool().backend_name, a.socket_dir)
-    return 0
+class Stopped(threading.Event):                  # the agent starts, then its stop event is already set
+    def __init__(self):
+        super().__init__()
+        self.set()
 
-ac.cmd_agent = loaded
+ac.threading = types.SimpleNamespace(Event=Stopped)
 from stepwatch.cli import main
-sys.exit(main(["-v", "agent", "--no-kafka", "--socket-dir", sys.argv[1]]))
+rc = main(["-v", "agent", "--no-kafka", "--socket-dir", sys.argv[1]])
+import pyarrow as pa                             # what `stepwatch agent` loaded from its start to its last tick
+heavy = ("duckdb", "stepwatch.storage.lake", "stepwatch.wire.decode", "pyarrow.compute", "stepwatch.stream.processor",
+         "stepwatch.dashboards.grafana", "stepwatch.config", "stepwatch.agents.act", "sqlite3",
+         "stepwatch.agents.wrap", "snappy", "cramjam", "zstandard", "lz4")
+print(sorted(m for m in heavy if sys.modules.get(m) is not None), pa.default_memory_pool().backend_name, rc)
 """
 
 
 def test_stepwatch_agent_builds_only_the_agents_command_line(sockdir):
-    """``stepwatch agent`` (the DaemonSet's command) loads none of the other commands' modules (the
-    processor's DuckDB lake, the Grafana client, the wire decoder and ``pyarrow.compute``: 125 -> 69 MB
-    idle; the agents' own ``act`` with sqlite3, and ``wrap``: 1.1 MB), and Arrow's C++ default pool is the
-    system allocator (mimalloc kept ~6 MB resident)."""
+    """``stepwatch agent`` (the DaemonSet's command), started and stopped, loads none of the other
+    commands' modules (the processor's DuckDB lake, the Grafana client, the wire decoder and
+    ``pyarrow.compute``: 125 -> 69 MB idle; the agents' own ``act`` with sqlite3, and ``wrap``: 1.1 MB), nor,
+    without profiling, the compression codecs prometheus_client and kafka-python import when installed
+    (python-snappy with cramjam, zstandard, lz4: 1.8 MB); Arrow's C++ default pool is the system allocator
+    (mimalloc kept ~6 MB resident)."""
     r = subprocess.run([sys.executable, "-c", CLI_CODE, sockdir], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["[]", "system", sockdir], r.stdout
+    assert r.stdout.split() == ["[]", "system", "0"], r.stdout
 
 
 # The resident set has two parts. What the agent's own work adds while serving ranks is ours and small (measured

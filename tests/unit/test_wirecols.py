@@ -167,3 +167,31 @@ def test_scan_rejects_what_decode_rejects():
             decode(b)
         with pytest.raises(BadDatagram):
             datagram.scan(b)
+
+
+def test_columns_from_numpy_buffers_encode_to_the_bytes_pa_array_gives():
+    """The agent's columns are built from their numpy buffers (``columns._arr``: no ``numpy.ma``, no cast);
+    each one is the array ``pa.array(values, type, mask=)`` gives, and its Arrow IPC stream the same bytes:
+    odd lengths, no / some / all nulls, strided (a field of the records) and contiguous values."""
+    import numpy as np
+
+    from stepwatch.wire.encode import encode_arrow
+
+    rng = np.random.default_rng(7)
+    rec = np.zeros(37, columns.STEP_DT)
+    rec["samples"] = np.where(rng.random(37) < 0.4, -1, rng.integers(0, 1 << 40, 37))
+    rec["t_start"] = rng.integers(1 << 60, 1 << 61, 37)
+    rec["gc_count"] = rng.integers(-1, 5, 37)
+    cases = [(rec["samples"], pa.int64()), (rec["t_start"], wire.TS), (rec["gc_count"], pa.int32()),
+             (rec["t_start"] / 1e6, pa.float64()), (np.full(13, -1, np.int64), pa.int64()),
+             (np.arange(1, dtype=np.int32), pa.int32()), (np.zeros(0, np.float64), pa.float64())]
+    for values, t in cases:
+        null = values < 0
+        ours = columns._arr(values, t, null)
+        theirs = pa.array(values, t, mask=null)                 # what the columns were built with before
+        assert ours.type == t and ours.equals(theirs) and ours.null_count == int(null.sum()), (t, len(values))
+        for compression in ("lz4", None):
+            a, b = (encode_arrow(pa.record_batch([x], names=["v"]), compression) for x in (ours, theirs))
+            assert a == b, (t, len(values), compression)
+    with pytest.raises(TypeError, match="int64 is not the layout of int32"):
+        columns._arr(np.zeros(3, np.int64), pa.int32())
