@@ -130,3 +130,59 @@ def test_the_goodbye_waits_a_little_for_room_in_a_busy_agents_queue(tmp_path):
     finally:
         p.shutdown()
         srv.close()
+
+
+def test_the_last_steps_wait_for_room_too_and_go_before_the_goodbye(tmp_path):
+    """A rank ends while the agent's queue is full (CI: both ranks' last 27 steps never stored after rank
+    1 crashed): the steps its exit flushes land in the backlog, which nobody would send after the exit.
+    They now wait for room as the goodbye does, and go first: every finished step arrives, then the
+    goodbye."""
+    import socket
+    import threading
+
+    from stepwatch.agents.probe import Probe, decode
+    from stepwatch.wire.datagram import HDR, T_BATCH, T_INFLIGHT
+
+    path = str(tmp_path / "agent.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    srv.bind(path)
+    p = Probe().init(job="j", rank=1, world_size=2, socket_dir=str(tmp_path), auto=False, flush_ms=60_000)
+    filler = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        p.begin_step()
+        p.end_step()
+        p.flush()                                        # the hello and step 0
+        for _ in range(5):                               # steps 1-5 wait for a flush
+            p.begin_step()
+            p.end_step()
+        filler.setblocking(False)
+        filler.connect(path)
+        try:
+            while True:                                  # the agent's queue: full
+                filler.send(b"x" * 64)
+        except BlockingIOError:
+            pass
+        got = []
+
+        def drain():
+            time.sleep(0.3)
+            srv.settimeout(0.2)
+            try:
+                while True:
+                    got.append(srv.recv(65536))
+            except (socket.timeout, OSError):
+                pass
+        t = threading.Thread(target=drain)
+        t.start()
+        p._connected = True
+        p._exitw.at_exit()
+        t.join()
+        kinds = [HDR.unpack(d[:HDR.size])[2] for d in got if len(d) > HDR.size and d[:1] != b"x"]
+        steps = [f[3][0][0] for d in got if len(d) > HDR.size and HDR.unpack(d[:HDR.size])[2] == T_BATCH
+                 for f in decode(d)]
+        assert steps == [0, 1, 2, 3, 4, 5], (steps, kinds)
+        assert kinds.index(T_INFLIGHT) > kinds.index(T_BATCH), kinds
+    finally:
+        filler.close()
+        p.shutdown()
+        srv.close()
