@@ -84,26 +84,16 @@ def test_every_way_a_rank_ends_leaves_the_right_word(socket_dir, case):
         assert byes[0]["pid"] and byes[0]["pid"] != os.getpid()
 
 
-def test_the_goodbye_waits_a_little_for_room_in_a_busy_agents_queue(tmp_path):
-    """The agent's socket queue is full when the rank ends (a busy agent: 4 ranks on 2 loaded cores lost a
-    goodbye, and a clean end read as a failed exit): the goodbye waits up to GOODBYE_WAIT_S for room
-    instead of being dropped; here the 'agent' drains its queue 0.3 s later and gets it."""
+def _exit_into_a_full_queue(p, srv, path) -> list:
+    """Fill the 'agent's' queue (another sender), end the probe (``at_exit``) while a reader drains the
+    queue 0.3 s later; returns every datagram the reader got (the filler's ``x`` ones included)."""
     import socket
     import threading
 
-    from stepwatch.agents.probe import Probe, exitwatch
-    from stepwatch.wire.datagram import HDR, T_INFLIGHT
-
-    path = str(tmp_path / "agent.sock")
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    srv.bind(path)
-    p = Probe().init(job="j", rank=1, world_size=2, socket_dir=str(tmp_path), auto=False, flush_ms=0)
+    filler = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    filler.setblocking(False)
+    filler.connect(path)
     try:
-        p.begin_step()
-        p.end_step()
-        filler = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        filler.setblocking(False)
-        filler.connect(path)
         try:
             while True:                                  # the agent's queue: full
                 filler.send(b"x" * 64)
@@ -124,6 +114,28 @@ def test_the_goodbye_waits_a_little_for_room_in_a_busy_agents_queue(tmp_path):
         p._connected = True
         p._exitw.at_exit()
         t.join()
+        return got
+    finally:
+        filler.close()
+
+
+def test_the_goodbye_waits_a_little_for_room_in_a_busy_agents_queue(tmp_path):
+    """The agent's socket queue is full when the rank ends (a busy agent: 4 ranks on 2 loaded cores lost a
+    goodbye, and a clean end read as a failed exit): the goodbye waits up to GOODBYE_WAIT_S for room
+    instead of being dropped; here the 'agent' drains its queue 0.3 s later and gets it."""
+    import socket
+
+    from stepwatch.agents.probe import Probe, exitwatch
+    from stepwatch.wire.datagram import HDR, T_INFLIGHT
+
+    path = str(tmp_path / "agent.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    srv.bind(path)
+    p = Probe().init(job="j", rank=1, world_size=2, socket_dir=str(tmp_path), auto=False, flush_ms=0)
+    try:
+        p.begin_step()
+        p.end_step()
+        got = _exit_into_a_full_queue(p, srv, path)
         byes = [d for d in got if len(d) > HDR.size and HDR.unpack(d[:HDR.size])[2] == T_INFLIGHT
                 and b'"exited"' in d]
         assert len(byes) == 1 and exitwatch.GOODBYE_WAIT_S >= 0.5, (len(got), [d[:40] for d in got[-3:]])
@@ -138,7 +150,6 @@ def test_the_last_steps_wait_for_room_too_and_go_before_the_goodbye(tmp_path):
     They now wait for room as the goodbye does, and go first: every finished step arrives, then the
     goodbye."""
     import socket
-    import threading
 
     from stepwatch.agents.probe import Probe, decode
     from stepwatch.wire.datagram import HDR, T_BATCH, T_INFLIGHT
@@ -147,7 +158,6 @@ def test_the_last_steps_wait_for_room_too_and_go_before_the_goodbye(tmp_path):
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     srv.bind(path)
     p = Probe().init(job="j", rank=1, world_size=2, socket_dir=str(tmp_path), auto=False, flush_ms=60_000)
-    filler = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     try:
         p.begin_step()
         p.end_step()
@@ -155,34 +165,12 @@ def test_the_last_steps_wait_for_room_too_and_go_before_the_goodbye(tmp_path):
         for _ in range(5):                               # steps 1-5 wait for a flush
             p.begin_step()
             p.end_step()
-        filler.setblocking(False)
-        filler.connect(path)
-        try:
-            while True:                                  # the agent's queue: full
-                filler.send(b"x" * 64)
-        except BlockingIOError:
-            pass
-        got = []
-
-        def drain():
-            time.sleep(0.3)
-            srv.settimeout(0.2)
-            try:
-                while True:
-                    got.append(srv.recv(65536))
-            except (socket.timeout, OSError):
-                pass
-        t = threading.Thread(target=drain)
-        t.start()
-        p._connected = True
-        p._exitw.at_exit()
-        t.join()
+        got = _exit_into_a_full_queue(p, srv, path)
         kinds = [HDR.unpack(d[:HDR.size])[2] for d in got if len(d) > HDR.size and d[:1] != b"x"]
         steps = [f[3][0][0] for d in got if len(d) > HDR.size and HDR.unpack(d[:HDR.size])[2] == T_BATCH
                  for f in decode(d)]
         assert steps == [0, 1, 2, 3, 4, 5], (steps, kinds)
         assert kinds.index(T_INFLIGHT) > kinds.index(T_BATCH), kinds
     finally:
-        filler.close()
         p.shutdown()
         srv.close()
