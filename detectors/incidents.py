@@ -37,6 +37,9 @@ incident by these rules, in order:
    A localised alert whose cause is a job-wide ``io`` or ``gc`` change still firing (not recovered) is that
    fault on the rank it hit most (every rank reads slower; one of them, slower than its peers, is named
    slow with cause io), however long after the change it comes.
+   However long after the onset, a ``regression`` of the job's wait in collectives (``comm_wait_ms``,
+   cause ``communication``) while a straggler's incident still fires, by no more than its excess explains,
+   is the others waiting for it (:func:`_waits_for`); a network fault lengthens the transfers instead.
    "Onset" is the first step of the localised incident's newest fire (a rank that resolved and fired
    again within the cool-down starts a new episode of the same incident).
 4. **The fault it ends**: a ``recovery`` that names the regression it undoes (``evidence.transient``)
@@ -70,6 +73,8 @@ CONSEQUENCE_CAUSES = {"communication", "computation", "unknown", "parallelism"}
 OWN_CAUSES = {"io", "gc"}
 #: kinds that name a localised cause (a jitter alert naming its gating rank is a symptom of one)
 CAUSE_KINDS = {"slow_rank", "slow_node", "slow_group", "rank_stall", "node_stall", "comm_slow_link", "job_hang"}
+#: localised kinds that slow the job through one rank/node/group being slower than its peers
+STRAGGLER_KINDS = {"slow_rank", "slow_node", "slow_group"}
 #: a job-wide step-time shift up to this multiple of a straggler's excess busy time is its consequence
 EXPLAINS = 1.5
 #: localised kinds whose incident can hold job-wide consequences
@@ -120,6 +125,19 @@ def explains(excess_ms: float | None, shift_ms: float | None, cause: str) -> boo
     not move them on the other ranks."""
     return (cause not in OWN_CAUSES and excess_ms is not None and shift_ms is not None and excess_ms > 0
             and 0 < shift_ms <= EXPLAINS * excess_ms)
+
+
+def _waits_for(a, inc) -> bool:
+    """Whether job-wide alert ``a`` is the other ranks' wait for the straggler of localised incident
+    ``inc``, however long after its onset: a ``regression`` of ``comm_wait_ms`` (the time ranks wait in
+    collectives for the slowest one) while the straggler still fires, by no more than its excess busy
+    time explains. While one rank is slow, that wait *is* its excess seen from the others, so it moves
+    with the straggler (a 2-core machine slowing the sleeping rank a little more, sixty steps in); a
+    fault of the network lengthens the transfers (``comm_ms``), not the wait, and stays apart."""
+    ev = a.evidence or {}
+    return (a.kind == "regression" and ev.get("series") == "comm_wait_ms" and a.cause == "communication"
+            and inc.kind in STRAGGLER_KINDS and inc.status == "firing"
+            and explains(inc.excess_ms, _shift_ms(a), a.cause))
 
 
 @dataclass
@@ -236,6 +254,8 @@ class Incidents:
             near = abs(step - onset) <= self.lead
             if near and (a.cause in CONSEQUENCE_CAUSES or a.cause == inc.cause or a.cause not in OWN_CAUSES and (
                     a.kind != "regression" or explains(inc.excess_ms, _shift_ms(a), a.cause))):
+                return inc, "consequence"
+            if _waits_for(a, inc):
                 return inc, "consequence"
         for inc in newest:                                   # the same job-wide change
             if inc.noise and not noise or inc.quiet and a.kind != "recovery":

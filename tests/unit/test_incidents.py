@@ -291,3 +291,39 @@ def test_a_rank_named_slow_for_the_cause_of_a_job_wide_change_still_firing_is_th
     late = al("slow_rank", ranks=[3], step_first=300, step=305, cause="io")
     inc.assign(late)
     assert late.incident_id != reg.incident_id
+
+
+def test_the_others_waiting_longer_for_a_straggler_that_still_fires_is_its_consequence_however_late():
+    """A real 2-rank DDP run (CI, 2 cores): rank 1 sleeps 15 ms a step from step 100 (slow_rank, excess
+    16.7 ms); sixty steps later the job's wait in collectives rose 9.5 -> 11.1 ms and again 9.7 -> 13.3 at
+    198 (the sleeping rank a little slower still): rank 0 waiting for rank 1, so the straggler's incident.
+    A network fault (the transfers, ``comm_ms``, longer), a wait far larger than the excess, or a wait
+    rising after the straggler resolved stay apart."""
+    def reg(step_first, before, after, series="comm_wait_ms", step_before=57.0, step_after=58.5):
+        a = al("regression", step_first=step_first, step=step_first + 5, cause="communication")
+        a.evidence = {"series": series, "median_before_ms": before, "median_after_ms": after,
+                      "step_median_before_ms": step_before, "step_median_after_ms": step_after}
+        return a
+
+    def straggler(inc):
+        s = al("slow_rank", ranks=[1], step_first=100, step=102, node="node-a")
+        s.evidence = {"busy_ms": 56.7, "peer_median_ms": 40.05}
+        inc.assign(s)
+        return s
+
+    for other in (reg(170, 2.0, 4.5, series="comm_ms"),                        # the transfers: another fault
+                  reg(175, 9.5, 40.0, step_before=57.0, step_after=88.0)):     # 31 ms: over 1.5 x 16.7
+        inc = Incidents()
+        s = straggler(inc)
+        inc.assign(other)
+        assert other.incident_id != s.incident_id
+    inc = Incidents()
+    s = straggler(inc)
+    w1, w2 = reg(160, 9.5, 11.1), reg(198, 9.7, 13.3, step_before=58.0, step_after=61.0)
+    for a in (w1, w2):
+        inc.assign(a)
+        assert a.incident_id == s.incident_id and a.evidence["incident"]["role"] == "consequence"
+    inc.assign(al("slow_rank", "resolved", ranks=[1], step_first=100, step=230, node="node-a", aid=s.alert_id))
+    after = reg(300, 9.5, 11.1)                                     # the straggler gone: not its wait
+    inc.assign(after)
+    assert after.incident_id != s.incident_id
