@@ -226,6 +226,7 @@ class Agent:
         self._rx: threading.Thread | None = None
         self._t_host = -1e18
         self.ticks = 0
+        self._closing = False               # the last tick (close): the receiver stopped, the queue was read
         self.bad = 0
         self.control = None                 # targeted profiling (stepwatch.agents.control), see enable_profiling
         self.liveness = Liveness()          # stopped / gone / silent ranks (agents.inflight)
@@ -519,7 +520,7 @@ class Agent:
                 self.rows["host"][r["job"]].append(r)
             if hrows:
                 m.records_in.labels("host").inc(len(hrows))
-        for r in self.liveness.rows(self.idents, self.node, now, time.time_ns()):
+        for r in self.liveness.rows(self.idents, self.node, now, time.time_ns(), final=self._closing):
             self.rows["inflight"][r["job"]].append(r)
         if self.control is not None:
             for r in self.control.take_rows():
@@ -595,6 +596,7 @@ class Agent:
         if self._rx is not None:
             self._rx.join(2)
             self._rx = None
+        self._closing = True
         try:
             self.tick()
         except Exception:  # noqa: BLE001

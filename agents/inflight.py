@@ -119,7 +119,11 @@ class Liveness:
         self._gone.add(inst)
         self._vanished.pop(inst, None)
 
-    def rows(self, idents: dict, node_default: str, now: float, t_ns: int) -> list[dict]:
+    def rows(self, idents: dict, node_default: str, now: float, t_ns: int, final: bool = False) -> list[dict]:
+        """The rows of this look. ``final``: the agent's last look, after its receiver stopped and its queue
+        was read: a goodbye that has not come will not, so a process gone now is said at once (an agent
+        stopped within a tick of a rank's death lost that death: a GPU run's rank 1 ``os._exit`` was never
+        reported, and the rank that raised for the lost peer was named the crash)."""
         out = []
         for inst, ident in idents.items():
             age = max(now - ident.t_seen, 0.0)
@@ -131,11 +135,12 @@ class Liveness:
             st = process_state(pid)
             if st == "gone":
                 first = self._vanished.get(inst)
-                if first is None:                          # gone without a word, for now: its goodbye may be
+                if first is None and not final:            # gone without a word, for now: its goodbye may be
                     self._vanished[inst] = (now, t_ns)     # on its way; said at the next sighting, dated this one
                     continue
+                first = first or (now, t_ns)
                 self._gone.add(inst)
-                del self._vanished[inst]
+                self._vanished.pop(inst, None)
                 age = max(first[0] - ident.t_seen, 0.0)
                 out.append({"job": ident.job, "node": ident.node or node_default, "rank": ident.rank, "t": first[1],
                             "source": "agent", "state": st, "elapsed_ms": age * 1e3,

@@ -267,3 +267,48 @@ def test_a_gone_process_is_said_at_the_second_sighting_unless_its_goodbye_came_b
     assert said.rows(idents, "n1", now, t0) == []
     said.said_goodbye(5)                                                  # the goodbye, read at the next tick
     assert said.rows(idents, "n1", now + 0.5, t0 + 500_000_000) == []
+
+
+def test_the_agents_last_look_says_a_process_gone_at_once():
+    """An agent stopped within a tick of a rank's death (a GPU run's last job: rank 1 ``os._exit(1)``, the agent
+    stopped 2 s later while its ticks waited on an unreachable broker) never made the second sighting: the
+    death was lost and the rank that raised for its lost peer was named the crash. The last look, after the
+    receiver stopped and the queue was read, says it at once; a goodbye read before it still wins."""
+    from types import SimpleNamespace
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    now, t0 = time.monotonic(), time.time_ns()
+    idents = {5: SimpleNamespace(job="j", node="n1", rank=1, t_seen=now - 1.0, peer=None, hello={"pid": child.pid})}
+    live = Liveness()
+    rows = live.rows(idents, "n1", now, t0, final=True)                  # never seen before: said now
+    assert [(r["rank"], r["state"], r["t"]) for r in rows] == [(1, "gone", t0)]
+    seen = Liveness()
+    assert seen.rows(idents, "n1", now, t0) == []                         # seen once by a tick ...
+    rows = seen.rows(idents, "n1", now + 0.1, t0 + 100_000_000, final=True)
+    assert [(r["rank"], r["state"], r["t"]) for r in rows] == [(1, "gone", t0)]   # ... dated by that sighting
+    said = Liveness()
+    said.said_goodbye(5)
+    assert said.rows(idents, "n1", now, t0, final=True) == []
+
+
+def test_an_agent_stopped_right_after_a_rank_died_still_says_it_is_gone(sockdir):
+    """Through the real agent: a probe's hello from a process that then exits without a goodbye; the agent is
+    closed before any tick saw it gone: its last tick says ``gone``."""
+    from stepwatch.agents.agent import Agent
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    ag = Agent(None, socket_dir=sockdir, node="n1").start()
+    from types import SimpleNamespace
+    ag.idents[7] = SimpleNamespace(job="j", node="n1", rank=1, t_seen=time.monotonic(), peer=None,
+                                   hello={"pid": child.pid}, dropped=0)
+    got = []
+    real_tick = ag.tick
+
+    def tick():
+        items = real_tick()
+        got.extend(items)
+        return items
+    ag.tick = tick
+    ag.close()
+    rows = [r for kind, job, t in got if kind == "inflight" for r in t.select(["rank", "state"]).to_pylist()]
+    assert [(r["rank"], r["state"]) for r in rows] == [(1, "gone")]
