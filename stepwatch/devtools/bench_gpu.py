@@ -44,7 +44,7 @@ def add_gpu_args(p) -> None:
     p.add_argument("--gpt-steps", type=int, default=None,
                    help="timed steps of each gpubench run (default: 60 on a GPU, 6 on a CPU)")
     p.add_argument("--jobs", default="clean-1,clean-2,sleep-r1",
-                   help="which ddp_train jobs (comma-separated of clean-1, clean-2, sleep-r1; '' for none; "
+                   help="which ddp_train jobs (comma-separated of clean-1, clean-2, sleep-r1, fsdp2-2, crash-r1; '' for none; "
                         "default %(default)s)")
     p.add_argument("--no-gpt", action="store_true", help="skip the gpubench runs")
 
@@ -119,6 +119,9 @@ def _jobs(cuda: bool, steps: int) -> dict[str, dict]:
         "clean-2": ("g-clean-gloo-2", {**common, "SW_NPROC": "2"}),
         "sleep-r1": ("g-sleep-r1", {**common, "SW_NPROC": "2", "SW_SLEEP_RANK": "1", "SW_SLEEP_MS": "15",
                                     "SW_SLEEP_FROM": str(steps // 2)}),
+        "fsdp2-2": ("g-clean-fsdp2-2", {**common, "SW_NPROC": "2", "SW_MODE": "fsdp2"}),
+        "crash-r1": ("g-crash-r1", {**common, "SW_NPROC": "2", "SW_CRASH_RANK": "1",
+                                    "SW_CRASH_STEP": str(steps // 2)}),
     }
 
 

@@ -234,11 +234,19 @@ def _step_starts(sim) -> np.ndarray:
 
 # --------------------------------------------------------------------------- scoring
 
+#: a rank that dies loses the steps its probe had not sent yet: up to ``flush_ms`` (500 ms), and a second
+#: with the step that was open and the datagram in flight
+CRASH_LOST_S = 1.0
+
+
 def _fault_window(lab: dict, kind: str) -> tuple[int, int]:
     # a crash is named after the rank's last step *stored*: a process that dies loses the steps its probe
     # had not sent (up to flush_ms, 500 ms: tens of short steps)
     before = 60 if kind == "jitter" else 40 if kind == "rank_crash" else 10
-    return lab["start"] - before, lab["end"] + 20
+    lo = lab["start"] - before
+    if kind == "rank_crash" and lab.get("crash_lo") is not None:
+        lo = min(lo, int(lab["crash_lo"]))          # short steps: a second of them is more than 40
+    return lo, lab["end"] + 20
 
 
 def _names_only_fault(a, lab: dict) -> bool:
@@ -283,6 +291,10 @@ def score(res: dict, compat: dict | None = None) -> dict:
     matched_ids = set()
     small_ids = set()
     for lab in labels:
+        if lab["kind"] == "crash" and len(starts) > lab["start"] > 0:
+            # the steps of the last CRASH_LOST_S before the crash may never have been sent
+            t0 = int(starts[lab["start"]]) - int(CRASH_LOST_S * 1e9)
+            lab = dict(lab, crash_lo=int(np.searchsorted(np.asarray(starts[:lab["start"] + 1]), t0)))
         m = [e for e in firing if _matches(e.alert, lab, compat)]
         for e in m:
             matched_ids.add(id(e))

@@ -266,6 +266,16 @@ def _step_axis(data: Path, job: str, steps: int) -> tuple[np.ndarray, float]:
     return starts, med
 
 
+def _spooled_jobs(data: Path) -> set[str]:
+    """The jobs that have stored steps."""
+    from stepwatch.storage.views import connect
+    con = connect(data)
+    try:
+        return {r[0] for r in con.execute("SELECT DISTINCT job FROM steps").fetchall()}
+    finally:
+        con.close()
+
+
 def _comm_summary(data: Path, job: str) -> str:
     """The job's timed collectives and its bus bandwidth rows: every job whose collectives are timed gets
     ``comm_bw`` rows (docs/efficiency.md)."""
@@ -340,7 +350,7 @@ def _run_real(a) -> int:
 
 #: the runs ``stepwatch eval --real --spool`` scores: what a GPU machine ran (see docs/eval.md), labelled
 GPU_RUNS = {
-    "g-clean-nccl-1": [], "g-clean-gloo-2": [],
+    "g-clean-nccl-1": [], "g-clean-gloo-2": [], "g-clean-fsdp2-2": [],
     "g-sleep-r1": [_lab("slow-rank", cause="computation", pct=100, start=200, end=400)],
     "g-crash-r1": [_lab("crash", pct=100, start=200, end=400)],
     "g-raise-r1": [_lab("crash", pct=100, start=200, end=400)],
@@ -398,7 +408,10 @@ def run_spool(a) -> int:
             t.join(30)
         shutil.rmtree(sock, ignore_errors=True)
     scored = []
+    ran = _spooled_jobs(base / "data")
     for job, labels in GPU_RUNS.items():
+        if job not in ran:
+            continue                                # not run on that machine (bench gpu --jobs)
         run = RealRun(job, faults=labels, nproc=1 if "nccl-1" in job else 2, steps=400)
         starts, step_ms = _step_axis(base / "data", job, run.steps)
         res = {"scenario": run, "emitted": emitted.get(job, []), "labels": labels, "step_starts": starts,
