@@ -83,7 +83,8 @@ DIRECT_TABLES = {"steps": "DICTIONARY_SIZE_LIMIT 1"}
 #: + zstd kept 6.2 B a row of each: 26 B a step row, 25 of them these columns); as FLOAT a step row
 #: takes 11 B. Only tables the store creates get them; a lake made before keeps its DOUBLE columns
 #: (:attr:`LakeStore._narrow` holds what the lake has). The wire, the detectors, ``rank_minutes``
-#: and ``step_summary`` keep float64.
+#: and ``step_summary`` keep float64. (A duration beyond FLOAT's range, 3.4e38 ms, which the wire's
+#: checks let through as finite, is stored as infinity.)
 STORED_TYPES = {"steps": {c: pa.float32() for c in (
     "step_ms", "data_ms", "compute_ms", "comm_ms", "comm_wait_ms", "gc_ms", "cpu_ms", "cpu_wait_ms",
     "comm_total_ms", "comm_exposed_ms")}}
