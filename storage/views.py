@@ -12,7 +12,7 @@ import duckdb
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
 from stepwatch.storage.lake import InstanceCache, lake_of
-from stepwatch.storage.store import JOBS, OFFSETS, TABLES
+from stepwatch.storage.store import JOBS, OFFSETS, STORED_TYPES, TABLES
 
 
 #: Views over the table views, shared with the Grafana snapshot (:mod:`stepwatch.dashboards.snapshot`).
@@ -41,9 +41,20 @@ def view_sql(root, ext_dir=None, lockdown: bool = False, s3_keys_from_env: bool 
     lake = lake_of(root)
     stmts = lake.attach_sql(read_only=True, ext_dir=ext_dir, lockdown=lockdown, s3_keys_from_env=s3_keys_from_env)
     for t in TABLES + (OFFSETS, JOBS):
-        stmts.append(f"CREATE OR REPLACE VIEW {t} AS SELECT * FROM lake.main.{t};")
+        stmts.append(f"CREATE OR REPLACE VIEW {t} AS SELECT {_select(t)} FROM lake.main.{t};")
     stmts += DERIVED_VIEWS
     return "\n".join(stmts)
+
+
+def _select(table: str) -> str:
+    """A table view's select list: every column, those the lake stores narrower
+    (:data:`~stepwatch.storage.store.STORED_TYPES`: steps' durations as FLOAT) read back as DOUBLE, so
+    every query and panel computes in float64 as the wire does (``round(x, 1)`` of a FLOAT gives
+    1106.9000244140625)."""
+    narrow = STORED_TYPES.get(table)
+    if not narrow:
+        return "*"
+    return "* REPLACE (" + ", ".join(f'CAST("{c}" AS DOUBLE) AS "{c}"' for c in narrow) + ")"
 
 
 _DBS = InstanceCache()                       # Lake -> the instance with the lake attached read-only and the views

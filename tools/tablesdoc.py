@@ -167,7 +167,9 @@ def tables_markdown() -> str:
            "natural keys, time and sort columns are listed once, in `stepwatch/wire/catalog.py` (the lake sorts by",
            "job first); their columns in `stepwatch/wire/tables.py` (the processor decodes with `stepwatch/wire/decode.py`).", "",
            LAKE.strip(), "",
-           "Times are UTC; durations are float64 milliseconds; sizes are bytes.", ""]
+           "Times are UTC; durations are float64 milliseconds; sizes are bytes. The lake stores the step",
+           "durations of `steps` (`*_ms`) as FLOAT (float32: 7 significant digits; a float64 duration from a",
+           "nanosecond clock does not compress: 26 B a step row, as FLOAT 11 B); the views read them as DOUBLE.", ""]
     for t, s in SCHEMAS.items():
         out += [f"## `{t}`", "", ABOUT.get(t, ""), ""]
         meta = []

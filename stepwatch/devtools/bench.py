@@ -82,6 +82,7 @@ def run_bench(a) -> int:
                   f"wall ({st['flush_s'] / span:.0%} of the span)")
         if rows != sent["steps"]:
             print(f"  WARNING: stored {rows} != sent {sent['steps']}")
+        _stored_bytes(d1, rows)
 
         # ---------------------------------------------------------------- lag
         s2 = KafkaSettings(bootstrap=broker.bootstrap, prefix="lag.", partitions=4)
@@ -134,6 +135,16 @@ def run_bench(a) -> int:
             print("  no step became queryable (see the processor log)")
     burst_flush(base / "burst", a.burst_jobs)
     return 0
+
+
+def _stored_bytes(root: Path, rows: float) -> None:
+    """Bytes of the lake's data files per stored step row: the ``steps`` table's, and all tables'."""
+    from stepwatch.storage.views import connect
+    info = dict(connect(root).execute("SELECT table_name, file_size_bytes + delete_file_size_bytes "
+                                      "FROM ducklake_table_info('lake')").fetchall())
+    n = max(rows, 1)
+    print(f"  stored {info.get('steps', 0) / n:.1f} B per step row in the steps table's Parquet files "
+          f"({sum(info.values()) / n:.1f} B per step row with host, gc, rank_minutes and the rest)")
 
 
 def burst_flush(root: Path, jobs: int = 1000, ranks: int = 16) -> None:
