@@ -207,7 +207,7 @@ class Agent:
         self.runners: list[PluginRunner] = build_runners(plugins, self.metrics, host_plugins)
         self.spool = Spool(spool_dir or os.path.join(self.socket_dir, "spool"), spool_max_bytes, self.metrics)
         self.shipper = Shipper(kafka, self.spool, self.metrics, send_timeout_s=send_timeout_s, retry_s=retry_s,
-                               create_topics=create_topics) if kafka is not None else None
+                               create_topics=create_topics, background_connect=True) if kafka is not None else None
         self.socket_mode = socket_mode
         self.socket_group = socket_group
         self.limits = limits or IngressLimits()
@@ -263,6 +263,8 @@ class Agent:
         self.sock = s
         self._rx = threading.Thread(target=self._receive, name="stepwatch-agent-rx", daemon=True)
         self._rx.start()
+        if self.shipper is not None:
+            self.shipper.connect_soon()
         sample(self.runners, time.monotonic())       # baselines for rates and CPU shares
         if self.control is not None:
             self.control.start()
@@ -597,6 +599,8 @@ class Agent:
             self._rx.join(2)
             self._rx = None
         self._closing = True
+        if self.shipper is not None:
+            self.shipper.wait_connect(self.shipper.send_timeout_s)
         try:
             self.tick()
         except Exception:  # noqa: BLE001

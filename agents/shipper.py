@@ -31,6 +31,7 @@ import errno
 import logging
 import os
 import re
+import threading
 import time
 import zlib
 from dataclasses import dataclass
@@ -204,7 +205,8 @@ class Shipper:
     """Sends (kind, job, table) items; spools what Kafka did not take. Not thread-safe: one caller."""
 
     def __init__(self, settings, spool: Spool, metrics=None, send_timeout_s: float = 5.0, retry_s: float = 2.0,
-                 replay_files_per_call: int = 64, create_topics: bool = True, held_max_bytes: int = 64 << 20):
+                 replay_files_per_call: int = 64, create_topics: bool = True, held_max_bytes: int = 64 << 20,
+                 background_connect: bool = False):
         self.settings = settings
         self.spool = spool
         self.drops = spool.drops
@@ -218,6 +220,12 @@ class Shipper:
         self.replay_files_per_call = replay_files_per_call
         self.create_topics = create_topics
         self.producer = None
+        # connect in a thread of its own (the agent): a broker that cannot be reached holds a connection
+        # attempt for up to send_timeout_s; in the caller's thread that stopped the agent's tick (host
+        # samples, liveness, the spool) for 5 s of every 7 while Kafka was away
+        self.background_connect = background_connect
+        self._opening: threading.Thread | None = None
+        self._opened: tuple = (None, None)
         self._t_attempt = -1e18
         self._topics_done = False
         self._state_logged = False
@@ -227,22 +235,57 @@ class Shipper:
     def _connect(self) -> bool:
         if self.producer is not None:
             return True
+        if self._opening is not None:                   # a background attempt: done yet?
+            if self._opening.is_alive():
+                return False
+            self._opening = None
+            opened, self._opened = self._opened, (None, None)
+            return self._connected(*opened)
         now = time.monotonic()
         if now - self._t_attempt < self.retry_s:
             return False
         self._t_attempt = now
+        if self.background_connect:
+            self._opening = threading.Thread(target=self._open_in_background, name="stepwatch-agent-connect",
+                                             daemon=True)
+            self._opening.start()
+            return False                                 # this tick spools; a later one finds the producer
+        return self._connected(*self._open())
+
+    def connect_soon(self) -> None:
+        """Begin connecting now (the agent's start), so the first tick finds the producer."""
+        self._connect()
+
+    def wait_connect(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for a connection attempt under way (the agent's last tick: what it spools
+        then would wait for the next start)."""
+        if self._opening is not None:
+            self._opening.join(timeout_s)
+
+    def _open_in_background(self) -> None:
+        self._opened = self._open()
+
+    def _connected(self, producer, err) -> bool:
+        if producer is None:
+            self._set_online(False, f"cannot reach Kafka at {self.settings.bootstrap} ({err}); "
+                                    f"spooling to {self.spool.dir}")
+            return False
+        self.producer = producer
+        self._set_online(True, f"connected to Kafka at {self.settings.bootstrap}")
+        return True
+
+    def _open(self) -> tuple:
+        """(a producer, None) or (None, the error): a connection, and the input topics made once."""
         import dataclasses
 
         from stepwatch.kafkaio import ensure_topics, make_producer
         t = max(1000, int(self.send_timeout_s * 1000))
         try:
-            self.producer = make_producer(self.settings, bootstrap_timeout_ms=t, max_block_ms=t,
-                                          request_timeout_ms=t, delivery_timeout_ms=2 * t + 100, linger_ms=5,
-                                          reconnect_backoff_max_ms=1000)
+            producer = make_producer(self.settings, bootstrap_timeout_ms=t, max_block_ms=t,
+                                     request_timeout_ms=t, delivery_timeout_ms=2 * t + 100, linger_ms=5,
+                                     reconnect_backoff_max_ms=1000)
         except Exception as e:  # noqa: BLE001 - NoBrokersAvailable, KafkaTimeoutError, OSError ...
-            self._set_online(False, f"cannot reach Kafka at {self.settings.bootstrap} ({e}); "
-                                    f"spooling to {self.spool.dir}")
-            return False
+            return None, e
         if self.create_topics and not self._topics_done:
             try:
                 quick = dataclasses.replace(self.settings, extra=dict(self.settings.extra, bootstrap_timeout_ms=t,
@@ -252,8 +295,7 @@ class Shipper:
             except Exception as e:  # noqa: BLE001 - no ACL to create topics: they may exist anyway
                 log.info("could not check/create topics (%r); sending anyway", e)
                 self._topics_done = True
-        self._set_online(True, f"connected to Kafka at {self.settings.bootstrap}")
-        return True
+        return producer, None
 
     def _set_online(self, up: bool, why: str) -> None:
         if up != self.online or not self._state_logged:
@@ -391,6 +433,11 @@ class Shipper:
         return sent
 
     def close(self, timeout_s: float = 5.0) -> None:
+        if self._opening is not None:                   # an attempt under way: its producer is closed too
+            self._opening.join(timeout_s)
+            if not self._opening.is_alive() and self._opened[0] is not None and self.producer is None:
+                self.producer = self._opened[0]
+            self._opening = None
         if self.producer is not None:
             try:
                 self.producer.flush(timeout=timeout_s)

@@ -489,3 +489,32 @@ def test_agent_cli_serves_until_sigterm(sockdir):
     assert p.returncode == 0, err
     assert "agent stopped" in err and "'datagrams': 4.0" in err and "'ranks': 1" in err   # hello + 3 steps
     assert not os.path.exists(path)
+
+
+def test_an_unreachable_broker_does_not_slow_the_agents_tick(tmp_path):
+    """A broker that takes connections and never answers holds each connection attempt for the whole
+    ``send_timeout_s``. Attempted in the tick, that stopped the agent's host samples, liveness and spooling
+    for that long every ``retry_s`` (on a GPU machine with no broker: a tick every 5-7 s instead of every
+    0.5 s, so host samples were sparse and a rank's death went unreported before the agent stopped). The
+    attempts now run beside the tick: it keeps its cadence and spools, and a late close does not wait on
+    them past ``send_timeout_s``."""
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(16)                                    # the kernel completes the handshake; nobody answers
+    try:
+        settings = KafkaSettings(bootstrap=f"127.0.0.1:{hole.getsockname()[1]}", prefix="hole.")
+        ag = Agent(settings, socket_dir=str(tmp_path / "s"), node="n1", job="j", interval_s=0.2,
+                   spool_dir=tmp_path / "sp", send_timeout_s=2.0, retry_s=0.1)
+        ag.start()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 3.0:
+            ag.tick()
+            time.sleep(0.2)
+        ticks, took = ag.ticks, time.monotonic() - t0
+        t1 = time.monotonic()
+        ag.close()
+        assert time.monotonic() - t1 <= 2.0 + 1.5     # at most one attempt's timeout, then the last tick
+    finally:
+        hole.close()
+    assert ticks >= 0.6 * took / 0.2, (ticks, took)    # ~15 ticks in 3 s, not one per attempt
+    assert not ag.shipper.online and len(ag.spool) >= ticks // 2    # every tick's host rows spooled
