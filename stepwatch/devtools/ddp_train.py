@@ -12,7 +12,9 @@ all-reduce.
 Settings (environment):
 
 - ``SW_STEPS`` (300) steps; ``SW_WIDTH`` (384) hidden width; ``SW_DEPTH`` (1) hidden width x width layers;
-  ``SW_BATCH`` (64);
+  ``SW_BATCH`` (64); ``SW_LOADER`` ``items`` (default: a ``DataLoader`` that reads and collates ``SW_BATCH``
+  items a step on the rank's thread) or ``batches`` (whole batches sliced from tensors made in advance, pinned
+  on CUDA: a loader that does not bound a GPU step);
 - ``SW_BUCKET_MB`` (DDP's default, 25): DDP's gradient bucket size (``bucket_cap_mb``): small buckets are
   all-reduced one by one while backward goes on (their communication overlaps compute);
 - ``SW_PAD_MS`` (0): every forward pass also sleeps this long (time on a device, as the host sees it:
@@ -70,6 +72,21 @@ class SleepyForward(torch.nn.Module):
         if self.sleep_ms > 0:
             time.sleep(self.sleep_ms / 1e3)
         return self.net(x)
+
+
+class Batches(torch.utils.data.Dataset):
+    """Whole batches, sliced from tensors made in advance (pre-batched shards: the loader does no per-item
+    work)."""
+
+    def __init__(self, xs, ys, batch: int):
+        self.xs, self.ys, self.batch = xs, ys, batch
+
+    def __len__(self):
+        return len(self.xs) // self.batch
+
+    def __getitem__(self, i):
+        b = self.batch
+        return self.xs[i * b:(i + 1) * b], self.ys[i * b:(i + 1) * b]
 
 
 class SlowReads(torch.utils.data.Dataset):
@@ -155,11 +172,17 @@ def train() -> None:
         xs = torch.randn(steps * batch, 128, generator=g)
         ys = torch.randint(0, 10, (steps * batch,), generator=g)
     else:
-        data = TensorDataset(torch.randn(steps * batch, 128, generator=g),
-                             torch.randint(0, 10, (steps * batch,), generator=g))
-        if data_rank in (rank, -2) and data_ms > 0:
-            data = SlowReads(data, data_ms / batch, data_from * batch)
-        loader = iter(DataLoader(data, batch_size=batch))
+        xs, ys = torch.randn(steps * batch, 128, generator=g), torch.randint(0, 10, (steps * batch,), generator=g)
+        if os.environ.get("SW_LOADER", "items") == "batches":
+            data = Batches(xs, ys, batch)
+            if data_rank in (rank, -2) and data_ms > 0:
+                data = SlowReads(data, data_ms, data_from)
+            loader = iter(DataLoader(data, batch_size=None, pin_memory=dev.type == "cuda"))
+        else:
+            data = TensorDataset(xs, ys)
+            if data_rank in (rank, -2) and data_ms > 0:
+                data = SlowReads(data, data_ms / batch, data_from * batch)
+            loader = iter(DataLoader(data, batch_size=batch))
     ends, cpu = [], []             # the script's own clock and its main thread's CPU time at each step end
     crash_rank = int(os.environ.get("SW_CRASH_RANK", "-1"))
     crash_step = int(os.environ.get("SW_CRASH_STEP", "-1"))
