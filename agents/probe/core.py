@@ -79,7 +79,7 @@ class _StepCtx:
 _SLOT_DATA, _SLOT_COMPUTE = 0, 1
 
 
-class Probe(Hooks, StepFold, Transport, DeviceTiming, Flops):
+class Probe(Hooks, StepFold, Transport, Flops):
     """One per process (the module-level functions use a singleton). Lifecycle: ``init`` ->
     steps -> ``shutdown`` (also at interpreter exit)."""
 
@@ -132,12 +132,7 @@ class Probe(Hooks, StepFold, Transport, DeviceTiming, Flops):
         fast = _ev._fast
         self._log = (fast.Log if fast is not None else _PyLog)(LOG_CAP, self._drain, self._first_opt)
         self._replaying = False
-        # device timing of collectives (CUDA/NPU events), see _dev_begin
-        self._dev_mods: dict = {}                          # device type -> torch.cuda / torch.npu (False: none)
-        self._dev_pool: dict = {}                          # device type -> free events
-        self._dev_calls: dict = {}                         # token -> (device type, start event, end event)
-        self._dev_next = 0
-        self.dev_timed = self.dev_unready = 0
+        self.timing = DeviceTiming()                       # device timing of collectives (CUDA/NPU events)
         self._step_ctx = _StepCtx(self)
         self._exitw = ExitWatch(self)              # the goodbye: how this process ends (exitwatch)
         self._reset_counters()
@@ -170,6 +165,14 @@ class Probe(Hooks, StepFold, Transport, DeviceTiming, Flops):
     def _ctl_active(self, on: bool) -> None:
         self._ctl_on = bool(on)
         self._log.eager = 1 if on else 0
+
+    @property
+    def dev_timed(self) -> int:
+        return self.timing.timed
+
+    @property
+    def dev_unready(self) -> int:
+        return self.timing.unready
 
     def _reset_counters(self) -> None:
         self.n_steps = 0
@@ -373,7 +376,7 @@ class Probe(Hooks, StepFold, Transport, DeviceTiming, Flops):
         log.primary = log.last_drain = log.in_coll = log.pre_t = 0
         log.dq_need = 1
         self._replaying = False
-        self._dev_calls.clear()                       # (the parent's device events)
+        self.timing.after_fork()                      # (the parent's device events)
         self._primary_opt = None
         self._step_tid = None
         self._gc_t0 = 0
@@ -531,7 +534,7 @@ class Probe(Hooks, StepFold, Transport, DeviceTiming, Flops):
         Replays the waiting events first."""
         self._drain()
         log = self._log
-        return {"fast": _ev.FAST, "events_lost": log.lost, "dev_timed": self.dev_timed, "dev_unready": self.dev_unready, "steps": self.n_steps, "sent": self.sent, "dropped": self.dropped, "deferred": self.deferred,
+        return {"fast": _ev.FAST, "events_lost": log.lost, "dev_timed": self.timing.timed, "dev_unready": self.timing.unready, "steps": self.n_steps, "sent": self.sent, "dropped": self.dropped, "deferred": self.deferred,
                 "backlog": len(self._backlog), "backlog_frames": sum(f for _, _, f in self._backlog),
                 "datagrams": self.datagrams, "pending": self._frames,
                 "dropped_full": self.dropped_full, "dropped_no_agent": self.dropped_no_agent,

@@ -22,7 +22,7 @@ The replay (``Probe._bucket_calls``) turns a step's buckets into one ``all_reduc
 process group: the buckets overlap backward, so the time that held the step is the tail from the last
 launch (the end of backward) to the last completion, split into transfer and waiting for peers.
 
-On CUDA/NPU a bucket on a device tensor is bracketed by the probe's device events (``Probe._dev_begin``;
+On CUDA/NPU a bucket on a device tensor is bracketed by the probe's device events (``DeviceTiming.begin``;
 the end event is recorded in the completion callback, which runs on the all-reduce's stream), so its time
 is the device's; this path has not been run on a GPU by the sessions that wrote it.
 
@@ -76,7 +76,7 @@ class BucketTimer:
         tok = -1
         if probe._log.dev_on and not tensor.is_cpu:
             try:
-                tok = probe._dev_begin(tensor)
+                tok = probe.timing.begin(tensor)
             except Exception:  # noqa: BLE001 - no device events: the host's times
                 tok = -1
         nbytes = tensor.nbytes
@@ -101,7 +101,7 @@ class BucketTimer:
             self.pending = max(self.pending - 1, 0)
             try:
                 if tok >= 0:
-                    probe._dev_end(tok)
+                    probe.timing.end(tok)
                 if slot >= 0:
                     probe._log.add(K_BUCKET, slot, t0, perf(), nbytes, float(tok))
             except Exception:  # noqa: BLE001 - telemetry never fails a reduction

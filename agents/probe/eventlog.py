@@ -170,7 +170,7 @@ def _py_coll_wrap(log: _PyLog, fn, p_idx: int, g_idx: int, a_idx: int, payload, 
                   dev_begin=None, dev_end=None):
     """A torch.distributed collective, timed (``_probefast.CollWrap`` in C): the call, raw, as one
     event; its accumulator slot is cached per process group. A synchronous call on a device tensor
-    is also bracketed by device events (``dev_begin``/``dev_end``, see :meth:`Probe._dev_begin`)."""
+    is also bracketed by device events (``dev_begin``/``dev_end``, see :meth:`DeviceTiming.begin`)."""
     ev, cap = log.ev, log.cap
     slots: dict[int, int] = {}          # id(group) -> accumulator slot (resolve keeps the group alive)
 

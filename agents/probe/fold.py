@@ -35,7 +35,7 @@ class StepFold:
             log.last_drain = _perf()
             self._cpu_sample(log.last_drain)
             if not log.dev_on:
-                log.dev_on = self._accelerator_in_use()
+                log.dev_on = self.timing.accelerator_in_use()
             if self._backlog:                     # the agent's queue was full: its room first
                 self._flush_backlog()
             events = log.drain()
@@ -86,6 +86,7 @@ class StepFold:
         seqs, marks = self._seq, self._marks
         rate_c, rate_w = self._cpu_rates
         buckets = self._buckets
+        dev_time = self.timing.elapsed                     # (a device-timed collective: its events)
         fast = _ev._fast
         pack = fast.pack_step if fast is not None else None      # the frame in one C call
         for kind, slot, t0, t1, a, b in events:
@@ -111,8 +112,8 @@ class StepFold:
                 seqs[slot] += 1
                 if kind == K_COLL:
                     calls.append((slot, 1, a, t1 - t0, None if b < 0 else b))
-                else:                                   # timed on the device (see _dev_begin)
-                    calls.append((slot, 1, a, self._dev_time(int(b), t1 - t0), None))
+                else:                                   # timed on the device (see DeviceTiming.begin)
+                    calls.append((slot, 1, a, dev_time(int(b), t1 - t0), None))
                 if len(calls) >= MAX_CALLS:
                     self._calls = calls
                     self._squash_calls()
@@ -120,8 +121,8 @@ class StepFold:
                 continue
             if kind == K_BUCKET:                        # a DDP bucket: summed per slot, see _bucket_calls
                 seqs[slot] += 1                         # (a collective of the group: its sequence number)
-                if b >= 0:                              # timed on the device (see _dev_begin)
-                    t1 = t0 + self._dev_time(int(b), t1 - t0)
+                if b >= 0:                              # timed on the device (see DeviceTiming.begin)
+                    t1 = t0 + dev_time(int(b), t1 - t0)
                 bk = buckets.get(slot)
                 if bk is None:
                     buckets[slot] = [1, a, t0, t1, a, [(t0, t1)]]

@@ -297,10 +297,10 @@ class Hooks:
         fast = _ev._fast
         if fast is not None:
             w = fast.CollWrap(self._log, fn, p_idx, g_idx, a_idx, payload, resolve, _nbytes,
-                               self._dev_begin, self._dev_end)
+                               self.timing.begin, self.timing.end)
         else:
             w = _py_coll_wrap(self._log, fn, p_idx, g_idx, a_idx, payload, resolve, _nbytes,
-                              self._dev_begin, self._dev_end)
+                              self.timing.begin, self.timing.end)
         w.__name__ = getattr(fn, "__name__", name)
         w.__doc__ = getattr(fn, "__doc__", None)
         return w

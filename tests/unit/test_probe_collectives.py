@@ -187,7 +187,7 @@ def test_collectives_on_a_device_are_timed_by_device_events(probe, rx, sockdir):
         return None
 
     probe.init(job="dev", rank=0, world_size=2, socket_dir=sockdir, auto=False, flush_ms=0)
-    probe._dev_mods["fakedev"] = type("FakeDevModule", (), {"Event": Event})
+    probe.timing.mods["fakedev"] = type("FakeDevModule", (), {"Event": Event})
     ar0 = probe._wrap_collective(Dist, "all_reduce", all_reduce)
     probe.begin_step()
     ar0(_DevTensor())                      # no CUDA context, no torch_npu: the payload is not even looked at
