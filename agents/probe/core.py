@@ -79,7 +79,7 @@ class _StepCtx:
 _SLOT_DATA, _SLOT_COMPUTE = 0, 1
 
 
-class Probe(Hooks, StepFold, Transport, Flops):
+class Probe(Hooks, StepFold, Transport):
     """One per process (the module-level functions use a singleton). Lifecycle: ``init`` ->
     steps -> ``shutdown`` (also at interpreter exit)."""
 
@@ -113,7 +113,7 @@ class Probe(Hooks, StepFold, Transport, Flops):
         self.world_size: int | None = None
         self.local_rank: int | None = None
         self.node: str | None = None
-        self.extra: dict = {}
+        self.extra: dict = {}                    # hello fields (topology); init refills it in place (self.flops)
         self._identity_ready = False
         self._rank_given = self._world_given = False
         # names (ops, groups, phases) -> small ids shared with the agent through the hello
@@ -133,6 +133,7 @@ class Probe(Hooks, StepFold, Transport, Flops):
         self._log = (fast.Log if fast is not None else _PyLog)(LOG_CAP, self._drain, self._first_opt)
         self._replaying = False
         self.timing = DeviceTiming()                       # device timing of collectives (CUDA/NPU events)
+        self.flops = Flops(self.extra, self._hello_changed)  # FLOPs per token and dtype, into the hello
         self._step_ctx = _StepCtx(self)
         self._exitw = ExitWatch(self)              # the goodbye: how this process ends (exitwatch)
         self._reset_counters()
@@ -166,13 +167,23 @@ class Probe(Hooks, StepFold, Transport, Flops):
         self._ctl_on = bool(on)
         self._log.eager = 1 if on else 0
 
-    @property
-    def dev_timed(self) -> int:
-        return self.timing.timed
+    def _hello_changed(self) -> None:          # what the hello says changed: rebuilt, sent with the next datagram
+        self._need_hello = self._hello_dirty = True
 
-    @property
-    def dev_unready(self) -> int:
-        return self.timing.unready
+    def set_flops_per_token(self, flops: float, *, per: str = "token") -> None:     # the FLOPs API: flops.Flops
+        self.flops.set_flops_per_token(flops, per=per)
+
+    def count_flops(self, step_fn, *args, tokens: int | None = None, samples: int | None = None, **kwargs):
+        return self.flops.count_flops(step_fn, *args, tokens=tokens, samples=samples, **kwargs)
+
+    def set_model_shape(self, *, layers: int, heads: int, hidden: int, seq_len: int, model=None,
+                        params: float | None = None) -> float:
+        return self.flops.set_model_shape(layers=layers, heads=heads, hidden=hidden, seq_len=seq_len, model=model,
+                                          params=params)
+
+    counted_flops = property(lambda self: self.flops.counted_flops)
+    dev_timed = property(lambda self: self.timing.timed)
+    dev_unready = property(lambda self: self.timing.unready)
 
     def _reset_counters(self) -> None:
         self.n_steps = 0
@@ -262,7 +273,8 @@ class Probe(Hooks, StepFold, Transport, Flops):
                 extra["flops_source"] = "user"          # (see flops.py: the user's figure wins)
             if topology:
                 raise TypeError(f"probe.init: unknown argument(s) {', '.join(sorted(topology))}")
-            self.extra = extra
+            self.extra.clear()                  # (in place: the flops part holds it)
+            self.extra.update(extra)
             g = comm_gbps if comm_gbps is not None else os.environ.get("STEPWATCH_COMM_GBPS")
             self.comm_gbps = float(g) if g not in (None, "") else DEFAULT_COMM_GBPS
             self._ns_per_byte = 1.0 / self.comm_gbps if self.comm_gbps > 0 else 0.0   # GB/s = bytes/ns

@@ -11,7 +11,6 @@ import threading
 
 from . import eventlog as _ev
 from .collectives import COLLECTIVES, traffic_factor
-from .flops import watch_dtype_once
 from .eventlog import K_COLL, K_GC, K_MARK, K_PHASE, _nbytes, _perf, _py_coll_wrap, _py_data_wrap, _queue_depth
 from stepwatch.wire.datagram import MAX_COMM
 
@@ -180,7 +179,7 @@ class Hooks:
         if n > 0:
             self.extra["model_params"] = n
             self._hello_dirty = self._need_hello = True
-        watch_dtype_once(self)                    # the compute dtype, at the next forward (flops.py)
+        self.flops.watch_dtype_once()             # the compute dtype, at the next forward (flops.py)
 
     def _patch_eval_save(self, torch) -> None:
         """``Module.eval()`` marks the step ``eval``; ``torch.save`` counts as ``checkpoint`` time. Both are
