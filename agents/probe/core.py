@@ -4,10 +4,8 @@ watchdog and profiling control, and its counters. Its parts live beside it: :mod
 :mod:`.timing` (thread CPU, device events)."""
 from __future__ import annotations
 
-import collections
 import gc
 import os
-import socket
 import sys
 import threading
 
@@ -19,8 +17,8 @@ from .eventlog import K_BEGIN, K_COUNT, K_END, K_MARK, K_PHASE, KIND_PHASES, LOG
 from .hooks import Hooks, _TorchImportHook
 from .fold import StepFold
 from .timing import DeviceTiming, _ThreadCpu
-from .transport import HELLO_EVERY_NS, Transport, _new_instance
-from stepwatch.wire.datagram import (DEFAULT_FLUSH_MS, GCREC, HDR, MAGIC, MAX_COMM, MAX_DATAGRAM, MAX_GC, MAX_NAMES, MAX_PHASES,
+from .transport import Transport, device_fields
+from stepwatch.wire.datagram import (DEFAULT_FLUSH_MS, GCREC, HDR, MAGIC, MAX_COMM, MAX_GC, MAX_NAMES, MAX_PHASES,
                    SOCKET_NAME, T_PROFILE, VERSION, default_socket_dir)
 
 
@@ -75,11 +73,16 @@ class _StepCtx:
         return False
 
 
+def _of_transport(name: str) -> property:
+    return property(lambda self: getattr(self.transport, name), lambda self, v: setattr(self.transport, name, v),
+                    doc=f"``transport.{name}``")
+
+
 # phase slots with a fixed meaning; named phases get slots from 2 on
 _SLOT_DATA, _SLOT_COMPUTE = 0, 1
 
 
-class Probe(Hooks, StepFold, Transport):
+class Probe(Hooks, StepFold):
     """One per process (the module-level functions use a singleton). Lifecycle: ``init`` ->
     steps -> ``shutdown`` (also at interpreter exit)."""
 
@@ -89,24 +92,8 @@ class Probe(Hooks, StepFold, Transport):
         self._installed = False
         self._hooks: list = []
         self._patches: list[tuple[object, str, object]] = []
-        self._sock: socket.socket | None = None
-        self._path = ""
-        self._connected = False
-        self._t_connect = -(1 << 62)
-        self.reconnect_ns = 1_000_000_000
-        self._hello_bytes = b""
-        self._hello_dirty = True
-        self._backlog: collections.deque = collections.deque()
-        self._buf = bytearray(MAX_DATAGRAM)
-        self._mv = memoryview(self._buf)
-        self._off = self._frames = 0                   # bytes and frames (finished steps) packed in _buf
-        self._last_flush = 0
-        self.flush_ns = int(DEFAULT_FLUSH_MS * 1e6)
         self._gcbuf = bytearray(HDR.size + MAX_GC * GCREC.size)   # header room: sent alone when full
         self._gcmv = memoryview(self._gcbuf)
-        self.instance = _new_instance()
-        # periodic hello every 10-20 s, spread per instance so ranks started together do not burst
-        self._hello_every = HELLO_EVERY_NS + (self.instance % 10_000) * 1_000_000
         # identity (None = resolved lazily at the first step)
         self.job: str | None = None
         self.rank: int | None = None
@@ -133,14 +120,13 @@ class Probe(Hooks, StepFold, Transport):
         self._log = (fast.Log if fast is not None else _PyLog)(LOG_CAP, self._drain, self._first_opt)
         self._replaying = False
         self.timing = DeviceTiming()                       # device timing of collectives (CUDA/NPU events)
-        self.flops = Flops(self.extra, self._hello_changed)  # FLOPs per token and dtype, into the hello
         self._step_ctx = _StepCtx(self)
         self._exitw = ExitWatch(self)              # the goodbye: how this process ends (exitwatch)
+        # the socket to the agent: sends the hello (this probe's identity) and the frames the fold packs
+        self.transport = Transport(self._log, self.hello_payload, self._exitw.on_hello, self._ctl_tick)
+        self.flops = Flops(self.extra, self.transport.hello_changed)   # FLOPs per token and dtype, into the hello
         self._reset_counters()
         self._reset_step_state()
-        self._need_hello = True
-        self._last_hello = 0
-        self._wall_off = _wall() - _perf()           # wall ns = perf ns + offset (re-anchored per hello)
         self.comm_gbps = DEFAULT_COMM_GBPS
         self.gc_row_min_ns = 0
         self._explicit = False
@@ -167,9 +153,6 @@ class Probe(Hooks, StepFold, Transport):
         self._ctl_on = bool(on)
         self._log.eager = 1 if on else 0
 
-    def _hello_changed(self) -> None:          # what the hello says changed: rebuilt, sent with the next datagram
-        self._need_hello = self._hello_dirty = True
-
     def set_flops_per_token(self, flops: float, *, per: str = "token") -> None:     # the FLOPs API: flops.Flops
         self.flops.set_flops_per_token(flops, per=per)
 
@@ -181,23 +164,65 @@ class Probe(Hooks, StepFold, Transport):
         return self.flops.set_model_shape(layers=layers, heads=heads, hidden=hidden, seq_len=seq_len, model=model,
                                           params=params)
 
+    def flush(self) -> None:
+        """Send the finished steps that wait for company now (shutdown and exit do it too)."""
+        self._drain()
+        self.transport.flush(_perf())
+
+    def _resolve_identity(self) -> None:
+        if self.rank is None or self.world_size is None:
+            try:
+                dist = sys.modules.get("torch.distributed")
+                if dist is not None and dist.is_available() and dist.is_initialized():
+                    if self.rank is None:
+                        self.rank = dist.get_rank()
+                    if self.world_size is None:
+                        self.world_size = dist.get_world_size()
+            except Exception:  # noqa: BLE001
+                pass
+            if self.rank is None:
+                self.rank = 0
+            if self.world_size is None:
+                self.world_size = max(1, self.rank + 1)
+        self._identity_ready = True
+        self.transport.hello_changed()
+
+    def hello_payload(self) -> dict:
+        torch = sys.modules.get("torch")
+        fw = f"pytorch-{torch.__version__}" if torch is not None else "python"
+        if sys.modules.get("torch_npu") is not None:
+            fw += "+torch_npu"
+        d = {"v": VERSION, "job": self.job, "rank": self.rank, "world_size": self.world_size,
+             "local_rank": self.local_rank, "pid": os.getpid(), "framework": fw,
+             "names": {str(i): n for n, i in self._names.items()}}
+        if self._group_sizes:
+            d["group_sizes"] = dict(self._group_sizes)
+        if self.node:
+            d["node"] = self.node
+        ctl = self._ctl_path()
+        if ctl:
+            d["ctl"] = ctl
+        d.update(device_fields(self.extra, self.local_rank))
+        d.update(self.extra)
+        tok = os.environ.get("STEPWATCH_JOB_TOKEN")       # the job's own secret: its pods share the job (agent)
+        if tok:
+            d["job_token"] = tok
+        return d
+
     counted_flops = property(lambda self: self.flops.counted_flops)
     dev_timed = property(lambda self: self.timing.timed)
     dev_unready = property(lambda self: self.timing.unready)
+    # the transport's, read on the probe as before
+    instance, sent, datagrams, deferred, hellos, dropped, dropped_full, dropped_no_agent, dropped_error, flush_ns, \
+        reconnect_ns = (_of_transport(n) for n in (
+            "instance", "sent", "datagrams", "deferred", "hellos", "dropped", "dropped_full", "dropped_no_agent",
+            "dropped_error", "flush_ns", "reconnect_ns"))
 
     def _reset_counters(self) -> None:
-        self.n_steps = 0
-        self.sent = 0                    # frames (step records, GC bursts) delivered to the agent
-        self.datagrams = 0
-        self.dropped_full = 0
-        self.dropped_no_agent = 0
-        self.dropped_error = 0
-        self.dropped = 0                 # frames lost: sum of the three above (carried in every step record)
-        self.deferred = 0                # datagrams that waited in the backlog (sent later or dropped)
+        self.n_steps = 0                 # (the delivery counters are the transport's)
         self.gc_rows_dropped = 0
         self.comm_keys_dropped = 0
         self.phases_dropped = 0
-        self.hellos = 0
 
     def _reset_step_state(self) -> None:
         """All per-step state; the phase lists are allocated here once and only zeroed afterwards."""
@@ -281,24 +306,13 @@ class Probe(Hooks, StepFold, Transport):
             m = gc_row_min_ms if gc_row_min_ms is not None else os.environ.get("STEPWATCH_GC_ROW_MIN_MS")
             self.gc_row_min_ns = int(float(m) * 1e6) if m not in (None, "") else 0
             f = flush_ms if flush_ms is not None else os.environ.get("STEPWATCH_FLUSH_MS")
-            self.flush_ns = int(float(f) * 1e6) if f not in (None, "") else int(DEFAULT_FLUSH_MS * 1e6)
-            self._log.drain_ns = self.flush_ns
-            self._log.last_drain = self._last_flush = 0     # the first step end is sent at once, with the hello
+            tr = self.transport
+            tr.flush_ns = int(float(f) * 1e6) if f not in (None, "") else int(DEFAULT_FLUSH_MS * 1e6)
+            self._log.drain_ns = tr.flush_ns
+            self._log.last_drain = tr.last_flush = 0     # the first step end is sent at once, with the hello
             self._identity_ready = self.rank is not None and self.world_size is not None
-            path = os.path.join(socket_dir or default_socket_dir(), SOCKET_NAME)
-            if path != self._path:
-                self._connected = False
-                self._t_connect = -(1 << 62)
-                if self._sock is not None:           # a connected datagram socket cannot be re-pointed
-                    self._sock.close()
-                    self._sock = None
-            self._path = path
-            if self._sock is None:
-                s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-                s.setblocking(False)
-                self._sock = s
+            tr.open(os.path.join(socket_dir or default_socket_dir(), SOCKET_NAME))
             self._step = int(start_step)
-            self._need_hello = self._hello_dirty = True
             self._pid = os.getpid()
             if not self._on:
                 gc.callbacks.append(self._gc_cb)
@@ -344,12 +358,7 @@ class Probe(Hooks, StepFold, Transport):
             self._patches.clear()
             for f in [f for f in sys.meta_path if isinstance(f, _TorchImportHook) and f.probe is self]:
                 sys.meta_path.remove(f)
-            if self._sock is not None:
-                self._sock.close()
-                self._sock = None
-            self._connected = False
-            self._t_connect = -(1 << 62)
-            self._backlog.clear()
+            self.transport.close()
             self._log.clear()
             self._open = False
             self._ctl_close(unlink=True)
@@ -363,26 +372,10 @@ class Probe(Hooks, StepFold, Transport):
         """In a forked child: a new probe instance with its own socket and counters. Identity fields
         that were resolved lazily are resolved again (a launcher that forks its ranks); a child that
         never completes a step (a DataLoader worker) never sends anything."""
-        self.instance = _new_instance()
-        self._hello_every = HELLO_EVERY_NS + (self.instance % 10_000) * 1_000_000
-        self._backlog.clear()
-        old, self._sock = self._sock, None
-        self._connected = False
-        self._t_connect = -(1 << 62)
-        if old is not None:
-            try:
-                old.close()
-            except OSError:
-                pass
-        if self._on:
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            s.setblocking(False)
-            self._sock = s
+        self.transport.after_fork(reopen=self._on)   # new instance, socket, counters; the parent's frames stay its
         self._reset_counters()
         self._reset_step_state()
         self._n_gc = 0
-        self._off = self._frames = 0                  # the parent's pending steps are the parent's
-        self._last_flush = 0
         log = self._log                               # ... and so are its events
         log.clear()
         log.primary = log.last_drain = log.in_coll = log.pre_t = 0
@@ -392,8 +385,6 @@ class Probe(Hooks, StepFold, Transport):
         self._primary_opt = None
         self._step_tid = None
         self._gc_t0 = 0
-        self._last_hello = 0
-        self._need_hello = self._hello_dirty = True
         if not self._rank_given:
             self.rank = None
         if not self._world_given:
@@ -417,7 +408,7 @@ class Probe(Hooks, StepFold, Transport):
             if len(self._names) >= MAX_NAMES:
                 return self._intern("other") if name != "other" else 0
             i = self._names[name] = len(self._names) + 1
-            self._need_hello = self._hello_dirty = True
+            self.transport.hello_changed()
         return i
 
     def _slot_for_phase(self, name: str) -> int:
@@ -512,7 +503,7 @@ class Probe(Hooks, StepFold, Transport):
         """The control socket announced in the hello (bound on first use; '' when profiling is off:
         ``STEPWATCH_PROFILING=0``). Commands and their handling: :mod:`stepwatch.agents.profiling`."""
         if self._ctl is None:
-            if os.environ.get("STEPWATCH_PROFILING", "1") == "0" or not self._path:
+            if os.environ.get("STEPWATCH_PROFILING", "1") == "0" or not self.transport.path:
                 return ""
             try:
                 mod = _profiling_module()
@@ -520,9 +511,12 @@ class Probe(Hooks, StepFold, Transport):
                 return ""
             self._ctl = mod.ProbeControl(self, lambda inst, rank: HDR.pack(MAGIC, VERSION, T_PROFILE, inst, rank,
                                                                           0, 0, 0, 0))
-        return self._ctl.ensure_bound(os.path.dirname(self._path))
+        return self._ctl.ensure_bound(os.path.dirname(self.transport.path))
 
-    def _ctl_poll(self) -> None:
+    def _ctl_tick(self) -> None:
+        """At every flush of the transport: poll the profiling control socket, when one is bound."""
+        if self._ctl is None:
+            return
         try:
             self._ctl.poll()
         except Exception:  # noqa: BLE001 - profiling never fails training
@@ -545,14 +539,14 @@ class Probe(Hooks, StepFold, Transport):
         device events / by the host because their end event had not completed at the replay.
         Replays the waiting events first."""
         self._drain()
-        log = self._log
-        return {"fast": _ev.FAST, "events_lost": log.lost, "dev_timed": self.timing.timed, "dev_unready": self.timing.unready, "steps": self.n_steps, "sent": self.sent, "dropped": self.dropped, "deferred": self.deferred,
-                "backlog": len(self._backlog), "backlog_frames": sum(f for _, _, f in self._backlog),
-                "datagrams": self.datagrams, "pending": self._frames,
-                "dropped_full": self.dropped_full, "dropped_no_agent": self.dropped_no_agent,
-                "dropped_error": self.dropped_error, "gc_rows_dropped": self.gc_rows_dropped,
+        log, tr = self._log, self.transport
+        return {"fast": _ev.FAST, "events_lost": log.lost, "dev_timed": self.timing.timed, "dev_unready": self.timing.unready, "steps": self.n_steps, "sent": tr.sent, "dropped": tr.dropped, "deferred": tr.deferred,
+                "backlog": len(tr.backlog), "backlog_frames": sum(f for _, _, f in tr.backlog),
+                "datagrams": tr.datagrams, "pending": tr.frames,
+                "dropped_full": tr.dropped_full, "dropped_no_agent": tr.dropped_no_agent,
+                "dropped_error": tr.dropped_error, "gc_rows_dropped": self.gc_rows_dropped,
                 "comm_keys_dropped": self.comm_keys_dropped + log.comm_keys_dropped, "phases_dropped": self.phases_dropped,
-                "hellos": self.hellos, "socket": self._path, "instance": self.instance,
+                "hellos": tr.hellos, "socket": tr.path, "instance": tr.instance,
                 "rank": self.rank, "job": self.job}
 
 

@@ -36,8 +36,9 @@ class StepFold:
             self._cpu_sample(log.last_drain)
             if not log.dev_on:
                 log.dev_on = self.timing.accelerator_in_use()
-            if self._backlog:                     # the agent's queue was full: its room first
-                self._flush_backlog()
+            tr = self.transport
+            if tr.backlog:                        # the agent's queue was full: its room first
+                tr.flush_backlog()
             events = log.drain()
             if not events or not self._on:
                 return
@@ -78,8 +79,9 @@ class StepFold:
         ph, used, touched = self._ph_ns, self._ph_used, self._ph_touched
         calls, gc_ns, gc_count, dq = self._calls, self._gc_ns, self._gc_count, self._data_queue
         samples, tokens, step = self._samples, self._tokens, self._step
-        primary, off = self._primary_opt, self._wall_off
-        buf, boff, inst = self._buf, self._off, self.instance
+        tr = self.transport                      # frames go into its buffer, it sends them
+        primary, off = self._primary_opt, tr.wall_off
+        buf, boff, inst = tr.buf, tr.off, tr.instance
         ids, keys = self._phase_ids, self._comm_key
         traffic, nspb = self._c_traffic, self._ns_per_byte
         opt_slot = self._opt_slot
@@ -185,17 +187,17 @@ class StepFold:
             cpu_ns = step_ns * rate_c if rate_c >= 0 else -1.0     # replay's rates (see _cpu_sample)
             cw_ns = step_ns * rate_w if rate_w >= 0 else -1.0
             hidden_ns = self._bucket_calls(calls, buckets) if buckets else 0.0
-            if self._connected or t0 - self._t_connect >= self.reconnect_ns:
+            if tr.connected or t0 - tr.t_connect >= tr.reconnect_ns:
                 if not self._identity_ready:
                     self._resolve_identity()
                 if boff > MAX_DATAGRAM - MAX_FRAME:       # the buffer is full: it leaves now
-                    self._off = boff
-                    self._send_buf(t0)
-                    boff = self._off
+                    tr.off = boff
+                    tr.send_buf(t0)
+                    boff = tr.off
                 n_gc = self._n_gc
                 if pack is not None:                     # C: the frame in one call
                     boff = pack(buf, boff, inst, self.rank, step, t0w, wall, t0 - t0p, ph[0],
-                                ph[1] if used[1] else -1, gc_ns, gc_count, dq, samples, tokens, self.dropped,
+                                ph[1] if used[1] else -1, gc_ns, gc_count, dq, samples, tokens, tr.dropped,
                                 touched, ph, ids, calls, traffic, nspb, keys,
                                 self._gcmv[16:16 + n_gc * GCREC.size] if n_gc else None, cpu_ns, cw_ns,
                                 hidden_ns)
@@ -203,10 +205,10 @@ class StepFold:
                     boff = self._pack_py(boff, step, t0w, wall, t0 - t0p, gc_ns, gc_count, dq, samples, tokens,
                                          calls, n_gc, cpu_ns, cw_ns, hidden_ns)
                 self._n_gc = 0
-                self._frames += 1
+                tr.frames += 1
             else:                                        # nobody listens (a reconnect was tried < 1 s ago)
                 self._n_gc = 0
-                self._lost(1, "no_agent")
+                tr.lost(1, "no_agent")
             step = step + 1 if number < 0 else number
             # zero what this step used (no allocation but the next step's call list)
             ph[0] = ph[1] = 0
@@ -221,12 +223,12 @@ class StepFold:
             gc_ns = gc_count = 0
             dq = samples = tokens = -1
             open_, t0p, t0w = reopen, t0, wall
-            if (t0 - self._last_flush >= self.flush_ns or self._frames >= MAX_PENDING
-                    or (self._need_hello and self._connected)):
-                self._off = boff
-                self._flush(t0)
-                boff = self._off
-        self._off = boff
+            if (t0 - tr.last_flush >= tr.flush_ns or tr.frames >= MAX_PENDING
+                    or (tr.need_hello and tr.connected)):
+                tr.off = boff
+                tr.flush(t0)
+                boff = tr.off
+        tr.off = boff
         self._open, self._t0_perf, self._t0_wall, self._calls = open_, t0p, t0w, calls
         self._gc_ns, self._gc_count, self._data_queue = gc_ns, gc_count, dq
         self._samples, self._tokens, self._step = samples, tokens, step
@@ -295,7 +297,8 @@ class StepFold:
         the same in C, byte for byte); returns the new offset. The exposed communication is what the
         calls held the step (comm + wait: a blocking collective, an async one's launch and ``wait()``,
         the DDP buckets' tail); the total adds ``hidden_ns``, the buckets' time behind backward."""
-        buf, inst = self._buf, self.instance
+        transport = self.transport               # (tr below: a call's transfer ns)
+        buf, inst = transport.buf, transport.instance
         ph, used, touched = self._ph_ns, self._ph_used, self._ph_touched
         ids, keys = self._phase_ids, self._comm_key
         traffic, nspb = self._c_traffic, self._ns_per_byte
@@ -328,7 +331,7 @@ class StepFold:
             comm = ()
         return pack_frame(buf, boff, inst, self.rank,
                           (step, t0w, wall, step_ns, data_ns, compute_ns, comm_ns, wait_ns, gc_ns, gc_count, dq,
-                           samples, tokens, self.dropped & 0xFFFFFFFF, cpu_ns, cw_ns, comm_ns + wait_ns + hidden_ns,
+                           samples, tokens, transport.dropped & 0xFFFFFFFF, cpu_ns, cw_ns, comm_ns + wait_ns + hidden_ns,
                            comm_ns + wait_ns),
                           [(ids[i], ph[i]) for i in touched], comm,
                           self._gcmv[16:16 + n_gc * GCREC.size] if n_gc else ())
@@ -348,13 +351,14 @@ class StepFold:
     def _gc_row(self, t: int, dt: int, generation: int, collected: int, uncollectable: int) -> None:
         """One collection as a ``gc`` row of the step (replay)."""
         n = self._n_gc
-        GCREC.pack_into(self._gcbuf, HDR.size + n * GCREC.size, t + self._wall_off, dt, generation,
+        tr = self.transport
+        GCREC.pack_into(self._gcbuf, HDR.size + n * GCREC.size, t + tr.wall_off, dt, generation,
                         collected, uncollectable)
         n += 1
         if n == MAX_GC and self.n_steps:
             # a burst of collections: send them now on their own (no step record)
-            HDR.pack_into(self._gcbuf, 0, MAGIC, VERSION, T_BATCH, self.instance, self.rank, 0, 0, MAX_GC, 0)
-            self._sendto(self._gcmv, frames=1)
+            HDR.pack_into(self._gcbuf, 0, MAGIC, VERSION, T_BATCH, tr.instance, self.rank, 0, 0, MAX_GC, 0)
+            tr.sendto(self._gcmv, frames=1)
             n = 0
         elif n == MAX_GC:
             self.gc_rows_dropped += 1       # nothing is sent before the first step: reuse the last slot

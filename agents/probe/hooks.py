@@ -178,7 +178,7 @@ class Hooks:
             return
         if n > 0:
             self.extra["model_params"] = n
-            self._hello_dirty = self._need_hello = True
+            self.transport.hello_changed()
         self.flops.watch_dtype_once()             # the compute dtype, at the next forward (flops.py)
 
     def _patch_eval_save(self, torch) -> None:
@@ -240,7 +240,7 @@ class Hooks:
             g = self._groups[key] = (self._intern(str(name)), int(size))
             self._group_refs.append(group)          # keep it alive: its id() is our cache key
             self._group_sizes[str(name)] = int(size)
-            self._need_hello = self._hello_dirty = True
+            self.transport.hello_changed()
         return g
 
     def _comm_slot_for(self, op: str, op_id: int, grp_id: int, size: int) -> int:

@@ -160,8 +160,8 @@ class Watchdog:
                 return None
         st = self.state(now)
         if self._hung_step is not None and (st is None or st["step"] != self._hung_step or not st["_open"]):
-            done = {"state": "done", "step": self._hung_step, "t": now + p._wall_off, "pid": os.getpid(),
-                    "since": now + p._wall_off, "kinds": [], "stack": ""}
+            done = {"state": "done", "step": self._hung_step, "t": now + p.transport.wall_off, "pid": os.getpid(),
+                    "since": now + p.transport.wall_off, "kinds": [], "stack": ""}
             self._hung_step = None
             self._last_key = None
             self._send(done)
@@ -224,7 +224,7 @@ class Watchdog:
             return None
         frame = sys._current_frames().get(self.main_ident)
         stack, frames = format_stack(frame) if frame is not None else ("", [])
-        st = {"step": step, "_start": start, "_open": open_, "t": now + p._wall_off, "pid": os.getpid()}
+        st = {"step": step, "_start": start, "_open": open_, "t": now + p.transport.wall_off, "pid": os.getpid()}
         coll = data = None
         for f in frames:
             co = f.f_code
@@ -240,7 +240,7 @@ class Watchdog:
         if coll is not None or p._log.in_coll:
             st["state"] = "collective"
             ct = getattr(p._log, "coll_t0", 0)
-            st["since"] = (ct if ct else last_t) + p._wall_off
+            st["since"] = (ct if ct else last_t) + p.transport.wall_off
             if coll is not None:
                 st["op"] = coll.f_code.co_name
                 try:
@@ -257,10 +257,10 @@ class Watchdog:
             pass                          # blocked in backward, where DDP's reducer waits for its all-reduces
         elif data is not None:
             st["state"] = "data"
-            st["since"] = last_t + p._wall_off
+            st["since"] = last_t + p.transport.wall_off
         else:
             st["state"] = "compute"
-            st["since"] = last_t + p._wall_off
+            st["since"] = last_t + p.transport.wall_off
         if p.n_steps == 0 and step == p._step:       # no step finished yet: the process's first
             kinds.add("first")
         st["kinds"] = sorted(kinds)
@@ -275,7 +275,7 @@ class Watchdog:
             if getattr(t, "pending", 0) <= 0:
                 continue
             st["state"], st["op"] = "collective", "all_reduce"
-            st["since"] = int(t.pending_t0) + p._wall_off
+            st["since"] = int(t.pending_t0) + p.transport.wall_off
             gname, gsize, gid = self._group(t.group)
             st["group"], st["group_size"] = gname, gsize or getattr(t, "size", None)
             if gid:
@@ -319,7 +319,7 @@ class Watchdog:
             if self._sock is None:
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
                 s.setblocking(False)
-                s.connect(self.p._path)
+                s.connect(self.p.transport.path)
                 self._sock = s
             self._sock.send(data)
             self.sent += 1

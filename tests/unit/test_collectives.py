@@ -74,14 +74,14 @@ def test_c_fast_path_and_python_split_every_kind_alike(sockdir):
                 calls.append((s, 1, nbytes, dt, None))
                 want[oid] = dt - min(dt, C.transfer_ms(op, nbytes, n, 10.0) * 1e6)
             args = (7, 10**18, 10**18 + 50_000_000, 50_000_000, 0, 0, 3, 32, -1)
-            p._buf[:] = bytes(len(p._buf))
+            p.transport.buf[:] = bytes(len(p.transport.buf))
             end_py = p._pack_py(0, *args, list(calls), 0, -1.0, -1.0)
-            py = bytes(p._buf[:end_py])
-            p._buf[:] = bytes(len(p._buf))
-            end_c = eventlog._fast.pack_step(p._buf, 0, p.instance, p.rank, *args[:4], p._ph_ns[0], -1, *args[4:],
+            py = bytes(p.transport.buf[:end_py])
+            p.transport.buf[:] = bytes(len(p.transport.buf))
+            end_c = eventlog._fast.pack_step(p.transport.buf, 0, p.instance, p.rank, *args[:4], p._ph_ns[0], -1, *args[4:],
                                       p.dropped, p._ph_touched, p._ph_ns, p._phase_ids, list(calls), p._c_traffic,
                                       p._ns_per_byte, p._comm_key, None, -1.0, -1.0)
-            assert end_c == end_py and bytes(p._buf[:end_c]) == py
+            assert end_c == end_py and bytes(p.transport.buf[:end_c]) == py
             (_, _, _, (_, _, comm, _)), = decode(py)
             assert len(comm) == len(want)
             for c in comm:

@@ -227,15 +227,15 @@ def test_c_and_python_pack_the_same_bytes(sockdir):
             for j in range(n_gc):
                 datagram.GCREC.pack_into(p._gcbuf, datagram.HDR.size + j * datagram.GCREC.size, 10**18 + j, 5e5, 2, 100 + j, 0)
             args = (7, 10**18, 10**18 + 50_000_000, 50_000_000, 800_000 if n_gc else 0, n_gc, 3, 32, -1)
-            p._buf[:] = bytes(len(p._buf))
+            p.transport.buf[:] = bytes(len(p.transport.buf))
             end_py = p._pack_py(0, *args, list(calls), n_gc, *cpu, hidden)
-            py = bytes(p._buf[:end_py])
-            p._buf[:] = bytes(len(p._buf))
-            end_c = eventlog._fast.pack_step(p._buf, 0, p.instance, p.rank, *args[:4], ph[0], ph[1] if used[1] else -1,
+            py = bytes(p.transport.buf[:end_py])
+            p.transport.buf[:] = bytes(len(p.transport.buf))
+            end_c = eventlog._fast.pack_step(p.transport.buf, 0, p.instance, p.rank, *args[:4], ph[0], ph[1] if used[1] else -1,
                                       *args[4:], p.dropped, p._ph_touched, ph, p._phase_ids, list(calls),
                                       p._c_traffic, p._ns_per_byte, p._comm_key,
                                       p._gcmv[16:16 + n_gc * datagram.GCREC.size] if n_gc else None, *cpu, hidden)
-            assert end_c == end_py and bytes(p._buf[:end_c]) == py, (calls, touched, compute, n_gc)
+            assert end_c == end_py and bytes(p.transport.buf[:end_c]) == py, (calls, touched, compute, n_gc)
             (typ, inst, rank, (st, phases, comm, gcs)), = decode(py)
             assert rank == 3 and st[0] == 7 and st[13] == 5 and len(comm) == len({c[0] for c in calls})
             assert st[14:16] == cpu
