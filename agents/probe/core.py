@@ -13,12 +13,13 @@ from . import eventlog as _ev
 from .collectives import DEFAULT_COMM_GBPS
 from .exitwatch import ExitWatch
 from .flops import Flops
-from .eventlog import K_BEGIN, K_COUNT, K_END, K_MARK, K_PHASE, KIND_PHASES, LOG_CAP, _PyLog, _perf, _wall
+from .names import Names
+from .eventlog import K_BEGIN, K_COUNT, K_END, K_MARK, K_PHASE, LOG_CAP, _PyLog, _perf
 from .hooks import Hooks, _TorchImportHook
 from .fold import StepFold
 from .timing import DeviceTiming, _ThreadCpu
 from .transport import Transport, device_fields
-from stepwatch.wire.datagram import (DEFAULT_FLUSH_MS, GCREC, HDR, MAGIC, MAX_COMM, MAX_GC, MAX_NAMES, MAX_PHASES,
+from stepwatch.wire.datagram import (DEFAULT_FLUSH_MS, GCREC, HDR, MAGIC, MAX_COMM, MAX_GC, MAX_PHASES,
                    SOCKET_NAME, T_PROFILE, VERSION, default_socket_dir)
 
 
@@ -78,10 +79,6 @@ def _of_transport(name: str) -> property:
                     doc=f"``transport.{name}``")
 
 
-# phase slots with a fixed meaning; named phases get slots from 2 on
-_SLOT_DATA, _SLOT_COMPUTE = 0, 1
-
-
 class Probe(Hooks, StepFold):
     """One per process (the module-level functions use a singleton). Lifecycle: ``init`` ->
     steps -> ``shutdown`` (also at interpreter exit)."""
@@ -103,17 +100,7 @@ class Probe(Hooks, StepFold):
         self.extra: dict = {}                    # hello fields (topology); init refills it in place (self.flops)
         self._identity_ready = False
         self._rank_given = self._world_given = False
-        # names (ops, groups, phases) -> small ids shared with the agent through the hello
-        self._names: dict[str, int] = {}
-        self._phase_ids = [0] * MAX_PHASES       # slot -> name id
-        self._phase_slot: dict[str, int] = {}
         self._phase_ctx: dict[str, _Phase] = {}
-        self._comm_slot: dict[tuple[int, int], int] = {}
-        self._comm_key = [(0, 0)] * MAX_COMM
-        self._groups: dict[int, tuple[int, int]] = {}     # id(group) -> (name id, size)
-        self._group_sizes: dict[str, int] = {}             # group name -> ranks (sent in the hello)
-        self._group_refs: list = []
-        self._c_traffic = [1.0] * MAX_COMM                 # bytes on the wire per payload byte, per slot
         self._ns_per_byte = 1.0 / DEFAULT_COMM_GBPS
         # the hot path: hooks append events here, _fold makes steps of them (C when built, else Python)
         fast = _ev._fast
@@ -125,6 +112,7 @@ class Probe(Hooks, StepFold):
         # the socket to the agent: sends the hello (this probe's identity) and the frames the fold packs
         self.transport = Transport(self._log, self.hello_payload, self._exitw.on_hello, self._ctl_tick)
         self.flops = Flops(self.extra, self.transport.hello_changed)   # FLOPs per token and dtype, into the hello
+        self.names = Names(self.transport.hello_changed)    # ops, groups, phases -> ids (the hello) and slots
         self._reset_counters()
         self._reset_step_state()
         self.comm_gbps = DEFAULT_COMM_GBPS
@@ -194,9 +182,9 @@ class Probe(Hooks, StepFold):
             fw += "+torch_npu"
         d = {"v": VERSION, "job": self.job, "rank": self.rank, "world_size": self.world_size,
              "local_rank": self.local_rank, "pid": os.getpid(), "framework": fw,
-             "names": {str(i): n for n, i in self._names.items()}}
-        if self._group_sizes:
-            d["group_sizes"] = dict(self._group_sizes)
+             "names": {str(i): n for n, i in self.names.ids.items()}}
+        if self.names.group_sizes:
+            d["group_sizes"] = dict(self.names.group_sizes)
         if self.node:
             d["node"] = self.node
         ctl = self._ctl_path()
@@ -402,37 +390,15 @@ class Probe(Hooks, StepFold):
         mpu.Finalize(self, self.flush, exitpriority=100)
         mpu.Finalize(self, self._exitw.at_exit, exitpriority=101)     # (first: it flushes too)
 
-    def _intern(self, name: str) -> int:
-        i = self._names.get(name)
-        if i is None:
-            if len(self._names) >= MAX_NAMES:
-                return self._intern("other") if name != "other" else 0
-            i = self._names[name] = len(self._names) + 1
-            self.transport.hello_changed()
-        return i
-
-    def _slot_for_phase(self, name: str) -> int:
-        if name == "data":
-            return _SLOT_DATA
-        if name == "compute":
-            return _SLOT_COMPUTE
-        s = self._phase_slot.get(name)
-        if s is None:
-            if len(self._phase_slot) >= MAX_PHASES - 2:
-                return -1
-            s = self._phase_slot[name] = len(self._phase_slot) + 2
-            self._phase_ids[s] = self._intern(name)
-        return s
-
     def phase(self, name: str) -> _Phase:
         ctx = self._phase_ctx.get(name)
         if ctx is None:
-            ctx = self._phase_ctx[name] = _Phase(self, self._slot_for_phase(name))
+            ctx = self._phase_ctx[name] = _Phase(self, self.names.slot_for_phase(name))
         return ctx
 
     def add_phase(self, name: str, ms: float) -> None:
         """Add ``ms`` to a phase of the current step (for times measured elsewhere)."""
-        self._log.add(K_PHASE, self._slot_for_phase(name), 0, 0, int(ms * 1e6), 0.0)
+        self._log.add(K_PHASE, self.names.slot_for_phase(name), 0, 0, int(ms * 1e6), 0.0)
 
     def count(self, samples: int | None = None, tokens: int | None = None) -> None:
         """Add samples/tokens to the current step."""
@@ -468,16 +434,12 @@ class Probe(Hooks, StepFold):
         if log.eager or log.n >= log.high or t - log.last_drain >= log.drain_ns:
             self._drain()
 
-    def _kind_slots(self) -> dict[int, str]:
-        """Phase slot -> step kind, for the kinds that have a slot."""
-        return {s: KIND_PHASES[n] for n, s in self._phase_slot.items() if n in KIND_PHASES}
-
     def mark_step_kind(self, kind: str) -> None:
         """Mark the step in progress as ``kind`` (``eval``, ``checkpoint`` or a name of your own): it is
         sent as the phase of that name (ms from the mark to the step end), and the processor's hang and
         stall thresholds for that kind apply to it (see docs/configuration.md)."""
         name = {"first": "first_step"}.get(kind, str(kind))
-        self._log.add(K_MARK, self._slot_for_phase(name), _perf(), 0, 0, 0.0)
+        self._log.add(K_MARK, self.names.slot_for_phase(name), _perf(), 0, 0, 0.0)
 
     def mark_change(self, what: str) -> None:
         """Announce a change of the job's own from the step in progress on (a new batch size, sequence

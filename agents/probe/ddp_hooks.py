@@ -55,8 +55,8 @@ class BucketTimer:
             self.size = dist.get_world_size(pg) if pg is not None else dist.get_world_size()
         except Exception:  # noqa: BLE001
             self.size = 1
-        grp_id, gsize = probe._group(dist, pg)
-        self.slot = probe._comm_slot_for("all_reduce", probe._intern("all_reduce"), grp_id, gsize)
+        grp_id, gsize = probe.names.group(dist, pg)
+        self.slot = probe.names.comm_slot_for("all_reduce", probe.names.intern("all_reduce"), grp_id, gsize)
         self.user = self.user_state = None
         self.registered = False                # the probe's hook is in the reducer
         self.builtin = False                   # a C++ built-in hook is (untimed)

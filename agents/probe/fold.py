@@ -82,8 +82,9 @@ class StepFold:
         tr = self.transport                      # frames go into its buffer, it sends them
         primary, off = self._primary_opt, tr.wall_off
         buf, boff, inst = tr.buf, tr.off, tr.instance
-        ids, keys = self._phase_ids, self._comm_key
-        traffic, nspb = self._c_traffic, self._ns_per_byte
+        names = self.names
+        ids, keys = names.phase_ids, names.comm_key
+        traffic, nspb = names.c_traffic, self._ns_per_byte
         opt_slot = self._opt_slot
         seqs, marks = self._seq, self._marks
         rate_c, rate_w = self._cpu_rates
@@ -141,7 +142,7 @@ class StepFold:
             if kind == K_OPT_POST:
                 if t0:                                  # the optimizer phase (any optimizer)
                     if opt_slot is None:
-                        opt_slot = self._opt_slot = self._slot_for_phase("optimizer")
+                        opt_slot = self._opt_slot = names.slot_for_phase("optimizer")
                     if opt_slot >= 0:
                         if not used[opt_slot]:
                             used[opt_slot] = True
@@ -242,7 +243,7 @@ class StepFold:
         for peers; count and bytes are all the buckets'. The communication in flight is the union of the
         buckets' intervals (launch to completion): the tail is its last part, the rest of it overlapped
         backward (the hidden ns returned; the frame's ``comm_total_ns`` is the exposed ns plus these)."""
-        nspb, traffic = self._ns_per_byte, self._c_traffic
+        nspb, traffic = self._ns_per_byte, self.names.c_traffic
         hidden = 0.0
         for s, (count, nbytes, last_launch, last_done, last_bytes, spans) in buckets.items():
             tail = last_done - last_launch if last_done > last_launch else 0
@@ -272,7 +273,7 @@ class StepFold:
         timed on the CPU without a known wait (a blocking collective) splits into the transfer its
         payload needs at ``comm_gbps`` (comm) and the rest (waiting for peers)."""
         agg: dict[int, list] = {}
-        traffic, nspb = self._c_traffic, self._ns_per_byte
+        traffic, nspb = self.names.c_traffic, self._ns_per_byte
         comm_ns = wait_ns = 0.0
         for s, count, nbytes, dt, wait in calls:
             if wait is None:
@@ -300,8 +301,8 @@ class StepFold:
         transport = self.transport               # (tr below: a call's transfer ns)
         buf, inst = transport.buf, transport.instance
         ph, used, touched = self._ph_ns, self._ph_used, self._ph_touched
-        ids, keys = self._phase_ids, self._comm_key
-        traffic, nspb = self._c_traffic, self._ns_per_byte
+        ids, keys = self.names.phase_ids, self.names.comm_key
+        traffic, nspb = self.names.c_traffic, self._ns_per_byte
         data_ns = ph[0]
         one = None
         if not calls:
@@ -346,7 +347,7 @@ class StepFold:
                 self._add_phase(s, max(t_end - tm, 0) if not self._ph_used[s] else 0)
             marks.clear()
         if not self.n_steps:
-            self._add_phase(self._slot_for_phase("first_step"), t_end - t_start)
+            self._add_phase(self.names.slot_for_phase("first_step"), t_end - t_start)
 
     def _gc_row(self, t: int, dt: int, generation: int, collected: int, uncollectable: int) -> None:
         """One collection as a ``gc`` row of the step (replay)."""

@@ -10,7 +10,7 @@ import sys
 import threading
 
 from . import eventlog as _ev
-from .collectives import COLLECTIVES, traffic_factor
+from .collectives import COLLECTIVES
 from .eventlog import K_COLL, K_GC, K_MARK, K_PHASE, _nbytes, _perf, _py_coll_wrap, _py_data_wrap, _queue_depth
 from stepwatch.wire.datagram import MAX_COMM
 
@@ -21,14 +21,6 @@ FUNCTIONAL = {"all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce_co
               "all_gather_tensor": "all_gather_into_tensor", "all_gather_single": "all_gather_single",
               "reduce_scatter_tensor": "reduce_scatter_tensor", "reduce_scatter_single": "reduce_scatter_single",
               "all_to_all_single": "all_to_all_single", "broadcast": "broadcast"}
-
-
-def _default_group(dist):
-    """The default process group, or None before ``init_process_group``."""
-    try:
-        return dist.distributed_c10d._get_default_group()
-    except Exception:  # noqa: BLE001 - not initialized
-        return None
 
 
 def _is_compiling():
@@ -190,7 +182,7 @@ class Hooks:
             orig_eval = mod.eval
 
             def eval(module):
-                probe_._log.add(K_MARK, probe_._slot_for_phase("eval"), _perf(), 0, 0, 0.0)
+                probe_._log.add(K_MARK, probe_.names.slot_for_phase("eval"), _perf(), 0, 0, 0.0)
                 return orig_eval(module)
             eval._stepwatch = True
             eval.__wrapped__ = orig_eval
@@ -207,7 +199,7 @@ class Hooks:
             try:
                 return fn(*args, **kwargs)
             finally:
-                probe_._log.add(K_PHASE, probe_._slot_for_phase("checkpoint"), 0, 0, _perf() - t0, 0.0)
+                probe_._log.add(K_PHASE, probe_.names.slot_for_phase("checkpoint"), 0, 0, _perf() - t0, 0.0)
         save._stepwatch = True
         save.__wrapped__ = fn
         return save
@@ -223,48 +215,16 @@ class Hooks:
             if fn is not None and not getattr(fn, "_stepwatch", False):
                 self._patch(dcp, name, self._timed_save(fn))
 
-    def _group(self, dist, group) -> tuple[int, int]:
-        key = id(group)
-        g = self._groups.get(key)
-        if g is None:
-            try:
-                size = dist.get_world_size(group) if group is not None else dist.get_world_size()
-            except Exception:  # noqa: BLE001
-                size = 1
-            if group is None or group is _default_group(dist):
-                name = "world"          # one name for the default group, whoever passes it (None, FSDP2's pg)
-            else:
-                name = getattr(group, "group_desc", None) or getattr(group, "group_name", None) or f"pg{len(self._groups)}"
-                if name in ("default_pg", "undefined"):
-                    name = getattr(group, "group_name", None) or name
-            g = self._groups[key] = (self._intern(str(name)), int(size))
-            self._group_refs.append(group)          # keep it alive: its id() is our cache key
-            self._group_sizes[str(name)] = int(size)
-            self.transport.hello_changed()
-        return g
-
-    def _comm_slot_for(self, op: str, op_id: int, grp_id: int, size: int) -> int:
-        """The accumulator slot of (op, group), created on first use (-1 when all are taken)."""
-        key = (op_id, grp_id)
-        s = self._comm_slot.get(key)
-        if s is None:
-            if len(self._comm_slot) >= MAX_COMM:
-                return -1
-            s = self._comm_slot[key] = len(self._comm_slot)
-            self._comm_key[s] = key
-            self._c_traffic[s] = traffic_factor(op, size)
-        return s
-
     def _record_comm(self, op_id: int, grp_id: int, nbytes: int, dt: int, wait_ns: float) -> None:
         """Add one call with a known wait, ending now (Work.wait(), tests and benchmarks)."""
-        key = (op_id, grp_id)
-        s = self._comm_slot.get(key)
+        key, names = (op_id, grp_id), self.names
+        s = names.comm_slot.get(key)
         if s is None:
-            if len(self._comm_slot) >= MAX_COMM:
+            if len(names.comm_slot) >= MAX_COMM:
                 self.comm_keys_dropped += 1
                 return
-            s = self._comm_slot[key] = len(self._comm_slot)
-            self._comm_key[s] = key
+            s = names.comm_slot[key] = len(names.comm_slot)
+            names.comm_key[s] = key
         t1 = _perf()
         self._log.add(K_COLL, s, t1 - int(dt), t1, int(nbytes), float(wait_ns))
 
@@ -287,11 +247,11 @@ class Hooks:
             payload = None
         g_idx = params.index("group") if "group" in params else -1
         a_idx = params.index("async_op") if "async_op" in params and name not in ("send", "recv") else -1
-        op_id = self._intern(name)
+        op_id = self.names.intern(name)
 
         def resolve(group) -> int:
-            grp_id, size = self._group(dist, group)          # (keeps the group alive: the caches use its id)
-            return self._comm_slot_for(name, op_id, grp_id, size)
+            grp_id, size = self.names.group(dist, group)          # (keeps the group alive: the caches use its id)
+            return self.names.comm_slot_for(name, op_id, grp_id, size)
 
         fast = _ev._fast
         if fast is not None:
@@ -317,7 +277,7 @@ class Hooks:
             return None
         g_idx = params.index("group") if "group" in params else -1
         t_idx = params.index("tag") if "tag" in params else -1
-        log, probe_, op_id = self._log, self, self._intern(op)
+        log, probe_, op_id = self._log, self, self.names.intern(op)
         resolve_name = getattr(funcol, "_resolve_group_name", None)
         resolve_pg = getattr(dist.distributed_c10d, "_resolve_process_group", None)
         if g_idx < 0 or resolve_name is None or resolve_pg is None:
@@ -341,8 +301,8 @@ class Hooks:
                     gname = str(resolve_name(group, tag))
                     s = slots.get(gname)
                     if s is None:
-                        grp_id, size = probe_._group(dist, resolve_pg(gname))
-                        s = slots[gname] = probe_._comm_slot_for(op, op_id, grp_id, size)
+                        grp_id, size = probe_.names.group(dist, resolve_pg(gname))
+                        s = slots[gname] = probe_.names.comm_slot_for(op, op_id, grp_id, size)
                     if s < 0:
                         log.comm_keys_dropped += 1
                     else:
@@ -400,7 +360,7 @@ class Hooks:
         """``Work.wait()`` or ``funcol.wait_tensor``, timed as op ``wait``, group ``async``: all of it is
         waiting."""
         log = self._log
-        slot = self._comm_slot_for("wait", self._intern("wait"), self._intern("async"), 1)
+        slot = self.names.comm_slot_for("wait", self.names.intern("wait"), self.names.intern("async"), 1)
         self._wait_slot = slot
 
         def wait(*args, **kwargs):

@@ -190,7 +190,7 @@ class Watchdog:
             events = []
         step, start, open_ = p._step, p._t0_perf, p._open
         primary, explicit = p._primary_opt, p._explicit
-        kind_slots = p._kind_slots()
+        kind_slots = p.names.kind_slots()
         kinds = {name for s, name in kind_slots.items() if p._ph_used[s]} if open_ else set()
         seq = list(p._seq)
         last_t = p._log.last_drain
@@ -250,8 +250,8 @@ class Watchdog:
                 gname, gsize, gid = self._group(group)
                 st["group"], st["group_size"] = gname, gsize
                 if gid:
-                    keys, wait_slot = p._comm_key, p._wait_slot
-                    st["seq"] = 1 + sum(seq[s] for s in range(len(p._comm_slot)) if keys[s][1] == gid
+                    keys, wait_slot = p.names.comm_key, p._wait_slot
+                    st["seq"] = 1 + sum(seq[s] for s in range(len(p.names.comm_slot)) if keys[s][1] == gid
                                         and s != wait_slot)
         elif self._ddp_pending(st, seq):
             pass                          # blocked in backward, where DDP's reducer waits for its all-reduces
@@ -279,8 +279,8 @@ class Watchdog:
             gname, gsize, gid = self._group(t.group)
             st["group"], st["group_size"] = gname, gsize or getattr(t, "size", None)
             if gid:
-                keys, wait_slot = p._comm_key, p._wait_slot
-                st["seq"] = 1 + sum(seq[s] for s in range(len(p._comm_slot)) if keys[s][1] == gid and s != wait_slot)
+                keys, wait_slot = p.names.comm_key, p._wait_slot
+                st["seq"] = 1 + sum(seq[s] for s in range(len(p.names.comm_slot)) if keys[s][1] == gid and s != wait_slot)
             return True
         return False
 
@@ -294,16 +294,16 @@ class Watchdog:
                     group = None
             except Exception:  # noqa: BLE001
                 pass
-        g = p._groups.get(id(group))
+        g = p.names.groups.get(id(group))
         if g is None:
             if dist is None:
                 return ("world" if group is None else "?"), None, 0
             try:
-                g = p._group(dist, group)
+                g = p.names.group(dist, group)
             except Exception:  # noqa: BLE001
                 return "?", None, 0
         gid, size = g
-        name = next((n for n, i in p._names.items() if i == gid), "?")
+        name = next((n for n, i in p.names.ids.items() if i == gid), "?")
         return name, size, gid
 
     # ------------------------------------------------------------------ sending

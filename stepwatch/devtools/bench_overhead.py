@@ -384,7 +384,7 @@ def agent_cost(ranks: int, seconds: float, step_ms: float, broker: bool, out=pri
         ps = psutil.Process(agent.pid)
         probes = [P.Probe().init(job="bench-agent", rank=r, world_size=ranks, socket_dir=sock_dir, auto=False)
                   for r in range(ranks)]
-        ops = [(p._intern("all_reduce"), p._intern("dp0"), p._intern("broadcast")) for p in probes]
+        ops = [(p.names.intern("all_reduce"), p.names.intern("dp0"), p.names.intern("broadcast")) for p in probes]
         period = step_ms / 1e3
         warm = 5.0
         t_start = time.monotonic()

@@ -199,10 +199,10 @@ def test_c_and_python_pack_the_same_bytes(sockdir):
     p = Probe()
     try:
         p.init(job="pack", rank=3, world_size=8, socket_dir=sockdir, auto=False, comm_gbps=10)
-        ar, bc, grp = p._intern("all_reduce"), p._intern("broadcast"), p._intern("dp")
-        s0 = p._comm_slot_for("all_reduce", ar, grp, 8)
-        s1 = p._comm_slot_for("broadcast", bc, grp, 8)
-        fwd = p._slot_for_phase("forward")
+        ar, bc, grp = p.names.intern("all_reduce"), p.names.intern("broadcast"), p.names.intern("dp")
+        s0 = p.names.comm_slot_for("all_reduce", ar, grp, 8)
+        s1 = p.names.comm_slot_for("broadcast", bc, grp, 8)
+        fwd = p.names.slot_for_phase("forward")
         p.dropped = (1 << 32) + 5                       # carried modulo 2**32
         cases = [
             ([], [], False, 0),
@@ -232,8 +232,8 @@ def test_c_and_python_pack_the_same_bytes(sockdir):
             py = bytes(p.transport.buf[:end_py])
             p.transport.buf[:] = bytes(len(p.transport.buf))
             end_c = eventlog._fast.pack_step(p.transport.buf, 0, p.instance, p.rank, *args[:4], ph[0], ph[1] if used[1] else -1,
-                                      *args[4:], p.dropped, p._ph_touched, ph, p._phase_ids, list(calls),
-                                      p._c_traffic, p._ns_per_byte, p._comm_key,
+                                      *args[4:], p.dropped, p._ph_touched, ph, p.names.phase_ids, list(calls),
+                                      p.names.c_traffic, p._ns_per_byte, p.names.comm_key,
                                       p._gcmv[16:16 + n_gc * datagram.GCREC.size] if n_gc else None, *cpu, hidden)
             assert end_c == end_py and bytes(p.transport.buf[:end_c]) == py, (calls, touched, compute, n_gc)
             (typ, inst, rank, (st, phases, comm, gcs)), = decode(py)

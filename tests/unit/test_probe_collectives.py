@@ -67,7 +67,7 @@ def test_a_step_with_very_many_collectives_is_summed_in_bounded_memory(probe, rx
     """Calls are kept raw until the step is packed at a flush; past MAX_CALLS in one step they are
     summed per (op, group) on the spot. The frame's totals are the same either way."""
     probe.init(job="many", rank=0, world_size=4, socket_dir=sockdir, auto=False, flush_ms=0)
-    ar, bc, grp = probe._intern("all_reduce"), probe._intern("broadcast"), probe._intern("dp")
+    ar, bc, grp = probe.names.intern("all_reduce"), probe.names.intern("broadcast"), probe.names.intern("dp")
     n = 3 * datagram.MAX_CALLS + 7
     probe.begin_step()
     for i in range(n):
@@ -91,7 +91,7 @@ def test_a_step_with_very_many_collectives_is_summed_in_bounded_memory(probe, rx
 
 def test_a_collective_between_explicit_steps_is_not_added_to_the_finished_step(probe, rx, sockdir):
     probe.init(job="between", rank=0, world_size=2, socket_dir=sockdir, auto=False)   # (flush at 500 ms)
-    ar, grp = probe._intern("all_reduce"), probe._intern("dp")
+    ar, grp = probe.names.intern("all_reduce"), probe.names.intern("dp")
     probe.begin_step()
     probe.end_step()                                      # the first step goes out at once, with the hello
     probe.begin_step()
@@ -308,7 +308,7 @@ def test_bucket_tail_is_the_exposed_part_split_by_the_bandwidth_model(probe, soc
     """Folding: the step's buckets become one call whose time is from the last launch to the last
     completion; the transfer part is the last bucket's payload at comm_gbps, the rest is wait."""
     probe.init(job="tail", rank=0, world_size=2, socket_dir=sockdir, auto=False, comm_gbps=1.0)
-    s = probe._comm_slot_for("all_reduce", probe._intern("all_reduce"), probe._intern("world"), 2)
+    s = probe.names.comm_slot_for("all_reduce", probe.names.intern("all_reduce"), probe.names.intern("world"), 2)
     calls = []
     # last launch at 2 ms, last done at 9 ms; the buckets were in flight 0-1.5 ms and 1.8-9 ms
     buckets = {s: [3, 3000, 2_000_000, 9_000_000, 1000,
