@@ -1,7 +1,9 @@
 """The probe itself: :class:`Probe`, its set-up (``init``, fork, ``shutdown``), the explicit step API, the
-watchdog and profiling control, and its counters. Its parts live beside it: :mod:`.hooks` (torch patching),
-:mod:`.eventlog` (the hot path), :mod:`.fold` (events -> frames), :mod:`.transport` (hello, socket),
-:mod:`.timing` (thread CPU, device events)."""
+watchdog and profiling control, and its counters. It composes parts, each given its collaborators:
+:class:`.transport.Transport` (socket, hello, buffer, backlog), :class:`.names.Names` (ids and slots),
+:class:`.timing.DeviceTiming` (device events), :class:`.flops.Flops` (FLOPs, dtype); the hooks
+(:mod:`.hooks`, torch patching) and the fold (:mod:`.fold`, events -> frames) are still its methods.
+The hot path is :mod:`.eventlog`."""
 from __future__ import annotations
 
 import gc
