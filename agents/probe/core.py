@@ -16,13 +16,13 @@ from .collectives import DEFAULT_COMM_GBPS
 from .exitwatch import ExitWatch
 from .flops import Flops
 from .names import Names
-from .eventlog import K_BEGIN, K_COUNT, K_END, K_MARK, K_PHASE, LOG_CAP, _PyLog, _perf
+from .eventlog import K_BEGIN, K_COUNT, K_END, K_MARK, K_OPT_POST, K_PHASE, LOG_CAP, _PyLog, _perf
 from .hooks import Hooks, _TorchImportHook
 from .fold import StepFold
-from .timing import DeviceTiming, _ThreadCpu
+from .identity import Identity
+from .timing import DeviceTiming
 from .transport import Transport, device_fields
-from stepwatch.wire.datagram import (DEFAULT_FLUSH_MS, GCREC, HDR, MAGIC, MAX_COMM, MAX_GC, MAX_PHASES,
-                   SOCKET_NAME, T_PROFILE, VERSION, default_socket_dir)
+from stepwatch.wire.datagram import DEFAULT_FLUSH_MS, HDR, MAGIC, SOCKET_NAME, T_PROFILE, VERSION, default_socket_dir
 
 
 SLURM_ID_MAX = 2**32 - 1       # Slurm's job and step ids are uint32 (the batch step is 4294967294)
@@ -76,12 +76,13 @@ class _StepCtx:
         return False
 
 
-def _of_transport(name: str) -> property:
-    return property(lambda self: getattr(self.transport, name), lambda self, v: setattr(self.transport, name, v),
-                    doc=f"``transport.{name}``")
+def _of(part: str, name: str) -> property:
+    """An attribute of the probe that is its part's (read and written through)."""
+    return property(lambda self: getattr(getattr(self, part), name),
+                    lambda self, v: setattr(getattr(self, part), name, v), doc=f"``{part}.{name}``")
 
 
-class Probe(Hooks, StepFold):
+class Probe(Hooks):
     """One per process (the module-level functions use a singleton). Lifecycle: ``init`` ->
     steps -> ``shutdown`` (also at interpreter exit)."""
 
@@ -91,47 +92,31 @@ class Probe(Hooks, StepFold):
         self._installed = False
         self._hooks: list = []
         self._patches: list[tuple[object, str, object]] = []
-        self._gcbuf = bytearray(HDR.size + MAX_GC * GCREC.size)   # header room: sent alone when full
-        self._gcmv = memoryview(self._gcbuf)
-        # identity (None = resolved lazily at the first step)
-        self.job: str | None = None
-        self.rank: int | None = None
-        self.world_size: int | None = None
-        self.local_rank: int | None = None
-        self.node: str | None = None
-        self.extra: dict = {}                    # hello fields (topology); init refills it in place (self.flops)
-        self._identity_ready = False
-        self._rank_given = self._world_given = False
         self._phase_ctx: dict[str, _Phase] = {}
-        self._ns_per_byte = 1.0 / DEFAULT_COMM_GBPS
-        # the hot path: hooks append events here, _fold makes steps of them (C when built, else Python)
+        # the hot path: hooks append events here, the fold makes steps of them (C when built, else Python)
         fast = _ev._fast
         self._log = (fast.Log if fast is not None else _PyLog)(LOG_CAP, self._drain, self._first_opt)
         self._replaying = False
-        self.timing = DeviceTiming()                       # device timing of collectives (CUDA/NPU events)
         self._step_ctx = _StepCtx(self)
         self._exitw = ExitWatch(self)              # the goodbye: how this process ends (exitwatch)
-        # the socket to the agent: sends the hello (this probe's identity) and the frames the fold packs
+        # its parts, each given what it uses: the socket to the agent (the hello: this probe's identity;
+        # the frames the fold packs), who this probe is, the names' ids and slots, device timing, FLOPs,
+        # and the fold (events -> steps -> frames)
         self.transport = Transport(self._log, self.hello_payload, self._exitw.on_hello, self._ctl_tick)
-        self.flops = Flops(self.extra, self.transport.hello_changed)   # FLOPs per token and dtype, into the hello
-        self.names = Names(self.transport.hello_changed)    # ops, groups, phases -> ids (the hello) and slots
-        self._reset_counters()
-        self._reset_step_state()
+        self.identity = Identity(self.transport.hello_changed)
+        self.names = Names(self.transport.hello_changed)
+        self.timing = DeviceTiming()
+        self.flops = Flops(self.identity.extra, self.transport.hello_changed)
+        self.fold = StepFold(self.transport, self.timing, self.names, self.identity)
+        self.comm_keys_dropped = 0
         self.comm_gbps = DEFAULT_COMM_GBPS
-        self.gc_row_min_ns = 0
-        self._explicit = False
         self._pending_counts: tuple | None = None
-        self._primary_opt: int | None = None
-        self._opt_slot: int | None = None
         self._gc_t0 = 0
         self._pid = os.getpid()
-        self._step_tid: int | None = None     # the thread that ends steps (its CPU clocks: _cpu_sample)
-        self._cpu_clock = _ThreadCpu()
+        self._step_tid: int | None = None     # the thread that ends steps (its CPU clocks: StepFold.cpu_sample)
         self._ctl = None                      # targeted profiling (stepwatch.agents.profiling.ProbeControl)
         self._ctl_active = False              # a profile needs step boundaries (every step end replays)
-        self._seq = [0] * MAX_COMM            # collectives replayed per comm slot (per-group sequence numbers)
         self._wait_slot = -1                  # the slot of Work.wait() (no collective of its own)
-        self._marks: dict[int, int] = {}      # kind phase slot -> perf ns it was marked in the open step
         self._wd = None                       # the watchdog (stepwatch.agents.probe.watchdog), after the first step
 
     @property
@@ -159,24 +144,6 @@ class Probe(Hooks, StepFold):
         self._drain()
         self.transport.flush(_perf())
 
-    def _resolve_identity(self) -> None:
-        if self.rank is None or self.world_size is None:
-            try:
-                dist = sys.modules.get("torch.distributed")
-                if dist is not None and dist.is_available() and dist.is_initialized():
-                    if self.rank is None:
-                        self.rank = dist.get_rank()
-                    if self.world_size is None:
-                        self.world_size = dist.get_world_size()
-            except Exception:  # noqa: BLE001
-                pass
-            if self.rank is None:
-                self.rank = 0
-            if self.world_size is None:
-                self.world_size = max(1, self.rank + 1)
-        self._identity_ready = True
-        self.transport.hello_changed()
-
     def hello_payload(self) -> dict:
         torch = sys.modules.get("torch")
         fw = f"pytorch-{torch.__version__}" if torch is not None else "python"
@@ -202,42 +169,47 @@ class Probe(Hooks, StepFold):
     counted_flops = property(lambda self: self.flops.counted_flops)
     dev_timed = property(lambda self: self.timing.timed)
     dev_unready = property(lambda self: self.timing.unready)
-    # the transport's, read on the probe as before
+    # the parts', read (and written) on the probe as before
     instance, sent, datagrams, deferred, hellos, dropped, dropped_full, dropped_no_agent, dropped_error, flush_ns, \
-        reconnect_ns = (_of_transport(n) for n in (
+        reconnect_ns = (_of("transport", n) for n in (
             "instance", "sent", "datagrams", "deferred", "hellos", "dropped", "dropped_full", "dropped_no_agent",
             "dropped_error", "flush_ns", "reconnect_ns"))
+    job, rank, world_size, local_rank, node, extra = (_of("identity", n) for n in (
+        "job", "rank", "world_size", "local_rank", "node", "extra"))
+    n_steps, gc_rows_dropped, phases_dropped, gc_row_min_ns = (_of("fold", n) for n in (
+        "n_steps", "gc_rows_dropped", "phases_dropped", "gc_row_min_ns"))
 
-    def _reset_counters(self) -> None:
-        self.n_steps = 0                 # (the delivery counters are the transport's)
-        self.gc_rows_dropped = 0
-        self.comm_keys_dropped = 0
-        self.phases_dropped = 0
-
-    def _reset_step_state(self) -> None:
-        """All per-step state; the phase lists are allocated here once and only zeroed afterwards."""
-        self._open = False
-        self._step = 0
-        self._t0_perf = 0
-        self._t0_wall = 0
-        if not hasattr(self, "_ph_ns"):
-            self._ph_ns = [0] * MAX_PHASES
-            self._ph_used = [False] * MAX_PHASES
-            self._ph_touched: list[int] = []      # named phase slots (>= 2) used in this step
-        self._calls: list[tuple] = []             # this step's collectives: (slot, count, bytes, ns, wait ns | None)
-        self._buckets: dict[int, list] = {}        # this step's DDP buckets per slot (see _bucket_calls)
-        self._cpu_rates = (-1.0, -1.0)             # CPU and run-queue wait per wall ns, this replay (see _cpu_sample)
-        self._cpu_prev = None                      # (perf ns, cpu ns, wait ns) at the last sample
-        self._clear_step()
-        self._n_gc = 0
-
-    def _clear_step(self) -> None:
-        """Zero what the last step used (O(phases and collective kinds used), no allocation)."""
-        self._zero_phases()
-        if self._calls:
-            self._calls = []
-        self._gc_ns = self._gc_count = 0
-        self._data_queue = self._samples = self._tokens = -1
+    def _drain(self) -> None:
+        """Fold the hot path's events into steps (and send them when due). Called by the hooks at a
+        step end (see :class:`_PyLog` for when), by ``flush``/``stats``/``shutdown``, and when the log
+        is full."""
+        if self._replaying:
+            return
+        self._replaying = True
+        try:
+            log = self._log
+            log.last_drain = _perf()
+            fold = self.fold
+            fold.cpu_sample(log.last_drain, self._step_tid)
+            if not log.dev_on:
+                log.dev_on = self.timing.accelerator_in_use()
+            tr = self.transport
+            if tr.backlog:                        # the agent's queue was full: its room first
+                tr.flush_backlog()
+            events = log.drain()
+            if not events or not self._on:
+                return
+            n0 = fold.n_steps
+            fold.replay(events)
+            if self._wd is None and fold.n_steps:
+                self._start_watchdog()
+            if self._ctl_on and fold.n_steps != n0:
+                last = events[-1]             # a profile starts and stops at live step boundaries only
+                if last[0] == K_END or last[0] == K_BEGIN or (
+                        last[0] == K_OPT_POST and last[4] == fold._primary_opt and not fold._explicit):
+                    self._ctl.on_step(fold._step)
+        finally:
+            self._replaying = False
 
     def init(self, job: str | None = None, rank: int | None = None, world_size: int | None = None,
              node: str | None = None, socket_dir: str | None = None, local_rank: int | None = None,
@@ -266,7 +238,7 @@ class Probe(Hooks, StepFold):
                         or None)
             self.rank = rank if rank is not None else _env_int("RANK", "SLURM_PROCID")
             self.world_size = world_size if world_size is not None else _env_int("WORLD_SIZE", "SLURM_NTASKS")
-            self._rank_given, self._world_given = self.rank is not None, self.world_size is not None
+            self.identity.rank_given, self.identity.world_given = self.rank is not None, self.world_size is not None
             self.local_rank = local_rank if local_rank is not None else _env_int("LOCAL_RANK", "SLURM_LOCALID")
             self.node = node or env.get("STEPWATCH_NODE") or env.get("SLURMD_NODENAME") or None
             extra = {}
@@ -292,17 +264,17 @@ class Probe(Hooks, StepFold):
             self.extra.update(extra)
             g = comm_gbps if comm_gbps is not None else os.environ.get("STEPWATCH_COMM_GBPS")
             self.comm_gbps = float(g) if g not in (None, "") else DEFAULT_COMM_GBPS
-            self._ns_per_byte = 1.0 / self.comm_gbps if self.comm_gbps > 0 else 0.0   # GB/s = bytes/ns
+            self.fold._ns_per_byte = 1.0 / self.comm_gbps if self.comm_gbps > 0 else 0.0   # GB/s = bytes/ns
             m = gc_row_min_ms if gc_row_min_ms is not None else os.environ.get("STEPWATCH_GC_ROW_MIN_MS")
-            self.gc_row_min_ns = int(float(m) * 1e6) if m not in (None, "") else 0
+            self.fold.gc_row_min_ns = int(float(m) * 1e6) if m not in (None, "") else 0
             f = flush_ms if flush_ms is not None else os.environ.get("STEPWATCH_FLUSH_MS")
             tr = self.transport
             tr.flush_ns = int(float(f) * 1e6) if f not in (None, "") else int(DEFAULT_FLUSH_MS * 1e6)
             self._log.drain_ns = tr.flush_ns
             self._log.last_drain = tr.last_flush = 0     # the first step end is sent at once, with the hello
-            self._identity_ready = self.rank is not None and self.world_size is not None
+            self.identity.ready = self.rank is not None and self.world_size is not None
             tr.open(os.path.join(socket_dir or default_socket_dir(), SOCKET_NAME))
-            self._step = int(start_step)
+            self.fold._step = int(start_step)
             self._pid = os.getpid()
             if not self._on:
                 gc.callbacks.append(self._gc_cb)
@@ -350,7 +322,7 @@ class Probe(Hooks, StepFold):
                 sys.meta_path.remove(f)
             self.transport.close()
             self._log.clear()
-            self._open = False
+            self.fold._open = False
             self._ctl_close(unlink=True)
             if not self._exitw.sent:       # at exit the signal goodbyes stay armed (an abort in teardown)
                 self._exitw.close()
@@ -363,29 +335,21 @@ class Probe(Hooks, StepFold):
         that were resolved lazily are resolved again (a launcher that forks its ranks); a child that
         never completes a step (a DataLoader worker) never sends anything."""
         self.transport.after_fork(reopen=self._on)   # new instance, socket, counters; the parent's frames stay its
-        self._reset_counters()
-        self._reset_step_state()
-        self._n_gc = 0
+        self.comm_keys_dropped = 0
+        self.fold.after_fork()                        # the parent's steps are the parent's
         log = self._log                               # ... and so are its events
         log.clear()
         log.primary = log.last_drain = log.in_coll = log.pre_t = 0
         log.dq_need = 1
         self._replaying = False
         self.timing.after_fork()                      # (the parent's device events)
-        self._primary_opt = None
         self._step_tid = None
         self._gc_t0 = 0
-        if not self._rank_given:
-            self.rank = None
-        if not self._world_given:
-            self.world_size = None
-        self._identity_ready = self.rank is not None and self.world_size is not None
+        self.identity.after_fork()
         self._pid = os.getpid()
         self._exitw.after_fork()                      # the parent's goodbye is the parent's
         self._ctl_close(unlink=False)                 # the parent's control socket stays the parent's
         self._wd = None                               # (its thread did not survive the fork)
-        self._seq = [0] * MAX_COMM
-        self._marks = {}
 
     def _mp_child(self) -> None:
         import multiprocessing.util as mpu
@@ -504,12 +468,12 @@ class Probe(Hooks, StepFold):
         Replays the waiting events first."""
         self._drain()
         log, tr = self._log, self.transport
-        return {"fast": _ev.FAST, "events_lost": log.lost, "dev_timed": self.timing.timed, "dev_unready": self.timing.unready, "steps": self.n_steps, "sent": tr.sent, "dropped": tr.dropped, "deferred": tr.deferred,
+        return {"fast": _ev.FAST, "events_lost": log.lost, "dev_timed": self.timing.timed, "dev_unready": self.timing.unready, "steps": self.fold.n_steps, "sent": tr.sent, "dropped": tr.dropped, "deferred": tr.deferred,
                 "backlog": len(tr.backlog), "backlog_frames": sum(f for _, _, f in tr.backlog),
                 "datagrams": tr.datagrams, "pending": tr.frames,
                 "dropped_full": tr.dropped_full, "dropped_no_agent": tr.dropped_no_agent,
-                "dropped_error": tr.dropped_error, "gc_rows_dropped": self.gc_rows_dropped,
-                "comm_keys_dropped": self.comm_keys_dropped + log.comm_keys_dropped, "phases_dropped": self.phases_dropped,
+                "dropped_error": tr.dropped_error, "gc_rows_dropped": self.fold.gc_rows_dropped,
+                "comm_keys_dropped": self.comm_keys_dropped + log.comm_keys_dropped, "phases_dropped": self.fold.phases_dropped,
                 "hellos": tr.hellos, "socket": tr.path, "instance": tr.instance,
                 "rank": self.rank, "job": self.job}
 

@@ -144,7 +144,7 @@ class ExitWatch:
             pass
         body = self.status()
         body["t"] = _wall()
-        body["step"] = int(p._step)
+        body["step"] = int(p.fold._step)
         s = self._socket()
         if s is not None:
             # the process is ending: the goodbye may wait a little for room in the agent's queue (a busy

@@ -1,66 +1,86 @@
 """The fold: the hot path's events become steps, and each finished step a packed frame.
 
-Every few hundred events (or ``flush_ms``, 500 ms), :meth:`StepFold._drain` hands the event log to
-:meth:`StepFold._fold`, which applies the events in order to the step state (what the hooks would have done
+Every few hundred events (or ``flush_ms``, 500 ms), the probe's drain hands the event log to
+:meth:`StepFold.replay`, which applies the events in order to the step state (what the hooks would have done
 live, but warm and in a tight loop) and packs every finished step as one fixed-size frame (:mod:`stepwatch.wire.datagram`)
 into the probe's datagram buffer: ``_probefast.pack_step`` in C, or :meth:`StepFold._pack_py` (the step's values,
-packed by :func:`stepwatch.wire.datagram.pack_frame`), byte for byte the same. :class:`StepFold` is a part of :class:`~.core.Probe` (its state lives there).
+packed by :func:`stepwatch.wire.datagram.pack_frame`), byte for byte the same. :class:`StepFold` is a part the :class:`~.core.Probe` composes.
 """
 from __future__ import annotations
 
 import threading
 
 from . import eventlog as _ev
-from .eventlog import (K_BEGIN, K_BUCKET, K_COLL, K_COUNT, K_DATA, K_DCOLL, K_END, K_GC, K_MARK, K_OPT_POST,
-                       K_PHASE, _perf)
-from stepwatch.wire.datagram import (GCREC, HDR, MAGIC, MAX_CALLS, MAX_DATAGRAM, MAX_FRAME, MAX_GC, MAX_PENDING,
-                                     T_BATCH, VERSION, pack_frame)
+from .collectives import DEFAULT_COMM_GBPS
+from .timing import _ThreadCpu
+from .eventlog import K_BEGIN, K_BUCKET, K_COLL, K_COUNT, K_DATA, K_DCOLL, K_END, K_GC, K_MARK, K_OPT_POST, K_PHASE
+from stepwatch.wire.datagram import (GCREC, HDR, MAGIC, MAX_CALLS, MAX_COMM, MAX_DATAGRAM, MAX_FRAME, MAX_GC,
+                                     MAX_PENDING, MAX_PHASES, T_BATCH, VERSION, pack_frame)
 
 _OPENING = frozenset((K_DATA, K_COLL, K_DCOLL, K_BUCKET))   # events that open a step in automatic mode
                                                             # (and K_OPT_POST with a pre-hook time)
 
 
 class StepFold:
-    """Events -> steps -> frames (methods of :class:`~.core.Probe`)."""
+    """Events -> steps -> frames, and the state of the step in progress. A part the :class:`~.core.Probe`
+    composes; its collaborators: ``transport`` (the frames go into its buffer, it sends them), ``timing``
+    (the device events of collectives timed on the device), ``names`` (phase ids and slots, collective keys
+    and traffic factors) and ``identity`` (the rank in every frame, resolved at the first one). The probe's
+    drain hands it the event log's batch (:meth:`replay`) after :meth:`cpu_sample`."""
 
-    def _drain(self) -> None:
-        """Fold the hot path's events into steps (and send them when due). Called by the hooks at a
-        step end (see :class:`_PyLog` for when), by ``flush``/``stats``/``shutdown``, and when the log
-        is full."""
-        if self._replaying:
-            return
-        self._replaying = True
-        try:
-            log = self._log
-            log.last_drain = _perf()
-            self._cpu_sample(log.last_drain)
-            if not log.dev_on:
-                log.dev_on = self.timing.accelerator_in_use()
-            tr = self.transport
-            if tr.backlog:                        # the agent's queue was full: its room first
-                tr.flush_backlog()
-            events = log.drain()
-            if not events or not self._on:
-                return
-            n0 = self.n_steps
-            self._fold(events)
-            if self._wd is None and self.n_steps:
-                self._start_watchdog()
-            if self._ctl_on and self.n_steps != n0:
-                last = events[-1]             # a profile starts and stops at live step boundaries only
-                if last[0] == K_END or last[0] == K_BEGIN or (
-                        last[0] == K_OPT_POST and last[4] == self._primary_opt and not self._explicit):
-                    self._ctl.on_step(self._step)
-        finally:
-            self._replaying = False
+    def __init__(self, transport, timing, names, identity):
+        self.transport, self.timing, self.names, self.identity = transport, timing, names, identity
+        self._gcbuf = bytearray(HDR.size + MAX_GC * GCREC.size)   # header room: sent alone when full
+        self._gcmv = memoryview(self._gcbuf)
+        self.gc_row_min_ns = 0
+        self._ns_per_byte = 1.0 / DEFAULT_COMM_GBPS
+        self._explicit = False                # begin_step seen: steps are the user's (explicit mode)
+        self._primary_opt: int | None = None  # id() of the optimizer whose step ends a training step
+        self._opt_slot: int | None = None
+        self._cpu_clock = _ThreadCpu()        # the step thread's CPU clocks (cpu_sample)
+        self._seq = [0] * MAX_COMM            # collectives replayed per comm slot (per-group sequence numbers)
+        self._marks: dict[int, int] = {}      # kind phase slot -> perf ns it was marked in the open step
+        self.reset_counters()
+        self.reset_step_state()
 
-    def _cpu_sample(self, now: int) -> None:
+    def reset_counters(self) -> None:
+        self.n_steps = 0
+        self.gc_rows_dropped = 0
+        self.phases_dropped = 0
+
+    def reset_step_state(self) -> None:
+        """All per-step state; the phase lists are allocated here once and only zeroed afterwards."""
+        self._open = False
+        self._step = 0
+        self._t0_perf = 0
+        self._t0_wall = 0
+        if not hasattr(self, "_ph_ns"):
+            self._ph_ns = [0] * MAX_PHASES
+            self._ph_used = [False] * MAX_PHASES
+            self._ph_touched: list[int] = []      # named phase slots (>= 2) used in this step
+        self._calls: list[tuple] = []             # this step's collectives: (slot, count, bytes, ns, wait ns | None)
+        self._buckets: dict[int, list] = {}        # this step's DDP buckets per slot (see _bucket_calls)
+        self._cpu_rates = (-1.0, -1.0)             # CPU and run-queue wait per wall ns, this replay (see cpu_sample)
+        self._cpu_prev = None                      # (perf ns, cpu ns, wait ns) at the last sample
+        self._zero_phases()
+        self._gc_ns = self._gc_count = 0
+        self._data_queue = self._samples = self._tokens = -1
+        self._n_gc = 0
+
+    def after_fork(self) -> None:
+        """In a forked child: the parent's steps, counters and optimizer are the parent's."""
+        self.reset_counters()
+        self.reset_step_state()
+        self._primary_opt = None
+        self._seq = [0] * MAX_COMM
+        self._marks = {}
+
+    def cpu_sample(self, now: int, tid: int | None) -> None:
         """The step thread's CPU time and run-queue wait since the last replay, as rates per wall ns, which
         the replay applies to each step it packs: one ``pread`` per replay (every ~500 ms, or every step
         end where steps are longer or a profile runs), nothing on the step path. A replay run by another
         thread (a collective's callback filling the log) samples nothing; its steps get null."""
         self._cpu_rates = (-1.0, -1.0)
-        tid = self._step_tid
         if tid is None or threading.get_ident() != tid:
             return
         c, w = self._cpu_clock.read()
@@ -71,7 +91,7 @@ class StepFold:
         dt = now - prev[0]
         self._cpu_rates = ((c - prev[1]) / dt, (w - prev[2]) / dt if w >= prev[2] >= 0 else -1.0)
 
-    def _fold(self, events: list) -> None:
+    def replay(self, events: list) -> None:
         """Apply the events, in order, to the step state: what the hooks would have done live. The
         state lives in locals while the batch is replayed (the loop runs once per event, a few
         hundred at a time; attribute traffic per event would be most of its cost)."""
@@ -88,6 +108,7 @@ class StepFold:
         opt_slot = self._opt_slot
         seqs, marks = self._seq, self._marks
         rate_c, rate_w = self._cpu_rates
+        ident = self.identity                    # (the rank of every frame)
         buckets = self._buckets
         dev_time = self.timing.elapsed                     # (a device-timed collective: its events)
         fast = _ev._fast
@@ -185,19 +206,19 @@ class StepFold:
                 self._kind_phases(t0, t0p)
             self.n_steps += 1
             step_ns = t0 - t0p                          # its CPU time and run-queue wait: at this
-            cpu_ns = step_ns * rate_c if rate_c >= 0 else -1.0     # replay's rates (see _cpu_sample)
+            cpu_ns = step_ns * rate_c if rate_c >= 0 else -1.0     # replay's rates (see cpu_sample)
             cw_ns = step_ns * rate_w if rate_w >= 0 else -1.0
             hidden_ns = self._bucket_calls(calls, buckets) if buckets else 0.0
             if tr.connected or t0 - tr.t_connect >= tr.reconnect_ns:
-                if not self._identity_ready:
-                    self._resolve_identity()
+                if not ident.ready:
+                    ident.resolve()
                 if boff > MAX_DATAGRAM - MAX_FRAME:       # the buffer is full: it leaves now
                     tr.off = boff
                     tr.send_buf(t0)
                     boff = tr.off
                 n_gc = self._n_gc
                 if pack is not None:                     # C: the frame in one call
-                    boff = pack(buf, boff, inst, self.rank, step, t0w, wall, t0 - t0p, ph[0],
+                    boff = pack(buf, boff, inst, ident.rank, step, t0w, wall, t0 - t0p, ph[0],
                                 ph[1] if used[1] else -1, gc_ns, gc_count, dq, samples, tokens, tr.dropped,
                                 touched, ph, ids, calls, traffic, nspb, keys,
                                 self._gcmv[16:16 + n_gc * GCREC.size] if n_gc else None, cpu_ns, cw_ns,
@@ -330,7 +351,7 @@ class StepFold:
             comm = [(*keys[k], count, nbytes, tt, wait) for k, (count, nbytes, tt, wait) in comms.items()]
         else:
             comm = ()
-        return pack_frame(buf, boff, inst, self.rank,
+        return pack_frame(buf, boff, inst, self.identity.rank,
                           (step, t0w, wall, step_ns, data_ns, compute_ns, comm_ns, wait_ns, gc_ns, gc_count, dq,
                            samples, tokens, transport.dropped & 0xFFFFFFFF, cpu_ns, cw_ns, comm_ns + wait_ns + hidden_ns,
                            comm_ns + wait_ns),
@@ -358,7 +379,7 @@ class StepFold:
         n += 1
         if n == MAX_GC and self.n_steps:
             # a burst of collections: send them now on their own (no step record)
-            HDR.pack_into(self._gcbuf, 0, MAGIC, VERSION, T_BATCH, tr.instance, self.rank, 0, 0, MAX_GC, 0)
+            HDR.pack_into(self._gcbuf, 0, MAGIC, VERSION, T_BATCH, tr.instance, self.identity.rank, 0, 0, MAX_GC, 0)
             tr.sendto(self._gcmv, frames=1)
             n = 0
         elif n == MAX_GC:

@@ -138,8 +138,8 @@ class Hooks:
     def _first_opt(self, opt) -> None:
         """Live, once: the first optimizer that finishes a step is the primary one (its step ends
         training steps)."""
-        if self._primary_opt is None:
-            self._primary_opt = id(opt)
+        if self.fold._primary_opt is None:
+            self.fold._primary_opt = id(opt)
             self._log.primary = id(opt)
             if self._step_tid is None:
                 self._step_tid = threading.get_ident()          # whose CPU the steps report

@@ -153,8 +153,8 @@ class Watchdog:
             return None
         usual = self.usual_ns(now)
         if self._hung_step is None:               # the cheap look of every wake: nothing is overlong
-            if p._open:
-                if now - p._t0_perf < self.threshold_ns(usual):
+            if p.fold._open:
+                if now - p.fold._t0_perf < self.threshold_ns(usual):
                     return None
             elif not p._log.n:
                 return None
@@ -188,11 +188,11 @@ class Watchdog:
             events = p._log.peek()
         except Exception:  # noqa: BLE001
             events = []
-        step, start, open_ = p._step, p._t0_perf, p._open
-        primary, explicit = p._primary_opt, p._explicit
+        step, start, open_ = p.fold._step, p.fold._t0_perf, p.fold._open
+        primary, explicit = p.fold._primary_opt, p.fold._explicit
         kind_slots = p.names.kind_slots()
-        kinds = {name for s, name in kind_slots.items() if p._ph_used[s]} if open_ else set()
-        seq = list(p._seq)
+        kinds = {name for s, name in kind_slots.items() if p.fold._ph_used[s]} if open_ else set()
+        seq = list(p.fold._seq)
         last_t = p._log.last_drain
         for kind, slot, t0, t1, a, b in events:
             if kind == _ev.K_COLL or kind == _ev.K_DCOLL or kind == _ev.K_BUCKET:
@@ -261,7 +261,7 @@ class Watchdog:
         else:
             st["state"] = "compute"
             st["since"] = last_t + p.transport.wall_off
-        if p.n_steps == 0 and step == p._step:       # no step finished yet: the process's first
+        if p.n_steps == 0 and step == p.fold._step:       # no step finished yet: the process's first
             kinds.add("first")
         st["kinds"] = sorted(kinds)
         st["stack"] = stack

@@ -209,7 +209,7 @@ def isolated_cost(agent_dir: str, empty_dir: str, n: int = 20000, repeats: int =
         pre = post = (lambda *a: None)
         if d is not None:
             p.init(job="iso", rank=0, world_size=8, socket_dir=d, auto=False)
-            p._explicit = False
+            p.fold._explicit = False
             p._patch_dataloader(it_cls)
             ar = p._wrap_collective(Dist, "all_reduce", all_reduce)
             pre, post = p._log.opt_pre, p._log.opt_post

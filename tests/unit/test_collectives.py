@@ -75,12 +75,12 @@ def test_c_fast_path_and_python_split_every_kind_alike(sockdir):
                 want[oid] = dt - min(dt, C.transfer_ms(op, nbytes, n, 10.0) * 1e6)
             args = (7, 10**18, 10**18 + 50_000_000, 50_000_000, 0, 0, 3, 32, -1)
             p.transport.buf[:] = bytes(len(p.transport.buf))
-            end_py = p._pack_py(0, *args, list(calls), 0, -1.0, -1.0)
+            end_py = p.fold._pack_py(0, *args, list(calls), 0, -1.0, -1.0)
             py = bytes(p.transport.buf[:end_py])
             p.transport.buf[:] = bytes(len(p.transport.buf))
-            end_c = eventlog._fast.pack_step(p.transport.buf, 0, p.instance, p.rank, *args[:4], p._ph_ns[0], -1, *args[4:],
-                                      p.dropped, p._ph_touched, p._ph_ns, p.names.phase_ids, list(calls), p.names.c_traffic,
-                                      p._ns_per_byte, p.names.comm_key, None, -1.0, -1.0)
+            end_c = eventlog._fast.pack_step(p.transport.buf, 0, p.instance, p.rank, *args[:4], p.fold._ph_ns[0], -1, *args[4:],
+                                      p.dropped, p.fold._ph_touched, p.fold._ph_ns, p.names.phase_ids, list(calls), p.names.c_traffic,
+                                      p.fold._ns_per_byte, p.names.comm_key, None, -1.0, -1.0)
             assert end_c == end_py and bytes(p.transport.buf[:end_c]) == py
             (_, _, _, (_, _, comm, _)), = decode(py)
             assert len(comm) == len(want)

@@ -70,7 +70,7 @@ def test_sequence_numbers_per_group_op_and_stack_of_a_running_collective(probe, 
     assert lines[-3].startswith(__file__) and "probe.py" not in seen["stack"]       # (no probe frames)
     assert seen["since"] > 0 and seen["t"] >= seen["since"]
     probe.flush()
-    assert sum(probe._seq[s] for s in range(len(probe.names.comm_slot)) if s != probe._wait_slot) == 13
+    assert sum(probe.fold._seq[s] for s in range(len(probe.names.comm_slot)) if s != probe._wait_slot) == 13
 
 
 def test_step_kinds_first_eval_checkpoint_and_the_explicit_api(probe, rx, sockdir):

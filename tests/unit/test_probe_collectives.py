@@ -73,7 +73,7 @@ def test_a_step_with_very_many_collectives_is_summed_in_bounded_memory(probe, rx
     for i in range(n):
         probe._record_comm(ar if i % 3 else bc, grp, 1000, 2000, 500.0)
         # the event log is bounded (a full one is replayed at once), and so are the replayed calls
-        assert probe._log.n <= eventlog.LOG_CAP and len(probe._calls) < datagram.MAX_CALLS
+        assert probe._log.n <= eventlog.LOG_CAP and len(probe.fold._calls) < datagram.MAX_CALLS
     assert n > eventlog.LOG_CAP
     probe.end_step()
     assert probe.stats()["events_lost"] == 0
@@ -109,7 +109,7 @@ def test_wrappers_keep_the_wrapped_calls_exceptions_and_still_record_them(probe,
     """A collective that raises, and a DataLoader iterator that ends, raise exactly what they raised
     without the probe (on both hot paths); the time spent is still recorded."""
     probe.init(job="exc", rank=0, world_size=2, socket_dir=sockdir, auto=False, flush_ms=0)
-    probe._explicit = True
+    probe.fold._explicit = True
 
     class Dist:
         @staticmethod
@@ -313,7 +313,7 @@ def test_bucket_tail_is_the_exposed_part_split_by_the_bandwidth_model(probe, soc
     # last launch at 2 ms, last done at 9 ms; the buckets were in flight 0-1.5 ms and 1.8-9 ms
     buckets = {s: [3, 3000, 2_000_000, 9_000_000, 1000,
                    [(1_800_000, 8_000_000), (0, 1_500_000), (2_000_000, 9_000_000), (500_000, 1_000_000)]]}
-    hidden = probe._bucket_calls(calls, buckets)
+    hidden = probe.fold._bucket_calls(calls, buckets)
     assert buckets == {}
     assert hidden == (1_500_000 + 7_200_000) - 7_000_000      # the union less the tail: behind backward
     (slot, cnt, nbytes, t, w), = calls
