@@ -16,8 +16,8 @@ from .collectives import DEFAULT_COMM_GBPS
 from .exitwatch import ExitWatch
 from .flops import Flops
 from .names import Names
-from .eventlog import K_BEGIN, K_COUNT, K_END, K_MARK, K_OPT_POST, K_PHASE, LOG_CAP, _PyLog, _perf
-from .hooks import Hooks, _TorchImportHook
+from .eventlog import K_BEGIN, K_COUNT, K_END, K_GC, K_MARK, K_OPT_POST, K_PHASE, LOG_CAP, _PyLog, _perf
+from .hooks import Hooks
 from .fold import StepFold
 from .identity import Identity
 from .timing import DeviceTiming
@@ -82,7 +82,7 @@ def _of(part: str, name: str) -> property:
                     lambda self, v: setattr(getattr(self, part), name, v), doc=f"``{part}.{name}``")
 
 
-class Probe(Hooks):
+class Probe:
     """One per process (the module-level functions use a singleton). Lifecycle: ``init`` ->
     steps -> ``shutdown`` (also at interpreter exit)."""
 
@@ -90,8 +90,6 @@ class Probe(Hooks):
         self._lock = threading.Lock()
         self._on = False
         self._installed = False
-        self._hooks: list = []
-        self._patches: list[tuple[object, str, object]] = []
         self._phase_ctx: dict[str, _Phase] = {}
         # the hot path: hooks append events here, the fold makes steps of them (C when built, else Python)
         fast = _ev._fast
@@ -108,7 +106,7 @@ class Probe(Hooks):
         self.timing = DeviceTiming()
         self.flops = Flops(self.identity.extra, self.transport.hello_changed)
         self.fold = StepFold(self.transport, self.timing, self.names, self.identity)
-        self.comm_keys_dropped = 0
+        self.hooks = Hooks(self._log, self.names, self.timing, self.flush, lambda: self._on)   # torch patching
         self.comm_gbps = DEFAULT_COMM_GBPS
         self._pending_counts: tuple | None = None
         self._gc_t0 = 0
@@ -116,7 +114,6 @@ class Probe(Hooks):
         self._step_tid: int | None = None     # the thread that ends steps (its CPU clocks: StepFold.cpu_sample)
         self._ctl = None                      # targeted profiling (stepwatch.agents.profiling.ProbeControl)
         self._ctl_active = False              # a profile needs step boundaries (every step end replays)
-        self._wait_slot = -1                  # the slot of Work.wait() (no collective of its own)
         self._wd = None                       # the watchdog (stepwatch.agents.probe.watchdog), after the first step
 
     @property
@@ -178,6 +175,7 @@ class Probe(Hooks):
         "job", "rank", "world_size", "local_rank", "node", "extra"))
     n_steps, gc_rows_dropped, phases_dropped, gc_row_min_ns = (_of("fold", n) for n in (
         "n_steps", "gc_rows_dropped", "phases_dropped", "gc_row_min_ns"))
+    comm_keys_dropped = _of("hooks", "comm_keys_dropped")
 
     def _drain(self) -> None:
         """Fold the hot path's events into steps (and send them when due). Called by the hooks at a
@@ -312,14 +310,7 @@ class Probe(Hooks):
                 gc.callbacks.remove(self._gc_cb)
             except ValueError:
                 pass
-            for h in self._hooks:
-                h.remove()
-            self._hooks.clear()
-            for obj, name, orig in reversed(self._patches):
-                setattr(obj, name, orig)
-            self._patches.clear()
-            for f in [f for f in sys.meta_path if isinstance(f, _TorchImportHook) and f.probe is self]:
-                sys.meta_path.remove(f)
+            self.hooks.remove()
             self.transport.close()
             self._log.clear()
             self.fold._open = False
@@ -335,7 +326,7 @@ class Probe(Hooks):
         that were resolved lazily are resolved again (a launcher that forks its ranks); a child that
         never completes a step (a DataLoader worker) never sends anything."""
         self.transport.after_fork(reopen=self._on)   # new instance, socket, counters; the parent's frames stay its
-        self.comm_keys_dropped = 0
+        self.hooks.comm_keys_dropped = 0
         self.fold.after_fork()                        # the parent's steps are the parent's
         log = self._log                               # ... and so are its events
         log.clear()
@@ -350,6 +341,48 @@ class Probe(Hooks):
         self._exitw.after_fork()                      # the parent's goodbye is the parent's
         self._ctl_close(unlink=False)                 # the parent's control socket stays the parent's
         self._wd = None                               # (its thread did not survive the fork)
+
+    def _first_opt(self, opt) -> None:
+        """Live, once: the first optimizer that finishes a step is the primary one (its step ends
+        training steps)."""
+        if self.fold._primary_opt is None:
+            self.fold._primary_opt = id(opt)
+            self._log.primary = id(opt)
+            if self._step_tid is None:
+                self._step_tid = threading.get_ident()          # whose CPU the steps report
+            self._count_params(opt)
+
+    def _gc_cb(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = _perf()
+            return
+        if not self._gc_t0:
+            return
+        t = _perf()
+        dt = t - self._gc_t0
+        self._gc_t0 = 0
+        if self._on:
+            self._log.add(K_GC, info.get("generation", 0), t, dt, info.get("collected", 0),
+                          float(info.get("uncollectable", 0)))
+
+    def _count_params(self, opt) -> None:
+        """Once, at the primary optimizer's first step: the parameters it updates (this rank's share
+        under tensor/pipeline parallelism or FSDP) go into the hello as ``model_params`` for the MFU
+        estimate, unless the user gave ``model_params``."""
+        if "model_params" in self.extra:
+            return
+        try:
+            n = sum(int(p.numel()) for g in opt.param_groups for p in g["params"])
+        except Exception:  # noqa: BLE001 - not a torch optimizer
+            return
+        if n > 0:
+            self.extra["model_params"] = n
+            self.transport.hello_changed()
+        self.flops.watch_dtype_once()             # the compute dtype, at the next forward (flops.py)
+
+    def install_torch(self) -> bool:
+        """The optimizer, DataLoader and torch.distributed hooks, installed once (:meth:`.hooks.Hooks.install_torch`)."""
+        return self.hooks.install_torch()
 
     def _mp_child(self) -> None:
         import multiprocessing.util as mpu
@@ -421,7 +454,7 @@ class Probe(Hooks):
         if os.environ.get("STEPWATCH_WATCHDOG", "1") == "0":
             return
         try:
-            self._patch_dcp()
+            self.hooks.patch_dcp()
             from . import watchdog
             self._wd = watchdog.Watchdog(self).start()
         except Exception:  # noqa: BLE001 - no watchdog, telemetry goes on
@@ -473,7 +506,7 @@ class Probe(Hooks):
                 "datagrams": tr.datagrams, "pending": tr.frames,
                 "dropped_full": tr.dropped_full, "dropped_no_agent": tr.dropped_no_agent,
                 "dropped_error": tr.dropped_error, "gc_rows_dropped": self.fold.gc_rows_dropped,
-                "comm_keys_dropped": self.comm_keys_dropped + log.comm_keys_dropped, "phases_dropped": self.fold.phases_dropped,
+                "comm_keys_dropped": self.hooks.comm_keys_dropped + log.comm_keys_dropped, "phases_dropped": self.fold.phases_dropped,
                 "hellos": tr.hellos, "socket": tr.path, "instance": tr.instance,
                 "rank": self.rank, "job": self.job}
 

@@ -1,17 +1,16 @@
 """Torch patching: the probe's automatic hooks (optimizer step hooks, DataLoader iterators,
 ``torch.distributed`` collectives and ``Work.wait``, DDP buckets through :mod:`.ddp_hooks`, ``Module.eval``
 and checkpoint saves) and the GC callback. Nothing here imports torch: the hooks are installed once the
-program has imported it (:class:`_TorchImportHook`). :class:`Hooks` is a part of :class:`~.core.Probe`.
+program has imported it (:class:`_TorchImportHook`). :class:`Hooks` is a part the :class:`~.core.Probe` composes.
 """
 from __future__ import annotations
 
 import functools
 import sys
-import threading
 
 from . import eventlog as _ev
 from .collectives import COLLECTIVES
-from .eventlog import K_COLL, K_GC, K_MARK, K_PHASE, _nbytes, _perf, _py_coll_wrap, _py_data_wrap, _queue_depth
+from .eventlog import K_COLL, K_MARK, K_PHASE, _nbytes, _perf, _py_coll_wrap, _py_data_wrap, _queue_depth
 from stepwatch.wire.datagram import MAX_COMM
 
 
@@ -52,8 +51,8 @@ class _TorchImportHook:
     """A ``sys.meta_path`` finder that finds nothing itself: on ``import torch`` it wraps torch's
     loader so that the probe's hooks are installed once torch has finished importing."""
 
-    def __init__(self, probe: "Probe"):
-        self.probe = probe
+    def __init__(self, hooks: "Hooks"):
+        self.hooks = hooks
 
     def find_spec(self, name, path=None, target=None):
         if name != "torch":
@@ -67,13 +66,13 @@ class _TorchImportHook:
         loader = getattr(spec, "loader", None)
         if loader is None or not hasattr(loader, "exec_module"):
             return spec
-        orig, probe = loader.exec_module, self.probe
+        orig, hooks = loader.exec_module, self.hooks
 
         def exec_module(module):
             orig(module)
-            if probe._on:
+            if hooks.is_on():
                 try:
-                    probe.install_torch()
+                    hooks.install_torch()
                 except Exception as e:  # noqa: BLE001 - never break the user's import
                     sys.stderr.write(f"stepwatch probe: PyTorch hooks not installed: {e!r}\n")
 
@@ -82,7 +81,30 @@ class _TorchImportHook:
 
 
 class Hooks:
-    """The automatic hooks (methods of :class:`~.core.Probe`)."""
+    """The automatic hooks: what they patched (``patches``, undone by :meth:`remove`) and the optimizer hook
+    handles. A part the :class:`~.core.Probe` composes; its collaborators: ``log`` (every hook appends its
+    events there), ``names`` (slots of phases and collectives), ``timing`` (device events around
+    collectives on device tensors), ``flush`` (called before ``destroy_process_group``) and ``is_on`` (whether
+    the probe is on: the torch import hook installs only then). The optimizer step hooks are the log's own
+    (``opt_pre``/``opt_post``; the log calls the probe back at the primary optimizer's first step)."""
+
+    def __init__(self, log, names, timing, flush, is_on):
+        self.log, self.names, self.timing, self.flush, self.is_on = log, names, timing, flush, is_on
+        self.handles: list = []                                    # the optimizer hooks' handles
+        self.patches: list[tuple[object, str, object]] = []       # (object, name, original)
+        self.wait_slot = -1                   # the slot of Work.wait() (no collective of its own)
+        self.comm_keys_dropped = 0
+
+    def remove(self) -> None:
+        """Undo every hook and patch (``shutdown``)."""
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        for obj, name, orig in reversed(self.patches):
+            setattr(obj, name, orig)
+        self.patches.clear()
+        for f in [f for f in sys.meta_path if isinstance(f, _TorchImportHook) and f.hooks is self]:
+            sys.meta_path.remove(f)
 
     def install_torch(self) -> bool:
         """Install the optimizer, DataLoader and torch.distributed hooks (once). When torch is not
@@ -90,7 +112,7 @@ class Hooks:
         after the program imports torch itself (so ``init()`` may come first, and a program that never
         uses torch never loads it). torch_npu needs nothing more: it runs through the same hooks.
         Returns True when the hooks are in place."""
-        if self._hooks:
+        if self.handles:
             return True
         if "torch" not in sys.modules:
             if not any(isinstance(f, _TorchImportHook) for f in sys.meta_path):
@@ -100,8 +122,8 @@ class Hooks:
             from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
         except ImportError:
             return False
-        self._hooks.append(register_optimizer_step_pre_hook(self._log.opt_pre))
-        self._hooks.append(register_optimizer_step_post_hook(self._log.opt_post))
+        self.handles.append(register_optimizer_step_pre_hook(self.log.opt_pre))
+        self.handles.append(register_optimizer_step_post_hook(self.log.opt_post))
         try:
             from torch.utils.data import dataloader as dl
             self._patch_dataloader(dl._BaseDataLoaderIter)
@@ -124,87 +146,49 @@ class Hooks:
             pass
         return True
 
-    def _patch(self, obj, name: str, new) -> None:
-        self._patches.append((obj, name, getattr(obj, name)))
+    def patch(self, obj, name: str, new) -> None:
+        self.patches.append((obj, name, getattr(obj, name)))
         setattr(obj, name, new)
 
     def _patch_dataloader(self, cls) -> None:
         orig = cls.__next__
         fast = _ev._fast
-        w = (fast.DataWrap(self._log, orig, _queue_depth) if fast is not None
-             else _py_data_wrap(self._log, orig, _queue_depth))
-        self._patch(cls, "__next__", w)
-
-    def _first_opt(self, opt) -> None:
-        """Live, once: the first optimizer that finishes a step is the primary one (its step ends
-        training steps)."""
-        if self.fold._primary_opt is None:
-            self.fold._primary_opt = id(opt)
-            self._log.primary = id(opt)
-            if self._step_tid is None:
-                self._step_tid = threading.get_ident()          # whose CPU the steps report
-            self._count_params(opt)
-
-    def _gc_cb(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._gc_t0 = _perf()
-            return
-        if not self._gc_t0:
-            return
-        t = _perf()
-        dt = t - self._gc_t0
-        self._gc_t0 = 0
-        if self._on:
-            self._log.add(K_GC, info.get("generation", 0), t, dt, info.get("collected", 0),
-                          float(info.get("uncollectable", 0)))
-
-    def _count_params(self, opt) -> None:
-        """Once, at the primary optimizer's first step: the parameters it updates (this rank's share
-        under tensor/pipeline parallelism or FSDP) go into the hello as ``model_params`` for the MFU
-        estimate, unless the user gave ``model_params``."""
-        if "model_params" in self.extra:
-            return
-        try:
-            n = sum(int(p.numel()) for g in opt.param_groups for p in g["params"])
-        except Exception:  # noqa: BLE001 - not a torch optimizer
-            return
-        if n > 0:
-            self.extra["model_params"] = n
-            self.transport.hello_changed()
-        self.flops.watch_dtype_once()             # the compute dtype, at the next forward (flops.py)
+        w = (fast.DataWrap(self.log, orig, _queue_depth) if fast is not None
+             else _py_data_wrap(self.log, orig, _queue_depth))
+        self.patch(cls, "__next__", w)
 
     def _patch_eval_save(self, torch) -> None:
         """``Module.eval()`` marks the step ``eval``; ``torch.save`` counts as ``checkpoint`` time. Both are
         called a few times per evaluation or checkpoint, never per step."""
-        probe_ = self
+        hooks_ = self
         mod = getattr(getattr(torch, "nn", None), "Module", None)
         if mod is not None and not getattr(mod.eval, "_stepwatch", False):
             orig_eval = mod.eval
 
             def eval(module):
-                probe_._log.add(K_MARK, probe_.names.slot_for_phase("eval"), _perf(), 0, 0, 0.0)
+                hooks_.log.add(K_MARK, hooks_.names.slot_for_phase("eval"), _perf(), 0, 0, 0.0)
                 return orig_eval(module)
             eval._stepwatch = True
             eval.__wrapped__ = orig_eval
-            self._patch(mod, "eval", eval)
+            self.patch(mod, "eval", eval)
         save = getattr(torch, "save", None)
         if save is not None and not getattr(save, "_stepwatch", False):
-            self._patch(torch, "save", self._timed_save(save))
+            self.patch(torch, "save", self._timed_save(save))
 
     def _timed_save(self, fn):
-        probe_ = self
+        hooks_ = self
 
         def save(*args, **kwargs):
             t0 = _perf()
             try:
                 return fn(*args, **kwargs)
             finally:
-                probe_._log.add(K_PHASE, probe_.names.slot_for_phase("checkpoint"), 0, 0, _perf() - t0, 0.0)
+                hooks_.log.add(K_PHASE, hooks_.names.slot_for_phase("checkpoint"), 0, 0, _perf() - t0, 0.0)
         save._stepwatch = True
         save.__wrapped__ = fn
         return save
 
-    def _patch_dcp(self) -> None:
+    def patch_dcp(self) -> None:
         """``torch.distributed.checkpoint.save`` (and ``async_save``, ``save_state_dict``) count as
         checkpoint time, when the program imported it by its first step."""
         dcp = sys.modules.get("torch.distributed.checkpoint")
@@ -213,7 +197,7 @@ class Hooks:
         for name in ("save", "async_save", "save_state_dict"):
             fn = getattr(dcp, name, None)
             if fn is not None and not getattr(fn, "_stepwatch", False):
-                self._patch(dcp, name, self._timed_save(fn))
+                self.patch(dcp, name, self._timed_save(fn))
 
     def _record_comm(self, op_id: int, grp_id: int, nbytes: int, dt: int, wait_ns: float) -> None:
         """Add one call with a known wait, ending now (Work.wait(), tests and benchmarks)."""
@@ -226,7 +210,7 @@ class Hooks:
             s = names.comm_slot[key] = len(names.comm_slot)
             names.comm_key[s] = key
         t1 = _perf()
-        self._log.add(K_COLL, s, t1 - int(dt), t1, int(nbytes), float(wait_ns))
+        self.log.add(K_COLL, s, t1 - int(dt), t1, int(nbytes), float(wait_ns))
 
     def _wrap_collective(self, dist, name: str, fn):
         """A wrapper timing ``fn`` (``_probefast.CollWrap``, or :func:`_py_coll_wrap`): per call, the
@@ -255,10 +239,10 @@ class Hooks:
 
         fast = _ev._fast
         if fast is not None:
-            w = fast.CollWrap(self._log, fn, p_idx, g_idx, a_idx, payload, resolve, _nbytes,
+            w = fast.CollWrap(self.log, fn, p_idx, g_idx, a_idx, payload, resolve, _nbytes,
                                self.timing.begin, self.timing.end)
         else:
-            w = _py_coll_wrap(self._log, fn, p_idx, g_idx, a_idx, payload, resolve, _nbytes,
+            w = _py_coll_wrap(self.log, fn, p_idx, g_idx, a_idx, payload, resolve, _nbytes,
                               self.timing.begin, self.timing.end)
         w.__name__ = getattr(fn, "__name__", name)
         w.__doc__ = getattr(fn, "__doc__", None)
@@ -277,7 +261,7 @@ class Hooks:
             return None
         g_idx = params.index("group") if "group" in params else -1
         t_idx = params.index("tag") if "tag" in params else -1
-        log, probe_, op_id = self._log, self, self.names.intern(op)
+        log, hooks_, op_id = self.log, self, self.names.intern(op)
         resolve_name = getattr(funcol, "_resolve_group_name", None)
         resolve_pg = getattr(dist.distributed_c10d, "_resolve_process_group", None)
         if g_idx < 0 or resolve_name is None or resolve_pg is None:
@@ -301,8 +285,8 @@ class Hooks:
                     gname = str(resolve_name(group, tag))
                     s = slots.get(gname)
                     if s is None:
-                        grp_id, size = probe_.names.group(dist, resolve_pg(gname))
-                        s = slots[gname] = probe_.names.comm_slot_for(op, op_id, grp_id, size)
+                        grp_id, size = hooks_.names.group(dist, resolve_pg(gname))
+                        s = slots[gname] = hooks_.names.comm_slot_for(op, op_id, grp_id, size)
                     if s < 0:
                         log.comm_keys_dropped += 1
                     else:
@@ -322,7 +306,7 @@ class Hooks:
             w = self._wrap_collective(dist, name, fn)
             if w is not None:
                 w = _traceable(fn, w, is_compiling)
-                self._patch(dist, name, w)
+                self.patch(dist, name, w)
         try:
             import torch.distributed._functional_collectives as funcol
         except Exception:  # noqa: BLE001 - no functional collectives in this build
@@ -334,34 +318,34 @@ class Hooks:
                     continue
                 w = self._wrap_functional(dist, funcol, name, op, fn)
                 if w is not None:
-                    self._patch(funcol, name, _traceable(fn, w, is_compiling))
+                    self.patch(funcol, name, _traceable(fn, w, is_compiling))
             wt = getattr(funcol, "wait_tensor", None)
             if wt is not None and not getattr(wt, "_stepwatch", False):
-                self._patch(funcol, "wait_tensor", _traceable(wt, self._timed_wait(wt), is_compiling))
+                self.patch(funcol, "wait_tensor", _traceable(wt, self._timed_wait(wt), is_compiling))
         dpg = getattr(dist, "destroy_process_group", None)
         if dpg is not None and not getattr(dpg, "_stepwatch", False):
-            probe_ = self
+            hooks_ = self
 
             def destroy_process_group(*args, **kwargs):
-                probe_.flush()                     # the end of a distributed run: send what waits
+                hooks_.flush()                     # the end of a distributed run: send what waits
                 return dpg(*args, **kwargs)
 
             destroy_process_group._stepwatch = True
             destroy_process_group.__wrapped__ = dpg
-            self._patch(dist, "destroy_process_group", destroy_process_group)
+            self.patch(dist, "destroy_process_group", destroy_process_group)
         work = getattr(dist, "Work", None)
         if work is not None and hasattr(work, "wait"):
             try:
-                self._patch(work, "wait", self._timed_wait(work.wait))
+                self.patch(work, "wait", self._timed_wait(work.wait))
             except (TypeError, AttributeError):
                 pass
 
     def _timed_wait(self, orig_wait):
         """``Work.wait()`` or ``funcol.wait_tensor``, timed as op ``wait``, group ``async``: all of it is
         waiting."""
-        log = self._log
+        log = self.log
         slot = self.names.comm_slot_for("wait", self.names.intern("wait"), self.names.intern("async"), 1)
-        self._wait_slot = slot
+        self.wait_slot = slot
 
         def wait(*args, **kwargs):
             if log.in_coll or slot < 0:

@@ -250,7 +250,7 @@ class Watchdog:
                 gname, gsize, gid = self._group(group)
                 st["group"], st["group_size"] = gname, gsize
                 if gid:
-                    keys, wait_slot = p.names.comm_key, p._wait_slot
+                    keys, wait_slot = p.names.comm_key, p.hooks.wait_slot
                     st["seq"] = 1 + sum(seq[s] for s in range(len(p.names.comm_slot)) if keys[s][1] == gid
                                         and s != wait_slot)
         elif self._ddp_pending(st, seq):
@@ -271,7 +271,7 @@ class Watchdog:
         """DDP's gradient buckets launched and not complete (agents.probe.ddp_hooks): the rank waits in
         their all-reduce (from the oldest bucket's launch), not in compute. Sets the collective state."""
         p = self.p
-        for t in list(getattr(p, "_ddp_timers", ())):
+        for t in list(getattr(p.hooks, "_ddp_timers", ())):
             if getattr(t, "pending", 0) <= 0:
                 continue
             st["state"], st["op"] = "collective", "all_reduce"
@@ -279,7 +279,7 @@ class Watchdog:
             gname, gsize, gid = self._group(t.group)
             st["group"], st["group_size"] = gname, gsize or getattr(t, "size", None)
             if gid:
-                keys, wait_slot = p.names.comm_key, p._wait_slot
+                keys, wait_slot = p.names.comm_key, p.hooks.wait_slot
                 st["seq"] = 1 + sum(seq[s] for s in range(len(p.names.comm_slot)) if keys[s][1] == gid and s != wait_slot)
             return True
         return False

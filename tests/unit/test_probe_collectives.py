@@ -71,7 +71,7 @@ def test_a_step_with_very_many_collectives_is_summed_in_bounded_memory(probe, rx
     n = 3 * datagram.MAX_CALLS + 7
     probe.begin_step()
     for i in range(n):
-        probe._record_comm(ar if i % 3 else bc, grp, 1000, 2000, 500.0)
+        probe.hooks._record_comm(ar if i % 3 else bc, grp, 1000, 2000, 500.0)
         # the event log is bounded (a full one is replayed at once), and so are the replayed calls
         assert probe._log.n <= eventlog.LOG_CAP and len(probe.fold._calls) < datagram.MAX_CALLS
     assert n > eventlog.LOG_CAP
@@ -95,9 +95,9 @@ def test_a_collective_between_explicit_steps_is_not_added_to_the_finished_step(p
     probe.begin_step()
     probe.end_step()                                      # the first step goes out at once, with the hello
     probe.begin_step()
-    probe._record_comm(ar, grp, 100, 1000, 0.0)
+    probe.hooks._record_comm(ar, grp, 100, 1000, 0.0)
     probe.end_step()                                      # this one waits for the flush
-    probe._record_comm(ar, grp, 100, 1000, 0.0)          # after end_step, before the next begin_step
+    probe.hooks._record_comm(ar, grp, 100, 1000, 0.0)          # after end_step, before the next begin_step
     probe.begin_step()
     probe.end_step()
     probe.flush()
@@ -128,9 +128,9 @@ def test_wrappers_keep_the_wrapped_calls_exceptions_and_still_record_them(probe,
                 raise StopIteration
             return self.n
 
-    ar = probe._wrap_collective(Dist, "all_reduce", all_reduce)
+    ar = probe.hooks._wrap_collective(Dist, "all_reduce", all_reduce)
     it_cls = type("It", (It,), {})
-    probe._patch_dataloader(it_cls)
+    probe.hooks._patch_dataloader(it_cls)
     it = it_cls()
     probe.begin_step()
     with pytest.raises(RuntimeError, match="peer gone: 64"):
@@ -188,13 +188,13 @@ def test_collectives_on_a_device_are_timed_by_device_events(probe, rx, sockdir):
 
     probe.init(job="dev", rank=0, world_size=2, socket_dir=sockdir, auto=False, flush_ms=0)
     probe.timing.mods["fakedev"] = type("FakeDevModule", (), {"Event": Event})
-    ar0 = probe._wrap_collective(Dist, "all_reduce", all_reduce)
+    ar0 = probe.hooks._wrap_collective(Dist, "all_reduce", all_reduce)
     probe.begin_step()
     ar0(_DevTensor())                      # no CUDA context, no torch_npu: the payload is not even looked at
     probe.end_step()
     assert made == [] and probe.stats()["dev_timed"] == 0
     probe._log.dev_on = 1                  # what a CUDA context or torch_npu turns on (at the next replay)
-    ar = probe._wrap_collective(Dist, "all_reduce", all_reduce)
+    ar = probe.hooks._wrap_collective(Dist, "all_reduce", all_reduce)
     for _ in range(2):                                  # two steps of two calls: 2 event pairs, reused
         probe.begin_step()
         ar(_DevTensor())

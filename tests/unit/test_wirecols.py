@@ -101,8 +101,8 @@ def test_columns_equal_rows_on_real_probes(sockdir, hot_path):
                             pass
                         p.add_phase("backward", 1.5 + r)
                     if i % 5:
-                        p._record_comm(ar, dp, 1 << 20, 2_000_000 + i, 500_000.0)
-                        p._record_comm(bc, world, 1024, 30_000, 10_000.0)
+                        p.hooks._record_comm(ar, dp, 1 << 20, 2_000_000 + i, 500_000.0)
+                        p.hooks._record_comm(bc, world, 1024, 30_000, 10_000.0)
                     if i == 7:
                         gc.collect()
                         gc.collect(0)
