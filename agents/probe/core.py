@@ -1,9 +1,10 @@
 """The probe itself: :class:`Probe`, its set-up (``init``, fork, ``shutdown``), the explicit step API, the
 watchdog and profiling control, and its counters. It composes parts, each given its collaborators:
 :class:`.transport.Transport` (socket, hello, buffer, backlog), :class:`.names.Names` (ids and slots),
-:class:`.timing.DeviceTiming` (device events), :class:`.flops.Flops` (FLOPs, dtype); the hooks
-(:mod:`.hooks`, torch patching) and the fold (:mod:`.fold`, events -> frames) are still its methods.
-The hot path is :mod:`.eventlog`."""
+:class:`.timing.DeviceTiming` (device events), :class:`.flops.Flops` (FLOPs, dtype),
+:class:`.identity.Identity` (who it is), :class:`.fold.StepFold` (events -> frames) and
+:class:`.hooks.Hooks` (torch patching); docs/architecture.md lists what each is given. The hot path
+(``begin_step``/``end_step`` and the hooks' events) is :mod:`.eventlog`'s log, held by the probe."""
 from __future__ import annotations
 
 import gc

@@ -18,7 +18,7 @@ reducer would have done and times it:
 - DDP under compiled autograd's Python reducer (``_use_python_reducer``) calls hooks differently and is
   left alone.
 
-The replay (``Probe._bucket_calls``) turns a step's buckets into one ``all_reduce`` call on the model's
+The replay (``StepFold._bucket_calls``) turns a step's buckets into one ``all_reduce`` call on the model's
 process group: the buckets overlap backward, so the time that held the step is the tail from the last
 launch (the end of backward) to the last completion, split into transfer and waiting for peers.
 
