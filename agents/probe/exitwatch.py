@@ -130,7 +130,8 @@ class ExitWatch:
     def at_exit(self) -> None:
         """The interpreter is ending: say how (only a probe that said hello; once)."""
         p = self.p
-        if self.sent or not p._on or p.transport.hello_bytes == b"" or self._armed_key is None and not p.transport.connected:
+        tr = p.transport
+        if self.sent or not p._on or tr.hello_bytes == b"" or self._armed_key is None and not tr.connected:
             return
         self.sent = True
         end = time.monotonic() + GOODBYE_WAIT_S
@@ -138,7 +139,7 @@ class ExitWatch:
             p.flush()                                     # the last steps first
             # ... also those the agent's full queue deferred: nobody sends the backlog after the exit
             # (CI: a rank's last 27 steps never stored); they wait for room as the goodbye does
-            while p.transport.backlog and not p.transport.flush_backlog() and p.transport.connected and time.monotonic() < end:
+            while tr.backlog and not tr.flush_backlog() and tr.connected and time.monotonic() < end:
                 time.sleep(0.005)
         except Exception:  # noqa: BLE001
             pass

@@ -4,7 +4,8 @@ Every few hundred events (or ``flush_ms``, 500 ms), the probe's drain hands the 
 :meth:`StepFold.replay`, which applies the events in order to the step state (what the hooks would have done
 live, but warm and in a tight loop) and packs every finished step as one fixed-size frame (:mod:`stepwatch.wire.datagram`)
 into the probe's datagram buffer: ``_probefast.pack_step`` in C, or :meth:`StepFold._pack_py` (the step's values,
-packed by :func:`stepwatch.wire.datagram.pack_frame`), byte for byte the same. :class:`StepFold` is a part the :class:`~.core.Probe` composes.
+packed by :func:`stepwatch.wire.datagram.pack_frame`), byte for byte the same.
+:class:`StepFold` is a part the :class:`~.core.Probe` composes.
 """
 from __future__ import annotations
 

@@ -18,7 +18,8 @@ class _ThreadCpu:
     time on a CPU, and time *runnable but waiting for a CPU*, which is what a competing process on the
     rank's core costs it). Where that file is missing (no ``CONFIG_SCHED_INFO``), the CPU time comes
     from ``CLOCK_THREAD_CPUTIME_ID`` and the wait is -1 (unknown). The file is reopened when the
-    reading thread changes or after a fork. Read by :meth:`StepFold.cpu_sample` at each drain (every ~500 ms), not per step."""
+    reading thread changes or after a fork. Read by :meth:`StepFold.cpu_sample` at each drain (every ~500 ms),
+    not per step."""
 
     def __init__(self):
         self.fd, self.tid, self.pid, self.proc = -1, 0, 0, True
