@@ -5,7 +5,7 @@
  * logic of the pure-Python probe added ~25 µs to a 250 µs step. Here each hook only reads the clock
  * (CLOCK_MONOTONIC, the clock of time.perf_counter_ns) and appends one fixed-size event to a
  * preallocated array; stepwatch.agents.probe folds the events into steps in Python, warm, a few hundred at a
- * time (Probe._fold), so the step semantics exist once, in Python. The pure-Python fallback
+ * time (StepFold.replay), so the step semantics exist once, in Python. The pure-Python fallback
  * (eventlog._PyLog and the closures beside it) appends the same events as tuples. The wrappers are in
  * _probefast_wrap.c, pack_step in _probefast_pack.c, what they share in _probefast.h.
  *
@@ -242,7 +242,7 @@ PyTypeObject probefast_LogType = {
 /* --------------------------------------------------------------------------------------- module */
 
 static PyMethodDef module_methods[] = {
-    {"pack_step", (PyCFunction)(void (*)(void))probefast_pack_step, METH_FASTCALL, "one step's frame (see probe._fold)"},
+    {"pack_step", (PyCFunction)(void (*)(void))probefast_pack_step, METH_FASTCALL, "one step's frame (see StepFold.replay)"},
     {"arm_exit", probefast_arm_exit, METH_VARARGS, "arm_exit(fd, {signo: datagram}): a goodbye sent when the signal ends "
      "the process (signals still at their default only; returns those armed); see _probefast_exit.c"},
     {"disarm_exit", probefast_disarm_exit, METH_NOARGS, "restore the default action of the signals arm_exit armed"},

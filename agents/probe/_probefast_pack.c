@@ -17,7 +17,7 @@ static inline void put(char *p, const void *v, size_t n) { memcpy(p, v, n); }
 /* pack_step(buf, off, inst, rank, step, t0w, wall, step_ns, data_ns, compute_ns, gc_ns, gc_count, dq,
  *           samples, tokens, dropped, touched, ph, ids, calls, traffic, nspb, keys, gcrows, cpu_ns,
  *           cpu_wait_ns[, hidden_ns]) -> new off
- * One step's frame, byte for byte what Probe._fold packs in Python (HDR_STEP, PHASE per touched
+ * One step's frame, byte for byte what StepFold.replay packs in Python (HDR_STEP, PHASE per touched
  * slot, COMM per accumulator slot in order of first call, the GC rows): the calls are summed per slot,
  * a call without a known wait split with the bandwidth model, compute_ns < 0 derived. The step's exposed
  * communication is comm + wait (what the calls held the step), its total that plus hidden_ns (DDP buckets'

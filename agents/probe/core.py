@@ -1,13 +1,14 @@
 """The probe itself: :class:`Probe`, its set-up (``init``, fork, ``shutdown``), the explicit step API, the
-watchdog and profiling control, and its counters. Its parts live beside it: :mod:`.hooks` (torch patching),
-:mod:`.eventlog` (the hot path), :mod:`.fold` (events -> frames), :mod:`.transport` (hello, socket),
-:mod:`.timing` (thread CPU, device events)."""
+watchdog and profiling control, and its counters. It composes parts, each given its collaborators:
+:class:`.transport.Transport` (socket, hello, buffer, backlog), :class:`.names.Names` (ids and slots),
+:class:`.timing.DeviceTiming` (device events), :class:`.flops.Flops` (FLOPs, dtype),
+:class:`.identity.Identity` (who it is), :class:`.fold.StepFold` (events -> frames) and
+:class:`.hooks.Hooks` (torch patching); docs/architecture.md lists what each is given. The hot path
+(``begin_step``/``end_step`` and the hooks' events) is :mod:`.eventlog`'s log, held by the probe."""
 from __future__ import annotations
 
-import collections
 import gc
 import os
-import socket
 import sys
 import threading
 
@@ -15,13 +16,14 @@ from . import eventlog as _ev
 from .collectives import DEFAULT_COMM_GBPS
 from .exitwatch import ExitWatch
 from .flops import Flops
-from .eventlog import K_BEGIN, K_COUNT, K_END, K_MARK, K_PHASE, KIND_PHASES, LOG_CAP, _PyLog, _perf, _wall
-from .hooks import Hooks, _TorchImportHook
+from .names import Names
+from .eventlog import K_BEGIN, K_COUNT, K_END, K_GC, K_MARK, K_OPT_POST, K_PHASE, LOG_CAP, _PyLog, _perf
+from .hooks import Hooks
 from .fold import StepFold
-from .timing import DeviceTiming, _ThreadCpu
-from .transport import HELLO_EVERY_NS, Transport, _new_instance
-from stepwatch.wire.datagram import (DEFAULT_FLUSH_MS, GCREC, HDR, MAGIC, MAX_COMM, MAX_DATAGRAM, MAX_GC, MAX_NAMES, MAX_PHASES,
-                   SOCKET_NAME, T_PROFILE, VERSION, default_socket_dir)
+from .identity import Identity
+from .timing import DeviceTiming
+from .transport import Transport, device_fields
+from stepwatch.wire.datagram import DEFAULT_FLUSH_MS, HDR, MAGIC, SOCKET_NAME, T_PROFILE, VERSION, default_socket_dir
 
 
 SLURM_ID_MAX = 2**32 - 1       # Slurm's job and step ids are uint32 (the batch step is 4294967294)
@@ -75,11 +77,13 @@ class _StepCtx:
         return False
 
 
-# phase slots with a fixed meaning; named phases get slots from 2 on
-_SLOT_DATA, _SLOT_COMPUTE = 0, 1
+def _of(part: str, name: str) -> property:
+    """An attribute of the probe that is its part's (read and written through)."""
+    return property(lambda self: getattr(getattr(self, part), name),
+                    lambda self, v: setattr(getattr(self, part), name, v), doc=f"``{part}.{name}``")
 
 
-class Probe(Hooks, StepFold, Transport, DeviceTiming, Flops):
+class Probe:
     """One per process (the module-level functions use a singleton). Lifecycle: ``init`` ->
     steps -> ``shutdown`` (also at interpreter exit)."""
 
@@ -87,79 +91,30 @@ class Probe(Hooks, StepFold, Transport, DeviceTiming, Flops):
         self._lock = threading.Lock()
         self._on = False
         self._installed = False
-        self._hooks: list = []
-        self._patches: list[tuple[object, str, object]] = []
-        self._sock: socket.socket | None = None
-        self._path = ""
-        self._connected = False
-        self._t_connect = -(1 << 62)
-        self.reconnect_ns = 1_000_000_000
-        self._hello_bytes = b""
-        self._hello_dirty = True
-        self._backlog: collections.deque = collections.deque()
-        self._buf = bytearray(MAX_DATAGRAM)
-        self._mv = memoryview(self._buf)
-        self._off = self._frames = 0                   # bytes and frames (finished steps) packed in _buf
-        self._last_flush = 0
-        self.flush_ns = int(DEFAULT_FLUSH_MS * 1e6)
-        self._gcbuf = bytearray(HDR.size + MAX_GC * GCREC.size)   # header room: sent alone when full
-        self._gcmv = memoryview(self._gcbuf)
-        self.instance = _new_instance()
-        # periodic hello every 10-20 s, spread per instance so ranks started together do not burst
-        self._hello_every = HELLO_EVERY_NS + (self.instance % 10_000) * 1_000_000
-        # identity (None = resolved lazily at the first step)
-        self.job: str | None = None
-        self.rank: int | None = None
-        self.world_size: int | None = None
-        self.local_rank: int | None = None
-        self.node: str | None = None
-        self.extra: dict = {}
-        self._identity_ready = False
-        self._rank_given = self._world_given = False
-        # names (ops, groups, phases) -> small ids shared with the agent through the hello
-        self._names: dict[str, int] = {}
-        self._phase_ids = [0] * MAX_PHASES       # slot -> name id
-        self._phase_slot: dict[str, int] = {}
         self._phase_ctx: dict[str, _Phase] = {}
-        self._comm_slot: dict[tuple[int, int], int] = {}
-        self._comm_key = [(0, 0)] * MAX_COMM
-        self._groups: dict[int, tuple[int, int]] = {}     # id(group) -> (name id, size)
-        self._group_sizes: dict[str, int] = {}             # group name -> ranks (sent in the hello)
-        self._group_refs: list = []
-        self._c_traffic = [1.0] * MAX_COMM                 # bytes on the wire per payload byte, per slot
-        self._ns_per_byte = 1.0 / DEFAULT_COMM_GBPS
-        # the hot path: hooks append events here, _fold makes steps of them (C when built, else Python)
+        # the hot path: hooks append events here, the fold makes steps of them (C when built, else Python)
         fast = _ev._fast
         self._log = (fast.Log if fast is not None else _PyLog)(LOG_CAP, self._drain, self._first_opt)
         self._replaying = False
-        # device timing of collectives (CUDA/NPU events), see _dev_begin
-        self._dev_mods: dict = {}                          # device type -> torch.cuda / torch.npu (False: none)
-        self._dev_pool: dict = {}                          # device type -> free events
-        self._dev_calls: dict = {}                         # token -> (device type, start event, end event)
-        self._dev_next = 0
-        self.dev_timed = self.dev_unready = 0
         self._step_ctx = _StepCtx(self)
         self._exitw = ExitWatch(self)              # the goodbye: how this process ends (exitwatch)
-        self._reset_counters()
-        self._reset_step_state()
-        self._need_hello = True
-        self._last_hello = 0
-        self._wall_off = _wall() - _perf()           # wall ns = perf ns + offset (re-anchored per hello)
+        # its parts, each given what it uses: the socket to the agent (the hello: this probe's identity;
+        # the frames the fold packs), who this probe is, the names' ids and slots, device timing, FLOPs,
+        # and the fold (events -> steps -> frames)
+        self.transport = Transport(self._log, self.hello_payload, self._exitw.on_hello, self._ctl_tick)
+        self.identity = Identity(self.transport.hello_changed)
+        self.names = Names(self.transport.hello_changed)
+        self.timing = DeviceTiming()
+        self.flops = Flops(self.identity.extra, self.transport.hello_changed)
+        self.fold = StepFold(self.transport, self.timing, self.names, self.identity)
+        self.hooks = Hooks(self._log, self.names, self.timing, self.flush, lambda: self._on)   # torch patching
         self.comm_gbps = DEFAULT_COMM_GBPS
-        self.gc_row_min_ns = 0
-        self._explicit = False
         self._pending_counts: tuple | None = None
-        self._primary_opt: int | None = None
-        self._opt_slot: int | None = None
         self._gc_t0 = 0
         self._pid = os.getpid()
-        self._step_tid: int | None = None     # the thread that ends steps (its CPU clocks: _cpu_sample)
-        self._cpu_clock = _ThreadCpu()
+        self._step_tid: int | None = None     # the thread that ends steps (its CPU clocks: StepFold.cpu_sample)
         self._ctl = None                      # targeted profiling (stepwatch.agents.profiling.ProbeControl)
         self._ctl_active = False              # a profile needs step boundaries (every step end replays)
-        self._seq = [0] * MAX_COMM            # collectives replayed per comm slot (per-group sequence numbers)
-        self._wait_slot = -1                  # the slot of Work.wait() (no collective of its own)
-        self._marks: dict[int, int] = {}      # kind phase slot -> perf ns it was marked in the open step
         self._wd = None                       # the watchdog (stepwatch.agents.probe.watchdog), after the first step
 
     @property
@@ -171,44 +126,89 @@ class Probe(Hooks, StepFold, Transport, DeviceTiming, Flops):
         self._ctl_on = bool(on)
         self._log.eager = 1 if on else 0
 
-    def _reset_counters(self) -> None:
-        self.n_steps = 0
-        self.sent = 0                    # frames (step records, GC bursts) delivered to the agent
-        self.datagrams = 0
-        self.dropped_full = 0
-        self.dropped_no_agent = 0
-        self.dropped_error = 0
-        self.dropped = 0                 # frames lost: sum of the three above (carried in every step record)
-        self.deferred = 0                # datagrams that waited in the backlog (sent later or dropped)
-        self.gc_rows_dropped = 0
-        self.comm_keys_dropped = 0
-        self.phases_dropped = 0
-        self.hellos = 0
+    def set_flops_per_token(self, flops: float, *, per: str = "token") -> None:     # the FLOPs API: flops.Flops
+        self.flops.set_flops_per_token(flops, per=per)
 
-    def _reset_step_state(self) -> None:
-        """All per-step state; the phase lists are allocated here once and only zeroed afterwards."""
-        self._open = False
-        self._step = 0
-        self._t0_perf = 0
-        self._t0_wall = 0
-        if not hasattr(self, "_ph_ns"):
-            self._ph_ns = [0] * MAX_PHASES
-            self._ph_used = [False] * MAX_PHASES
-            self._ph_touched: list[int] = []      # named phase slots (>= 2) used in this step
-        self._calls: list[tuple] = []             # this step's collectives: (slot, count, bytes, ns, wait ns | None)
-        self._buckets: dict[int, list] = {}        # this step's DDP buckets per slot (see _bucket_calls)
-        self._cpu_rates = (-1.0, -1.0)             # CPU and run-queue wait per wall ns, this replay (see _cpu_sample)
-        self._cpu_prev = None                      # (perf ns, cpu ns, wait ns) at the last sample
-        self._clear_step()
-        self._n_gc = 0
+    def count_flops(self, step_fn, *args, tokens: int | None = None, samples: int | None = None, **kwargs):
+        return self.flops.count_flops(step_fn, *args, tokens=tokens, samples=samples, **kwargs)
 
-    def _clear_step(self) -> None:
-        """Zero what the last step used (O(phases and collective kinds used), no allocation)."""
-        self._zero_phases()
-        if self._calls:
-            self._calls = []
-        self._gc_ns = self._gc_count = 0
-        self._data_queue = self._samples = self._tokens = -1
+    def set_model_shape(self, *, layers: int, heads: int, hidden: int, seq_len: int, model=None,
+                        params: float | None = None) -> float:
+        return self.flops.set_model_shape(layers=layers, heads=heads, hidden=hidden, seq_len=seq_len, model=model,
+                                          params=params)
+
+    def flush(self) -> None:
+        """Send the finished steps that wait for company now (shutdown and exit do it too)."""
+        self._drain()
+        self.transport.flush(_perf())
+
+    def hello_payload(self) -> dict:
+        torch = sys.modules.get("torch")
+        fw = f"pytorch-{torch.__version__}" if torch is not None else "python"
+        if sys.modules.get("torch_npu") is not None:
+            fw += "+torch_npu"
+        d = {"v": VERSION, "job": self.job, "rank": self.rank, "world_size": self.world_size,
+             "local_rank": self.local_rank, "pid": os.getpid(), "framework": fw,
+             "names": {str(i): n for n, i in self.names.ids.items()}}
+        if self.names.group_sizes:
+            d["group_sizes"] = dict(self.names.group_sizes)
+        if self.node:
+            d["node"] = self.node
+        ctl = self._ctl_path()
+        if ctl:
+            d["ctl"] = ctl
+        d.update(device_fields(self.extra, self.local_rank))
+        d.update(self.extra)
+        tok = os.environ.get("STEPWATCH_JOB_TOKEN")       # the job's own secret: its pods share the job (agent)
+        if tok:
+            d["job_token"] = tok
+        return d
+
+    counted_flops = property(lambda self: self.flops.counted_flops)
+    dev_timed = property(lambda self: self.timing.timed)
+    dev_unready = property(lambda self: self.timing.unready)
+    # the parts', read (and written) on the probe as before
+    instance, sent, datagrams, deferred, hellos, dropped, dropped_full, dropped_no_agent, dropped_error, flush_ns, \
+        reconnect_ns = (_of("transport", n) for n in (
+            "instance", "sent", "datagrams", "deferred", "hellos", "dropped", "dropped_full", "dropped_no_agent",
+            "dropped_error", "flush_ns", "reconnect_ns"))
+    job, rank, world_size, local_rank, node, extra = (_of("identity", n) for n in (
+        "job", "rank", "world_size", "local_rank", "node", "extra"))
+    n_steps, gc_rows_dropped, phases_dropped, gc_row_min_ns = (_of("fold", n) for n in (
+        "n_steps", "gc_rows_dropped", "phases_dropped", "gc_row_min_ns"))
+    comm_keys_dropped = _of("hooks", "comm_keys_dropped")
+
+    def _drain(self) -> None:
+        """Fold the hot path's events into steps (and send them when due). Called by the hooks at a
+        step end (see :class:`_PyLog` for when), by ``flush``/``stats``/``shutdown``, and when the log
+        is full."""
+        if self._replaying:
+            return
+        self._replaying = True
+        try:
+            log = self._log
+            log.last_drain = _perf()
+            fold = self.fold
+            fold.cpu_sample(log.last_drain, self._step_tid)
+            if not log.dev_on:
+                log.dev_on = self.timing.accelerator_in_use()
+            tr = self.transport
+            if tr.backlog:                        # the agent's queue was full: its room first
+                tr.flush_backlog()
+            events = log.drain()
+            if not events or not self._on:
+                return
+            n0 = fold.n_steps
+            fold.replay(events)
+            if self._wd is None and fold.n_steps:
+                self._start_watchdog()
+            if self._ctl_on and fold.n_steps != n0:
+                last = events[-1]             # a profile starts and stops at live step boundaries only
+                if last[0] == K_END or last[0] == K_BEGIN or (
+                        last[0] == K_OPT_POST and last[4] == fold._primary_opt and not fold._explicit):
+                    self._ctl.on_step(fold._step)
+        finally:
+            self._replaying = False
 
     def init(self, job: str | None = None, rank: int | None = None, world_size: int | None = None,
              node: str | None = None, socket_dir: str | None = None, local_rank: int | None = None,
@@ -237,7 +237,7 @@ class Probe(Hooks, StepFold, Transport, DeviceTiming, Flops):
                         or None)
             self.rank = rank if rank is not None else _env_int("RANK", "SLURM_PROCID")
             self.world_size = world_size if world_size is not None else _env_int("WORLD_SIZE", "SLURM_NTASKS")
-            self._rank_given, self._world_given = self.rank is not None, self.world_size is not None
+            self.identity.rank_given, self.identity.world_given = self.rank is not None, self.world_size is not None
             self.local_rank = local_rank if local_rank is not None else _env_int("LOCAL_RANK", "SLURM_LOCALID")
             self.node = node or env.get("STEPWATCH_NODE") or env.get("SLURMD_NODENAME") or None
             extra = {}
@@ -259,31 +259,21 @@ class Probe(Hooks, StepFold, Transport, DeviceTiming, Flops):
                 extra["flops_source"] = "user"          # (see flops.py: the user's figure wins)
             if topology:
                 raise TypeError(f"probe.init: unknown argument(s) {', '.join(sorted(topology))}")
-            self.extra = extra
+            self.extra.clear()                  # (in place: the flops part holds it)
+            self.extra.update(extra)
             g = comm_gbps if comm_gbps is not None else os.environ.get("STEPWATCH_COMM_GBPS")
             self.comm_gbps = float(g) if g not in (None, "") else DEFAULT_COMM_GBPS
-            self._ns_per_byte = 1.0 / self.comm_gbps if self.comm_gbps > 0 else 0.0   # GB/s = bytes/ns
+            self.fold._ns_per_byte = 1.0 / self.comm_gbps if self.comm_gbps > 0 else 0.0   # GB/s = bytes/ns
             m = gc_row_min_ms if gc_row_min_ms is not None else os.environ.get("STEPWATCH_GC_ROW_MIN_MS")
-            self.gc_row_min_ns = int(float(m) * 1e6) if m not in (None, "") else 0
+            self.fold.gc_row_min_ns = int(float(m) * 1e6) if m not in (None, "") else 0
             f = flush_ms if flush_ms is not None else os.environ.get("STEPWATCH_FLUSH_MS")
-            self.flush_ns = int(float(f) * 1e6) if f not in (None, "") else int(DEFAULT_FLUSH_MS * 1e6)
-            self._log.drain_ns = self.flush_ns
-            self._log.last_drain = self._last_flush = 0     # the first step end is sent at once, with the hello
-            self._identity_ready = self.rank is not None and self.world_size is not None
-            path = os.path.join(socket_dir or default_socket_dir(), SOCKET_NAME)
-            if path != self._path:
-                self._connected = False
-                self._t_connect = -(1 << 62)
-                if self._sock is not None:           # a connected datagram socket cannot be re-pointed
-                    self._sock.close()
-                    self._sock = None
-            self._path = path
-            if self._sock is None:
-                s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-                s.setblocking(False)
-                self._sock = s
-            self._step = int(start_step)
-            self._need_hello = self._hello_dirty = True
+            tr = self.transport
+            tr.flush_ns = int(float(f) * 1e6) if f not in (None, "") else int(DEFAULT_FLUSH_MS * 1e6)
+            self._log.drain_ns = tr.flush_ns
+            self._log.last_drain = tr.last_flush = 0     # the first step end is sent at once, with the hello
+            self.identity.ready = self.rank is not None and self.world_size is not None
+            tr.open(os.path.join(socket_dir or default_socket_dir(), SOCKET_NAME))
+            self.fold._step = int(start_step)
             self._pid = os.getpid()
             if not self._on:
                 gc.callbacks.append(self._gc_cb)
@@ -321,22 +311,10 @@ class Probe(Hooks, StepFold, Transport, DeviceTiming, Flops):
                 gc.callbacks.remove(self._gc_cb)
             except ValueError:
                 pass
-            for h in self._hooks:
-                h.remove()
-            self._hooks.clear()
-            for obj, name, orig in reversed(self._patches):
-                setattr(obj, name, orig)
-            self._patches.clear()
-            for f in [f for f in sys.meta_path if isinstance(f, _TorchImportHook) and f.probe is self]:
-                sys.meta_path.remove(f)
-            if self._sock is not None:
-                self._sock.close()
-                self._sock = None
-            self._connected = False
-            self._t_connect = -(1 << 62)
-            self._backlog.clear()
+            self.hooks.remove()
+            self.transport.close()
             self._log.clear()
-            self._open = False
+            self.fold._open = False
             self._ctl_close(unlink=True)
             if not self._exitw.sent:       # at exit the signal goodbyes stay armed (an abort in teardown)
                 self._exitw.close()
@@ -348,85 +326,79 @@ class Probe(Hooks, StepFold, Transport, DeviceTiming, Flops):
         """In a forked child: a new probe instance with its own socket and counters. Identity fields
         that were resolved lazily are resolved again (a launcher that forks its ranks); a child that
         never completes a step (a DataLoader worker) never sends anything."""
-        self.instance = _new_instance()
-        self._hello_every = HELLO_EVERY_NS + (self.instance % 10_000) * 1_000_000
-        self._backlog.clear()
-        old, self._sock = self._sock, None
-        self._connected = False
-        self._t_connect = -(1 << 62)
-        if old is not None:
-            try:
-                old.close()
-            except OSError:
-                pass
-        if self._on:
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            s.setblocking(False)
-            self._sock = s
-        self._reset_counters()
-        self._reset_step_state()
-        self._n_gc = 0
-        self._off = self._frames = 0                  # the parent's pending steps are the parent's
-        self._last_flush = 0
+        self.transport.after_fork(reopen=self._on)   # new instance, socket, counters; the parent's frames stay its
+        self.hooks.comm_keys_dropped = 0
+        self.fold.after_fork()                        # the parent's steps are the parent's
         log = self._log                               # ... and so are its events
         log.clear()
         log.primary = log.last_drain = log.in_coll = log.pre_t = 0
         log.dq_need = 1
         self._replaying = False
-        self._dev_calls.clear()                       # (the parent's device events)
-        self._primary_opt = None
+        self.timing.after_fork()                      # (the parent's device events)
         self._step_tid = None
         self._gc_t0 = 0
-        self._last_hello = 0
-        self._need_hello = self._hello_dirty = True
-        if not self._rank_given:
-            self.rank = None
-        if not self._world_given:
-            self.world_size = None
-        self._identity_ready = self.rank is not None and self.world_size is not None
+        self.identity.after_fork()
         self._pid = os.getpid()
         self._exitw.after_fork()                      # the parent's goodbye is the parent's
         self._ctl_close(unlink=False)                 # the parent's control socket stays the parent's
         self._wd = None                               # (its thread did not survive the fork)
-        self._seq = [0] * MAX_COMM
-        self._marks = {}
+
+    def _first_opt(self, opt) -> None:
+        """Live, once: the first optimizer that finishes a step is the primary one (its step ends
+        training steps)."""
+        if self.fold._primary_opt is None:
+            self.fold._primary_opt = id(opt)
+            self._log.primary = id(opt)
+            if self._step_tid is None:
+                self._step_tid = threading.get_ident()          # whose CPU the steps report
+            self._count_params(opt)
+
+    def _gc_cb(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = _perf()
+            return
+        if not self._gc_t0:
+            return
+        t = _perf()
+        dt = t - self._gc_t0
+        self._gc_t0 = 0
+        if self._on:
+            self._log.add(K_GC, info.get("generation", 0), t, dt, info.get("collected", 0),
+                          float(info.get("uncollectable", 0)))
+
+    def _count_params(self, opt) -> None:
+        """Once, at the primary optimizer's first step: the parameters it updates (this rank's share
+        under tensor/pipeline parallelism or FSDP) go into the hello as ``model_params`` for the MFU
+        estimate, unless the user gave ``model_params``."""
+        if "model_params" in self.extra:
+            return
+        try:
+            n = sum(int(p.numel()) for g in opt.param_groups for p in g["params"])
+        except Exception:  # noqa: BLE001 - not a torch optimizer
+            return
+        if n > 0:
+            self.extra["model_params"] = n
+            self.transport.hello_changed()
+        self.flops.watch_dtype_once()             # the compute dtype, at the next forward (flops.py)
+
+    def install_torch(self) -> bool:
+        """The optimizer, DataLoader and torch.distributed hooks, installed once (:meth:`.hooks.Hooks.install_torch`)."""
+        return self.hooks.install_torch()
 
     def _mp_child(self) -> None:
         import multiprocessing.util as mpu
         mpu.Finalize(self, self.flush, exitpriority=100)
         mpu.Finalize(self, self._exitw.at_exit, exitpriority=101)     # (first: it flushes too)
 
-    def _intern(self, name: str) -> int:
-        i = self._names.get(name)
-        if i is None:
-            if len(self._names) >= MAX_NAMES:
-                return self._intern("other") if name != "other" else 0
-            i = self._names[name] = len(self._names) + 1
-            self._need_hello = self._hello_dirty = True
-        return i
-
-    def _slot_for_phase(self, name: str) -> int:
-        if name == "data":
-            return _SLOT_DATA
-        if name == "compute":
-            return _SLOT_COMPUTE
-        s = self._phase_slot.get(name)
-        if s is None:
-            if len(self._phase_slot) >= MAX_PHASES - 2:
-                return -1
-            s = self._phase_slot[name] = len(self._phase_slot) + 2
-            self._phase_ids[s] = self._intern(name)
-        return s
-
     def phase(self, name: str) -> _Phase:
         ctx = self._phase_ctx.get(name)
         if ctx is None:
-            ctx = self._phase_ctx[name] = _Phase(self, self._slot_for_phase(name))
+            ctx = self._phase_ctx[name] = _Phase(self, self.names.slot_for_phase(name))
         return ctx
 
     def add_phase(self, name: str, ms: float) -> None:
         """Add ``ms`` to a phase of the current step (for times measured elsewhere)."""
-        self._log.add(K_PHASE, self._slot_for_phase(name), 0, 0, int(ms * 1e6), 0.0)
+        self._log.add(K_PHASE, self.names.slot_for_phase(name), 0, 0, int(ms * 1e6), 0.0)
 
     def count(self, samples: int | None = None, tokens: int | None = None) -> None:
         """Add samples/tokens to the current step."""
@@ -462,16 +434,12 @@ class Probe(Hooks, StepFold, Transport, DeviceTiming, Flops):
         if log.eager or log.n >= log.high or t - log.last_drain >= log.drain_ns:
             self._drain()
 
-    def _kind_slots(self) -> dict[int, str]:
-        """Phase slot -> step kind, for the kinds that have a slot."""
-        return {s: KIND_PHASES[n] for n, s in self._phase_slot.items() if n in KIND_PHASES}
-
     def mark_step_kind(self, kind: str) -> None:
         """Mark the step in progress as ``kind`` (``eval``, ``checkpoint`` or a name of your own): it is
         sent as the phase of that name (ms from the mark to the step end), and the processor's hang and
         stall thresholds for that kind apply to it (see docs/configuration.md)."""
         name = {"first": "first_step"}.get(kind, str(kind))
-        self._log.add(K_MARK, self._slot_for_phase(name), _perf(), 0, 0, 0.0)
+        self._log.add(K_MARK, self.names.slot_for_phase(name), _perf(), 0, 0, 0.0)
 
     def mark_change(self, what: str) -> None:
         """Announce a change of the job's own from the step in progress on (a new batch size, sequence
@@ -487,7 +455,7 @@ class Probe(Hooks, StepFold, Transport, DeviceTiming, Flops):
         if os.environ.get("STEPWATCH_WATCHDOG", "1") == "0":
             return
         try:
-            self._patch_dcp()
+            self.hooks.patch_dcp()
             from . import watchdog
             self._wd = watchdog.Watchdog(self).start()
         except Exception:  # noqa: BLE001 - no watchdog, telemetry goes on
@@ -497,7 +465,7 @@ class Probe(Hooks, StepFold, Transport, DeviceTiming, Flops):
         """The control socket announced in the hello (bound on first use; '' when profiling is off:
         ``STEPWATCH_PROFILING=0``). Commands and their handling: :mod:`stepwatch.agents.profiling`."""
         if self._ctl is None:
-            if os.environ.get("STEPWATCH_PROFILING", "1") == "0" or not self._path:
+            if os.environ.get("STEPWATCH_PROFILING", "1") == "0" or not self.transport.path:
                 return ""
             try:
                 mod = _profiling_module()
@@ -505,9 +473,12 @@ class Probe(Hooks, StepFold, Transport, DeviceTiming, Flops):
                 return ""
             self._ctl = mod.ProbeControl(self, lambda inst, rank: HDR.pack(MAGIC, VERSION, T_PROFILE, inst, rank,
                                                                           0, 0, 0, 0))
-        return self._ctl.ensure_bound(os.path.dirname(self._path))
+        return self._ctl.ensure_bound(os.path.dirname(self.transport.path))
 
-    def _ctl_poll(self) -> None:
+    def _ctl_tick(self) -> None:
+        """At every flush of the transport: poll the profiling control socket, when one is bound."""
+        if self._ctl is None:
+            return
         try:
             self._ctl.poll()
         except Exception:  # noqa: BLE001 - profiling never fails training
@@ -530,14 +501,14 @@ class Probe(Hooks, StepFold, Transport, DeviceTiming, Flops):
         device events / by the host because their end event had not completed at the replay.
         Replays the waiting events first."""
         self._drain()
-        log = self._log
-        return {"fast": _ev.FAST, "events_lost": log.lost, "dev_timed": self.dev_timed, "dev_unready": self.dev_unready, "steps": self.n_steps, "sent": self.sent, "dropped": self.dropped, "deferred": self.deferred,
-                "backlog": len(self._backlog), "backlog_frames": sum(f for _, _, f in self._backlog),
-                "datagrams": self.datagrams, "pending": self._frames,
-                "dropped_full": self.dropped_full, "dropped_no_agent": self.dropped_no_agent,
-                "dropped_error": self.dropped_error, "gc_rows_dropped": self.gc_rows_dropped,
-                "comm_keys_dropped": self.comm_keys_dropped + log.comm_keys_dropped, "phases_dropped": self.phases_dropped,
-                "hellos": self.hellos, "socket": self._path, "instance": self.instance,
+        log, tr = self._log, self.transport
+        return {"fast": _ev.FAST, "events_lost": log.lost, "dev_timed": self.timing.timed, "dev_unready": self.timing.unready, "steps": self.fold.n_steps, "sent": tr.sent, "dropped": tr.dropped, "deferred": tr.deferred,
+                "backlog": len(tr.backlog), "backlog_frames": sum(f for _, _, f in tr.backlog),
+                "datagrams": tr.datagrams, "pending": tr.frames,
+                "dropped_full": tr.dropped_full, "dropped_no_agent": tr.dropped_no_agent,
+                "dropped_error": tr.dropped_error, "gc_rows_dropped": self.fold.gc_rows_dropped,
+                "comm_keys_dropped": self.hooks.comm_keys_dropped + log.comm_keys_dropped, "phases_dropped": self.fold.phases_dropped,
+                "hellos": tr.hellos, "socket": tr.path, "instance": tr.instance,
                 "rank": self.rank, "job": self.job}
 
 

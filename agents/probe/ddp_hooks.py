@@ -18,11 +18,11 @@ reducer would have done and times it:
 - DDP under compiled autograd's Python reducer (``_use_python_reducer``) calls hooks differently and is
   left alone.
 
-The replay (``Probe._bucket_calls``) turns a step's buckets into one ``all_reduce`` call on the model's
+The replay (``StepFold._bucket_calls``) turns a step's buckets into one ``all_reduce`` call on the model's
 process group: the buckets overlap backward, so the time that held the step is the tail from the last
 launch (the end of backward) to the last completion, split into transfer and waiting for peers.
 
-On CUDA/NPU a bucket on a device tensor is bracketed by the probe's device events (``Probe._dev_begin``;
+On CUDA/NPU a bucket on a device tensor is bracketed by the probe's device events (``DeviceTiming.begin``;
 the end event is recorded in the completion callback, which runs on the all-reduce's stream), so its time
 is the device's; this path has not been run on a GPU by the sessions that wrote it.
 
@@ -39,8 +39,8 @@ from .eventlog import K_BUCKET
 class BucketTimer:
     """The comm hook state of one DDP model: its process group and slot, and the user's hook if any."""
 
-    def __init__(self, probe, dist, ddp):
-        self.probe = probe
+    def __init__(self, hooks, dist, ddp):
+        self.hooks = hooks
         self.perf = time.perf_counter_ns        # the probe's clock
         pg = getattr(ddp, "process_group", None)
         try:
@@ -55,8 +55,8 @@ class BucketTimer:
             self.size = dist.get_world_size(pg) if pg is not None else dist.get_world_size()
         except Exception:  # noqa: BLE001
             self.size = 1
-        grp_id, gsize = probe._group(dist, pg)
-        self.slot = probe._comm_slot_for("all_reduce", probe._intern("all_reduce"), grp_id, gsize)
+        grp_id, gsize = hooks.names.group(dist, pg)
+        self.slot = hooks.names.comm_slot_for("all_reduce", hooks.names.intern("all_reduce"), grp_id, gsize)
         self.user = self.user_state = None
         self.registered = False                # the probe's hook is in the reducer
         self.builtin = False                   # a C++ built-in hook is (untimed)
@@ -64,7 +64,7 @@ class BucketTimer:
         # Python frame says so; the watchdog reads these to name the all-reduce a hung rank waits in
         self.pending = 0
         self.pending_t0 = 0
-        timers = probe.__dict__.setdefault("_ddp_timers", [])
+        timers = hooks.__dict__.setdefault("_ddp_timers", [])
         timers.append(self)
         del timers[:-8]                        # a few DDP models per process at most
 
@@ -72,11 +72,11 @@ class BucketTimer:
         perf = self.perf
         t0 = perf()
         tensor = bucket.buffer()
-        probe = self.probe
+        hooks = self.hooks
         tok = -1
-        if probe._log.dev_on and not tensor.is_cpu:
+        if hooks.log.dev_on and not tensor.is_cpu:
             try:
-                tok = probe._dev_begin(tensor)
+                tok = hooks.timing.begin(tensor)
             except Exception:  # noqa: BLE001 - no device events: the host's times
                 tok = -1
         nbytes = tensor.nbytes
@@ -84,7 +84,7 @@ class BucketTimer:
         if self.pending == 1:
             self.pending_t0 = t0
         if self.user is not None:
-            log = probe._log
+            log = hooks.log
             outer, log.in_coll = log.in_coll, 1      # its collectives are the bucket's: timed once, as the bucket
             try:
                 fut = self.user(self.user_state, bucket)
@@ -101,9 +101,9 @@ class BucketTimer:
             self.pending = max(self.pending - 1, 0)
             try:
                 if tok >= 0:
-                    probe._dev_end(tok)
+                    hooks.timing.end(tok)
                 if slot >= 0:
-                    probe._log.add(K_BUCKET, slot, t0, perf(), nbytes, float(tok))
+                    hooks.log.add(K_BUCKET, slot, t0, perf(), nbytes, float(tok))
             except Exception:  # noqa: BLE001 - telemetry never fails a reduction
                 pass
             v = f.value()
@@ -117,16 +117,16 @@ def stepwatch_allreduce_hook(state: BucketTimer, bucket):
     return state.run(bucket)
 
 
-def _timer(probe, dist, ddp) -> BucketTimer:
+def _timer(hooks, dist, ddp) -> BucketTimer:
     t = getattr(ddp, "_stepwatch_timer", None)
     if t is None:
-        t = BucketTimer(probe, dist, ddp)
+        t = BucketTimer(hooks, dist, ddp)
         ddp._stepwatch_timer = t
     return t
 
 
-def patch(probe, dist) -> None:
-    """Patch ``DistributedDataParallel`` (through ``probe._patch``: undone by ``shutdown``)."""
+def patch(hooks, dist) -> None:
+    """Patch ``DistributedDataParallel`` (through ``hooks.patch``: undone by ``shutdown``)."""
     try:
         from torch.nn.parallel import DistributedDataParallel as DDP
     except ImportError:
@@ -148,7 +148,7 @@ def patch(probe, dist) -> None:
         try:
             if not _ours(ddp):
                 return
-            t = _timer(probe, dist, ddp)
+            t = _timer(hooks, dist, ddp)
             if t.registered or t.builtin:
                 return
             box = []
@@ -168,7 +168,7 @@ def patch(probe, dist) -> None:
     def register_comm_hook(ddp, state, hook):
         if not _ours(ddp):
             return orig_reg(ddp, state, hook)
-        t = _timer(probe, dist, ddp)
+        t = _timer(hooks, dist, ddp)
         if t.builtin:
             return orig_reg(ddp, state, hook)      # (DDP raises: one hook per model, as without the probe)
         ddp._check_comm_hook(hook)
@@ -201,4 +201,4 @@ def patch(probe, dist) -> None:
         fn.__wrapped__ = orig
         fn.__doc__ = orig.__doc__
         fn.__name__ = orig.__name__
-        probe._patch(DDP, name, fn)
+        hooks.patch(DDP, name, fn)

@@ -15,7 +15,7 @@ from stepwatch.wire.datagram import DEFAULT_FLUSH_MS
 
 LOG_CAP = 1024                        # hot-path events held before a replay is forced (see _PyLog)
 
-# Events of the hot path (see _PyLog): (kind, slot, t0, t1, a, b), folded into steps by Probe._fold.
+# Events of the hot path (see _PyLog): (kind, slot, t0, t1, a, b), folded into steps by StepFold.replay.
 # K_OPT_POST: t0 = the optimizer's pre-hook time (0: none), t1 = its post-hook time, a = id(optimizer)
 K_OPT_POST, K_DATA, K_COLL, K_GC, K_BEGIN, K_END, K_PHASE, K_COUNT = range(2, 10)
 # K_DCOLL: a synchronous collective on a device tensor; b = the token of its device events
@@ -55,7 +55,7 @@ class _PyLog:
     """The hot path's event log, in pure Python (``_probefast.Log`` is the same in C).
 
     Every hook that runs inside a training step only reads the clock and appends one event
-    ``(kind, slot, t0, t1, a, b)``; :meth:`Probe._fold` turns the events into steps later, a few
+    ``(kind, slot, t0, t1, a, b)``; :meth:`StepFold.replay` turns the events into steps later, a few
     hundred at a time. On a real loop the probe's code is out of the caches at every step, where each
     Python operation costs ~0.1-0.3 µs: doing the per-step logic in the replay, warm, and not in the
     hooks is what keeps the step path short. ``opt_post`` (the step end of automatic mode) asks for a
@@ -170,7 +170,7 @@ def _py_coll_wrap(log: _PyLog, fn, p_idx: int, g_idx: int, a_idx: int, payload, 
                   dev_begin=None, dev_end=None):
     """A torch.distributed collective, timed (``_probefast.CollWrap`` in C): the call, raw, as one
     event; its accumulator slot is cached per process group. A synchronous call on a device tensor
-    is also bracketed by device events (``dev_begin``/``dev_end``, see :meth:`Probe._dev_begin`)."""
+    is also bracketed by device events (``dev_begin``/``dev_end``, see :meth:`DeviceTiming.begin`)."""
     ev, cap = log.ev, log.cap
     slots: dict[int, int] = {}          # id(group) -> accumulator slot (resolve keeps the group alive)
 

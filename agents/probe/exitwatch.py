@@ -102,7 +102,7 @@ class ExitWatch:
             try:
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
                 s.setblocking(False)
-                s.connect(self.p._path)
+                s.connect(self.p.transport.path)
                 self._sock = s
             except OSError:
                 return None
@@ -112,10 +112,10 @@ class ExitWatch:
         """The agent heard the probe's identity: (re)build the signal goodbyes for it."""
         fast = _fast()
         p = self.p
-        key = (p.instance, p.rank, p._path, os.getpid())
+        key = (p.instance, p.rank, p.transport.path, os.getpid())
         if fast is None or key == self._armed_key or p.rank is None:
             return
-        if self._armed_key is not None and self._armed_key[2] != p._path:
+        if self._armed_key is not None and self._armed_key[2] != p.transport.path:
             self.close()
         s = self._socket()
         if s is None:
@@ -130,7 +130,8 @@ class ExitWatch:
     def at_exit(self) -> None:
         """The interpreter is ending: say how (only a probe that said hello; once)."""
         p = self.p
-        if self.sent or not p._on or p._hello_bytes == b"" or self._armed_key is None and not p._connected:
+        tr = p.transport
+        if self.sent or not p._on or tr.hello_bytes == b"" or self._armed_key is None and not tr.connected:
             return
         self.sent = True
         end = time.monotonic() + GOODBYE_WAIT_S
@@ -138,13 +139,13 @@ class ExitWatch:
             p.flush()                                     # the last steps first
             # ... also those the agent's full queue deferred: nobody sends the backlog after the exit
             # (CI: a rank's last 27 steps never stored); they wait for room as the goodbye does
-            while p._backlog and not p._flush_backlog() and p._connected and time.monotonic() < end:
+            while tr.backlog and not tr.flush_backlog() and tr.connected and time.monotonic() < end:
                 time.sleep(0.005)
         except Exception:  # noqa: BLE001
             pass
         body = self.status()
         body["t"] = _wall()
-        body["step"] = int(p._step)
+        body["step"] = int(p.fold._step)
         s = self._socket()
         if s is not None:
             # the process is ending: the goodbye may wait a little for room in the agent's queue (a busy

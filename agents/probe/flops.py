@@ -29,7 +29,7 @@ The dtype the matrix products run in goes into the hello as ``dtype`` (which dev
 the user gave one: the autocast dtype when autocast is on for the model's device at its forward, else the
 parameters' dtype (fp32 on CUDA with ``torch.set_float32_matmul_precision("high"|"medium")``: ``tf32``).
 It is looked at once: in the counted step, or at the first forward after the primary optimizer's first step
-(:func:`watch_dtype_once`; one global forward pre-hook that removes itself).
+(:meth:`Flops.watch_dtype_once`; one global forward pre-hook that removes itself).
 
 torch is imported only inside these functions (the probe package imports the standard library only).
 """
@@ -139,11 +139,12 @@ def _short(dtype) -> str:
 
 
 class _DtypeWatch:
-    """A global forward pre-hook that records the compute dtype at the first forward, then removes itself."""
+    """A global forward pre-hook that records the compute dtype at the first forward (into ``flops``, a
+    :class:`Flops`, when given), then removes itself."""
 
-    def __init__(self, probe):
+    def __init__(self, flops: "Flops | None"):
         import torch
-        self.probe = probe
+        self.flops = flops
         self.seen: str | None = None
         self.handle = torch.nn.modules.module.register_module_forward_pre_hook(self)
 
@@ -155,8 +156,8 @@ class _DtypeWatch:
             self.seen = compute_dtype(module)
         except Exception:  # noqa: BLE001 - telemetry never fails a forward
             return None
-        if self.seen and self.probe is not None:
-            self.probe._set_dtype_seen(self.seen)
+        if self.seen and self.flops is not None:
+            self.flops.set_dtype_seen(self.seen)
         return None
 
     def remove(self):
@@ -165,19 +166,28 @@ class _DtypeWatch:
             self.handle = None
 
 
-def watch_dtype_once(probe) -> None:
-    """At the next forward of a module with parameters, put its compute dtype into the hello (unless the
-    user gave ``dtype``). Called once, at the primary optimizer's first step."""
-    if "dtype" in probe.extra or sys.modules.get("torch") is None or getattr(probe, "_dtype_watch", None):
-        return
-    try:
-        probe._dtype_watch = _DtypeWatch(probe)
-    except Exception:  # noqa: BLE001
-        probe._dtype_watch = None
-
-
 class Flops:
-    """The probe's FLOPs API (a mixin of :class:`~stepwatch.agents.probe.core.Probe`); call after ``init``."""
+    """The probe's FLOPs figure and compute dtype (a part :class:`~stepwatch.agents.probe.core.Probe` composes;
+    the probe's ``set_flops_per_token``, ``count_flops`` and ``set_model_shape`` call it, after ``init``).
+
+    ``extra``: the probe's hello fields (its topology), where the figure, its source and the dtype go;
+    ``hello_changed``: called after each change (the hello is rebuilt and sent again)."""
+
+    def __init__(self, extra: dict, hello_changed):
+        self.extra = extra
+        self.hello_changed = hello_changed
+        self.counted_flops: int | None = None      # the last count_flops figure (whatever source won)
+        self._dtype_watch: _DtypeWatch | None = None
+
+    def watch_dtype_once(self) -> None:
+        """At the next forward of a module with parameters, put its compute dtype into the hello (unless the
+        user gave ``dtype``). Called once, at the primary optimizer's first step."""
+        if "dtype" in self.extra or sys.modules.get("torch") is None or self._dtype_watch:
+            return
+        try:
+            self._dtype_watch = _DtypeWatch(self)
+        except Exception:  # noqa: BLE001
+            self._dtype_watch = None
 
     def set_flops_per_token(self, flops: float, *, per: str = "token") -> None:
         """The user's own training FLOPs per token (``per="sample"``: per sample) of the whole model: wins
@@ -206,7 +216,7 @@ class Flops:
                 watch.remove()
         self.counted_flops = flops
         if watch is not None and watch.seen:
-            self._set_dtype_seen(watch.seen)
+            self.set_dtype_seen(watch.seen)
         if flops > 0:
             self._set_flops("model_flops_per_token" if tokens is not None else "model_flops_per_sample",
                             flops / n, "counted")
@@ -237,13 +247,13 @@ class Flops:
             self.extra.pop(k, None)
         self.extra[key] = value
         self.extra["flops_source"] = source
-        self._hello_dirty = self._need_hello = True
+        self.hello_changed()
 
-    def _set_dtype_seen(self, dtype: str) -> None:
+    def set_dtype_seen(self, dtype: str) -> None:
         if "dtype" in self.extra:
             return
         self.extra["dtype"] = dtype
-        self._hello_dirty = self._need_hello = True
+        self.hello_changed()
 
 
 def _key(per: str) -> str:

@@ -1,65 +1,87 @@
 """The fold: the hot path's events become steps, and each finished step a packed frame.
 
-Every few hundred events (or ``flush_ms``, 500 ms), :meth:`StepFold._drain` hands the event log to
-:meth:`StepFold._fold`, which applies the events in order to the step state (what the hooks would have done
+Every few hundred events (or ``flush_ms``, 500 ms), the probe's drain hands the event log to
+:meth:`StepFold.replay`, which applies the events in order to the step state (what the hooks would have done
 live, but warm and in a tight loop) and packs every finished step as one fixed-size frame (:mod:`stepwatch.wire.datagram`)
 into the probe's datagram buffer: ``_probefast.pack_step`` in C, or :meth:`StepFold._pack_py` (the step's values,
-packed by :func:`stepwatch.wire.datagram.pack_frame`), byte for byte the same. :class:`StepFold` is a part of :class:`~.core.Probe` (its state lives there).
+packed by :func:`stepwatch.wire.datagram.pack_frame`), byte for byte the same.
+:class:`StepFold` is a part the :class:`~.core.Probe` composes.
 """
 from __future__ import annotations
 
 import threading
 
 from . import eventlog as _ev
-from .eventlog import (K_BEGIN, K_BUCKET, K_COLL, K_COUNT, K_DATA, K_DCOLL, K_END, K_GC, K_MARK, K_OPT_POST,
-                       K_PHASE, _perf)
-from stepwatch.wire.datagram import (GCREC, HDR, MAGIC, MAX_CALLS, MAX_DATAGRAM, MAX_FRAME, MAX_GC, MAX_PENDING,
-                                     T_BATCH, VERSION, pack_frame)
+from .collectives import DEFAULT_COMM_GBPS
+from .timing import _ThreadCpu
+from .eventlog import K_BEGIN, K_BUCKET, K_COLL, K_COUNT, K_DATA, K_DCOLL, K_END, K_GC, K_MARK, K_OPT_POST, K_PHASE
+from stepwatch.wire.datagram import (GCREC, HDR, MAGIC, MAX_CALLS, MAX_COMM, MAX_DATAGRAM, MAX_FRAME, MAX_GC,
+                                     MAX_PENDING, MAX_PHASES, T_BATCH, VERSION, pack_frame)
 
 _OPENING = frozenset((K_DATA, K_COLL, K_DCOLL, K_BUCKET))   # events that open a step in automatic mode
                                                             # (and K_OPT_POST with a pre-hook time)
 
 
 class StepFold:
-    """Events -> steps -> frames (methods of :class:`~.core.Probe`)."""
+    """Events -> steps -> frames, and the state of the step in progress. A part the :class:`~.core.Probe`
+    composes; its collaborators: ``transport`` (the frames go into its buffer, it sends them), ``timing``
+    (the device events of collectives timed on the device), ``names`` (phase ids and slots, collective keys
+    and traffic factors) and ``identity`` (the rank in every frame, resolved at the first one). The probe's
+    drain hands it the event log's batch (:meth:`replay`) after :meth:`cpu_sample`."""
 
-    def _drain(self) -> None:
-        """Fold the hot path's events into steps (and send them when due). Called by the hooks at a
-        step end (see :class:`_PyLog` for when), by ``flush``/``stats``/``shutdown``, and when the log
-        is full."""
-        if self._replaying:
-            return
-        self._replaying = True
-        try:
-            log = self._log
-            log.last_drain = _perf()
-            self._cpu_sample(log.last_drain)
-            if not log.dev_on:
-                log.dev_on = self._accelerator_in_use()
-            if self._backlog:                     # the agent's queue was full: its room first
-                self._flush_backlog()
-            events = log.drain()
-            if not events or not self._on:
-                return
-            n0 = self.n_steps
-            self._fold(events)
-            if self._wd is None and self.n_steps:
-                self._start_watchdog()
-            if self._ctl_on and self.n_steps != n0:
-                last = events[-1]             # a profile starts and stops at live step boundaries only
-                if last[0] == K_END or last[0] == K_BEGIN or (
-                        last[0] == K_OPT_POST and last[4] == self._primary_opt and not self._explicit):
-                    self._ctl.on_step(self._step)
-        finally:
-            self._replaying = False
+    def __init__(self, transport, timing, names, identity):
+        self.transport, self.timing, self.names, self.identity = transport, timing, names, identity
+        self._gcbuf = bytearray(HDR.size + MAX_GC * GCREC.size)   # header room: sent alone when full
+        self._gcmv = memoryview(self._gcbuf)
+        self.gc_row_min_ns = 0
+        self._ns_per_byte = 1.0 / DEFAULT_COMM_GBPS
+        self._explicit = False                # begin_step seen: steps are the user's (explicit mode)
+        self._primary_opt: int | None = None  # id() of the optimizer whose step ends a training step
+        self._opt_slot: int | None = None
+        self._cpu_clock = _ThreadCpu()        # the step thread's CPU clocks (cpu_sample)
+        self._seq = [0] * MAX_COMM            # collectives replayed per comm slot (per-group sequence numbers)
+        self._marks: dict[int, int] = {}      # kind phase slot -> perf ns it was marked in the open step
+        self.reset_counters()
+        self.reset_step_state()
 
-    def _cpu_sample(self, now: int) -> None:
+    def reset_counters(self) -> None:
+        self.n_steps = 0
+        self.gc_rows_dropped = 0
+        self.phases_dropped = 0
+
+    def reset_step_state(self) -> None:
+        """All per-step state; the phase lists are allocated here once and only zeroed afterwards."""
+        self._open = False
+        self._step = 0
+        self._t0_perf = 0
+        self._t0_wall = 0
+        if not hasattr(self, "_ph_ns"):
+            self._ph_ns = [0] * MAX_PHASES
+            self._ph_used = [False] * MAX_PHASES
+            self._ph_touched: list[int] = []      # named phase slots (>= 2) used in this step
+        self._calls: list[tuple] = []             # this step's collectives: (slot, count, bytes, ns, wait ns | None)
+        self._buckets: dict[int, list] = {}        # this step's DDP buckets per slot (see _bucket_calls)
+        self._cpu_rates = (-1.0, -1.0)             # CPU and run-queue wait per wall ns, this replay (see cpu_sample)
+        self._cpu_prev = None                      # (perf ns, cpu ns, wait ns) at the last sample
+        self._zero_phases()
+        self._gc_ns = self._gc_count = 0
+        self._data_queue = self._samples = self._tokens = -1
+        self._n_gc = 0
+
+    def after_fork(self) -> None:
+        """In a forked child: the parent's steps, counters and optimizer are the parent's."""
+        self.reset_counters()
+        self.reset_step_state()
+        self._primary_opt = None
+        self._seq = [0] * MAX_COMM
+        self._marks = {}
+
+    def cpu_sample(self, now: int, tid: int | None) -> None:
         """The step thread's CPU time and run-queue wait since the last replay, as rates per wall ns, which
         the replay applies to each step it packs: one ``pread`` per replay (every ~500 ms, or every step
         end where steps are longer or a profile runs), nothing on the step path. A replay run by another
         thread (a collective's callback filling the log) samples nothing; its steps get null."""
         self._cpu_rates = (-1.0, -1.0)
-        tid = self._step_tid
         if tid is None or threading.get_ident() != tid:
             return
         c, w = self._cpu_clock.read()
@@ -70,7 +92,7 @@ class StepFold:
         dt = now - prev[0]
         self._cpu_rates = ((c - prev[1]) / dt, (w - prev[2]) / dt if w >= prev[2] >= 0 else -1.0)
 
-    def _fold(self, events: list) -> None:
+    def replay(self, events: list) -> None:
         """Apply the events, in order, to the step state: what the hooks would have done live. The
         state lives in locals while the batch is replayed (the loop runs once per event, a few
         hundred at a time; attribute traffic per event would be most of its cost)."""
@@ -78,14 +100,18 @@ class StepFold:
         ph, used, touched = self._ph_ns, self._ph_used, self._ph_touched
         calls, gc_ns, gc_count, dq = self._calls, self._gc_ns, self._gc_count, self._data_queue
         samples, tokens, step = self._samples, self._tokens, self._step
-        primary, off = self._primary_opt, self._wall_off
-        buf, boff, inst = self._buf, self._off, self.instance
-        ids, keys = self._phase_ids, self._comm_key
-        traffic, nspb = self._c_traffic, self._ns_per_byte
+        tr = self.transport                      # frames go into its buffer, it sends them
+        primary, off = self._primary_opt, tr.wall_off
+        buf, boff, inst = tr.buf, tr.off, tr.instance
+        names = self.names
+        ids, keys = names.phase_ids, names.comm_key
+        traffic, nspb = names.c_traffic, self._ns_per_byte
         opt_slot = self._opt_slot
         seqs, marks = self._seq, self._marks
         rate_c, rate_w = self._cpu_rates
+        ident = self.identity                    # (the rank of every frame)
         buckets = self._buckets
+        dev_time = self.timing.elapsed                     # (a device-timed collective: its events)
         fast = _ev._fast
         pack = fast.pack_step if fast is not None else None      # the frame in one C call
         for kind, slot, t0, t1, a, b in events:
@@ -111,8 +137,8 @@ class StepFold:
                 seqs[slot] += 1
                 if kind == K_COLL:
                     calls.append((slot, 1, a, t1 - t0, None if b < 0 else b))
-                else:                                   # timed on the device (see _dev_begin)
-                    calls.append((slot, 1, a, self._dev_time(int(b), t1 - t0), None))
+                else:                                   # timed on the device (see DeviceTiming.begin)
+                    calls.append((slot, 1, a, dev_time(int(b), t1 - t0), None))
                 if len(calls) >= MAX_CALLS:
                     self._calls = calls
                     self._squash_calls()
@@ -120,8 +146,8 @@ class StepFold:
                 continue
             if kind == K_BUCKET:                        # a DDP bucket: summed per slot, see _bucket_calls
                 seqs[slot] += 1                         # (a collective of the group: its sequence number)
-                if b >= 0:                              # timed on the device (see _dev_begin)
-                    t1 = t0 + self._dev_time(int(b), t1 - t0)
+                if b >= 0:                              # timed on the device (see DeviceTiming.begin)
+                    t1 = t0 + dev_time(int(b), t1 - t0)
                 bk = buckets.get(slot)
                 if bk is None:
                     buckets[slot] = [1, a, t0, t1, a, [(t0, t1)]]
@@ -138,7 +164,7 @@ class StepFold:
             if kind == K_OPT_POST:
                 if t0:                                  # the optimizer phase (any optimizer)
                     if opt_slot is None:
-                        opt_slot = self._opt_slot = self._slot_for_phase("optimizer")
+                        opt_slot = self._opt_slot = names.slot_for_phase("optimizer")
                     if opt_slot >= 0:
                         if not used[opt_slot]:
                             used[opt_slot] = True
@@ -181,20 +207,20 @@ class StepFold:
                 self._kind_phases(t0, t0p)
             self.n_steps += 1
             step_ns = t0 - t0p                          # its CPU time and run-queue wait: at this
-            cpu_ns = step_ns * rate_c if rate_c >= 0 else -1.0     # replay's rates (see _cpu_sample)
+            cpu_ns = step_ns * rate_c if rate_c >= 0 else -1.0     # replay's rates (see cpu_sample)
             cw_ns = step_ns * rate_w if rate_w >= 0 else -1.0
             hidden_ns = self._bucket_calls(calls, buckets) if buckets else 0.0
-            if self._connected or t0 - self._t_connect >= self.reconnect_ns:
-                if not self._identity_ready:
-                    self._resolve_identity()
+            if tr.connected or t0 - tr.t_connect >= tr.reconnect_ns:
+                if not ident.ready:
+                    ident.resolve()
                 if boff > MAX_DATAGRAM - MAX_FRAME:       # the buffer is full: it leaves now
-                    self._off = boff
-                    self._send_buf(t0)
-                    boff = self._off
+                    tr.off = boff
+                    tr.send_buf(t0)
+                    boff = tr.off
                 n_gc = self._n_gc
                 if pack is not None:                     # C: the frame in one call
-                    boff = pack(buf, boff, inst, self.rank, step, t0w, wall, t0 - t0p, ph[0],
-                                ph[1] if used[1] else -1, gc_ns, gc_count, dq, samples, tokens, self.dropped,
+                    boff = pack(buf, boff, inst, ident.rank, step, t0w, wall, t0 - t0p, ph[0],
+                                ph[1] if used[1] else -1, gc_ns, gc_count, dq, samples, tokens, tr.dropped,
                                 touched, ph, ids, calls, traffic, nspb, keys,
                                 self._gcmv[16:16 + n_gc * GCREC.size] if n_gc else None, cpu_ns, cw_ns,
                                 hidden_ns)
@@ -202,10 +228,10 @@ class StepFold:
                     boff = self._pack_py(boff, step, t0w, wall, t0 - t0p, gc_ns, gc_count, dq, samples, tokens,
                                          calls, n_gc, cpu_ns, cw_ns, hidden_ns)
                 self._n_gc = 0
-                self._frames += 1
+                tr.frames += 1
             else:                                        # nobody listens (a reconnect was tried < 1 s ago)
                 self._n_gc = 0
-                self._lost(1, "no_agent")
+                tr.lost(1, "no_agent")
             step = step + 1 if number < 0 else number
             # zero what this step used (no allocation but the next step's call list)
             ph[0] = ph[1] = 0
@@ -220,12 +246,12 @@ class StepFold:
             gc_ns = gc_count = 0
             dq = samples = tokens = -1
             open_, t0p, t0w = reopen, t0, wall
-            if (t0 - self._last_flush >= self.flush_ns or self._frames >= MAX_PENDING
-                    or (self._need_hello and self._connected)):
-                self._off = boff
-                self._flush(t0)
-                boff = self._off
-        self._off = boff
+            if (t0 - tr.last_flush >= tr.flush_ns or tr.frames >= MAX_PENDING
+                    or (tr.need_hello and tr.connected)):
+                tr.off = boff
+                tr.flush(t0)
+                boff = tr.off
+        tr.off = boff
         self._open, self._t0_perf, self._t0_wall, self._calls = open_, t0p, t0w, calls
         self._gc_ns, self._gc_count, self._data_queue = gc_ns, gc_count, dq
         self._samples, self._tokens, self._step = samples, tokens, step
@@ -239,7 +265,7 @@ class StepFold:
         for peers; count and bytes are all the buckets'. The communication in flight is the union of the
         buckets' intervals (launch to completion): the tail is its last part, the rest of it overlapped
         backward (the hidden ns returned; the frame's ``comm_total_ns`` is the exposed ns plus these)."""
-        nspb, traffic = self._ns_per_byte, self._c_traffic
+        nspb, traffic = self._ns_per_byte, self.names.c_traffic
         hidden = 0.0
         for s, (count, nbytes, last_launch, last_done, last_bytes, spans) in buckets.items():
             tail = last_done - last_launch if last_done > last_launch else 0
@@ -269,7 +295,7 @@ class StepFold:
         timed on the CPU without a known wait (a blocking collective) splits into the transfer its
         payload needs at ``comm_gbps`` (comm) and the rest (waiting for peers)."""
         agg: dict[int, list] = {}
-        traffic, nspb = self._c_traffic, self._ns_per_byte
+        traffic, nspb = self.names.c_traffic, self._ns_per_byte
         comm_ns = wait_ns = 0.0
         for s, count, nbytes, dt, wait in calls:
             if wait is None:
@@ -294,10 +320,11 @@ class StepFold:
         the same in C, byte for byte); returns the new offset. The exposed communication is what the
         calls held the step (comm + wait: a blocking collective, an async one's launch and ``wait()``,
         the DDP buckets' tail); the total adds ``hidden_ns``, the buckets' time behind backward."""
-        buf, inst = self._buf, self.instance
+        transport = self.transport               # (tr below: a call's transfer ns)
+        buf, inst = transport.buf, transport.instance
         ph, used, touched = self._ph_ns, self._ph_used, self._ph_touched
-        ids, keys = self._phase_ids, self._comm_key
-        traffic, nspb = self._c_traffic, self._ns_per_byte
+        ids, keys = self.names.phase_ids, self.names.comm_key
+        traffic, nspb = self.names.c_traffic, self._ns_per_byte
         data_ns = ph[0]
         one = None
         if not calls:
@@ -325,9 +352,9 @@ class StepFold:
             comm = [(*keys[k], count, nbytes, tt, wait) for k, (count, nbytes, tt, wait) in comms.items()]
         else:
             comm = ()
-        return pack_frame(buf, boff, inst, self.rank,
+        return pack_frame(buf, boff, inst, self.identity.rank,
                           (step, t0w, wall, step_ns, data_ns, compute_ns, comm_ns, wait_ns, gc_ns, gc_count, dq,
-                           samples, tokens, self.dropped & 0xFFFFFFFF, cpu_ns, cw_ns, comm_ns + wait_ns + hidden_ns,
+                           samples, tokens, transport.dropped & 0xFFFFFFFF, cpu_ns, cw_ns, comm_ns + wait_ns + hidden_ns,
                            comm_ns + wait_ns),
                           [(ids[i], ph[i]) for i in touched], comm,
                           self._gcmv[16:16 + n_gc * GCREC.size] if n_gc else ())
@@ -342,18 +369,19 @@ class StepFold:
                 self._add_phase(s, max(t_end - tm, 0) if not self._ph_used[s] else 0)
             marks.clear()
         if not self.n_steps:
-            self._add_phase(self._slot_for_phase("first_step"), t_end - t_start)
+            self._add_phase(self.names.slot_for_phase("first_step"), t_end - t_start)
 
     def _gc_row(self, t: int, dt: int, generation: int, collected: int, uncollectable: int) -> None:
         """One collection as a ``gc`` row of the step (replay)."""
         n = self._n_gc
-        GCREC.pack_into(self._gcbuf, HDR.size + n * GCREC.size, t + self._wall_off, dt, generation,
+        tr = self.transport
+        GCREC.pack_into(self._gcbuf, HDR.size + n * GCREC.size, t + tr.wall_off, dt, generation,
                         collected, uncollectable)
         n += 1
         if n == MAX_GC and self.n_steps:
             # a burst of collections: send them now on their own (no step record)
-            HDR.pack_into(self._gcbuf, 0, MAGIC, VERSION, T_BATCH, self.instance, self.rank, 0, 0, MAX_GC, 0)
-            self._sendto(self._gcmv, frames=1)
+            HDR.pack_into(self._gcbuf, 0, MAGIC, VERSION, T_BATCH, tr.instance, self.identity.rank, 0, 0, MAX_GC, 0)
+            tr.sendto(self._gcmv, frames=1)
             n = 0
         elif n == MAX_GC:
             self.gc_rows_dropped += 1       # nothing is sent before the first step: reuse the last slot

@@ -1,18 +1,16 @@
 """Torch patching: the probe's automatic hooks (optimizer step hooks, DataLoader iterators,
 ``torch.distributed`` collectives and ``Work.wait``, DDP buckets through :mod:`.ddp_hooks`, ``Module.eval``
 and checkpoint saves) and the GC callback. Nothing here imports torch: the hooks are installed once the
-program has imported it (:class:`_TorchImportHook`). :class:`Hooks` is a part of :class:`~.core.Probe`.
+program has imported it (:class:`_TorchImportHook`). :class:`Hooks` is a part the :class:`~.core.Probe` composes.
 """
 from __future__ import annotations
 
 import functools
 import sys
-import threading
 
 from . import eventlog as _ev
-from .collectives import COLLECTIVES, traffic_factor
-from .flops import watch_dtype_once
-from .eventlog import K_COLL, K_GC, K_MARK, K_PHASE, _nbytes, _perf, _py_coll_wrap, _py_data_wrap, _queue_depth
+from .collectives import COLLECTIVES
+from .eventlog import K_COLL, K_MARK, K_PHASE, _nbytes, _perf, _py_coll_wrap, _py_data_wrap, _queue_depth
 from stepwatch.wire.datagram import MAX_COMM
 
 
@@ -22,14 +20,6 @@ FUNCTIONAL = {"all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce_co
               "all_gather_tensor": "all_gather_into_tensor", "all_gather_single": "all_gather_single",
               "reduce_scatter_tensor": "reduce_scatter_tensor", "reduce_scatter_single": "reduce_scatter_single",
               "all_to_all_single": "all_to_all_single", "broadcast": "broadcast"}
-
-
-def _default_group(dist):
-    """The default process group, or None before ``init_process_group``."""
-    try:
-        return dist.distributed_c10d._get_default_group()
-    except Exception:  # noqa: BLE001 - not initialized
-        return None
 
 
 def _is_compiling():
@@ -61,8 +51,8 @@ class _TorchImportHook:
     """A ``sys.meta_path`` finder that finds nothing itself: on ``import torch`` it wraps torch's
     loader so that the probe's hooks are installed once torch has finished importing."""
 
-    def __init__(self, probe: "Probe"):
-        self.probe = probe
+    def __init__(self, hooks: "Hooks"):
+        self.hooks = hooks
 
     def find_spec(self, name, path=None, target=None):
         if name != "torch":
@@ -76,13 +66,13 @@ class _TorchImportHook:
         loader = getattr(spec, "loader", None)
         if loader is None or not hasattr(loader, "exec_module"):
             return spec
-        orig, probe = loader.exec_module, self.probe
+        orig, hooks = loader.exec_module, self.hooks
 
         def exec_module(module):
             orig(module)
-            if probe._on:
+            if hooks.is_on():
                 try:
-                    probe.install_torch()
+                    hooks.install_torch()
                 except Exception as e:  # noqa: BLE001 - never break the user's import
                     sys.stderr.write(f"stepwatch probe: PyTorch hooks not installed: {e!r}\n")
 
@@ -91,7 +81,30 @@ class _TorchImportHook:
 
 
 class Hooks:
-    """The automatic hooks (methods of :class:`~.core.Probe`)."""
+    """The automatic hooks: what they patched (``patches``, undone by :meth:`remove`) and the optimizer hook
+    handles. A part the :class:`~.core.Probe` composes; its collaborators: ``log`` (every hook appends its
+    events there), ``names`` (slots of phases and collectives), ``timing`` (device events around
+    collectives on device tensors), ``flush`` (called before ``destroy_process_group``) and ``is_on`` (whether
+    the probe is on: the torch import hook installs only then). The optimizer step hooks are the log's own
+    (``opt_pre``/``opt_post``; the log calls the probe back at the primary optimizer's first step)."""
+
+    def __init__(self, log, names, timing, flush, is_on):
+        self.log, self.names, self.timing, self.flush, self.is_on = log, names, timing, flush, is_on
+        self.handles: list = []                                    # the optimizer hooks' handles
+        self.patches: list[tuple[object, str, object]] = []       # (object, name, original)
+        self.wait_slot = -1                   # the slot of Work.wait() (no collective of its own)
+        self.comm_keys_dropped = 0
+
+    def remove(self) -> None:
+        """Undo every hook and patch (``shutdown``)."""
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        for obj, name, orig in reversed(self.patches):
+            setattr(obj, name, orig)
+        self.patches.clear()
+        for f in [f for f in sys.meta_path if isinstance(f, _TorchImportHook) and f.hooks is self]:
+            sys.meta_path.remove(f)
 
     def install_torch(self) -> bool:
         """Install the optimizer, DataLoader and torch.distributed hooks (once). When torch is not
@@ -99,7 +112,7 @@ class Hooks:
         after the program imports torch itself (so ``init()`` may come first, and a program that never
         uses torch never loads it). torch_npu needs nothing more: it runs through the same hooks.
         Returns True when the hooks are in place."""
-        if self._hooks:
+        if self.handles:
             return True
         if "torch" not in sys.modules:
             if not any(isinstance(f, _TorchImportHook) for f in sys.meta_path):
@@ -109,8 +122,8 @@ class Hooks:
             from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
         except ImportError:
             return False
-        self._hooks.append(register_optimizer_step_pre_hook(self._log.opt_pre))
-        self._hooks.append(register_optimizer_step_post_hook(self._log.opt_post))
+        self.handles.append(register_optimizer_step_pre_hook(self.log.opt_pre))
+        self.handles.append(register_optimizer_step_post_hook(self.log.opt_post))
         try:
             from torch.utils.data import dataloader as dl
             self._patch_dataloader(dl._BaseDataLoaderIter)
@@ -133,87 +146,49 @@ class Hooks:
             pass
         return True
 
-    def _patch(self, obj, name: str, new) -> None:
-        self._patches.append((obj, name, getattr(obj, name)))
+    def patch(self, obj, name: str, new) -> None:
+        self.patches.append((obj, name, getattr(obj, name)))
         setattr(obj, name, new)
 
     def _patch_dataloader(self, cls) -> None:
         orig = cls.__next__
         fast = _ev._fast
-        w = (fast.DataWrap(self._log, orig, _queue_depth) if fast is not None
-             else _py_data_wrap(self._log, orig, _queue_depth))
-        self._patch(cls, "__next__", w)
-
-    def _first_opt(self, opt) -> None:
-        """Live, once: the first optimizer that finishes a step is the primary one (its step ends
-        training steps)."""
-        if self._primary_opt is None:
-            self._primary_opt = id(opt)
-            self._log.primary = id(opt)
-            if self._step_tid is None:
-                self._step_tid = threading.get_ident()          # whose CPU the steps report
-            self._count_params(opt)
-
-    def _gc_cb(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._gc_t0 = _perf()
-            return
-        if not self._gc_t0:
-            return
-        t = _perf()
-        dt = t - self._gc_t0
-        self._gc_t0 = 0
-        if self._on:
-            self._log.add(K_GC, info.get("generation", 0), t, dt, info.get("collected", 0),
-                          float(info.get("uncollectable", 0)))
-
-    def _count_params(self, opt) -> None:
-        """Once, at the primary optimizer's first step: the parameters it updates (this rank's share
-        under tensor/pipeline parallelism or FSDP) go into the hello as ``model_params`` for the MFU
-        estimate, unless the user gave ``model_params``."""
-        if "model_params" in self.extra:
-            return
-        try:
-            n = sum(int(p.numel()) for g in opt.param_groups for p in g["params"])
-        except Exception:  # noqa: BLE001 - not a torch optimizer
-            return
-        if n > 0:
-            self.extra["model_params"] = n
-            self._hello_dirty = self._need_hello = True
-        watch_dtype_once(self)                    # the compute dtype, at the next forward (flops.py)
+        w = (fast.DataWrap(self.log, orig, _queue_depth) if fast is not None
+             else _py_data_wrap(self.log, orig, _queue_depth))
+        self.patch(cls, "__next__", w)
 
     def _patch_eval_save(self, torch) -> None:
         """``Module.eval()`` marks the step ``eval``; ``torch.save`` counts as ``checkpoint`` time. Both are
         called a few times per evaluation or checkpoint, never per step."""
-        probe_ = self
+        hooks_ = self
         mod = getattr(getattr(torch, "nn", None), "Module", None)
         if mod is not None and not getattr(mod.eval, "_stepwatch", False):
             orig_eval = mod.eval
 
             def eval(module):
-                probe_._log.add(K_MARK, probe_._slot_for_phase("eval"), _perf(), 0, 0, 0.0)
+                hooks_.log.add(K_MARK, hooks_.names.slot_for_phase("eval"), _perf(), 0, 0, 0.0)
                 return orig_eval(module)
             eval._stepwatch = True
             eval.__wrapped__ = orig_eval
-            self._patch(mod, "eval", eval)
+            self.patch(mod, "eval", eval)
         save = getattr(torch, "save", None)
         if save is not None and not getattr(save, "_stepwatch", False):
-            self._patch(torch, "save", self._timed_save(save))
+            self.patch(torch, "save", self._timed_save(save))
 
     def _timed_save(self, fn):
-        probe_ = self
+        hooks_ = self
 
         def save(*args, **kwargs):
             t0 = _perf()
             try:
                 return fn(*args, **kwargs)
             finally:
-                probe_._log.add(K_PHASE, probe_._slot_for_phase("checkpoint"), 0, 0, _perf() - t0, 0.0)
+                hooks_.log.add(K_PHASE, hooks_.names.slot_for_phase("checkpoint"), 0, 0, _perf() - t0, 0.0)
         save._stepwatch = True
         save.__wrapped__ = fn
         return save
 
-    def _patch_dcp(self) -> None:
+    def patch_dcp(self) -> None:
         """``torch.distributed.checkpoint.save`` (and ``async_save``, ``save_state_dict``) count as
         checkpoint time, when the program imported it by its first step."""
         dcp = sys.modules.get("torch.distributed.checkpoint")
@@ -222,52 +197,20 @@ class Hooks:
         for name in ("save", "async_save", "save_state_dict"):
             fn = getattr(dcp, name, None)
             if fn is not None and not getattr(fn, "_stepwatch", False):
-                self._patch(dcp, name, self._timed_save(fn))
-
-    def _group(self, dist, group) -> tuple[int, int]:
-        key = id(group)
-        g = self._groups.get(key)
-        if g is None:
-            try:
-                size = dist.get_world_size(group) if group is not None else dist.get_world_size()
-            except Exception:  # noqa: BLE001
-                size = 1
-            if group is None or group is _default_group(dist):
-                name = "world"          # one name for the default group, whoever passes it (None, FSDP2's pg)
-            else:
-                name = getattr(group, "group_desc", None) or getattr(group, "group_name", None) or f"pg{len(self._groups)}"
-                if name in ("default_pg", "undefined"):
-                    name = getattr(group, "group_name", None) or name
-            g = self._groups[key] = (self._intern(str(name)), int(size))
-            self._group_refs.append(group)          # keep it alive: its id() is our cache key
-            self._group_sizes[str(name)] = int(size)
-            self._need_hello = self._hello_dirty = True
-        return g
-
-    def _comm_slot_for(self, op: str, op_id: int, grp_id: int, size: int) -> int:
-        """The accumulator slot of (op, group), created on first use (-1 when all are taken)."""
-        key = (op_id, grp_id)
-        s = self._comm_slot.get(key)
-        if s is None:
-            if len(self._comm_slot) >= MAX_COMM:
-                return -1
-            s = self._comm_slot[key] = len(self._comm_slot)
-            self._comm_key[s] = key
-            self._c_traffic[s] = traffic_factor(op, size)
-        return s
+                self.patch(dcp, name, self._timed_save(fn))
 
     def _record_comm(self, op_id: int, grp_id: int, nbytes: int, dt: int, wait_ns: float) -> None:
         """Add one call with a known wait, ending now (Work.wait(), tests and benchmarks)."""
-        key = (op_id, grp_id)
-        s = self._comm_slot.get(key)
+        key, names = (op_id, grp_id), self.names
+        s = names.comm_slot.get(key)
         if s is None:
-            if len(self._comm_slot) >= MAX_COMM:
+            if len(names.comm_slot) >= MAX_COMM:
                 self.comm_keys_dropped += 1
                 return
-            s = self._comm_slot[key] = len(self._comm_slot)
-            self._comm_key[s] = key
+            s = names.comm_slot[key] = len(names.comm_slot)
+            names.comm_key[s] = key
         t1 = _perf()
-        self._log.add(K_COLL, s, t1 - int(dt), t1, int(nbytes), float(wait_ns))
+        self.log.add(K_COLL, s, t1 - int(dt), t1, int(nbytes), float(wait_ns))
 
     def _wrap_collective(self, dist, name: str, fn):
         """A wrapper timing ``fn`` (``_probefast.CollWrap``, or :func:`_py_coll_wrap`): per call, the
@@ -288,19 +231,19 @@ class Hooks:
             payload = None
         g_idx = params.index("group") if "group" in params else -1
         a_idx = params.index("async_op") if "async_op" in params and name not in ("send", "recv") else -1
-        op_id = self._intern(name)
+        op_id = self.names.intern(name)
 
         def resolve(group) -> int:
-            grp_id, size = self._group(dist, group)          # (keeps the group alive: the caches use its id)
-            return self._comm_slot_for(name, op_id, grp_id, size)
+            grp_id, size = self.names.group(dist, group)          # (keeps the group alive: the caches use its id)
+            return self.names.comm_slot_for(name, op_id, grp_id, size)
 
         fast = _ev._fast
         if fast is not None:
-            w = fast.CollWrap(self._log, fn, p_idx, g_idx, a_idx, payload, resolve, _nbytes,
-                               self._dev_begin, self._dev_end)
+            w = fast.CollWrap(self.log, fn, p_idx, g_idx, a_idx, payload, resolve, _nbytes,
+                               self.timing.begin, self.timing.end)
         else:
-            w = _py_coll_wrap(self._log, fn, p_idx, g_idx, a_idx, payload, resolve, _nbytes,
-                              self._dev_begin, self._dev_end)
+            w = _py_coll_wrap(self.log, fn, p_idx, g_idx, a_idx, payload, resolve, _nbytes,
+                              self.timing.begin, self.timing.end)
         w.__name__ = getattr(fn, "__name__", name)
         w.__doc__ = getattr(fn, "__doc__", None)
         return w
@@ -318,7 +261,7 @@ class Hooks:
             return None
         g_idx = params.index("group") if "group" in params else -1
         t_idx = params.index("tag") if "tag" in params else -1
-        log, probe_, op_id = self._log, self, self._intern(op)
+        log, hooks_, op_id = self.log, self, self.names.intern(op)
         resolve_name = getattr(funcol, "_resolve_group_name", None)
         resolve_pg = getattr(dist.distributed_c10d, "_resolve_process_group", None)
         if g_idx < 0 or resolve_name is None or resolve_pg is None:
@@ -342,8 +285,8 @@ class Hooks:
                     gname = str(resolve_name(group, tag))
                     s = slots.get(gname)
                     if s is None:
-                        grp_id, size = probe_._group(dist, resolve_pg(gname))
-                        s = slots[gname] = probe_._comm_slot_for(op, op_id, grp_id, size)
+                        grp_id, size = hooks_.names.group(dist, resolve_pg(gname))
+                        s = slots[gname] = hooks_.names.comm_slot_for(op, op_id, grp_id, size)
                     if s < 0:
                         log.comm_keys_dropped += 1
                     else:
@@ -363,7 +306,7 @@ class Hooks:
             w = self._wrap_collective(dist, name, fn)
             if w is not None:
                 w = _traceable(fn, w, is_compiling)
-                self._patch(dist, name, w)
+                self.patch(dist, name, w)
         try:
             import torch.distributed._functional_collectives as funcol
         except Exception:  # noqa: BLE001 - no functional collectives in this build
@@ -375,34 +318,34 @@ class Hooks:
                     continue
                 w = self._wrap_functional(dist, funcol, name, op, fn)
                 if w is not None:
-                    self._patch(funcol, name, _traceable(fn, w, is_compiling))
+                    self.patch(funcol, name, _traceable(fn, w, is_compiling))
             wt = getattr(funcol, "wait_tensor", None)
             if wt is not None and not getattr(wt, "_stepwatch", False):
-                self._patch(funcol, "wait_tensor", _traceable(wt, self._timed_wait(wt), is_compiling))
+                self.patch(funcol, "wait_tensor", _traceable(wt, self._timed_wait(wt), is_compiling))
         dpg = getattr(dist, "destroy_process_group", None)
         if dpg is not None and not getattr(dpg, "_stepwatch", False):
-            probe_ = self
+            hooks_ = self
 
             def destroy_process_group(*args, **kwargs):
-                probe_.flush()                     # the end of a distributed run: send what waits
+                hooks_.flush()                     # the end of a distributed run: send what waits
                 return dpg(*args, **kwargs)
 
             destroy_process_group._stepwatch = True
             destroy_process_group.__wrapped__ = dpg
-            self._patch(dist, "destroy_process_group", destroy_process_group)
+            self.patch(dist, "destroy_process_group", destroy_process_group)
         work = getattr(dist, "Work", None)
         if work is not None and hasattr(work, "wait"):
             try:
-                self._patch(work, "wait", self._timed_wait(work.wait))
+                self.patch(work, "wait", self._timed_wait(work.wait))
             except (TypeError, AttributeError):
                 pass
 
     def _timed_wait(self, orig_wait):
         """``Work.wait()`` or ``funcol.wait_tensor``, timed as op ``wait``, group ``async``: all of it is
         waiting."""
-        log = self._log
-        slot = self._comm_slot_for("wait", self._intern("wait"), self._intern("async"), 1)
-        self._wait_slot = slot
+        log = self.log
+        slot = self.names.comm_slot_for("wait", self.names.intern("wait"), self.names.intern("async"), 1)
+        self.wait_slot = slot
 
         def wait(*args, **kwargs):
             if log.in_coll or slot < 0:

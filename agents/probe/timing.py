@@ -1,6 +1,6 @@
 """Clocks of the probe other than ``perf_counter_ns``: the step thread's CPU time and run-queue wait
 (:class:`_ThreadCpu`), and device events around collectives on CUDA/NPU tensors (:class:`DeviceTiming`,
-a part of :class:`~.core.Probe`)."""
+a part the :class:`~.core.Probe` composes)."""
 from __future__ import annotations
 
 import os
@@ -18,7 +18,8 @@ class _ThreadCpu:
     time on a CPU, and time *runnable but waiting for a CPU*, which is what a competing process on the
     rank's core costs it). Where that file is missing (no ``CONFIG_SCHED_INFO``), the CPU time comes
     from ``CLOCK_THREAD_CPUTIME_ID`` and the wait is -1 (unknown). The file is reopened when the
-    reading thread changes or after a fork. Read by :meth:`Probe._drain` (every ~500 ms), not per step."""
+    reading thread changes or after a fork. Read by :meth:`StepFold.cpu_sample` at each drain (every ~500 ms),
+    not per step."""
 
     def __init__(self):
         self.fd, self.tid, self.pid, self.proc = -1, 0, 0, True
@@ -50,11 +51,21 @@ class _ThreadCpu:
 
 
 class DeviceTiming:
-    """Device timing of synchronous collectives (the :class:`~.core.Probe` methods that use torch.cuda /
-    torch.npu events; the state lives in the probe: ``_dev_mods``, ``_dev_pool``, ``_dev_calls``)."""
+    """Device timing of synchronous collectives (torch.cuda / torch.npu events). A part of
+    :class:`~.core.Probe` with no collaborators: the collective wrappers call :meth:`begin`/:meth:`end`
+    live, the fold calls :meth:`elapsed` when it replays the call. Its state: the device modules seen
+    (``mods``), the pooled event pairs (``pool``), the pairs awaiting their replay (``calls``), and the
+    counters ``timed``/``unready``."""
+
+    def __init__(self):
+        self.mods: dict = {}                 # device type -> torch.cuda / torch.npu (False: none)
+        self.pool: dict = {}                 # device type -> free (start, end) event pairs
+        self.calls: dict = {}                # token -> (device type, start event, end event)
+        self.next = 0
+        self.timed = self.unready = 0
 
     @staticmethod
-    def _accelerator_in_use() -> int:
+    def accelerator_in_use() -> int:
         """1 once this process uses CUDA (its context exists) or has torch_npu loaded: only then do the
         collective wrappers look at their payload's device (checked at every replay until true; never
         initialises CUDA)."""
@@ -66,7 +77,11 @@ class DeviceTiming:
         except Exception:  # noqa: BLE001
             return 0
 
-    def _dev_begin(self, x) -> int:
+    def after_fork(self) -> None:
+        """In a forked child: the parent's events in flight are the parent's."""
+        self.calls.clear()
+
+    def begin(self, x) -> int:
         """Live, before a synchronous collective on a device tensor: record a start event on the
         current stream (``torch.cuda.Event``/``torch.npu.Event``, pooled) and return its token (-1:
         no device events; the host time is kept). On CUDA/NPU the host only launches the collective,
@@ -74,45 +89,45 @@ class DeviceTiming:
         first: never a synchronisation), give the kernel's time on the device, waiting for peers
         included, which is then split into transfer and wait as on the CPU."""
         kind = x.device.type
-        mod = self._dev_mods.get(kind)
+        mod = self.mods.get(kind)
         if mod is None:
             torch = sys.modules.get("torch")
             mod = getattr(torch, kind, None) if torch is not None else None
             if mod is None or not hasattr(mod, "Event"):
                 mod = False
-            self._dev_mods[kind] = mod
-        if mod is False or len(self._dev_calls) >= MAX_DEV_CALLS:
+            self.mods[kind] = mod
+        if mod is False or len(self.calls) >= MAX_DEV_CALLS:
             return -1
-        pool = self._dev_pool.get(kind)
+        pool = self.pool.get(kind)
         if pool:
             e0, e1 = pool.pop()
         else:
             e0, e1 = mod.Event(enable_timing=True), mod.Event(enable_timing=True)
         e0.record()
-        tok = self._dev_next
-        self._dev_next = (tok + 1) & 0x3FFFFFFF
-        self._dev_calls[tok] = (kind, e0, e1)
+        tok = self.next
+        self.next = (tok + 1) & 0x3FFFFFFF
+        self.calls[tok] = (kind, e0, e1)
         return tok
 
-    def _dev_end(self, tok: int) -> None:
-        d = self._dev_calls.get(tok)
+    def end(self, tok: int) -> None:
+        d = self.calls.get(tok)
         if d is not None:
             d[2].record()
 
-    def _dev_time(self, tok: int, host_ns: int) -> int:
+    def elapsed(self, tok: int, host_ns: int) -> int:
         """Folding: the device time of a collective (ns) when its end event completed, else the
-        host's (counted in ``dev_unready``); the events go back to the pool."""
-        d = self._dev_calls.pop(tok, None)
+        host's (counted in ``unready``); the events go back to the pool."""
+        d = self.calls.pop(tok, None)
         if d is None:
             return host_ns
         kind, e0, e1 = d
         try:
             if e1.query():
-                self.dev_timed += 1
+                self.timed += 1
                 host_ns = int(e0.elapsed_time(e1) * 1e6)
             else:
-                self.dev_unready += 1
+                self.unready += 1
         except Exception:  # noqa: BLE001 - a device error is the training's to report, not ours
-            self.dev_unready += 1
-        self._dev_pool.setdefault(kind, []).append((e0, e1))
+            self.unready += 1
+        self.pool.setdefault(kind, []).append((e0, e1))
         return host_ns

@@ -153,15 +153,15 @@ class Watchdog:
             return None
         usual = self.usual_ns(now)
         if self._hung_step is None:               # the cheap look of every wake: nothing is overlong
-            if p._open:
-                if now - p._t0_perf < self.threshold_ns(usual):
+            if p.fold._open:
+                if now - p.fold._t0_perf < self.threshold_ns(usual):
                     return None
             elif not p._log.n:
                 return None
         st = self.state(now)
         if self._hung_step is not None and (st is None or st["step"] != self._hung_step or not st["_open"]):
-            done = {"state": "done", "step": self._hung_step, "t": now + p._wall_off, "pid": os.getpid(),
-                    "since": now + p._wall_off, "kinds": [], "stack": ""}
+            done = {"state": "done", "step": self._hung_step, "t": now + p.transport.wall_off, "pid": os.getpid(),
+                    "since": now + p.transport.wall_off, "kinds": [], "stack": ""}
             self._hung_step = None
             self._last_key = None
             self._send(done)
@@ -188,11 +188,11 @@ class Watchdog:
             events = p._log.peek()
         except Exception:  # noqa: BLE001
             events = []
-        step, start, open_ = p._step, p._t0_perf, p._open
-        primary, explicit = p._primary_opt, p._explicit
-        kind_slots = p._kind_slots()
-        kinds = {name for s, name in kind_slots.items() if p._ph_used[s]} if open_ else set()
-        seq = list(p._seq)
+        step, start, open_ = p.fold._step, p.fold._t0_perf, p.fold._open
+        primary, explicit = p.fold._primary_opt, p.fold._explicit
+        kind_slots = p.names.kind_slots()
+        kinds = {name for s, name in kind_slots.items() if p.fold._ph_used[s]} if open_ else set()
+        seq = list(p.fold._seq)
         last_t = p._log.last_drain
         for kind, slot, t0, t1, a, b in events:
             if kind == _ev.K_COLL or kind == _ev.K_DCOLL or kind == _ev.K_BUCKET:
@@ -224,7 +224,7 @@ class Watchdog:
             return None
         frame = sys._current_frames().get(self.main_ident)
         stack, frames = format_stack(frame) if frame is not None else ("", [])
-        st = {"step": step, "_start": start, "_open": open_, "t": now + p._wall_off, "pid": os.getpid()}
+        st = {"step": step, "_start": start, "_open": open_, "t": now + p.transport.wall_off, "pid": os.getpid()}
         coll = data = None
         for f in frames:
             co = f.f_code
@@ -240,7 +240,7 @@ class Watchdog:
         if coll is not None or p._log.in_coll:
             st["state"] = "collective"
             ct = getattr(p._log, "coll_t0", 0)
-            st["since"] = (ct if ct else last_t) + p._wall_off
+            st["since"] = (ct if ct else last_t) + p.transport.wall_off
             if coll is not None:
                 st["op"] = coll.f_code.co_name
                 try:
@@ -250,18 +250,18 @@ class Watchdog:
                 gname, gsize, gid = self._group(group)
                 st["group"], st["group_size"] = gname, gsize
                 if gid:
-                    keys, wait_slot = p._comm_key, p._wait_slot
-                    st["seq"] = 1 + sum(seq[s] for s in range(len(p._comm_slot)) if keys[s][1] == gid
+                    keys, wait_slot = p.names.comm_key, p.hooks.wait_slot
+                    st["seq"] = 1 + sum(seq[s] for s in range(len(p.names.comm_slot)) if keys[s][1] == gid
                                         and s != wait_slot)
         elif self._ddp_pending(st, seq):
             pass                          # blocked in backward, where DDP's reducer waits for its all-reduces
         elif data is not None:
             st["state"] = "data"
-            st["since"] = last_t + p._wall_off
+            st["since"] = last_t + p.transport.wall_off
         else:
             st["state"] = "compute"
-            st["since"] = last_t + p._wall_off
-        if p.n_steps == 0 and step == p._step:       # no step finished yet: the process's first
+            st["since"] = last_t + p.transport.wall_off
+        if p.n_steps == 0 and step == p.fold._step:       # no step finished yet: the process's first
             kinds.add("first")
         st["kinds"] = sorted(kinds)
         st["stack"] = stack
@@ -271,16 +271,16 @@ class Watchdog:
         """DDP's gradient buckets launched and not complete (agents.probe.ddp_hooks): the rank waits in
         their all-reduce (from the oldest bucket's launch), not in compute. Sets the collective state."""
         p = self.p
-        for t in list(getattr(p, "_ddp_timers", ())):
+        for t in list(getattr(p.hooks, "_ddp_timers", ())):
             if getattr(t, "pending", 0) <= 0:
                 continue
             st["state"], st["op"] = "collective", "all_reduce"
-            st["since"] = int(t.pending_t0) + p._wall_off
+            st["since"] = int(t.pending_t0) + p.transport.wall_off
             gname, gsize, gid = self._group(t.group)
             st["group"], st["group_size"] = gname, gsize or getattr(t, "size", None)
             if gid:
-                keys, wait_slot = p._comm_key, p._wait_slot
-                st["seq"] = 1 + sum(seq[s] for s in range(len(p._comm_slot)) if keys[s][1] == gid and s != wait_slot)
+                keys, wait_slot = p.names.comm_key, p.hooks.wait_slot
+                st["seq"] = 1 + sum(seq[s] for s in range(len(p.names.comm_slot)) if keys[s][1] == gid and s != wait_slot)
             return True
         return False
 
@@ -294,16 +294,16 @@ class Watchdog:
                     group = None
             except Exception:  # noqa: BLE001
                 pass
-        g = p._groups.get(id(group))
+        g = p.names.groups.get(id(group))
         if g is None:
             if dist is None:
                 return ("world" if group is None else "?"), None, 0
             try:
-                g = p._group(dist, group)
+                g = p.names.group(dist, group)
             except Exception:  # noqa: BLE001
                 return "?", None, 0
         gid, size = g
-        name = next((n for n, i in p._names.items() if i == gid), "?")
+        name = next((n for n, i in p.names.ids.items() if i == gid), "?")
         return name, size, gid
 
     # ------------------------------------------------------------------ sending
@@ -319,7 +319,7 @@ class Watchdog:
             if self._sock is None:
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
                 s.setblocking(False)
-                s.connect(self.p._path)
+                s.connect(self.p.transport.path)
                 self._sock = s
             self._sock.send(data)
             self.sent += 1

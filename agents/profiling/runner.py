@@ -491,7 +491,7 @@ class ProbeControl:
         tries = 50 if threading.current_thread().name.startswith("stepwatch-profile") else 1   # never wait on training
         for _ in range(tries):
             try:
-                s.sendto(data, p._path)
+                s.sendto(data, p.transport.path)
                 self.replies += 1
                 return True
             except BlockingIOError:

@@ -209,9 +209,9 @@ def isolated_cost(agent_dir: str, empty_dir: str, n: int = 20000, repeats: int =
         pre = post = (lambda *a: None)
         if d is not None:
             p.init(job="iso", rank=0, world_size=8, socket_dir=d, auto=False)
-            p._explicit = False
-            p._patch_dataloader(it_cls)
-            ar = p._wrap_collective(Dist, "all_reduce", all_reduce)
+            p.fold._explicit = False
+            p.hooks._patch_dataloader(it_cls)
+            ar = p.hooks._wrap_collective(Dist, "all_reduce", all_reduce)
             pre, post = p._log.opt_pre, p._log.opt_post
         it = it_cls()
         best = float("inf")
@@ -384,7 +384,7 @@ def agent_cost(ranks: int, seconds: float, step_ms: float, broker: bool, out=pri
         ps = psutil.Process(agent.pid)
         probes = [P.Probe().init(job="bench-agent", rank=r, world_size=ranks, socket_dir=sock_dir, auto=False)
                   for r in range(ranks)]
-        ops = [(p._intern("all_reduce"), p._intern("dp0"), p._intern("broadcast")) for p in probes]
+        ops = [(p.names.intern("all_reduce"), p.names.intern("dp0"), p.names.intern("broadcast")) for p in probes]
         period = step_ms / 1e3
         warm = 5.0
         t_start = time.monotonic()
@@ -407,8 +407,8 @@ def agent_cost(ranks: int, seconds: float, step_ms: float, broker: bool, out=pri
                 last_rss = now
             for p, (ar, grp, bc) in zip(probes, ops):
                 p.begin_step()
-                p._record_comm(ar, grp, 40 << 20, 3_000_000, 2_500_000)
-                p._record_comm(bc, grp, 4096, 200_000, 150_000)
+                p.hooks._record_comm(ar, grp, 40 << 20, 3_000_000, 2_500_000)
+                p.hooks._record_comm(bc, grp, 4096, 200_000, 150_000)
                 p.add_phase("forward", step_ms * 0.3)
                 if k % 10 == 0:
                     p._gc_cb("start", {})

@@ -25,13 +25,13 @@ rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
 rx.bind(os.path.join(d, SOCKET_NAME))
 rx.setblocking(False)
 p = Probe().init(job="fp", rank=0, world_size=1, socket_dir=d, auto=False, flush_ms=100000)
-ar, grp = p._intern("all_reduce"), p._intern("dp")
+ar, grp = p.names.intern("all_reduce"), p.names.intern("dp")
 for i in range(12):
     with p.step(samples=8):
         if i % 3 == 0:
             with p.phase("forward"):
                 pass
-        p._record_comm(ar, grp, 1 << 20, 2_000_000, 500_000.0)
+        p.hooks._record_comm(ar, grp, 1 << 20, 2_000_000, 500_000.0)
 p.flush()
 grams = []
 while True:

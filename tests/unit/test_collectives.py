@@ -66,22 +66,22 @@ def test_c_fast_path_and_python_split_every_kind_alike(sockdir):
         p = P.Probe()
         try:
             p.init(job="coll", rank=1, world_size=n, socket_dir=sockdir, auto=False, comm_gbps=10)
-            grp = p._intern("dp")
+            grp = p.names.intern("dp")
             calls, want = [], {}
             for op in kinds[lo:lo + datagram.MAX_COMM]:
-                oid = p._intern(op)
-                s = p._comm_slot_for(op, oid, grp, n)
+                oid = p.names.intern(op)
+                s = p.names.comm_slot_for(op, oid, grp, n)
                 calls.append((s, 1, nbytes, dt, None))
                 want[oid] = dt - min(dt, C.transfer_ms(op, nbytes, n, 10.0) * 1e6)
             args = (7, 10**18, 10**18 + 50_000_000, 50_000_000, 0, 0, 3, 32, -1)
-            p._buf[:] = bytes(len(p._buf))
-            end_py = p._pack_py(0, *args, list(calls), 0, -1.0, -1.0)
-            py = bytes(p._buf[:end_py])
-            p._buf[:] = bytes(len(p._buf))
-            end_c = eventlog._fast.pack_step(p._buf, 0, p.instance, p.rank, *args[:4], p._ph_ns[0], -1, *args[4:],
-                                      p.dropped, p._ph_touched, p._ph_ns, p._phase_ids, list(calls), p._c_traffic,
-                                      p._ns_per_byte, p._comm_key, None, -1.0, -1.0)
-            assert end_c == end_py and bytes(p._buf[:end_c]) == py
+            p.transport.buf[:] = bytes(len(p.transport.buf))
+            end_py = p.fold._pack_py(0, *args, list(calls), 0, -1.0, -1.0)
+            py = bytes(p.transport.buf[:end_py])
+            p.transport.buf[:] = bytes(len(p.transport.buf))
+            end_c = eventlog._fast.pack_step(p.transport.buf, 0, p.instance, p.rank, *args[:4], p.fold._ph_ns[0], -1, *args[4:],
+                                      p.dropped, p.fold._ph_touched, p.fold._ph_ns, p.names.phase_ids, list(calls), p.names.c_traffic,
+                                      p.fold._ns_per_byte, p.names.comm_key, None, -1.0, -1.0)
+            assert end_c == end_py and bytes(p.transport.buf[:end_c]) == py
             (_, _, _, (_, _, comm, _)), = decode(py)
             assert len(comm) == len(want)
             for c in comm:

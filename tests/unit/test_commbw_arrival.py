@@ -77,9 +77,9 @@ def _device_job(sockdir: str, job: str, ranks: int, steps: int) -> dict[str, pa.
         p = Probe()
         try:
             p.init(job=job, rank=rank, world_size=ranks, socket_dir=sockdir, auto=False, flush_ms=60_000)
-            p._dev_mods["fakedev"] = type("FakeDevModule", (), {"Event": _Event})
+            p.timing.mods["fakedev"] = type("FakeDevModule", (), {"Event": _Event})
             p._log.dev_on = 1                           # what a CUDA context turns on
-            ar = p._wrap_collective(Dist, "all_reduce", all_reduce)
+            ar = p.hooks._wrap_collective(Dist, "all_reduce", all_reduce)
             for _ in range(steps):
                 p.begin_step()
                 for _ in range(3):

@@ -111,7 +111,7 @@ def _exit_into_a_full_queue(p, srv, path) -> list:
                 pass
         t = threading.Thread(target=drain)
         t.start()
-        p._connected = True
+        p.transport.connected = True
         p._exitw.at_exit()
         t.join()
         return got

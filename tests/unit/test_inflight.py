@@ -60,7 +60,7 @@ def test_sequence_numbers_per_group_op_and_stack_of_a_running_collective(probe, 
     def inside(group):
         seen.update(wd.state(eventlog._perf()))
         return None
-    fake = probe._wrap_collective(dist, "all_reduce", _fake_collective(inside))
+    fake = probe.hooks._wrap_collective(dist, "all_reduce", _fake_collective(inside))
     fake(t)                                      # (events still in the log: the watchdog peeks at them)
     assert seen["state"] == "collective" and seen["op"] == "all_reduce" and seen["group"] == "world"
     assert seen["seq"] == 3 * 4 + 1 and seen["group_size"] == 1   # barrier counts, Work.wait() does not
@@ -70,7 +70,7 @@ def test_sequence_numbers_per_group_op_and_stack_of_a_running_collective(probe, 
     assert lines[-3].startswith(__file__) and "probe.py" not in seen["stack"]       # (no probe frames)
     assert seen["since"] > 0 and seen["t"] >= seen["since"]
     probe.flush()
-    assert sum(probe._seq[s] for s in range(len(probe._comm_slot)) if s != probe._wait_slot) == 13
+    assert sum(probe.fold._seq[s] for s in range(len(probe.names.comm_slot)) if s != probe.hooks.wait_slot) == 13
 
 
 def test_step_kinds_first_eval_checkpoint_and_the_explicit_api(probe, rx, sockdir):

@@ -199,10 +199,10 @@ def test_c_and_python_pack_the_same_bytes(sockdir):
     p = Probe()
     try:
         p.init(job="pack", rank=3, world_size=8, socket_dir=sockdir, auto=False, comm_gbps=10)
-        ar, bc, grp = p._intern("all_reduce"), p._intern("broadcast"), p._intern("dp")
-        s0 = p._comm_slot_for("all_reduce", ar, grp, 8)
-        s1 = p._comm_slot_for("broadcast", bc, grp, 8)
-        fwd = p._slot_for_phase("forward")
+        ar, bc, grp = p.names.intern("all_reduce"), p.names.intern("broadcast"), p.names.intern("dp")
+        s0 = p.names.comm_slot_for("all_reduce", ar, grp, 8)
+        s1 = p.names.comm_slot_for("broadcast", bc, grp, 8)
+        fwd = p.names.slot_for_phase("forward")
         p.dropped = (1 << 32) + 5                       # carried modulo 2**32
         cases = [
             ([], [], False, 0),
@@ -215,27 +215,27 @@ def test_c_and_python_pack_the_same_bytes(sockdir):
         for ci, (calls, touched, compute, n_gc) in enumerate(cases):
             cpu = (-1.0, -1.0) if ci == 0 else (41_000_000.0, -1.0) if ci == 1 else (12_345_678.0, 3_456_789.0)
             hidden = 0.0 if ci < 2 else 7_654_321.0 + ci          # DDP buckets' time behind backward
-            ph, used = p._ph_ns, p._ph_used
+            ph, used = p.fold._ph_ns, p.fold._ph_used
             for i in range(datagram.MAX_PHASES):
                 ph[i], used[i] = 0, False
-            p._ph_touched[:] = touched
+            p.fold._ph_touched[:] = touched
             ph[0] = 1_234_567
             for i in touched:
                 ph[i], used[i] = 2_000_000 + i, True
             if compute:
                 ph[1], used[1] = 3_000_000, True
             for j in range(n_gc):
-                datagram.GCREC.pack_into(p._gcbuf, datagram.HDR.size + j * datagram.GCREC.size, 10**18 + j, 5e5, 2, 100 + j, 0)
+                datagram.GCREC.pack_into(p.fold._gcbuf, datagram.HDR.size + j * datagram.GCREC.size, 10**18 + j, 5e5, 2, 100 + j, 0)
             args = (7, 10**18, 10**18 + 50_000_000, 50_000_000, 800_000 if n_gc else 0, n_gc, 3, 32, -1)
-            p._buf[:] = bytes(len(p._buf))
-            end_py = p._pack_py(0, *args, list(calls), n_gc, *cpu, hidden)
-            py = bytes(p._buf[:end_py])
-            p._buf[:] = bytes(len(p._buf))
-            end_c = eventlog._fast.pack_step(p._buf, 0, p.instance, p.rank, *args[:4], ph[0], ph[1] if used[1] else -1,
-                                      *args[4:], p.dropped, p._ph_touched, ph, p._phase_ids, list(calls),
-                                      p._c_traffic, p._ns_per_byte, p._comm_key,
-                                      p._gcmv[16:16 + n_gc * datagram.GCREC.size] if n_gc else None, *cpu, hidden)
-            assert end_c == end_py and bytes(p._buf[:end_c]) == py, (calls, touched, compute, n_gc)
+            p.transport.buf[:] = bytes(len(p.transport.buf))
+            end_py = p.fold._pack_py(0, *args, list(calls), n_gc, *cpu, hidden)
+            py = bytes(p.transport.buf[:end_py])
+            p.transport.buf[:] = bytes(len(p.transport.buf))
+            end_c = eventlog._fast.pack_step(p.transport.buf, 0, p.instance, p.rank, *args[:4], ph[0], ph[1] if used[1] else -1,
+                                      *args[4:], p.dropped, p.fold._ph_touched, ph, p.names.phase_ids, list(calls),
+                                      p.names.c_traffic, p.fold._ns_per_byte, p.names.comm_key,
+                                      p.fold._gcmv[16:16 + n_gc * datagram.GCREC.size] if n_gc else None, *cpu, hidden)
+            assert end_c == end_py and bytes(p.transport.buf[:end_c]) == py, (calls, touched, compute, n_gc)
             (typ, inst, rank, (st, phases, comm, gcs)), = decode(py)
             assert rank == 3 and st[0] == 7 and st[13] == 5 and len(comm) == len({c[0] for c in calls})
             assert st[14:16] == cpu

@@ -67,13 +67,13 @@ def test_a_step_with_very_many_collectives_is_summed_in_bounded_memory(probe, rx
     """Calls are kept raw until the step is packed at a flush; past MAX_CALLS in one step they are
     summed per (op, group) on the spot. The frame's totals are the same either way."""
     probe.init(job="many", rank=0, world_size=4, socket_dir=sockdir, auto=False, flush_ms=0)
-    ar, bc, grp = probe._intern("all_reduce"), probe._intern("broadcast"), probe._intern("dp")
+    ar, bc, grp = probe.names.intern("all_reduce"), probe.names.intern("broadcast"), probe.names.intern("dp")
     n = 3 * datagram.MAX_CALLS + 7
     probe.begin_step()
     for i in range(n):
-        probe._record_comm(ar if i % 3 else bc, grp, 1000, 2000, 500.0)
+        probe.hooks._record_comm(ar if i % 3 else bc, grp, 1000, 2000, 500.0)
         # the event log is bounded (a full one is replayed at once), and so are the replayed calls
-        assert probe._log.n <= eventlog.LOG_CAP and len(probe._calls) < datagram.MAX_CALLS
+        assert probe._log.n <= eventlog.LOG_CAP and len(probe.fold._calls) < datagram.MAX_CALLS
     assert n > eventlog.LOG_CAP
     probe.end_step()
     assert probe.stats()["events_lost"] == 0
@@ -91,13 +91,13 @@ def test_a_step_with_very_many_collectives_is_summed_in_bounded_memory(probe, rx
 
 def test_a_collective_between_explicit_steps_is_not_added_to_the_finished_step(probe, rx, sockdir):
     probe.init(job="between", rank=0, world_size=2, socket_dir=sockdir, auto=False)   # (flush at 500 ms)
-    ar, grp = probe._intern("all_reduce"), probe._intern("dp")
+    ar, grp = probe.names.intern("all_reduce"), probe.names.intern("dp")
     probe.begin_step()
     probe.end_step()                                      # the first step goes out at once, with the hello
     probe.begin_step()
-    probe._record_comm(ar, grp, 100, 1000, 0.0)
+    probe.hooks._record_comm(ar, grp, 100, 1000, 0.0)
     probe.end_step()                                      # this one waits for the flush
-    probe._record_comm(ar, grp, 100, 1000, 0.0)          # after end_step, before the next begin_step
+    probe.hooks._record_comm(ar, grp, 100, 1000, 0.0)          # after end_step, before the next begin_step
     probe.begin_step()
     probe.end_step()
     probe.flush()
@@ -109,7 +109,7 @@ def test_wrappers_keep_the_wrapped_calls_exceptions_and_still_record_them(probe,
     """A collective that raises, and a DataLoader iterator that ends, raise exactly what they raised
     without the probe (on both hot paths); the time spent is still recorded."""
     probe.init(job="exc", rank=0, world_size=2, socket_dir=sockdir, auto=False, flush_ms=0)
-    probe._explicit = True
+    probe.fold._explicit = True
 
     class Dist:
         @staticmethod
@@ -128,9 +128,9 @@ def test_wrappers_keep_the_wrapped_calls_exceptions_and_still_record_them(probe,
                 raise StopIteration
             return self.n
 
-    ar = probe._wrap_collective(Dist, "all_reduce", all_reduce)
+    ar = probe.hooks._wrap_collective(Dist, "all_reduce", all_reduce)
     it_cls = type("It", (It,), {})
-    probe._patch_dataloader(it_cls)
+    probe.hooks._patch_dataloader(it_cls)
     it = it_cls()
     probe.begin_step()
     with pytest.raises(RuntimeError, match="peer gone: 64"):
@@ -187,14 +187,14 @@ def test_collectives_on_a_device_are_timed_by_device_events(probe, rx, sockdir):
         return None
 
     probe.init(job="dev", rank=0, world_size=2, socket_dir=sockdir, auto=False, flush_ms=0)
-    probe._dev_mods["fakedev"] = type("FakeDevModule", (), {"Event": Event})
-    ar0 = probe._wrap_collective(Dist, "all_reduce", all_reduce)
+    probe.timing.mods["fakedev"] = type("FakeDevModule", (), {"Event": Event})
+    ar0 = probe.hooks._wrap_collective(Dist, "all_reduce", all_reduce)
     probe.begin_step()
     ar0(_DevTensor())                      # no CUDA context, no torch_npu: the payload is not even looked at
     probe.end_step()
     assert made == [] and probe.stats()["dev_timed"] == 0
     probe._log.dev_on = 1                  # what a CUDA context or torch_npu turns on (at the next replay)
-    ar = probe._wrap_collective(Dist, "all_reduce", all_reduce)
+    ar = probe.hooks._wrap_collective(Dist, "all_reduce", all_reduce)
     for _ in range(2):                                  # two steps of two calls: 2 event pairs, reused
         probe.begin_step()
         ar(_DevTensor())
@@ -308,12 +308,12 @@ def test_bucket_tail_is_the_exposed_part_split_by_the_bandwidth_model(probe, soc
     """Folding: the step's buckets become one call whose time is from the last launch to the last
     completion; the transfer part is the last bucket's payload at comm_gbps, the rest is wait."""
     probe.init(job="tail", rank=0, world_size=2, socket_dir=sockdir, auto=False, comm_gbps=1.0)
-    s = probe._comm_slot_for("all_reduce", probe._intern("all_reduce"), probe._intern("world"), 2)
+    s = probe.names.comm_slot_for("all_reduce", probe.names.intern("all_reduce"), probe.names.intern("world"), 2)
     calls = []
     # last launch at 2 ms, last done at 9 ms; the buckets were in flight 0-1.5 ms and 1.8-9 ms
     buckets = {s: [3, 3000, 2_000_000, 9_000_000, 1000,
                    [(1_800_000, 8_000_000), (0, 1_500_000), (2_000_000, 9_000_000), (500_000, 1_000_000)]]}
-    hidden = probe._bucket_calls(calls, buckets)
+    hidden = probe.fold._bucket_calls(calls, buckets)
     assert buckets == {}
     assert hidden == (1_500_000 + 7_200_000) - 7_000_000      # the union less the tail: behind backward
     (slot, cnt, nbytes, t, w), = calls

@@ -88,11 +88,11 @@ def test_columns_equal_rows_on_real_probes(sockdir, hot_path):
     probes = [Probe().init(job="cols", rank=r, world_size=2, socket_dir=sockdir, auto=False, flush_ms=100000,
                            dp=2) for r in range(2)]
     try:
-        ar, bc, dp, world = (probes[0]._intern(n) for n in ("all_reduce", "broadcast", "dp", "world"))
+        ar, bc, dp, world = (probes[0].names.intern(n) for n in ("all_reduce", "broadcast", "dp", "world"))
         for p in probes[1:]:
             for n in ("all_reduce", "broadcast", "dp", "world"):
-                p._intern(n)
-        probes[0]._group_sizes["dp"] = 2              # (as a wrapped collective records it, for the hello)
+                p.names.intern(n)
+        probes[0].names.group_sizes["dp"] = 2              # (as a wrapped collective records it, for the hello)
         for i in range(40):
             for r, p in enumerate(probes):
                 with p.step(samples=8 if i % 3 else None, tokens=4096 if i % 2 else None):
@@ -101,8 +101,8 @@ def test_columns_equal_rows_on_real_probes(sockdir, hot_path):
                             pass
                         p.add_phase("backward", 1.5 + r)
                     if i % 5:
-                        p._record_comm(ar, dp, 1 << 20, 2_000_000 + i, 500_000.0)
-                        p._record_comm(bc, world, 1024, 30_000, 10_000.0)
+                        p.hooks._record_comm(ar, dp, 1 << 20, 2_000_000 + i, 500_000.0)
+                        p.hooks._record_comm(bc, world, 1024, 30_000, 10_000.0)
                     if i == 7:
                         gc.collect()
                         gc.collect(0)
