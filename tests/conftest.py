@@ -82,6 +82,16 @@ def pg_lake(postgres, tmp_path):
                      str(tmp_path / "lakedata"))
 
 
+@pytest.fixture(scope="session")
+def query_store(tmp_path_factory):
+    """One simulated store (job ``bench-hour``: 256 ranks, 480 steps, a slow rank 85 and a communication
+    regression at step 320, alerts from the real detectors), built once for the tests that only read it
+    (tests/unit/test_queries.py, test_report.py). Returns (root, row counts)."""
+    from stepwatch.devtools.bench import build_query_store
+    root = tmp_path_factory.mktemp("query-store")
+    return root, build_query_store(root, ranks=256, seconds=480, chunk=60)
+
+
 KINDS = ("unit", "integration", "realrun")
 
 

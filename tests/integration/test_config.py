@@ -135,6 +135,22 @@ def _send_steps(sim, prod, kafka, a, b, steps=True):
     prod.flush(30)
 
 
+def _wait_stored(data, sims, timeout: float = 60.0) -> None:
+    """Until the store holds steps of every job in ``sims`` (the processor read them: its jobs exist)."""
+    from stepwatch.storage.views import connect
+    deadline = time.monotonic() + timeout
+    got = None
+    while time.monotonic() < deadline:
+        try:
+            got = {j for (j,) in connect(data).execute("SELECT DISTINCT job FROM steps").fetchall()}
+        except Exception as e:  # noqa: BLE001 - no lake or no steps table before the first flush
+            got = e
+        if isinstance(got, set) and got >= set(sims):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"steps of {sorted(sims)} not stored in {timeout}s: {got!r}")
+
+
 class _Lines:
     """A subprocess's output lines, read on a thread."""
 
@@ -179,7 +195,7 @@ def test_sighup_applies_a_per_job_override_on_the_next_step_and_refuses_a_bad_fi
         err.wait(r"assigned \d+ partitions", 60)
         # a file overriding two detectors for jobs named live-*; SIGHUP while the jobs stream (the processor
         # also notices the changed file by itself, within 5 s: whichever comes first retunes the job)
-        time.sleep(2.0)                                    # (the first steps are in)
+        _wait_stored(tmp_path / "data", sims)              # the first steps are in: the jobs exist to retune
         n0 = len(err.lines)
         cfg.write_text("[processor]\nflush_interval_s = 0.3\nlateness_s = 0.5\n\n[[jobs]]\nmatch = \"live-*\"\n"
                        "[jobs.detectors.slow_rank]\nk = 1\n[jobs.detectors.stall]\nhang_s = 3.0\n"

@@ -1,7 +1,6 @@
 """Every canned post-mortem query runs over a store made by the simulator + real detectors."""
 import pytest
 
-from stepwatch.devtools.bench import build_query_store
 from stepwatch.storage import queries
 from stepwatch.storage.views import connect
 from stepwatch.storage.views import query as views_query
@@ -10,9 +9,8 @@ pytestmark = pytest.mark.unit
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    root = tmp_path_factory.mktemp("q")
-    counts = build_query_store(root, ranks=256, seconds=480, chunk=60)
+def store(query_store):
+    root, counts = query_store          # (tests/conftest.py: 256 ranks, 480 steps, shared with test_report)
     assert counts["alerts"] >= 2
     return root
 

@@ -5,8 +5,6 @@ import sys
 
 import pytest
 
-from stepwatch.devtools.bench import build_query_store
-
 pytestmark = pytest.mark.unit
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
@@ -15,10 +13,9 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    root = tmp_path_factory.mktemp("rep")
-    build_query_store(root, ranks=512, seconds=360, chunk=60)
-    out = root / "report.html"
+def report(query_store, tmp_path_factory):
+    root, _ = query_store               # (tests/conftest.py: 256 ranks, 480 steps, slow rank 85; read only)
+    out = tmp_path_factory.mktemp("rep") / "report.html"
     r = subprocess.run([sys.executable, "-m", "stepwatch.cli", "report", "--data-dir", str(root),
                         "--job", "bench-hour", "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -31,9 +28,9 @@ def test_report_is_self_contained_and_names_the_findings(report):
     assert "stepwatch post-mortem: bench-hour" in text
     assert text.count('src="data:image/png;base64,') == 5          # plots embedded, no external files
     assert "http://" not in text and "https://" not in text
-    assert f"slowest rank: {512 // 3}" in stdout                   # terminal summary
+    assert f"slowest rank: {256 // 3}" in stdout                   # terminal summary
     assert "regression" in stdout and "cause communication" in stdout
-    assert "slow_rank rank 170" in text
+    assert f"slow_rank rank {256 // 3}" in text
 
 
 def test_report_for_unknown_job_is_a_clear_error(report):
