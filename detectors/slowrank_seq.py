@@ -291,9 +291,9 @@ class _SequentialTests:
         uf = u.ravel()
         self._samp[self._age % len(self._samp)] = np.where(out.ravel()[self._cols], np.nan, uf[self._cols])
         dslot = self._age % _DELAY
-        old = self._work("old")
-        np.copyto(old, self._zring[dslot].reshape(_P, R))          # float32 -> float64
-        self._zring[dslot] = zz.ravel()
+        # the z of _DELAY steps ago, read from the float32 ring as it is (the ufuncs widen each value
+        # exactly; no float64 copy of the slot), before this step's z takes the slot
+        old = self._zring[dslot].reshape(_P, R)
         if not self._cs_ready:
             old = zz                             # warm-up: learn the offsets from every step at once
         ok = np.isfinite(old, out=self._work("ok", bool))
@@ -304,6 +304,7 @@ class _SequentialTests:
         # 1 / _OFFSET_STEPS); what is computed where not ok is replaced by 0, as np.where did
         d = self._work("d")
         np.clip(old, -c1, c1, out=d)                     # = maximum(minimum(old, c1), -c1): -c1 < c1
+        self._zring[dslot] = zz.ravel()
         d -= off
         for p in range(_P):                              # the rate: 1 / _OFFSET_STEPS but for the few ranks
             n_p, d_p = off_n[p], d[p]                    # with fewer values (new, or frozen under an alert)
