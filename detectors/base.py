@@ -133,6 +133,29 @@ class StepBlock:
         from .causes import nanmedian
         return self._memo("step_median", lambda: nanmedian(self.step_ms, axis=1), (self.step_ms,))
 
+    def step_median_scaled(self, scale: np.ndarray) -> np.ndarray:
+        """``nanmedian(step_ms * scale, axis=1)`` for a finite, positive ``scale`` per step ((S,) or (S, 1)),
+        the same values without an (S, R) product or a second partition: a rounded product by a positive
+        number keeps the order, so the two middle values of a scaled step are the middle values of the
+        step (:meth:`_step_middle`, once per block) times its scale, and their mean is the median."""
+        lo, hi = self._memo("step_middle", self._step_middle, (self.step_ms,))
+        sc = np.asarray(scale, dtype=np.float64).reshape(-1)
+        return (lo * sc + hi * sc) / 2.0
+
+    def _step_middle(self) -> np.ndarray:
+        """(2, S): the lower and upper middle value of each step's reported step times (equal for an odd
+        count; NaN where no rank reported)."""
+        x = np.asarray(self.step_ms, dtype=np.float64)
+        out = np.full((2, x.shape[0]), np.nan)
+        for s in range(x.shape[0]):
+            row = x[s]
+            v = row[~np.isnan(row)] if np.isnan(row).any() else row.copy()
+            n = len(v)
+            if n:
+                v.partition(((n - 1) // 2, n // 2))
+                out[0, s], out[1, s] = v[(n - 1) // 2], v[n // 2]
+        return out
+
     def _busy(self) -> np.ndarray:
         busy = self.step_ms - self.comm_wait_ms
         if not np.isnan(self.comm_wait_ms).any():

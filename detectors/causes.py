@@ -114,12 +114,13 @@ def phase_arrays(block, cols=None) -> dict[str, np.ndarray]:
     return out
 
 
-def nanmedian(a, axis=None):
+def nanmedian(a, axis=None, overwrite: bool = False):
     """``np.nanmedian`` without the all-NaN warning (all-NaN slices give NaN); takes the faster
-    ``np.median`` path when there is no NaN."""
+    ``np.median`` path when there is no NaN. ``overwrite``: ``a`` is a scratch array the caller no longer
+    needs (partitioned in place, not copied first)."""
     a = np.asarray(a)
     if a.size and not np.isnan(a).any():
-        return np.median(a, axis=axis)
+        return np.median(a, axis=axis, overwrite_input=overwrite)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         return np.nanmedian(a, axis=axis)

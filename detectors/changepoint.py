@@ -190,6 +190,8 @@ class ChangePoint(Detector):
         R = block.step_ms.shape[1]
         if scale is None:
             med = block.step_median()                                            # (S,) O(S*R), once per block
+        elif np.all(np.isfinite(scale) & (scale > 0)):
+            med = block.step_median_scaled(scale)                                # (the step's partition, shared)
         else:
             med = nanmedian(block.step_ms * scale, axis=1)
         cols = np.arange(0, R, max(1, -(-R // self.phase_sample)))

@@ -13,15 +13,19 @@ from .effcommon import _Episodes, _r
 
 def _nanmedian_axis0(a: np.ndarray) -> np.ndarray:
     """``np.nanmedian(a.astype(float64), axis=0)``, the same values, for a short axis 0 (steps) and many
-    columns (ranks): one sort of the transposed rows (NaN sorts last) and the mean of the two middle
-    values, instead of numpy's masked-array path (~10x slower at 20 x 16,384)."""
+    columns (ranks): one sort down the columns in the array's own dtype (NaN sorts last; a float32 ring is
+    neither transposed nor widened first: float32 -> float64 is exact and keeps the order, so the two
+    middle values are the same) and the mean of the two middle values in float64, instead of numpy's
+    masked-array path (~10x slower at 20 x 16,384; at 20 x 100,000 the sort of a transposed float64 copy
+    took ~14 ms, this ~8)."""
     if a.shape[1] == 0:
         return np.zeros(0)
-    s = np.sort(np.ascontiguousarray(a.T, dtype=np.float64), axis=1)
-    n = s.shape[1] - np.isnan(s).sum(axis=1)
-    lo = np.maximum((n - 1) // 2, 0)[:, None]
-    hi = np.maximum(n // 2, 0)[:, None]
-    return ((np.take_along_axis(s, lo, axis=1) + np.take_along_axis(s, hi, axis=1)) / 2.0)[:, 0]
+    s = np.sort(a if a.dtype in (np.float32, np.float64) else a.astype(np.float64), axis=0)
+    n = s.shape[0] - np.isnan(s).sum(axis=0)
+    lo = np.maximum((n - 1) // 2, 0)[None, :]
+    hi = np.maximum(n // 2, 0)[None, :]
+    return ((np.take_along_axis(s, lo, axis=0).astype(np.float64)
+             + np.take_along_axis(s, hi, axis=0).astype(np.float64)) / 2.0)[0]
 
 
 def _median_at_least(a: np.ndarray, thr: float) -> np.ndarray:

@@ -288,7 +288,7 @@ class SlowRank(_SequentialTests, _AlertAssembly, Detector):
                 continue
             med = nanmedian(sub, axis=1)[:, None]                                 # (S, 1)
             dev = sub - med
-            mad = nanmedian(np.abs(dev), axis=1)[:, None]
+            mad = nanmedian(np.abs(dev), axis=1, overwrite=True)[:, None]
             scale = _MAD_TO_SIGMA * np.maximum(mad, self.mad_floor * np.abs(med))
             with np.errstate(divide="ignore", invalid="ignore"):
                 zz = dev / scale

@@ -81,10 +81,11 @@ class _SequentialTests:
             self._h[np.isnan(self._theta)] = np.inf      # a series not (yet) judged never fires
         for p in range(_P):
             o, on = self._off[p * R:(p + 1) * R], self._off_n[p * R:(p + 1) * R]
-            seasoned = o[on >= 8]
+            seasoned = o[on >= 8]                        # a copy: partitioned in place by the medians
             if len(seasoned) >= self.min_peers:
-                med = float(np.median(seasoned))
-                self._off_hi[p] = med + 5.0 * _MAD_TO_SIGMA * float(np.median(np.abs(seasoned - med)))
+                med = float(np.median(seasoned, overwrite_input=True))
+                dev = np.abs(np.subtract(seasoned, med, out=seasoned), out=seasoned)
+                self._off_hi[p] = med + 5.0 * _MAD_TO_SIGMA * float(np.median(dev, overwrite_input=True))
 
     def _small_z(self, sub: np.ndarray, cols: np.ndarray):
         """A stage of 2 .. min_peers - 1 ranks (``sub``: (S, w) busy times, ``cols``: their ranks), where a
@@ -184,11 +185,13 @@ class _SequentialTests:
             zv, jv = np.empty((S, _P * R)), np.empty((S, _P * R), dtype=bool)
             if S <= 8:                                   # (a long replayed block's are not kept)
                 self._scratch["zv"], self._scratch["jv"] = zv, jv
-        zv.fill(np.nan)
-        jv.fill(False)
+        perm = self._perm
+        if not (perm is None and all(phases.get(name) is not None for name in OWN_PHASES)
+                and all(sl.start in bmeds for sl in self._slices)):
+            zv.fill(np.nan)                              # some columns are not written below
+            jv.fill(False)
         zv[:, :R], jv[:, :R] = z, judged
         sig = np.full((S, _P), np.nan)
-        perm = self._perm
         for p, name in enumerate(OWN_PHASES, 1):
             x = phases.get(name)
             if x is None:
@@ -209,7 +212,7 @@ class _SequentialTests:
                 # them within ~3% of the whole stage's; the busy time's own use every rank)
                 ss = sub[:, ::-(-sub.shape[1] // _SAMPLE_COLS)] if sub.shape[1] > 2 * _SAMPLE_COLS else sub
                 med = nanmedian(ss, axis=1)[:, None]
-                mad = nanmedian(np.abs(ss - med), axis=1)[:, None]
+                mad = nanmedian(np.abs(ss - med), axis=1, overwrite=True)[:, None]
                 with np.errstate(divide="ignore", invalid="ignore"):
                     dev = np.subtract(sub, med, out=zp[:, sl])
                     np.divide(dev, _MAD_TO_SIGMA * np.maximum(mad, self.mad_floor * np.abs(bmed)), out=dev)
@@ -277,7 +280,7 @@ class _SequentialTests:
             np.clip(prev, 0.0, 1.5 * h, out=prev)        # = minimum(maximum(prev, 0), 1.5 h)
             up &= np.greater(prev, 0.0, out=miss_b[:n_ser])
             frm = getattr(self, attr + "_from").reshape(_P, R)[:n_ser]
-            frm[up] = step
+            np.copyto(frm, step, where=up)               # (a masked copy: ~2x a boolean-index store)
         # the null law's sample (ranks under an alert left out) and the delayed offset update
         # (ranks of a small stage also while their CUSUM is above h/2: there a suspect is a third or half of
         # the sample, and its excess would make the null law's tail, and h, its own)
@@ -288,9 +291,9 @@ class _SequentialTests:
         uf = u.ravel()
         self._samp[self._age % len(self._samp)] = np.where(out.ravel()[self._cols], np.nan, uf[self._cols])
         dslot = self._age % _DELAY
-        old = self._work("old")
-        np.copyto(old, self._zring[dslot].reshape(_P, R))          # float32 -> float64
-        self._zring[dslot] = zz.ravel()
+        # the z of _DELAY steps ago, read from the float32 ring as it is (the ufuncs widen each value
+        # exactly; no float64 copy of the slot), before this step's z takes the slot
+        old = self._zring[dslot].reshape(_P, R)
         if not self._cs_ready:
             old = zz                             # warm-up: learn the offsets from every step at once
         ok = np.isfinite(old, out=self._work("ok", bool))
@@ -301,6 +304,7 @@ class _SequentialTests:
         # 1 / _OFFSET_STEPS); what is computed where not ok is replaced by 0, as np.where did
         d = self._work("d")
         np.clip(old, -c1, c1, out=d)                     # = maximum(minimum(old, c1), -c1): -c1 < c1
+        self._zring[dslot] = zz.ravel()
         d -= off
         for p in range(_P):                              # the rate: 1 / _OFFSET_STEPS but for the few ranks
             n_p, d_p = off_n[p], d[p]                    # with fewer values (new, or frozen under an alert)

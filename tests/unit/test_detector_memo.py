@@ -41,6 +41,32 @@ def test_step_median_and_busy_once_per_block_read_only():
     np.testing.assert_array_equal(b.step_median(), 2.0 * med)
 
 
+def test_scaled_step_median_is_the_median_of_the_scaled_steps():
+    """mfu's step times scaled by the work of each step: their median from the block's shared middle pair
+    is bit for bit that of the (S, R) product (ties, NaN, odd and even counts, an all-NaN step)."""
+    rng = np.random.default_rng(4)
+    for S, R in ((3, 7), (2, 8), (4, 5), (5, 40)):
+        b = _block(S, R, seed=R)
+        b.step_ms[:, : R // 2] = np.round(b.step_ms[:, : R // 2])              # ties
+        b.step_ms[-1] = np.nan if S == 5 else b.step_ms[-1]
+        scale = rng.uniform(0.3, 3.0, (S, 1))
+        want = causes.nanmedian(b.step_ms * scale, axis=1)
+        np.testing.assert_array_equal(b.step_median_scaled(scale), want)
+        np.testing.assert_array_equal(b.step_median_scaled(scale[:, 0]), want)
+
+
+def test_dataloader_rank_medians_of_a_float32_ring_match_nanmedian():
+    from stepwatch.detectors.dataloader import _nanmedian_axis0
+    rng = np.random.default_rng(5)
+    for dt in (np.float32, np.float64):
+        a = rng.uniform(0, 1, (20, 300)).astype(dt)
+        a[rng.random(a.shape) < 0.2] = np.nan
+        a[:, 7] = np.nan                                                       # a rank never reported
+        with np.errstate(all="ignore"), pytest.warns(RuntimeWarning):
+            want = np.nanmedian(a.astype(np.float64), axis=0)
+        np.testing.assert_array_equal(_nanmedian_axis0(a), want)
+
+
 def test_job_host_shift_once_per_window_state(monkeypatch):
     ctx = ctx_with(host=host_rows(t=(1, 2, 3, 4)))
     calls = []
