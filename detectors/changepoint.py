@@ -434,6 +434,9 @@ class ChangePoint(Detector):
                     not self._open_ok(name, before, after, step_level):
                 self._held.setdefault(name, []).append(step_first)
                 continue
+            if self.decide_steps and d > 0 and int(steps[-1]) - step_first > self.decide_steps:
+                self._held.setdefault(name, []).append(step_first)    # confirmed late: it wandered there
+                continue
             # persistence: most steps of each segment lie on its own side of the midpoint (a level
             # shift; noise that takes turns, or a few slow steps, does not)
             mid = 0.5 * (before + after)

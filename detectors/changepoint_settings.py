@@ -16,6 +16,11 @@ SETTINGS = (
             "a change is decided 3 steps after it starts at the earliest; at least 2", live=False),
     Setting("min_effect", 0.05, 0.0, 10.0, "share", "minimum relative change of the median step time"),
     Setting("min_t", 5.0, 0.0, None, "standard errors", "minimum shift in units of its standard error"),
+    Setting("decide_steps", 24, 0, 100000, "steps", "a slowdown first confirmed more than this many steps after "
+            "its first step is a level that wandered there, not a step change: held (known, never reported). At "
+            "min_t 5 a persistent shift of 1 sd of the noise is confirmed within 25 steps; one that took longer "
+            "is smaller than the noise or came slowly (real runs: 1.2-sd comm and compute 'regressions' decided "
+            "19-95 steps after they began on clean jobs). 0: off"),
     Setting("penalty_c", PENALTY_C, 0.0, None, "", "penalty constant of :func:`find` (``c * sigma^2 * log n``)"),
     Setting("smooth", 5, 1, 1001, "steps", "running-median width of :func:`find` (removes checkpoint spikes)",
             live=False),
