@@ -57,8 +57,10 @@ def test_ddp_buckets_hide_communication_a_loop_after_backward_does_not(kafka, tm
                               WHERE job = ? AND step > 0 ORDER BY step, rank""", [job]).fetchall()
         assert len(rows) == 2 * (STEPS - 1), (job, len(rows))
         assert all(t is not None and e is not None and 0 < e <= t + 1e-9 for t, e, _ in rows), (job, rows)
-        # what held the step is what the comm/wait columns (and the detectors) already count
-        assert all(abs(e - cw) < 1e-6 for _, e, cw in rows), (job, rows)
+        # what held the step is what the comm/wait columns (and the detectors) already count: equal on the
+        # wire; the lake stores durations as FLOAT (storage/store.py STORED_TYPES), so each of the three
+        # stored values is within half a float32 ulp (6e-8 of the value) of its own float64
+        assert all(abs(e - cw) <= 1e-6 * max(1.0, cw) for _, e, cw in rows), (job, rows)
         got[job] = con.execute("""SELECT median(comm_total_ms), median(comm_exposed_ms),
                                          median(comm_exposed_ms / comm_total_ms) FROM steps
                                   WHERE job = ? AND step > 0""", [job]).fetchone()
