@@ -327,3 +327,32 @@ def test_the_others_waiting_longer_for_a_straggler_that_still_fires_is_its_conse
     after = reg(300, 9.5, 11.1)                                     # the straggler gone: not its wait
     inc.assign(after)
     assert after.incident_id != s.incident_id
+
+
+def test_a_compute_regression_while_a_cpu_contended_straggler_fires_is_that_contention_spreading():
+    """A real 2-rank DDP run (this machine, idle): a busy process pinned to rank 1's core from step 101;
+    slow_rank rank 1, cause cpu (excess 13.5 ms); at step 172 the job's compute rose 42.0 -> 50.3 ms (the
+    hog reaching rank 0's vCPU). That is the same fault while the straggler fires; the same change beside a
+    *compute* straggler, or one far larger than the excess, stays apart."""
+    def reg(step_first, before, after, cause="computation"):
+        a = al("regression", step_first=step_first, step=step_first + 5, cause=cause)
+        a.evidence = {"series": "compute_ms", "median_before_ms": before, "median_after_ms": after,
+                      "step_median_before_ms": 55.0, "step_median_after_ms": 58.0}
+        return a
+
+    def straggler(inc, cause):
+        s = al("slow_rank", ranks=[1], step_first=103, step=105, node="node-a", cause=cause)
+        s.evidence = {"busy_ms": 54.685, "peer_median_ms": 41.229}
+        inc.assign(s)
+        return s
+
+    inc = Incidents()
+    s = straggler(inc, "cpu")
+    r = reg(172, 41.96, 50.32)
+    inc.assign(r)
+    assert r.incident_id == s.incident_id and r.evidence["incident"]["role"] == "consequence"
+    for cause, other in (("computation", reg(172, 41.96, 50.32)), ("cpu", reg(172, 41.96, 90.0))):
+        inc = Incidents()
+        s = straggler(inc, cause)
+        inc.assign(other)
+        assert other.incident_id != s.incident_id, cause
