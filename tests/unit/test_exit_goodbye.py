@@ -84,6 +84,18 @@ def test_every_way_a_rank_ends_leaves_the_right_word(socket_dir, case):
         assert byes[0]["pid"] and byes[0]["pid"] != os.getpid()
 
 
+def _probe_and_agent_socket(tmp_path, flush_ms: int):
+    """A probe of rank 1 and the socket an 'agent' (the test) reads: (probe, socket, its path)."""
+    import socket
+
+    from stepwatch.agents.probe import Probe
+    path = str(tmp_path / "agent.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    srv.bind(path)
+    p = Probe().init(job="j", rank=1, world_size=2, socket_dir=str(tmp_path), auto=False, flush_ms=flush_ms)
+    return p, srv, path
+
+
 def _exit_into_a_full_queue(p, srv, path) -> list:
     """Fill the 'agent's' queue (another sender), end the probe (``at_exit``) while a reader drains the
     queue 0.3 s later; returns every datagram the reader got (the filler's ``x`` ones included)."""
@@ -123,15 +135,10 @@ def test_the_goodbye_waits_a_little_for_room_in_a_busy_agents_queue(tmp_path):
     """The agent's socket queue is full when the rank ends (a busy agent: 4 ranks on 2 loaded cores lost a
     goodbye, and a clean end read as a failed exit): the goodbye waits up to GOODBYE_WAIT_S for room
     instead of being dropped; here the 'agent' drains its queue 0.3 s later and gets it."""
-    import socket
-
-    from stepwatch.agents.probe import Probe, exitwatch
+    from stepwatch.agents.probe import exitwatch
     from stepwatch.wire.datagram import HDR, T_INFLIGHT
 
-    path = str(tmp_path / "agent.sock")
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    srv.bind(path)
-    p = Probe().init(job="j", rank=1, world_size=2, socket_dir=str(tmp_path), auto=False, flush_ms=0)
+    p, srv, path = _probe_and_agent_socket(tmp_path, flush_ms=0)
     try:
         p.begin_step()
         p.end_step()
@@ -149,15 +156,10 @@ def test_the_last_steps_wait_for_room_too_and_go_before_the_goodbye(tmp_path):
     1 crashed): the steps its exit flushes land in the backlog, which nobody would send after the exit.
     They now wait for room as the goodbye does, and go first: every finished step arrives, then the
     goodbye."""
-    import socket
-
-    from stepwatch.agents.probe import Probe, decode
+    from stepwatch.agents.probe import decode
     from stepwatch.wire.datagram import HDR, T_BATCH, T_INFLIGHT
 
-    path = str(tmp_path / "agent.sock")
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    srv.bind(path)
-    p = Probe().init(job="j", rank=1, world_size=2, socket_dir=str(tmp_path), auto=False, flush_ms=60_000)
+    p, srv, path = _probe_and_agent_socket(tmp_path, flush_ms=60_000)
     try:
         p.begin_step()
         p.end_step()
