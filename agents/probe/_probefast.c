@@ -13,7 +13,8 @@
  *   Log(cap, on_drain, on_first_opt)  the event array. add(kind, slot, t0, t1, a, b) appends one event
  *       (calls on_drain() when the array is full); drain() returns the events as a list of 6-tuples and
  *       empties it; opt_pre / opt_post are the torch optimizer step hooks (one event per step:
- *       (K_OPT_POST, t0 = pre-hook time, t1 = post-hook time, a = id(optimizer)); opt_post calls on_drain() when
+ *       (K_OPT_POST, t0 = pre-hook time, t1 = post-hook time, a = id(optimizer), b = 1 + the token of a device
+ *       event recorded by on_step() at the primary's step end when an accelerator is in use, else 0); opt_post calls on_drain() when
  *       `high` events wait, `drain_ns` passed since `last_drain`, or `eager` is set).
  *   DataWrap(log, fn, dq_fn)  a DataLoader iterator's __next__; records (t0, t1) and, at the first call
  *       after a step boundary, the prefetch queue depth from dq_fn(it) (-2: "0, and the same for every
@@ -81,6 +82,7 @@ static int Log_traverse(Log *L, visitproc visit, void *arg)
 {
     Py_VISIT(L->on_drain);
     Py_VISIT(L->on_first_opt);
+    Py_VISIT(L->on_step);
     return 0;
 }
 
@@ -88,6 +90,7 @@ static int Log_clear(Log *L)
 {
     Py_CLEAR(L->on_drain);
     Py_CLEAR(L->on_first_opt);
+    Py_CLEAR(L->on_step);
     return 0;
 }
 
@@ -186,7 +189,23 @@ static PyObject *Log_opt_post(Log *L, PyObject *const *args, Py_ssize_t nargs)
             PyErr_Clear();
         Py_XDECREF(r);
     }
-    push(L, K_OPT_POST, 0, L->pre_t, t, (int64_t)(intptr_t)opt, 0.0);
+    double mark = 0.0;
+    if (L->dev_on && L->on_step != NULL && L->on_step != Py_None && (int64_t)(intptr_t)opt == L->primary) {
+        /* the primary optimizer's step ends a step: on_step() records a device event there and returns
+         * its token (>= 0), sent as b = token + 1 (see DeviceTiming.step_mark); errors are the probe's */
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        PyObject *r = PyObject_CallNoArgs(L->on_step);
+        if (r != NULL) {
+            long long tok = PyLong_AsLongLong(r);
+            if (tok >= 0 && !PyErr_Occurred())
+                mark = (double)tok + 1.0;
+            Py_DECREF(r);
+        }
+        PyErr_Clear();
+        PyErr_Restore(et, ev, tb);
+    }
+    push(L, K_OPT_POST, 0, L->pre_t, t, (int64_t)(intptr_t)opt, mark);
     L->pre_t = 0;
     L->dq_need = 1;
     if (L->eager || L->n >= L->high || t - L->last_drain >= L->drain_ns)
@@ -219,6 +238,8 @@ static PyMemberDef Log_members[] = {
     {"in_coll", T_INT, offsetof(Log, in_coll), 0, "inside a wrapped collective"},
     {"coll_t0", T_LONGLONG, offsetof(Log, coll_t0), 0, "perf ns when the running collective started"},
     {"dev_on", T_INT, offsetof(Log, dev_on), 0, "an accelerator is in use: look at the payload's device"},
+    {"on_step", T_OBJECT, offsetof(Log, on_step), 0,
+     "with dev_on: called at the primary optimizer's step end, returns a device event's token (b = token + 1)"},
     {NULL}};
 
 static PyGetSetDef Log_getset[] = {{"n", (getter)Log_len, NULL, "events waiting", NULL}, {NULL}};

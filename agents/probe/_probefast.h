@@ -33,7 +33,7 @@ typedef struct {
     Py_ssize_t n, cap, high;
     long long last_drain, drain_ns, primary, lost, comm_keys_dropped, pre_t, coll_t0;
     int eager, dq_need, in_coll, draining, dev_on;
-    PyObject *on_drain, *on_first_opt;
+    PyObject *on_drain, *on_first_opt, *on_step;   /* on_step: optional, see Log_opt_post */
 } Log;
 
 void probefast_call_drain(Log *L);             /* on_drain(), keeping the running call's exception */

@@ -26,6 +26,8 @@ from .transport import Transport, device_fields
 from stepwatch.wire.datagram import DEFAULT_FLUSH_MS, HDR, MAGIC, SOCKET_NAME, T_PROFILE, VERSION, default_socket_dir
 
 
+HOLD_NS = 1_000_000_000        # a step boundary waits at most this long for its device event (see Probe._hold)
+HOLD_EVENTS = LOG_CAP          # ... and with at most this many events behind it
 SLURM_ID_MAX = 2**32 - 1       # Slurm's job and step ids are uint32 (the batch step is 4294967294)
 
 
@@ -105,6 +107,8 @@ class Probe:
         self.identity = Identity(self.transport.hello_changed)
         self.names = Names(self.transport.hello_changed)
         self.timing = DeviceTiming()
+        self._log.on_step = self.timing.step_mark      # (called at step ends only while dev_on)
+        self._held: list = []                 # events from the first step boundary whose device event runs
         self.flops = Flops(self.identity.extra, self.transport.hello_changed)
         self.fold = StepFold(self.transport, self.timing, self.names, self.identity)
         self.hooks = Hooks(self._log, self.names, self.timing, self.flush, lambda: self._on)   # torch patching
@@ -139,7 +143,7 @@ class Probe:
 
     def flush(self) -> None:
         """Send the finished steps that wait for company now (shutdown and exit do it too)."""
-        self._drain()
+        self._drain(force=True)
         self.transport.flush(_perf())
 
     def hello_payload(self) -> dict:
@@ -178,10 +182,11 @@ class Probe:
         "n_steps", "gc_rows_dropped", "phases_dropped", "gc_row_min_ns"))
     comm_keys_dropped = _of("hooks", "comm_keys_dropped")
 
-    def _drain(self) -> None:
+    def _drain(self, force: bool = False) -> None:
         """Fold the hot path's events into steps (and send them when due). Called by the hooks at a
         step end (see :class:`_PyLog` for when), by ``flush``/``stats``/``shutdown``, and when the log
-        is full."""
+        is full. On an accelerator the events from the first step boundary whose device event has not
+        completed wait for the next drain (see :meth:`_hold`); ``force`` (flush, shutdown) folds all."""
         if self._replaying:
             return
         self._replaying = True
@@ -196,6 +201,11 @@ class Probe:
             if tr.backlog:                        # the agent's queue was full: its room first
                 tr.flush_backlog()
             events = log.drain()
+            if self._held:
+                events = self._held + events
+                self._held = []
+            if self.timing.marks and not force:
+                events = self._hold(events, log.last_drain)
             if not events or not self._on:
                 return
             n0 = fold.n_steps
@@ -209,6 +219,22 @@ class Probe:
                     self._ctl.on_step(fold._step)
         finally:
             self._replaying = False
+
+    def _hold(self, events: list, now: int) -> list:
+        """The events to fold now: those before the first step boundary whose device event (see
+        :meth:`DeviceTiming.step_mark`) has not completed; the rest wait in ``_held`` for the next
+        drain, for at most ``HOLD_NS`` and ``HOLD_EVENTS`` (a device that stopped, a flood of events:
+        then they fold with the host's times)."""
+        ready = self.timing.step_ready
+        for i, ev in enumerate(events):
+            b = ev[5]
+            if b and (ev[0] == K_OPT_POST or ev[0] == K_END or ev[0] == K_BEGIN) and not ready(int(b) - 1):
+                t = ev[3] if ev[0] == K_OPT_POST else ev[2]
+                if now - t < HOLD_NS and len(events) - i <= HOLD_EVENTS:
+                    self._held = events[i:]
+                    return events[:i]
+                break
+        return events
 
     def init(self, job: str | None = None, rank: int | None = None, world_size: int | None = None,
              node: str | None = None, socket_dir: str | None = None, local_rank: int | None = None,
@@ -314,6 +340,7 @@ class Probe:
             self.hooks.remove()
             self.transport.close()
             self._log.clear()
+            self._held = []
             self.fold._open = False
             self._ctl_close(unlink=True)
             if not self._exitw.sent:       # at exit the signal goodbyes stay armed (an abort in teardown)
@@ -335,6 +362,7 @@ class Probe:
         log.dq_need = 1
         self._replaying = False
         self.timing.after_fork()                      # (the parent's device events)
+        self._held = []
         self._step_tid = None
         self._gc_t0 = 0
         self.identity.after_fork()
@@ -417,7 +445,8 @@ class Probe:
         log = self._log
         if self._step_tid is None:
             self._step_tid = threading.get_ident()
-        log.add(K_BEGIN, 0, t, 0, int(step) if step is not None else -1, 0.0)
+        log.add(K_BEGIN, 0, t, 0, int(step) if step is not None else -1,
+                self._mark() if log.dev_on else 0.0)
         log.dq_need = 1
         pc = self._pending_counts
         if pc is not None:
@@ -429,10 +458,18 @@ class Probe:
     def end_step(self) -> None:
         t = _perf()
         log = self._log
-        log.add(K_END, 0, t, 0, 0, 0.0)
+        log.add(K_END, 0, t, 0, 0, self._mark() if log.dev_on else 0.0)
         log.dq_need = 1
         if log.eager or log.n >= log.high or t - log.last_drain >= log.drain_ns:
             self._drain()
+
+    def _mark(self) -> float:
+        """A step boundary's device event, as the event's ``b`` (token + 1; 0.0: none)."""
+        try:
+            tok = self.timing.step_mark()
+        except Exception:  # noqa: BLE001 - telemetry never fails training
+            return 0.0
+        return tok + 1.0 if tok >= 0 else 0.0
 
     def mark_step_kind(self, kind: str) -> None:
         """Mark the step in progress as ``kind`` (``eval``, ``checkpoint`` or a name of your own): it is
@@ -498,11 +535,13 @@ class Probe:
         the first step), ``comm_keys_dropped`` and ``phases_dropped`` (over the fixed capacity);
         ``events_lost`` hot-path events dropped (none unless a replay re-entered with a full log);
         ``fast``: whether the C hot path runs; ``dev_timed``/``dev_unready`` collectives timed by
-        device events / by the host because their end event had not completed at the replay.
-        Replays the waiting events first."""
+        device events / by the host because their end event had not completed at the replay;
+        ``dev_steps_timed``/``dev_steps_unready`` the same for step times (see
+        :meth:`DeviceTiming.step_mark`), ``held`` the events waiting for a step boundary's device event.
+        Replays the waiting events first (but those held)."""
         self._drain()
         log, tr = self._log, self.transport
-        return {"fast": _ev.FAST, "events_lost": log.lost, "dev_timed": self.timing.timed, "dev_unready": self.timing.unready, "steps": self.fold.n_steps, "sent": tr.sent, "dropped": tr.dropped, "deferred": tr.deferred,
+        return {"fast": _ev.FAST, "events_lost": log.lost, "dev_timed": self.timing.timed, "dev_unready": self.timing.unready, "dev_steps_timed": self.timing.steps_timed, "dev_steps_unready": self.timing.steps_unready, "held": len(self._held), "steps": self.fold.n_steps, "sent": tr.sent, "dropped": tr.dropped, "deferred": tr.deferred,
                 "backlog": len(tr.backlog), "backlog_frames": sum(f for _, _, f in tr.backlog),
                 "datagrams": tr.datagrams, "pending": tr.frames,
                 "dropped_full": tr.dropped_full, "dropped_no_agent": tr.dropped_no_agent,

@@ -17,6 +17,8 @@ LOG_CAP = 1024                        # hot-path events held before a replay is 
 
 # Events of the hot path (see _PyLog): (kind, slot, t0, t1, a, b), folded into steps by StepFold.replay.
 # K_OPT_POST: t0 = the optimizer's pre-hook time (0: none), t1 = its post-hook time, a = id(optimizer)
+# K_OPT_POST, K_BEGIN, K_END: b = 1 + the token of a device event recorded at that step boundary (0: none;
+# see DeviceTiming.step_mark)
 K_OPT_POST, K_DATA, K_COLL, K_GC, K_BEGIN, K_END, K_PHASE, K_COUNT = range(2, 10)
 # K_DCOLL: a synchronous collective on a device tensor; b = the token of its device events
 K_DCOLL = 10
@@ -70,6 +72,7 @@ class _PyLog:
         self.primary = 0                   # id of the primary optimizer (0: none stepped yet)
         self.lost = self.comm_keys_dropped = self.pre_t = 0
         self.eager = self.in_coll = self.dev_on = 0
+        self.on_step = None                # with dev_on: the primary's step end records a device event
         self.coll_t0 = 0                   # perf ns when the running collective started (the watchdog reads it)
         self.dq_need = 1                   # the next DataLoader call reads the prefetch queue depth
         self._on_drain, self._on_first_opt = on_drain, on_first_opt
@@ -123,10 +126,18 @@ class _PyLog:
             except Exception:  # noqa: BLE001
                 pass
         ev = self.ev
+        mark = 0.0
+        if self.dev_on and self.on_step is not None and id(opt) == self.primary:
+            try:
+                tok = self.on_step()
+                if tok >= 0:
+                    mark = tok + 1.0
+            except Exception:  # noqa: BLE001
+                pass
         if len(ev) < self.cap:
-            ev.append((K_OPT_POST, 0, self.pre_t, t, id(opt), 0.0))
+            ev.append((K_OPT_POST, 0, self.pre_t, t, id(opt), mark))
         else:
-            self.add(K_OPT_POST, 0, self.pre_t, t, id(opt), 0.0)
+            self.add(K_OPT_POST, 0, self.pre_t, t, id(opt), mark)
         self.pre_t = 0
         self.dq_need = 1
         if self.eager or len(ev) >= self.high or t - self.last_drain >= self.drain_ns:

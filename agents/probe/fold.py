@@ -112,6 +112,7 @@ class StepFold:
         ident = self.identity                    # (the rank of every frame)
         buckets = self._buckets
         dev_time = self.timing.elapsed                     # (a device-timed collective: its events)
+        timing = self.timing                               # (a step boundary's device event: step_elapsed)
         fast = _ev._fast
         pack = fast.pack_step if fast is not None else None      # the frame in one C call
         for kind, slot, t0, t1, a, b in events:
@@ -127,6 +128,8 @@ class StepFold:
                 calls, gc_ns, gc_count, dq, samples, tokens = [], 0, 0, -1, -1, -1
                 buckets.clear()
                 if kind == K_BEGIN:
+                    if b:                               # the device's start of this step
+                        timing.step_start(int(b) - 1)
                     continue
             if kind == K_DATA:
                 if a >= 0 and dq < 0:
@@ -171,6 +174,8 @@ class StepFold:
                             touched.append(opt_slot)
                         ph[opt_slot] += t1 - t0
                 if explicit or a != primary:
+                    if b:
+                        timing.step_drop(int(b) - 1)
                     continue
                 t0, reopen, number = t1, True, -1       # the primary optimizer: a step ends, the next starts
             elif kind == K_END:
@@ -209,6 +214,8 @@ class StepFold:
             step_ns = t0 - t0p                          # its CPU time and run-queue wait: at this
             cpu_ns = step_ns * rate_c if rate_c >= 0 else -1.0     # replay's rates (see cpu_sample)
             cw_ns = step_ns * rate_w if rate_w >= 0 else -1.0
+            if b:                                       # on a device: the time between its boundaries there
+                step_ns = timing.step_elapsed(int(b) - 1, step_ns)
             hidden_ns = self._bucket_calls(calls, buckets) if buckets else 0.0
             if tr.connected or t0 - tr.t_connect >= tr.reconnect_ns:
                 if not ident.ready:
@@ -219,13 +226,13 @@ class StepFold:
                     boff = tr.off
                 n_gc = self._n_gc
                 if pack is not None:                     # C: the frame in one call
-                    boff = pack(buf, boff, inst, ident.rank, step, t0w, wall, t0 - t0p, ph[0],
+                    boff = pack(buf, boff, inst, ident.rank, step, t0w, wall, step_ns, ph[0],
                                 ph[1] if used[1] else -1, gc_ns, gc_count, dq, samples, tokens, tr.dropped,
                                 touched, ph, ids, calls, traffic, nspb, keys,
                                 self._gcmv[16:16 + n_gc * GCREC.size] if n_gc else None, cpu_ns, cw_ns,
                                 hidden_ns)
                 else:
-                    boff = self._pack_py(boff, step, t0w, wall, t0 - t0p, gc_ns, gc_count, dq, samples, tokens,
+                    boff = self._pack_py(boff, step, t0w, wall, step_ns, gc_ns, gc_count, dq, samples, tokens,
                                          calls, n_gc, cpu_ns, cw_ns, hidden_ns)
                 self._n_gc = 0
                 tr.frames += 1

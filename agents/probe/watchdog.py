@@ -185,7 +185,7 @@ class Watchdog:
         copy of the events logged since the last replay, and the main thread's stack."""
         p = self.p
         try:
-            events = p._log.peek()
+            events = p._held + p._log.peek()      # (the held: boundaries whose device event runs)
         except Exception:  # noqa: BLE001
             events = []
         step, start, open_ = p.fold._step, p.fold._t0_perf, p.fold._open

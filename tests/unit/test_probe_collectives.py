@@ -319,3 +319,119 @@ def test_bucket_tail_is_the_exposed_part_split_by_the_bandwidth_model(probe, soc
     (slot, cnt, nbytes, t, w), = calls
     tr = 1000 * 1.0 * 1.0                                     # all_reduce over 2 ranks: 1 byte on the wire per byte; 1 B/ns
     assert (slot, cnt, nbytes, t) == (s, 3, 3000, 7_000_000) and w == pytest.approx(7_000_000 - tr)
+
+
+# --------------------------------------------------------------------------- step times on a device (issue 25)
+
+class _Device:
+    """A device that runs the host's work late: every event recorded completes ``per_step_ms`` after
+    the previous one on the device's clock, and only once the test lets the device reach it
+    (``done``: the number of events completed so far). What ``torch.cuda`` gives: ``Event(enable_timing)``
+    with ``record``/``query``/``elapsed_time``."""
+
+    def __init__(self, per_step_ms: float):
+        self.per, self.n, self.done = per_step_ms, 0, 0
+        dev = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                assert enable_timing
+                self.i = -1
+
+            def record(self):
+                self.i, dev.n = dev.n, dev.n + 1
+
+            def query(self):
+                return self.i < dev.done
+
+            def elapsed_time(self, end):
+                assert self.query() and end.query()
+                return (end.i - self.i) * dev.per
+
+        self.Event = Event
+
+
+def _host_alternating_steps(probe, n):
+    import time
+    for i in range(n):
+        probe.begin_step()
+        time.sleep(0.001 if i % 2 else 0.008)          # the host's time swings: 1 ms, 8 ms ...
+        probe.end_step()
+
+
+def test_step_times_on_a_device_are_the_devices_time_between_step_boundaries(probe, rx, sockdir):
+    """On CUDA/NPU the host runs ahead of the device until something synchronises, so the host's time
+    between step ends swings (2.7 / 9.0 ms alternating on an H200, one rank on NCCL: 13 false alerts on
+    a clean job) while the device's is steady. At each step boundary the probe records a device event;
+    a step's time is the device's time between its boundaries' events. A boundary whose event has not
+    completed waits (held) for the next replay instead of folding with the host's time; a flush folds
+    everything."""
+    probe.init(job="devstep", rank=0, world_size=1, socket_dir=sockdir, auto=False, flush_ms=0)
+    dev = _Device(per_step_ms=4.0)
+    probe.timing.step_mod = dev
+    probe._log.dev_on = 1
+    for k in range(8):
+        _host_alternating_steps(probe, 1)
+        dev.done = max(dev.n - 2, 0)                     # the device runs two boundaries behind the host
+    st = probe.stats()
+    assert st["held"] > 0 and st["dev_steps_unready"] == 0
+    hello, names, steps, comm, gcs = split(rx.read())
+    assert len(steps) < 8                                # the last steps wait for their device events
+    dev.done = dev.n                                     # the device catches up
+    probe.flush()
+    hello, names, steps2, comm, gcs = split(rx.read())
+    steps += steps2
+    assert [s["step"] for s in steps] == list(range(8))
+    st = probe.stats()
+    assert st["dev_steps_unready"] == 0 and st["dev_steps_timed"] == 8 and st["held"] == 0
+    assert [round(s["step_ms"], 3) for s in steps] == [4.0] * 8       # the device's, not 8 / 1 ms
+
+
+def test_a_device_that_stops_completing_holds_steps_no_longer_than_the_bound(probe, rx, sockdir, monkeypatch):
+    """A device that stopped (a hung kernel) or lags far: the held boundaries fold with the host's
+    times (counted in ``dev_steps_unready``) once the first waited ``HOLD_NS``: steps are late by at
+    most that, never lost."""
+    from stepwatch.agents.probe import core
+    monkeypatch.setattr(core, "HOLD_NS", 30_000_000)
+    probe.init(job="devstop", rank=0, world_size=1, socket_dir=sockdir, auto=False, flush_ms=0)
+    dev = _Device(per_step_ms=4.0)
+    probe.timing.step_mod = dev
+    probe._log.dev_on = 1
+    _host_alternating_steps(probe, 12)                   # ~54 ms of steps; the device never completes one
+    st = probe.stats()
+    assert st["dev_steps_unready"] > 0 and st["dev_steps_timed"] == 0
+    hello, names, steps, comm, gcs = split(rx.read())
+    assert steps and [s["step"] for s in steps] == list(range(len(steps)))
+    assert max(s["step_ms"] for s in steps) > 7.0        # host times
+    probe.flush()
+    hello, names, steps2, comm, gcs = split(rx.read())
+    assert [s["step"] for s in steps + steps2] == list(range(12))
+
+
+def test_automatic_steps_on_a_device_take_the_devices_time_between_primary_optimizer_steps(probe, rx, sockdir):
+    """Automatic mode: the primary optimizer's post-hook (C or Python) records the device event; a
+    second optimizer's step records none and does not split the step."""
+    import time
+    probe.init(job="devauto", rank=0, world_size=1, socket_dir=sockdir, flush_ms=0)
+    dev = _Device(per_step_ms=6.0)
+    probe.timing.step_mod = dev
+    probe._log.dev_on = 1
+    model = torch.nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    other = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    x, y = torch.randn(4, 8), torch.randn(4, 2)
+    for i in range(7):
+        time.sleep(0.001 if i % 2 else 0.009)
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        other.step()
+        dev.done = max(dev.n - 1, 0)
+    assert dev.n == 7                  # one event per primary step end (the first step's time: the host's)
+    dev.done = dev.n
+    probe.flush()
+    hello, names, steps, comm, gcs = split(rx.read())
+    assert [s["step"] for s in steps] == list(range(7))
+    st = probe.stats()
+    assert st["dev_steps_timed"] == 6 and st["dev_steps_unready"] == 0
+    assert [round(s["step_ms"], 3) for s in steps[1:]] == [6.0] * 6
