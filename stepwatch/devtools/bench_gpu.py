@@ -121,6 +121,8 @@ def _jobs(cuda: bool, steps: int) -> dict[str, dict]:
         "clean-2": ("g-clean-gloo-2", {**common, "SW_NPROC": "2"}),
         "sleep-r1": ("g-sleep-r1", {**common, "SW_NPROC": "2", "SW_SLEEP_RANK": "1", "SW_SLEEP_MS": "15",
                                     "SW_SLEEP_FROM": str(steps // 2)}),
+        "sleep-1": ("g-sleep-nccl-1", {**common, "SW_NPROC": "1", "SW_BACKEND": "nccl" if cuda else "gloo",
+                                       "SW_SLEEP_RANK": "0", "SW_SLEEP_MS": "15", "SW_SLEEP_FROM": str(steps // 2)}),
         "fsdp2-2": ("g-clean-fsdp2-2", {**common, "SW_NPROC": "2", "SW_MODE": "fsdp2"}),
         "crash-r1": ("g-crash-r1", {**common, "SW_NPROC": "2", "SW_CRASH_RANK": "1",
                                     "SW_CRASH_STEP": str(steps // 2)}),

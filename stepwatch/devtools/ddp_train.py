@@ -223,6 +223,10 @@ def train() -> None:
     dist.barrier()
     mod = sys.modules.get("stepwatch.agents.probe") or sys.modules.get("stepwatch_probe")
     report = {"rank": rank, "ends": ends, "cpu": cpu, "probe": {"rank": rank, **mod.stats()} if mod is not None else None}
+    if report["probe"]:
+        print("probe", json.dumps({k: report["probe"].get(k) for k in (
+            "rank", "steps", "sent", "dropped", "dev_timed", "dev_unready", "dev_steps_timed", "dev_steps_unready")}),
+            file=sys.stderr, flush=True)
     out = os.environ.get("SW_OUT")
     if out:
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:

@@ -353,6 +353,8 @@ GPU_RUNS = {
     "g-clean-nccl-1": [], "g-clean-gloo-2": [], "g-clean-fsdp2-2": [],
     "g-sleep-r1": [_lab("slow-rank", cause="computation", pct=100, start=200, end=400)],
     "g-crash-r1": [_lab("crash", pct=100, start=200, end=400)],
+    # one rank: its 15 ms sleep (host) on a ~9 ms device step is the job's regression
+    "g-sleep-nccl-1": [_lab("regression", ranks=(), scope="job", cause="computation", pct=100, start=200, end=400)],
     "g-raise-r1": [_lab("crash", pct=100, start=200, end=400)],
     "g-hang-r1": [_lab("job-hang", cause=None, pct=100, start=200, end=400)],
 }
