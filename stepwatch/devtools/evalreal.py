@@ -428,5 +428,8 @@ def run_spool(a) -> int:
             print(f"      [{e.alert.incident_id}] {e.alert.line()[:260]}")
     print("")
     t = report(scored, targets=REAL_TARGETS)
-    shutil.rmtree(base, ignore_errors=True)
+    if getattr(a, "keep", False):
+        print(f"the replay's store is kept: {base / 'data'}")
+    else:
+        shutil.rmtree(base, ignore_errors=True)
     return 0 if t["targets_met"] else 1
