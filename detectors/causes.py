@@ -68,7 +68,7 @@ def queue_evidence(q) -> dict:
     top = float(v.max())
     return {"samples": int(len(v)), "empty_share": round(float(np.mean(v == 0)), 4),
             "full_share": round(float(np.mean(v == top)), 4) if top > 0 else 0.0,
-            "depth_p50": float(np.median(v)), "depth_max": top}
+            "depth_p50": _median(v), "depth_max": top}
 
 
 #: Phase column -> cause. ``comm_wait_ms`` is optional: when given, time spent waiting for peers growing
@@ -180,7 +180,23 @@ TEMP_RISE_C = 10.0          # or this much hotter than the fleet median
 def _med(a) -> float | None:
     a = np.asarray(a, dtype=np.float64)
     a = a[np.isfinite(a)]
-    return round(float(np.median(a)), 3) if len(a) else None
+    return round(_median(a), 3) if len(a) else None
+
+
+def _median(a: np.ndarray) -> float:
+    """``float(np.median(a))`` of finite float64 values, the same value; whole numbers in a modest range
+    (non-negative: clocks in MHz, temperatures, queue depths: ~800k of them in a job's host window) by one count per
+    value instead of a partition (the mean of the two middle whole numbers is exact in float64)."""
+    n = len(a)
+    if n > 4096:
+        lo, hi = float(a.min()), float(a.max())
+        if 0.0 <= lo and hi - lo < (1 << 16) and not np.signbit(a).any() \
+                and np.array_equal(iv := a.astype(np.int64), a):
+            cum = np.cumsum(np.bincount(iv - int(lo)))
+            m1 = int(np.searchsorted(cum, (n - 1) // 2, side="right")) + int(lo)
+            m2 = int(np.searchsorted(cum, n // 2, side="right")) + int(lo)
+            return (float(m1) + float(m2)) / 2.0
+    return float(np.median(a))
 
 
 def _col(t, name) -> np.ndarray:
@@ -534,7 +550,10 @@ def _job_host_shift(ctx, before: tuple[int, int], after: tuple[int, int], steps:
 def _new_procs(tb, ta) -> list[dict]:
     import pyarrow.compute as pc
 
-    def procs(t):
+    def procs(t, before: dict | None = None):
+        """name -> (share of the nodes, median CPU): the median only with ``before`` given, of a name that
+        can be reported (new: on under 5% of the nodes before, on 20% after); the trainer's own processes
+        are on every node, and theirs was a median of every top-process entry of the window."""
         if "top_procs" not in t.column_names:
             return {}
         tp = t.column("top_procs").combine_chunks()
@@ -552,9 +571,12 @@ def _new_procs(tb, ta) -> list[dict]:
         node_of = node[row]                        # each process entry's node (once, not per name)
         for c in _unique_codes(nc[big]).tolist():
             m = (nc == c) & big
-            out[names[c]] = (_n_distinct(node_of[m]) / n_nodes, float(np.median(cpu[m])))
+            share = _n_distinct(node_of[m]) / n_nodes
+            want = before is not None and share >= 0.2 and before.get(names[c], (0.0,))[0] < 0.05
+            out[names[c]] = (share, float(np.median(cpu[m])) if want else None)
         return out
-    b, a = procs(tb), procs(ta)
+    b = procs(tb)
+    a = procs(ta, b)
     return [{"name": k, "nodes_share": round(v[0], 3), "cpu_pct": round(v[1], 1)}
             for k, v in sorted(a.items()) if v[0] >= 0.2 and b.get(k, (0.0, 0.0))[0] < 0.05][:3]
 

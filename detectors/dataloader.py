@@ -28,18 +28,21 @@ def _nanmedian_axis0(a: np.ndarray) -> np.ndarray:
              + np.take_along_axis(s, hi, axis=0).astype(np.float64)) / 2.0)[0]
 
 
-def _median_at_least(a: np.ndarray, thr: float) -> np.ndarray:
+def _median_at_least(a: np.ndarray, thr: float, n: np.ndarray | None = None,
+                     c: np.ndarray | None = None) -> np.ndarray:
     """Per column, ``np.nan_to_num(np.nanmedian(a, axis=0)) >= thr`` (the same answer) by counting: the
     median (mean of the two middle values) is >= thr when the lower middle is, < thr when the upper middle
-    is below; only columns with thr between the two middles need their median."""
-    x = a.astype(np.float64)
-    n = x.shape[0] - np.isnan(x).sum(axis=0)
-    c = (x >= thr).sum(axis=0)                               # NaN compares False
+    is below; only columns with thr between the two middles need their median. ``n`` / ``c``: the counts of
+    values and of values >= thr per column when the caller keeps them (then only ``a[:, amb]`` is read)."""
+    if n is None or c is None:
+        x = a.astype(np.float64)
+        n = x.shape[0] - np.isnan(x).sum(axis=0)
+        c = (x >= thr).sum(axis=0)                           # NaN compares False
     lo, hi = np.maximum((n - 1) // 2, 0), n // 2
     out = (n > 0) & (c >= n - lo)                            # the lower middle >= thr
     amb = (n > 0) & ~out & (c >= n - hi)                     # upper middle >= thr > lower middle
     if amb.any():
-        out[amb] = _nanmedian_axis0(x[:, amb]) >= thr
+        out[amb] = _nanmedian_axis0(a[:, amb].astype(np.float64)) >= thr
     if thr <= 0:
         out |= n == 0                                        # an all-NaN median counts as 0
     return out
@@ -79,6 +82,10 @@ class DataLoader(Detector):
         self._eps = _Episodes(self.clear)
         self._R = -1
         self._q = self._d = None
+        # per rank, over the ring: queue depths reported, empty queues, data shares reported, data shares
+        # >= _thr (kept as steps enter and leave it: an evaluation reads counts, not the (window, R) ring)
+        self._nq = self._ne = self._nd = self._nge = None
+        self._thr = None
         self._st = np.full(self.window, -1, dtype=np.int64)
         self._te = np.zeros(self.window, dtype=np.int64)
         self._n = 0
@@ -96,6 +103,26 @@ class DataLoader(Detector):
         self._d = np.full((self.window, R), np.nan, dtype=np.float32)    # data wait / step time
         self._st.fill(-1)
         self._n = 0
+        self._nq, self._ne, self._nd, self._nge = (np.zeros(R, dtype=np.int32) for _ in range(4))
+        self._thr = None
+
+    def _count(self, q: np.ndarray, d: np.ndarray, sign: int) -> None:
+        """Add (``sign`` 1) or take out (-1) one ring row's values from the per-rank counts."""
+        for acc, m in ((self._nq, np.isfinite(q)), (self._ne, q == 0), (self._nd, np.isfinite(d)),
+                       (self._nge, d.astype(np.float64) >= self._thr)):     # the test in float64, as before
+            if sign > 0:
+                acc += m
+            else:
+                acc -= m
+
+    def _recount(self) -> None:
+        """The counts over the whole ring (a new ``min_data_share``)."""
+        self._thr = float(self.min_data_share)
+        x = self._d.astype(np.float64)
+        self._nq[:] = np.isfinite(self._q).sum(axis=0)
+        self._ne[:] = (self._q == 0).sum(axis=0)
+        self._nd[:] = x.shape[0] - np.isnan(x).sum(axis=0)
+        self._nge[:] = (x >= self._thr).sum(axis=0)
 
     def update(self, ctx: JobContext, block: StepBlock) -> list[Alert]:
         S = len(block)
@@ -107,9 +134,13 @@ class DataLoader(Detector):
         with np.errstate(invalid="ignore", divide="ignore"):
             share = (block.data_ms / block.step_ms).astype(np.float32)
         out = []
+        if self._thr != float(self.min_data_share):
+            self._recount()
         for s in range(S):
             i = self._n % self.window
+            self._count(self._q[i], self._d[i], -1)
             self._q[i], self._d[i] = block.data_queue[s], share[s]
+            self._count(self._q[i], self._d[i], 1)
             self._st[i], self._te[i] = block.steps[s], block.t_end[s]
             self._n += 1
             b = int(block.steps[s]) // self.every
@@ -120,19 +151,20 @@ class DataLoader(Detector):
 
     def _evaluate(self, ctx: JobContext, step_now: int) -> list[Alert]:
         q = self._q
-        nrep = np.isfinite(q).sum(axis=0)
+        nrep = self._nq
         t_now = int(self._te[(self._n - 1) % self.window])
         present: set = set()
         alerts: list[Alert] = []
         ok = nrep >= self.min_steps
         if ok.any():
             with np.errstate(invalid="ignore", divide="ignore"):
-                empty = (q == 0).sum(axis=0) / np.maximum(nrep, 1)
+                empty = self._ne / np.maximum(nrep, 1)
             # median data share >= min_data_share, only where the queue test holds (usually no rank),
             # by counting; the medians themselves only for an alert being assembled
             cand = np.flatnonzero(ok & (empty >= self.empty_share))
             starved = np.zeros(q.shape[1], dtype=bool)
-            starved[cand] = _median_at_least(self._d[:, cand], self.min_data_share)
+            starved[cand] = _median_at_least(self._d[:, cand], self.min_data_share, self._nd[cand],
+                                             self._nge[cand])
             if starved.any():
                 dshare = np.full(q.shape[1], np.nan)
                 job_wide = starved.sum() >= self.job_share * ok.sum()

@@ -84,3 +84,46 @@ def test_job_host_shift_once_per_window_state(monkeypatch):
                                  pa.array([90.0] * busy.num_rows)))
     c = causes.job_host_shift(ctx, *spans)
     assert len(calls) == 2 and c["cpu_util"] == {"before": 10.0, "after": 50.0}
+
+
+def test_dataloader_ring_counts_follow_the_ring_and_a_new_threshold():
+    """The per-rank counts the dataloader keeps as steps enter and leave its ring (issue 28: an evaluation
+    at 100k ranks re-read the (window, R) ring) are those of the ring after every block, also after a
+    live change of min_data_share, and give the same starved ranks as counting the ring itself."""
+    from stepwatch.detectors.dataloader import DataLoader, _median_at_least
+    from stepwatch.detectors.settings import retune
+    from test_causes import ctx_with
+    rng = np.random.default_rng(9)
+    R = 40
+    dl = DataLoader(window=6, every=2, min_steps=2)
+    ctx = ctx_with()
+    for i in range(30):
+        S = int(rng.integers(2, 5))
+        b = _block(S, R, seed=i)
+        b.steps = np.arange(S) + 3 * i
+        b.data_queue = rng.integers(0, 3, (S, R)).astype(np.float32)
+        b.data_queue[rng.random((S, R)) < 0.2] = np.nan
+        b.data_ms = b.step_ms * rng.choice([0.05, 0.1, 0.5], (S, R))      # shares on the threshold too
+        if i == 15:
+            dl = retune(dl, {"window": 6, "every": 2, "min_steps": 2, "min_data_share": 0.3})   # live
+        dl.update(ctx, b)
+        q, d = dl._q, dl._d.astype(np.float64)
+        np.testing.assert_array_equal(dl._nq, np.isfinite(q).sum(axis=0))
+        np.testing.assert_array_equal(dl._ne, (q == 0).sum(axis=0))
+        np.testing.assert_array_equal(dl._nd, np.isfinite(d).sum(axis=0))
+        np.testing.assert_array_equal(dl._nge, (d >= dl.min_data_share).sum(axis=0))
+        np.testing.assert_array_equal(_median_at_least(dl._d, dl.min_data_share, dl._nd, dl._nge),
+                                      _median_at_least(dl._d, dl.min_data_share))
+
+
+def test_median_of_whole_numbers_by_counting_is_np_median():
+    rng = np.random.default_rng(11)
+    for n in (4097, 5000, 20001):
+        for off in (0.0, 1500.0):
+            a = rng.integers(0, 200, n).astype(np.float64) + off              # clocks, depths: whole numbers
+            assert causes._median(a) == float(np.median(a))
+            assert causes._median(a + 0.25) == float(np.median(a + 0.25))   # not whole: np.median
+    q = rng.integers(0, 4, (20, 300)).astype(np.float32)
+    q[0, :5] = np.nan
+    v = q[np.isfinite(q)].astype(np.float64)
+    assert causes.queue_evidence(q)["depth_p50"] == float(np.median(v))
