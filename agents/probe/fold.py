@@ -215,7 +215,16 @@ class StepFold:
             cpu_ns = step_ns * rate_c if rate_c >= 0 else -1.0     # replay's rates (see cpu_sample)
             cw_ns = step_ns * rate_w if rate_w >= 0 else -1.0
             if b:                                       # on a device: the time between its boundaries there
-                step_ns = timing.step_elapsed(int(b) - 1, step_ns)
+                dev = timing.step_elapsed(int(b) - 1, -1)
+                if dev >= 0:
+                    # the device's backlog when the step started (see DeviceTiming.lag_ns) hid that much
+                    # of the host's wait for data: the device did not wait for it
+                    lag = timing.lag_ns
+                    if ph[0] and lag > 0:
+                        ph[0] = ph[0] - lag if ph[0] > lag else 0
+                    lag += dev - step_ns
+                    timing.lag_ns = lag if lag > 0 else 0
+                    step_ns = dev
             hidden_ns = self._bucket_calls(calls, buckets) if buckets else 0.0
             if tr.connected or t0 - tr.t_connect >= tr.reconnect_ns:
                 if not ident.ready:

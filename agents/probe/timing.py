@@ -70,6 +70,12 @@ class DeviceTiming:
         self.marks: dict = {}
         self.prev_mark = None
         self.steps_timed = self.steps_unready = 0
+        # how far the device runs behind the host at the last step boundary (ns): the boundary's event
+        # completes this long after the host recorded it. Exact in its changes (each step adds the
+        # device's interval less the host's), clamped at 0 (the device never runs ahead of the host) and
+        # 0 at the first boundary; a Lindley recursion, the backlog of a queue. Host time spent waiting
+        # for data while the device still had this much queued work did not hold the device.
+        self.lag_ns = 0
 
     @staticmethod
     def accelerator_in_use() -> int:
@@ -89,6 +95,7 @@ class DeviceTiming:
         self.calls.clear()
         self.marks.clear()
         self.prev_mark = None
+        self.lag_ns = 0
 
     # ---- step boundaries on the device
     #
