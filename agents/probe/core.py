@@ -2,8 +2,9 @@
 watchdog and profiling control, and its counters. It composes parts, each given its collaborators:
 :class:`.transport.Transport` (socket, hello, buffer, backlog), :class:`.names.Names` (ids and slots),
 :class:`.timing.DeviceTiming` (device events), :class:`.flops.Flops` (FLOPs, dtype),
-:class:`.identity.Identity` (who it is), :class:`.fold.StepFold` (events -> frames) and
-:class:`.hooks.Hooks` (torch patching); docs/architecture.md lists what each is given. The hot path
+:class:`.identity.Identity` (who it is), :class:`.fold.StepFold` (events -> frames), :class:`.hooks.Hooks`
+(torch patching), :class:`.exitwatch.ExitWatch` (the goodbye), the watchdog and the profiling control;
+docs/architecture.md lists what each is given. The hot path
 (``begin_step``/``end_step`` and the hooks' events) is :mod:`.eventlog`'s log, held by the probe."""
 from __future__ import annotations
 
@@ -99,11 +100,10 @@ class Probe:
         self._log = (fast.Log if fast is not None else _PyLog)(LOG_CAP, self._drain, self._first_opt)
         self._replaying = False
         self._step_ctx = _StepCtx(self)
-        self._exitw = ExitWatch(self)              # the goodbye: how this process ends (exitwatch)
         # its parts, each given what it uses: the socket to the agent (the hello: this probe's identity;
-        # the frames the fold packs), who this probe is, the names' ids and slots, device timing, FLOPs,
-        # and the fold (events -> steps -> frames)
-        self.transport = Transport(self._log, self.hello_payload, self._exitw.on_hello, self._ctl_tick)
+        # the frames the fold packs; a hello heard arms the goodbye), who this probe is, the names' ids and
+        # slots, device timing, FLOPs, the fold (events -> steps -> frames) and the goodbye
+        self.transport = Transport(self._log, self.hello_payload, lambda: self._exitw.on_hello(), self._ctl_tick)
         self.identity = Identity(self.transport.hello_changed)
         self.names = Names(self.transport.hello_changed)
         self.timing = DeviceTiming()
@@ -111,6 +111,7 @@ class Probe:
         self._held: list = []                 # events from the first step boundary whose device event runs
         self.flops = Flops(self.identity.extra, self.transport.hello_changed)
         self.fold = StepFold(self.transport, self.timing, self.names, self.identity)
+        self._exitw = ExitWatch(self.transport, self.identity, self.fold, self.flush, lambda: self._on)   # (exitwatch)
         self.hooks = Hooks(self._log, self.names, self.timing, self.flush, lambda: self._on)   # torch patching
         self.comm_gbps = DEFAULT_COMM_GBPS
         self._pending_counts: tuple | None = None
@@ -213,10 +214,10 @@ class Probe:
             if self._wd is None and fold.n_steps:
                 self._start_watchdog()
             if self._ctl_on and fold.n_steps != n0:
-                last = events[-1]             # a profile starts and stops at live step boundaries only
+                last, pos = events[-1], fold.position()   # a profile starts and stops at live step boundaries only
                 if last[0] == K_END or last[0] == K_BEGIN or (
-                        last[0] == K_OPT_POST and last[4] == fold._primary_opt and not fold._explicit):
-                    self._ctl.on_step(fold._step)
+                        last[0] == K_OPT_POST and last[4] == pos.primary and not pos.explicit):
+                    self._ctl.on_step(pos.step)
         finally:
             self._replaying = False
 
@@ -289,9 +290,8 @@ class Probe:
             self.extra.update(extra)
             g = comm_gbps if comm_gbps is not None else os.environ.get("STEPWATCH_COMM_GBPS")
             self.comm_gbps = float(g) if g not in (None, "") else DEFAULT_COMM_GBPS
-            self.fold._ns_per_byte = 1.0 / self.comm_gbps if self.comm_gbps > 0 else 0.0   # GB/s = bytes/ns
             m = gc_row_min_ms if gc_row_min_ms is not None else os.environ.get("STEPWATCH_GC_ROW_MIN_MS")
-            self.fold.gc_row_min_ns = int(float(m) * 1e6) if m not in (None, "") else 0
+            self.fold.configure(start_step, self.comm_gbps, int(float(m) * 1e6) if m not in (None, "") else 0)
             f = flush_ms if flush_ms is not None else os.environ.get("STEPWATCH_FLUSH_MS")
             tr = self.transport
             tr.flush_ns = int(float(f) * 1e6) if f not in (None, "") else int(DEFAULT_FLUSH_MS * 1e6)
@@ -299,7 +299,6 @@ class Probe:
             self._log.last_drain = tr.last_flush = 0     # the first step end is sent at once, with the hello
             self.identity.ready = self.rank is not None and self.world_size is not None
             tr.open(os.path.join(socket_dir or default_socket_dir(), SOCKET_NAME))
-            self.fold._step = int(start_step)
             self._pid = os.getpid()
             if not self._on:
                 gc.callbacks.append(self._gc_cb)
@@ -341,7 +340,7 @@ class Probe:
             self.transport.close()
             self._log.clear()
             self._held = []
-            self.fold._open = False
+            self.fold.drop_open()
             self._ctl_close(unlink=True)
             if not self._exitw.sent:       # at exit the signal goodbyes stay armed (an abort in teardown)
                 self._exitw.close()
@@ -374,8 +373,7 @@ class Probe:
     def _first_opt(self, opt) -> None:
         """Live, once: the first optimizer that finishes a step is the primary one (its step ends
         training steps)."""
-        if self.fold._primary_opt is None:
-            self.fold._primary_opt = id(opt)
+        if self.fold.claim_primary(id(opt)):
             self._log.primary = id(opt)
             if self._step_tid is None:
                 self._step_tid = threading.get_ident()          # whose CPU the steps report
@@ -493,10 +491,16 @@ class Probe:
             return
         try:
             self.hooks.patch_dcp()
-            from . import watchdog
-            self._wd = watchdog.Watchdog(self).start()
+            self._wd = self.make_watchdog().start()
         except Exception:  # noqa: BLE001 - no watchdog, telemetry goes on
             self._wd = False
+
+    def make_watchdog(self, **settings):
+        """A :class:`.watchdog.Watchdog` (not started) given this probe's parts; ``settings``: its
+        ``period_s``, ``min_s``, ``factor``, ``resend_s``."""
+        from . import watchdog
+        return watchdog.Watchdog(self._log, self.fold, self.names, self.hooks, self.transport, self.identity,
+                                 lambda: self._held, lambda: not self._on or self._replaying, **settings)
 
     def _ctl_path(self) -> str:
         """The control socket announced in the hello (bound on first use; '' when profiling is off:
@@ -508,8 +512,9 @@ class Probe:
                 mod = _profiling_module()
             except Exception:  # noqa: BLE001 - no profiling, telemetry goes on
                 return ""
-            self._ctl = mod.ProbeControl(self, lambda inst, rank: HDR.pack(MAGIC, VERSION, T_PROFILE, inst, rank,
-                                                                          0, 0, 0, 0))
+            self._ctl = mod.ProbeControl(self.transport, self.identity,
+                                         lambda inst, rank: HDR.pack(MAGIC, VERSION, T_PROFILE, inst, rank, 0, 0, 0, 0),
+                                         lambda on: setattr(self, "_ctl_active", on))
         return self._ctl.ensure_bound(os.path.dirname(self.transport.path))
 
     def _ctl_tick(self) -> None:

@@ -64,7 +64,7 @@ class BucketTimer:
         # Python frame says so; the watchdog reads these to name the all-reduce a hung rank waits in
         self.pending = 0
         self.pending_t0 = 0
-        timers = hooks.__dict__.setdefault("_ddp_timers", [])
+        timers = hooks.ddp_timers
         timers.append(self)
         del timers[:-8]                        # a few DDP models per process at most
 

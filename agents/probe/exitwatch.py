@@ -45,10 +45,13 @@ GOODBYE_WAIT_S = 1.0
 
 
 class ExitWatch:
-    """One per probe: records how the program ends and sends the goodbye (see the module docs)."""
+    """One per probe: records how the program ends and sends the goodbye (see the module docs). Given what
+    it uses: ``transport`` (the agent's socket path, the hello sent, the instance; at exit its backlog),
+    ``identity`` (the rank), ``fold`` (the step the goodbye names: :meth:`.fold.StepFold.position`),
+    ``flush()`` (the last steps, before the goodbye) and ``is_on()`` (whether the probe is on)."""
 
-    def __init__(self, probe):
-        self.p = probe
+    def __init__(self, transport, identity, fold, flush, is_on):
+        self.transport, self.identity, self.fold, self.flush, self.is_on = transport, identity, fold, flush, is_on
         self.code: int | None = None          # sys.exit's code
         self.exc = None                       # (type, value, tb) of the exception that ended the program
         self.sent = False
@@ -92,9 +95,8 @@ class ExitWatch:
 
     # -- sending ------------------------------------------------------------------------------------
     def _datagram(self, body: dict) -> bytes:
-        p = self.p
         body = {"state": "exited", "pid": os.getpid(), **body}
-        return HDR.pack(MAGIC, VERSION, T_INFLIGHT, p.instance, p.rank or 0, 0, 0, 0, 0) + \
+        return HDR.pack(MAGIC, VERSION, T_INFLIGHT, self.transport.instance, self.identity.rank or 0, 0, 0, 0, 0) + \
             json.dumps(body, separators=(",", ":"), default=str).encode()
 
     def _socket(self) -> socket.socket | None:
@@ -102,7 +104,7 @@ class ExitWatch:
             try:
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
                 s.setblocking(False)
-                s.connect(self.p.transport.path)
+                s.connect(self.transport.path)
                 self._sock = s
             except OSError:
                 return None
@@ -111,11 +113,11 @@ class ExitWatch:
     def on_hello(self) -> None:
         """The agent heard the probe's identity: (re)build the signal goodbyes for it."""
         fast = _fast()
-        p = self.p
-        key = (p.instance, p.rank, p.transport.path, os.getpid())
-        if fast is None or key == self._armed_key or p.rank is None:
+        tr, rank = self.transport, self.identity.rank
+        key = (tr.instance, rank, tr.path, os.getpid())
+        if fast is None or key == self._armed_key or rank is None:
             return
-        if self._armed_key is not None and self._armed_key[2] != p.transport.path:
+        if self._armed_key is not None and self._armed_key[2] != tr.path:
             self.close()
         s = self._socket()
         if s is None:
@@ -129,14 +131,13 @@ class ExitWatch:
 
     def at_exit(self) -> None:
         """The interpreter is ending: say how (only a probe that said hello; once)."""
-        p = self.p
-        tr = p.transport
-        if self.sent or not p._on or tr.hello_bytes == b"" or self._armed_key is None and not tr.connected:
+        tr = self.transport
+        if self.sent or not self.is_on() or tr.hello_bytes == b"" or self._armed_key is None and not tr.connected:
             return
         self.sent = True
         end = time.monotonic() + GOODBYE_WAIT_S
         try:
-            p.flush()                                     # the last steps first
+            self.flush()                                  # the last steps first
             # ... also those the agent's full queue deferred: nobody sends the backlog after the exit
             # (CI: a rank's last 27 steps never stored); they wait for room as the goodbye does
             while tr.backlog and not tr.flush_backlog() and tr.connected and time.monotonic() < end:
@@ -145,7 +146,7 @@ class ExitWatch:
             pass
         body = self.status()
         body["t"] = _wall()
-        body["step"] = int(p.fold._step)
+        body["step"] = int(self.fold.position().step)
         s = self._socket()
         if s is not None:
             # the process is ending: the goodbye may wait a little for room in the agent's queue (a busy

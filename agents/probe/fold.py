@@ -10,6 +10,7 @@ packed by :func:`stepwatch.wire.datagram.pack_frame`), byte for byte the same.
 from __future__ import annotations
 
 import threading
+from typing import NamedTuple
 
 from . import eventlog as _ev
 from .collectives import DEFAULT_COMM_GBPS
@@ -20,6 +21,17 @@ from stepwatch.wire.datagram import (GCREC, HDR, MAGIC, MAX_CALLS, MAX_COMM, MAX
 
 _OPENING = frozenset((K_DATA, K_COLL, K_DCOLL, K_BUCKET))   # events that open a step in automatic mode
                                                             # (and K_OPT_POST with a pre-hook time)
+
+
+class Position(NamedTuple):
+    """The step in progress as of the last replay (:meth:`StepFold.position`): copies, never the fold's own."""
+    step: int                 # the step number (of the open step, else of the next one)
+    start: int                # perf ns the open step started at
+    open: bool                # a step is open
+    primary: int | None       # id() of the optimizer whose step ends a training step
+    explicit: bool            # begin_step seen: steps are the user's
+    used: tuple               # per phase slot: used in the open step
+    seq: list                 # collectives replayed per comm slot (per-group sequence numbers)
 
 
 class StepFold:
@@ -43,6 +55,31 @@ class StepFold:
         self._marks: dict[int, int] = {}      # kind phase slot -> perf ns it was marked in the open step
         self.reset_counters()
         self.reset_step_state()
+
+    def position(self) -> Position:
+        """Where the fold stands (read-only, from any thread: the watchdog's, the goodbye's, the profile's
+        step boundaries); the phase flags and sequence numbers are copies."""
+        return Position(self._step, self._t0_perf, self._open, self._primary_opt, self._explicit,
+                        tuple(self._ph_used), list(self._seq))
+
+    def claim_primary(self, opt_id: int) -> bool:
+        """The first optimizer to finish a step is the one whose step ends training steps: True when
+        ``opt_id`` became it (once per process)."""
+        if self._primary_opt is not None:
+            return False
+        self._primary_opt = opt_id
+        return True
+
+    def configure(self, start_step: int, comm_gbps: float, gc_row_min_ns: int) -> None:
+        """``init``'s settings: the number of the next step, the link bandwidth of the transfer estimate
+        (GB/s = bytes/ns; 0: none) and the shortest collection sent as a ``gc`` row."""
+        self._step = int(start_step)
+        self._ns_per_byte = 1.0 / comm_gbps if comm_gbps > 0 else 0.0
+        self.gc_row_min_ns = gc_row_min_ns
+
+    def drop_open(self) -> None:
+        """``shutdown``: the step in progress is nobody's (the next ``init`` opens a new one)."""
+        self._open = False
 
     def reset_counters(self) -> None:
         self.n_steps = 0

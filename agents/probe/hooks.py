@@ -94,6 +94,7 @@ class Hooks:
         self.patches: list[tuple[object, str, object]] = []       # (object, name, original)
         self.wait_slot = -1                   # the slot of Work.wait() (no collective of its own)
         self.comm_keys_dropped = 0
+        self.ddp_timers: list = []            # DDP models' bucket timers (ddp_hooks; the watchdog reads them)
 
     def remove(self) -> None:
         """Undo every hook and patch (``shutdown``)."""

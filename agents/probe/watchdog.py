@@ -82,11 +82,17 @@ def format_stack(frame, limit: int = MAX_FRAMES) -> tuple[str, list]:
 
 
 class Watchdog:
-    """One per probe (see the module docstring). ``probe`` is the :class:`~stepwatch.agents.probe.Probe`."""
+    """One per probe (see the module docstring), given what it reads: ``log`` (the hot path's event log:
+    ``peek``, ``n``, ``last_drain``, ``in_coll``, ``coll_t0``), ``fold`` (:meth:`.fold.StepFold.position`
+    and ``n_steps``), ``names`` (kind slots, groups, collective keys), ``hooks`` (``wait_slot``, the DDP
+    bucket timers), ``transport`` (``wall_off``, and ``path``/``instance`` to send), ``identity`` (the rank),
+    ``held()`` (the events the probe holds for a step boundary's device event) and ``paused()`` (True while
+    the probe is off or replaying: nothing is looked at then)."""
 
-    def __init__(self, probe, period_s: float | None = None, min_s: float | None = None,
-                 factor: float | None = None, resend_s: float = 5.0):
-        self.p = probe
+    def __init__(self, log, fold, names, hooks, transport, identity, held, paused, period_s: float | None = None,
+                 min_s: float | None = None, factor: float | None = None, resend_s: float = 5.0):
+        self.log, self.fold, self.names, self.hooks = log, fold, names, hooks
+        self.transport, self.identity, self.held, self.paused = transport, identity, held, paused
         self.period_s = period_s if period_s is not None else _env_float("STEPWATCH_WATCHDOG_S", 1.0)
         self.min_s = min_s if min_s is not None else _env_float("STEPWATCH_INFLIGHT_S", 10.0)
         self.factor = factor if factor is not None else _env_float("STEPWATCH_INFLIGHT_FACTOR", 5.0)
@@ -132,8 +138,7 @@ class Watchdog:
     # ------------------------------------------------------------------ judgement
     def usual_ns(self, now: int) -> float:
         """Mean step time over the last minute of wakes (0: not known yet)."""
-        p = self.p
-        n = p.n_steps
+        n = self.fold.n_steps
         s = self._samples
         if not s or s[-1][1] != n:
             s.append((now, n))
@@ -148,20 +153,21 @@ class Watchdog:
 
     def check(self, now: int) -> dict | None:
         """One wake: the in-flight state when the step is overlong (sent when due), else None."""
-        p = self.p
-        if not p._on or p._replaying:
+        if self.paused():
             return None
         usual = self.usual_ns(now)
         if self._hung_step is None:               # the cheap look of every wake: nothing is overlong
-            if p.fold._open:
-                if now - p.fold._t0_perf < self.threshold_ns(usual):
+            pos = self.fold.position()
+            if pos.open:
+                if now - pos.start < self.threshold_ns(usual):
                     return None
-            elif not p._log.n:
+            elif not self.log.n:
                 return None
         st = self.state(now)
         if self._hung_step is not None and (st is None or st["step"] != self._hung_step or not st["_open"]):
-            done = {"state": "done", "step": self._hung_step, "t": now + p.transport.wall_off, "pid": os.getpid(),
-                    "since": now + p.transport.wall_off, "kinds": [], "stack": ""}
+            off = self.transport.wall_off
+            done = {"state": "done", "step": self._hung_step, "t": now + off, "pid": os.getpid(),
+                    "since": now + off, "kinds": [], "stack": ""}
             self._hung_step = None
             self._last_key = None
             self._send(done)
@@ -183,17 +189,16 @@ class Watchdog:
     def state(self, now: int) -> dict | None:
         """What the main thread is doing now (see the module docstring), from the replayed state, a
         copy of the events logged since the last replay, and the main thread's stack."""
-        p = self.p
+        log, off = self.log, self.transport.wall_off
         try:
-            events = p._held + p._log.peek()      # (the held: boundaries whose device event runs)
+            events = self.held() + log.peek()     # (the held: boundaries whose device event runs)
         except Exception:  # noqa: BLE001
             events = []
-        step, start, open_ = p.fold._step, p.fold._t0_perf, p.fold._open
-        primary, explicit = p.fold._primary_opt, p.fold._explicit
-        kind_slots = p.names.kind_slots()
-        kinds = {name for s, name in kind_slots.items() if p.fold._ph_used[s]} if open_ else set()
-        seq = list(p.fold._seq)
-        last_t = p._log.last_drain
+        step0, start, open_, primary, explicit, used, seq = self.fold.position()
+        step = step0
+        kind_slots = self.names.kind_slots()
+        kinds = {name for s, name in kind_slots.items() if used[s]} if open_ else set()
+        last_t = log.last_drain
         for kind, slot, t0, t1, a, b in events:
             if kind == _ev.K_COLL or kind == _ev.K_DCOLL or kind == _ev.K_BUCKET:
                 seq[slot] += 1
@@ -224,7 +229,7 @@ class Watchdog:
             return None
         frame = sys._current_frames().get(self.main_ident)
         stack, frames = format_stack(frame) if frame is not None else ("", [])
-        st = {"step": step, "_start": start, "_open": open_, "t": now + p.transport.wall_off, "pid": os.getpid()}
+        st = {"step": step, "_start": start, "_open": open_, "t": now + off, "pid": os.getpid()}
         coll = data = None
         for f in frames:
             co = f.f_code
@@ -237,10 +242,10 @@ class Watchdog:
                 break
             if co.co_name == "save" and ("serialization" in fn or "checkpoint" in fn):
                 kinds.add("checkpoint")
-        if coll is not None or p._log.in_coll:
+        if coll is not None or log.in_coll:
             st["state"] = "collective"
-            ct = getattr(p._log, "coll_t0", 0)
-            st["since"] = (ct if ct else last_t) + p.transport.wall_off
+            ct = getattr(log, "coll_t0", 0)
+            st["since"] = (ct if ct else last_t) + off
             if coll is not None:
                 st["op"] = coll.f_code.co_name
                 try:
@@ -250,18 +255,16 @@ class Watchdog:
                 gname, gsize, gid = self._group(group)
                 st["group"], st["group_size"] = gname, gsize
                 if gid:
-                    keys, wait_slot = p.names.comm_key, p.hooks.wait_slot
-                    st["seq"] = 1 + sum(seq[s] for s in range(len(p.names.comm_slot)) if keys[s][1] == gid
-                                        and s != wait_slot)
+                    st["seq"] = self._seq(seq, gid)
         elif self._ddp_pending(st, seq):
             pass                          # blocked in backward, where DDP's reducer waits for its all-reduces
         elif data is not None:
             st["state"] = "data"
-            st["since"] = last_t + p.transport.wall_off
+            st["since"] = last_t + off
         else:
             st["state"] = "compute"
-            st["since"] = last_t + p.transport.wall_off
-        if p.n_steps == 0 and step == p.fold._step:       # no step finished yet: the process's first
+            st["since"] = last_t + off
+        if self.fold.n_steps == 0 and step == step0:       # no step finished yet: the process's first
             kinds.add("first")
         st["kinds"] = sorted(kinds)
         st["stack"] = stack
@@ -270,23 +273,27 @@ class Watchdog:
     def _ddp_pending(self, st: dict, seq: list) -> bool:
         """DDP's gradient buckets launched and not complete (agents.probe.ddp_hooks): the rank waits in
         their all-reduce (from the oldest bucket's launch), not in compute. Sets the collective state."""
-        p = self.p
-        for t in list(getattr(p.hooks, "_ddp_timers", ())):
+        for t in list(self.hooks.ddp_timers):
             if getattr(t, "pending", 0) <= 0:
                 continue
             st["state"], st["op"] = "collective", "all_reduce"
-            st["since"] = int(t.pending_t0) + p.transport.wall_off
+            st["since"] = int(t.pending_t0) + self.transport.wall_off
             gname, gsize, gid = self._group(t.group)
             st["group"], st["group_size"] = gname, gsize or getattr(t, "size", None)
             if gid:
-                keys, wait_slot = p.names.comm_key, p.hooks.wait_slot
-                st["seq"] = 1 + sum(seq[s] for s in range(len(p.names.comm_slot)) if keys[s][1] == gid and s != wait_slot)
+                st["seq"] = self._seq(seq, gid)
             return True
         return False
 
+    def _seq(self, seq: list, gid: int) -> int:
+        """The sequence number of a group's collective in progress: 1 + its collectives so far (all its
+        comm slots but ``Work.wait``'s)."""
+        keys, wait_slot = self.names.comm_key, self.hooks.wait_slot
+        return 1 + sum(seq[s] for s in range(len(self.names.comm_slot)) if keys[s][1] == gid and s != wait_slot)
+
     def _group(self, group) -> tuple[str, int | None, int]:
         """(name, size, name id) of a process group as the probe names it in its comm rows."""
-        p = self.p
+        names = self.names
         dist = sys.modules.get("torch.distributed")
         if group is not None and dist is not None:
             try:                                        # the default group, as the call's frame sees it
@@ -294,23 +301,22 @@ class Watchdog:
                     group = None
             except Exception:  # noqa: BLE001
                 pass
-        g = p.names.groups.get(id(group))
+        g = names.groups.get(id(group))
         if g is None:
             if dist is None:
                 return ("world" if group is None else "?"), None, 0
             try:
-                g = p.names.group(dist, group)
+                g = names.group(dist, group)
             except Exception:  # noqa: BLE001
                 return "?", None, 0
         gid, size = g
-        name = next((n for n, i in p.names.ids.items() if i == gid), "?")
+        name = next((n for n, i in names.ids.items() if i == gid), "?")
         return name, size, gid
 
     # ------------------------------------------------------------------ sending
     def payload(self, st: dict) -> bytes:
-        p = self.p
         body = {k: v for k, v in st.items() if not k.startswith("_")}
-        return HDR.pack(MAGIC, VERSION, T_INFLIGHT, p.instance, p.rank or 0, 0, 0, 0, 0) + \
+        return HDR.pack(MAGIC, VERSION, T_INFLIGHT, self.transport.instance, self.identity.rank or 0, 0, 0, 0, 0) + \
             json.dumps(body, separators=(",", ":"), default=str).encode()
 
     def _send(self, st: dict) -> bool:
@@ -319,7 +325,7 @@ class Watchdog:
             if self._sock is None:
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
                 s.setblocking(False)
-                s.connect(self.p.transport.path)
+                s.connect(self.transport.path)
                 self._sock = s
             self._sock.send(data)
             self.sent += 1

@@ -305,14 +305,18 @@ class ProfileRun:
 
 class ProbeControl:
     """The probe's end of the control channel. ``poll`` runs on the training thread from the probe's
-    flush; ``reply`` may run on any thread (it uses only this object's own socket)."""
+    flush; ``reply`` may run on any thread (it uses only this object's own socket). Given what it uses of
+    the probe: ``transport`` (``instance``: the socket's name and the replies' header; ``path``: the agent's
+    socket), ``identity`` (``rank`` and ``job``: whom a command must name), ``header`` and ``set_active``
+    (``set_active(True)`` while a profile runs: it needs the probe to replay at every step end)."""
 
     SEEN_MAX = 1024                     # command ids remembered (until they expire)
     REFUSAL_REPLY_S = 10.0              # at most one answer per this many seconds to an unverifiable envelope
 
-    def __init__(self, probe, header):
-        self.probe = probe
-        self.header = header               # callable(type, instance, rank) -> bytes of the datagram header
+    def __init__(self, transport, identity, header, set_active):
+        self.transport, self.identity = transport, identity
+        self.header = header               # callable(instance, rank) -> bytes of the datagram header
+        self.set_active = set_active
         self.sock: socket.socket | None = None
         self.path = ""
         self.run: ProfileRun | None = None
@@ -343,7 +347,7 @@ class ProbeControl:
             threading.Thread(target=self._load_keys, name="stepwatch-profile-keys", daemon=True).start()
         sub = os.path.join(socket_dir, CTL_DIR)
         d = sub if os.path.isdir(sub) and os.access(sub, os.W_OK | os.X_OK) else socket_dir
-        path = os.path.join(d, f"{CTL_PREFIX}{self.probe.instance}.sock")
+        path = os.path.join(d, f"{CTL_PREFIX}{self.transport.instance}.sock")
         try:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             s.setblocking(False)
@@ -435,13 +439,12 @@ class ProbeControl:
         except BadCommand as e:
             self._refuse(e.reason, e.detail, None, data)
             return
-        p = self.probe
-        rank = p.rank
+        rank = self.identity.rank
         now = time.time_ns()
         if rank is None or rank not in cmd["ranks"]:
             self._refuse("not_this_rank", f"the command names ranks {cmd['ranks'][:8]}, this is rank {rank}", cmd)
             return
-        job = getattr(p, "job", None)
+        job = self.identity.job
         if job and safe_job(job) != cmd["job"]:
             self._refuse("not_this_job", "the command is for another job", cmd)
             return
@@ -469,29 +472,29 @@ class ProbeControl:
                         "steps": cmd["steps"]})
             return
         self.run = ProfileRun(self, cmd, rank)
-        self.probe._ctl_active = True
+        self.set_active(True)
 
     def on_step(self, step: int) -> None:
         r = self.run
         if r is None or not r.on_step(step):
-            self.probe._ctl_active = False
+            self.set_active(False)
 
     def done(self, run: ProfileRun) -> None:
         if self.run is run:
             self.run = None
-            self.probe._ctl_active = False
+            self.set_active(False)
 
     def reply(self, body: dict) -> bool:
         """Send a ``T_PROFILE`` datagram to the agent (retries briefly when its queue is full)."""
         s = self.sock
         if s is None:
             return False
-        p = self.probe
-        data = self.header(p.instance, p.rank or 0) + json.dumps(body, separators=(",", ":"), default=str).encode()
+        tr = self.transport
+        data = self.header(tr.instance, self.identity.rank or 0) + json.dumps(body, separators=(",", ":"), default=str).encode()
         tries = 50 if threading.current_thread().name.startswith("stepwatch-profile") else 1   # never wait on training
         for _ in range(tries):
             try:
-                s.sendto(data, p.transport.path)
+                s.sendto(data, tr.path)
                 self.replies += 1
                 return True
             except BlockingIOError:

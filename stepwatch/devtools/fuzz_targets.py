@@ -275,8 +275,9 @@ def fuzz_control(n: int, seed: int = 0) -> dict:
     agent = Agent(None, socket_dir=d, node="fz-node", plugins=[])
     agent.enable_profiling(keys, os.path.join(d, "tr"), cooldown_s=0.0, consume=False, state_dir=d)
     ctl = agent.control
-    probe = SimpleNamespace(instance=5, rank=7, job="fz", _path=os.path.join(d, "nobody.sock"), _ctl_active=False)
-    pc = pf.ProbeControl(probe, lambda inst, rank: HDR.pack(MAGIC, VERSION, T_PROFILE, inst, rank, 0, 0, 0, 0))
+    transport = SimpleNamespace(instance=5, path=os.path.join(d, "nobody.sock"))
+    pc = pf.ProbeControl(transport, SimpleNamespace(rank=7, job="fz"),
+                         lambda inst, rank: HDR.pack(MAGIC, VERSION, T_PROFILE, inst, rank, 0, 0, 0, 0), lambda on: None)
     pc.limits = pf.ProbeLimits(d, env={"STEPWATCH_PROFILE_DIR": os.path.join(d, "tr")})
     pc.keys = keys
     pc._keys_loaded.set()

@@ -54,7 +54,7 @@ def test_sequence_numbers_per_group_op_and_stack_of_a_running_collective(probe, 
         dist.barrier(async_op=True).wait()       # Work.wait() is no collective of its own
         w.grad = torch.ones(4)
         opt.step()
-    wd = Watchdog(probe, period_s=0)
+    wd = probe.make_watchdog(period_s=0)
     seen = {}
 
     def inside(group):
