@@ -108,6 +108,7 @@ class Shared:
 
     @contextlib.contextmanager
     def held(self):
+        self.parked.clear()                 # (set again only by a tick that finds go cleared)
         self.go.clear()
         try:
             deadline = time.monotonic() + 30
