@@ -47,8 +47,8 @@ agent is absent, or its queue stays full past a small backlog, frames are droppe
 ``shutdown`` (also at exit, at ``destroy_process_group`` and in the finalizers of multiprocessing
 children).
 
-This package imports only the standard library (torch is touched only when the program imports it;
-``lint-imports`` checks it), so ``pip install stepwatch`` (no extras) installs the probe alone and
+This package imports only the standard library (torch is touched only when the program imports it, through
+:mod:`.torchref`: the probe never imports torch itself; ``lint-imports`` checks it), so ``pip install stepwatch`` (no extras) installs the probe alone and
 ``stepwatch wrap`` can load it into any Python process, even by its directory
 (``STEPWATCH_PROBE_FILE``). Modules: :mod:`.core` (``Probe``), :mod:`.hooks`, :mod:`.eventlog`,
 :mod:`.fold`, :mod:`.transport`, :mod:`.names`, :mod:`.identity`, :mod:`.timing`, :mod:`.flops`,
