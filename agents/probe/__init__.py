@@ -52,7 +52,7 @@ This package imports only the standard library (torch is touched only when the p
 ``stepwatch wrap`` can load it into any Python process, even by its directory
 (``STEPWATCH_PROBE_FILE``). Modules: :mod:`.core` (``Probe``), :mod:`.hooks`, :mod:`.eventlog`,
 :mod:`.fold`, :mod:`.transport`, :mod:`.names`, :mod:`.identity`, :mod:`.timing`, :mod:`.flops`,
-:mod:`.collectives`, :mod:`.watchdog` (in-flight state
+:mod:`.collectives`, :mod:`.torchref` (the program's torch), :mod:`.watchdog` (in-flight state
 of an overlong step), :mod:`.ddp_hooks` (DDP buckets). The datagram's layout, encoder and decoder are
 :mod:`stepwatch.wire.datagram` (the standard library only too); of its names only the API's ``decode``,
 ``BadDatagram`` and ``default_socket_dir`` are also names of this package (``__all__``): import the rest
