@@ -13,6 +13,9 @@
     stepwatch agent                    node agent: probes' records + host metrics -> Kafka (spools offline)
     stepwatch wrap -- CMD …            run a training command with every rank instrumented (zero-code)
     stepwatch act serve|undo|log       opt-in Alertmanager webhook: drain/cordon a node that keeps failing
+
+demo, broker, simulate, bench and eval are the development tools' (stepwatch.devtools): plug-ins found through
+the entry-point group ``stepwatch.commands`` (:data:`PLUGIN_GROUP`), loaded only for their own command.
 """
 from __future__ import annotations
 
@@ -32,57 +35,6 @@ def _setup_logging(verbose: int) -> None:
     level = logging.WARNING - 10 * verbose
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("kafka").setLevel(max(level, logging.ERROR))
-
-
-# ---------------------------------------------------------------------------- broker
-def cmd_broker(a) -> int:
-    from stepwatch.devtools.broker import EmbeddedBroker
-    b = EmbeddedBroker(port=a.port, cluster_id=a.cluster_id, log_path=a.log).start()
-    print(f"broker ready: bootstrap {b.bootstrap} (cluster id {b.cluster_id}, pid {b.proc.pid}); Ctrl-C stops it",
-          flush=True)
-    stop = threading.Event()
-    # Ctrl-C and SIGTERM stop it even where the parent left SIGINT ignored or blocked (a shell's background
-    # job, a supervisor, a test runner): a handler of its own overrides an inherited SIG_IGN
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    try:
-        while not stop.is_set() and b.alive():
-            stop.wait(0.5)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        b.stop()
-    print("broker stopped", flush=True)
-    return 0
-
-
-# ---------------------------------------------------------------------------- simulate
-def cmd_simulate(a) -> int:
-    from stepwatch.devtools.simsend import send_simulation
-    from stepwatch.devtools.simulate import Simulation
-    from stepwatch.kafkaio import ensure_topics, make_producer, settings_from_args
-    s = settings_from_args(a)
-    try:
-        sim = Simulation(job=a.job, ranks=a.ranks, ranks_per_node=a.ranks_per_node, steps=a.steps,
-                         step_ms=a.step_ms, faults=a.fault or (), seed=a.seed, pp=a.pp)
-    except ValueError as e:
-        print(f"stepwatch simulate: {e}", file=sys.stderr)
-        return 2
-    ensure_topics(s)
-    if a.labels:
-        sim.write_labels(a.labels)
-        print(f"labels written to {a.labels}")
-    prod = make_producer(s)
-    t0 = time.monotonic()
-
-    def progress(step, sent):
-        print(f"\rstep {step}/{sim.steps}  rows sent {sent['steps']:,}  "
-              f"({sent['steps'] / max(time.monotonic() - t0, 1e-9):,.0f} rows/s)", end="", file=sys.stderr)
-    sent = send_simulation(sim, prod, s, pace=a.pace, rows_per_message=a.rows_per_message, on_chunk=progress)
-    prod.close()
-    print(f"\nsent {sent} to {s.bootstrap} in {time.monotonic() - t0:.1f}s")
-    return 0
 
 
 # ---------------------------------------------------------------------------- process
@@ -257,24 +209,40 @@ def cmd_compact(a) -> int:
         time.sleep(a.every)
 
 
-# ---------------------------------------------------------------------------- demo
-def cmd_demo(a) -> int:
-    if a.real:
-        from stepwatch.devtools.demo import run_real_demo
-        return run_real_demo(ranks=a.ranks or 4, steps=a.steps or 200, slow_rank=2 if a.slow_rank is None else a.slow_rank,
-                             gc_rank=1 if a.gc_rank is None else a.gc_rank,
-                             data_dir=a.data_dir or "./stepwatch-data/demo-real")
-    if a.gc_rank is not None:
-        raise SystemExit("stepwatch demo: --gc-rank needs --real (the simulated job injects a slow rank and a regression)")
-    from stepwatch.devtools.demo import run_demo
-    return run_demo(ranks=a.ranks or 1024, steps=a.steps or 300, data_dir=a.data_dir or "./stepwatch-data/demo",
-                    slow_rank=613 if a.slow_rank is None else a.slow_rank, regression_step=a.regression_step,
-                    seed=a.seed)
-
-
 # ---------------------------------------------------------------------------- parser
-#: commands served by stepwatch.devtools (the development tools): their modules load only for these
-DEVTOOLS = ("demo", "broker", "simulate", "bench", "eval")
+#: the entry-point group of the command plug-ins. One entry point per command, named by it, whose object is
+#: ``register(subparsers)``: it adds the command (its options, ``set_defaults(func=...)``; optionally
+#: ``on_unrecognized=f``, called as ``f(namespace, extra)`` with the arguments the command's parser did not
+#: take). pyproject.toml declares the development tools' (stepwatch.devtools: demo, broker, simulate, eval,
+#: bench); this module imports none of them, so no product command can load one.
+PLUGIN_GROUP = "stepwatch.commands"
+
+
+def command_plugins() -> dict:
+    """The installed command plug-ins, command name -> ``importlib.metadata.EntryPoint`` (metadata only:
+    nothing is imported until :func:`register_plugins` loads one)."""
+    from importlib.metadata import entry_points
+    return {ep.name: ep for ep in entry_points(group=PLUGIN_GROUP)}
+
+
+class PluginMissing(Exception):
+    """A plug-in's entry point is declared but its module is not installed."""
+
+    def __init__(self, command: str, module: str):
+        super().__init__(command, module)
+        self.command, self.module = command, module
+
+
+def register_plugins(sub, eps) -> None:
+    """Load each entry point of ``eps`` and let it add its command to ``sub``."""
+    for ep in eps:
+        try:
+            register = ep.load()
+        except ModuleNotFoundError as e:
+            if e.name and (ep.module == e.name or ep.module.startswith(e.name + ".")):
+                raise PluginMissing(ep.name, ep.module) from e
+            raise
+        register(sub)
 
 
 #: the node agent: it runs beside the job on every training node, so its command line is the agents' own
@@ -302,51 +270,26 @@ def build_agent_parser() -> argparse.ArgumentParser:
     return p
 
 
-def build_parser(devtools: bool = True) -> argparse.ArgumentParser:
-    """``devtools=False``: leave out the arguments that stepwatch.devtools defines (a product command)."""
+def build_plugin_parser(eps) -> argparse.ArgumentParser:
+    """The command line of a plug-in's command (``eps``: its entry point): that command only, so it loads
+    none of the product commands' modules (``stepwatch bench gpu`` runs on a GPU machine's training image,
+    which has torch and the agent's packages but no DuckDB)."""
+    p, sub = _top_parser()
+    register_plugins(sub, eps)
+    return p
+
+
+def build_parser(plugins=None) -> argparse.ArgumentParser:
+    """Every product command, and the plug-ins' (:data:`PLUGIN_GROUP`) of ``plugins`` (entry points; None:
+    every installed one; empty: none, as for a product command, which so loads no plug-in's module)."""
+    p, sub = _product_parser()
+    register_plugins(sub, command_plugins().values() if plugins is None else plugins)   # (listed after the product's)
+    return p
+
+
+def _product_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     from stepwatch.kafkaio import add_kafka_args
     p, sub = _top_parser()
-
-    d = sub.add_parser("demo", help="broker + simulated job + processor on this machine, then a post-mortem")
-    d.add_argument("--real", action="store_true",
-                   help="real PyTorch training instead of the simulation: gloo ranks on CPU under `stepwatch wrap`, "
-                        "a node agent, the broker and the processor (needs torch)")
-    d.add_argument("--ranks", type=int, default=None, help="default 1024 simulated, 4 real")
-    d.add_argument("--steps", type=int, default=None, help="default 300 simulated, 200 real (~50 ms each)")
-    d.add_argument("--slow-rank", type=int, default=None,
-                   help="rank made slow (simulated: from step 80, default 613; real: 20 ms more per step, default 2; "
-                        "-1: none)")
-    d.add_argument("--gc-rank", type=int, default=None,
-                   help="real: rank that collects a large heap every step, in a second run (default 1; -1: no such run)")
-    d.add_argument("--regression-step", type=int, default=200, help="simulated: step where the job-wide regression starts")
-    d.add_argument("--seed", type=int, default=7)
-    d.add_argument("--data-dir", default=None, help="default ./stepwatch-data/demo (or demo-real)")
-    d.set_defaults(func=cmd_demo)
-
-    b = sub.add_parser("broker", help="run the embedded Kafka-protocol broker (Tansu) on 127.0.0.1")
-    b.add_argument("--port", type=int, default=None, help="default: a free port")
-    b.add_argument("--cluster-id", default=None)
-    b.add_argument("--log", default=None, help="write the broker's output to this file")
-    b.set_defaults(func=cmd_broker)
-
-    s = sub.add_parser("simulate", help="send a simulated cluster's telemetry to Kafka")
-    add_kafka_args(s)
-    s.add_argument("--job", default="sim")
-    s.add_argument("--ranks", type=int, default=1024)
-    s.add_argument("--ranks-per-node", type=int, default=8)
-    s.add_argument("--steps", type=int, default=300)
-    s.add_argument("--step-ms", type=float, default=1000.0)
-    s.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--fault", action="append", metavar="SPEC",
-                   help="e.g. slow-rank:rank=17,pct=30,start=100[,every=3] | regression:start=200,pct=20,cause=io | "
-                        "gc-storm:rank=3,start=50 | gc-jitter:start=50 | data-stall:start=50 | "
-                        "cpu-contention:rank=9,start=40 | comm-slow:rank=9,start=40 | rank-hang:rank=5,start=80 | "
-                        "job-hang:start=80 | clean (repeatable)")
-    s.add_argument("--labels", help="write the ground truth (JSON) here")
-    s.add_argument("--pace", action="store_true", help="send each step at its t_end (live), not as fast as possible")
-    s.add_argument("--rows-per-message", type=int, default=4096)
-    s.set_defaults(func=cmd_simulate)
 
     pr = sub.add_parser("process", help="run the stream processor")
     add_kafka_args(pr)
@@ -376,9 +319,6 @@ def build_parser(devtools: bool = True) -> argparse.ArgumentParser:
     register_grafana(sub)
     from stepwatch.agents.commands import register as register_agents
     register_agents(sub)
-    if devtools:
-        from stepwatch.devtools.evalcli import register as register_eval
-        register_eval(sub)
     from stepwatch.stream.profiling_cli import register as register_profile
     register_profile(sub)
     from stepwatch.config import register as register_config
@@ -416,37 +356,38 @@ def build_parser(devtools: bool = True) -> argparse.ArgumentParser:
     c.add_argument("--every", type=float, default=None, help="repeat every N seconds (a maintenance loop)")
     c.set_defaults(func=cmd_compact)
     q.set_defaults(func=cmd_sql)
-
-    if devtools:
-        from stepwatch.devtools.benchcli import register as register_bench
-        register_bench(sub)          # `stepwatch bench NAME`: one subcommand per benchmark, its own options
-    return p
+    return p, sub
 
 
 def main(argv: list[str] | None = None) -> int:
     from stepwatch import extras             # (a command whose extra is not installed: say which one)
     args = sys.argv[1:] if argv is None else list(argv)
     cmd = next((x for x in args if not x.startswith("-")), None)
-    words = [x for x in args if not x.startswith("-")]
-    if words[:2] == ["bench", "gpu"]:        # a GPU machine's image: torch and the agent's packages, no DuckDB
-        from stepwatch.devtools.bench_gpu import main as gpu_main
-        return gpu_main(args[args.index("gpu") + 1:])
     try:
         if cmd in AGENT_CMDS:
             p = build_agent_parser()
         else:
-            p = build_parser(devtools=cmd is None or cmd in DEVTOOLS)   # a product command loads no devtools module
+            found = command_plugins()
+            if cmd in found:
+                p = build_plugin_parser([found[cmd]])
+            elif cmd in extras.PLUGIN_COMMANDS:
+                print(extras.missing_plugin(cmd), file=sys.stderr)
+                return 1
+            else:                            # a product command loads no plug-in's module
+                p, sub = _product_parser()
+                if cmd is None or cmd not in sub.choices:   # --help, or no such command: list the plug-ins' too
+                    register_plugins(sub, found.values())
+    except PluginMissing as e:
+        print(extras.missing_plugin(e.command, e.module), file=sys.stderr)
+        return 1
     except ModuleNotFoundError as e:
         if not extras.is_missing_extra(e):
             raise
         return extras.without_parser(e, argv)
     a, extra = p.parse_known_args(argv)
-    if extra:                                # as parse_args, but said by the bench's own parser
-        bench = getattr(a, "bench_parser", None)
-        if bench is None:
-            p.error(f"unrecognized arguments: {' '.join(extra)}")
-        from stepwatch.devtools.benchcli import unknown
-        bench.error(unknown(a, extra))
+    if extra:                                # as parse_args, or as the command's own parser says it
+        getattr(a, "on_unrecognized", lambda *_: None)(a, extra)
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
     _setup_logging(a.verbose)
     if not getattr(a, "func", None):
         p.print_help()

@@ -20,6 +20,9 @@ COMMAND_EXTRA = {
     "broker": "broker",
     "demo": "devtools", "simulate": "devtools", "bench": "devtools", "eval": "devtools",   # (stepwatch.devtools)
 }
+#: commands served by a plug-in (an entry point of the group ``stepwatch.commands``), and its package: named
+#: here (no import) so that a missing plug-in gets a clear message, not argparse's "invalid choice"
+PLUGIN_COMMANDS = {c: "stepwatch.devtools" for c in ("demo", "broker", "simulate", "bench", "eval")}
 #: third-party packages of the extras (module name -> extra), to tell a missing extra from a bug
 MODULE_EXTRA = {
     "kafka": "agent", "lz4": "agent", "snappy": "agent", "zstandard": "agent", "crc32c": "agent",
@@ -46,6 +49,19 @@ def message(command: str | None, e: ModuleNotFoundError) -> str:
     return (f"{what}: needs the Python package {e.name!r}, which this installation lacks "
             f"(plain `pip install stepwatch` is the in-process probe only).\n"
             f"  install it with:  pip install 'stepwatch[{extra}]'   (or 'stepwatch[all]' for every command)")
+
+
+def missing_plugin(command: str, module: str | None = None) -> str:
+    """``stepwatch demo: the development tools are not installed (stepwatch.devtools ...)``: the command's entry
+    point (group ``stepwatch.commands``) is not in this installation's metadata, or its ``module`` is not
+    installed."""
+    why = f"its module {module} is missing" if module else f"no entry point {command!r} in the group 'stepwatch.commands'"
+    pkg = PLUGIN_COMMANDS.get(command)
+    if pkg is None:
+        return f"stepwatch {command}: the plug-in of this command is not installed ({why})"
+    return (f"stepwatch {command}: the development tools are not installed ({pkg}: {why}).\n"
+            f"  install them with:  pip install 'stepwatch[{COMMAND_EXTRA.get(command, 'devtools')}]'   "
+            f"(from a checkout: pip install -e '.[all]' again, which writes the entry points)")
 
 
 def without_parser(e: ModuleNotFoundError, argv: list[str] | None) -> int:

@@ -47,12 +47,12 @@ agent is absent, or its queue stays full past a small backlog, frames are droppe
 ``shutdown`` (also at exit, at ``destroy_process_group`` and in the finalizers of multiprocessing
 children).
 
-This package imports only the standard library (torch is touched only when the program imports it;
-``lint-imports`` checks it), so ``pip install stepwatch`` (no extras) installs the probe alone and
+This package imports only the standard library (torch is touched only when the program imports it, through
+:mod:`.torchref`: the probe never imports torch itself; ``lint-imports`` checks it), so ``pip install stepwatch`` (no extras) installs the probe alone and
 ``stepwatch wrap`` can load it into any Python process, even by its directory
 (``STEPWATCH_PROBE_FILE``). Modules: :mod:`.core` (``Probe``), :mod:`.hooks`, :mod:`.eventlog`,
 :mod:`.fold`, :mod:`.transport`, :mod:`.names`, :mod:`.identity`, :mod:`.timing`, :mod:`.flops`,
-:mod:`.collectives`, :mod:`.watchdog` (in-flight state
+:mod:`.collectives`, :mod:`.torchref` (the program's torch), :mod:`.watchdog` (in-flight state
 of an overlong step), :mod:`.ddp_hooks` (DDP buckets). The datagram's layout, encoder and decoder are
 :mod:`stepwatch.wire.datagram` (the standard library only too); of its names only the API's ``decode``,
 ``BadDatagram`` and ``default_socket_dir`` are also names of this package (``__all__``): import the rest

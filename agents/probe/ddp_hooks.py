@@ -26,14 +26,15 @@ On CUDA/NPU a bucket on a device tensor is bracketed by the probe's device event
 the end event is recorded in the completion callback, which runs on the all-reduce's stream), so its time
 is the device's; this path has not been run on a GPU by the sessions that wrote it.
 
-Only the standard library and torch (already imported by the program) are used, like the rest of the
-probe's package.
+Only the standard library and torch (already imported by the program, reached through
+:func:`.torchref.loaded`) are used, like the rest of the probe's package.
 """
 from __future__ import annotations
 
 import time
 
 from .eventlog import K_BUCKET
+from .torchref import loaded
 
 
 class BucketTimer:
@@ -128,8 +129,8 @@ def _timer(hooks, dist, ddp) -> BucketTimer:
 def patch(hooks, dist) -> None:
     """Patch ``DistributedDataParallel`` (through ``hooks.patch``: undone by ``shutdown``)."""
     try:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-    except ImportError:
+        DDP = loaded("torch.nn.parallel").DistributedDataParallel
+    except (ImportError, AttributeError):
         return
     if getattr(DDP.__init__, "_stepwatch", False):
         return
@@ -187,7 +188,7 @@ def patch(hooks, dist) -> None:
         if name == "ALLREDUCE":
             t.user = t.user_state = None
         elif name == "FP16_COMPRESS":
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            default_hooks = loaded("torch.distributed.algorithms.ddp_comm_hooks.default_hooks")
             t.user, t.user_state = default_hooks.fp16_compress_hook, ddp.process_group
         else:
             return orig_builtin(ddp, comm_hook_type)

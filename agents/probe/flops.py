@@ -31,11 +31,14 @@ parameters' dtype (fp32 on CUDA with ``torch.set_float32_matmul_precision("high"
 It is looked at once: in the counted step, or at the first forward after the primary optimizer's first step
 (:meth:`Flops.watch_dtype_once`; one global forward pre-hook that removes itself).
 
-torch is imported only inside these functions (the probe package imports the standard library only).
+torch is reached only inside these functions, as the program loaded it (:func:`.torchref.loaded`: the probe
+never imports torch itself).
 """
 from __future__ import annotations
 
 import sys
+
+from .torchref import loaded
 
 FLOPS_SOURCES = ("user", "counted", "analytic", "params")
 
@@ -56,7 +59,7 @@ def analytic_flops_per_token(params: float, layers: int, heads: int, hidden: int
 def matmul_params(model) -> int:
     """Parameters of ``model`` that take part in matrix products: all, less those owned only by
     ``nn.Embedding`` modules (a lookup; a token embedding tied to a Linear output layer stays)."""
-    import torch
+    torch = loaded()
     emb, other = set(), set()
     for m in model.modules():
         target = emb if isinstance(m, torch.nn.Embedding) else other
@@ -86,8 +89,8 @@ def _model_flops_mapping() -> dict:
     backward with the recomputed scores (5 products for the forward's 2: hardware FLOPs); MFU counts the
     model's (PaLM: backward = 2 x forward), so every SDPA backward counts 2 x its forward here, and the CPU
     kernel, for which torch has no formula, gets torch's forward formula."""
-    import torch
-    from torch.utils import flop_counter as fc
+    torch = loaded()
+    fc = loaded("torch.utils.flop_counter")
 
     def fwd(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
         return fc.sdpa_flop_count(query_shape, key_shape, value_shape)
@@ -108,7 +111,7 @@ def _model_flops_mapping() -> dict:
 def count_step_flops(fn, *args, **kwargs) -> tuple[int, object]:
     """``fn(*args, **kwargs)`` run once under ``FlopCounterMode`` (model FLOPs of attention, see
     :func:`_model_flops_mapping`): (FLOPs counted, fn's result)."""
-    from torch.utils.flop_counter import FlopCounterMode
+    FlopCounterMode = loaded("torch.utils.flop_counter").FlopCounterMode
     with FlopCounterMode(display=False, custom_mapping=_model_flops_mapping()) as fc:
         out = fn(*args, **kwargs)
     return int(fc.get_total_flops()), out
@@ -117,7 +120,7 @@ def count_step_flops(fn, *args, **kwargs) -> tuple[int, object]:
 def compute_dtype(module) -> str | None:
     """The dtype ``module``'s matrix products run in now: autocast's where it is on for the module's device,
     else its parameters' (fp32 on CUDA with TF32 matmuls allowed: ``tf32``); None without parameters."""
-    import torch
+    torch = loaded()
     p = next(iter(module.parameters()), None)
     if p is None:
         return None
@@ -143,7 +146,7 @@ class _DtypeWatch:
     :class:`Flops`, when given), then removes itself."""
 
     def __init__(self, flops: "Flops | None"):
-        import torch
+        torch = loaded()
         self.flops = flops
         self.seen: str | None = None
         self.handle = torch.nn.modules.module.register_module_forward_pre_hook(self)

@@ -1,7 +1,7 @@
 """Torch patching: the probe's automatic hooks (optimizer step hooks, DataLoader iterators,
 ``torch.distributed`` collectives and ``Work.wait``, DDP buckets through :mod:`.ddp_hooks`, ``Module.eval``
 and checkpoint saves) and the GC callback. Nothing here imports torch: the hooks are installed once the
-program has imported it (:class:`_TorchImportHook`). :class:`Hooks` is a part the :class:`~.core.Probe` composes.
+program has imported it (:class:`_TorchImportHook`), and reach torch through :func:`.torchref.loaded`. :class:`Hooks` is a part the :class:`~.core.Probe` composes.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import sys
 from . import eventlog as _ev
 from .collectives import COLLECTIVES
 from .eventlog import K_COLL, K_MARK, K_PHASE, _nbytes, _perf, _py_coll_wrap, _py_data_wrap, _queue_depth
+from .torchref import loaded
 from stepwatch.wire.datagram import MAX_COMM
 
 
@@ -26,9 +27,8 @@ def _is_compiling():
     """``torch.compiler.is_compiling`` (True while dynamo traces: it folds it to a constant), or a
     function returning False on a torch without it."""
     try:
-        from torch.compiler import is_compiling
-        return is_compiling
-    except ImportError:
+        return loaded("torch.compiler").is_compiling
+    except (ImportError, AttributeError):
         return lambda: False
 
 
@@ -120,18 +120,20 @@ class Hooks:
                 sys.meta_path.insert(0, _TorchImportHook(self))
             return False
         try:
-            from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-        except ImportError:
+            opt = loaded("torch.optim.optimizer")
+            register_optimizer_step_pre_hook = opt.register_optimizer_step_pre_hook
+            register_optimizer_step_post_hook = opt.register_optimizer_step_post_hook
+        except (ImportError, AttributeError):
             return False
         self.handles.append(register_optimizer_step_pre_hook(self.log.opt_pre))
         self.handles.append(register_optimizer_step_post_hook(self.log.opt_post))
         try:
-            from torch.utils.data import dataloader as dl
+            dl = loaded("torch.utils.data.dataloader")
             self._patch_dataloader(dl._BaseDataLoaderIter)
         except (ImportError, AttributeError):
             pass
         try:
-            import torch.distributed as dist
+            dist = loaded("torch.distributed")
             if dist.is_available():
                 self._patch_distributed(dist)
                 try:            # DDP's reducer all-reduces from C++: time them through a comm hook
@@ -142,7 +144,7 @@ class Hooks:
         except ImportError:
             pass
         try:
-            self._patch_eval_save(sys.modules["torch"])
+            self._patch_eval_save(loaded())
         except Exception:  # noqa: BLE001 - step kinds are optional
             pass
         return True
@@ -309,7 +311,7 @@ class Hooks:
                 w = _traceable(fn, w, is_compiling)
                 self.patch(dist, name, w)
         try:
-            import torch.distributed._functional_collectives as funcol
+            funcol = loaded("torch.distributed._functional_collectives")
         except Exception:  # noqa: BLE001 - no functional collectives in this build
             funcol = None
         if funcol is not None:

@@ -49,15 +49,6 @@ def add_gpu_args(p) -> None:
     p.add_argument("--no-gpt", action="store_true", help="skip the gpubench runs")
 
 
-def main(argv: list[str]) -> int:
-    """``stepwatch bench gpu`` on a GPU machine's training image, which has torch and the agent's packages
-    but not the processor's (DuckDB): its own command line, without building the whole one."""
-    import argparse
-    p = argparse.ArgumentParser(prog="stepwatch bench gpu", description=__doc__.split("\n\n")[0])
-    add_gpu_args(p)
-    return run_gpu_bench(p.parse_args(argv))
-
-
 def _cuda() -> bool:
     try:
         import torch

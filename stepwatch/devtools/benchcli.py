@@ -3,7 +3,9 @@
 A benchmark's module loads only when it runs; the parser imports only
 :mod:`stepwatch.devtools.bench_overhead` and :mod:`stepwatch.devtools.bench_profiling`, whose options
 are defined beside their benchmarks. An option that is not the chosen benchmark's is refused by that
-benchmark's parser, which says which benchmarks take it (:func:`unknown`, called by ``stepwatch.cli.main``)."""
+benchmark's parser, which says which benchmarks take it (:func:`refuse`: ``stepwatch.cli.main`` calls the
+namespace's ``on_unrecognized``). :func:`register` is the ``bench`` entry point of the group
+``stepwatch.commands`` (pyproject.toml)."""
 from __future__ import annotations
 
 import argparse
@@ -87,17 +89,18 @@ BENCHES = {
 def _add(sub, name: str, func, options: dict) -> argparse.ArgumentParser:
     line, desc = BENCHES[name]
     p = sub.add_parser(name, help=line, description=desc)
-    p.set_defaults(func=func, bench_parser=p, bench_options=options)
+    p.set_defaults(func=func, bench_parser=p, bench_options=options, on_unrecognized=refuse)
     return p
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    """Add ``stepwatch bench`` and its benchmarks to the CLI's subparsers (``stepwatch.cli.build_parser``)."""
+    """Add ``stepwatch bench`` and its benchmarks to the CLI's subparsers (the entry point ``bench`` of the group
+    ``stepwatch.commands``)."""
     be = subparsers.add_parser("bench", help="benchmarks that print figures (stepwatch bench --help lists them)",
                                description="Benchmarks that print figures; each has its own options "
                                            "(stepwatch bench NAME --help).")
     sub = be.add_subparsers(dest="benchmark", title="benchmarks")
-    be.set_defaults(func=lambda a: (be.print_help(), 2)[1], bench_parser=be)
+    be.set_defaults(func=lambda a: (be.print_help(), 2)[1], bench_parser=be, on_unrecognized=refuse)
     owners: dict[str, set[str]] = {}        # bench -> its option strings (for the error on another's option)
 
     p = _add(sub, "ingest", _call("stepwatch.devtools.bench", "run_bench"), owners)
@@ -169,6 +172,11 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 def options_of(parser: argparse.ArgumentParser) -> set[str]:
     return {s for act in parser._actions for s in act.option_strings}
+
+
+def refuse(a: argparse.Namespace, extra: list[str]) -> None:
+    """Arguments the chosen bench does not take: its own parser's error (exits 2), saying :func:`unknown`."""
+    a.bench_parser.error(unknown(a, extra))
 
 
 def unknown(a: argparse.Namespace, extra: list[str]) -> str:

@@ -129,7 +129,7 @@ def run_eval(a) -> int:
 # --------------------------------------------------------------------------- CLI
 
 def register(subparsers) -> None:
-    """Add ``stepwatch eval`` to the CLI's subparsers (``stepwatch.cli.build_parser``)."""
+    """Add ``stepwatch eval`` to the CLI's subparsers (the entry point ``eval`` of the group ``stepwatch.commands``)."""
     e = subparsers.add_parser("eval", help="run the labelled scenario suite through the processor and "
                                            "score the detectors")
     e.add_argument("--only", help="comma-separated substrings of scenario names to run")

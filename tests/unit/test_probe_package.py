@@ -85,3 +85,28 @@ def test_a_command_whose_extra_is_missing_names_the_extra():
     assert r.returncode == 1 and "pip install 'stepwatch[report]'" in r.stderr, r.stderr
     r = _run(block + "from stepwatch.cli import main\nsys.exit(main(['wrap']))\n")
     assert r.returncode == 2 and "give a command" in r.stderr, r.stderr
+
+
+def test_the_probe_never_imports_torch_itself_it_uses_the_programs():
+    """agents/probe/torchref.py: the probe's torch is the one the program imported. Without it, the parts that
+    work on torch (FLOPs, DDP patching) raise ImportError or do nothing, and torch stays unloaded; once the
+    program imported torch, a submodule comes by name."""
+    code = ("import sys\n"
+            "from stepwatch.agents.probe import ddp_hooks, flops, torchref\n"
+            "try:\n"
+            "    flops.matmul_params(object())\n"
+            "    print('no error')\n"
+            "except ImportError as e:\n"
+            "    print('ImportError', e.name)\n"
+            "ddp_hooks.patch(None, None)\n"
+            "print('torch' in sys.modules)\n"
+            "import torch\n"
+            "print(torchref.loaded() is torch, torchref.loaded('torch.utils.flop_counter').__name__)\n"
+            "try:\n"
+            "    torchref.loaded('numpy')\n"
+            "except ValueError as e:\n"
+            "    print(e)\n")
+    r = _run(code)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.splitlines() == ["ImportError torch", "False", "True torch.utils.flop_counter",
+                                     "loaded: name must be 'torch' or a torch submodule, got 'numpy'"], r.stdout
