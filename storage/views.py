@@ -40,10 +40,13 @@ def view_sql(root, ext_dir=None, lockdown: bool = False, s3_keys_from_env: bool 
     extension folder as the reader sees it (default: this machine's, see :mod:`.extensions`)."""
     lake = lake_of(root)
     stmts = lake.attach_sql(read_only=True, ext_dir=ext_dir, lockdown=lockdown, s3_keys_from_env=s3_keys_from_env)
-    for t in TABLES + (OFFSETS, JOBS):
-        stmts.append(f"CREATE OR REPLACE VIEW {t} AS SELECT {_select(t)} FROM lake.main.{t};")
-    stmts += DERIVED_VIEWS
-    return "\n".join(stmts)
+    return "\n".join(stmts + _view_stmts())
+
+
+def _view_stmts() -> list[str]:
+    """The views over the attached lake's tables, then the derived ones."""
+    return [f"CREATE OR REPLACE VIEW {t} AS SELECT {_select(t)} FROM lake.main.{t};"
+            for t in TABLES + (OFFSETS, JOBS)] + DERIVED_VIEWS
 
 
 def _select(table: str) -> str:
@@ -70,7 +73,37 @@ def connect(root, threads: int | None = None) -> duckdb.DuckDBPyConnection:
         for attempt in _retrying():
             with attempt:
                 db.execute(view_sql(lake))
-    return _DBS.cursor(lake, setup, threads)
+        _COLS[lake] = _columns(db)
+    cur = _DBS.cursor(lake, setup, threads)
+    cols = _columns(cur)                 # (~10 ms) the instance's views were bound to the tables as they were
+    if cols != _COLS.get(lake):
+        refresh_views(cur)
+        _COLS[lake] = cols
+    return cur
+
+
+_COLS: dict = {}                         # Lake -> the lake's columns when its instance's views were defined
+
+
+def _columns(con: duckdb.DuckDBPyConnection) -> tuple:
+    for attempt in _retrying():
+        with attempt:
+            return tuple(con.execute("SELECT table_name, column_name FROM duckdb_columns() "
+                                     "WHERE database_name = 'lake' ORDER BY ALL").fetchall())
+
+
+def refresh_views(con: duckdb.DuckDBPyConnection) -> None:
+    """Define the views again over the lake's tables as they are now. A writer may have added a column
+    to a table since the views were defined (a producer's extra column); DuckDB then refuses a view
+    bound to the old columns ('Contents of view were altered'). The views are the instance's, so this
+    mends every connection to it."""
+    for attempt in _retrying():
+        with attempt:
+            con.execute("\n".join(_view_stmts()))
+
+
+def _altered(e: BaseException) -> bool:
+    return isinstance(e, duckdb.Error) and "Contents of view were altered" in str(e)
 
 
 def _busy(e: BaseException) -> bool:
@@ -92,6 +125,12 @@ def query(con: duckdb.DuckDBPyConnection, sql: str, params=None, retries: int = 
     """Run a query and fetch all rows. Returns (columns, rows)."""
     for attempt in _retrying(retries + 1):
         with attempt:
-            cur = con.execute(sql, params) if params is not None else con.execute(sql)
+            try:
+                cur = con.execute(sql, params) if params is not None else con.execute(sql)
+            except duckdb.Error as e:
+                if not _altered(e):
+                    raise
+                refresh_views(con)            # a table gained a column since the views were bound
+                cur = con.execute(sql, params) if params is not None else con.execute(sql)
             cols = [d[0] for d in cur.description] if cur.description else []
             return cols, (cur.fetchall() if cols else [])

@@ -28,7 +28,7 @@ import pytest
 from stepwatch.devtools import hostile as H
 from stepwatch.wire import tables as wire
 from stepwatch.wire.decode import WireError, _read_arrow, conform
-from stepwatch.storage.views import connect, view_sql
+from stepwatch.storage.views import connect
 from stepwatch.kafkaio import KafkaSettings, ensure_topics, make_producer
 from stepwatch.stream.processor import Processor
 from testkit import ROOT
@@ -190,15 +190,6 @@ def topo(job, ranks, world_size=None):
     return H.Item("topology", H._arrow(t), H._hdr("topology"), job.encode())
 
 
-def connect_now(data):
-    """:func:`connect`, its views defined again over the lake's tables as they are now: the store is
-    shared, and a test's extra column changes the steps table's columns, which a view defined before
-    no longer matches (DuckDB: 'Contents of view were altered')."""
-    con = connect(data)
-    con.execute("\n".join(q + ";" for q in view_sql(data).split(";\n") if q.startswith("CREATE OR REPLACE VIEW")))
-    return con
-
-
 def n_steps(con, job):
     return con.execute("SELECT count(*) FROM steps WHERE job = ?", [job]).fetchone()[0]
 
@@ -234,7 +225,7 @@ def test_producer_with_each_codec_is_stored(shared):
             job = f"codec-{codec}"
             where += send(shared.kafka, [topo(job, 4)] + good(job, steps=5), codec=codec, one_batch=True)
     proc = shared.wait(lambda p: shared.stored() >= 20 * len(CODECS))
-    con = connect_now(shared.data)
+    con = connect(shared.data)
     assert {c: n_steps(con, f"codec-{c}") for c in CODECS} == {c: 20 for c in CODECS}
     assert not deadletters(con, where)
     assert {c: proc.jobs[f"codec-{c}"].state.max_step for c in CODECS} == {c: 4 for c in CODECS}
@@ -248,7 +239,7 @@ def test_batch_the_client_cannot_decode_is_deadlettered_and_skipped(shared):
         _, bad = H.send_items([], kafka, corrupt_batches=3)
         where += send(kafka, good(job, 2, 2), one_batch=True)
     proc = shared.wait(lambda p: shared.stored() >= 16 and shared.stored("deadletter") >= 3)
-    con = connect_now(shared.data)
+    con = connect(shared.data)
     assert n_steps(con, job) == 16
     dl = deadletters(con, where + bad["corrupt batch"])
     assert [(t, p, o) for t, p, o, _, _ in dl] == sorted(bad["corrupt batch"], key=lambda w: w[2])
@@ -271,7 +262,7 @@ def test_extra_columns_parquet_cannot_store_or_whose_type_changes_do_not_poison(
     with shared.held():
         where = send(shared.kafka, items, one_batch=True)
     proc = shared.wait(lambda p: shared.stored() >= 24)
-    con = connect_now(shared.data)
+    con = connect(shared.data)
     assert n_steps(con, job) == 24
     assert not deadletters(con, where)
     # the int 'note' was kept (first type seen); the string one could not be cast and was dropped
@@ -311,7 +302,7 @@ def test_decompression_bomb_is_refused_before_it_is_inflated(shared):
                      one_batch=True)
     shared.wait(lambda p: shared.stored() >= 8 and shared.stored("deadletter") >= 1)
     rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    con = connect_now(shared.data)
+    con = connect(shared.data)
     dl = deadletters(con, where)
     assert [(t, p, o) for t, p, o, _, _ in dl] == [where[0]]
     assert "max_decoded_bytes" in dl[0][3]
@@ -337,7 +328,7 @@ def test_world_size_above_max_ranks_is_rejected(shared):
     with shared.held():
         where = send(shared.kafka, [topo(job, 1, world_size=10_000_000)] + good(job, 0, 2, ranks=1), one_batch=True)
     proc = shared.wait(lambda p: shared.stored() >= 2 and shared.stored("deadletter") >= 1)
-    dl = deadletters(connect_now(shared.data), where)
+    dl = deadletters(connect(shared.data), where)
     assert [(t, p, o) for t, p, o, _, _ in dl] == [where[0]] and "max_ranks" in dl[0][3]
     assert proc.jobs[job].state.planes["step_ms"].shape[1] == 1
 
@@ -351,7 +342,7 @@ def test_step_jumps_do_not_spin_the_alignment(shared):
         t0 = time.monotonic()
     proc = shared.wait(lambda p: shared.stored() >= 10 and shared.stored("deadletter") >= 1, timeout=40)
     assert time.monotonic() - t0 < 30
-    con = connect_now(shared.data)
+    con = connect(shared.data)
     assert con.execute("SELECT list(step ORDER BY step) FROM steps WHERE job = ? AND rank = 0",
                        [job]).fetchone()[0] == [0, 1, 2, 3]
     dl = deadletters(con, where)
@@ -368,7 +359,7 @@ def test_far_future_t_end_does_not_break_the_jobs_alignment(shared):
     with shared.held():
         where = send(shared.kafka, items, one_batch=True)
     proc = shared.wait(lambda p: shared.stored() >= 8 and shared.stored("deadletter") >= 1)
-    dl = deadletters(connect_now(shared.data), where)
+    dl = deadletters(connect(shared.data), where)
     assert len(dl) == 1 and "max_future_skew_s" in dl[0][3]
     st = proc.jobs[job].state
     assert st.max_t_end < time.time_ns() + 300 * 10**9
@@ -385,7 +376,7 @@ def test_a_jobs_first_message_cannot_place_its_step_axis(shared):
     with shared.held():
         where = send(shared.kafka, items, one_batch=True)
     proc = shared.wait(lambda p: shared.stored() >= 40 and shared.stored("deadletter") >= 1)
-    con = connect_now(shared.data)
+    con = connect(shared.data)
     assert con.execute("SELECT count(*), count(DISTINCT (rank, step)), max(step) FROM steps WHERE job = ?",
                        [job]).fetchone() == (40, 40, 9)
     dl = deadletters(con, where)
@@ -431,7 +422,7 @@ def test_one_rank_cannot_walk_the_step_axis(shared):
     with shared.held():
         where = send(shared.kafka, [topo(job, 4)] + good(job, 0, 5) + bad + good(job, 5, 5), one_batch=True)
     proc = shared.wait(lambda p: shared.stored() >= 41 and shared.stored("deadletter") >= 1)
-    con = connect_now(shared.data)
+    con = connect(shared.data)
     assert n_steps(con, job) == 41
     dl = deadletters(con, where)
     assert [(t, p, o) for t, p, o, _, _ in dl] == [where[7]], dl
@@ -449,7 +440,7 @@ def test_rows_arriving_out_of_order_do_not_move_the_step_axis_back(shared):
     with shared.held():
         where = send(shared.kafka, [topo(job, 4)] + good(job, 100, 51) + good(job, 0, 100), one_batch=True)
     proc = shared.wait(lambda p: shared.stored() >= 604)
-    assert n_steps(connect_now(shared.data), job) == 604 and not deadletters(connect_now(shared.data), where), where[:1]
+    assert n_steps(connect(shared.data), job) == 604 and not deadletters(connect(shared.data), where), where[:1]
     assert proc.jobs[job].state.max_step == 150
     assert shared.delta(proc.metrics.step_axis, "reanchor") == 0
 
@@ -470,7 +461,7 @@ def test_a_simulation_ahead_of_real_time_is_taken_but_one_far_future_row_is_not(
     with shared.held():
         where = send(shared.kafka, items, one_batch=True)
     proc = shared.wait(lambda p: shared.stored() >= 720 and shared.stored("deadletter") >= 1)
-    con = connect_now(shared.data)
+    con = connect(shared.data)
     assert n_steps(con, job) == 720
     dl = deadletters(con, where)
     assert [(t, p, o) for t, p, o, _, _ in dl] == [where[-1]], dl
@@ -486,7 +477,7 @@ def test_t_end_before_1970_is_rejected_not_filed_under_another_job(shared):
         where = send(shared.kafka, [H.Item("steps", H._arrow(pa.concat_tables([ta, tb])), H._hdr(), a.encode())],
                      one_batch=True)
     shared.wait(lambda p: shared.stored() >= 3 and shared.stored("deadletter") >= 1)
-    con = connect_now(shared.data)
+    con = connect(shared.data)
     assert con.execute("SELECT job, rank, epoch_ns(t_end) >= 0 FROM steps WHERE job IN ('alpha', 'beta') "
                        "ORDER BY job, rank").fetchall() == [("alpha", 0, True), ("alpha", 1, True), ("beta", 1, True)]
     dl = deadletters(con, where)

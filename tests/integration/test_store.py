@@ -268,3 +268,22 @@ def test_steps_files_the_store_writes_span_days_keep_every_column_and_orphans_go
     compact.run(tmp_path, grace_s=0.0)
     assert not any(os.path.exists(p) for p in orphans)
     assert connect(tmp_path).execute("SELECT count(*), sum(extra_ms) FROM steps").fetchone() == (16, 4.0)
+
+
+def test_a_reader_open_before_a_table_gained_a_column_still_reads_it(tmp_path):
+    """The views live in one DuckDB instance per lake and process (a Grafana backend, `stepwatch sql`'s
+    session, a report): a writer that adds a column (a producer's extra column) changes the table under
+    a view bound to the old columns, and DuckDB refuses it ('Contents of view were altered'). A new
+    connection and a query on an open one both see the table as it is now, the new column included."""
+    from stepwatch.storage.views import query
+    st = LakeStore(tmp_path).init()
+    st.write_flush({"steps": [steps("n", 0, 2)]}, {})
+    old = connect(tmp_path)
+    n0 = old.execute("SELECT count(*) FROM steps").fetchone()[0]
+    t = steps("n", 2, 4)
+    t = t.append_column("vendor_counter", pa.array(range(len(t)), pa.int64()))
+    st.write_flush({"steps": [t]}, {})
+    con = connect(tmp_path)
+    n = len(t)
+    assert con.execute("SELECT count(*), count(vendor_counter) FROM steps").fetchone() == (n0 + n, n)
+    assert query(old, "SELECT count(*), sum(vendor_counter) FROM steps")[1] == [(n0 + n, n * (n - 1) // 2)]
