@@ -18,11 +18,12 @@ demo: $(STAMP)
 	$(BIN)/stepwatch demo
 
 # Two steps, both must pass (a step that collects nothing exits 5: a failure too). First the fast one:
-# tests/unit and tests/integration (real servers on loopback); then tests/realrun, the real training
+# tests/unit and tests/integration (real servers on loopback), in two pytest-xdist workers (a module stays in
+# one); then tests/realrun, the real training
 # runs and measured timings, serially and on their own so that no other test loads the machine under them.
 test: $(STAMP)
 	BIN=$(BIN) .ci/lint-imports    # the layers (import-linter contracts in pyproject.toml)
-	$(BIN)/python -m pytest -q --durations=25 -m "unit or integration" tests; fast=$$?; \
+	$(BIN)/python -m pytest -q --durations=25 -n 2 --dist loadfile -m "unit or integration" tests; fast=$$?; \
 	$(BIN)/python -m pytest -q --durations=15 -m realrun tests; real=$$?; \
 	echo "make test: unit+integration step exit $$fast, realrun step exit $$real"; [ $$fast = 0 ] && [ $$real = 0 ]
 
