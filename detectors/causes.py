@@ -114,12 +114,45 @@ def phase_arrays(block, cols=None) -> dict[str, np.ndarray]:
     return out
 
 
+#: below this many values a median is one ``np.median`` (the sampled band of :func:`median1d` costs more)
+_BAND_MIN = 16384
+
+
+def median1d(a: np.ndarray) -> float:
+    """``np.median(a)`` of a 1-D float array without NaN, the same value, without partitioning all of it:
+    the median lies, but for a rare unlucky sample, between two order statistics of an even sample of
+    ~1,000 values (the sample's 45% and 55% points). One pass counts the values below that band and
+    gathers the ~10% inside it; only those are partitioned, and the two middle values (or the one) are
+    averaged by ``np.mean`` exactly as ``np.median`` does. When the band misses the middle, the whole
+    array is partitioned after all. ~3x faster than ``np.median`` at 100k values (which partitions a
+    copy of the whole array)."""
+    n = len(a)
+    if n < _BAND_MIN:
+        return np.median(a)
+    samp = np.sort(a[::n // 1024])
+    m = len(samp)
+    lo, hi = samp[(m * 45) // 100], samp[-(-m * 55 // 100)]
+    below = int(np.count_nonzero(a < lo))
+    band = a[(a >= lo) & (a <= hi)]
+    k0, k1 = (n - 1) // 2 - below, n // 2 - below           # the middle order statistics, in the band
+    if k0 < 0 or k1 >= len(band):
+        return np.median(a)
+    band.partition((k0, k1) if k1 != k0 else k0)
+    return np.mean(band[k0:k1 + 1])
+
+
 def nanmedian(a, axis=None, overwrite: bool = False):
     """``np.nanmedian`` without the all-NaN warning (all-NaN slices give NaN); takes the faster
-    ``np.median`` path when there is no NaN. ``overwrite``: ``a`` is a scratch array the caller no longer
-    needs (partitioned in place, not copied first)."""
+    ``np.median`` path when there is no NaN (long rows: :func:`median1d`, the same values).
+    ``overwrite``: ``a`` is a scratch array the caller no longer needs (partitioned in place, not copied
+    first)."""
     a = np.asarray(a)
     if a.size and not np.isnan(a).any():
+        if a.dtype == np.float64 and a.shape[-1] >= _BAND_MIN and (
+                (a.ndim == 1 and axis in (None, 0, -1)) or (a.ndim == 2 and axis in (1, -1) and len(a) <= 8)):
+            if a.ndim == 1:
+                return median1d(a)
+            return np.array([median1d(row) for row in a])
         return np.median(a, axis=axis, overwrite_input=overwrite)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -196,7 +229,7 @@ def _median(a: np.ndarray) -> float:
             m1 = int(np.searchsorted(cum, (n - 1) // 2, side="right")) + int(lo)
             m2 = int(np.searchsorted(cum, n // 2, side="right")) + int(lo)
             return (float(m1) + float(m2)) / 2.0
-    return float(np.median(a))
+    return float(median1d(a))
 
 
 def _col(t, name) -> np.ndarray:
@@ -237,8 +270,10 @@ def host_evidence(ctx, nodes, t_lo: int, t_hi: int) -> dict:
         ev[c] = {"suspect": _med(v[sus]), "others": _med(v[~sus])}
     measured = bool((getattr(ctx, "info", None) or {}).get("cpu_wait_reported"))
     before = w.select(int(t_lo) - BEFORE_NS, int(t_lo) - 1_500_000_000)
-    ev["foreign"] = _foreign(t, sus, _seen(before, nodes), NEW_MIN_PCT if measured else FOREIGN_MIN_PCT)
-    acc = _accel(t, sus)
+    node_codes = _codes(t.column("node"))                # (codes, names), shared by both
+    ev["foreign"] = _foreign(t, sus, _seen(before, nodes), NEW_MIN_PCT if measured else FOREIGN_MIN_PCT,
+                             node_codes=node_codes)
+    acc = _accel(t, sus, node_codes=node_codes)
     if acc:
         ev["accel"] = acc
     if measured:
@@ -291,21 +326,23 @@ def _codes(arr) -> tuple[np.ndarray, list]:
     return d.indices.to_numpy(zero_copy_only=False).astype(np.int64), d.dictionary.to_pylist()
 
 
-def _foreign(t, sus: np.ndarray, seen: set | None = None, new_min: float = NEW_MIN_PCT) -> list[dict]:
+def _foreign(t, sus: np.ndarray, seen: set | None = None, new_min: float = NEW_MIN_PCT,
+             node_codes: tuple | None = None) -> list[dict]:
     import pyarrow.compute as pc
 
     if "top_procs" not in t.column_names:
         return []
-    tp = t.column("top_procs").combine_chunks()
+    # the list column flattened chunk by chunk (a combine_chunks of the nested column copies every field)
+    tp = t.column("top_procs")
     lens = pc.list_value_length(tp).fill_null(0).to_numpy(zero_copy_only=False)
     flat = pc.list_flatten(tp)
     if len(flat) == 0:
         return []
     row = np.repeat(np.arange(t.num_rows), lens)
-    name_c, names = _codes(flat.field("name").fill_null(""))
-    cpu = flat.field("cpu_pct").to_numpy(zero_copy_only=False).astype(np.float64)
-    pid = flat.field("pid").to_numpy(zero_copy_only=False)
-    node_row, node_names = _codes(t.column("node"))
+    name_c, names = _codes(pc.struct_field(flat, "name").fill_null(""))
+    cpu = pc.struct_field(flat, "cpu_pct").to_numpy(zero_copy_only=False).astype(np.float64)
+    pid = pc.struct_field(flat, "pid").to_numpy(zero_copy_only=False)
+    node_row, node_names = node_codes if node_codes is not None else _codes(t.column("node"))
     node = node_row[row]
     on_s = sus[row]
     n_others = _n_distinct(node[~on_s])
@@ -342,25 +379,25 @@ def _unique_codes(a: np.ndarray) -> np.ndarray:
     return np.unique(a)
 
 
-def _accel(t, sus: np.ndarray) -> dict:
+def _accel(t, sus: np.ndarray, node_codes: tuple | None = None) -> dict:
     import pyarrow.compute as pc
 
     if "accel" not in t.column_names or t.column("accel").null_count == t.num_rows:
         return {}
-    ac = t.column("accel").combine_chunks()
+    ac = t.column("accel")                               # flattened chunk by chunk, as in _foreign
     lens = pc.list_value_length(ac).fill_null(0).to_numpy(zero_copy_only=False)
     flat = pc.list_flatten(ac)
     if len(flat) == 0:
         return {}
     row = np.repeat(np.arange(t.num_rows), lens)
-    clock = flat.field("clock_mhz").to_numpy(zero_copy_only=False).astype(np.float64)
-    temp = flat.field("temp_c").to_numpy(zero_copy_only=False).astype(np.float64)
-    idx = flat.field("index").to_numpy(zero_copy_only=False)
+    clock = pc.struct_field(flat, "clock_mhz").to_numpy(zero_copy_only=False).astype(np.float64)
+    temp = pc.struct_field(flat, "temp_c").to_numpy(zero_copy_only=False).astype(np.float64)
+    idx = pc.struct_field(flat, "index").to_numpy(zero_copy_only=False)
     on_s = sus[row]
     if not on_s.any():
         return {}
     fleet_clock, fleet_temp = _med(clock[~on_s] if (~on_s).any() else clock), _med(temp[~on_s] if (~on_s).any() else temp)
-    node_row, node_names = _codes(t.column("node"))
+    node_row, node_names = node_codes if node_codes is not None else _codes(t.column("node"))
     # the suspect nodes' slowest device: lowest median clock over the samples (the suspect entries only)
     si = np.flatnonzero(on_s)
     node, idx, clock, temp = node_row[row[si]], idx[si], clock[si], temp[si]
@@ -414,20 +451,36 @@ def comm_evidence(ctx, ranks, step_lo: int, step_hi: int) -> dict:
     sus = np.isin(rk, np.asarray(list(ranks), dtype=np.int64))
     if not sus.any():
         return {"records": int(len(rk))}
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
     tm = _col(t, "time_ms")
-    # op and group as integer codes (no Python object per row: the window holds up to 400k rows)
-    opc, op_names = _value_codes(t.column("op"))
+    # op and group as integer codes of the suspects' rows only (no Python object per row: the window holds
+    # up to 400k rows); the other ranks' rows of an op string by one comparison of the column
+    op = t.column("op")
+    si = np.flatnonzero(sus)
+    sel = pa.array(si)
+    opc, op_names = _value_codes(op.take(sel))
     if "group" in t.column_names:
-        grc, gr_names = _value_codes(t.column("group"))
+        grc, gr_names = _value_codes(t.column("group").take(sel))
     else:
-        grc, gr_names = np.zeros(len(rk), dtype=np.int64), [None]
+        grc, gr_names = np.zeros(len(si), dtype=np.int64), [None]
+    plain = pa.types.is_string(op.type) or pa.types.is_large_string(op.type)
+    if not plain:
+        opc_all, names_all = _value_codes(op)
     out = []
-    sus_op = np.unique(opc[sus]).tolist()
-    for c in sorted(sus_op, key=lambda c: op_names[c]):
-        m = sus & (opc == c)
+    for c in sorted(np.unique(opc).tolist(), key=lambda c: op_names[c]):
+        m = opc == c
         groups = sorted({str(g) for g in (gr_names[x] for x in np.unique(grc[m]).tolist()) if g is not None})
-        out.append({"op": str(op_names[c]), "groups": groups[:4], "suspect_ms": _med(tm[m]),
-                    "others_ms": _med(tm[~sus & (opc == c)])})
+        v = op_names[c]
+        if not plain:
+            same = opc_all == names_all.index(v)
+        elif v is None:
+            same = pc.is_null(op).to_numpy(zero_copy_only=False)
+        else:
+            same = pc.fill_null(pc.equal(op, pa.scalar(v, op.type)), False).to_numpy(zero_copy_only=False)
+        out.append({"op": str(v), "groups": groups[:4], "suspect_ms": _med(tm[si[m]]),
+                    "others_ms": _med(tm[~sus & same])})
     return {"records": int(len(rk)), "ops": out}
 
 

@@ -205,8 +205,11 @@ class SlowRank(_SequentialTests, _AlertAssembly, Detector):
         # sequential test (CUSUM in robust z units, see the class docs)
         self._off = np.zeros(V, dtype=np.float64)                # each rank's own offset (delayed EWMA of z)
         self._off_n = np.zeros(V, dtype=np.int32)
+        self._few: list[np.ndarray | None] = [None] * _P     # per series, the columns with off_n < _OFFSET_STEPS
         self._off_hi = np.full(_P, math.inf)                     # fleet spread of healthy offsets, per series
-        self._zring = np.full((_DELAY, V), np.nan, dtype=np.float32)   # z of the last _DELAY steps
+        # z of the last _DELAY steps (uninitialised: every slot is written before the first is read, which
+        # is once the tests are ready, after _WARMUP > _DELAY judged steps)
+        self._zring = np.empty((_DELAY, V), dtype=np.float32)
         cols = np.arange(0, R, max(1, -(-R // _SAMPLE_COLS)))    # ranks sampled for the null law
         self._ncols = len(cols)
         self._cols = (np.arange(_P)[:, None] * R + cols[None, :]).ravel()   # ... in every series
@@ -215,9 +218,10 @@ class SlowRank(_SequentialTests, _AlertAssembly, Detector):
         self._samp = np.full((rows, len(self._cols)), np.nan, dtype=np.float32)
         # small stages (2 .. min_peers - 1 ranks, see _small_z): each rank's learned relative differences
         # to its peers (their median: its baseline, their MAD: its noise), from _SMALL_DELAY steps ago
-        self._sm_hist = np.full((_SMALL_HIST, R), np.nan, dtype=np.float64)   # learned values (ring)
+        # (both (_SMALL_HIST or _SMALL_DELAY, R) of NaN, allocated by _small_z when a small stage is judged)
+        self._sm_hist: np.ndarray | None = None                  # learned values (ring)
         self._sm_n = np.zeros(R, dtype=np.int64)
-        self._sm_ring = np.full((_SMALL_DELAY, R), np.nan, dtype=np.float64)
+        self._sm_ring: np.ndarray | None = None
         self._sm_pos = np.zeros(R, dtype=np.int64)
         self._age = 0                                            # steps judged (by the CUSUM)
         self._h = np.full((2, _P), np.nan)                       # thresholds (small, big) per series
@@ -230,7 +234,10 @@ class SlowRank(_SequentialTests, _AlertAssembly, Detector):
         self._cs_ready = False
         self._owner: dict[int, tuple] = {}                       # rank -> key of the alert covering it
         self._open: dict[tuple, dict] = {}                       # key -> {"alert", "members"}
-        nanr = lambda: np.full((n, R), np.nan, dtype=np.float32)  # noqa: E731
+        # the value rings, uninitialised: a slot never written reads as NaN through _Window (slots are
+        # written in order from 0, so those are the slots from _pos on while _pos < n); a NaN fill of
+        # the ten of them cost the first step ~50 MB of page faults and writes at 100k ranks
+        nanr = lambda: np.empty((n, R), dtype=np.float32)  # noqa: E731
         self._busy, self._eff, self._z, self._cost = nanr(), nanr(), nanr(), nanr()
         self._ph = {p: nanr() for p in PHASES}
 

@@ -312,8 +312,12 @@ class _Window:
         self._stage_cache: dict[tuple, dict[str, np.ndarray]] = {}
 
     def _ring(self, key: str, cols) -> np.ndarray:
-        """(n, len(cols)) ring values of columns ``cols``, oldest slot first."""
-        return self._src[key][:, cols][self._order]
+        """(n, len(cols)) ring values of columns ``cols``, oldest slot first; NaN (False) in the slots
+        never written (the value rings are allocated uninitialised)."""
+        r = self._src[key][:, cols]                      # a copy (cols: a list or an index array)
+        if self.det._pos < self.n:
+            r[self.det._pos:] = False if r.dtype == bool else np.nan
+        return r[self._order]
 
     def ranks(self, s: int, M: list[int]) -> dict[str, np.ndarray]:
         """(n, len(M)) arrays of the ranks ``M`` over the window ending at block row ``s``; ``steps``

@@ -8,7 +8,7 @@ import warnings
 
 import numpy as np
 
-from .causes import nanmedian
+from .causes import median1d, nanmedian
 from .slowrank_stats import (_DELAY, _EVERY, _MAD_TO_SIGMA, _NULL_FEW, _NULL_MIN, _OFFSET_STEPS, _P,
                              _SAMPLE_COLS, _SMALL_DELAY, _SMALL_HIST, _SMALL_LEARN, _SMALL_MAX_BASE, _WARMUP,
                              OWN_PHASES, _cusum_theta, _pooled_phi)
@@ -81,11 +81,11 @@ class _SequentialTests:
             self._h[np.isnan(self._theta)] = np.inf      # a series not (yet) judged never fires
         for p in range(_P):
             o, on = self._off[p * R:(p + 1) * R], self._off_n[p * R:(p + 1) * R]
-            seasoned = o[on >= 8]                        # a copy: partitioned in place by the medians
+            seasoned = o[on >= 8]                        # a copy: the MAD's deviations overwrite it
             if len(seasoned) >= self.min_peers:
-                med = float(np.median(seasoned, overwrite_input=True))
+                med = float(median1d(seasoned))
                 dev = np.abs(np.subtract(seasoned, med, out=seasoned), out=seasoned)
-                self._off_hi[p] = med + 5.0 * _MAD_TO_SIGMA * float(np.median(dev, overwrite_input=True))
+                self._off_hi[p] = med + 5.0 * _MAD_TO_SIGMA * float(median1d(dev))
 
     def _small_z(self, sub: np.ndarray, cols: np.ndarray):
         """A stage of 2 .. min_peers - 1 ranks (``sub``: (S, w) busy times, ``cols``: their ranks), where a
@@ -118,6 +118,9 @@ class _SequentialTests:
         hot = np.zeros(w, dtype=bool)
         if self._cs_ready:
             hot = (self._cs[cols] >= 0.5 * self._h[0, 0]) | (self._csb[cols] >= 0.5 * self._h[1, 0])
+        if self._sm_hist is None:                # allocated at the first small stage (64 MB at 100k ranks)
+            self._sm_hist = np.full((_SMALL_HIST, self._R), np.nan, dtype=np.float64)
+            self._sm_ring = np.full((_SMALL_DELAY, self._R), np.nan, dtype=np.float64)
         hist = self._sm_hist[:, cols]                                       # (_SMALL_HIST, w), a copy
         n = self._sm_n[cols].copy()
         with np.errstate(all="ignore"):
@@ -217,7 +220,7 @@ class _SequentialTests:
                     dev = np.subtract(sub, med, out=zp[:, sl])
                     np.divide(dev, _MAD_TO_SIGMA * np.maximum(mad, self.mad_floor * np.abs(bmed)), out=dev)
                     parts.append((_MAD_TO_SIGMA * mad / bmed)[:, 0])
-                jp[:, sl] = enough & ~np.isnan(sub)
+                jp[:, sl] = enough                       # & isfinite(z) below (a NaN value has a NaN z)
             if perm is not None:
                 inv = np.empty_like(perm)
                 inv[perm] = np.arange(R)
@@ -248,14 +251,18 @@ class _SequentialTests:
         col = lambda v: np.asarray(v, dtype=np.float64)[:, None]      # noqa: E731  (_P,) -> (_P, 1)
         k1, c1, k2, c2 = (col(x) for x in self._refs())
         jr = judged.reshape(_P, R)
-        zz = self._work("zz")                             # z where judged, else NaN
-        zz.fill(np.nan)
-        np.copyto(zz, zs.reshape(_P, R), where=jr)
+        nj = np.logical_not(jr, out=self._work("nj", bool))
+        z2 = zs.reshape(_P, R)                            # z (NaN where not judged: zz below)
         hi = col(self._off_hi)
         u = self._work("u")                               # z less the rank's own (clipped) offset
-        np.minimum(self._off.reshape(_P, R), hi, out=u)
-        np.maximum(u, -hi, out=u)
-        np.subtract(zz, u, out=u)
+        off2 = self._off.reshape(_P, R)
+        for p in range(_P):                               # = maximum(minimum(off, hi), -hi), per series
+            if hi[p, 0] >= 0:
+                np.clip(off2[p], -hi[p, 0], hi[p, 0], out=u[p])
+            else:
+                np.maximum(np.minimum(off2[p], hi[p, 0]), -hi[p, 0], out=u[p])
+        np.subtract(z2, u, out=u)
+        np.copyto(u, np.nan, where=nj)                    # = zz - clipped offset
         miss = np.isnan(u, out=self._work("miss", bool))
         ready = self._cs_ready
         h1, h2 = (col(self._h[0]), col(self._h[1])) if ready else (math.inf, math.inf)
@@ -277,7 +284,11 @@ class _SequentialTests:
             np.copyto(inc, 0.0, where=miss[:n_ser])       # a missing value adds nothing
             up = np.less_equal(prev, 0.0, out=up_all[:n_ser])
             prev += inc
-            np.clip(prev, 0.0, 1.5 * h, out=prev)        # = minimum(maximum(prev, 0), 1.5 h)
+            if np.isscalar(h):
+                np.clip(prev, 0.0, 1.5 * h, out=prev)    # = minimum(maximum(prev, 0), 1.5 h)
+            else:
+                for p in range(n_ser):                   # (scalar bounds: numpy's fast clip)
+                    np.clip(prev[p], 0.0, 1.5 * h[p, 0], out=prev[p])
             up &= np.greater(prev, 0.0, out=miss_b[:n_ser])
             frm = getattr(self, attr + "_from").reshape(_P, R)[:n_ser]
             np.copyto(frm, step, where=up)               # (a masked copy: ~2x a boolean-index store)
@@ -289,13 +300,15 @@ class _SequentialTests:
             out = out.copy()
             out[0] |= small & ((self._cs[:R] >= 0.5 * h1[0]) | (self._csb[:R] >= 0.5 * h2[0]))
         uf = u.ravel()
-        self._samp[self._age % len(self._samp)] = np.where(out.ravel()[self._cols], np.nan, uf[self._cols])
+        left_out = (self._active[self._cols % R] if out.base is not None and out.strides[0] == 0
+                    else out.ravel()[self._cols])
+        self._samp[self._age % len(self._samp)] = np.where(left_out, np.nan, uf[self._cols])
         dslot = self._age % _DELAY
         # the z of _DELAY steps ago, read from the float32 ring as it is (the ufuncs widen each value
         # exactly; no float64 copy of the slot), before this step's z takes the slot
         old = self._zring[dslot].reshape(_P, R)
         if not self._cs_ready:
-            old = zz                             # warm-up: learn the offsets from every step at once
+            old = np.where(jr, z2, np.nan)       # warm-up: learn the offsets from every step at once
         ok = np.isfinite(old, out=self._work("ok", bool))
         ok &= ~active
         off, off_n = self._off.reshape(_P, R), self._off_n.reshape(_P, R)
@@ -303,12 +316,18 @@ class _SequentialTests:
         # off += where(ok, rate * (clip(old, -c1, c1) - off), 0) with rate = max(1 / max(off_n, 1),
         # 1 / _OFFSET_STEPS); what is computed where not ok is replaced by 0, as np.where did
         d = self._work("d")
-        np.clip(old, -c1, c1, out=d)                     # = maximum(minimum(old, c1), -c1): -c1 < c1
-        self._zring[dslot] = zz.ravel()
+        for p in range(_P):                              # = maximum(minimum(old, c1), -c1): -c1 < c1
+            np.clip(old[p], -c1[p, 0], c1[p, 0], out=d[p])
+        zr = self._zring[dslot].reshape(_P, R)           # this step's z where judged, else NaN
+        zr[...] = z2
+        np.copyto(zr, np.nan, where=nj)
         d -= off
         for p in range(_P):                              # the rate: 1 / _OFFSET_STEPS but for the few ranks
             n_p, d_p = off_n[p], d[p]                    # with fewer values (new, or frozen under an alert)
-            few = np.flatnonzero(n_p < _OFFSET_STEPS)
+            # off_n only grows: the ranks below _OFFSET_STEPS are among those that were last step
+            few = self._few[p]
+            few = np.flatnonzero(n_p < _OFFSET_STEPS) if few is None else few[n_p[few] < _OFFSET_STEPS]
+            self._few[p] = few
             if len(few) > len(n_p) // 8:             # many (the first _OFFSET_STEPS steps): one gather of
                 d_p *= _RATE[np.minimum(n_p, _OFFSET_STEPS)]     # the rate, not fancy-indexed copies
                 continue
@@ -336,6 +355,9 @@ class _SequentialTests:
             return no, no
         h1, h2 = self._h[0][:, None], self._h[1][:, None]
         cs, csb = self._cs.reshape(_P, R), self._csb[:R]
-        hot = (cs >= 0.5 * h1).any(axis=0) | (csb >= 0.5 * h2[0])
-        fire = (cs >= h1).any(axis=0) | (csb >= h2[0])
+        hot, fire = csb >= 0.5 * h2[0, 0], csb >= h2[0, 0]
+        tmp = self._work("b", bool)[0]
+        for p in range(_P):                              # = (cs >= 0.5 h1).any(axis=0) | ..., row by row
+            hot |= np.greater_equal(cs[p], 0.5 * h1[p, 0], out=tmp)
+            fire |= np.greater_equal(cs[p], h1[p, 0], out=tmp)
         return hot, fire
