@@ -183,7 +183,7 @@ def fuzz_kafka_message(n: int, seed: int = 0, hang_s: float = HANG_S, progress=N
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hseed
 
-    from stepwatch.stream.ingress import IngressLimits
+    from stepwatch.stream.ingress_limits import IngressLimits
     from stepwatch.kafkaio import KafkaSettings
     from stepwatch.stream.processor import Processor
 
