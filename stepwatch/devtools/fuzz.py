@@ -20,7 +20,6 @@ import tempfile
 import time
 from types import SimpleNamespace
 
-import numpy as np
 import pyarrow as pa
 
 from stepwatch.wire import tables as wire
