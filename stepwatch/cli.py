@@ -49,7 +49,7 @@ def cmd_process(a) -> int:
     from stepwatch.stream.alertfanout import attach
     from stepwatch.stream.jobmetrics import configure_from_args
     s = settings_from_args(a)
-    from stepwatch.stream.ingress import limits_from_pairs
+    from stepwatch.stream.ingress_limits import limits_from_pairs
     try:
         limits = limits_from_pairs(a.limit)
     except ValueError as e:

@@ -2,33 +2,33 @@
 
 Every boundary is a contract with bounds (``docs/limits.md``): a message that breaks
 them costs its sender one deadletter record, never the pipeline. This module holds the row bounds and
-rate limits; the settings (:class:`IngressLimits`, one dataclass so a config file can fill it, in
-``stream/ingress_limits.py``) and the other checks the processor calls around
-:func:`stepwatch.wire.decode.decode` live in their own modules (``ingress_sizes.py``,
-``ingress_columns.py``, ``ingress_deadletter.py``) and are re-exported here:
+rate limits; the settings and the other checks the processor calls around
+:func:`stepwatch.wire.decode.decode` live in modules of their own, imported from there:
 
-- :func:`check_arrow_sizes`: before anything is decompressed, the IPC stream's record-batch
-  metadata is read (a few flatbuffer fields) and the *decoded* size of every buffer (the 8-byte
-  uncompressed length that prefixes each compressed buffer) and the row count are summed and
-  bounded: an 8 KiB zstd message cannot inflate to 520 MiB (ingress_sizes).
-- :func:`check_expansion`: after decoding, encodings whose materialisation can be far larger than
-  their buffers (dictionary, run-end encoded, string/binary views) are bounded too.
-- :class:`ExtraColumns`: unknown extra columns are kept only with a type Parquet (and DuckDB)
-  store, a safe name, at most ``max_extra_columns`` per table, and the type first seen for that
-  name (later messages are cast to it, or the column is dropped); everything else is dropped and
-  counted (ingress_columns).
-- :func:`row_bounds`: rank and world size below ``max_ranks``, timestamps after 1970 and at most
-  ``max_future_skew_s`` ahead of the later of the receive time and the job's own time (optionally
-  not older than ``max_age_s``); each column's range is taken in C first, so a batch inside the
-  bounds costs no per-row mask.
+- :mod:`stepwatch.stream.ingress_limits`: the settings, :class:`IngressLimits` (one dataclass so a
+  config file can fill it) and ``limits_from_pairs`` (``stepwatch process --limit``).
+- :mod:`stepwatch.stream.ingress_sizes`: ``check_size`` (the raw value); ``check_arrow_sizes``
+  (before anything is decompressed, the IPC stream's record-batch metadata is read, a few
+  flatbuffer fields, and the *decoded* size of every buffer, the 8-byte uncompressed length that
+  prefixes each compressed buffer, and the row count are summed and bounded: an 8 KiB zstd message
+  cannot inflate to 520 MiB); ``check_expansion`` (after decoding, encodings whose materialisation
+  can be far larger than their buffers: dictionary, run-end encoded, string/binary views).
+- :mod:`stepwatch.stream.ingress_columns`: ``ExtraColumns``: unknown extra columns are kept only
+  with a type Parquet (and DuckDB) store, a safe name, at most ``max_extra_columns`` per table, and
+  the type first seen for that name (later messages are cast to it, or the column is dropped);
+  everything else is dropped and counted.
+- here, :func:`row_bounds`: rank and world size below ``max_ranks``, timestamps after 1970 and at
+  most ``max_future_skew_s`` ahead of the later of the receive time and the job's own time
+  (optionally not older than ``max_age_s``); each column's range is taken in C first, so a batch
+  inside the bounds costs no per-row mask.
 - per job, a step more than ``max_step_jump`` ahead of where the job's ranks are:
   :mod:`stepwatch.stream.stepaxis`.
-- :class:`MessageDeadletter`: one deadletter record per source message, with a summary of the bad
-  rows (count, first reasons) and the raw value (capped), producer headers stripped.
-- :class:`TokenBucket` / :class:`RateLimitedLog`: rate limits for log lines and store rebuilds.
-- :func:`isolate_failing_sources`: when a flush fails, bisect the buffered pieces by source
-  message against a scratch store, so only the message(s) that break it go to the deadletter
-  (ingress_deadletter, with MessageDeadletter).
+- :mod:`stepwatch.stream.ingress_deadletter`: ``MessageDeadletter``, one deadletter record per
+  source message, with a summary of the bad rows (count, first reasons) and the raw value (capped),
+  producer headers stripped; ``isolate_failing_sources``: when a flush fails, bisect the buffered
+  pieces by source message against a scratch store (``scratch_writer``), so only the message(s)
+  that break it go to the deadletter.
+- here, :class:`TokenBucket` / :class:`RateLimitedLog`: rate limits for log lines and store rebuilds.
 """
 from __future__ import annotations
 
@@ -42,13 +42,7 @@ import pyarrow.compute as pc
 
 from stepwatch.wire import catalog
 from stepwatch.wire import tables as wire
-# the settings and each kind of bound live in their own modules; re-exported so ``ingress.X`` keeps working
-from stepwatch.stream.ingress_columns import ExtraColumns, _storable  # noqa: F401
-from stepwatch.stream.ingress_deadletter import (MessageDeadletter, isolate_failing_sources,  # noqa: F401
-                                                 key_job, scratch_writer)
-from stepwatch.stream.ingress_limits import IngressLimits, limits_from_pairs  # noqa: F401
-from stepwatch.stream.ingress_sizes import (_FB, _batch_sizes, _expanded_bytes, _has_amplifying,  # noqa: F401
-                                            check_arrow_sizes, check_expansion, check_size)
+from stepwatch.stream.ingress_limits import IngressLimits
 
 log = logging.getLogger("stepwatch.ingress")
 

@@ -1,6 +1,6 @@
 """Unknown extra columns at the processor's ingress (docs/limits.md): kept only with a type Parquet and
 DuckDB store, a safe name, at most ``max_extra_columns`` names per table and the type first seen
-for the name; the rest dropped and counted. Re-exported by :mod:`stepwatch.stream.ingress`.
+for the name; the rest dropped and counted. The processor's :mod:`~stepwatch.stream.intake` applies it.
 """
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """What the processor does with a message that breaks its bounds (docs/limits.md): one deadletter
 record per source message (:class:`MessageDeadletter`), and, when a flush fails, the bisection that
-finds the source message(s) whose rows break it (:func:`isolate_failing_sources`). Re-exported by
-:mod:`stepwatch.stream.ingress`.
+finds the source message(s) whose rows break it (:func:`isolate_failing_sources`).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The settings of the processor's Kafka boundary (docs/limits.md, ``stepwatch process --limit``).
-Re-exported by :mod:`stepwatch.stream.ingress`; the modules of each kind of bound import it from here.
+Every module that bounds or configures the ingress imports it from here.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Size bounds of a Kafka message at the processor's ingress (docs/limits.md): the raw value, the
 Arrow IPC stream's decoded size and rows read from its metadata before anything is decompressed,
-and the expansion of dictionary / run-end / view encodings after decoding. Re-exported by
-:mod:`stepwatch.stream.ingress`; ``limits`` is its :class:`~stepwatch.stream.ingress_limits.IngressLimits`.
+and the expansion of dictionary / run-end / view encodings after decoding. ``limits`` is an
+:class:`~stepwatch.stream.ingress_limits.IngressLimits`.
 """
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """The processor's intake of one Kafka record (:class:`Intake`, an object the
 :class:`~stepwatch.stream.processor.Processor` holds as ``intake``, built with what it uses).
 
-:meth:`Intake.process_message` decodes and validates a record at the Kafka boundary (sizes, expansion,
-extra columns, row bounds: :mod:`stepwatch.stream.ingress`, docs/limits.md), hands the valid rows to
-the processor's ``route``, and writes at most ONE deadletter record per source message (the ``deadletter`` table and
+:meth:`Intake.process_message` decodes and validates a record at the Kafka boundary (sizes and expansion:
+:mod:`stepwatch.stream.ingress_sizes`; extra columns: :mod:`~stepwatch.stream.ingress_columns`; row
+bounds: :mod:`~stepwatch.stream.ingress`; docs/limits.md), hands the valid rows to the processor's
+``route``, and writes at most ONE deadletter record per source message (the ``deadletter`` table and
 topic, through the sinks: :mod:`stepwatch.stream.sinks`) saying what was wrong. A batch the Kafka client
 cannot decode at all is deadlettered at its position and skipped (:meth:`Intake.skip_undecodable`).
 Nothing here raises: one message never stops the processor (the fuzz harness, :mod:`stepwatch.fuzz`,
@@ -19,6 +20,9 @@ import pyarrow as pa
 from stepwatch.wire import tables as wire
 from stepwatch.wire import decode as decoder   # (its attribute: `stepwatch bench ingress --parts` times decode)
 from stepwatch.stream import ingress, stepaxis
+from stepwatch.stream import ingress_sizes   # (its attributes: `stepwatch bench ingress --parts` times check_arrow_sizes)
+from stepwatch.stream.ingress_columns import ExtraColumns
+from stepwatch.stream.ingress_deadletter import MessageDeadletter, key_job
 from stepwatch.stream.sinks import Message
 
 log = logging.getLogger("stepwatch.processor")
@@ -33,20 +37,20 @@ class Intake:
     partition) -> :class:`~stepwatch.stream.checkpoint.PartitionProgress`: a skipped record is consumed).
 
     While a message is handled, ``dl`` is its deadletter record
-    (:class:`~stepwatch.stream.ingress.MessageDeadletter`) and ``src`` its (topic, partition, offset);
+    (:class:`~stepwatch.stream.ingress_deadletter.MessageDeadletter`) and ``src`` its (topic, partition, offset);
     None between messages."""
 
     def __init__(self, *, topic_kind: dict, limits, metrics, rlog, jobs: dict, route, buffer, send, progress: dict):
         self.topic_kind, self.limits, self.metrics, self.rlog = topic_kind, limits, metrics, rlog
         self.jobs, self.route, self.buffer, self.send, self.progress = jobs, route, buffer, send, progress
-        self.extras = ingress.ExtraColumns(limits)
-        self.dl: ingress.MessageDeadletter | None = None   # what went wrong with the message in hand
-        self.src = None                                     # (topic, partition, offset) of that message
+        self.extras = ExtraColumns(limits)
+        self.dl: MessageDeadletter | None = None   # what went wrong with the message in hand
+        self.src = None                             # (topic, partition, offset) of that message
 
     def process_message(self, msg) -> None:
         """One Kafka record: decode, bound, route, buffer; at most one deadletter record for it.
         Never raises (the fuzz harness, :mod:`stepwatch.fuzz`, drives this same entry point)."""
-        self.dl, self.src = ingress.MessageDeadletter(), (msg.topic, msg.partition, msg.offset)
+        self.dl, self.src = MessageDeadletter(), (msg.topic, msg.partition, msg.offset)
         try:
             self._handle(msg)
         except Exception as e:  # noqa: BLE001 - one message must never stop the processor
@@ -66,9 +70,9 @@ class Intake:
         t0 = time.perf_counter()
         lim = self.limits
         try:
-            ingress.check_size(msg.value, hdr.get("content-type"), lim)
+            ingress_sizes.check_size(msg.value, hdr.get("content-type"), lim)
             d = decoder.decode(msg.value, hdr.get("content-type"), hdr.get("schema"),
-                                    check_arrow=lambda p: ingress.check_arrow_sizes(p, lim), prepare=self.prepare)
+                                    check_arrow=lambda p: ingress_sizes.check_arrow_sizes(p, lim), prepare=self.prepare)
             if d.kind != kind:
                 raise decoder.WireError(f"schema header {d.kind!r} does not match topic {msg.topic!r}")
         except decoder.WireError as e:
@@ -96,7 +100,7 @@ class Intake:
 
     def prepare(self, kind: str, raw: pa.Table) -> pa.Table:
         """Ingress hook of :func:`stepwatch.wire.decode.decode`: expansion bounds, then extra columns."""
-        ingress.check_expansion(raw, self.limits)
+        ingress_sizes.check_expansion(raw, self.limits)
         before = dict(self.extras.dropped)
         t = self.extras.apply(kind, raw)
         for why, k in self.extras.dropped.items():
@@ -137,7 +141,7 @@ class Intake:
             prog = self.progress.get((tp.topic, tp.partition))
             if prog is not None:
                 prog.consumed.append(off)
-            self.dl, self.src = ingress.MessageDeadletter(), (tp.topic, tp.partition, off)
+            self.dl, self.src = MessageDeadletter(), (tp.topic, tp.partition, off)
             self.dl.add(f"Kafka client cannot decode the record batch: {type(e).__name__}: {e}"[:2000])
             try:
                 self.finish_deadletter(msg)
@@ -153,7 +157,7 @@ class Intake:
         """Note what is wrong with the message in hand; :meth:`finish_deadletter` writes ONE record
         per source message (a summary of its bad rows, the raw value capped, headers stripped)."""
         if self.dl is None:          # outside a message's handling: a record of its own
-            self.dl = ingress.MessageDeadletter()
+            self.dl = MessageDeadletter()
             try:
                 self.dl.add(reason, rejected, rows, keep=self.limits.deadletter_reasons)
                 self.finish_deadletter(msg)
@@ -166,7 +170,7 @@ class Intake:
         dl = self.dl
         if not dl:
             return
-        rec = dl.record(msg, ingress.key_job(msg), getattr(dl, "total_rows", None), self.limits, time.time_ns())
+        rec = dl.record(msg, key_job(msg), getattr(dl, "total_rows", None), self.limits, time.time_ns())
         self.rlog.warning("deadletter %s@%d/%d: %s", msg.topic, msg.partition, msg.offset, rec["reason"][:300])
         self.metrics.dropped.labels("deadletter").inc()
         self.buffer("deadletter", pa.Table.from_pylist([rec], schema=wire.DEADLETTER))

@@ -50,7 +50,7 @@ from stepwatch.stream.sinks import ConsoleSink, LakeSink, Rows, Sinks, TopicSink
 from stepwatch.stream.align import COLUMN_DENSITY, COLUMN_FLOOR, JobState
 from stepwatch.stream.hostwait import HostWait
 from stepwatch.stream.stepaxis import JobAxis
-from stepwatch.stream.ingress import IngressLimits
+from stepwatch.stream.ingress_limits import IngressLimits
 from stepwatch.stream.jobmetrics import JobMetrics
 from stepwatch.kafkaio import KafkaSettings, ensure_topics, make_consumer, make_producer
 from stepwatch.stream.processor_metrics import ProcessorMetrics

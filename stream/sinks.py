@@ -45,7 +45,7 @@ from stepwatch.wire import tables as wire
 from stepwatch.wire.encode import encode_arrow
 from stepwatch.detectors.base import Alert
 from stepwatch.storage.store import Fenced
-from stepwatch.stream import ingress
+from stepwatch.stream.ingress_deadletter import MessageDeadletter, isolate_failing_sources, scratch_writer
 
 log = logging.getLogger("stepwatch.processor")
 
@@ -182,7 +182,7 @@ class LakeSink(Sink):
         self.metrics.flush_isolations.inc()
         log.warning("flush failed (%r); isolating the message(s) that cause it", err)
         pieces = [(name, t, src) for name, ts in self.buffers.items() for t, src in zip(ts, self.buffer_src[name])]
-        good, bad = ingress.isolate_failing_sources(pieces, ingress.scratch_writer(type(self.store)))
+        good, bad = isolate_failing_sources(pieces, scratch_writer(type(self.store)))
         tables: dict[str, list[pa.Table]] = defaultdict(list)
         for name, t, _ in good:
             tables[name].append(t)
@@ -192,7 +192,7 @@ class LakeSink(Sink):
                 continue
             topic, part, off = src
             msg = SimpleNamespace(topic=topic, partition=part, offset=off, key=None, value=b"", headers=[])
-            rec = ingress.MessageDeadletter()
+            rec = MessageDeadletter()
             rec.add(f"rows could not be stored: {e!r}"[:2000])
             r = rec.record(msg, None, None, self.limits, time.time_ns())
             tables["deadletter"].append(pa.Table.from_pylist([r], schema=wire.DEADLETTER))

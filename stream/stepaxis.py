@@ -36,7 +36,7 @@ import pyarrow.compute as pc
 
 from stepwatch.wire import tables as wire
 from stepwatch.wire.encode import encode_arrow
-from stepwatch.stream import ingress
+from stepwatch.stream.ingress_deadletter import MessageDeadletter
 from stepwatch.stream.sinks import Message
 
 log = logging.getLogger("stepwatch.processor")
@@ -171,10 +171,10 @@ class StepAxisGate:
     def admit(self, rt, job: str, part: pa.Table, dl, src) -> pa.Table:
         """Judge a job's step rows against its ranks' position before they are aligned; called by
         ``Processor._route`` for the message in hand (``src``: (topic, partition, offset); ``dl``: its
-        deadletter record, :class:`~stepwatch.stream.ingress.MessageDeadletter`). Rows too far ahead are
-        noted on ``dl`` and dropped; the alignment window is limited to where the ranks are, and
-        re-anchored when it was placed by rows the ranks do not confirm. Returns the rows to align and
-        store."""
+        deadletter record, :class:`~stepwatch.stream.ingress_deadletter.MessageDeadletter`). Rows too
+        far ahead are noted on ``dl`` and dropped; the alignment window is limited to where the ranks
+        are, and re-anchored when it was placed by rows the ranks do not confirm. Returns the rows to
+        align and store."""
         lim = self.limits
         ax: JobAxis = rt.axis
         st = rt.state
@@ -281,7 +281,7 @@ class StepAxisGate:
         topic, part, off = src
         msg = SimpleNamespace(topic=topic, partition=part, offset=off, key=None, value=encode_arrow(rows),
                               headers=[])
-        d = ingress.MessageDeadletter()
+        d = MessageDeadletter()
         d.add(reason, n=rows.num_rows)
         r = d.record(msg, job_of(rows), None, self.limits, time.time_ns())
         r["row"] = None

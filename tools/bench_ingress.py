@@ -69,7 +69,7 @@ def encode_job(ranks: int, steps: int, rows_per_message: int = 4096, chunk: int 
 
 #: what ``--parts`` times (module or class attribute, in CPU seconds; absent ones are skipped)
 PARTS = ("stepwatch.wire.decode:decode", "stepwatch.wire.decode:_read_arrow", "stepwatch.wire.decode:validate",
-         "stepwatch.stream.ingress:check_arrow_sizes", "stepwatch.stream.ingress:row_bounds",
+         "stepwatch.stream.ingress_sizes:check_arrow_sizes", "stepwatch.stream.ingress:row_bounds",
          "stepwatch.stream.stepaxis:time_base", "stepwatch.stream.stepaxis:StepAxisGate.admit",
          "stepwatch.stream.align:JobState.ingest", "stepwatch.stream.processor:Processor._detect",
          "stepwatch.stream.processor:Processor._tick", "stepwatch.stream.processor:Processor._context",

@@ -70,7 +70,7 @@ def _datagram_by_file() -> None:
     import os
     import sys
     try:
-        import stepwatch.wire.datagram  # noqa: F401
+        importlib.import_module("stepwatch.wire.datagram")   # importable by its name: nothing to do
         return
     except ImportError:
         pass

@@ -46,7 +46,7 @@ def _warm_torch_profiler() -> None:
     ~2 s on a small CPU): done on a helper thread before the profile begins."""
     import torch
     if hasattr(torch, "_inductor"):
-        import torch._inductor.config  # noqa: F401
+        import torch._inductor.config  # noqa: F401 - the import is the warm-up: its cost paid here, not in start()
 
 
 def pyspy_binary() -> str | None:

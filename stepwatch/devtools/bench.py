@@ -253,8 +253,6 @@ print(json.dumps([t1 - t0, time.perf_counter() - t1]))
 
 
 def run_query_bench(a) -> int:
-    import duckdb
-
     from stepwatch.storage import queries
     from stepwatch.storage.views import connect
 

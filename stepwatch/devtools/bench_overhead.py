@@ -34,6 +34,7 @@ its node.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import shutil
@@ -458,9 +459,7 @@ def run_overhead_bench(a) -> int:
     g = lambda k, d: getattr(a, k, d)   # noqa: E731 - a Namespace without the options runs the defaults
     print(f"stepwatch bench overhead: {os.cpu_count()} CPUs, python {sys.version.split()[0]}")
     if not g("skip_probe", False):
-        try:
-            import torch  # noqa: F401
-        except ImportError:
+        if importlib.util.find_spec("torch") is None:
             print("  probe overhead skipped: torch is not installed (pip install torch==2.13.0)")
         else:
             probe_overhead(g("rounds", 80), g("block_steps", 100))

@@ -58,7 +58,6 @@ def run_demo(ranks: int = 1024, steps: int = 300, data_dir: str = "./stepwatch-d
              regression_step: int = 200, seed: int = 7, quiet: bool = False) -> int:
     from stepwatch.devtools.simsend import send_simulation
     from stepwatch.devtools.simulate import Simulation
-    from stepwatch.storage.views import connect
     from stepwatch.devtools.broker import EmbeddedBroker
     from stepwatch.kafkaio import KafkaSettings, ensure_topics, make_producer
     from stepwatch.stream.processor import Processor

@@ -90,7 +90,7 @@ class _Msg:
 def _sim_messages(sim, rows_per_message: int, host_first: bool, inflight=None) -> tuple[list, int]:
     """The simulator's telemetry as agents send it: per step its steps/host/gc/comm messages (at most
     ``rows_per_message`` rows each), produced when the step ends; the topology first."""
-    from stepwatch.wire.encode import encode_arrow, headers
+    from stepwatch.wire.encode import encode_arrow
     msgs: list[_Msg] = []
     ends = _step_starts(sim)[1:].tolist() + [None]
     step_rows = 0

@@ -20,7 +20,6 @@ import tempfile
 import time
 from types import SimpleNamespace
 
-import numpy as np
 import pyarrow as pa
 
 from stepwatch.wire import tables as wire
@@ -183,7 +182,7 @@ def fuzz_kafka_message(n: int, seed: int = 0, hang_s: float = HANG_S, progress=N
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hseed
 
-    from stepwatch.stream.ingress import IngressLimits
+    from stepwatch.stream.ingress_limits import IngressLimits
     from stepwatch.kafkaio import KafkaSettings
     from stepwatch.stream.processor import Processor
 

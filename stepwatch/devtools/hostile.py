@@ -243,9 +243,9 @@ def build_stream(n_bad: int, prefix: str = "h", good_jobs: int = 8, ranks: int =
             g = steps_table(job, np.arange(ranks), np.full(ranks, s), now - 600_000_000_000 + s * 1_000_000_000)
             g2 = pa.Table.from_arrays(g.columns + [g.column("step_ms")], names=g.column_names + ["step_ms"])
             return Item("steps", _arrow(g2), _hdr(), job.encode(), rows=_keys(g), label="duplicate column name")
-        if k == 27:     # issue 26: '$' matched before a final newline, so 'job\n' passed the id pattern
+        if k == 27:     # a regex '$' matches before a final newline: the id pattern must refuse 'job\n'
             return partial(job, one(rank=2).set_column(0, "job", pa.array([job + "\n"])), "job id ending in a newline")
-        if k == 28:     # issue 26: one topology row claiming rank 99,999 of 100,000 for a real 64-rank job
+        if k == 28:     # one topology row claiming rank 99,999 of 100,000 for a real 64-rank job
             topo = pa.table({"job": [job], "rank": pa.array([99_999], pa.int32()), "node": ["intruder"],
                              "world_size": pa.array([100_000], pa.int32())})
             return Item("topology", _arrow(topo), _hdr("topology"), job.encode(), label="rank 99,999 of 100,000")

@@ -275,7 +275,7 @@ def test_extra_columns_parquet_cannot_store_or_whose_type_changes_do_not_poison(
 def test_a_message_that_breaks_the_flush_is_isolated_to_the_deadletter(kafka, tmp_path):
     """With extra_column_types='any' (trusted producers) an unstorable column reaches the flush: the
     flush is bisected by source message, the one message goes to the deadletter, the rest is stored."""
-    from stepwatch.stream.ingress import IngressLimits
+    from stepwatch.stream.ingress_limits import IngressLimits
     job = "isolate"
     items = good(job, 0, 6)
     t = H.steps_table(job, np.arange(4), np.full(4, 6), NOW - 10**9)
@@ -501,7 +501,7 @@ def test_one_deadletter_record_per_message_headers_stripped_log_rate_limited(kaf
     items = [H.Item("steps", H._arrow(t), hdr, job.encode()) for _ in range(30)] + good("fine", 0, 2)
     send(kafka, items)
     caplog.set_level(logging.WARNING, logger="stepwatch")
-    from stepwatch.stream.ingress import IngressLimits
+    from stepwatch.stream.ingress_limits import IngressLimits
     proc = run(kafka, tmp_path, lambda p: stored(p, "deadletter") >= 30 and stored(p) >= 8,
                limits=IngressLimits(log_per_s=0.1))
     con = connect(tmp_path)
@@ -527,7 +527,7 @@ def test_one_deadletter_record_per_message_headers_stripped_log_rate_limited(kaf
 
 # ------------------------------------------------------------------------------ jobs in memory
 def test_idle_jobs_are_evicted(kafka, tmp_path):
-    from stepwatch.stream.ingress import IngressLimits
+    from stepwatch.stream.ingress_limits import IngressLimits
     send(kafka, good("idle-a", 0, 2) + good("idle-b", 0, 2))
     proc = run(kafka, tmp_path, lambda p: stored(p) >= 16 and not p.jobs, timeout=30,
                limits=IngressLimits(job_idle_evict_s=1.0))
@@ -539,7 +539,7 @@ def test_a_burst_of_new_job_ids_does_not_stall_ingest(kafka, tmp_path):
     store rebuild, memory holds at most max_jobs of them, every row is stored under its own job.
     The flushes stay bounded too: one data file per table per flush, not one per job (a lake
     partitioned by job took ~95 ms per new job and flush)."""
-    from stepwatch.stream.ingress import IngressLimits
+    from stepwatch.stream.ingress_limits import IngressLimits
     items = []
     for i in range(1000):
         t = H.steps_table(f"burst-{i}", [0], [0], NOW - 10**9)
@@ -568,7 +568,7 @@ def test_rows_at_high_ranks_of_made_up_jobs_cannot_push_a_real_job_out_of_memory
     each ring widens, sparse rings first). Since issue 26 such a row gets no column at all (stored, not
     aligned: stream.align.JobState.place), so the made-up jobs hold no ring and the real job keeps its
     state, aligned to its last step."""
-    from stepwatch.stream.ingress import IngressLimits
+    from stepwatch.stream.ingress_limits import IngressLimits
     job = "dense"
     items = [topo(job, 8)] + good(job, 0, 10, ranks=8)
     for i in range(4):
@@ -606,7 +606,8 @@ def test_alignment_walks_only_the_step_ranges_that_hold_rows():
 
 
 def test_expansion_bombs_are_refused_from_metadata_and_encodings():
-    from stepwatch.stream.ingress import IngressLimits, check_arrow_sizes, check_expansion
+    from stepwatch.stream.ingress_limits import IngressLimits
+    from stepwatch.stream.ingress_sizes import check_arrow_sizes, check_expansion
     lim = IngressLimits()
     with pytest.raises(WireError, match="max_decoded_bytes"):
         check_arrow_sizes(H.decompression_bomb(), lim)

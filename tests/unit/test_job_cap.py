@@ -16,7 +16,7 @@ from stepwatch.wire import tables as wire
 from stepwatch.wire.encode import encode_arrow, headers
 from stepwatch.devtools import hostile as H
 from stepwatch.kafkaio import KafkaSettings
-from stepwatch.stream.ingress import IngressLimits
+from stepwatch.stream.ingress_limits import IngressLimits
 from stepwatch.stream.processor import Processor
 
 import pytest

@@ -24,6 +24,15 @@ def _run(code: str, *flags: str, env: dict | None = None) -> subprocess.Complete
                           env=env)
 
 
+def test_the_facade_offers_the_probe_packages_whole_api():
+    """``from stepwatch import probe`` (docs/agents.md's explicit API) names what the probe package names:
+    the same ``__all__``, each name the package's own object (``probe.mark_change`` included)."""
+    from stepwatch import probe
+    assert sorted(probe.__all__) == sorted(P.__all__)
+    for name in P.__all__:
+        assert getattr(probe, name) is getattr(P, name), name
+
+
 def test_importing_the_probe_loads_only_the_standard_library():
     code = ("import json, sys\n"
             "import stepwatch.probe, stepwatch.agents.probe as p\n"

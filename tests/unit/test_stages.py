@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from stepwatch.devtools.simulate import Simulation
 from stepwatch.storage.store import LakeStore, Marker
 from stepwatch.stream import ingress
+from stepwatch.stream.ingress_limits import IngressLimits
 from stepwatch.stream.checkpoint import Checkpoint, PartitionProgress
 from stepwatch.stream.fencing import Fencing
 from stepwatch.stream.processor_metrics import ProcessorMetrics
@@ -38,7 +39,7 @@ class Consumer:
 def test_a_fenced_checkpoint_and_the_next_owners_one_from_their_collaborators_alone(tmp_path):
     store = LakeStore(tmp_path).init()
     metrics = ProcessorMetrics()
-    lake = LakeSink(store, metrics, ingress.IngressLimits(), ingress.RateLimitedLog(logging.getLogger("t"), 10))
+    lake = LakeSink(store, metrics, IngressLimits(), ingress.RateLimitedLog(logging.getLogger("t"), 10))
     store.claim([("t", 0)], 5)                          # generation 5 owns the partition now
     topo = Simulation(job="st", ranks=4, steps=2, seed=1).topology()
 
