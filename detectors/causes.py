@@ -62,8 +62,10 @@ def queue_evidence(q) -> dict:
     if v.dtype.kind != "f":
         v = v.astype(np.float64)
     v = v.ravel()
-    v = v[np.isfinite(v)].astype(np.float64, copy=False)     # (float32 depths: widened after the filter)
-    if not len(v):
+    fin = np.isfinite(v)
+    if not fin.all():
+        v = v[fin]                                           # (float32 depths stay float32: the counts, the
+    if not len(v):                                           # max and _median's values are the same)
         return {}
     top = float(v.max())
     return {"samples": int(len(v)), "empty_share": round(float(np.mean(v == 0)), 4),
@@ -217,19 +219,22 @@ def _med(a) -> float | None:
 
 
 def _median(a: np.ndarray) -> float:
-    """``float(np.median(a))`` of finite float64 values, the same value; whole numbers in a modest range
-    (non-negative: clocks in MHz, temperatures, queue depths: ~800k of them in a job's host window) by one count per
-    value instead of a partition (the mean of the two middle whole numbers is exact in float64)."""
+    """``float(np.median(a))`` of finite float64 (or float32, widened) values, the same value; whole numbers
+    in a modest range (non-negative: clocks in MHz, temperatures, queue depths: ~800k of them in a job's host
+    window) by one count per value instead of a partition (the mean of the two middle whole numbers is exact
+    in float64); all one value (an empty queue on every rank and step), that value."""
     n = len(a)
     if n > 4096:
         lo, hi = float(a.min()), float(a.max())
-        if 0.0 <= lo and hi - lo < (1 << 16) and not np.signbit(a).any() \
-                and np.array_equal(iv := a.astype(np.int64), a):
-            cum = np.cumsum(np.bincount(iv - int(lo)))
-            m1 = int(np.searchsorted(cum, (n - 1) // 2, side="right")) + int(lo)
-            m2 = int(np.searchsorted(cum, n // 2, side="right")) + int(lo)
-            return (float(m1) + float(m2)) / 2.0
-    return float(median1d(a))
+        if 0.0 <= lo and hi - lo < (1 << 16) and not np.signbit(a).any():
+            if lo == hi:
+                return lo
+            if np.array_equal(iv := a.astype(np.int64), a):
+                cum = np.cumsum(np.bincount(iv - int(lo)))
+                m1 = int(np.searchsorted(cum, (n - 1) // 2, side="right")) + int(lo)
+                m2 = int(np.searchsorted(cum, n // 2, side="right")) + int(lo)
+                return (float(m1) + float(m2)) / 2.0
+    return float(median1d(a.astype(np.float64, copy=False)))
 
 
 def _col(t, name) -> np.ndarray:

@@ -71,6 +71,115 @@ class _Names:
         return codes
 
 
+class _Layout:
+    """What a batch's layout decides in :meth:`_CommAggregate.ingest`, made once and reused while batches
+    keep it (a job's steady state: every step the same ranks report the same collectives): its steps
+    (``li``, offsets from its first), the payload rows (``sel``: a slice when evenly spaced, so no gather) and
+    their (step, key) ``code``; the parts of the sums that depend on the layout only (rows, bytes, calls,
+    largest group size, message-size histogram, per step and key) and the members. Only the times and waits
+    are folded per batch. ``raw`` (set by :meth:`keep`) holds the columns a later batch is compared with."""
+
+    def __init__(self, agg: "_CommAggregate", li, rank, key, nbytes, count, gs):
+        self.nloc = nloc = int(li.max()) + 1
+        self.present = np.zeros(1, dtype=np.int64) if nloc == 1 else np.flatnonzero(np.bincount(li, minlength=nloc))
+        self.kc, self.R = kc, R = agg._kc, agg.rw.shape[1]
+        self.li, self.rank = li, rank
+        self.raw = None
+        if nloc == 1:
+            self.seen = np.zeros((1, R), dtype=bool)
+            self.seen[0, rank] = True
+        else:
+            self.cell = li * R + rank
+            # the per-step time and wait totals share one bincount (rows interleaved, the waits in bins
+            # nloc + step: each bin adds its rows in order, as the bincount of each would)
+            self.loc2 = np.empty(2 * len(li), dtype=np.int64)
+            self.loc2[0::2], self.loc2[1::2] = li, li + nloc
+            self.buf = np.empty((len(li), 2))
+            if nloc * R <= 1 << 24:
+                self.seen = np.zeros((nloc, R), dtype=bool)
+                self.seen.reshape(-1)[self.cell] = True
+            else:
+                self.seen = None
+                self.rsi = np.searchsorted(self.present, li)  # row -> its step's place in ``present``
+        pi = np.flatnonzero(agg._pay[key] & (count > 0) & (nbytes > 0))
+        self.sel = None
+        if not len(pi):
+            return
+        d = int(pi[1] - pi[0]) if len(pi) > 1 else 1
+        even = d > 0 and bool((np.diff(pi) == d).all())
+        self.sel = sel = slice(int(pi[0]), int(pi[-1]) + 1, d) if even else pi
+        pk, pli, prank = key[sel], li[sel], rank[sel]
+        pcount, pbytes = count[sel], nbytes[sel]
+        self.code = code = pk if nloc == 1 else pli * kc + pk
+        self.M = M = nloc * kc
+        present = self.present
+        # time and wait share one bincount: rows interleaved, the wait of code c in bin M + c (each bin
+        # still adds its rows in order, as a bincount of its own would)
+        self.code2 = np.empty(2 * len(code), dtype=np.int64)
+        self.code2[0::2], self.code2[1::2] = code, code + M
+        self.pbuf = np.empty((len(code), 2))
+
+        def per_key(w=None):
+            return np.bincount(code, weights=w, minlength=M).reshape(nloc, kc)[present]
+        self.kbytes, self.kcount, self.krows = per_key(pbytes), per_key(pcount), per_key()
+        kgs = np.full(M, np.nan)
+        np.fmax.at(kgs, code, gs[sel])
+        self.kgs = kgs.reshape(nloc, kc)[present]
+        b = np.searchsorted(_HIST_EDGES, pbytes / np.maximum(pcount, 1), side="right")
+        nh = len(_HIST_NAMES)
+        self.hist = np.bincount(b if nloc == 1 else pli * nh + b, weights=pcount,
+                                minlength=nloc * nh).reshape(nloc, nh)[present]
+        # the least time per code: a min per run of the rows sorted by code (no ufunc.at)
+        order = np.argsort(code, kind="stable")
+        self.order = None if bool((order == np.arange(len(order))).all()) else order
+        cs = code[order]
+        self.starts = np.flatnonzero(np.r_[True, cs[1:] != cs[:-1]])
+        self.codes = cs[self.starts]
+        # members: sorted unique key << 31 | rank per step, one array per step (equal ones shared)
+        raw = (pk << _RANK_BITS) | prank
+        if nloc > 1:
+            raw |= pli << _LOC_SHIFT
+        u = _sorted_unique(raw)
+        cut = np.searchsorted(u >> _LOC_SHIFT, np.arange(nloc + 1))
+        mask = (np.int64(1) << _LOC_SHIFT) - 1
+        self.members, last = [None] * nloc, None
+        for p in present.tolist():
+            m = u[cut[p]:cut[p + 1]] & mask
+            if not len(m):
+                continue
+            if last is not None and len(last) == len(m) and np.array_equal(last, m):
+                m = last
+            self.members[p] = last = m
+
+    def keep(self, t: pa.Table, key: np.ndarray, rmin: int, rmax: int) -> None:
+        """Mark the layout reusable by the next batch like ``t`` (all of whose rows it holds): keep the
+        columns to compare with, unless ``t`` has nulls in them (the fills are not compared)."""
+        names = t.column_names
+        if "op" not in names or "group" not in names or t.column("op").null_count or t.column("group").null_count:
+            return
+        raw = {}
+        for name in ("rank", "count", "bytes", "group_size"):
+            if name in names:
+                c = t.column(name)
+                if c.null_count:
+                    return
+                raw[name] = c
+        self.raw, self.names, self.n, self.key0 = raw, names, t.num_rows, key
+        self.rmin, self.rmax = rmin, rmax
+
+    def least(self, ptime: np.ndarray) -> np.ndarray:
+        """The least of ``ptime`` per (step, key), as ``np.minimum.at`` from inf gives it (that where a min
+        is zero or NaN, whose sign or payload could depend on the order)."""
+        x = ptime if self.order is None else ptime[self.order]
+        mins = np.minimum.reduceat(x, self.starts)
+        tmp = np.full(self.M, np.inf)
+        if (mins == 0).any() or np.isnan(mins).any():
+            np.minimum.at(tmp, self.code, ptime)
+        else:
+            tmp[self.codes] = mins
+        return tmp.reshape(self.nloc, self.kc)[self.present]
+
+
 class _CommAggregate:
     """The comm rows of a job folded, as they arrive, into per-step accumulators: per (step, rank) the wait
     and whether the rank reported, per (step, (op, group) key) the sums :func:`comm_analysis` needs (min and
@@ -100,9 +209,8 @@ class _CommAggregate:
         self.hist = np.zeros((W, len(_HIST_NAMES)))
         self.members: list[np.ndarray | None] = [None] * W    # sorted key << 31 | rank, payload rows
         self._prev_members = None
-        self._prev_raw = (None, None)                         # (last batch's member codes, sorted unique)
         self._prev_keys = (None, None, None)                  # (op codes, group codes, keys) of the last batch
-        self._prev_layout = (None, None, np.zeros(0), None)   # (codes, group sizes, rows, max size) of the last
+        self._layout: _Layout | None = None                   # the last clean batch's layout
         self._nodes = (None, None, None)                      # (array seen, its copy, codes)
         self._mem_cache = (None, None, None, np.zeros(0), None)  # (members, node codes, (keys, ranks), ranks, nodes)
 
@@ -171,10 +279,16 @@ class _CommAggregate:
 
     # -- ingest
     def ingest(self, t: pa.Table, rank_limit: int) -> None:
-        """Fold a batch of comm rows (any steps, any order) into the accumulators."""
+        """Fold a batch of comm rows (any steps, any order) into the accumulators. A batch laid out like the
+        last clean one (the same steps relative to its first, ranks, ops, groups, counts, bytes and group
+        sizes: a job's steady state) reuses that batch's :class:`_Layout` and folds only its times and waits."""
         n = t.num_rows
         if n == 0 or "step" not in t.column_names or "rank" not in t.column_names:
             return
+        lay = self._layout
+        if lay is not None and self._fold_same(lay, t, rank_limit):
+            return
+        self._layout = None
         lo_int = np.iinfo(np.int64).min
         step, rank = _col_i64(t, "step", lo_int), _col_i64(t, "rank", -1)
         time_ms, wait_ms = _col_f64(t, "time_ms", 0.0), _col_f64(t, "wait_ms", 0.0)
@@ -193,17 +307,53 @@ class _CommAggregate:
         top = int(step.max() if all_ok else step[ok].max())
         self.newest = top if self.newest is None else max(self.newest, top)
         ok &= step > self.newest - self.W
-        if not ok.all():
+        clean = bool(ok.all())
+        if not clean:
             if not ok.any():
                 return
             step, rank, time_ms, wait_ms, nbytes, count, gs, opc, grc = (
                 a[ok] for a in (step, rank, time_ms, wait_ms, nbytes, count, gs, opc, grc))
         key = self._keys(opc, grc)
+        rc = int(rank.max()) + 1
+        if rc > self.rw.shape[1]:
+            self._ralloc(max(rc, self.rw.shape[1] + self.rw.shape[1] // 4))
+        smin = int(step.min())
+        lay = _Layout(self, step - smin, rank, key, nbytes, count, gs)
+        if clean:
+            lay.keep(t, key, int(rank.min()), rc - 1)
+            self._layout = lay if lay.raw is not None else None
+        self._fold(lay, smin, time_ms, wait_ms)
+
+    def _fold_same(self, lay: "_Layout", t: pa.Table, rank_limit: int) -> bool:
+        """Fold ``t`` by ``lay`` if ``t`` is laid out like the batch ``lay`` was made of (and every row is
+        kept); False (nothing folded) otherwise."""
+        if t.num_rows != lay.n or t.column_names != lay.names:
+            return False
+        if lay.rmax >= rank_limit or lay.rmin < 0 or self._kc != lay.kc or self.rw.shape[1] != lay.R:
+            return False
+        sc = t.column("step")
+        if sc.null_count:
+            return False
+        step = _col_i64(t, "step", 0)
         smin, smax = int(step.min()), int(step.max())
-        li = step - smin
-        nloc = smax - smin + 1
-        # the usual batch holds one step: nothing to count
-        present = np.zeros(1, dtype=np.int64) if nloc == 1 else np.flatnonzero(np.bincount(li, minlength=nloc))
+        if smax - smin + 1 != lay.nloc or (lay.nloc > 1 and not np.array_equal(step - smin, lay.li)):
+            return False
+        if smin <= max(self.newest, smax) - self.W:
+            return False
+        for name, prev in lay.raw.items():
+            c = t.column(name)
+            if c.null_count or not c.equals(prev):
+                return False
+        op, grp = t.column("op"), t.column("group")
+        if op.null_count or grp.null_count or self._keys(self.ops.codes(op), self.groups.codes(grp)) is not lay.key0:
+            return False
+        self.newest = max(self.newest, smax)
+        self._fold(lay, smin, _col_f64(t, "time_ms", 0.0), _col_f64(t, "wait_ms", 0.0))
+        return True
+
+    def _fold(self, lay: "_Layout", smin: int, time_ms: np.ndarray, wait_ms: np.ndarray) -> None:
+        """Add a batch to the accumulators: its layout's parts as ``lay`` has them, its times and waits."""
+        nloc, present, R = lay.nloc, lay.present, lay.R
         slots = (smin + present) % self.W
         for p, i in zip(present.tolist(), slots.tolist()):
             if self.slot_step[i] != smin + p:
@@ -213,78 +363,45 @@ class _CommAggregate:
         if nloc == 1:                                       # the usual batch: one step
             self.tt[slots] += time_ms.sum()
             self.tw[slots] += wait_ms.sum()
+            self.rw[slots[0]] += np.bincount(lay.rank, weights=wait_ms, minlength=R)
+            np.logical_or(self.rs[slots[0]], lay.seen[0], out=self.rs[slots[0]])
         else:
-            self.tt[slots] += np.bincount(li, weights=time_ms, minlength=nloc)[present]
-            self.tw[slots] += np.bincount(li, weights=wait_ms, minlength=nloc)[present]
-        rc = int(rank.max()) + 1
-        if rc > self.rw.shape[1]:
-            self._ralloc(max(rc, self.rw.shape[1] + self.rw.shape[1] // 4))
-        R = self.rw.shape[1]
-        if nloc == 1:
-            self.rw[slots[0]] += np.bincount(rank, weights=wait_ms, minlength=R)
-            self.rs[slots[0], rank] = True
-        else:
-            cell = li * R + rank
-            self.rw[slots] += np.bincount(cell, weights=wait_ms, minlength=nloc * R).reshape(nloc, R)[present]
-            self.rs.reshape(-1)[slots[np.searchsorted(present, li)] * R + rank] = True
+            buf = lay.buf
+            buf[:, 0], buf[:, 1] = time_ms, wait_ms
+            sums = np.bincount(lay.loc2, weights=buf.reshape(-1), minlength=2 * nloc)
+            self.tt[slots] += sums[:nloc][present]
+            self.tw[slots] += sums[nloc:][present]
+            self.rw[slots] += np.bincount(lay.cell, weights=wait_ms, minlength=nloc * R).reshape(nloc, R)[present]
+            if lay.seen is not None:
+                self.rs[slots] |= lay.seen[present]
+            else:
+                self.rs.reshape(-1)[slots[lay.rsi] * R + lay.rank] = True
         # payload rows: per (step, key)
-        pi = np.flatnonzero(self._pay[key] & (count > 0) & (nbytes > 0))
-        if not len(pi):
+        if lay.sel is None:
             return
-        pk, pli, prank = key[pi], li[pi], rank[pi]
-        ptime, pcount, pbytes = time_ms[pi], count[pi], nbytes[pi]
-        kc = self._kc
-        code = pk if nloc == 1 else pli * kc + pk
-        M = nloc * kc
-
-        def fold(name, w):
-            acc = getattr(self, name)
-            acc[slots] += np.bincount(code, weights=w, minlength=M).reshape(nloc, kc)[present]
-        fold("ktime", ptime)
-        fold("kwait", wait_ms[pi])
-        fold("kbytes", pbytes)
-        fold("kcount", pcount)
-        # rows and the largest group size per code depend on the layout only: a batch laid out like the
-        # last one (the same codes and group sizes, the usual case) takes them from it
-        pgs = gs[pi]
-        lc, lg, lrows, lgs = self._prev_layout
-        if not (lc is not None and len(lc) == len(code) and M == len(lrows) and np.array_equal(lc, code)
-                and np.array_equal(lg, pgs, equal_nan=True)):
-            lrows = np.bincount(code, minlength=M)
-            lgs = np.full(M, np.nan)
-            np.fmax.at(lgs, code, pgs)
-            self._prev_layout = (code, pgs, lrows, lgs)
-        self.krows[slots] += lrows.reshape(nloc, kc)[present]
-        tmp = np.full(M, np.inf)
-        np.minimum.at(tmp, code, ptime)
-        self.kmin[slots] = np.minimum(self.kmin[slots], tmp.reshape(nloc, kc)[present])
-        self.kgs[slots] = np.fmax(self.kgs[slots], lgs.reshape(nloc, kc)[present])
-        b = np.searchsorted(_HIST_EDGES, pbytes / np.maximum(pcount, 1), side="right")
-        nh = len(_HIST_NAMES)
-        self.hist[slots] += np.bincount(b if nloc == 1 else pli * nh + b, weights=pcount,
-                                        minlength=nloc * nh).reshape(nloc, nh)[present]
-        # members: sorted unique key << 31 | rank per step (one sort of the batch's payload rows)
-        raw = (pk << _RANK_BITS) | prank
-        if nloc > 1:
-            raw |= pli << _LOC_SHIFT
-        prev_raw, prev_u = self._prev_raw
-        if prev_raw is not None and len(prev_raw) == len(raw) and np.array_equal(prev_raw, raw):
-            u = prev_u                                      # the same rows as the last batch: no sort
-        else:
-            u = _sorted_unique(raw)
-            self._prev_raw = (raw, u)
-        loc = u >> _LOC_SHIFT
-        cut = np.searchsorted(loc, np.arange(nloc + 1))
-        mask = (np.int64(1) << _LOC_SHIFT) - 1
+        sel, code, M, kc = lay.sel, lay.code, lay.M, lay.kc
+        pb = lay.pbuf
+        pb[:, 0], pb[:, 1] = time_ms[sel], wait_ms[sel]
+        sums = np.bincount(lay.code2, weights=pb.reshape(-1), minlength=2 * M)
+        self.ktime[slots] += sums[:M].reshape(nloc, kc)[present]
+        self.kwait[slots] += sums[M:].reshape(nloc, kc)[present]
+        ptime = pb[:, 0]
+        self.kbytes[slots] += lay.kbytes
+        self.kcount[slots] += lay.kcount
+        self.krows[slots] += lay.krows
+        self.kmin[slots] = np.minimum(self.kmin[slots], lay.least(ptime))
+        self.kgs[slots] = np.fmax(self.kgs[slots], lay.kgs)
+        self.hist[slots] += lay.hist
+        # members: sorted unique key << 31 | rank per step
         for p, i in zip(present.tolist(), slots.tolist()):
-            m = u[cut[p]:cut[p + 1]] & mask
-            if not len(m):
+            m = lay.members[p]
+            if m is None:
                 continue
             old = self.members[i]
             if old is not None:
                 m = _sorted_unique(np.concatenate([old, m]))
             prev = self._prev_members
-            if prev is not None and len(prev) == len(m) and np.array_equal(prev, m):
+            if prev is not None and prev is not m and len(prev) == len(m) and np.array_equal(prev, m):
                 m = prev                                    # the same members as before: share the array
             self.members[i] = self._prev_members = m
 

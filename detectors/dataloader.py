@@ -29,11 +29,14 @@ def _nanmedian_axis0(a: np.ndarray) -> np.ndarray:
 
 
 def _median_at_least(a: np.ndarray, thr: float, n: np.ndarray | None = None,
-                     c: np.ndarray | None = None) -> np.ndarray:
+                     c: np.ndarray | None = None, cols: np.ndarray | None = None) -> np.ndarray:
     """Per column, ``np.nan_to_num(np.nanmedian(a, axis=0)) >= thr`` (the same answer) by counting: the
     median (mean of the two middle values) is >= thr when the lower middle is, < thr when the upper middle
     is below; only columns with thr between the two middles need their median. ``n`` / ``c``: the counts of
-    values and of values >= thr per column when the caller keeps them (then only ``a[:, amb]`` is read)."""
+    values and of values >= thr per column when the caller keeps them (then only ``a[:, amb]`` is read).
+    ``cols``: the columns of ``a`` asked about (``a[:, cols]``, not copied for the counts)."""
+    if cols is not None and (n is None or c is None):
+        a, cols = a[:, cols], None
     if n is None or c is None:
         x = a.astype(np.float64)
         n = x.shape[0] - np.isnan(x).sum(axis=0)
@@ -42,7 +45,7 @@ def _median_at_least(a: np.ndarray, thr: float, n: np.ndarray | None = None,
     out = (n > 0) & (c >= n - lo)                            # the lower middle >= thr
     amb = (n > 0) & ~out & (c >= n - hi)                     # upper middle >= thr > lower middle
     if amb.any():
-        out[amb] = _nanmedian_axis0(a[:, amb].astype(np.float64)) >= thr
+        out[amb] = _nanmedian_axis0(a[:, amb if cols is None else cols[amb]].astype(np.float64)) >= thr
     if thr <= 0:
         out |= n == 0                                        # an all-NaN median counts as 0
     return out
@@ -163,8 +166,8 @@ class DataLoader(Detector):
             # by counting; the medians themselves only for an alert being assembled
             cand = np.flatnonzero(ok & (empty >= self.empty_share))
             starved = np.zeros(q.shape[1], dtype=bool)
-            starved[cand] = _median_at_least(self._d[:, cand], self.min_data_share, self._nd[cand],
-                                             self._nge[cand])
+            starved[cand] = _median_at_least(self._d, self.min_data_share, self._nd[cand], self._nge[cand],
+                                             cols=cand)
             if starved.any():
                 dshare = np.full(q.shape[1], np.nan)
                 job_wide = starved.sum() >= self.job_share * ok.sum()
@@ -174,7 +177,7 @@ class DataLoader(Detector):
                 step_first = int(self._st[self._st >= 0].min())
 
                 def make():
-                    dshare[starved] = _nanmedian_axis0(self._d[:, starved])
+                    dshare[starved] = _nanmedian_axis0(self._d if starved.all() else self._d[:, starved])
                     return self._alert(ctx, q, empty, dshare, starved, ok, ranks, step_first,
                                        step_now, t_now)
                 alerts += self._eps.seen(key, make)
@@ -182,10 +185,10 @@ class DataLoader(Detector):
 
     def _alert(self, ctx, q, empty, dshare, starved, ok, ranks, step_first, step_now, t_now) -> Alert:
         ev = queue_evidence(q if starved.all() else q[:, starved])        # (job-wide: no copy)
-        ev.update({"starved_ranks": int(starved.sum()), "reporting_ranks": int(ok.sum()),
-                   "data_share_of_step": _r(float(np.nanmedian(dshare[starved]))),
-                   "others": queue_evidence(q[:, ok & ~starved]) if (ok & ~starved).any() else None})
         ds = float(np.nanmedian(dshare[starved]))
+        ev.update({"starved_ranks": int(starved.sum()), "reporting_ranks": int(ok.sum()),
+                   "data_share_of_step": _r(ds),
+                   "others": queue_evidence(q[:, ok & ~starved]) if (ok & ~starved).any() else None})
         who = (f"job {ctx.job}" if not ranks else
                f"rank(s) {', '.join(map(str, ranks[:8]))}{' …' if len(ranks) > 8 else ''} on "
                f"{', '.join(sorted({ctx.node_of(r) for r in ranks})[:4])}")
