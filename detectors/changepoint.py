@@ -188,6 +188,7 @@ class ChangePoint(Detector):
             block, S = block.tail(skip), S - skip
             scale = None if scale is None else scale[skip:]
         R = block.step_ms.shape[1]
+        self._ranks = R                                 # (the ranks the job-level series summarise: evidence)
         if scale is None:
             med = block.step_median()                                            # (S,) O(S*R), once per block
         elif np.all(np.isfinite(scale) & (scale > 0)):
@@ -662,6 +663,7 @@ class ChangePoint(Detector):
             "least_in_collectives_ms": None if not np.isfinite(pb[-3]) else [round(float(pb[-3]), 3),
                                                                             round(float(pa[-3]), 3)],
             "cause_reason": reason,
+            "ranks": int(getattr(self, "_ranks", 0)),
         }
         if series != "step_ms":
             evidence["step_median_before_ms"] = round(step_b, 3)

@@ -141,13 +141,19 @@ def _waits_for(a, inc) -> bool:
     job-wide ``cpu`` or ``computation`` regression while it fires, within what its excess explains, is
     that contention reaching the other ranks' cores (a VM's vCPUs share physical CPUs: a real DDP run with
     a hog pinned to rank 1's core from step 101 got a job-wide compute regression, 42.0 -> 50.3 ms, at
-    step 172). A compute straggler's job-wide compute change is not taken so: two faults."""
+    step 172). A compute straggler's job-wide compute change is not taken so: two faults, unless the
+    straggler's ranks are at least half of the ranks the job-wide series summarises (its evidence's
+    ``ranks``): the job's median then moves with them, and a straggler's own drift is a job-wide change
+    (a 2-rank DDP run, rank 1 sleeping 15 ms a step: 116 steps in, the job's compute rose 48.1 -> 54.1 ms
+    while rank 1's slow_rank still fired)."""
     if a.kind != "regression" or inc.kind not in STRAGGLER_KINDS or inc.status != "firing" or \
             not explains(inc.excess_ms, _shift_ms(a), a.cause):
         return False
     ev = a.evidence or {}
+    n = ev.get("ranks") or 0
     return (ev.get("series") == "comm_wait_ms" and a.cause == "communication"
-            or inc.cause == "cpu" and a.cause in ("cpu", "computation"))
+            or inc.cause == "cpu" and a.cause in ("cpu", "computation")
+            or inc.cause == a.cause == "computation" and 0 < n <= 2 * len(inc.ranks))
 
 
 @dataclass

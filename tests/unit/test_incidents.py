@@ -356,3 +356,33 @@ def test_a_compute_regression_while_a_cpu_contended_straggler_fires_is_that_cont
         s = straggler(inc, cause)
         inc.assign(other)
         assert other.incident_id != s.incident_id, cause
+
+
+def test_a_compute_regression_of_a_job_whose_median_moves_with_its_compute_straggler_is_that_straggler():
+    """A real 2-rank DDP run (make test, idle): rank 1 sleeps 15 ms a step from step 100; slow_rank rank 1,
+    computation (excess 15.5 ms); at step 216 the job's compute rose 48.1 -> 54.1 ms while it still fired
+    and opened an incident of its own. With 2 ranks the job-level median is the mean of both: the
+    straggler's own drift moves it. The same change in a 64-rank job, or one beyond the excess, stays a
+    second fault."""
+    def reg(ranks, after=54.075):
+        a = al("regression", step_first=216, step=225, cause="computation")
+        a.evidence = {"series": "compute_ms", "median_before_ms": 48.103, "median_after_ms": after,
+                      "step_median_before_ms": 70.0, "step_median_after_ms": 76.0, "ranks": ranks}
+        return a
+
+    def straggler(inc):
+        s = al("slow_rank", ranks=[1], step_first=91, step=103, node="node-a", cause="computation")
+        s.evidence = {"busy_ms": 55.258, "peer_median_ms": 39.754}
+        inc.assign(s)
+        return s
+
+    inc = Incidents()
+    s = straggler(inc)
+    r = reg(2)
+    inc.assign(r)
+    assert r.incident_id == s.incident_id and r.evidence["incident"]["role"] == "consequence"
+    for other in (reg(64), reg(2, after=120.0)):
+        inc = Incidents()
+        s = straggler(inc)
+        inc.assign(other)
+        assert other.incident_id != s.incident_id
