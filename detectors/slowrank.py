@@ -222,6 +222,7 @@ class SlowRank(_SequentialTests, _AlertAssembly, Detector):
         self._sm_hist: np.ndarray | None = None                  # learned values (ring)
         self._sm_n = np.zeros(R, dtype=np.int64)
         self._sm_ring: np.ndarray | None = None
+        self._sm_recent: np.ndarray | None = None                # the last _SMALL_HIST values, all of them
         self._sm_pos = np.zeros(R, dtype=np.int64)
         self._age = 0                                            # steps judged (by the CUSUM)
         self._h = np.full((2, _P), np.nan)                       # thresholds (small, big) per series

@@ -10,7 +10,7 @@ import numpy as np
 from .base import Alert, JobContext, StepBlock
 from .causes import (PHASES, SUGGESTIONS, attribute, comm_evidence, decide, gc_evidence, host_evidence,
                      nanmedian, phase_arrays)
-from .slowrank_stats import _HOST_SPAN_NS, _KINDS, _P, OWN_PHASES, _r
+from .slowrank_stats import _HOST_SPAN_NS, _KINDS, _P, _SMALL_HIST, OWN_PHASES, _r
 
 
 class _AlertAssembly:
@@ -135,7 +135,9 @@ class _AlertAssembly:
             zz = float(nanmedian(w["z"][ev_rows]))
         if np.isfinite(eff) and eff <= 0:   # over its evidence steps no slower than its peers: no straggler
             return None                     # (a 2-rank stage's healthy rank, judged against the offset it took)
-        if not self._material_effect(eff, w["cost"][ev_rows, M.index(r)], bool(self._small_rank[r])):
+        small = bool(self._small_rank[r])
+        if not self._material_effect(eff, w["cost"][ev_rows, M.index(r)], small) or (
+                small and len(M) == 1 and self._takes_turns(r)):
             # an immaterial excess (below min_alert_effect of the busy time, or of the step): the test's
             # excursion is dropped and it restarts, so no stale start carries into a later real fault
             cols = r + self._R * np.arange(_P)
@@ -250,6 +252,25 @@ class _AlertAssembly:
         with np.errstate(all="ignore"):
             c = float(nanmedian(cost)) if len(cost) else float("nan")
         return not (np.isfinite(c) and c < 100.0 * self.min_alert_effect)
+
+    def _takes_turns(self, r: int) -> bool:
+        """A rank of a small stage (judged pairwise) whose peers were, over its last _SMALL_HIST steps,
+        slower than it about as often as it was slower than them: the steps where the others' median
+        exceeds it by ``min_effect`` are at least half as many as those where it exceeds them by as
+        much. A straggler is the one slower rank; a pair that takes turns (two ranks sharing one
+        accelerator or core, each delayed by the other's work in turn: 2-rank FSDP2 on one H200, each
+        rank's busy time ~12 ms below its pair's on one step in three, in runs of several steps on the
+        same rank) is contention within the job, and naming either rank points at the wrong thing. A
+        straggler, even one slow on one step in three, is seldom the faster rank by as much. The span is
+        longer than the persistence window (13 steps), which one rank can hold alone while the pair
+        takes turns."""
+        if self._sm_recent is None:
+            return False
+        e = self._sm_recent[:, r]
+        e = e[np.isfinite(e)]
+        slower = int(np.count_nonzero(e >= self.min_effect))
+        faster = int(np.count_nonzero(e <= 1.0 / (1.0 + self.min_effect) - 1.0))
+        return slower > 0 and 2 * faster >= slower
 
     def _fired_series(self, r: int) -> tuple[int, str]:
         """The series of rank ``r`` whose test is furthest over its threshold: (where its excursion

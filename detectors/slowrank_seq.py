@@ -121,6 +121,7 @@ class _SequentialTests:
         if self._sm_hist is None:                # allocated at the first small stage (64 MB at 100k ranks)
             self._sm_hist = np.full((_SMALL_HIST, self._R), np.nan, dtype=np.float64)
             self._sm_ring = np.full((_SMALL_DELAY, self._R), np.nan, dtype=np.float64)
+            self._sm_recent = np.full((_SMALL_HIST, self._R), np.nan, dtype=np.float32)
         hist = self._sm_hist[:, cols]                                       # (_SMALL_HIST, w), a copy
         n = self._sm_n[cols].copy()
         with np.errstate(all="ignore"):
@@ -140,6 +141,7 @@ class _SequentialTests:
             slot = self._sm_pos[cols] % _SMALL_DELAY
             old = self._sm_ring[slot, cols]
             self._sm_ring[slot, cols] = ee[s]
+            self._sm_recent[self._sm_pos[cols] % _SMALL_HIST, cols] = ee[s]
             self._sm_pos[cols] += 1
             ok = np.isfinite(old) & ~self._active[cols] & ~hot
             if not ok.any():
