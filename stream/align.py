@@ -55,6 +55,11 @@ class IngestResult:
     unplaced_rank: int = -1   # the highest such rank (for the log line)
 
 
+def _held(a: np.ndarray) -> int:
+    """Bytes of the buffer ``a`` views (``a``'s own when it is no view)."""
+    return a.base.nbytes if isinstance(a.base, np.ndarray) else a.nbytes
+
+
 def _quantile(v: np.ndarray) -> int:
     k = int(WORLD_Q * (len(v) - 1))
     return int(np.partition(v, k)[k])
@@ -99,54 +104,59 @@ class JobState:
         # rows of a step above this are stored but neither aligned nor counted as the rank's newest step:
         # the job's ranks have not reached it (set per batch by stream.stepaxis; None: no limit)
         self.ahead_limit: int | None = None
+        self._room = 0            # columns the per-rank arrays' buffers hold (_resize): world_size <= _room
         if world_size:
             self._resize(world_size)
 
     # ------------------------------------------------------------------ topology
+    #: per-rank arrays (attribute, fill value, dtype; 2-D: a row per ring slot) whose columns _resize grows
+    _PER_RANK = (("filled", False, bool, 2), ("queue", np.nan, np.float32, 2), ("params", np.nan, np.float64, 1),
+                 ("nodes", "", object, 1), ("stage", 0, np.int32, 1), ("last_step", -1, np.int64, 1),
+                 ("last_t_end", 0, np.int64, 1), ("seen", False, bool, 1), ("declared", 0, np.int64, 1))
+
     def _resize(self, n: int) -> None:
+        """Give the ring ``n`` columns (ranks). The arrays are views of wider buffers that grow
+        geometrically (at least doubling, but not past the world size the topology declares while
+        ``n`` is within it), so a job whose ranks arrive a few at a time (topology per node) costs
+        O(ranks) copying in all, not O(ranks^2); the columns beyond ``n`` hold their fill values."""
         old = self.world_size
         if n <= old:
             return
+        if n > self._room:
+            room = max(n, 2 * self._room)
+            if self.expected >= n:
+                room = min(room, self.expected)
+            for f in FIELDS:
+                self.planes[f] = self._regrow(self.planes[f], room, np.nan, np.float64)
+            for name, fill, dtype, _ in self._PER_RANK:
+                setattr(self, name, self._regrow(getattr(self, name), room, fill, dtype))
+            for c in COORDS:
+                self.coords[c] = self._regrow(self.coords[c], room, -1, np.int32)
+            for c in list(self.cpu):
+                self.cpu[c] = self._regrow(self.cpu[c], room, np.nan, np.float32)
+            self._room = room
         for f in FIELDS:
-            p = np.full((self.capacity, n), np.nan)
-            p[:, :old] = self.planes[f]
-            self.planes[f] = p
-        fl = np.zeros((self.capacity, n), dtype=bool)
-        fl[:, :old] = self.filled
-        self.filled = fl
-        q = np.full((self.capacity, n), np.nan, dtype=np.float32)
-        q[:, :old] = self.queue
-        self.queue = q
-        for c, v in self.cpu.items():
-            q = np.full((self.capacity, n), np.nan, dtype=np.float32)
-            q[:, :old] = v
-            self.cpu[c] = q
-        pr = np.full(n, np.nan)
-        pr[:old] = self.params
-        self.params = pr
-        nodes = np.full(n, "", dtype=object)
-        nodes[:old] = self.nodes
-        self.nodes = nodes
-        st = np.zeros(n, dtype=np.int32)
-        st[:old] = self.stage
-        self.stage = st
+            self.planes[f] = self.planes[f].base[..., :n]
+        for name, _, _, _ in self._PER_RANK:
+            setattr(self, name, getattr(self, name).base[..., :n])
         for c in COORDS:
-            a = np.full(n, -1, dtype=np.int32)
-            a[:old] = self.coords[c]
-            self.coords[c] = a
-        ls = np.full(n, -1, dtype=np.int64)
-        ls[:old] = self.last_step
-        self.last_step = ls
-        lt = np.zeros(n, dtype=np.int64)
-        lt[:old] = self.last_t_end
-        self.last_t_end = lt
-        sn = np.zeros(n, dtype=bool)
-        sn[:old] = self.seen
-        self.seen = sn
-        dc = np.zeros(n, dtype=np.int64)
-        dc[:old] = self.declared
-        self.declared = dc
+            self.coords[c] = self.coords[c].base[..., :n]
+        for c in list(self.cpu):
+            self.cpu[c] = self.cpu[c].base[..., :n]
         self.world_size = n
+
+    def _regrow(self, a: np.ndarray, room: int, fill, dtype) -> np.ndarray:
+        """A buffer ``room`` columns wide (filled with ``fill``) holding ``a``'s columns; returns the
+        view of its first ``a``'s width (``view.base`` is the buffer)."""
+        buf = np.full(a.shape[:-1] + (room,), fill, dtype=dtype)
+        w = a.shape[-1]
+        buf[..., :w] = a
+        return buf[..., :w]
+
+    def _per_rank(self, fill, dtype) -> np.ndarray:
+        """A new ring-shaped (slots x ranks) array in the same layout as the others (a view of a buffer
+        ``_room`` columns wide)."""
+        return np.full((self.capacity, max(self._room, self.world_size)), fill, dtype=dtype)[:, :self.world_size]
 
     def place(self, rank: np.ndarray) -> None:
         """Note that ``rank`` (int64, >= 0) reported, and give columns to the ranks that may have one:
@@ -396,7 +406,7 @@ class JobState:
             col = t.column(c) if c in t.column_names else None
             if col is not None and col.null_count < len(col):
                 if c not in self.cpu:
-                    self.cpu[c] = np.full((self.capacity, self.world_size), np.nan, dtype=np.float32)
+                    self.cpu[c] = self._per_rank(np.nan, np.float32)
                 self.cpu[c][slot, r] = col.to_numpy(zero_copy_only=False).astype(np.float32)[idx]
         self.count += np.bincount(slot[open_], minlength=self.capacity)
         np.maximum.at(self.t_end, slot, t_end[idx])
@@ -504,8 +514,9 @@ class JobState:
 
     # ------------------------------------------------------------------ state
     def state_bytes(self) -> int:
-        """Bytes of the per-rank ring (what grows with the ranks that report)."""
-        return sum(p.nbytes for p in self.planes.values()) + self.filled.nbytes + self.queue.nbytes
+        """Bytes of the per-rank ring (what grows with the ranks that report), as allocated: the
+        buffers, up to twice the columns in use (_resize)."""
+        return sum(_held(p) for p in (*self.planes.values(), self.filled, self.queue))
 
     def open_steps(self) -> int:
         return 0 if self.lo is None else max(0, self.max_step + 1 - self.next_close)

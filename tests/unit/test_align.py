@@ -84,3 +84,29 @@ def test_world_size_inferred_without_topology():
     _, blocks = st.ingest(rows([3, 3, 3], [0, 1, 5]))
     assert st.world_size == 6 and not st.topology_known
     assert st.nodes[5] == "n0"
+
+
+def test_ring_grows_geometrically_when_topology_arrives_per_node():
+    """A job whose topology comes a node (8 ranks) at a time widens its ring 512 times: each widening
+    must not copy the whole ring again (O(ranks^2)); the buffers grow geometrically, at most ~log2
+    reallocations, and the rows stored before and after every widening are still where they were."""
+    ws, per_node = 4096, 8
+    s = JobState("j", capacity=16)
+    t = topo(ws)
+    reallocs, prev = 0, None
+    for lo in range(0, ws, per_node):
+        s.set_topology(t.slice(lo, per_node))
+        assert s.world_size == lo + per_node
+        cur = s.planes["step_ms"]
+        reallocs += prev is None or not np.shares_memory(prev, cur)
+        prev = cur
+        if lo == 64:
+            s.ingest(rows([0] * 72, np.arange(72), step_ms=7.0))
+    assert reallocs <= 14, f"{reallocs} reallocations for {ws // per_node} widenings"
+    assert s.planes["step_ms"].shape[1] == ws and s.filled.shape[1] == ws and len(s.seen) == ws
+    slot = int(np.flatnonzero(s.slot_step == 0)[0])
+    assert (s.planes["step_ms"][slot, :72] == 7.0).all() and np.isnan(s.planes["step_ms"][slot, 72:]).all()
+    assert s.filled[slot, :72].all() and not s.filled[slot, 72:].any()
+    assert (s.declared == ws).all() and s.nodes[ws - 1] == f"n{(ws - 1) // 8}"
+    # the buffers are bounded by the declared world size: no room beyond it is held
+    assert s.state_bytes() == sum(p.nbytes for p in s.planes.values()) + s.filled.nbytes + s.queue.nbytes
