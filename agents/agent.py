@@ -38,14 +38,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow as pa
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from stepwatch import __version__
 from stepwatch.wire import catalog
-from stepwatch.wire import tables as wire  # the Arrow schemas alone: the decoder (wire.decode) loads pyarrow.compute, ~9 MB of RSS
 from stepwatch.wire import datagram
 from stepwatch.wire import columns
+from stepwatch.wire import lite    # the Arrow writer: nanoarrow, no pyarrow nor its ~42 MB (docs/agents.md)
+from stepwatch.wire.lite import Batch
 from stepwatch.agents.hostmetrics import PluginRunner, build_runners, sample
 from stepwatch.agents.inflight import Liveness, RateBound, row_from_probe
 from stepwatch.agents.profiling.protocol import safe_job   # one copy: the probe and the control channel use it too
@@ -498,7 +498,7 @@ class Agent:
             return []
         return [dict(fields, job=job, node=self.node, t=t_ns) for job in self.active_jobs(now)]
 
-    def tick(self) -> list[tuple[str, str, pa.Table]]:
+    def tick(self) -> list[tuple[str, str, Batch]]:
         """Decode what arrived, sample the host, ship one table per (kind, job). Returns the items."""
         t0 = time.perf_counter()
         now = time.monotonic()
@@ -528,39 +528,40 @@ class Agent:
             for r in self.control.take_rows():
                 self.rows["profiles"][r["job"]].append(r)
         items = []
-        cols = self.batches.take()                  # job -> (steps, comm, gc) tables of the probes' frames
+        cols = self.batches.take()                  # job -> [(steps, comm, gc)] tables of the probes' frames
         for kind in KINDS:
             per_job, self.rows[kind] = self.rows[kind], collections.defaultdict(list)
             for job, rows in per_job.items():
-                if rows:
-                    t = self._table(kind, job, rows)
+                for i in range(0, len(rows), lite.MAX_ROWS):
+                    t = self._table(kind, job, rows[i:i + lite.MAX_ROWS])
                     if t is not None:
                         items.append((kind, job, t))
             if kind in columns.KINDS:
-                items += [(kind, job, t[columns.KINDS.index(kind)]) for job, t in cols.items()
-                          if t[columns.KINDS.index(kind)] is not None]
+                k = columns.KINDS.index(kind)
+                items += [(kind, job, t[k]) for job, ts in cols.items() for t in ts if t[k] is not None]
         if self.shipper is not None:
             self.shipper.ship(items)
         self.ticks += 1
         m.tick_seconds.observe(time.perf_counter() - t0)
         return items
 
-    def _table(self, kind: str, job: str, rows: list[dict]) -> pa.Table | None:
-        """The Arrow table of one (kind, job); rows that cannot be encoded are found one by one (only
-        then), counted as ``unencodable`` and dropped: one bad row never holds back the others."""
-        schema = wire.SCHEMAS[kind]
+    def _table(self, kind: str, job: str, rows: list[dict]) -> Batch | None:
+        """The Arrow record batch of one (kind, job); rows that cannot be encoded are found one by one
+        (only then), counted as ``unencodable`` and dropped: one bad row never holds back the others."""
+        if not rows:
+            return None
         try:
-            return pa.Table.from_pylist(rows, schema=schema)
-        except Exception:  # noqa: BLE001 - ArrowInvalid, TypeError, OverflowError ...
+            return lite.from_rows(kind, rows)
+        except Exception:  # noqa: BLE001 - ValueError (naming the field), TypeError, OverflowError ...
             pass
         good = []
         for r in rows:
             try:
-                pa.Table.from_pylist([r], schema=schema)
+                lite.from_rows(kind, [r])
                 good.append(r)
             except Exception as e:  # noqa: BLE001
                 self._refused("unencodable", f"{kind} row of job {job} dropped: {e!r}"[:300])
-        return pa.Table.from_pylist(good, schema=schema) if good else None
+        return lite.from_rows(kind, good) if good else None
 
     def run(self, stop_event: threading.Event | None = None) -> None:
         """Serve until ``stop_event`` (or :attr:`stop_event`) is set; then a last tick and close."""

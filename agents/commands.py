@@ -27,21 +27,14 @@ def systemd_unit(name: str, exe: str | None = None) -> str:
 
 
 def prepare_agent_process() -> None:
-    """Called in the agent's process before numpy and pyarrow load (each variable is read once, as its
-    library loads; an operator's own setting is kept):
+    """Called in the agent's process before numpy loads (the variable is read once, as the library
+    loads; an operator's own setting is kept):
 
-    - ``ARROW_DEFAULT_MEMORY_POOL=system``: Arrow's C++ default memory pool becomes the system allocator.
-      The IPC writer and its LZ4 buffers allocate from that pool, not from the one
-      :func:`pyarrow.set_memory_pool` sets; with mimalloc, Arrow's default, those allocations kept ~6 MB
-      of the agent resident.
-    - ``JE_ARROW_MALLOC_CONF=background_thread:false``: Arrow's bundled jemalloc, no longer the pool, still
-      starts its purging thread as pyarrow loads; not started, one thread less.
     - ``OPENBLAS_NUM_THREADS=1``: numpy's OpenBLAS starts a thread per core as numpy loads (up to 64 on a
       training node); the agent multiplies no matrices.
 
-    :func:`cmd_agent` also sizes Arrow's CPU thread pool to one thread (see there)."""
-    os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
-    os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
+    The agent loads no pyarrow (its Arrow writer is nanoarrow, :mod:`stepwatch.wire.lite`), so Arrow's
+    memory pools and CPU thread pool are not its concern."""
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
@@ -54,19 +47,20 @@ def skip_unused_codecs(a) -> list[str]:
     """Leave out the optional compression codecs where this agent uses none, before the libraries load;
     returns the modules left out.
 
-    The agent's producer sends uncompressed record batches (the Arrow IPC inside is LZ4-compressed by
-    Arrow's own C++ codec), it pushes no metrics, and it reads from Kafka only with profiling on (its
-    control channel: the codec of that topic's batches is not the agent's to choose). So without
-    profiling (``--no-kafka``, ``--no-profiling``, or no ``STEPWATCH_PROFILING_PUBLIC_KEY[_FILE]``)
-    ``snappy`` (cramjam), ``zstandard`` and ``lz4`` are marked absent (``sys.modules[name] = None``, which
-    makes their import raise ``ImportError``; both libraries then treat the codec as not installed):
-    ~1.8 MB of the agent's resident set (docs/agents.md, agent cost). A module already loaded is kept."""
+    The agent's producer compresses its record batches with LZ4 (``lz4``: its Arrow IPC buffers are not
+    compressed, nanoarrow's writer does not), it pushes no metrics, and it reads from Kafka only with
+    profiling on (its control channel: the codec of that topic's batches is not the agent's to choose).
+    So without profiling (``--no-kafka``, ``--no-profiling``, or no ``STEPWATCH_PROFILING_PUBLIC_KEY[_FILE]``)
+    ``snappy`` (cramjam) and ``zstandard`` are marked absent, and ``lz4`` too with ``--no-kafka``
+    (``sys.modules[name] = None``, which makes their import raise ``ImportError``; both libraries then
+    treat the codec as not installed): ~1.4 MB of the agent's resident set (docs/agents.md, agent cost).
+    A module already loaded is kept."""
     from stepwatch.agents.profiling.protocol import ENV_PUBLIC, ENV_PUBLIC_FILE
     profiling = (not a.no_kafka and not a.no_profiling
                  and bool(os.environ.get(ENV_PUBLIC) or os.environ.get(ENV_PUBLIC_FILE)))
     if profiling:
         return []
-    skipped = [m for m in OPTIONAL_CODECS if m not in sys.modules]
+    skipped = [m for m in OPTIONAL_CODECS if m not in sys.modules and (m != "lz4" or a.no_kafka)]
     for m in skipped:
         sys.modules[m] = None
     return skipped
@@ -81,16 +75,7 @@ def cmd_agent(a) -> int:
             return 2
         return 0
     skip_unused_codecs(a)
-    import pyarrow as pa
-
     from stepwatch.agents.agent import Agent
-    # a long-lived small process: give freed Arrow buffers back to the OS (malloc) instead of keeping
-    # them in jemalloc/mimalloc arenas (~6 MB less resident)
-    pa.set_memory_pool(pa.system_memory_pool())
-    # the IPC writer compresses a batch's buffers on Arrow's CPU pool, one thread per core by default: each
-    # thread keeps its own malloc arena (+7 MB resident at 64 threads, 0.9 MB at 2); the agent's batches
-    # are small, one thread compresses them
-    pa.set_cpu_count(1)
     from stepwatch.kafkaio import settings_from_args
     s = None if a.no_kafka else settings_from_args(a)
     from stepwatch.agents.socket_trust import IngressLimits

@@ -1,8 +1,10 @@
 """Getting the node agent's batches to Kafka, or to a bounded local spool while Kafka is away.
 
-:class:`Spool` is a directory of Arrow IPC *files*, one per (kind, job) table, named
-``<seq:016d>-<kind>-<rows>-<crc32:08x>.arrow`` (the job is in the schema metadata; the CRC-32 covers the
-file's bytes). Files are written under a temporary name, fsynced, renamed into place and the directory
+:class:`Spool` is a directory of files, one per (kind, job) record batch, named
+``<seq:016d>-<kind>-<rows>-<crc32:08x>.arrows`` (the CRC-32 covers the file's bytes): the magic
+``SWSPOOL1``, the job (a 2-byte little-endian length, UTF-8), and the message's Arrow IPC stream as it goes
+to Kafka, LZ4-framed. Files an agent before nanoarrow wrote (``.arrow``: Arrow IPC *files*, LZ4 buffers, the
+job in the schema metadata) are read and sent too (:func:`stepwatch.wire.lite.read_ipc`). Files are written under a temporary name, fsynced, renamed into place and the directory
 fsynced, so a crash leaves no half file and a spooled table survives a power loss; the sequence
 continues across restarts, so an agent that comes back replays what its predecessor spooled.
 
@@ -12,8 +14,8 @@ Nothing is lost silently (docs/limits.md): every row the spool gives up is count
 structure is damaged), ``spool_incomplete`` (a temporary file a crash left; its rows never reached the
 spool), ``disk_full`` (see below).
 
-:class:`Shipper` sends each tick's tables with :func:`~stepwatch.kafkaio.send_table` (Arrow,
-keyed by job, ``schema`` headers) and waits for the acknowledgements. A send that fails or is not
+:class:`Shipper` sends each tick's record batches (:class:`stepwatch.wire.lite.Batch`: Arrow IPC
+streams, uncompressed buffers, keyed by job, ``schema`` headers) in LZ4-compressed Kafka record batches and waits for the acknowledgements. A send that fails or is not
 acknowledged within ``send_timeout_s`` sends the unacknowledged tables to the spool and drops the
 producer (closed without waiting, so it cannot deliver them later behind the replay's back). While the
 spool holds anything, new tables go to the spool too, so Kafka sees every table in the order it was
@@ -37,14 +39,15 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow as pa
-
 from stepwatch.wire import catalog
+from stepwatch.wire import lite
+from stepwatch.wire.lite import Batch
 
 log = logging.getLogger("stepwatch.agent.ship")
 
-_NAME = re.compile(r"^(\d{16})-([a-z]+)-(\d+)(?:-([0-9a-f]{8}))?\.arrow$")
-_TMP = re.compile(r"^\.tmp-\d{16}-[a-z]+-(\d+)(?:-[0-9a-f]{8})?\.arrow$")
+_NAME = re.compile(r"^(\d{16})-([a-z]+)-(\d+)(?:-([0-9a-f]{8}))?\.arrows?$")
+_TMP = re.compile(r"^\.tmp-\d{16}-[a-z]+-(\d+)(?:-[0-9a-f]{8})?\.arrows?$")
+MAGIC = b"SWSPOOL1"                 # a spool file: MAGIC, job (u16 length + UTF-8), LZ4 frame of the IPC stream
 
 
 class DropLog:
@@ -120,18 +123,16 @@ class Spool:
         """Spooled files, oldest first."""
         return list(self._files)
 
-    def put(self, kind: str, job: str, table: pa.Table) -> SpoolFile:
-        """Write one table durably (fsync of the file and the directory); then drop the oldest files
-        while the spool is over its bound. Raises OSError (e.g. ENOSPC) with nothing left behind."""
-        md = dict(table.schema.metadata or {})
-        md.update({b"stepwatch.job": job.encode(), b"stepwatch.kind": kind.encode()})
-        table = table.replace_schema_metadata(md)
-        sink = pa.BufferOutputStream()
-        with pa.ipc.new_file(sink, table.schema, options=pa.ipc.IpcWriteOptions(compression="lz4")) as w:
-            w.write_table(table)
-        data = sink.getvalue()
+    def put(self, kind: str, job: str, table) -> SpoolFile:
+        """Write one record batch (a :class:`~stepwatch.wire.lite.Batch`, or a pyarrow Table) durably (fsync
+        of the file and the directory); then drop the oldest files while the spool is over its bound. Raises
+        OSError (e.g. ENOSPC) with nothing left behind."""
+        import lz4.frame     # (here: `stepwatch agent --no-kafka` marks lz4 absent, and spools nothing)
+        table = lite.as_batch(table)
+        j = job.encode()
+        data = b"".join([MAGIC, len(j).to_bytes(2, "little"), j, lz4.frame.compress(table.payload)])
         crc = zlib.crc32(data)
-        name = f"{self._seq:016d}-{kind}-{table.num_rows}-{crc:08x}.arrow"
+        name = f"{self._seq:016d}-{kind}-{table.num_rows}-{crc:08x}.arrows"
         tmp = self.dir / f".tmp-{name}"
         final = self.dir / name
         try:
@@ -149,7 +150,7 @@ class Spool:
             tmp.unlink(missing_ok=True)
             raise
         self._seq += 1
-        f = SpoolFile(final, self._seq - 1, kind, table.num_rows, data.size, crc)
+        f = SpoolFile(final, self._seq - 1, kind, table.num_rows, len(data), crc)
         self._files.append(f)
         self.bytes += f.size
         self._enforce()
@@ -166,17 +167,24 @@ class Spool:
                                                     f"{old.path.name} ({old.kind}) deleted")
 
     @staticmethod
-    def read(f: SpoolFile) -> tuple[str, str, pa.Table]:
-        """(kind, job, table) of a spooled file; raises ValueError when its CRC does not match."""
+    def read(f: SpoolFile) -> tuple[str, str, Batch]:
+        """(kind, job, batch) of a spooled file, of this agent or of one before nanoarrow (an Arrow IPC
+        file); raises ValueError when its CRC does not match or its Arrow stream does not read."""
         with open(f.path, "rb") as fh:
             data = fh.read()
         if f.crc is not None and zlib.crc32(data) != f.crc:
             raise ValueError(f"CRC-32 mismatch ({zlib.crc32(data):08x}, written {f.crc:08x})")
-        t = pa.ipc.open_file(pa.BufferReader(data)).read_all()
-        t.validate(full=True)
-        md = t.schema.metadata or {}
-        job = md.get(b"stepwatch.job", b"").decode()
-        return f.kind, job, t.replace_schema_metadata(None)
+        if data[:len(MAGIC)] == MAGIC:
+            import lz4.frame
+            n = len(MAGIC) + 2 + int.from_bytes(data[len(MAGIC):len(MAGIC) + 2], "little")
+            job = data[len(MAGIC) + 2:n].decode()
+            data = lz4.frame.decompress(data[n:])
+        else:
+            job = None                               # an older agent's file: the job is in the metadata
+        md, rows, payload = lite.read_ipc(data)      # (reads every batch: a damaged stream raises here)
+        if job is None:
+            job = md.get(b"stepwatch.job", b"").decode()
+        return f.kind, job, Batch(rows, payload=payload)
 
     def remove(self, f: SpoolFile) -> None:
         f.path.unlink(missing_ok=True)
@@ -283,7 +291,8 @@ class Shipper:
         try:
             producer = make_producer(self.settings, bootstrap_timeout_ms=t, max_block_ms=t,
                                      request_timeout_ms=t, delivery_timeout_ms=2 * t + 100, linger_ms=5,
-                                     reconnect_backoff_max_ms=1000)
+                                     reconnect_backoff_max_ms=1000,
+                                     compression_type="lz4")   # nanoarrow's IPC buffers are not compressed
         except Exception as e:  # noqa: BLE001 - NoBrokersAvailable, KafkaTimeoutError, OSError ...
             return None, e
         if self.create_topics and not self._topics_done:
@@ -316,15 +325,15 @@ class Shipper:
         self._set_online(False, why)
 
     # -------------------------------------------------------------- sending
-    def _send(self, items: list[tuple[str, str, pa.Table]]) -> list[int]:
-        """Send items and wait for their acks; returns the indices of items not acknowledged."""
-        from stepwatch.kafkaio import send_table
+    def _send(self, items: list[tuple[str, str, Batch]]) -> list[int]:
+        """Send items (one message each) and wait for their acks; returns the indices of items not acknowledged."""
         t0 = time.perf_counter()
         futs: list[tuple[int, list]] = []
         failed: list[int] = []
         for i, (kind, job, table) in enumerate(items):
             try:
-                futs.append((i, send_table(self.producer, self.settings, kind, table)))
+                futs.append((i, [self.producer.send(self.settings.topic(kind), table.payload, key=job.encode(),
+                                                    headers=lite.headers(kind))]))
             except Exception as e:  # noqa: BLE001 - KafkaTimeoutError (metadata), buffer full ...
                 log.debug("send of %s/%s failed: %r", kind, job, e)
                 failed.append(i)
@@ -343,7 +352,7 @@ class Shipper:
         if self.metrics is not None:
             self.metrics.records_out.labels(kind).inc(n)
 
-    def _put(self, kind: str, job: str, table: pa.Table) -> bool:
+    def _put(self, kind: str, job: str, table: Batch) -> bool:
         try:
             self.spool.put(kind, job, table)
         except OSError as e:
@@ -366,7 +375,7 @@ class Shipper:
             self.held_bytes -= t.nbytes
         self._spool_errors = 0
 
-    def _spool(self, kind: str, job: str, table: pa.Table) -> None:
+    def _spool(self, kind: str, job: str, table: Batch) -> None:
         """Behind everything that waits already: the spool, or memory while the spool cannot be written."""
         if self.held:
             self._unhold()
@@ -381,9 +390,10 @@ class Shipper:
                                                      f"MiB are held in memory already: the oldest {k} table of job "
                                                      f"{j} dropped")
 
-    def ship(self, items: list[tuple[str, str, pa.Table]]) -> None:
-        """Send a tick's tables in order (to Kafka, or to the spool to keep the order)."""
-        items = [it for it in items if it[2].num_rows]
+    def ship(self, items: list[tuple]) -> None:
+        """Send a tick's record batches (:class:`~stepwatch.wire.lite.Batch`, or pyarrow Tables) in order (to
+        Kafka, or to the spool to keep the order)."""
+        items = [(k, j, lite.as_batch(t)) for k, j, t in items if t.num_rows]
         if len(self.spool) or self.held or not self._connect():
             for kind, job, t in items:
                 self._spool(kind, job, t)

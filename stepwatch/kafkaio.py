@@ -11,11 +11,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-import pyarrow as pa
-
 from stepwatch.wire import catalog
-from stepwatch.wire.encode import encode_arrow, encode_json, headers   # the encoder alone: the agent never decodes
-from stepwatch.wire.tables import ARROW_CT                               # (wire.decode loads pyarrow.compute)
+from stepwatch.wire.catalog import ARROW_CT, headers   # (no pyarrow here: the node agent, which imports this
+                                                       # module, sends nanoarrow's batches; stepwatch.wire.lite)
 
 TOPIC_NAMES = catalog.TOPICS
 
@@ -180,12 +178,13 @@ def make_consumer(s: KafkaSettings, group: str, **kw):
     return KafkaConsumer(**cfg)
 
 
-def send_table(producer, s: KafkaSettings, kind: str, table: pa.Table, max_rows: int = 4096,
+def send_table(producer, s: KafkaSettings, kind: str, table: "pa.Table", max_rows: int = 4096,
                content_type: str = ARROW_CT):
     """Send a table as Arrow IPC messages of at most ``max_rows`` rows, keyed by job.
 
     Rows must belong to one job per call (the key). Returns the list of send futures.
     """
+    from stepwatch.wire.encode import encode_arrow, encode_json   # the encoder alone (pyarrow, no decoder)
     if table.num_rows == 0:
         return []
     job = table.column("job")[0].as_py()

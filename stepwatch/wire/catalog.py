@@ -12,6 +12,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: The message's content types and the wire contract's version (the ``schema`` header ``<kind>/<VERSION>``);
+#: here, in the standard library's layer, so that the node agent's writer (:mod:`stepwatch.wire.lite`, no
+#: pyarrow) and :mod:`stepwatch.wire.tables` share them.
+ARROW_CT = "application/vnd.apache.arrow.stream"
+JSON_CT = "application/json"
+VERSION = 1
+
+
+def headers(kind: str, content_type: str = ARROW_CT) -> list[tuple[str, bytes]]:
+    """A message's Kafka headers: its content type and ``schema`` (``<kind>/<VERSION>``)."""
+    return [("content-type", content_type.encode()), ("schema", f"{kind}/{VERSION}".encode())]
+
 
 @dataclass(frozen=True)
 class Table:

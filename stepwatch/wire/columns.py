@@ -9,7 +9,8 @@ them as numpy structured arrays over the same bytes (:data:`STEP_DT`, :data:`PHA
   unpacking a record;
 - :class:`BatchColumns` keeps the scanned datagrams of each job until the agent's tick, then gathers every
   record of the tick with one fancy index per record type and builds the ``steps``, ``comm`` and ``gc``
-  Arrow tables column by column (:func:`steps_table`, :func:`comm_table`, :func:`gc_table`).
+  Arrow record batches column by column (:func:`steps_table`, :func:`comm_table`, :func:`gc_table`) with
+  nanoarrow (:mod:`stepwatch.wire.lite`: the agent loads no pyarrow).
 
 Rows are the same as :func:`stepwatch.agents.agent.rows_from_batch` gives (tests/unit/test_wirecols.py checks
 it, value for value).
@@ -18,11 +19,12 @@ from __future__ import annotations
 
 import collections
 
+import nanoarrow as na
 import numpy as np
-import pyarrow as pa
 
-from stepwatch.wire import tables as wire  # the Arrow schemas alone: the decoder (wire.decode) loads pyarrow.compute, ~9 MB of RSS
 from stepwatch.wire import datagram
+from stepwatch.wire import lite
+from stepwatch.wire.lite import Batch
 
 HDR_DT = np.dtype([("magic", "<u2"), ("version", "u1"), ("type", "u1"), ("instance", "<i4"), ("rank", "<i4"),
                    ("n_step", "u1"), ("n_comm", "u1"), ("n_gc", "u1"), ("n_phase", "u1")])
@@ -42,8 +44,11 @@ assert (HDR_DT.itemsize, STEP_DT.itemsize, PHASE_DT.itemsize, COMM_DT.itemsize, 
     datagram.HDR.size, datagram.STEP.size, datagram.PHASE.size, datagram.COMM.size, datagram.GCREC.size)
 assert tuple(n for n in STEP_DT.names if n != "_pad") == datagram.STEP_FIELDS
 
-KINDS = ("steps", "comm", "gc")
-F64 = pa.float64()               # the tables :func:`tables` returns, in this order
+KINDS = ("steps", "comm", "gc")  # the tables :func:`tables` returns, in this order
+F64, I32, I64, TS = na.float64(), na.int32(), na.int64(), na.timestamp("ns", "UTC")
+_WIDTH = {"g": 8, "i": 4, "l": 8, "tsn:UTC": 8}     # bytes per value of each column type used here
+_MAP = list(na.c_schema(lite.SCHEMAS["steps"]).children)[15]   # phases: map<string, double>
+assert _MAP.name == "phases"
 
 
 def last_dropped(data: bytes, frames: list[tuple]) -> int | None:
@@ -74,38 +79,38 @@ def _keys(own: np.ndarray, ids: np.ndarray) -> tuple[list[tuple[int, int]], np.n
     return [(k >> 16, k & 0xFFFF) for k in uniq.tolist()], inv.astype(np.int32).ravel()
 
 
-def _strings(inv: np.ndarray, strs: list[str]) -> pa.Array:
-    """``strs[inv]`` as a string column (numpy's gather: ``dictionary_decode`` would load pyarrow.compute,
-    ~9 MB of the agent's RSS, for this one call)."""
-    return pa.array([strs[i] for i in inv.tolist()], pa.string())
+def _strings(inv: np.ndarray, strs: list[str]):
+    """``strs[inv]`` as a string column."""
+    return na.c_array([strs[i] for i in inv.tolist()], na.string())
 
 
-def _names(idents: list, own: np.ndarray, ids: np.ndarray) -> pa.Array:
+def _names(idents: list, own: np.ndarray, ids: np.ndarray):
     """Name strings of ``ids`` (interned by the probe of ``idents[own]``; ``#id`` when unknown): each
     distinct (probe, id) is looked up once."""
     if not len(ids):
-        return pa.array([], pa.string())
+        return na.c_array([], na.string())
     pairs, inv = _keys(own, ids)
     return _strings(inv, [idents[o].names.get(i, f"#{i}") for o, i in pairs])
 
 
-def _arr(a: np.ndarray, t: pa.DataType, null: np.ndarray | None = None) -> pa.Array:
+def _valid(null: np.ndarray | None) -> tuple[bytes | None, int]:
+    """The validity bitmap (LSB first; None: no null) and null count of the mask ``null``."""
+    n_null = int(np.count_nonzero(null)) if null is not None else 0
+    return (np.packbits(~null, bitorder="little").tobytes() if n_null else None), n_null
+
+
+def _arr(a: np.ndarray, t, null: np.ndarray | None = None):
     """numpy values ``a`` as an Arrow array of type ``t`` of their width (a timestamp: int64 ns), ``null``
     where ``null`` is True: Arrow's layout of a fixed-width column is the values' buffer and a validity
-    bitmap (LSB first), so the values' buffer is the column's (``from_buffers``, no copy when contiguous).
-
-    Not ``pa.array(a, t)``: for any numpy input it imports ``numpy.ma`` (~1.2 MB of the agent's resident
-    set) to check for a masked array, and where ``t`` is not ``a``'s own type it casts, and the first cast
-    builds Arrow's compute function registry (~2 MB more). The IPC bytes are the same (tests/unit/test_wirecols.py)."""
+    bitmap (LSB first), so the values' buffer is the column's (``c_array_from_buffers``)."""
     a = np.ascontiguousarray(a)
-    if a.dtype.itemsize * 8 != t.bit_width or a.dtype.kind not in "iuf":
+    if a.dtype.itemsize != _WIDTH[na.c_schema(t).format] or a.dtype.kind not in "iuf":
         raise TypeError(f"_arr: numpy {a.dtype} is not the layout of {t}")
-    n_null = int(np.count_nonzero(null)) if null is not None else 0
-    valid = pa.py_buffer(np.packbits(~null, bitorder="little")) if n_null else None
-    return pa.Array.from_buffers(t, len(a), [valid, pa.py_buffer(a)], null_count=n_null)
+    valid, n_null = _valid(null)
+    return na.c_array_from_buffers(t, len(a), [valid, a], null_count=n_null)
 
 
-def _opt(a: np.ndarray, t: pa.DataType) -> pa.Array:
+def _opt(a: np.ndarray, t):
     """Negative = null (the probe's -1)."""
     return _arr(a, t, a < 0)
 
@@ -130,13 +135,28 @@ class BatchColumns:
             ident.dropped = d
         return n_s, n_c, n_g
 
-    def take(self) -> dict[str, tuple]:
-        """Per job, ``(steps, comm, gc)`` tables (None where no record) of everything kept; then empty."""
+    def take(self) -> dict[str, list[tuple]]:
+        """Per job, ``(steps, comm, gc)`` tables (None where no record) of everything kept, in groups of
+        datagrams of at most :data:`~stepwatch.wire.lite.MAX_ROWS` rows of each kind (one message each);
+        then empty."""
         per_job, self.pending = self.pending, collections.defaultdict(list)
-        return {job: tables(chunks) for job, chunks in per_job.items() if chunks}
+        out = {}
+        for job, chunks in per_job.items():
+            groups, cur, n = [], [], 0
+            for c in chunks:
+                k = sum(f[3] + f[5] + f[6] for f in c[2])        # a bound of its rows of any one kind
+                if cur and n + k > lite.MAX_ROWS:
+                    groups.append(cur)
+                    cur, n = [], 0
+                cur.append(c)
+                n += k
+            if cur:
+                groups.append(cur)
+            out[job] = [tables(g) for g in groups]
+        return out
 
 
-def tables(chunks: list[tuple]) -> tuple[pa.Table | None, pa.Table | None, pa.Table | None]:
+def tables(chunks: list[tuple]) -> tuple[Batch | None, Batch | None, Batch | None]:
     """The ``steps``, ``comm`` and ``gc`` tables of scanned datagrams ``[(ident, data, frames)]`` of one job."""
     idents: list = []
     ident_ix: dict[int, int] = {}
@@ -204,37 +224,38 @@ def tables(chunks: list[tuple]) -> tuple[pa.Table | None, pa.Table | None, pa.Ta
     return steps, comm, gc
 
 
-def _base(idents: list, own: np.ndarray) -> list[pa.Array]:
+def _base(idents: list, own: np.ndarray) -> list:
     """The ``job``, ``node`` and ``rank`` columns of records owned by ``idents[own]``."""
     job = _strings(own, [i.job for i in idents])       # (one job per table: the agent keeps them apart)
     node = _strings(own, [i.node for i in idents])
-    rank = _arr(np.asarray([i.rank for i in idents], np.int32)[own], pa.int32())
+    rank = _arr(np.asarray([i.rank for i in idents], np.int32)[own], I32)
     return [job, node, rank]
 
 
-def steps_table(idents: list, own: np.ndarray, st: np.ndarray, ph: np.ndarray, ph_step: np.ndarray) -> pa.Table:
+def steps_table(idents: list, own: np.ndarray, st: np.ndarray, ph: np.ndarray, ph_step: np.ndarray) -> Batch:
     n = len(st)
     counts = np.bincount(ph_step, minlength=n) if len(ph_step) else np.zeros(n, np.int64)
     offsets = np.zeros(n + 1, np.int32)
     np.cumsum(counts, out=offsets[1:])
     keys = _names(idents, own[ph_step] if len(ph_step) else np.zeros(0, np.int32), ph["name"])
-    null = np.zeros(n + 1, bool)                # a step without phases has a null map: its offset is null
-    null[:n] = counts == 0                      # (from_arrays' mask= would load pyarrow.compute to invert it)
-    phases = pa.MapArray.from_arrays(_arr(offsets, pa.int32(), null), keys, _arr(ph["ns"] / 1e6, F64))
+    valid, n_null = _valid(counts == 0)          # a step without phases has a null map
+    (entries,) = _MAP.children
+    kv = na.c_array_from_buffers(entries, len(ph), [None], null_count=0, children=[keys, _arr(ph["ns"] / 1e6, F64)])
+    phases = na.c_array_from_buffers(_MAP, n, [valid, offsets], null_count=n_null, children=[kv])
     cpu, cw = st["cpu_ns"], st["cpu_wait_ns"]
     tot, exp = st["comm_total_ns"], st["comm_exposed_ns"]
     cols = _base(idents, own) + [
-        _arr(st["step"], pa.int64()), _arr(st["t_start"], wire.TS), _arr(st["t_end"], wire.TS),
+        _arr(st["step"], I64), _arr(st["t_start"], TS), _arr(st["t_end"], TS),
         _arr(st["step_ns"] / 1e6, F64), _arr(st["data_ns"] / 1e6, F64), _arr(st["compute_ns"] / 1e6, F64),
         _arr(st["comm_ns"] / 1e6, F64), _arr(st["comm_wait_ns"] / 1e6, F64), _arr(st["gc_ns"] / 1e6, F64),
-        _arr(st["gc_count"], pa.int32()), _opt(st["samples"], pa.int64()), _opt(st["tokens"], pa.int64()),
-        phases, _opt(st["data_queue"], pa.int32()),
+        _arr(st["gc_count"], I32), _opt(st["samples"], I64), _opt(st["tokens"], I64),
+        phases, _opt(st["data_queue"], I32),
         _arr(cpu / 1e6, F64, cpu < 0), _arr(cw / 1e6, F64, cw < 0),
         _arr(tot / 1e6, F64, tot < 0), _arr(exp / 1e6, F64, exp < 0)]
-    return pa.Table.from_arrays(cols, schema=wire.STEPS)
+    return lite.from_columns("steps", n, cols)
 
 
-def comm_table(idents: list, own: np.ndarray, step: np.ndarray, cm: np.ndarray) -> pa.Table:
+def comm_table(idents: list, own: np.ndarray, step: np.ndarray, cm: np.ndarray) -> Batch:
     pairs, inv = _keys(own, cm["group"])
     gnames, gsizes = [], []
     for o, i in pairs:                     # each distinct (probe, group): its name, and its size from the hello
@@ -245,15 +266,15 @@ def comm_table(idents: list, own: np.ndarray, step: np.ndarray, cm: np.ndarray) 
         gsizes.append(v if isinstance(v, int) and not isinstance(v, bool) and 0 < v < 1 << 31 else -1)
     gsize = np.asarray(gsizes, np.int32)[inv]         # in range: < 2**31 or -1 (no cast, see _ts)
     cols = _base(idents, own) + [
-        _arr(step, pa.int64()), _names(idents, own, cm["op"]), _strings(inv, gnames),
-        _arr(cm["calls"], pa.int64()), _arr(cm["bytes"], pa.int64()), _arr(cm["time_ns"] / 1e6, F64),
-        _arr(cm["wait_ns"] / 1e6, F64), _opt(gsize, pa.int32())]
-    return pa.Table.from_arrays(cols, schema=wire.COMM)
+        _arr(step, I64), _names(idents, own, cm["op"]), _strings(inv, gnames),
+        _arr(cm["calls"], I64), _arr(cm["bytes"], I64), _arr(cm["time_ns"] / 1e6, F64),
+        _arr(cm["wait_ns"] / 1e6, F64), _opt(gsize, I32)]
+    return lite.from_columns("comm", len(cm), cols)
 
 
-def gc_table(idents: list, own: np.ndarray, g: np.ndarray) -> pa.Table:
+def gc_table(idents: list, own: np.ndarray, g: np.ndarray) -> Batch:
     cols = _base(idents, own) + [
-        _arr(g["t_end"], wire.TS), _arr(g["generation"].astype(np.int32), pa.int32()),
-        _arr(g["duration_ns"] / 1e6, F64), _arr(g["collected"], pa.int64()),
-        _arr(g["uncollectable"], pa.int64())]
-    return pa.Table.from_arrays(cols, schema=wire.GC)
+        _arr(g["t_end"], TS), _arr(g["generation"].astype(np.int32), I32),
+        _arr(g["duration_ns"] / 1e6, F64), _arr(g["collected"], I64),
+        _arr(g["uncollectable"], I64)]
+    return lite.from_columns("gc", len(g), cols)

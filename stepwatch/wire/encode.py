@@ -9,7 +9,8 @@ import json
 import numpy as np
 import pyarrow as pa
 
-from stepwatch.wire.tables import ARROW_CT, VERSION
+from stepwatch.wire.catalog import headers  # noqa: F401 - re-exported (producers import it from here)
+from stepwatch.wire.tables import ARROW_CT  # noqa: F401
 
 def encode_arrow(table: pa.Table | pa.RecordBatch, compression: str | None = "lz4") -> bytes:
     """One Arrow IPC stream holding the rows. Buffers are LZ4-compressed by default: it decodes
@@ -40,7 +41,3 @@ def _json_default(o):
 def encode_json(rows: list[dict]) -> bytes:
     """A JSON array of row objects. Timestamps may be int ns since epoch or ISO-8601 strings."""
     return json.dumps(rows, default=_json_default, separators=(",", ":")).encode()
-
-
-def headers(kind: str, content_type: str = ARROW_CT) -> list[tuple[str, bytes]]:
-    return [("content-type", content_type.encode()), ("schema", f"{kind}/{VERSION}".encode())]

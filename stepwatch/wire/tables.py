@@ -13,10 +13,9 @@ from datetime import datetime, timezone
 
 import pyarrow as pa
 
-ARROW_CT = "application/vnd.apache.arrow.stream"
-JSON_CT = "application/json"
+from stepwatch.wire.catalog import ARROW_CT, JSON_CT, VERSION  # noqa: F401 - re-exported (the wire's constants)
+
 EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
-VERSION = 1
 
 TS = pa.timestamp("ns", tz="UTC")
 F64 = pa.float64()

@@ -165,7 +165,7 @@ def test_a_damaged_spool_file_is_counted_logged_once_and_the_rest_delivered_in_o
         away.ship([("steps", "dmg", pa.Table.from_pylist(
             [{"job": "dmg", "node": "n", "rank": 0, "step": 10 * k + i, "t_end": 1, "step_ms": 1.0} for i in range(10)],
             schema=wire.STEPS))])
-    files = sorted(p for p in os.listdir(d) if p.endswith(".arrow"))
+    files = sorted(p for p in os.listdir(d) if p.endswith(".arrows"))
     assert len(files) == 6
     victim = d / files[2]
     b = bytearray(victim.read_bytes())

@@ -73,11 +73,11 @@ class Stopped(threading.Event):                  # the agent starts, then its st
 ac.threading = types.SimpleNamespace(Event=Stopped)
 from stepwatch.cli import main
 rc = main(["-v", "agent", "--no-kafka", "--socket-dir", sys.argv[1]])
-import pyarrow as pa                             # what `stepwatch agent` loaded from its start to its last tick
-heavy = ("duckdb", "stepwatch.storage.lake", "stepwatch.wire.decode", "pyarrow.compute", "stepwatch.stream.processor",
+heavy = (                                        # what `stepwatch agent` loaded from its start to its last tick
+         "pyarrow", "numpy.ma","duckdb", "stepwatch.storage.lake", "stepwatch.wire.decode", "pyarrow.compute", "stepwatch.stream.processor",
          "stepwatch.dashboards.grafana", "stepwatch.config", "stepwatch.agents.act", "sqlite3",
          "stepwatch.agents.wrap", "snappy", "cramjam", "zstandard", "lz4")
-print(sorted(m for m in heavy if sys.modules.get(m) is not None), pa.default_memory_pool().backend_name, rc)
+print(sorted(m for m in heavy if sys.modules.get(m) is not None), "nanoarrow" in sys.modules, rc)
 """
 
 
@@ -86,11 +86,11 @@ def test_stepwatch_agent_builds_only_the_agents_command_line(sockdir):
     commands' modules (the processor's DuckDB lake, the Grafana client, the wire decoder and
     ``pyarrow.compute``: 125 -> 69 MB idle; the agents' own ``act`` with sqlite3, and ``wrap``: 1.1 MB), nor,
     without profiling, the compression codecs prometheus_client and kafka-python import when installed
-    (python-snappy with cramjam, zstandard, lz4: 1.8 MB); Arrow's C++ default pool is the system allocator
-    (mimalloc kept ~6 MB resident)."""
+    (python-snappy with cramjam, zstandard, lz4: 1.8 MB), nor pyarrow (its Arrow writer is nanoarrow:
+    stepwatch/wire/lite.py; pyarrow with numpy cost ~42 MB)."""
     r = subprocess.run([sys.executable, "-c", CLI_CODE, sockdir], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["[]", "system", "0"], r.stdout
+    assert r.stdout.split() == ["[]", "True", "0"], r.stdout
 
 
 # The resident set has two parts. What the agent's own work adds while serving ranks is ours and small (measured

@@ -105,8 +105,8 @@ def _device_job(sockdir: str, job: str, ranks: int, steps: int) -> dict[str, pa.
             continue
         if typ == datagram.T_BATCH:
             bc.add(idents[inst], d, frames)
-    (_, (st, cm, _)), = bc.take().items()
-    return {"topology": pa.Table.from_pylist(topo, schema=wire.TOPOLOGY), "steps": st, "comm": cm}
+    (_, [(st, cm, _)]), = bc.take().items()          # (one message's worth per kind)
+    return {"topology": pa.Table.from_pylist(topo, schema=wire.TOPOLOGY), "steps": pa.table(st), "comm": pa.table(cm)}
 
 
 class _Processor:

@@ -11,6 +11,7 @@ import sys
 import textwrap
 import time
 
+import pyarrow as pa
 import pytest
 
 from stepwatch.agents.agent import Agent
@@ -52,7 +53,7 @@ def _run(sockdir: str, body: str) -> tuple[int, list[dict]]:
             time.sleep(0.3)
             for kind, job, t in a.tick():
                 if kind == "inflight":
-                    rows += t.select([c for c in t.column_names if c not in ("t", "since")]).to_pylist()
+                    rows += pa.table(t).select([c for c in pa.table(t).column_names if c not in ("t", "since")]).to_pylist()
             if rows and any(r["state"] in ("exited", "gone") for r in rows) and time.monotonic() > deadline - 3:
                 break
     finally:

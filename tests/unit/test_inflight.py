@@ -142,7 +142,7 @@ def test_agent_turns_in_flight_datagrams_into_rows_and_sees_stopped_processes(so
     ag.handle(datagram.HDR.pack(datagram.MAGIC, 1, datagram.T_INFLIGHT, 7, 2, 0, 0, 0, 0) + json.dumps(body).encode())
     ag.handle(datagram.HDR.pack(datagram.MAGIC, 1, datagram.T_INFLIGHT, 7, 2, 0, 0, 0, 0) + json.dumps(dict(body, state="x")).encode())
     assert ag.bad == 1                                       # a bad state is refused
-    items = {k: t for k, j, t in ag.tick()}
+    items = {k: pa.table(t) for k, j, t in ag.tick()}
     r = items["inflight"].to_pylist()[0] if False else items["inflight"].drop_columns(["t", "since"]).to_pylist()[0]
     assert r["rank"] == 2 and r["node"] == "n1" and r["op"] == "all_reduce" and r["seq"] == 9
     assert r["step_kind"] == "eval" and r["elapsed_ms"] == 2000.0 and r["source"] == "probe"
@@ -242,7 +242,7 @@ def test_agent_bounds_in_flight_rows_per_probe_instance(sockdir):
         ag.handle(d, now=100.0)
     ag.handle(d, now=102.0)                       # then one a second (2 s later: 2 more)
     ag.handle(d, now=102.1)
-    items = {k: t for k, j, t in ag.tick()}
+    items = {k: pa.table(t) for k, j, t in ag.tick()}
     assert items["inflight"].num_rows == 4 + 2
     assert ag.metrics.value(ag.metrics.dropped, "inflight_rate") == 50 - 4
 
@@ -310,5 +310,5 @@ def test_an_agent_stopped_right_after_a_rank_died_still_says_it_is_gone(sockdir)
         return items
     ag.tick = tick
     ag.close()
-    rows = [r for kind, job, t in got if kind == "inflight" for r in t.select(["rank", "state"]).to_pylist()]
+    rows = [r for kind, job, t in got if kind == "inflight" for r in pa.table(t).select(["rank", "state"]).to_pylist()]
     assert [(r["rank"], r["state"]) for r in rows] == [(1, "gone")]

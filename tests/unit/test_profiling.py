@@ -8,6 +8,7 @@ import os
 import time
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from stepwatch.agents import profiling
@@ -188,7 +189,7 @@ def test_agent_rejects_unsigned_forged_expired_and_replayed_commands(served):
     items = served.agent.tick()
     kinds = {k for k, _, _ in items}
     assert "profiles" in kinds
-    st = {(j, x) for k, j, t in items if k == "profiles" for x in t.column("status").to_pylist()}
+    st = {(j, x) for k, j, t in items if k == "profiles" for x in pa.table(t).column("status").to_pylist()}
     # unverifiable messages name no job we could trust: their rows go under the agent's --job ('default')
     assert st >= {("default", "rejected"), ("pj", "rejected"), ("pj", "expired")}, st
 

@@ -13,6 +13,7 @@ import tempfile
 import textwrap
 import time
 
+import pyarrow as pa
 import pytest
 
 from stepwatch.agents.agent import Agent
@@ -44,7 +45,7 @@ def step_frame(inst: int, rank: int, step: int) -> bytes:
 
 
 def steps_of(items, job):
-    return [r for kind, j, t in items if kind == "steps" and j == job for r in t.column("step").to_pylist()]
+    return [r for kind, j, t in items if kind == "steps" and j == job for r in pa.table(t).column("step").to_pylist()]
 
 
 def run_good(p: Probe, n: int) -> None:
@@ -246,7 +247,7 @@ def test_a_group_member_cannot_speak_for_another_job(socket_dir):
         time.sleep(0.25)
         items = agent.tick()
         assert steps_of(items, "victim") == [2]                     # the victim's rank 0 alone
-        assert not [r for k, j, t in items if k == "topology" and j == "victim" for r in t.to_pylist()]
+        assert not [r for k, j, t in items if k == "topology" and j == "victim" for r in pa.table(t).to_pylist()]
         assert steps_of(items, "own") == [7]                        # its own job is served
         assert sorted((i.job, i.rank) for i in agent.idents.values()) == [("own", 0), ("victim", 0)]
         assert agent.metrics.value(agent.metrics.dropped, "job_not_owned") == 2
@@ -281,11 +282,7 @@ def test_pods_of_one_job_that_share_its_token_share_the_job(socket_dir, monkeypa
 
 
 def _ipc(t) -> bytes:
-    import pyarrow as pa
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, t.schema) as w:
-        w.write_table(t)
-    return sink.getvalue().to_pybytes()
+    return t.payload            # the Arrow IPC stream the shipper sends
 
 
 def test_a_sender_of_the_same_uid_in_another_pod_cannot_speak_for_the_job(socket_dir, tmp_path, monkeypatch):

@@ -71,7 +71,9 @@ def _by_columns(datagrams: list[bytes], node: str = "n1"):
             continue
         for i, n in enumerate(bc.add(idents[inst], d, frames)):
             counts[i] += n
-    (job, tabs), = bc.take().items()
+    (job, groups), = bc.take().items()
+    (tabs,) = groups                                    # (one message's worth: under lite.MAX_ROWS rows)
+    tabs = [None if t is None else pa.table(t) for t in tabs]     # nanoarrow's batches, read by pyarrow
     assert [t.num_rows if t is not None else 0 for t in tabs] == counts      # (the agent's records_in)
     return tabs
 
@@ -187,7 +189,7 @@ def test_columns_from_numpy_buffers_encode_to_the_bytes_pa_array_gives():
              (np.arange(1, dtype=np.int32), pa.int32()), (np.zeros(0, np.float64), pa.float64())]
     for values, t in cases:
         null = values < 0
-        ours = columns._arr(values, t, null)
+        ours = pa.array(columns._arr(values, t, null))      # (nanoarrow's array, read by pyarrow)
         theirs = pa.array(values, t, mask=null)                 # what the columns were built with before
         assert ours.type == t and ours.equals(theirs) and ours.null_count == int(null.sum()), (t, len(values))
         for compression in ("lz4", None):
