@@ -1,5 +1,5 @@
 """The node agent's memory: its whole path (datagrams -> columns -> Arrow IPC for Kafka) runs without
-``pyarrow.compute`` and without the processor's decoder (``stepwatch.wire.decode``), which cost ~9 MB of
+pyarrow (nanoarrow writes its batches), ``pyarrow.compute`` and the processor's decoder (``stepwatch.wire.decode``), which cost ~9 MB of
 its RSS, and without ``numpy.ma``, which ``pyarrow.array`` imports for any numpy input (1.2 MB; docs/agents.md,
 agent cost). Checked in a fresh interpreter on a real probe's datagrams."""
 from __future__ import annotations
@@ -17,7 +17,6 @@ from stepwatch.agents import agent, control, shipper                  # what `st
 from stepwatch.agents.probe import Probe
 from stepwatch.wire import columns, datagram
 from stepwatch.wire.datagram import SOCKET_NAME, T_HELLO, decode
-from stepwatch.wire.encode import encode_arrow
 from stepwatch import kafkaio
 
 d = sys.argv[1]
@@ -47,11 +46,13 @@ for g in grams:
         idents[inst] = agent.identity_from_hello(decode(g)[0][3], "n1", None)
     else:
         bc.add(idents[inst], g, frames)
-(job, (steps, comm, gcs)), = bc.take().items()
+(job, [(steps, comm, gcs)]), = bc.take().items()
 assert steps.num_rows == 12 and comm.num_rows == 12, (steps.num_rows, comm.num_rows)
-assert steps.column("phases").null_count == 8
-blob = encode_arrow(steps) + encode_arrow(comm)
-print(sorted(m for m in ("pyarrow.compute", "stepwatch.wire.decode", "numpy.ma") if m in sys.modules))
+blob = steps.payload + comm.payload                 # the IPC streams the agent ships
+print(sorted(m for m in ("pyarrow", "pyarrow.compute", "stepwatch.wire.decode", "numpy.ma") if m in sys.modules))
+import pyarrow as pa                                 # after the check: read what was shipped, as the processor does
+t = pa.ipc.open_stream(steps.payload).read_all()
+assert t.num_rows == 12 and t.column("phases").null_count == 8
 """
 
 
