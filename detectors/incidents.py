@@ -182,6 +182,7 @@ class Incident:
     noise: bool = False                           # opened by a low-severity observation (NOISE_KINDS)
     quiet: bool = False                           # closed after a quiet period (Incidents.expire)
     noise_ids: set = field(default_factory=set)   # its NOISE_KINDS alerts (they hold no other incident open)
+    superseded: bool = False                      # a rank alert of it resolved because another fault overtook it
 
 
     @property
@@ -200,8 +201,8 @@ class Incident:
         """A localised incident is active while firing and ``cooldown`` steps after; a job-wide one (whose
         regression alerts never resolve) for ``cooldown`` steps after its newest alert; neither once closed
         after a quiet period."""
-        if self.quiet:
-            return False
+        if self.quiet or self.superseded and self.status == "resolved":
+            return False                             # (overtaken: what follows is the new fault's)
         if self.local and self.status == "firing":
             return True
         return step - self.step_last <= cooldown
@@ -345,6 +346,8 @@ class Incidents:
                 inc.closed = False                           # a new regression reopens a recovered change
         elif a.status == "resolved":
             inc.firing[a.alert_id] = False
+            if (a.evidence or {}).get("superseded"):
+                inc.superseded = True
         inc.timeline.append([int(a.step_detected), a.kind, a.status, a.alert_id])
         del inc.timeline[:-self.timeline_max]
 

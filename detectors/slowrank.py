@@ -410,4 +410,5 @@ class SlowRank(_SequentialTests, _AlertAssembly, Detector):
         self._pos += S
         if self._open:
             self._refresh_queries(block, flags, busy, eff, z, cost, phases)
+            alerts += self._superseded(block, flags, busy, eff, z, cost, phases)
         return alerts
