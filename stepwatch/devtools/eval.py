@@ -494,6 +494,7 @@ def _detector_bench(R: int, S: int, core) -> int:
         dets = build()
         # the job's width is known from its topology before its first step: the processor has the
         # detectors allocate for it then (Detector.prepare), once per job; timed here, not as a step
+        tel.attach(ctx)                                   # (as the processor's context has them)
         w0, c0 = time.perf_counter(), time.thread_time()
         for d in dets:
             d.prepare(ctx)
