@@ -48,3 +48,23 @@ def test_whole_clocks_are_counted_without_copying_the_others(monkeypatch):
     want = _med(a[~out])
     monkeypatch.setattr(causes, "_med", lambda *x: pytest.fail("took the copying path"))
     assert _med_without(a, out) == want
+
+
+def test_median_of_fractions_skips_the_whole_number_pass_and_keeps_the_value(monkeypatch):
+    rng = np.random.default_rng(8)
+    a = rng.normal(60, 5, 200_000)
+    a -= a.min()                                          # non-negative, in the counting range
+    want = float(np.median(a))
+    calls = []
+    real = np.ndarray.astype
+
+    class Spy(np.ndarray):
+        def astype(self, dtype, *x, **k):
+            if np.dtype(dtype).kind == "i":
+                calls.append(len(self))
+            return real(self, dtype, *x, **k)
+    assert causes._median(a.view(Spy)) == want
+    assert max(calls, default=0) < len(a)                 # no whole-array integer copy of the fractions
+    b = rng.integers(0, 500, 200_000).astype(np.float64)  # whole numbers: still counted, the same value
+    b[7] = 0.5                                            # but one that the sample does not see
+    assert causes._median(b) == float(np.median(b))
