@@ -65,6 +65,15 @@ class _Names:
         prev, codes = self._prev
         if prev is not None and len(prev) == len(col) and prev.equals(col):
             return codes                                    # the same layout as the last batch (a memcmp)
+        if not self.names and not col.null_count:
+            # the first batch: one hash pass (its dictionary holds the names in order of first sight, its
+            # indices are their codes: what a lookup, the unique new names and a second lookup gave)
+            d = pc.dictionary_encode(col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col)
+            self.names.extend(d.dictionary.to_pylist())
+            self._vs = pa.array(self.names, pa.string())
+            codes = d.indices.to_numpy().astype(np.int64)
+            self._prev = (col, codes)
+            return codes
         idx = pc.index_in(col, value_set=self._vs)
         if idx.null_count:
             new = pc.unique(pc.filter(col, pc.is_null(idx))).to_pylist()
