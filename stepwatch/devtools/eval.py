@@ -535,6 +535,10 @@ def _detector_bench(R: int, S: int, core) -> int:
         ctot = (cpu / steps_in[:, None] * 1e3).sum(axis=1)
         print(f"    CPU time (this thread): {cpu.sum() / S * 1e3:.2f} ms/step (p99 {np.percentile(ctot, 99):.1f}, "
               f"max {ctot.max():.1f} ms/step)")
+        worst = np.argsort(tot)[::-1][:4]                 # where the tail comes from
+        print("    worst blocks (ms per step, wall): " + "; ".join(
+            f"step {int(starts[b])}: {tot[b]:.1f} (" + ", ".join(
+                f"{dets[i].name} {ms[b, i]:.1f}" for i in np.argsort(ms[b])[::-1][:2]) + ")" for b in worst))
         print(f"    {'detector':<12} {'mean':>7} {'p99':>7} {'max':>7}   ms per step")
         for di, d in enumerate(dets):
             print(f"    {d.name:<12} {per[:, di].sum() / S * 1e3:>7.2f} {np.percentile(ms[:, di], 99):>7.2f} "
