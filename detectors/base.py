@@ -276,6 +276,14 @@ class Detector(Configurable):
     def update(self, ctx: JobContext, block: StepBlock) -> list[Alert]:  # pragma: no cover
         raise NotImplementedError
 
+    def prepare(self, ctx: JobContext) -> None:
+        """The job's width (``ctx.world_size``) and layout became known (its topology arrived) before any
+        of its steps reached this detector: allocate the per-rank state now. That is an allocation
+        event, paid once per job where the processor learns the width, not on the first step (at 100k
+        ranks: tens of MB of rings whose pages were faulted in by the first step's update). It must
+        leave every output as it would have been: a detector that has seen a block ignores it, and an
+        update whose block has another width resets the state as before. Default: nothing."""
+
     def restore_open(self, alerts: list[Alert]) -> None:
         """A processor rebuilding the job from the store (after a restart or a partition move) hands over
         the job's alerts still open there (all kinds, oldest first), before it replays the newest stored

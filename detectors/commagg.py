@@ -21,7 +21,12 @@ _MAX_SLOTS = 2048                    # step offsets of one batch fit in the 11 b
 
 def _sorted_unique(a: np.ndarray) -> np.ndarray:
     """``np.unique`` of an int64 array by sorting (numpy 2's hash-based ``np.unique`` is ~10x slower at
-    the sizes here)."""
+    the sizes here), or by counting when the values are non-negative and few beside the array's length
+    (a job's first comm batch: 200k rows of a handful of (op, group) pairs at 100k ranks; the same array)."""
+    if len(a) > 1024:
+        lo, hi = int(a.min()), int(a.max())
+        if lo >= 0 and hi < 4 * len(a) + 1024:
+            return np.flatnonzero(np.bincount(a, minlength=hi + 1)).astype(a.dtype, copy=False)
     s = np.sort(a)
     return s[np.r_[True, s[1:] != s[:-1]]] if len(s) > 1 else s
 
@@ -60,6 +65,15 @@ class _Names:
         prev, codes = self._prev
         if prev is not None and len(prev) == len(col) and prev.equals(col):
             return codes                                    # the same layout as the last batch (a memcmp)
+        if not self.names and not col.null_count:
+            # the first batch: one hash pass (its dictionary holds the names in order of first sight, its
+            # indices are their codes: what a lookup, the unique new names and a second lookup gave)
+            d = pc.dictionary_encode(col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col)
+            self.names.extend(d.dictionary.to_pylist())
+            self._vs = pa.array(self.names, pa.string())
+            codes = d.indices.to_numpy().astype(np.int64)
+            self._prev = (col, codes)
+            return codes
         idx = pc.index_in(col, value_set=self._vs)
         if idx.null_count:
             new = pc.unique(pc.filter(col, pc.is_null(idx))).to_pylist()

@@ -127,6 +127,14 @@ class DataLoader(Detector):
         self._nd[:] = x.shape[0] - np.isnan(x).sum(axis=0)
         self._nge[:] = (x >= self._thr).sum(axis=0)
 
+    def prepare(self, ctx: JobContext) -> None:
+        """The rings and counts of a job whose width is known before its first block (the counts of the
+        empty ring taken now, as the first update would)."""
+        R = int(getattr(ctx, "world_size", 0) or 0)
+        if R > 0 and R != self._R and self._n == 0:                     # (a block seen: its width rules)
+            self._reset(R)
+            self._recount()
+
     def update(self, ctx: JobContext, block: StepBlock) -> list[Alert]:
         S = len(block)
         if S == 0 or block.step_ms.ndim != 2 or block.step_ms.shape[1] == 0 or block.data_queue is None:

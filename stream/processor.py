@@ -366,6 +366,12 @@ class Processor:
                 rt.state.set_topology(part)
                 rt.keep_topology(part)
                 self._widened(rt, w0)
+                if rt.state.topology_known and rt.state.world_size == rt.state.expected:
+                    # every declared rank has its column: the detectors allocate for that width now
+                    # (an allocation event; no-op for those that have seen a block)
+                    ctx = self._ctx(rt)
+                    for det in rt.detectors:
+                        self._call(rt, det, det.prepare, ctx)
                 if rt.pending:                              # steps held for it: detect them now
                     self._detect(rt, [])
             self._buffer("topology", t)
