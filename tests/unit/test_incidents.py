@@ -386,3 +386,24 @@ def test_a_compute_regression_of_a_job_whose_median_moves_with_its_compute_strag
         s = straggler(inc)
         inc.assign(other)
         assert other.incident_id != s.incident_id
+
+
+def test_an_io_regression_of_a_job_whose_median_moves_with_its_io_straggler_is_that_straggler():
+    """eval --real, data-r1 (idle): rank 1 reads 15 ms slower per batch from step 120, slow_rank rank 1,
+    cause io; 77 steps later the 2-rank job's data wait rose 3 % more (cause io) and opened a second
+    incident. Half the job's ranks are the straggler's: its own drift moves the job's median. In a
+    64-rank job the same change is another fault."""
+    def reg(ranks):
+        a = al("regression", step_first=194, step=199, cause="io")
+        a.evidence = {"series": "data_ms", "median_before_ms": 16.0, "median_after_ms": 17.2,
+                      "step_median_before_ms": 40.0, "step_median_after_ms": 41.2, "ranks": ranks}
+        return a
+
+    for ranks, joined in ((2, True), (64, False)):
+        inc = Incidents()
+        s = al("slow_rank", ranks=[1], step_first=117, step=122, node="node-a", cause="io")
+        s.evidence = {"busy_ms": 40.0, "peer_median_ms": 25.0}
+        inc.assign(s)
+        r = reg(ranks)
+        inc.assign(r)
+        assert (r.incident_id == s.incident_id) is joined, (ranks, r.evidence["incident"])
