@@ -22,6 +22,7 @@ class CaughtUp:
     def __init__(self, kafka, metrics, consumer):
         self.kafka, self.metrics, self._consumer = kafka, metrics, consumer
         self.hook = None
+        self.polled_at = 0.0        # monotonic time of the poll whose records are being handled
         self.read_to: dict[tuple[str, int], int] = {}
         self.lag_by_tp: dict[tuple[str, int], int] = {}
         self._cache: dict[tuple[str, int], tuple[float, float]] = {}
@@ -32,8 +33,13 @@ class CaughtUp:
 
     def caught_up(self, rt) -> bool:
         """The job's steps read to their end (:meth:`steps_caught_up`) and the in-flight states too: a
-        step that is long by design (evaluation, checkpoint) is known so only from them."""
-        if not self.steps_caught_up(rt):
+        step that is long by design (evaluation, checkpoint) is known so only from them. The proof of a
+        hang: the broker's end offsets it compares with were asked after the poll that brought the host
+        sample being judged (:attr:`polled_at`), never from the 0.5 s cache alone — a goodbye produced
+        just before that sample is then in them. Seen replaying an agent's spool, where a job's whole
+        end arrives within a second: a `job_hang` at a clean job's end in 1 replay of 2, its goodbye
+        produced within the cached end offset's age. At most one round trip per poll and partition."""
+        if not self.steps_caught_up(rt, fresh=True):
             return False
         topic = self.kafka.topic("inflight")
         if self.hook is not None:
@@ -55,9 +61,9 @@ class CaughtUp:
                 return True                                # another processor's: nothing to wait for here
         except Exception:  # noqa: BLE001
             return True
-        return self.tp_caught_up(topic, part)
+        return self.tp_caught_up(topic, part, fresh=True)
 
-    def steps_caught_up(self, rt) -> bool:
+    def steps_caught_up(self, rt, fresh: bool = False) -> bool:
         """Whether the job's steps partition has been read to its end: it is assigned and not paused, and
         the messages handled reach the broker's end offset (asked at most every 0.5 s per partition) and
         the high watermark of the last fetch. The proof a silence judged on event time needs
@@ -73,12 +79,12 @@ class CaughtUp:
                 parts = [tp.partition for tp in self.consumer.assignment() if tp.topic == topic]
             except Exception:  # noqa: BLE001
                 return False
-            return bool(parts) and all(self.tp_caught_up(topic, p) for p in parts)
+            return bool(parts) and all(self.tp_caught_up(topic, p, fresh) for p in parts)
         if self.hook is not None:
             return bool(self.hook(topic, part))
         if self.consumer is None:
             return True
-        return self.tp_caught_up(topic, part)
+        return self.tp_caught_up(topic, part, fresh)
 
     def all_caught_up(self) -> bool:
         """Every partition assigned is read to its end (and there is one). Without a consumer: yes."""
@@ -90,7 +96,7 @@ class CaughtUp:
             return False
         return bool(tps) and all(self.tp_caught_up(tp.topic, tp.partition) for tp in tps)
 
-    def tp_caught_up(self, topic: str, part: int) -> bool:
+    def tp_caught_up(self, topic: str, part: int, fresh: bool = False) -> bool:
         from kafka.structs import TopicPartition
         tp = TopicPartition(topic, part)
         try:
@@ -102,7 +108,8 @@ class CaughtUp:
                 pos = self.consumer.position(tp)
             now = time.monotonic()
             hit = self._cache.get((topic, part))
-            if hit is None or now - hit[0] >= 0.5:         # the broker's end offset, at most every 0.5 s
+            if hit is None or now - hit[0] >= 0.5 or fresh and hit[0] < self.polled_at:
+                # the broker's end offset, at most every 0.5 s (fresh: asked after the current poll)
                 hit = (now, self.consumer.end_offsets([tp])[tp])
                 self._cache[(topic, part)] = hit
             # the high watermark of the last fetch too (some brokers answer ListOffsets with less)

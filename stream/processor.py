@@ -315,15 +315,20 @@ class Processor:
     def poll_once(self, timeout_ms: int = 200) -> int:
         try:
             records = self.consumer.poll(timeout_ms=timeout_ms, max_records=2000)
+            self.caught.polled_at = time.monotonic()
         except Exception as e:  # noqa: BLE001 - a batch the client cannot decode (codec, corruption)
             if not self.intake.skip_undecodable(self.consumer, e):
                 raise
             records = {}
         n = 0
-        # topology first so steps in the same poll find their job's world size; then steps, so a host
-        # sample is never judged against steps already fetched but not yet handled (job-hang proof)
-        order = {"topology": 0, "steps": 1}
-        for tp in sorted(records, key=lambda tp: order.get(self._topic_kind.get(tp.topic), 2)):
+        # topology first so steps in the same poll find their job's world size; then steps and the in-flight
+        # states (goodbyes, watchdog reports), so a host sample is never judged against steps or a goodbye
+        # already fetched but not yet handled (job-hang proof)
+        order = {"topology": 0, "steps": 1, "inflight": 2}
+        for tp, msgs in records.items():      # handled so far: up to this poll's first record, not the
+            if msgs:                          # consumer's position (which counts what this poll fetched)
+                self.caught.read_to[(tp.topic, tp.partition)] = msgs[0].offset
+        for tp in sorted(records, key=lambda tp: order.get(self._topic_kind.get(tp.topic), 3)):
             prog = self.progress.get((tp.topic, tp.partition))
             for msg in records[tp]:
                 n += 1

@@ -186,3 +186,32 @@ def test_idle_exit_waits_for_partitions_not_yet_read(kafka, tmp_path):
     from stepwatch.storage.views import connect
     assert connect(tmp_path / "store").execute("SELECT count(*) FROM steps WHERE job = ?",
                                                [sc.job]).fetchone()[0] == 8 * 40
+
+
+def test_the_hang_proof_asks_the_end_offsets_after_the_poll_it_judges(kafka, tmp_path):
+    """The read-to-end proof of a hang (``caught_up``) compares what was handled with the broker's end
+    offsets; those are cached for 0.5 s. A goodbye produced just before the host sample being judged may
+    be missing from an end offset asked before that sample's poll: replaying a GPU run's spool, a clean
+    1-rank job got a job_hang at its end in one replay of two (its end and the next 30 s of host samples
+    arrive within a second). The proof asks again once per poll: here a record lands in the job's
+    in-flight partition after the cached answer, then a poll happens, and the job is no longer read to
+    its end."""
+    sc = IndepScenario("cg-fresh", [], ranks=4, per_node=4, steps=30, seed=9, checkpoint_every=None)
+    job = IndepJob(sc)
+    msgs = job.messages(with_comm=False)
+    _produce(kafka, job, msgs)
+    proc = Processor(kafka, tmp_path / "store", group=f"g-{kafka.prefix}f", flush_interval_s=3600,
+                     on_alert=lambda a: None, profiling=None)
+    proc.start()
+    try:
+        assert _poll_until(proc, lambda: proc.caught.all_caught_up() and sc.job in proc.jobs)
+        rt = proc.jobs[sc.job]
+        assert proc.caught.caught_up(rt)                           # read to the end; the answer cached
+        _produce(kafka, job, [m for m in msgs if m.kind == "inflight"][:1] or
+                 [next(m for m in msgs if m.kind == "steps")])       # a record more, not yet read
+        for key, (t, end) in list(proc.caught._cache.items()):      # ... the cached answers still young
+            proc.caught._cache[key] = (time.monotonic(), end)
+        proc.caught.polled_at = time.monotonic() + 1e-6           # a poll (that did not bring it) since
+        assert not proc.caught.caught_up(rt)
+    finally:
+        proc.close()
