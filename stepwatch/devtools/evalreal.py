@@ -402,7 +402,7 @@ def run_spool(a) -> int:
             time.sleep(1.0)
             m = proc.metrics
             n = m.value(m.records_out)
-            left = sum(1 for _ in work.glob("*.arrow"))
+            left = sum(1 for f in work.iterdir() if f.suffix in (".arrow", ".arrows"))   # older and newer agents
             quiet = quiet + 1 if n == last and left == 0 else 0
             last = n
         for st, t in zip(stops, threads):
