@@ -333,7 +333,7 @@ class Shipper:
         for i, (kind, job, table) in enumerate(items):
             try:
                 futs.append((i, [self.producer.send(self.settings.topic(kind), table.payload, key=job.encode(),
-                                                    headers=lite.headers(kind))]))
+                                                    headers=catalog.headers(kind))]))
             except Exception as e:  # noqa: BLE001 - KafkaTimeoutError (metadata), buffer full ...
                 log.debug("send of %s/%s failed: %r", kind, job, e)
                 failed.append(i)

@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from stepwatch.wire import catalog
 from stepwatch.wire import tables as wire
 from stepwatch.wire.decode import WireError
 from stepwatch.stream.ingress_limits import IngressLimits
@@ -127,7 +128,7 @@ def check_size(value: bytes | None, content_type, limits: IngressLimits) -> None
     if value is None:
         return
     ct = content_type.decode("utf-8", "replace") if isinstance(content_type, (bytes, bytearray)) else (content_type or "")
-    cap = limits.max_json_bytes if ct.split(";")[0].strip() == wire.JSON_CT else limits.max_message_bytes
+    cap = limits.max_json_bytes if ct.split(";")[0].strip() == catalog.JSON_CT else limits.max_message_bytes
     if len(value) > cap:
         raise WireError(f"message of {len(value):,} bytes (over {cap:,}: max_message_bytes / max_json_bytes)")
 

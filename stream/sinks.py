@@ -41,6 +41,7 @@ from types import SimpleNamespace
 
 import pyarrow as pa
 
+from stepwatch.wire import catalog
 from stepwatch.wire import tables as wire
 from stepwatch.wire.encode import encode_arrow
 from stepwatch.detectors.base import Alert
@@ -221,7 +222,7 @@ class TopicSink(Sink):
             p.send(self.kafka.topic(batch.kind), batch.value, key=batch.key, headers=batch.headers)
         elif not batch.restored:
             p.send(self.kafka.topic("alerts"), encode_arrow(batch.arrow()), key=batch.alert.job.encode(),
-                   headers=[("content-type", wire.ARROW_CT.encode()), ("schema", b"alerts/1")])
+                   headers=[("content-type", catalog.ARROW_CT.encode()), ("schema", b"alerts/1")])
         else:
             return
         self.pending += 1

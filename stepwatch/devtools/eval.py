@@ -194,7 +194,7 @@ def run_scenario(sc, data_dir: Path, rows_per_message: int = 4096, flush_every: 
 
     proc.caught.hook = caught_up
     key = jobname.encode()
-    from stepwatch.wire.encode import headers
+    from stepwatch.wire.catalog import headers
     offsets: dict[tuple[str, int], int] = {}
     flush_ns = int(flush_every * info["step_ms"] * 1e6)
     next_flush = None

@@ -22,6 +22,7 @@ from types import SimpleNamespace
 
 import pyarrow as pa
 
+from stepwatch.wire import catalog
 from stepwatch.wire import tables as wire
 from stepwatch.wire.catalog import TELEMETRY
 from stepwatch.wire.encode import encode_arrow, encode_json
@@ -144,7 +145,7 @@ def _strategies():
         kind = draw(st.sampled_from(list(TELEMETRY)))
         t = draw(table(kind))
         enc = draw(st.sampled_from(["lz4", "zstd", None, "json"]))
-        ct = wire.JSON_CT if enc == "json" else wire.ARROW_CT
+        ct = catalog.JSON_CT if enc == "json" else catalog.ARROW_CT
         try:
             if enc == "json":
                 value = encode_json([{k: (v if not isinstance(v, (bytes, bytearray)) else v.hex())

@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from stepwatch.wire import catalog
 from stepwatch.wire import tables as wire
-from stepwatch.wire.encode import encode_arrow, headers
+from stepwatch.wire.catalog import headers
+from stepwatch.wire.encode import encode_arrow
 
 GiB = 1 << 30
 
@@ -58,7 +60,7 @@ def _keys(t: pa.Table) -> pa.Table:
                                                              ("step", pa.int64())]))
 
 
-def _hdr(kind="steps", ct=wire.ARROW_CT):
+def _hdr(kind="steps", ct=catalog.ARROW_CT):
     return headers(kind, ct)
 
 
@@ -162,13 +164,13 @@ def build_stream(n_bad: int, prefix: str = "h", good_jobs: int = 8, ranks: int =
         if k == 1:
             return bad_whole(None, _hdr(), "empty value")
         if k == 2:
-            return bad_whole(_arrow(one()), [("content-type", wire.ARROW_CT.encode())], "no schema header")
+            return bad_whole(_arrow(one()), [("content-type", catalog.ARROW_CT.encode())], "no schema header")
         if k == 3:
             return bad_whole(_arrow(one()), [("schema", b"steps/9")], "schema version")
         if k == 4:
-            return bad_whole(b'{"job": [1, 2', _hdr(ct=wire.JSON_CT), "bad json")
+            return bad_whole(b'{"job": [1, 2', _hdr(ct=catalog.JSON_CT), "bad json")
         if k == 5:
-            return bad_whole(b'[{"job": "x", "rank": 1e400, "step": 1}]', _hdr(ct=wire.JSON_CT), "json inf rank")
+            return bad_whole(b'[{"job": "x", "rank": 1e400, "step": 1}]', _hdr(ct=catalog.JSON_CT), "json inf rank")
         if k == 6:
             return bad_whole(_arrow(one())[:-40], _hdr(), "truncated arrow")
         if k == 7:

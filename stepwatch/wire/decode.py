@@ -24,9 +24,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from stepwatch.wire.catalog import TELEMETRY
-from stepwatch.wire.tables import (ARROW_CT, EPOCH, F64, JOB_PATTERN, JOB_RE, JSON_CT, NONNEGATIVE, SCHEMAS,
-                                   VERSION)
+from stepwatch.wire.catalog import ARROW_CT, JSON_CT, TELEMETRY, VERSION
+from stepwatch.wire.tables import EPOCH, F64, JOB_PATTERN, JOB_RE, NONNEGATIVE, SCHEMAS
 
 
 class WireError(ValueError):

@@ -9,8 +9,6 @@ import json
 import numpy as np
 import pyarrow as pa
 
-from stepwatch.wire.catalog import headers  # noqa: F401 - re-exported (producers import it from here)
-from stepwatch.wire.tables import ARROW_CT  # noqa: F401
 
 def encode_arrow(table: pa.Table | pa.RecordBatch, compression: str | None = "lz4") -> bytes:
     """One Arrow IPC stream holding the rows. Buffers are LZ4-compressed by default: it decodes

@@ -22,8 +22,6 @@ import nanoarrow as na
 from nanoarrow import ipc as na_ipc
 from nanoarrow.c_array_stream import CArrayStream
 
-from stepwatch.wire.catalog import ARROW_CT, VERSION, headers  # noqa: F401 - the agent's message headers
-
 #: rows per message at most (a tick's table is split into batches of this size, as ``kafkaio.send_table`` does)
 MAX_ROWS = 4096
 

@@ -13,8 +13,6 @@ from datetime import datetime, timezone
 
 import pyarrow as pa
 
-from stepwatch.wire.catalog import ARROW_CT, JSON_CT, VERSION  # noqa: F401 - re-exported (the wire's constants)
-
 EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 TS = pa.timestamp("ns", tz="UTC")

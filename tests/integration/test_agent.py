@@ -12,6 +12,7 @@ from collections import namedtuple
 import pyarrow as pa
 import pytest
 
+from stepwatch.wire import catalog
 from stepwatch.wire import tables as wire
 from stepwatch.wire import datagram
 from stepwatch.wire.decode import decode, validate
@@ -362,7 +363,7 @@ def test_agent_batches_to_kafka_as_arrow_keyed_by_job(kafka, sockdir, tmp_path):
     assert "stepwatch_agent_send_seconds_count" in body and "stepwatch_agent_kafka_up 1.0" in body
     got = _consume(kafka, ("steps", "topology", "host"), {"steps": 5, "topology": 1, "host": 1})
     key, h, t = got["steps"][0]
-    assert key == b"kjob" and h["schema"] == b"steps/1" and h["content-type"] == wire.ARROW_CT.encode()
+    assert key == b"kjob" and h["schema"] == b"steps/1" and h["content-type"] == catalog.ARROW_CT.encode()
     rows = _plain(pa.concat_tables([m[2] for m in got["steps"]])).to_pylist()
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     assert all(r["node"] == "node-7" and r["rank"] == 1 and r["samples"] == 8 for r in rows)

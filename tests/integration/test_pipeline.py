@@ -13,8 +13,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from stepwatch.wire import catalog
 from stepwatch.wire import tables as wire
-from stepwatch.wire.encode import encode_arrow, encode_json, headers
+from stepwatch.wire.catalog import headers
+from stepwatch.wire.encode import encode_arrow, encode_json
 from stepwatch.devtools.simsend import send_simulation
 from stepwatch.devtools.simulate import Simulation
 from stepwatch.storage.views import connect
@@ -176,12 +178,12 @@ def test_malformed_messages_go_to_deadletter_and_good_ones_are_stored(kafka, tmp
                             "step_ms": "NaN"},
                            {"job": "mixed", "node": "node-0000", "rank": 2, "step": 999, "t_end": 1,
                             "step_ms": 10.0, "data_ms": -4.0}]),
-         headers("steps", wire.JSON_CT)),                                        # NaN / negative
+         headers("steps", catalog.JSON_CT)),                                        # NaN / negative
         (encode_json([{"job": "", "node": "n", "rank": 0, "step": 1, "t_end": 1, "step_ms": 1.0},
                            {"job": "../../etc", "node": "n", "rank": 0, "step": 1, "t_end": 1, "step_ms": 1.0}]),
-         headers("steps", wire.JSON_CT)),                                        # unknown / unsafe job
+         headers("steps", catalog.JSON_CT)),                                        # unknown / unsafe job
         (encode_json([{"job": "mixed", "node": "n", "rank": 5000, "step": 1, "t_end": 1, "step_ms": 1.0}]),
-         headers("steps", wire.JSON_CT)),                                        # rank outside topology
+         headers("steps", catalog.JSON_CT)),                                        # rank outside topology
         (b"[]", [("content-type", b"application/json"), ("schema", b"steps/7")]),      # wrong schema version
     ]
     # interleave: good batch, bad message, good batch, ...

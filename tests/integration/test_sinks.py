@@ -9,7 +9,7 @@ import time
 
 import pyarrow as pa
 
-from stepwatch.wire import tables as wire
+from stepwatch.wire import catalog
 from stepwatch.devtools.simsend import send_simulation
 from stepwatch.devtools.simulate import Simulation
 from stepwatch.storage.views import connect
@@ -94,7 +94,7 @@ def test_checkpoint_stores_then_produces_then_commits_and_every_sink_gets_the_al
     while not ids and time.monotonic() < deadline:
         for recs in c.poll(timeout_ms=500).values():
             for r in recs:
-                assert dict(r.headers) == {"content-type": wire.ARROW_CT.encode(), "schema": b"alerts/1"}
+                assert dict(r.headers) == {"content-type": catalog.ARROW_CT.encode(), "schema": b"alerts/1"}
                 t = pa.ipc.open_stream(r.value).read_all()
                 ids += [x for x, k in zip(t.column("alert_id").to_pylist(), t.column("kind").to_pylist())
                         if k == "slow_rank"]

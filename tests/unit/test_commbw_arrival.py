@@ -17,7 +17,8 @@ import pyarrow as pa
 import pytest
 
 from stepwatch.wire import tables as wire
-from stepwatch.wire.encode import encode_arrow, headers
+from stepwatch.wire.catalog import headers
+from stepwatch.wire.encode import encode_arrow
 from stepwatch.wire import columns
 from stepwatch.agents.agent import identity_from_hello
 from stepwatch.agents.probe import Probe, decode

@@ -15,7 +15,8 @@ from stepwatch.devtools.eval import Record, _NullProducer
 from stepwatch.devtools.simulate import Simulation
 from stepwatch.kafkaio import KafkaSettings
 from stepwatch.stream.processor import Processor
-from stepwatch.wire.encode import encode_arrow, headers
+from stepwatch.wire.catalog import headers
+from stepwatch.wire.encode import encode_arrow
 from testkit import make_block, make_ctx
 
 pytestmark = pytest.mark.unit

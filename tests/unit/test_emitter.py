@@ -7,7 +7,8 @@ from stepwatch.devtools.eval import Record
 from stepwatch.devtools.simulate import Simulation
 from stepwatch.kafkaio import KafkaSettings
 from stepwatch.stream.processor import Processor
-from stepwatch.wire.encode import encode_arrow, headers
+from stepwatch.wire.catalog import headers
+from stepwatch.wire.encode import encode_arrow
 
 import pytest
 pytestmark = pytest.mark.unit

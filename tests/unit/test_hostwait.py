@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 
-from stepwatch.wire.encode import encode_arrow, headers
+from stepwatch.wire.catalog import headers
+from stepwatch.wire.encode import encode_arrow
 from stepwatch.devtools.simulate import Simulation
 from stepwatch.devtools.eval import Record
 from stepwatch.storage.views import connect

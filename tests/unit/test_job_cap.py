@@ -12,8 +12,10 @@ import pyarrow as pa
 from prometheus_client import start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
+from stepwatch.wire import catalog
 from stepwatch.wire import tables as wire
-from stepwatch.wire.encode import encode_arrow, headers
+from stepwatch.wire.catalog import headers
+from stepwatch.wire.encode import encode_arrow
 from stepwatch.devtools import hostile as H
 from stepwatch.kafkaio import KafkaSettings
 from stepwatch.stream.ingress_limits import IngressLimits
@@ -39,7 +41,7 @@ def processor(tmp_path, **limits) -> Processor:
 def feed(p: Processor, kind: str, t: pa.Table) -> None:
     p._off += 1
     p.process_message(SimpleNamespace(topic=p.kafka.topic(kind), partition=0, offset=p._off, key=None,
-                                      value=encode_arrow(t), headers=headers(kind, wire.ARROW_CT),
+                                      value=encode_arrow(t), headers=headers(kind, catalog.ARROW_CT),
                                       timestamp=0))
 
 

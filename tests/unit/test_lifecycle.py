@@ -10,7 +10,8 @@ from stepwatch.detectors.lifecycle import JobLife, Lifecycle
 from stepwatch.detectors.stall import Stall
 from stepwatch.wire import tables as wire
 from stepwatch.wire.decode import conform
-from stepwatch.wire.encode import encode_arrow, headers
+from stepwatch.wire.catalog import headers
+from stepwatch.wire.encode import encode_arrow
 from testkit import job_context
 
 import pytest

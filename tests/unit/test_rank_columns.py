@@ -15,7 +15,8 @@ import pyarrow as pa
 
 from stepwatch.wire import tables as wire
 from stepwatch.wire.decode import conform
-from stepwatch.wire.encode import encode_arrow, headers
+from stepwatch.wire.catalog import headers
+from stepwatch.wire.encode import encode_arrow
 from stepwatch.devtools.eval import Record, _NullProducer
 from stepwatch.devtools.hostile import steps_table
 from stepwatch.devtools.simulate import Simulation

@@ -3,6 +3,7 @@ import math
 import pyarrow as pa
 import pytest
 
+from stepwatch.wire import catalog
 from stepwatch.wire import tables as wire
 from stepwatch.wire.catalog import NATURAL_KEYS, TELEMETRY
 from stepwatch.wire.decode import WireError, decode
@@ -26,7 +27,7 @@ def steps_table(n=4, **over):
 
 def test_arrow_roundtrip_conforms_and_keeps_extra_columns():
     t = steps_table().append_column("my_extra", pa.array([1, 2, 3, 4]))
-    d = decode(encode_arrow(t), wire.ARROW_CT, "steps/1")
+    d = decode(encode_arrow(t), catalog.ARROW_CT, "steps/1")
     assert d.kind == "steps" and d.rejected == []
     assert d.table.num_rows == 4
     # every v1 column present with its v1 type, extras kept at the end
@@ -40,7 +41,7 @@ def test_arrow_roundtrip_conforms_and_keeps_extra_columns():
 def test_bad_rows_are_rejected_with_field_and_value_good_rows_kept():
     t = steps_table(step_ms=[100.0, float("nan"), -3.0, 90.0],
                     job=["j1", "j1", "j1", "../etc"])
-    d = decode(encode_arrow(t), wire.ARROW_CT, "steps/1")
+    d = decode(encode_arrow(t), catalog.ARROW_CT, "steps/1")
     assert d.table.num_rows == 1 and d.table.column("rank").to_pylist() == [0]
     reasons = dict(d.rejected)
     assert "step_ms" in reasons[1] and "nan" in reasons[1]
@@ -52,20 +53,20 @@ def test_bad_rows_are_rejected_with_field_and_value_good_rows_kept():
 def test_missing_required_column_and_bad_type_name_the_field():
     t = steps_table().drop_columns(["step_ms"])
     with pytest.raises(WireError, match="'step_ms'"):
-        decode(encode_arrow(t), wire.ARROW_CT, "steps/1")
+        decode(encode_arrow(t), catalog.ARROW_CT, "steps/1")
     t = steps_table(rank=["a", "b", "c", "d"])
     with pytest.raises(WireError, match="'rank'"):
-        decode(encode_arrow(t), wire.ARROW_CT, "steps/1")
+        decode(encode_arrow(t), catalog.ARROW_CT, "steps/1")
 
 
 @pytest.mark.parametrize("payload,ct,hdr,match", [
-    (b"\x00garbage\xff", wire.ARROW_CT, "steps/1", "undecodable Arrow"),
-    (b"{not json", wire.JSON_CT, "steps/1", "undecodable JSON"),
-    (b"[]", wire.JSON_CT, "nonsense/1", "unknown schema"),
-    (b"[]", wire.JSON_CT, "steps/9", "unsupported schema version"),
+    (b"\x00garbage\xff", catalog.ARROW_CT, "steps/1", "undecodable Arrow"),
+    (b"{not json", catalog.JSON_CT, "steps/1", "undecodable JSON"),
+    (b"[]", catalog.JSON_CT, "nonsense/1", "unknown schema"),
+    (b"[]", catalog.JSON_CT, "steps/9", "unsupported schema version"),
     (b"[]", "text/csv", "steps/1", "unsupported content-type"),
-    (b"[]", wire.JSON_CT, None, "missing 'schema' header"),
-    (b"[1, 2]", wire.JSON_CT, "steps/1", "array of row objects"),
+    (b"[]", catalog.JSON_CT, None, "missing 'schema' header"),
+    (b"[1, 2]", catalog.JSON_CT, "steps/1", "array of row objects"),
 ])
 def test_whole_message_errors(payload, ct, hdr, match):
     with pytest.raises(WireError, match=match):
@@ -79,7 +80,7 @@ def test_json_rows_with_int_and_iso_times():
          "phases": {"forward": 3.0, "backward": 6.0}},
         {"job": "j", "node": "n", "rank": 2, "step": 1, "t_end": "2026-01-01T00:00:00Z", "step_ms": "NaN"},
     ]
-    d = decode(encode_json(rows), wire.JSON_CT, "steps/1")
+    d = decode(encode_json(rows), catalog.JSON_CT, "steps/1")
     assert d.table.num_rows == 2
     assert d.rejected[0][0] == 2 and "step_ms" in d.rejected[0][1]
     t_end = d.table.column("t_end").cast(pa.int64()).to_pylist()
@@ -90,12 +91,12 @@ def test_json_rows_with_int_and_iso_times():
 def test_json_type_error_names_field():
     rows = [{"job": "j", "node": "n", "rank": 0, "step": 1, "t_end": 5, "step_ms": "slow"}]
     with pytest.raises(WireError, match="'step_ms'.*'slow'"):
-        decode(encode_json(rows), wire.JSON_CT, "steps/1")
+        decode(encode_json(rows), catalog.JSON_CT, "steps/1")
 
 
 def test_topology_rank_must_be_below_world_size():
     t = pa.table({"job": ["j", "j"], "rank": [0, 8], "node": ["a", "b"], "world_size": [8, 8]})
-    d = decode(encode_arrow(t), wire.ARROW_CT, "topology/1")
+    d = decode(encode_arrow(t), catalog.ARROW_CT, "topology/1")
     assert d.table.num_rows == 1
     assert "world_size 8" in d.rejected[0][1]
 

@@ -164,7 +164,8 @@ def test_through_the_processor_rank_hang_and_job_hang_and_arrival_order():
 def test_a_restarted_processor_warms_the_host_context_and_still_judges_the_hang(tmp_path):
     """After a restart the job's host/GC windows come back from the store with the steps, so the hang
     of a job whose steps stopped before the restart is still found when the next host sample comes."""
-    from stepwatch.wire.encode import encode_arrow, headers
+    from stepwatch.wire.catalog import headers
+    from stepwatch.wire.encode import encode_arrow
     from stepwatch.devtools.simulate import Simulation
     from stepwatch.devtools.eval import Record
     from stepwatch.storage.store import LakeStore
