@@ -469,4 +469,7 @@ def test_data_waits_the_devices_backlog_hid_are_not_the_steps(probe, rx, sockdir
     lag = 0.0                                          # the backlog as the probe counts it, from the host's
     for s in steps[:5]:                                # intervals the frames carry
         lag = max(0.0, lag + 100.0 - (s["t_end"] - s["t_start"]) / 1e6)
-    assert steps[5]["data_ms"] == pytest.approx(800.0 - lag, abs=40.0)
+    # the stall's wait less that backlog: at least the 800 ms slept (a loaded machine's sleep overruns,
+    # never underruns), at most the host's whole interval of that step
+    host5 = (steps[5]["t_end"] - steps[5]["t_start"]) / 1e6
+    assert 800.0 - lag - 0.5 <= steps[5]["data_ms"] <= host5 - lag + 0.5, (steps[5], lag)
