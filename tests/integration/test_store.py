@@ -258,6 +258,9 @@ def test_steps_files_the_store_writes_span_days_keep_every_column_and_orphans_go
     enc = {meta.row_group(0).column(i).path_in_schema: meta.row_group(0).column(i).encodings
            for i in range(meta.num_columns)}
     assert "date" not in enc and not any("DICTIONARY" in e for e in enc["data_ms"]), enc
+    # the store's own writer (Arrow's): floats byte-stream-split, integers and times delta-encoded
+    assert "BYTE_STREAM_SPLIT" in enc["data_ms"] and "DELTA_BINARY_PACKED" in enc["step"], enc
+    assert "DELTA_BINARY_PACKED" in enc["t_end"] and any("DICTIONARY" in e for e in enc["job"]), enc
     # an older generation is fenced: nothing committed, its file an orphan until compaction
     on_disk = {str(p) for p in (tmp_path / "lake").rglob("*.parquet")}
     with pytest.raises(Fenced):
@@ -287,3 +290,31 @@ def test_a_reader_open_before_a_table_gained_a_column_still_reads_it(tmp_path):
     n = len(t)
     assert con.execute("SELECT count(*), count(vendor_counter) FROM steps").fetchone() == (n0 + n, n)
     assert query(old, "SELECT count(*), sum(vendor_counter) FROM steps")[1] == [(n0 + n, n * (n - 1) // 2)]
+
+
+def test_host_samples_the_store_writes_itself_read_back_with_their_lists(tmp_path):
+    """``host`` is written by the store (Arrow's Parquet writer, DIRECT_TABLES) and added in the
+    flush's commit: its nested lists of processes and accelerators read back through the views as
+    they were sent (what the node dashboard's accelerator panel unnests), nulls included."""
+    import pyarrow.parquet as pq
+    from stepwatch.wire import tables as wire
+    t0 = 1_795_000_000 * 10**9
+    rows = [{"job": "h", "node": f"n{i % 2}", "t": t0 + i * 10**9, "cpu_util": 50.0 + i, "mem_used": 10**9 + i,
+             "top_procs": [{"pid": 100 + i, "name": "python", "cpu_pct": 99.5}] if i % 3 else None,
+             "accel": [{"index": k, "util": 60.0 + k, "mem_used": 2**30, "temp_c": 55.0, "power_w": 400.0 + i,
+                        "clock_mhz": 1980.0} for k in range(i % 3)]} for i in range(6)]
+    host = pa.Table.from_pylist(rows, schema=wire.SCHEMAS["host"])
+    st = LakeStore(tmp_path).init()
+    st.write_flush({"host": [host]}, {("t.host", 0): Marker(1)}, generation=1)
+    con = connect(tmp_path)
+    files = [r[0] for r in con.execute("SELECT data_file FROM ducklake_list_files('lake', 'host')").fetchall()]
+    assert len(files) == 1 and "/host/date=" in files[0]
+    assert pq.ParquetFile(files[0]).metadata.created_by.startswith("parquet-cpp-arrow")   # not DuckLake's INSERT
+    got = con.execute("SELECT node, epoch_ns(t) - ?, cpu_util, mem_used, top_procs, len(accel) FROM host "
+                      "ORDER BY t", [t0]).fetchall()
+    assert [(r[0], r[1], r[2], r[3], r[5]) for r in got] == [
+        (f"n{i % 2}", i * 10**9, 50.0 + i, 10**9 + i, i % 3) for i in range(6)]
+    assert got[1][4] == [{"pid": 101, "name": "python", "cpu_pct": 99.5}] and got[0][4] is None
+    assert con.execute("SELECT a.index, a.util, a.power_w FROM (SELECT unnest(accel) AS a FROM host "
+                       "WHERE epoch_ns(t) = ?) ORDER BY 1", [t0 + 5 * 10**9]).fetchall() == [
+        (0, 60.0, 405.0), (1, 61.0, 405.0)]
