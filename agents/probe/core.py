@@ -211,6 +211,7 @@ class Probe:
                 return
             n0 = fold.n_steps
             fold.replay(events)
+            tr.flush_due(log.last_drain)            # (by the drain's clock: when the steps it folded leave)
             if self._wd is None and fold.n_steps:
                 self._start_watchdog()
             if self._ctl_on and fold.n_steps != n0:
@@ -256,8 +257,7 @@ class Probe:
         estimate; ``gc_row_min_ms`` (``STEPWATCH_GC_ROW_MIN_MS``, default 0) the shortest collection
         sent as a ``gc`` row (every collection is counted in the step either way); ``flush_ms``
         (``STEPWATCH_FLUSH_MS``, default 500) how long finished steps may wait to share a datagram
-        (0: one datagram per step).
-        """
+        (0: one datagram per step)."""
         with self._lock:
             env = os.environ
             self.job = (job or env.get("STEPWATCH_JOB") or env.get("SLURM_JOB_ID") or env.get("TORCHELASTIC_RUN_ID")

@@ -299,8 +299,8 @@ class StepFold:
             gc_ns = gc_count = 0
             dq = samples = tokens = -1
             open_, t0p, t0w = reopen, t0, wall
-            if (t0 - tr.last_flush >= tr.flush_ns or tr.frames >= MAX_PENDING
-                    or (tr.need_hello and tr.connected)):
+            # (sent on time by the drain, Probe._drain: flush_ms after the last send at the drain's own time)
+            if tr.frames >= MAX_PENDING or (tr.need_hello and tr.connected):
                 tr.off = boff
                 tr.flush(t0)
                 boff = tr.off

@@ -155,11 +155,16 @@ def test_full_agent_queue_drops_instead_of_blocking(probe, sockdir):
 
 def test_steps_share_datagrams_until_flush_ms(probe, rx, sockdir):
     probe.init(job="batch", rank=0, world_size=1, socket_dir=sockdir, auto=False, flush_ms=60_000)
-    for _ in range(6):                  # the first step goes at once (nothing sent yet), then they wait
+    for _ in range(3):                  # the first drain sends what it folded (nothing sent yet) ...
         probe.begin_step()
         probe.end_step()
     st = probe.stats()
-    assert st["steps"] == 6 and st["sent"] == 1 and st["pending"] == 5
+    assert st["steps"] == 3 and st["sent"] == 3 and st["pending"] == 0 and st["datagrams"] == 1
+    for _ in range(3):                  # ... then the steps wait for flush_ms, sharing one datagram
+        probe.begin_step()
+        probe.end_step()
+    st = probe.stats()
+    assert st["steps"] == 6 and st["sent"] == 3 and st["pending"] == 3
     probe.flush()
     st = probe.stats()
     assert st["sent"] == 6 and st["pending"] == 0 and st["datagrams"] == 2

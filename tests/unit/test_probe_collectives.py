@@ -473,3 +473,39 @@ def test_data_waits_the_devices_backlog_hid_are_not_the_steps(probe, rx, sockdir
     # never underruns), at most the host's whole interval of that step
     host5 = (steps[5]["t_end"] - steps[5]["t_start"]) / 1e6
     assert 800.0 - lag - 0.5 <= steps[5]["data_ms"] <= host5 - lag + 0.5, (steps[5], lag)
+
+
+@pytest.mark.parametrize("gap_ms", [1, 13, 26])
+def test_a_drain_sends_what_it_folded_once_flush_ms_passed(probe, sockdir, monkeypatch, gap_ms):
+    """The steps a drain folds leave once ``flush_ms`` passed since the last send, whichever event the
+    drain came at (a step's end, or the next step's begin after time outside any step). The send used to
+    wait for a folded step that itself ended ``flush_ms`` after the last send, so a drain that came just
+    before one kept them in the buffer until the next drain: up to twice ``flush_ms`` (a real 2-rank DDP
+    job: 28 steps, 730 ms, never stored, on the rank that crashed and on the one a SIGTERM then ended)."""
+    from probe_helpers import Rx
+    from stepwatch.agents.probe import core
+    clock = [10**12]
+    monkeypatch.setattr(core, "_perf", lambda: clock[0])
+    rx = Rx(sockdir, listen=False)
+    try:
+        probe.init(job="drain", rank=0, world_size=1, socket_dir=sockdir, auto=False, flush_ms=500)
+        ends, worst = [], 0
+        delivered = -1
+        for k in range(120):
+            probe.begin_step()
+            clock[0] += 26_000_000 - gap_ms * 1_000_000 + 1_000_000
+            probe.end_step()
+            ends.append(clock[0])
+            got = split(rx.read())[2]
+            if got:
+                delivered = max(delivered, max(s["step"] for s in got))
+            # how long the oldest step not yet sent has waited since its end
+            waited = clock[0] - ends[delivered + 1] if delivered + 1 < len(ends) else 0
+            worst = max(worst, waited)
+            clock[0] += gap_ms * 1_000_000
+        assert delivered >= 100
+        # a drain comes at the first event flush_ms after the last one (<= one 27 ms cycle late), and sends
+        # (before: 945 ms)
+        assert worst <= 500_000_000 + 27_000_000, worst / 1e6
+    finally:
+        rx.close()
