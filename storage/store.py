@@ -73,20 +73,15 @@ LAKE_OPTIONS = {"parquet_compression": "zstd", "parquet_compression_level": "3",
 #: Tables whose flushes the store writes itself (one file per day the batch spans, in DuckLake's
 #: folder ``date=<day>/``, without the ``date`` column: DuckLake reads it from the folder) and hands
 #: to DuckLake with ``ducklake_add_data_files`` in the flush's transaction. On a local data path
-#: Arrow's Parquet writer writes them: the tables of :data:`TYPED_ENCODINGS` with the encodings of
-#: :func:`_encodings`, the others with Arrow's defaults (a dictionary per column while it stays under
-#: 1 MiB, else plain). For ``steps`` that took 0.25 CPU-s per million rows where DuckDB's ``COPY`` of
-#: the same batch took 0.70-0.81 (DuckLake's own partitioned ``INSERT``, which tried a dictionary on
-#: every float column, 0.75 plus its buffering), at 12.1 B a row instead of 11.0; for ``host`` (lists
-#: of per-process and per-accelerator structs) 0.36 CPU-s per 122,880 rows where ``COPY`` took 0.49-0.60.
-#: Elsewhere (object stores) DuckDB's ``COPY`` with the options given here. On a SQLite catalog only
-#: (see :meth:`LakeStore.write_flush`).
-DIRECT_TABLES = {"steps": "DICTIONARY_SIZE_LIMIT 1", "host": ""}
-#: Directly written tables whose columns are encoded by type (:func:`_encodings`): the step
-#: durations are random-looking floats no dictionary shrinks (Arrow's defaults: 15.7 B a step row).
-#: A host sample's values repeat (utilisation in whole percent, clocks, temperatures): there Arrow's
-#: dictionaries win (82 B a host row; encoded by type 115).
-TYPED_ENCODINGS = {"steps"}
+#: Arrow's Parquet writer writes them with the encodings of :func:`_encodings`: for ``steps`` 0.25 CPU-s
+#: per million rows where DuckDB's ``COPY`` of the same batch took 0.70-0.81 (DuckLake's own
+#: partitioned ``INSERT``, which tried a dictionary on every float column, 0.75 plus its buffering),
+#: at 12.1 B a row instead of 11.0 (Arrow's default encodings: 15.7). Elsewhere (object stores)
+#: DuckDB's ``COPY`` with the options given here. On a SQLite catalog only (see
+#: :meth:`LakeStore.write_flush`). ``host`` stays with DuckLake's ``INSERT``: Arrow's writer took 0.36
+#: CPU-s per 122,880 host rows where ``COPY`` took 0.46-0.60, but its file was 34 % larger (90 B a host
+#: row, 67; DuckDB picks dictionary, delta or byte-stream-split per column, nested ones included).
+DIRECT_TABLES = {"steps": "DICTIONARY_SIZE_LIMIT 1"}
 #: Columns the lake stores in a smaller type than the wire's: the step durations (ms) as FLOAT
 #: (float32: 7 significant digits, 8 ns at 100 ms, 0.25 ms at an hour). A duration measured with a
 #: nanosecond clock has a full float64 mantissa that no Parquet encoding compresses (BYTE_STREAM_SPLIT
@@ -600,7 +595,7 @@ class LakeStore:
             (d, t.filter(pc.equal(days, pa.scalar(d, pa.date32())))) for d in pc.unique(days).to_pylist()]
         base = self._table_path(con, name)
         if self.lake.local_data:
-            return self._write_arrow(base, parts, typed=name in TYPED_ENCODINGS)
+            return self._write_arrow(base, parts)
         opts = (f"FORMAT parquet, COMPRESSION {LAKE_OPTIONS['parquet_compression']}, "
                 f"COMPRESSION_LEVEL {LAKE_OPTIONS['parquet_compression_level']}, "
                 f"PARQUET_VERSION v{LAKE_OPTIONS['parquet_version']}, "
@@ -622,10 +617,10 @@ class LakeStore:
                 out.append(path)
         return out
 
-    def _write_arrow(self, base: str, parts: list, typed: bool) -> list[str]:
+    def _write_arrow(self, base: str, parts: list) -> list[str]:
         """:meth:`_write_files` on a local data path: each day's rows with Arrow's Parquet writer (the
-        lake's compression, level and row-group size; ``typed``: :func:`_encodings`), fsynced before the
-        commit that adds it names it."""
+        lake's compression, level and row-group size; :func:`_encodings`), fsynced before the commit
+        that adds it names it."""
         out = []
         with self.lake.umask():
             for day, part in parts:
@@ -633,14 +628,13 @@ class LakeStore:
                 os.makedirs(folder, mode=self.lake.dir_mode, exist_ok=True)
                 path = f"{folder}ducklake-{uuid.uuid4()}.parquet"
                 t = part.drop_columns(["date"])
-                kw = {}
-                if typed:
-                    kw["use_dictionary"], kw["column_encoding"] = _encodings(t.schema)
+                dictionary, encoding = _encodings(t.schema)
                 with open(path, "wb") as f:
                     pq.write_table(t, f, compression=LAKE_OPTIONS["parquet_compression"],
                                    compression_level=int(LAKE_OPTIONS["parquet_compression_level"]),
                                    row_group_size=int(LAKE_OPTIONS["parquet_row_group_size"]),
-                                   data_page_version="2.0", **kw)
+                                   data_page_version="2.0", use_dictionary=dictionary,
+                                   column_encoding=encoding)
                     f.flush()
                     if self.fsync:
                         os.fsync(f.fileno())
