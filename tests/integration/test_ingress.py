@@ -621,3 +621,20 @@ def test_expansion_bombs_are_refused_from_metadata_and_encodings():
     with pytest.raises(WireError, match="expands"):
         check_expansion(big, IngressLimits(max_decoded_bytes=100 << 20))
     check_arrow_sizes(H._arrow(H.steps_table("ok", np.arange(4096), np.zeros(4096), NOW)), lim)
+
+
+def test_the_amplifying_type_check_is_remembered_per_type_and_bounded():
+    """Whether a column type holds a dictionary/run-end/view encoding (however deep) is walked once per
+    type and remembered (a message repeats the previous one's types); a sender's endless made-up types
+    never grow that memory past its bound."""
+    from stepwatch.stream import ingress_sizes as sz
+    cases = {pa.int64(): False, pa.list_(pa.struct([("a", pa.string())])): False,
+             pa.dictionary(pa.int32(), pa.string()): True, pa.string_view(): True,
+             pa.struct([("x", pa.list_(pa.dictionary(pa.int8(), pa.string())))]): True,
+             pa.list_view(pa.int32()): True, pa.run_end_encoded(pa.int32(), pa.float64()): True}
+    for t, want in cases.items():
+        assert sz._has_amplifying(t) is want and sz._has_amplifying(t) is want, t
+        assert sz._AMPLIFYING[t] is want
+    for i in range(sz._AMPLIFYING_MAX + 100):
+        sz._has_amplifying(pa.struct([(f"f{i}", pa.int32())]))
+        assert len(sz._AMPLIFYING) <= sz._AMPLIFYING_MAX
