@@ -63,9 +63,15 @@ def jitter_is_real(out: str, step_detected: int, threshold: float = 1.1, window:
     ends = []
     for f in Path(out).glob("rank*.json"):
         try:
-            ends.append(np.diff(np.asarray(json.loads(f.read_text())["ends"])) * 1e3)
+            ends.append(np.asarray(json.loads(f.read_text())["ends"]))
         except (OSError, ValueError, KeyError):
             continue
+    return jitter_in(ends, step_detected, threshold, window, ratio)
+
+
+def jitter_in(ends: list, step_detected: int, threshold: float = 1.1, window: int = 20, ratio: float = 0.2) -> bool:
+    """:func:`jitter_is_real` on the ranks' own step-end times (s), one array per rank."""
+    ends = [np.diff(np.asarray(e, dtype=float)) * 1e3 for e in ends if len(e) > 1]
     if not ends:
         return False
     n = min(len(e) for e in ends)
