@@ -334,9 +334,14 @@ class _AlertAssembly:
             return False
         e = self._sm_recent[:, r]
         e = e[np.isfinite(e)]
-        slower = int(np.count_nonzero(e >= self.min_effect))
-        faster = int(np.count_nonzero(e <= 1.0 / (1.0 + self.min_effect) - 1.0))
-        return slower > 0 and 2 * faster >= slower
+        own = e[e >= self.min_effect]
+        peers = 1.0 / (1.0 + e[e <= 1.0 / (1.0 + self.min_effect) - 1.0]) - 1.0   # the peers' excess over it
+        if not len(own) or 2 * len(peers) < len(own):
+            return False
+        # turns are alike both ways; a rank now slower by more than twice what its peers were when they
+        # were the slower (a hog on its core, 18 %, after a lead-in where the machine slowed the other
+        # by 4-8 % for 8 steps) is a fault of its own
+        return float(np.median(own)) <= 2.0 * float(np.median(peers))
 
     def _fired_series(self, r: int) -> tuple[int, str]:
         """The series of rank ``r`` whose test is furthest over its threshold: (where its excursion

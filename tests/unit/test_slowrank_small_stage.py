@@ -95,3 +95,17 @@ def test_a_pair_with_one_intermittent_straggler_names_it():
         fired = _pair(extra, seed=seed)
         assert [a.ranks for a in fired] == [[1]], (seed, [(a.ranks, a.step_detected) for a in fired])
         assert fired[0].step_detected <= 60 + 20, fired[0].step_detected
+
+
+def test_a_fault_after_a_lead_in_where_the_machine_slowed_the_peer_is_named_in_time():
+    """realrun's CPU hog on rank 1's core (2026-11-28, a noisy VM): the lead-in had rank 0 slower by
+    4-8 % for 8 steps (the machine), then the hog made rank 1 18 % slower. The turns test counted those 8
+    steps against rank 1 and named it only 14-25 steps after the hog took the core. Turns are alike both
+    ways; an excess more than twice the peer's is a fault of its own."""
+    extra = np.zeros((160, 2))
+    extra[63:71, 0] += 6.0                      # the machine slows rank 0 (~6 % of the step) for 8 steps
+    extra[105:, 1] += 18.0                      # the hog on rank 1's core from step 105
+    for seed in range(3):
+        fired = _pair(extra, seed=seed)
+        mine = [a for a in fired if a.ranks == [1] and a.step_detected >= 105]
+        assert mine and mine[0].step_detected <= 105 + 10, (seed, [(a.ranks, a.step_detected) for a in fired])
