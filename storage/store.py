@@ -605,9 +605,7 @@ class LakeStore:
         out = []
         with self.lake.umask():
             for day, part in parts:
-                folder = f"{base}date={day.isoformat()}/"
-                if self.lake.local_data:
-                    os.makedirs(folder, mode=self.lake.dir_mode, exist_ok=True)
+                folder = f"{base}date={day.isoformat()}/"        # (an object store: no folders to make)
                 path = f"{folder}ducklake-{uuid.uuid4()}.parquet"
                 con.register("_file", part.drop_columns(["date"]))
                 try:
