@@ -120,3 +120,12 @@ def test_bench_gpu_needs_neither_duckdb_nor_the_processors_packages():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "--gpt-steps" in r.stdout and "--jobs" in r.stdout and "stepwatch bench gpu" in r.stdout
+
+
+def test_bench_gpu_judges_a_crash_job_by_its_failing_launcher_and_no_other_by_it():
+    # the H200 run of 2026-11-28: `bench gpu --jobs ...,crash-r1` said "every job ran: false" because the crash
+    # job's launcher exits 1, which is what that job is for
+    from stepwatch.devtools.bench_gpu import job_ended_as_it_should
+    assert job_ended_as_it_should("g-crash-r1", 1) and not job_ended_as_it_should("g-crash-r1", 0)
+    assert not job_ended_as_it_should("g-crash-r1", 124)                  # a timeout is no crash it meant
+    assert job_ended_as_it_should("g-clean-gloo-2", 0) and not job_ended_as_it_should("g-sleep-r1", 1)
