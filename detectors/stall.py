@@ -28,7 +28,9 @@ class Stall(Detector):
     the newest host sample and the newest step end of the node's ranks (the agent and its ranks share
     the node's clock, so clock offsets between nodes cancel). The job is silent for as long as its least
     silent node whose host samples still arrive (within the threshold of the median node); it hangs when that
-    silence exceeds ``max(hang_s, hang_steps * median step time)``. Event time alone cannot tell a hang
+    silence exceeds ``max(hang_s, hang_steps * median step time)``, or when ``hang_quorum`` of those nodes are
+    silent past it and none is silent less than half of it (a node's host samples come in batches: its silence
+    is known only as far as its last batch). Event time alone cannot tell a hang
     from a steps topic read behind the host topic (Kafka orders nothing across topics and partitions), so
     the alert is raised only once the job's steps source is known to be read to its end
     (``ctx.caught_up()``: the processor compares the consumer's position on the job's steps partition with
@@ -62,6 +64,12 @@ class Stall(Detector):
         Setting("hang_s", 30.0, 0.1, None, "s", "job hang: seconds of host event time without a new step, at "
                 "least ..."),
         Setting("hang_steps", 10, 1, 1000000, "step times", "... this many median step times"),
+        Setting("hang_quorum", 0.5, 0.01, 1.0, "share", "job hang: share of the nodes whose host samples still "
+                "arrive that must be silent past the threshold, while every one of them is silent at least half of "
+                "it. A node that stepped shows it in its next host batch (a silence of about a step); one whose batch "
+                "is still on the way shows only an older silence: with 1.0 the hang waited for the last node's "
+                "batch (an independent producer batching 5 one-second samples per node: 35.09 s for a 30 s "
+                "threshold)"),
         Setting("max_alerts", 8, 1, 10000, "alerts", "more newly stalled ranks/nodes than this at one step give "
                 "one alert"),
         Setting("hang_first_s", 1800.0, 0.1, None, "s", "job hang: seconds at least while the step in progress is "
@@ -246,8 +254,13 @@ class Stall(Detector):
             return glob, {"judged": "job"}
         per = hv[live] - smax[live]
         i = int(np.argmin(per))
-        return int(per[i]), {"judged": "per_node", "nodes_judged": int(live.sum()),
-                             "least_silent_node": str(names[live][i])}
+        how = {"judged": "per_node", "nodes_judged": int(live.sum()), "least_silent_node": str(names[live][i]),
+               "least_silent_s": round(int(per[i]) / 1e9, 1)}
+        if per[i] * 2 < thr or len(per) == 1:              # a node stepped within half the threshold
+            return int(per[i]), how
+        # no node stepped lately: the silence a quorum of the nodes shows (the rest wait for their next batch)
+        q = np.sort(per)[::-1][max(int(np.ceil(self.hang_quorum * len(per))) - 1, 0)]
+        return int(q), how
 
     def _watchdog(self, ctx: JobContext, thr: int) -> tuple[int, dict, set, int] | None:
         """The ranks' own word on a hang: their newest in-flight rows (the probe's watchdog, the agent)

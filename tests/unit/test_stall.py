@@ -122,6 +122,31 @@ def test_clocks_ahead_per_node_and_a_steps_partition_read_behind_are_not_a_hang(
     assert 31.0 <= a.evidence["silent_s"] < 32.0 and a.evidence["steps_read_to_end"] is True
 
 
+def test_a_quorum_of_silent_nodes_is_a_hang_while_one_nodes_host_batch_is_on_the_way_and_a_stepping_node_is_not():
+    """Host samples come in batches per node (an agent ships every second; the independent producer batches five
+    one-second samples): a node whose batch is on the way shows an older silence, not a step. The hang waited for
+    the last node's batch: 35.09 s for a 30 s threshold on that producer."""
+    det = Stall()
+    det.update(ctx_(), block(np.arange(0, 50)))                 # 100 ms steps -> threshold 30 s
+    lt = np.full(R, 50 * NS)                                    # every rank's last step ended at 50 s
+
+    def tick(silence_s, lt=lt):                                 # n0..n3's newest host samples, s after that
+        hn = {f"n{i}": 50 * NS + int(x * NS) for i, x in enumerate(silence_s)}
+        return det.tick(ctx_(last_step=np.full(R, 49), last_t_end=lt, max_step=49, steps_event_ns=int(lt.max()),
+                             host_event_ns=max(hn.values()), host_node_ns=hn, caught_up=lambda: True), 0)
+    assert tick([29.5, 29.0, 26.0, 27.5]) == []                 # no node past the threshold
+    assert tick([31.0, 29.0, 26.0, 27.5]) == []                 # one of four
+    # two of four past it, the others' batches on the way (silent 26-29 s, more than half the threshold)
+    [a] = tick([31.0, 30.5, 26.0, 27.5])
+    assert a.kind == "job_hang" and 30.5 <= a.evidence["silent_s"] < 31.0
+    assert a.evidence["least_silent_s"] == 26.0
+    # a node whose ranks stepped a moment ago (by its own clock): no hang, however many are silent
+    det = Stall()
+    det.update(ctx_(), block(np.arange(0, 50)))
+    stepped = np.where(np.arange(R) >= 24, 89_800_000_000, lt)  # n3's ranks (24..31) ended a step at 89.8 s
+    assert tick([40.0, 40.0, 40.0, 40.0], stepped) == []
+
+
 def test_host_samples_read_far_ahead_of_batched_steps_are_not_a_hang():
     """The issue's false hangs: five steps per message, host samples read minutes ahead of the steps;
     the event-time silence is there, the proof that the steps partition was read to its end is not."""
