@@ -196,3 +196,16 @@ def run_gpu_bench(a) -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))
     return 0 if all(v for _, v in goals) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m stepwatch.devtools.bench_gpu``: the same check where the package is a checkout on
+    ``PYTHONPATH`` and not installed (a lent GPU machine: no entry points, so no ``stepwatch bench``)."""
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m stepwatch.devtools.bench_gpu", description=__doc__.split("\n\n")[0])
+    add_gpu_args(p)
+    return run_gpu_bench(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

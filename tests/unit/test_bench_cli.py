@@ -129,3 +129,13 @@ def test_bench_gpu_judges_a_crash_job_by_its_failing_launcher_and_no_other_by_it
     assert job_ended_as_it_should("g-crash-r1", 1) and not job_ended_as_it_should("g-crash-r1", 0)
     assert not job_ended_as_it_should("g-crash-r1", 124)                  # a timeout is no crash it meant
     assert job_ended_as_it_should("g-clean-gloo-2", 0) and not job_ended_as_it_should("g-sleep-r1", 1)
+
+
+def test_bench_gpu_runs_as_a_module_where_no_entry_point_is_installed():
+    # a lent GPU machine has the checkout on PYTHONPATH, not installed: `stepwatch bench gpu` finds no plug-in
+    # there (the 2026-11-28 H200 run), `python -m stepwatch.devtools.bench_gpu` runs the same check
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "stepwatch.devtools.bench_gpu", "--help"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "--no-gpt" in r.stdout and "--jobs" in r.stdout, r.stderr[-2000:]
