@@ -315,3 +315,45 @@ def test_host_samples_read_back_with_their_lists(tmp_path):
     assert con.execute("SELECT a.index, a.util, a.power_w FROM (SELECT unnest(accel) AS a FROM host "
                        "WHERE epoch_ns(t) = ?) ORDER BY 1", [t0 + 5 * 10**9]).fetchall() == [
         (0, 60.0, 405.0), (1, 61.0, 405.0)]
+
+def test_host_files_get_each_leafs_encoding_from_its_data_and_read_back_as_sent(tmp_path):
+    """The store writes ``host`` files itself (ADAPTIVE_TABLES) and picks each Parquet leaf's encoding
+    from the flush's values, nested leaves by their paths: a dictionary where a few values repeat
+    (utilisations, a GPU's util, the process name), otherwise delta for integers (memory sizes) and
+    byte-stream-split for floats (byte rates). Every value, the lists' nulls and empties included,
+    reads back as it was sent."""
+    import pyarrow.parquet as pq
+    from stepwatch.wire import tables as wire
+    t0, n = 1_795_000_000 * 10**9, 240
+    rows = [{"job": "e", "node": f"n{i % 4}", "t": t0 + i * 10**9, "cpu_util": float(i % 5 * 10),
+             "mem_used": 10**9 + i * 7919 + (i * i) % 1013, "disk_read_bps": 1e6 + i * 1234.567 + (i * i) % 97 / 7,
+             "top_procs": [{"pid": 100 + i % 3, "name": "python", "cpu_pct": 99.5}] if i % 3 else None,
+             "accel": [{"index": k, "util": float(60 + i % 4), "mem_used": 2**30 + i * 4099 + k, "temp_c": 55.0,
+                        "power_w": 400.0 + i % 2, "clock_mhz": 1980.0} for k in range(i % 3)]} for i in range(n)]
+    host = pa.Table.from_pylist(rows, schema=wire.SCHEMAS["host"])
+    st = LakeStore(tmp_path).init()
+    st.write_flush({"host": [host]}, {("t.host", 0): Marker(1)}, generation=1)
+    con = connect(tmp_path)
+    files = [r[0] for r in con.execute("SELECT data_file FROM ducklake_list_files('lake', 'host')").fetchall()]
+    assert len(files) == 1 and "/host/date=" in files[0]
+    meta = pq.ParquetFile(files[0]).metadata
+    enc = {meta.row_group(0).column(i).path_in_schema: meta.row_group(0).column(i).encodings
+           for i in range(meta.num_columns)}
+    # Arrow's writer, not DuckLake's INSERT (DuckDB's writer, which also keeps the date column in the file)
+    assert meta.created_by.startswith("parquet-cpp-arrow") and "date" not in enc, (meta.created_by, enc)
+    dictionary = {p for p, e in enc.items() if "RLE_DICTIONARY" in e}
+    assert {"job", "node", "cpu_util", "top_procs.list.element.pid", "top_procs.list.element.name",
+            "accel.list.element.index", "accel.list.element.util", "accel.list.element.temp_c"} <= dictionary, enc
+    assert "DELTA_BINARY_PACKED" in enc["t"] and "DELTA_BINARY_PACKED" in enc["mem_used"] and "DELTA_BINARY_PACKED" in enc["accel.list.element.mem_used"], enc
+    assert "BYTE_STREAM_SPLIT" in enc["disk_read_bps"], enc
+    assert not dictionary & {"t", "mem_used", "accel.list.element.mem_used", "disk_read_bps"}, enc
+    got = con.execute("SELECT * EXCLUDE (date) FROM host ORDER BY t").arrow()
+    got = got.read_all() if hasattr(got, "read_all") else got
+    sent = pa.Table.from_pylist(rows, schema=wire.SCHEMAS["host"])
+    assert got.column_names == sent.column_names and got.schema.field("t").type.unit == "us"
+    for name in sent.column_names:
+        want, have = sent.column(name), got.column(name)
+        if name == "t":       # stored in microseconds
+            want, have = pa.compute.divide(want.cast(pa.int64()), 1000), have.cast(pa.int64())
+        assert have.to_pylist() == want.to_pylist(), name
+
