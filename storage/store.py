@@ -5,9 +5,9 @@ Every table of :mod:`stepwatch.wire.tables` is a DuckLake table of the same name
 data files land under ``<data path>/main/<table>/date=<day>/`` (zstd Parquet, rows sorted within a
 file as :data:`SORT_COLUMNS` says, the job first), one file per table per flush however many jobs it
 holds; the catalog's per-file min/max statistics find a job's files. DuckLake writes the files
-(``INSERT``), except those of :data:`DIRECT_TABLES` (and on a local data path :data:`ADAPTIVE_TABLES`):
-the store writes them and adds them with ``ducklake_add_data_files`` in the flush's transaction.
-Times are stored as ``TIMESTAMPTZ`` (microseconds). The table ``jobs`` names every job stored.
+(``INSERT``), except those of :data:`DIRECT_TABLES`: the store writes them and adds them with
+``ducklake_add_data_files`` in the flush's transaction. Times are stored as
+``TIMESTAMPTZ`` (microseconds). The table ``jobs`` names every job stored.
 
 Exactly-once. A processor flushes everything it buffered in **one DuckLake transaction**: the row
 batches of every table *and* the consumed Kafka positions (table ``kafka_offsets``: per Kafka
@@ -78,16 +78,10 @@ LAKE_OPTIONS = {"parquet_compression": "zstd", "parquet_compression_level": "3",
 #: partitioned ``INSERT``, which tried a dictionary on every float column, 0.75 plus its buffering),
 #: at 12.1 B a row instead of 11.0 (Arrow's default encodings: 15.7). Elsewhere (object stores)
 #: DuckDB's ``COPY`` with the options given here. On a SQLite catalog only (see
-#: :meth:`LakeStore.write_flush`). ``steps`` keeps these fixed encodings: the per-file choice of
-#: :func:`_adaptive_encodings` made its file 0.7 % smaller (11.99 B a row, 196,608 bench rows) for 0.13
-#: CPU-s of counting distinct values, five times its write.
+#: :meth:`LakeStore.write_flush`). ``host`` stays with DuckLake's ``INSERT``: Arrow's writer took 0.36
+#: CPU-s per 122,880 host rows where ``COPY`` took 0.46-0.60, but its file was 34 % larger (90 B a host
+#: row, 67; DuckDB picks dictionary, delta or byte-stream-split per column, nested ones included).
 DIRECT_TABLES = {"steps": "DICTIONARY_SIZE_LIMIT 1"}
-#: Tables the store writes itself on a local data path only (SQLite catalog, as above), with encodings
-#: chosen per file from the data (:func:`_adaptive_encodings`); on an object store DuckLake's ``INSERT``
-#: as before. ``host``: fixed encodings did not suit its columns (Arrow's writer with those: 90 B a host
-#: row against DuckDB's 67-71); chosen per leaf, 71.8 B a row where DuckLake's ``INSERT`` of the same
-#: flushes wrote 77.2, in 37 CPU-ms a 6,144-row flush (choosing 12) where ``COPY`` took 75.
-ADAPTIVE_TABLES = ("host",)
 #: Columns the lake stores in a smaller type than the wire's: the step durations (ms) as FLOAT
 #: (float32: 7 significant digits, 8 ns at 100 ms, 0.25 ms at an hour). A duration measured with a
 #: nanosecond clock has a full float64 mantissa that no Parquet encoding compresses (BYTE_STREAM_SPLIT
@@ -283,77 +277,6 @@ def _encodings(schema: pa.Schema) -> tuple[list[str], dict[str, str]]:
             encoding[f.name] = "DELTA_BINARY_PACKED"
         elif pa.types.is_float32(f.type) or pa.types.is_float64(f.type):
             encoding[f.name] = "BYTE_STREAM_SPLIT"
-    return dictionary, encoding
-
-
-#: Arrow's Parquet writer's dictionary page limit (``dictionary_pagesize_limit``'s default): a column
-#: chunk whose dictionary outgrows it falls back to PLAIN for the rest of it
-DICTIONARY_PAGE_LIMIT = 1 << 20
-
-
-def _leaves(col, path: str):
-    """(Parquet path, values) of every leaf column of the Arrow column ``col`` named ``path``, in the
-    names Arrow's writer gives them: a list's values under ``list.element``, a map's under
-    ``key_value.key`` / ``key_value.value``, a struct's fields by name. The values are the leaf's
-    values as written (a list's flattened, the null lists' left out)."""
-    ty = col.type
-    if pa.types.is_map(ty):
-        entries = pa.list_(pa.struct([ty.key_field.with_name("key"), ty.item_field.with_name("value")]))
-        yield from _leaves(pc.list_flatten(col.cast(entries)), f"{path}.key_value")
-    elif pa.types.is_list(ty) or pa.types.is_large_list(ty) or pa.types.is_fixed_size_list(ty):
-        yield from _leaves(pc.list_flatten(col), f"{path}.list.element")
-    elif pa.types.is_struct(ty):
-        for i, f in enumerate(ty):
-            yield from _leaves(pc.struct_field(col, [i]), f"{path}.{f.name}")
-    else:
-        yield path, col
-
-
-def _dictionary_pays(values, width: int, delta: bool = False) -> bool:
-    """Whether a dictionary page plus the bit-packed indices take fewer bytes than the other encoding
-    writes before compression: ``d·width + n·bits(d - 1)/8 < n·other`` for ``n`` non-null values of
-    which ``d`` are distinct (``bits(x)``: ``x``'s bit width, at least 1), where ``other`` is the value
-    width for BYTE_STREAM_SPLIT (it reorders the bytes, keeps them all) and, with ``delta``, for
-    DELTA_BINARY_PACKED the bytes of the span of successive differences (what it packs each to, at
-    most), and the dictionary no larger than :data:`DICTIONARY_PAGE_LIMIT` (past it Arrow writes PLAIN
-    anyway). Counted exactly: a hash pass over the leaf (and one over its differences)."""
-    n = len(values) - values.null_count
-    if n == 0:
-        return False
-    d = pc.count_distinct(values).as_py()
-    if d * width > DICTIONARY_PAGE_LIMIT:
-        return False
-    other = width
-    if delta:
-        span = 0
-        for c in values.chunks if isinstance(values, pa.ChunkedArray) else [values]:
-            c = c.drop_null().cast(pa.int64()) if c.null_count else c.cast(pa.int64())
-            if len(c) > 1:
-                lo, hi = pc.min_max(pc.pairwise_diff(c)).values()
-                span = max(span, hi.as_py() - lo.as_py())
-        other = min(width, max(1, span.bit_length()) / 8)
-    return d * width + n * max(1, (d - 1).bit_length()) / 8 < n * other
-
-
-def _adaptive_encodings(t: pa.Table) -> tuple[list[str], dict[str, str]]:
-    """Arrow Parquet writer settings chosen per file from the data, leaf by leaf (nested ones by their
-    Parquet paths, e.g. ``accel.list.element.util``): strings a dictionary; a numeric leaf a dictionary
-    where :func:`_dictionary_pays` (few distinct values: utilisations, temperatures, clocks, pids),
-    otherwise BYTE_STREAM_SPLIT for floats (rates: random-looking mantissas, exponent bytes zstd packs)
-    and DELTA_BINARY_PACKED for integers and times (memory sizes: small differences). Other leaves
-    (booleans) keep Arrow's PLAIN."""
-    dictionary, encoding = [], {}
-    for name, col in zip(t.column_names, t.columns):
-        for path, values in _leaves(col, name):
-            ty = values.type
-            if pa.types.is_string(ty) or pa.types.is_large_string(ty):
-                dictionary.append(path)
-            elif pa.types.is_integer(ty) or pa.types.is_timestamp(ty) or pa.types.is_float32(ty) \
-                    or pa.types.is_float64(ty):
-                if _dictionary_pays(values, ty.bit_width // 8, delta=not pa.types.is_floating(ty)):
-                    dictionary.append(path)
-                else:
-                    encoding[path] = "BYTE_STREAM_SPLIT" if pa.types.is_floating(ty) else "DELTA_BINARY_PACKED"
     return dictionary, encoding
 
 
@@ -600,8 +523,7 @@ class LakeStore:
         # SQLite catalog only: on PostgreSQL, where writers commit concurrently and DuckLake retries a
         # commit with fresh ids, readers then failed on the added files ("Unknown name map id")
         direct = self.lake.kind == "sqlite"
-        files = {name: self._write_files(con, name, t) for name, t in batches
-                 if direct and (name in DIRECT_TABLES or (name in ADAPTIVE_TABLES and self.lake.local_data))}
+        files = {name: self._write_files(con, name, t) for name, t in batches if direct and name in DIRECT_TABLES}
         keys = list(markers)
         jobs: set[str] = set()
         for _, t in batches:
@@ -673,7 +595,7 @@ class LakeStore:
             (d, t.filter(pc.equal(days, pa.scalar(d, pa.date32())))) for d in pc.unique(days).to_pylist()]
         base = self._table_path(con, name)
         if self.lake.local_data:
-            return self._write_arrow(base, parts, name in ADAPTIVE_TABLES)
+            return self._write_arrow(base, parts)
         opts = (f"FORMAT parquet, COMPRESSION {LAKE_OPTIONS['parquet_compression']}, "
                 f"COMPRESSION_LEVEL {LAKE_OPTIONS['parquet_compression_level']}, "
                 f"PARQUET_VERSION v{LAKE_OPTIONS['parquet_version']}, "
@@ -693,13 +615,10 @@ class LakeStore:
                 out.append(path)
         return out
 
-    def _write_arrow(self, base: str, parts: list, adaptive: bool = False) -> list[str]:
+    def _write_arrow(self, base: str, parts: list) -> list[str]:
         """:meth:`_write_files` on a local data path: each day's rows with Arrow's Parquet writer (the
-        lake's compression, level and row-group size; :func:`_encodings`, or with ``adaptive``
-        :func:`_adaptive_encodings` and version 1 data pages: a v2 page keeps its repetition and
-        definition levels outside the compressed block, and a list's repetition levels, a bit per value,
-        were 6.4 KB of a ``host`` file's ``accel.list.element.index`` where zstd makes them 0.2),
-        fsynced before the commit that adds it names it."""
+        lake's compression, level and row-group size; :func:`_encodings`), fsynced before the commit
+        that adds it names it."""
         out = []
         with self.lake.umask():
             for day, part in parts:
@@ -707,12 +626,12 @@ class LakeStore:
                 os.makedirs(folder, mode=self.lake.dir_mode, exist_ok=True)
                 path = f"{folder}ducklake-{uuid.uuid4()}.parquet"
                 t = part.drop_columns(["date"])
-                dictionary, encoding = _adaptive_encodings(t) if adaptive else _encodings(t.schema)
+                dictionary, encoding = _encodings(t.schema)
                 with open(path, "wb") as f:
                     pq.write_table(t, f, compression=LAKE_OPTIONS["parquet_compression"],
                                    compression_level=int(LAKE_OPTIONS["parquet_compression_level"]),
                                    row_group_size=int(LAKE_OPTIONS["parquet_row_group_size"]),
-                                   data_page_version="1.0" if adaptive else "2.0", use_dictionary=dictionary,
+                                   data_page_version="2.0", use_dictionary=dictionary,
                                    column_encoding=encoding)
                     f.flush()
                     if self.fsync:

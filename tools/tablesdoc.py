@@ -103,16 +103,9 @@ row-group size: durations byte-stream-split, integers and times delta-encoded, a
 only; the `date` column left out: DuckLake reads it from the folder; DuckDB's `COPY` where the data path
 is an object store) and adds them with `ducklake_add_data_files` in the flush's transaction
 (`DIRECT_TABLES` in `storage/store.py`; 0.25 CPU-seconds per million step rows, where DuckDB's `COPY`
-took 0.70-0.81 and DuckLake's `INSERT` 0.75 plus its buffering). `host` too where the data path is
-local (`ADAPTIVE_TABLES`; on an object store DuckLake's `INSERT`): Arrow's writer with each Parquet leaf's
-encoding chosen per file from its values, nested ones (`accel.list.element.util`) included: a dictionary
-where the dictionary and its bit-packed indices take fewer bytes than the other encoding writes (floats
-byte-stream-split, the value width; integers and times delta-encoded, the width of the span of successive
-differences), otherwise that encoding; version 1 data pages, whose compression covers the lists'
-repetition levels (71.8 B a host row where DuckLake's `INSERT` wrote 77.2; the file 37 CPU-ms a 6,144-row
-flush where DuckDB's `COPY` took 75). On a SQLite
-catalog only: on PostgreSQL, with processors committing concurrently, readers failed on such files
-("Unknown name map id"), so there DuckLake writes `steps` and `host` too. A query for one job and time range opens
+took 0.70-0.81 and DuckLake's `INSERT` 0.75 plus its buffering). On a SQLite catalog
+only: on PostgreSQL, with processors committing concurrently, readers failed on such files
+("Unknown name map id"), so there DuckLake writes `steps` too. A query for one job and time range opens
 only the files whose `job` and time range, as the catalog's per-file min/max statistics say, can hold
 such rows, and within a file only the row groups that can. Event times are stored as `TIMESTAMPTZ`
 (microseconds). The table `{JOBS}` names every job stored (a row per job and writer start).
