@@ -52,7 +52,7 @@ import numpy as np
 from stepwatch.devtools.ddp_train_path import ddp_train_file
 from stepwatch.devtools.eval import Emitted, score
 from stepwatch.devtools.evalsuite import COMPATIBLE
-from stepwatch.devtools.realrun import HOG, jitter_is_real, realtime
+from stepwatch.devtools.realrun import HOG, jitter_is_real, realtime, step_times_around
 
 HANG_S = 15.0
 STEPS = 240
@@ -228,6 +228,8 @@ def run_one(run: RealRun, kafka, data: Path, socket_dir: str, log=print) -> dict
         # the one exception to "no alert on a clean run": jitter the script's own clock shows
         real_jitter = [e for e in emitted if e.alert.kind == "jitter" and jitter_is_real(out, e.alert.step_detected)]
         emitted = [e for e in emitted if e not in real_jitter]
+        at = next((f["start"] for f in run.faults if "start" in f), None)
+        around = step_times_around(out, int(at)) if at is not None else None
     finally:
         if hog is not None:
             hog.kill()
@@ -242,7 +244,7 @@ def run_one(run: RealRun, kafka, data: Path, socket_dir: str, log=print) -> dict
     return {"scenario": run, "emitted": emitted, "labels": run.faults, "step_starts": starts, "step_ms": step_ms,
             "nodes": np.array([NODE] * run.nproc, dtype=object), "stage": np.zeros(run.nproc, np.int32),
             "busiest_stage": None, "events": [a for a in proc.events if a.job == run.name], "rc": p.returncode,
-            "real_jitter": real_jitter}
+            "real_jitter": real_jitter, "around": around}
 
 
 def _step_axis(data: Path, job: str, steps: int) -> tuple[np.ndarray, float]:
@@ -332,7 +334,8 @@ def _run_real(a) -> int:
             print(f"  {run.name:<16} {run.nproc} ranks: {time.perf_counter() - t1:.0f}s, exit {res['rc']}, "
                   f"{len(s['firing'])} alert(s), {ends}" + (f", {rj} jitter warning(s) the script's own clock "
                                                              f"confirms (not scored)" if rj else "")
-                  + f"  ({run.note})", flush=True)
+                  + f"  ({run.note})" + (f"; the script's steps {res['around'][0]:.1f} -> {res['around'][1]:.1f} ms "
+                                         f"around the fault" if res.get("around") else ""), flush=True)
             if getattr(a, "show_alerts", False) or s["false"]:
                 for e in res["emitted"]:
                     print(f"      [{e.alert.incident_id}] {e.alert.line()[:300]}")

@@ -84,6 +84,27 @@ def jitter_in(ends: list, step_detected: int, threshold: float = 1.1, window: in
     return slow >= ratio * window
 
 
+def step_times_around(out: str, at: int, width: int = 20) -> tuple[float, float] | None:
+    """The job's median step time (ms; the median over the ranks of each step, by the ranks' own clocks,
+    ``out``/rank*.json) over the ``width`` steps before step ``at`` and the ``width`` steps after it: what the
+    script saw an injected fault do, so a missed fault can be told from a fault that did not take."""
+    ends = []
+    for f in Path(out).glob("rank*.json"):
+        try:
+            ends.append(np.asarray(json.loads(f.read_text())["ends"], dtype=float))
+        except (OSError, ValueError, KeyError):
+            continue
+    ends = [np.diff(e) * 1e3 for e in ends if len(e) > 1]
+    if not ends:
+        return None
+    n = min(len(e) for e in ends)
+    v = np.median(np.vstack([e[:n] for e in ends]), axis=0)        # v[i]: step i+1's time
+    before, after = v[max(at - 1 - width, 0):max(at - 1, 0)], v[at:at + width]
+    if not len(before) or not len(after):
+        return None
+    return float(np.median(before)), float(np.median(after))
+
+
 def straggle_is_real(out: str, rank: int, step_first: int, step_detected: int, share: float = 0.05) -> bool:
     """Whether the training script's own clock shows ``rank`` working longer over the steps an alert
     named it for: its main thread's CPU time per step (``cpu`` in its report: ``time.thread_time`` at each
