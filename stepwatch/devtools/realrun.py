@@ -60,22 +60,36 @@ def jitter_is_real(out: str, step_detected: int, threshold: float = 1.1, window:
     jitter by the jitter detector's own rule at ``step_detected``: at least ``ratio`` of the ``window``
     steps before it slower than ``threshold`` x the larger of the trailing 21-step median and the last 5
     steps' median of the job's step time (the median over the ranks)."""
+    return jitter_in(_rank_ends(out), step_detected, threshold, window, ratio)
+
+
+def _rank_ends(out: str) -> list[np.ndarray]:
+    """The ranks' own step-end times (s), one array per rank, from ``out``/rank*.json."""
     ends = []
     for f in Path(out).glob("rank*.json"):
         try:
-            ends.append(np.asarray(json.loads(f.read_text())["ends"]))
+            ends.append(np.asarray(json.loads(f.read_text())["ends"], dtype=float))
         except (OSError, ValueError, KeyError):
             continue
-    return jitter_in(ends, step_detected, threshold, window, ratio)
+    return ends
+
+
+def _job_steps(ends: list) -> np.ndarray | None:
+    """The job's step times (ms) by the ranks' own clocks: per step, the median over the ranks; ``v[i]`` is
+    step i+1's time. None without two ends of any rank."""
+    ends = [np.diff(np.asarray(e, dtype=float)) * 1e3 for e in ends if len(e) > 1]
+    if not ends:
+        return None
+    n = min(len(e) for e in ends)
+    return np.median(np.vstack([e[:n] for e in ends]), axis=0)
 
 
 def jitter_in(ends: list, step_detected: int, threshold: float = 1.1, window: int = 20, ratio: float = 0.2) -> bool:
     """:func:`jitter_is_real` on the ranks' own step-end times (s), one array per rank."""
-    ends = [np.diff(np.asarray(e, dtype=float)) * 1e3 for e in ends if len(e) > 1]
-    if not ends:
+    v = _job_steps(ends)
+    if v is None:
         return False
-    n = min(len(e) for e in ends)
-    v = np.median(np.vstack([e[:n] for e in ends]), axis=0)      # v[i]: step i+1's time
+    n = len(v)
     hi = min(int(step_detected), n)
     slow = 0
     for i in range(max(hi - window, 21), hi):
@@ -88,17 +102,9 @@ def step_times_around(out: str, at: int, width: int = 20) -> tuple[float, float]
     """The job's median step time (ms; the median over the ranks of each step, by the ranks' own clocks,
     ``out``/rank*.json) over the ``width`` steps before step ``at`` and the ``width`` steps after it: what the
     script saw an injected fault do, so a missed fault can be told from a fault that did not take."""
-    ends = []
-    for f in Path(out).glob("rank*.json"):
-        try:
-            ends.append(np.asarray(json.loads(f.read_text())["ends"], dtype=float))
-        except (OSError, ValueError, KeyError):
-            continue
-    ends = [np.diff(e) * 1e3 for e in ends if len(e) > 1]
-    if not ends:
+    v = _job_steps(_rank_ends(out))
+    if v is None:
         return None
-    n = min(len(e) for e in ends)
-    v = np.median(np.vstack([e[:n] for e in ends]), axis=0)        # v[i]: step i+1's time
     before, after = v[max(at - 1 - width, 0):max(at - 1, 0)], v[at:at + width]
     if not len(before) or not len(after):
         return None
