@@ -43,8 +43,8 @@ Settings (environment):
   can cut: ``stepwatch/devtools/netlink.py``);
 - ``SW_PROGRESS``: a file where rank 1 writes its step number every step (the tests start a foreign
   process from a given step);
-- ``SW_OUT``: where each rank writes ``rank<r>.json`` (its step end times and, when a probe is loaded,
-  its counters).
+- ``SW_OUT``: where each rank writes ``rank<r>.json`` (its step end times, its main thread's CPU time and
+  its forward passes' time off the CPU at each step end and, when a probe is loaded, its counters).
 """
 import gc
 import json
@@ -67,11 +67,16 @@ class SleepyForward(torch.nn.Module):
         self.net = torch.nn.Sequential(torch.nn.Linear(128, width), torch.nn.ReLU(), *hidden,
                                        torch.nn.Linear(width, 10))
         self.sleep_ms = 0.0
+        self.off_s = 0.0           # wall time the forward passes spent off the CPU (the pad's sleep, its late
+                                   # wake-up, waiting for a core): work time the thread's CPU clock does not see
 
     def forward(self, x):
+        t0, c0 = time.perf_counter(), time.thread_time()
         if self.sleep_ms > 0:
             time.sleep(self.sleep_ms / 1e3)
-        return self.net(x)
+        y = self.net(x)
+        self.off_s += max((time.perf_counter() - t0) - (time.thread_time() - c0), 0.0)
+        return y
 
 
 class Batches(torch.utils.data.Dataset):
@@ -183,7 +188,8 @@ def train() -> None:
             if data_rank in (rank, -2) and data_ms > 0:
                 data = SlowReads(data, data_ms / batch, data_from * batch)
             loader = iter(DataLoader(data, batch_size=batch))
-    ends, cpu = [], []             # the script's own clock and its main thread's CPU time at each step end
+    ends, cpu, off = [], [], []    # the script's own clock, its main thread's CPU time and its forward
+                                   # passes' time off the CPU (cumulative) at each step end
     crash_rank = int(os.environ.get("SW_CRASH_RANK", "-1"))
     crash_step = int(os.environ.get("SW_CRASH_STEP", "-1"))
     crash_how = os.environ.get("SW_CRASH_HOW", "exit")
@@ -216,13 +222,14 @@ def train() -> None:
         opt.step()
         ends.append(time.time())
         cpu.append(time.thread_time())
+        off.append(model.off_s)
         if progress and rank == 1:
             with open(progress + ".tmp", "w") as f:
                 f.write(str(i))
             os.replace(progress + ".tmp", progress)
     dist.barrier()
     mod = sys.modules.get("stepwatch.agents.probe") or sys.modules.get("stepwatch_probe")
-    report = {"rank": rank, "ends": ends, "cpu": cpu, "probe": {"rank": rank, **mod.stats()} if mod is not None else None}
+    report = {"rank": rank, "ends": ends, "cpu": cpu, "off": off, "probe": {"rank": rank, **mod.stats()} if mod is not None else None}
     if report["probe"]:
         print("probe", json.dumps({k: report["probe"].get(k) for k in (
             "rank", "steps", "sent", "dropped", "dev_timed", "dev_unready", "dev_steps_timed", "dev_steps_unready")}),

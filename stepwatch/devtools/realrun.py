@@ -111,17 +111,28 @@ def step_times_around(out: str, at: int, width: int = 20) -> tuple[float, float]
     return float(np.median(before)), float(np.median(after))
 
 
+def _work_ms(rep: dict) -> np.ndarray:
+    """A rank's own work per step (ms; ``[i]`` is step ``i + 1``'s): its main thread's CPU time (``cpu``:
+    ``time.thread_time`` at each step end) plus the time its forward passes spent off the CPU (``off``:
+    the pad's sleep that stands for device time, a late wake-up from it, waiting for a core), which the CPU
+    clock does not see. Without ``off`` (an older report), the CPU time alone."""
+    cpu = np.diff(np.asarray(rep.get("cpu") or [], dtype=float)) * 1e3
+    off = np.diff(np.asarray(rep.get("off") or [], dtype=float)) * 1e3
+    return cpu + off if len(off) == len(cpu) else cpu
+
+
 def straggle_is_real(out: str, rank: int, step_first: int, step_detected: int, share: float = 0.05) -> bool:
     """Whether the training script's own clock shows ``rank`` working longer over the steps an alert
-    named it for: its main thread's CPU time per step (``cpu`` in its report: ``time.thread_time`` at each
-    step end) over ``[step_first, step_detected]`` above its median over the 20 steps before by at least
-    ``share`` of the job's median step time. A rank the machine really slowed, not one the detector
+    named it for: its own work per step (:func:`_work_ms`: CPU time plus its forward passes' time off the
+    CPU; a rank the machine woke late from its device-time sleep, or left waiting for a core, worked longer
+    by its own wall clock) over ``[step_first, step_detected]`` above its median over the 20 steps before by
+    at least ``share`` of the job's median step time. A rank the machine really slowed, not one the detector
     imagined."""
     try:
         rep = json.loads((Path(out) / f"rank{rank}.json").read_text())
     except (OSError, ValueError):
         return False
-    cpu = np.diff(np.asarray(rep.get("cpu") or [], dtype=float)) * 1e3       # cpu[i]: step i+1's CPU ms
+    cpu = _work_ms(rep)                                                       # cpu[i]: step i+1's work ms
     step = np.diff(np.asarray(rep.get("ends") or [], dtype=float)) * 1e3
     lo, hi = max(int(step_first) - 1, 0), min(int(step_detected), len(cpu))
     if hi - lo < 3 or lo < 10:
@@ -132,7 +143,7 @@ def straggle_is_real(out: str, rank: int, step_first: int, step_detected: int, s
 
 def slowdown_is_real(out: str, step_first: int, step_detected: int, share: float = 0.05) -> bool:
     """Whether the training script's own clock shows every rank working longer from ``step_first`` on, as a
-    job-wide ``regression`` of cause computation says: each rank's main-thread CPU time per step over
+    job-wide ``regression`` of cause computation says: each rank's own work per step (:func:`_work_ms`) over
     ``[step_first, step_detected]`` above its median over the 20 steps before by at least ``share`` of the
     job's median step time. The machine slowed the whole job (its CPU's clock, a busy sibling thread), not
     the detector. A run that short of steps before the change proves nothing (False)."""
@@ -145,7 +156,7 @@ def slowdown_is_real(out: str, step_first: int, step_detected: int, share: float
     if not reps:
         return False
     for rep in reps:
-        cpu = np.diff(np.asarray(rep.get("cpu") or [], dtype=float)) * 1e3
+        cpu = _work_ms(rep)
         step = np.diff(np.asarray(rep.get("ends") or [], dtype=float)) * 1e3
         lo, hi = max(int(step_first) - 1, 0), min(int(step_detected), len(cpu))
         if hi - lo < 3 or lo < 10 or not len(step):
