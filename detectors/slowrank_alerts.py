@@ -13,6 +13,14 @@ from .causes import (PHASE_CAUSE, PHASES, SUGGESTIONS, attribute, comm_evidence,
 from .slowrank_stats import _HOST_SPAN_NS, _KINDS, _P, _SMALL_HIST, OWN_PHASES, _r
 
 
+def _longest_run(x: np.ndarray) -> int:
+    """The most consecutive True values of a boolean vector."""
+    if not x.any():
+        return 0
+    d = np.diff(np.r_[0, x.astype(np.int8), 0])
+    return int((np.flatnonzero(d == -1) - np.flatnonzero(d == 1)).max())
+
+
 class _AlertAssembly:
     """Alert assembly of :class:`SlowRank` (state set up by its ``_reset``)."""
 
@@ -329,19 +337,29 @@ class _AlertAssembly:
         same rank) is contention within the job, and naming either rank points at the wrong thing. A
         straggler, even one slow on one step in three, is seldom the faster rank by as much. The span is
         longer than the persistence window (13 steps), which one rank can hold alone while the pair
-        takes turns."""
+        takes turns.
+
+        Turns are alike both ways, in size and in length: a rank now slower by more than twice what its
+        peers were when they were the slower (a hog on its core, 18 %, after a lead-in where the machine
+        slowed the other by 4-8 % for 8 steps), or slower for more than twice as many steps in a row as
+        its peers ever were in the span (CI's hog: rank 1 7-10 % slower on every step from the core's
+        taking, after a lead-in where the machine made rank 0 5-6 % slower on 14 of 64 steps, never more
+        than 3 in a row), is a fault of its own: a turn ends, a fault holds."""
         if self._sm_recent is None:
             return False
-        e = self._sm_recent[:, r]
-        e = e[np.isfinite(e)]
+        ring = np.roll(self._sm_recent[:, r], -int(self._sm_pos[r] % _SMALL_HIST))   # oldest first
+        e = ring[np.isfinite(ring)]
         own = e[e >= self.min_effect]
-        peers = 1.0 / (1.0 + e[e <= 1.0 / (1.0 + self.min_effect) - 1.0]) - 1.0   # the peers' excess over it
+        fast = 1.0 / (1.0 + self.min_effect) - 1.0
+        peers = 1.0 / (1.0 + e[e <= fast]) - 1.0                                   # the peers' excess over it
         if not len(own) or 2 * len(peers) < len(own):
             return False
-        # turns are alike both ways; a rank now slower by more than twice what its peers were when they
-        # were the slower (a hog on its core, 18 %, after a lead-in where the machine slowed the other
-        # by 4-8 % for 8 steps) is a fault of its own
-        return float(np.median(own)) <= 2.0 * float(np.median(peers))
+        if float(np.median(own)) > 2.0 * float(np.median(peers)):
+            return False
+        with np.errstate(invalid="ignore"):
+            slow, slower_peer = ring >= self.min_effect, ring <= fast               # (NaN: neither)
+        held = len(slow) - (int(np.flatnonzero(~slow)[-1]) + 1 if (~slow).any() else 0)   # its run now
+        return held <= 2 * _longest_run(slower_peer)
 
     def _fired_series(self, r: int) -> tuple[int, str]:
         """The series of rank ``r`` whose test is furthest over its threshold: (where its excursion

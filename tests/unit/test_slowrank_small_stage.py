@@ -109,3 +109,24 @@ def test_a_fault_after_a_lead_in_where_the_machine_slowed_the_peer_is_named_in_t
         fired = _pair(extra, seed=seed)
         mine = [a for a in fired if a.ranks == [1] and a.step_detected >= 105]
         assert mine and mine[0].step_detected <= 105 + 10, (seed, [(a.ranks, a.step_detected) for a in fired])
+
+
+def test_a_fault_after_a_lead_in_of_short_slowdowns_of_the_peer_is_named_in_time():
+    """CI's hog on rank 1's core (make test, 2026-11-28 (10)): in the 64 steps before, the machine made rank 0
+    5-6 % slower on 14 steps, never more than 3 in a row; then the hog made rank 1 7-10 % slower on every
+    step, 10-25 % from its fifth. Alike in count and size, the turns test dropped rank 1's fires and named it 11 steps after the
+    hog took the core. A turn ends, a fault holds: a run more than twice the peer's longest is no turn."""
+    rng = np.random.default_rng(7)
+    extra = np.zeros((160, 2))
+    at = 40
+    while at < 100:                             # the machine slows rank 0 by ~6 % in runs of 1-3 steps
+        n = int(rng.integers(1, 4))
+        extra[at:at + n, 0] += 1.2
+        at += n + int(rng.integers(2, 6))
+    extra[105:, 1] += 2.0                       # the hog: rank 1 ~10 % slower from step 105, then ~17 %
+    extra[110:, 1] += 1.5
+    for seed in range(3):
+        fired = _pair(extra, seed=seed)
+        mine = [a for a in fired if a.ranks == [1] and a.step_detected >= 105]
+        assert mine and mine[0].step_detected <= 105 + 10, (seed, [(a.ranks, a.step_detected) for a in fired])
+        assert not [a for a in fired if a.step_detected < 105], [(a.ranks, a.step_detected) for a in fired]
