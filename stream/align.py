@@ -70,6 +70,9 @@ class JobState:
         self.job = job
         self.capacity = capacity
         self.lateness_ns = lateness_ns
+        # whether the job's step numbering has gaps of its own (a gap waited the lateness bound and nothing
+        # came): until then a gap is taken for steps still on their way (close_ready)
+        self.gaps_real = False
         self.topology_known = False
         self.world_size = 0       # ranks with state (columns of the ring): the highest rank placed + 1
         self.expected = 0         # world size its ranks' topology rows declare (a step is complete with this many)
@@ -478,8 +481,14 @@ class JobState:
             closable = np.ones(len(steps), dtype=bool)
         else:
             past = (cnt > 0) & (self.t_end[slots] <= horizon)
-            # an empty step (a gap in numbering) closes once a later step is complete or late
-            later_done = np.flip(np.logical_or.accumulate(np.flip(complete | past)))
+            # an empty step (a gap in numbering) may be steps still on their way: one node's messages can
+            # arrive out of order (an agent's retry or spool; the held-out producer delays each message at
+            # random), and a gap closed at once made the late steps miss every detector (2-rank jobs
+            # of 24 ms steps in 4-step messages: half their steps). It closes once a later step is past
+            # the lateness bound; once one gap has waited that long in vain, the job numbers its steps
+            # with gaps, and a gap closes as soon as a later step is complete or late
+            later = (complete | past) if self.gaps_real else past
+            later_done = np.flip(np.logical_or.accumulate(np.flip(later)))
             closable = complete | past | ((cnt == 0) & later_done)
         if closable.all():
             k = len(steps)
@@ -487,6 +496,8 @@ class JobState:
             k = int(np.argmin(closable))
         if k == 0:
             return []
+        if not force and not self.gaps_real and (cnt[:k] == 0).any():
+            self.gaps_real = True
         return self._close_upto(s + k)
 
     def reset_steps(self, above: int) -> None:

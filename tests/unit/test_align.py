@@ -110,3 +110,44 @@ def test_ring_grows_geometrically_when_topology_arrives_per_node():
     assert (s.declared == ws).all() and s.nodes[ws - 1] == f"n{(ws - 1) // 8}"
     # the buffers are bounded by the declared world size: no room beyond it is held
     assert s.state_bytes() == sum(p.nbytes for p in s.planes.values()) + s.filled.nbytes + s.queue.nbytes
+
+
+def _closed(blocks):
+    return [int(s) for b in blocks for s in b.steps]
+
+
+def test_one_nodes_messages_out_of_order_reach_the_detectors_in_order():
+    """A 2-rank job on one node, 4 steps a message, its messages delayed at random (the held-out producer;
+    an agent's retry or spool): steps 4-7 arrive after 8-11. The gap 4-7 is steps still on their way, not a
+    gap in the job's numbering: 8-11 wait for them and every step closes, in order (closing the gap at once
+    left 4-7 to no detector: a sweep's 2-rank comm regression was missed)."""
+    st = JobState("j", capacity=64, lateness_ns=10_000_000_000)
+    st.set_topology(topo(2))
+    msg = lambda a: rows(np.repeat(np.arange(a, a + 4), 2), np.tile([0, 1], 4),      # noqa: E731
+                         t_end=np.repeat(np.arange(a, a + 4), 2) * 24_000_000)
+    got = []
+    for a in (0, 8, 4, 12, 20, 16):
+        res, blocks = st.ingest(msg(a))
+        assert res.late == 0
+        got += _closed(blocks)
+    assert got == list(range(24)) and not st.gaps_real
+
+
+def test_a_job_that_numbers_its_steps_with_gaps_waits_once_then_closes_them_at_once():
+    """Steps 0, 10, 20, ... (a job that reports every 10th step): the first gap is waited for, the lateness
+    bound in event time, then the job is known to number with gaps and each later step closes when
+    complete."""
+    st = JobState("j", capacity=256, lateness_ns=5_000_000_000)
+    st.set_topology(topo(2))
+    got = []
+    for k in range(12):
+        s = 10 * k
+        _, blocks = st.ingest(rows([s, s], [0, 1], t_end=[s * 1_000_000_000 // 10] * 2))   # 1 s apart
+        got.append((s, _closed(blocks)))
+    # step 0 closes at once; 10 waits until event time is 5 s past it (step 60), the rest with the next step,
+    # then each closes on arrival
+    assert got[0] == (0, [0])
+    assert all(c == [] for _, c in got[1:6]), got
+    assert got[6] == (60, [10]) and st.gaps_real
+    assert got[7] == (70, [20, 30, 40, 50, 60, 70])
+    assert all(c == [s] for s, c in got[8:]), got
