@@ -4,6 +4,7 @@ the chart README's value table and the processor's config file (helpers: helm_he
 from __future__ import annotations
 
 import helm_python as helm
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
@@ -109,27 +110,63 @@ def test_inconsistent_values_fail_with_a_clear_message(over, message):
 
 
 # ----------------------------------------------------------------- Kubernetes schema of every object
-def _objects_to_validate():
+#: prometheus-operator's CRDs: kubernetes-validate bundles only the core Kubernetes schemas, so these are
+#: checked against the fields of monitoring.coreos.com/v1 the chart uses (required ones as the CRDs declare
+#: them), by test_prometheus_operator_objects_match_their_crd_fields below
+CRD_API = "monitoring.coreos.com/v1"
+_STR = {"type": "string", "minLength": 1}
+CRD_SCHEMAS = {
+    "ServiceMonitor": {"type": "object", "required": ["selector", "endpoints"], "properties": {
+        "selector": {"type": "object", "required": ["matchLabels"],
+                     "properties": {"matchLabels": {"type": "object", "minProperties": 1,
+                                                    "additionalProperties": {"type": "string"}}}},
+        "namespaceSelector": {"type": "object"},
+        "endpoints": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["port"], "properties": {
+                "port": _STR, "path": _STR, "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
+                "scheme": {"enum": ["http", "https"]}}}}}},
+    "PrometheusRule": {"type": "object", "required": ["groups"], "properties": {
+        "groups": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["name", "rules"], "properties": {
+                "name": _STR, "rules": {"type": "array", "minItems": 1, "items": {
+                    "type": "object", "required": ["expr"], "properties": {
+                        "alert": _STR, "record": _STR, "expr": {"type": ["string", "integer"]},
+                        "for": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
+                        "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+                        "annotations": {"type": "object", "additionalProperties": {"type": "string"}}}}}}}}}},
+}
+
+
+def _objects_to_validate(crd: bool = False):
     for name in VALUE_SETS:
         objs = render(VALUE_SETS[name])[0]
         for o in objs:
-            yield pytest.param(o, id=f"{name}:{o['kind']}/{o['metadata']['name']}")
+            if (o["apiVersion"] == CRD_API) == crd:
+                yield pytest.param(o, id=f"{name}:{o['kind']}/{o['metadata']['name']}")
 
 
 @pytest.mark.parametrize("obj", list(_objects_to_validate()))
 def test_manifest_validates_against_the_kubernetes_schema(obj):
     try:
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
-    except kubernetes_validate.SchemaNotFoundError as e:
-        assert obj["apiVersion"] == "monitoring.coreos.com/v1", e.message
-        by = {"PrometheusRule": "test_prometheus_rule_for_the_pipelines_health_has_runbooks_in_the_docs and "
-                                "promtool (test_promtool_checks_the_rendered_rules_and_they_fire_on_a_broken_pipeline)"}
-        pytest.skip(f"{obj['kind']} is a prometheus-operator CRD: kubernetes-validate bundles only the core "
-                    f"Kubernetes {K8S_VERSION} schemas, so its fields are checked by "
-                    f"{by.get(obj['kind'], 'test_processors_scaled_to_four_with_servicemonitors')} instead")
     except kubernetes_validate.ValidationError as e:
         pytest.fail(f"{obj['kind']} {obj['metadata']['name']} is not a valid Kubernetes {K8S_VERSION} object: "
                     f"{'.'.join(map(str, e.path))}: {e.message}")
+
+
+@pytest.mark.parametrize("obj", list(_objects_to_validate(crd=True)))
+def test_prometheus_operator_objects_match_their_crd_fields(obj):
+    assert obj["kind"] in CRD_SCHEMAS, f"a {CRD_API} kind the chart renders has no schema here: {obj['kind']}"
+    assert obj["metadata"].get("namespace") == NAMESPACE and obj["metadata"]["name"]
+    try:
+        jsonschema.validate(obj["spec"], CRD_SCHEMAS[obj["kind"]])
+    except jsonschema.ValidationError as e:
+        pytest.fail(f"{obj['kind']} {obj['metadata']['name']}: spec.{'.'.join(map(str, e.path))}: {e.message}")
+
+
+def test_the_crd_objects_are_rendered_by_some_value_set():
+    kinds = {p.values[0]["kind"] for p in _objects_to_validate(crd=True)}
+    assert kinds == set(CRD_SCHEMAS), kinds
 
 
 # ---------------------------------------------------------------------------------- docs and NOTES
