@@ -23,8 +23,8 @@ demo: $(STAMP)
 # runs and measured timings, serially and on their own so that no other test loads the machine under them.
 test: $(STAMP)
 	BIN=$(BIN) .ci/lint-imports    # the layers (import-linter contracts in pyproject.toml)
-	$(BIN)/python -m pytest -q --durations=25 -n 2 --dist loadfile -m "unit or integration" tests; fast=$$?; \
-	$(BIN)/python -m pytest -q --durations=15 -m realrun tests; real=$$?; \
+	$(BIN)/python -m pytest -q --durations=25 -n 2 --dist loadfile -m "unit or integration" tests/unit tests/integration; fast=$$?; \
+	$(BIN)/python -m pytest -q --durations=15 -m realrun tests/realrun; real=$$?; \
 	echo "make test: unit+integration step exit $$fast, realrun step exit $$real"; [ $$fast = 0 ] && [ $$real = 0 ]
 
 test-fast: $(STAMP)

@@ -6,6 +6,7 @@ import logging
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -93,6 +94,17 @@ def query_store(tmp_path_factory):
 
 
 KINDS = ("unit", "integration", "realrun")
+
+
+def pytest_sessionstart(session):
+    """`make test` collects tests/unit + tests/integration, then tests/realrun: a test module anywhere
+    else under tests/ would run in neither step, so its presence fails every run."""
+    here = Path(__file__).resolve().parent
+    stray = sorted(str(p.relative_to(here)) for p in here.rglob("test_*.py")
+                   if p.relative_to(here).parts[0] not in KINDS)
+    if stray:
+        raise pytest.UsageError("test modules outside tests/unit, tests/integration, tests/realrun run in no step "
+                                "of `make test`: " + ", ".join(stray))
 
 
 def pytest_collection_modifyitems(config, items):
