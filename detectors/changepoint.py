@@ -14,6 +14,7 @@ from .changepoint_settings import SETTINGS as _SETTINGS
 from .causes import (PHASE_CAUSE, PHASES, SUGGESTIONS, attribute, confirm_shift, job_host_shift, nanmedian,
                      phase_arrays)
 from .steady import SteadyGate
+from .changepoint_ranks import least_busy, least_in_collectives, one_ranks
 from .cpsearch import _median, find, noise_scales, segment_noise
 
 
@@ -27,27 +28,8 @@ def _nanmean(a: np.ndarray, axis: int) -> np.ndarray:
         return np.where(n > 0, np.nansum(a, axis=axis) / np.maximum(n, 1), np.nan)
 
 
-def _nanmin(a: np.ndarray) -> np.ndarray:
-    """Per row, the least finite value (NaN where none)."""
-    with np.errstate(all="ignore"):
-        m = np.where(np.isnan(a), np.inf, a).min(axis=1) if a.shape[1] else np.full(len(a), np.inf)
-    return np.where(np.isfinite(m), m, np.nan)
-
-
 #: one-sided level of the upper confidence bound on a phase series' long-run noise (:func:`_sigma_upper`)
 _Z_UCB = 1.645
-
-
-def _least_in_collectives(sub) -> np.ndarray:
-    """Per step, the least time in collectives (``comm_ms + comm_wait_ms``) over the sampled ranks that
-    report comm (NaN where none does): the rank that arrived last waited for nobody."""
-    c = sub.comm_ms
-    tot = np.where(np.isfinite(c), c + np.nan_to_num(sub.comm_wait_ms), np.nan)
-    out = np.full(tot.shape[0], np.nan)
-    ok = np.isfinite(tot).any(axis=1)
-    if ok.any():
-        out[ok] = np.nanmin(tot[ok], axis=1)
-    return out
 
 
 def _sigma_upper(x: np.ndarray) -> float:
@@ -211,7 +193,7 @@ class ChangePoint(Detector):
         # rank-steps pause a few ms or not at all, a few pause long) where the mean is the time the job
         # spends in it: more long pauses on a quarter of the ranks move the mean, not the median
         phm = np.stack([(_nanmean if k in _MEAN_PHASES else nanmedian)(ph[k], axis=1) for k in self._PH]
-                       + [_nanmin(sub.busy_ms), _least_in_collectives(sub), self._busiest_stage(ctx, sub, cols, R),
+                       + [least_busy(sub), least_in_collectives(sub), self._busiest_stage(ctx, sub, cols, R),
                           nanmedian(sub.busy_ms, axis=1)],
                        axis=1)                                                   # (S, 10) O(S*256)
         # communication as its own series, apart from the waiting stragglers cause: the time in collectives
@@ -349,7 +331,7 @@ class ChangePoint(Detector):
             alert = self._alert(ctx, lead, [c for c in cl if c is not lead], vals, ph, step_now, t_now, steps)
             own = [c for c in cl if c["series"] not in ("step_ms", "comm_wait_ms")]
             if alert is None and lead["series"] in ("step_ms", "comm_wait_ms") and own \
-                    and not self._one_ranks(ctx, lead, vals, ph):
+                    and not self._one_ranks(ctx, lead, ph):
                 # the step time's change looked straggler-driven (the others wait longer, no stage's busy
                 # median moved), but a phase of the job as a whole moved with it (unsynchronised GC
                 # pauses or data stalls on many ranks: each step some rank is slow, none persistently):
@@ -581,34 +563,9 @@ class ChangePoint(Detector):
         i = n % W
         return np.concatenate((self._t[i:], self._t[:i]))
 
-    def _one_ranks(self, ctx, lead: dict, vals, ph) -> bool:
-        """Whether a change of the step time or of a rank's own phase (not the transfer) in a job of small
-        stages (at most 4 ranks each, what ``slow_rank`` judges pairwise) is one rank's: the least busy
-        time of its ranks moved by less than half the change. In synchronous training the job's own slowdown (a slower model step, slower reads on
-        every rank, a slower machine) moves every rank's busy time; a straggler moves its own, and the
-        others wait for it. With 2 ranks the median busy time is their mean and moves by half the
-        straggler's excess, and its phase (compute, data, GC) moves the job's median phase with it: a
-        ``regression`` beside the ``slow_rank`` that names the rank (measured: ``stepwatch eval --real``'s
-        sleep-r1, a 15 ms sleep in rank 1's forward: the rank named at step 122 and a job-wide
-        ``regression`` of its compute time, +31.8 %, at 124, a second alert of the one fault; rank 0's busy
-        time stayed at 25 ms, its wait went 1 -> 17 ms). Left to ``slow_rank``, as a straggler's wait is
-        (``defer_stragglers``); slower reads on every rank move every rank's busy time and are reported."""
-        if not self.defer_stragglers or lead["series"] == "comm_ms":
-            return False
-        stages = np.asarray(ctx.stage)
-        if stages.size:
-            _, counts = np.unique(stages, return_counts=True)
-            if int(counts.max()) > 4:
-                return False
-        elif len(ctx.nodes) > 4:
-            return False
-        a, i, b = lead["seg"]
-        col = len(self._PH)                                   # the least busy time per step
-        lb, la = _median(ph[a:i, col]), _median(ph[i:b, col])
-        d = float(lead["after"] - lead["before"])             # the step time's or the phase's change (ms)
-        if not (np.isfinite(lb) and np.isfinite(la) and np.isfinite(d)) or d == 0:
-            return False
-        return abs(la - lb) < 0.5 * abs(d)
+    def _one_ranks(self, ctx, lead: dict, ph) -> bool:
+        """A change of one rank of a small job, left to ``slow_rank`` (:func:`.changepoint_ranks.one_ranks`)."""
+        return self.defer_stragglers and one_ranks(ctx, lead, ph, len(self._PH))
 
     def _alert(self, ctx, lead: dict, others: list[dict], vals, ph, step_now, t_now, steps) -> Alert | None:
         a, i, b = lead["seg"]
@@ -651,7 +608,7 @@ class ChangePoint(Detector):
             series in ("step_ms", "comm_wait_ms") and cause == "parallelism"
         if shared:
             cause = "communication"
-        if cause not in ("communication", "parallelism") and self._one_ranks(ctx, lead, vals, ph):
+        if cause not in ("communication", "parallelism") and self._one_ranks(ctx, lead, ph):
             return None                     # one rank of a small job: slow_rank names it
         if self.defer_stragglers and cause == "parallelism" and (not staged or not abs(d_rel) >= 0.5 * abs(d_lead)):
             # a few slow ranks: the slow-rank detector names them. Without pipeline stages there is no stage

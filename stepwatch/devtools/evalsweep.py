@@ -113,22 +113,14 @@ def effect_in_sd(sc: IndepScenario, info: dict) -> float:
     S, R = job.S, job.R
     if info.get("kind") in ("straggler", "intermittent"):
         r = int(sc.faults[0]["rank"]) if sc.faults else 0
-        cols = np.flatnonzero(job.stage == job.stage[r])
-        if len(cols) > 33:                                     # the rank and up to 32 of its stage
-            cols = np.unique(np.concatenate([[r], cols[:: -(-len(cols) // 32)]]))
-        full = np.flatnonzero(job.stage == job.stage[r])
+        full = np.flatnonzero(job.stage == job.stage[r])                # the rank's stage
         steps, ranks = np.repeat(np.arange(20, S), len(full)), np.tile(full, S - 20)
         t = job._steps_table(steps, ranks)
         busy = (np.asarray(t["step_ms"]) - np.asarray(t["comm_wait_ms"])).reshape(S - 20, len(full))
-        pos = {int(c): j for j, c in enumerate(full)}
-        rel = []
-        for c in cols:
-            j = pos[int(c)]
-            others = np.delete(busy, j, axis=1)
-            if others.shape[1] == 0:
-                continue
-            rel.append(busy[:, j] / np.median(others, axis=1) - 1.0)
-        x = np.concatenate(rel) if rel else np.zeros(1)
+        # the rank and up to 32 others of its stage, each against the median of the stage's others
+        pick = np.unique(np.concatenate([np.flatnonzero(full == r), np.arange(0, len(full), -(-len(full) // 32))]))
+        x = np.concatenate([busy[:, j] / np.median(np.delete(busy, j, axis=1), axis=1) - 1.0
+                            for j in pick.tolist()]) if len(full) > 1 else np.zeros(1)
     else:
         steps, ranks = np.repeat(np.arange(20, S), R), np.tile(np.arange(R), S - 20)
         t = job._steps_table(steps, ranks)

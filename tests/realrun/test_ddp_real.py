@@ -325,7 +325,7 @@ def _run_fault(kafka, tmp_path, socket_dir, job: str, env: dict, hog_from: int |
                fault: int | None = None, judge=None):
     """Run the job under the agent and processor, then ``judge(con, reports, hog_pid, t_hog, sent, job)``
     (the test's assertions) if given. One run, judged as it is (issue 25: a run whose lead-in the machine
-    disturbed counts as it is, and the detector must cope with it; a failed judgement is never run again).
+    disturbed counts as it is, and the detector must cope with it: the first run is the one judged).
     When the judgement fails, what the machine did before the fault (:func:`_lead_in_shift`) is printed
     with it. Returns (store, reports, hog pid, hog times, what the sinks got for the job, the job name)."""
     run = Running(kafka, tmp_path, socket_dir, node="node-a", group=f"g-{job}")

@@ -59,6 +59,6 @@ def test_a_job_of_large_stages_is_not_judged_by_this_rule():
     det = ChangePoint()
     lead = {"series": "step_ms", "seg": (0, 100, 200), "before": 30.0, "after": 45.0}
     ph = np.zeros((200, len(det._PH) + 4))                 # the least busy time never moves
-    assert det._one_ranks(job_context(2, 2), lead, np.full(200, 30.0), ph)
-    assert not det._one_ranks(job_context(16, 8), lead, np.full(200, 30.0), ph)
-    assert not det._one_ranks(job_context(2, 2), dict(lead, series="comm_ms"), np.full(200, 30.0), ph)
+    assert det._one_ranks(job_context(2, 2), lead, ph)
+    assert not det._one_ranks(job_context(16, 8), lead, ph)
+    assert not det._one_ranks(job_context(2, 2), dict(lead, series="comm_ms"), ph)
